@@ -1,0 +1,23 @@
+# Sourced by scripts/run and scripts/test: installs what a fresh machine lacks and sets up the
+# build caches. Safe to source again: every step checks before it acts.
+
+need_apt=()
+# rust-rocksdb builds RocksDB's C++ itself (Debian's librocksdb is too old) and runs bindgen,
+# which needs libclang; sccache caches both the Rust and the C++ compilation.
+for pkg in libclang-dev clang sccache; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "installing ${need_apt[*]} (apt)" >&2
+  if [ "$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+# Build outside the checkout, so that every clone on this machine shares one warm target dir.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ebb/target}"
+export CARGO_INCREMENTAL=0
+if command -v sccache >/dev/null 2>&1; then
+  export RUSTC_WRAPPER="${RUSTC_WRAPPER:-sccache}"
+  export SCCACHE_CACHE_SIZE="${SCCACHE_CACHE_SIZE:-20G}"
+fi

@@ -1,0 +1,250 @@
+//! `ebb bench`: measurements on this machine, printed as a table. Benchmarks are the only place
+//! timings are taken; tests never assert on time.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use serde_bytes::ByteBuf;
+
+use crate::clock::{Stopwatch, SystemClock};
+use crate::event::{CallKind, CallSpec, Event, Outcome, Payload, RouteSpec};
+use crate::log::rocks::OpenMode;
+use crate::log::{Durability, Log, Options, RocksStore};
+
+/// Arguments of `ebb bench log`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LogBenchArgs {
+    /// Where to build the benchmark logs (default: a fresh directory under the system temp dir).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Events in the log built to measure replay and open time.
+    #[arg(long, default_value_t = 5_000_000)]
+    pub replay_events: u64,
+    /// Seconds each append measurement runs.
+    #[arg(long, default_value_t = 3)]
+    pub seconds: u64,
+}
+
+/// Routes the generated traffic spreads over.
+const ROUTES: u64 = 1_000;
+
+/// A realistic mix: mostly traffic aggregates, some counters, some call lifecycles.
+pub fn sample_event(i: u64) -> Event {
+    let route = |i: u64| format!("route-{}", i % ROUTES);
+    match i % 50 {
+        0 => Event::CallQueued {
+            call: CallSpec {
+                id: format!("call-{}", i / 50),
+                target: route(i),
+                kind: CallKind::Async,
+                timeout_ms: 30_000,
+                partition: Some("runner-1".into()),
+                payload: Payload {
+                    method: "POST".into(),
+                    path: "/invoke".into(),
+                    headers: vec![("content-type".into(), "application/json".into())],
+                    body: ByteBuf::from(&b"{\"n\":1}"[..]),
+                },
+            },
+        },
+        1 => Event::CallStarted {
+            id: format!("call-{}", i / 50),
+            runner: "runner-1".into(),
+            deadline_at_ms: i + 30_000,
+        },
+        2 => Event::CallFinished {
+            id: format!("call-{}", i / 50),
+            runner: "runner-1".into(),
+            outcome: Outcome::Success,
+            result: None,
+            log: String::new(),
+        },
+        3 | 4 => Event::CounterAdded {
+            function: route(i),
+            by: 3,
+            cap: 1_000,
+        },
+        5 => Event::CounterDecayed {
+            function: route(i),
+            by: 1,
+        },
+        _ => Event::RequestsSeen {
+            route: route(i),
+            count: i % 97 + 1,
+            last_at_ms: 1_700_000_000_000 + i,
+        },
+    }
+}
+
+fn route_events() -> Vec<Event> {
+    (0..ROUTES)
+        .map(|i| Event::RouteUpserted {
+            route: RouteSpec {
+                name: format!("route-{i}"),
+                domains: vec![format!("r{i}.example.com")],
+                deployment: format!("deploy-{i}"),
+                idle_after_ms: 300_000,
+                min_replicas: 0,
+                max_replicas: 4,
+                hold_timeout_ms: 30_000,
+                hold_queue_max: 1_000,
+            },
+        })
+        .collect()
+}
+
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn open(dir: &std::path::Path, durability: Durability) -> Result<Log> {
+    let store = Arc::new(RocksStore::open(dir, OpenMode::Create)?);
+    Ok(Log::open(
+        store,
+        Options {
+            durability,
+            snapshot_every_events: 0,
+            ..Options::default()
+        },
+        Arc::new(SystemClock),
+        &mut |_| {},
+    )?)
+}
+
+async fn append_rate(
+    dir: &std::path::Path,
+    durability: Durability,
+    appenders: u64,
+    seconds: u64,
+) -> Result<f64> {
+    let _ = std::fs::remove_dir_all(dir);
+    let log = Arc::new(open(dir, durability)?);
+    let done = Arc::new(AtomicU64::new(0));
+    let limit = Duration::from_secs(seconds);
+    let sw = Stopwatch::start();
+    let mut tasks = Vec::new();
+    for a in 0..appenders {
+        let log = log.clone();
+        let done = done.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut i = a;
+            while sw.elapsed() < limit {
+                log.append(sample_event(i)).await?;
+                done.fetch_add(1, Ordering::Relaxed);
+                i += appenders;
+            }
+            Ok::<_, crate::log::Error>(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let rate = done.load(Ordering::Relaxed) as f64 / sw.elapsed().as_secs_f64();
+    if let Ok(log) = Arc::try_unwrap(log) {
+        log.close();
+    }
+    Ok(rate)
+}
+
+/// Runs the log benchmark and prints its table.
+pub async fn log(args: LogBenchArgs) -> Result<()> {
+    let base = match &args.dir {
+        Some(d) => d.clone(),
+        None => std::env::temp_dir().join(format!("ebb-bench-{}", std::process::id())),
+    };
+    std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
+    let _cleanup = args.dir.is_none().then(|| Scratch(base.clone()));
+    println!("ebb bench log: data in {}", base.display());
+    println!("| measure | value |");
+    println!("|---|---|");
+    for (durability, appenders) in [
+        (Durability::Sync, 1),
+        (Durability::Sync, 64),
+        (Durability::Sync, 1024),
+        (Durability::Buffered, 1),
+        (Durability::Buffered, 1024),
+    ] {
+        let rate = append_rate(&base.join("append"), durability, appenders, args.seconds).await?;
+        println!(
+            "| append, {durability:?}, {appenders} appenders | {:.0} events/s |",
+            rate
+        );
+    }
+
+    // A big log for replay and open time.
+    let dir = base.join("replay");
+    let _ = std::fs::remove_dir_all(&dir);
+    let log = Arc::new(open(&dir, Durability::Buffered)?);
+    log.append_all(route_events()).await?;
+    let sw = Stopwatch::start();
+    let writers = 2u64;
+    let per_writer = args.replay_events / writers;
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let log = log.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut i = w * per_writer;
+            let end = i + per_writer;
+            while i < end {
+                let n = 1_000.min(end - i);
+                log.append_all((i..i + n).map(sample_event).collect())
+                    .await?;
+                i += n;
+            }
+            Ok::<_, crate::log::Error>(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let built = sw.elapsed();
+    let total = log.read(|s| s.seq);
+    println!(
+        "| build {total}-event log (buffered, batches of 1000) | {:.2} s ({:.0} events/s) |",
+        built.as_secs_f64(),
+        total as f64 / built.as_secs_f64()
+    );
+    if let Ok(log) = Arc::try_unwrap(log) {
+        log.close();
+    }
+
+    let sw = Stopwatch::start();
+    let log = open(&dir, Durability::Sync)?;
+    let full = sw.elapsed();
+    println!(
+        "| open without snapshot (full replay of {total} events) | {:.2} s |",
+        full.as_secs_f64()
+    );
+    println!(
+        "| replay (read + decode + apply) | {:.0} events/s |",
+        total as f64 / full.as_secs_f64()
+    );
+    let sw = Stopwatch::start();
+    let snap_seq = log.snapshot().await?;
+    let snap_time = sw.elapsed();
+    let tail: Vec<Event> = (0..10_000).map(|i| sample_event(total + i)).collect();
+    log.append_all(tail).await?;
+    let snap_bytes = log.store().get_snapshot(snap_seq)?.map_or(0, |b| b.len());
+    log.close();
+    println!(
+        "| take snapshot at seq {snap_seq} | {:.3} s ({} bytes) |",
+        snap_time.as_secs_f64(),
+        snap_bytes
+    );
+    let sw = Stopwatch::start();
+    let log = open(&dir, Durability::Sync)?;
+    let with_snap = sw.elapsed();
+    println!(
+        "| open with snapshot (+10000-event tail) | {:.3} s |",
+        with_snap.as_secs_f64()
+    );
+    log.close();
+    Ok(())
+}

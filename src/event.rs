@@ -1,0 +1,549 @@
+//! Events: the one vocabulary of decisions in ebb, and the envelope codec that puts them in the log.
+//!
+//! Every decision ebb makes is an [`Event`]. The log stores each one in an [`Envelope`]
+//! `{seq, at_ms, version, event}`, encoded with MessagePack (rmp-serde). The encoding is a
+//! four-element array `[version, seq, at_ms, event]` so that the schema version can be read before
+//! the event body is decoded: a decoder refuses a version newer than [`SCHEMA_VERSION`] with a clear
+//! error, and keeps a decoder for every older version (`schema/events.md` documents each one and
+//! `schema/fixtures/` holds encoded samples that must decode forever). Event bodies are encoded with
+//! named fields, so a field added later with `#[serde(default)]` still reads old records.
+//!
+//! This module is pure: no IO, no clock.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+
+/// The schema version this build writes. Decoders exist for every version from 1 up to this one.
+pub const SCHEMA_VERSION: u16 = 1;
+
+/// A logged event with its position and time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Envelope {
+    /// Position in the log, starting at 1, contiguous.
+    pub seq: u64,
+    /// When the event was appended, Unix milliseconds. Never decreases along the log.
+    pub at_ms: u64,
+    /// Schema version the event was written with.
+    pub version: u16,
+    /// The decision.
+    pub event: Event,
+}
+
+/// Why a deployment's replica count was asked to change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScaleReason {
+    /// A request arrived for a workload with no ready replica.
+    Wake,
+    /// No request for `idle_after_ms` and none in flight.
+    Idle,
+    /// The function autoscaler's counter asked for it.
+    Autoscale,
+    /// An operator asked for it.
+    Manual,
+}
+
+/// Whether a call's caller waits for its result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallKind {
+    /// The caller waits; runners execute it directly and only report it.
+    Sync,
+    /// Queued, executed later by a runner.
+    Async,
+}
+
+/// How a finished call or instance ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// The target answered and the call counts as done.
+    Success,
+    /// The target failed or could not be reached.
+    Error,
+}
+
+/// Why a runner's start was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RejectReason {
+    /// The call was already running: it has been started once and must not run twice; it becomes `error`.
+    AlreadyRunning,
+    /// The call had already reached a final state.
+    AlreadyFinal,
+    /// No call with that id was ever queued.
+    UnknownCall,
+}
+
+/// An HTTP request carried by a call.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Payload {
+    /// HTTP method.
+    pub method: String,
+    /// Path and query.
+    pub path: String,
+    /// Header names and values, in order.
+    #[serde(default)]
+    pub headers: Vec<(String, String)>,
+    /// The body, bounded by the API that accepted it.
+    #[serde(default)]
+    pub body: ByteBuf,
+}
+
+/// A call as it was queued.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallSpec {
+    /// Call id (a UUID v7 in text form).
+    pub id: String,
+    /// The function or route the call is for.
+    pub target: String,
+    /// Sync or async.
+    pub kind: CallKind,
+    /// How long a started call may run before it becomes `timeout`.
+    pub timeout_ms: u64,
+    /// The queue partition (runner) the call was put on, if any.
+    #[serde(default)]
+    pub partition: Option<String>,
+    /// The request to send to the target.
+    #[serde(default)]
+    pub payload: Payload,
+}
+
+/// The answer a call's target gave.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CallResult {
+    /// HTTP status.
+    pub status: u16,
+    /// Header names and values.
+    #[serde(default)]
+    pub headers: Vec<(String, String)>,
+    /// The body, bounded.
+    #[serde(default)]
+    pub body: ByteBuf,
+}
+
+/// A route: the domains that lead to a workload, and how that workload scales.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteSpec {
+    /// Unique route name.
+    pub name: String,
+    /// Host names (exact, or `*.suffix`), lower case, without port.
+    pub domains: Vec<String>,
+    /// The deployment (workload) that serves the route.
+    pub deployment: String,
+    /// Scale to zero after this long with no request and none in flight.
+    pub idle_after_ms: u64,
+    /// Replicas kept even when idle.
+    #[serde(default)]
+    pub min_replicas: u32,
+    /// Upper bound on replicas.
+    #[serde(default = "one")]
+    pub max_replicas: u32,
+    /// How long a request may wait for a replica to become ready.
+    #[serde(default)]
+    pub hold_timeout_ms: u64,
+    /// How many requests may wait at once.
+    #[serde(default)]
+    pub hold_queue_max: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// A function template.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TemplateSpec {
+    /// Template name.
+    pub name: String,
+    /// A setup command run once before the first instance starts.
+    #[serde(default)]
+    pub pre_run: Option<String>,
+    /// The entry point or code handed to the runtime.
+    #[serde(default)]
+    pub function: String,
+    /// How to run the function server.
+    #[serde(default)]
+    pub command: Vec<String>,
+    /// An external address instead of a managed workload.
+    #[serde(default)]
+    pub service_address: Option<String>,
+    /// Function to run next on the `left` branch.
+    #[serde(default)]
+    pub left: Option<String>,
+    /// Function to run next on the `right` branch.
+    #[serde(default)]
+    pub right: Option<String>,
+    /// Instances started when the template is created.
+    #[serde(default)]
+    pub init_instances: u32,
+    /// Lower bound on instances.
+    #[serde(default)]
+    pub min_instances: u32,
+    /// Upper bound on instances.
+    #[serde(default)]
+    pub max_instances: u32,
+    /// Per-step timeout.
+    #[serde(default)]
+    pub timeout_ms: u64,
+    /// Calls one instance serves at once.
+    #[serde(default)]
+    pub concurrency: u32,
+    /// Cron schedule that invokes the template.
+    #[serde(default)]
+    pub schedule: Option<String>,
+}
+
+/// An object a cleaner watches or deletes.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CleanerTarget {
+    /// Name the target is known by in CEL conditions.
+    pub name: String,
+    /// What the target refers to (`group/version/kind/name` or a label selector).
+    pub reference: String,
+    /// Delete the target when the cleaner fires.
+    #[serde(default)]
+    pub delete: bool,
+    /// Pass the target to the conditions.
+    #[serde(default)]
+    pub include_when_evaluating: bool,
+}
+
+/// A cleaner: what to delete once its TTL has passed and its conditions hold.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CleanerSpec {
+    /// Cleaner name.
+    pub name: String,
+    /// Earliest age at which the cleaner may fire.
+    pub ttl_ms: u64,
+    /// How often conditions are evaluated again when they do not hold.
+    pub retry_period_ms: u64,
+    /// The user asserts the conditions are monotonic in time (enables binary search).
+    #[serde(default)]
+    pub monotonic: bool,
+    /// CEL conditions; all must hold.
+    #[serde(default)]
+    pub conditions: Vec<String>,
+    /// Objects watched and deleted.
+    #[serde(default)]
+    pub targets: Vec<CleanerTarget>,
+}
+
+/// Every decision ebb makes. Fields may grow (with `#[serde(default)]`); a changed shape is a new
+/// schema version with a decoder for the old one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Event {
+    // Routes.
+    /// A route was created or replaced.
+    RouteUpserted { route: RouteSpec },
+    /// A route was removed.
+    RouteRemoved { name: String },
+    // Traffic.
+    /// Requests a route served in one flush interval: an aggregate, never one event per request.
+    RequestsSeen {
+        route: String,
+        count: u64,
+        last_at_ms: u64,
+    },
+    // Scaling.
+    /// ebb decided to change a deployment's replica count.
+    ScaleRequested {
+        deployment: String,
+        from: u32,
+        to: u32,
+        reason: ScaleReason,
+    },
+    /// A deployment has `replicas` ready replicas after a scale-up.
+    ScaledUp { deployment: String, replicas: u32 },
+    /// A deployment was scaled down to `replicas`.
+    ScaledDown { deployment: String, replicas: u32 },
+    /// A scale request failed.
+    ScaleFailed {
+        deployment: String,
+        to: u32,
+        error: String,
+    },
+    // Calls.
+    /// A call was put on the queue.
+    CallQueued { call: CallSpec },
+    /// A runner's start was accepted: the call is running until `deadline_at_ms`.
+    CallStarted {
+        id: String,
+        runner: String,
+        deadline_at_ms: u64,
+    },
+    /// A runner's start was refused.
+    CallRejected {
+        id: String,
+        runner: String,
+        reason: RejectReason,
+    },
+    /// A call finished. The first finish wins; repeats change nothing.
+    CallFinished {
+        id: String,
+        runner: String,
+        outcome: Outcome,
+        #[serde(default)]
+        result: Option<CallResult>,
+        #[serde(default)]
+        log: String,
+    },
+    /// A running call passed its deadline.
+    CallTimedOut { id: String },
+    // Functions.
+    /// A function template was created or replaced.
+    TemplateUpserted { template: TemplateSpec },
+    /// A function template was deleted.
+    TemplateDeleted { name: String },
+    /// An invocation created an instance of a template.
+    InstanceCreated {
+        id: String,
+        template: String,
+        args: ByteBuf,
+    },
+    /// An instance ran `function` as its next step, through call `call_id`.
+    InstanceStepped {
+        id: String,
+        function: String,
+        call_id: String,
+    },
+    /// An instance ended.
+    InstanceFinished {
+        id: String,
+        outcome: Outcome,
+        result: ByteBuf,
+    },
+    /// A function's call counter grew by `by`, capped at `cap` (aggregated, not one per call).
+    CounterAdded { function: String, by: u64, cap: u64 },
+    /// A function's call counter decayed by `by` (saturating at zero).
+    CounterDecayed { function: String, by: u64 },
+    // Cleaners.
+    /// A cleaner was created or replaced.
+    CleanerUpserted { cleaner: CleanerSpec },
+    /// A cleaner's conditions were evaluated; `next_at_ms` is when to evaluate again.
+    CleanerEvaluated {
+        name: String,
+        result: bool,
+        next_at_ms: Option<u64>,
+    },
+    /// A cleaner's conditions held past its TTL and its targets were released.
+    CleanerFired { name: String },
+    /// A cleaner was deleted.
+    CleanerDeleted { name: String },
+}
+
+/// The kinds of object an event can shape; `ebb explain` selects events by them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    Route,
+    Deployment,
+    Call,
+    Template,
+    Instance,
+    Cleaner,
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Kind::Route => "route",
+            Kind::Deployment => "deployment",
+            Kind::Call => "call",
+            Kind::Template => "function",
+            Kind::Instance => "instance",
+            Kind::Cleaner => "cleaner",
+        })
+    }
+}
+
+impl Event {
+    /// The variant's name, as it appears in the log and in `schema/events.md`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Event::RouteUpserted { .. } => "RouteUpserted",
+            Event::RouteRemoved { .. } => "RouteRemoved",
+            Event::RequestsSeen { .. } => "RequestsSeen",
+            Event::ScaleRequested { .. } => "ScaleRequested",
+            Event::ScaledUp { .. } => "ScaledUp",
+            Event::ScaledDown { .. } => "ScaledDown",
+            Event::ScaleFailed { .. } => "ScaleFailed",
+            Event::CallQueued { .. } => "CallQueued",
+            Event::CallStarted { .. } => "CallStarted",
+            Event::CallRejected { .. } => "CallRejected",
+            Event::CallFinished { .. } => "CallFinished",
+            Event::CallTimedOut { .. } => "CallTimedOut",
+            Event::TemplateUpserted { .. } => "TemplateUpserted",
+            Event::TemplateDeleted { .. } => "TemplateDeleted",
+            Event::InstanceCreated { .. } => "InstanceCreated",
+            Event::InstanceStepped { .. } => "InstanceStepped",
+            Event::InstanceFinished { .. } => "InstanceFinished",
+            Event::CounterAdded { .. } => "CounterAdded",
+            Event::CounterDecayed { .. } => "CounterDecayed",
+            Event::CleanerUpserted { .. } => "CleanerUpserted",
+            Event::CleanerEvaluated { .. } => "CleanerEvaluated",
+            Event::CleanerFired { .. } => "CleanerFired",
+            Event::CleanerDeleted { .. } => "CleanerDeleted",
+        }
+    }
+
+    /// The object this event is about: its kind and id.
+    pub fn subject(&self) -> (Kind, &str) {
+        match self {
+            Event::RouteUpserted { route } => (Kind::Route, &route.name),
+            Event::RouteRemoved { name } => (Kind::Route, name),
+            Event::RequestsSeen { route, .. } => (Kind::Route, route),
+            Event::ScaleRequested { deployment, .. }
+            | Event::ScaledUp { deployment, .. }
+            | Event::ScaledDown { deployment, .. }
+            | Event::ScaleFailed { deployment, .. } => (Kind::Deployment, deployment),
+            Event::CallQueued { call } => (Kind::Call, &call.id),
+            Event::CallStarted { id, .. }
+            | Event::CallRejected { id, .. }
+            | Event::CallFinished { id, .. }
+            | Event::CallTimedOut { id } => (Kind::Call, id),
+            Event::TemplateUpserted { template } => (Kind::Template, &template.name),
+            Event::TemplateDeleted { name } => (Kind::Template, name),
+            Event::CounterAdded { function, .. } | Event::CounterDecayed { function, .. } => {
+                (Kind::Template, function)
+            }
+            Event::InstanceCreated { id, .. }
+            | Event::InstanceStepped { id, .. }
+            | Event::InstanceFinished { id, .. } => (Kind::Instance, id),
+            Event::CleanerUpserted { cleaner } => (Kind::Cleaner, &cleaner.name),
+            Event::CleanerEvaluated { name, .. }
+            | Event::CleanerFired { name }
+            | Event::CleanerDeleted { name } => (Kind::Cleaner, name),
+        }
+    }
+}
+
+/// Why a record could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    /// The record was written by a newer ebb.
+    #[error(
+        "record has event schema version {version}, newer than this ebb understands ({supported}); upgrade ebb to read it"
+    )]
+    NewerVersion { version: u16, supported: u16 },
+    /// The bytes are not an envelope.
+    #[error("undecodable record: {0}")]
+    Corrupt(String),
+}
+
+/// Encodes an envelope as `[version, seq, at_ms, event]` with named event fields.
+pub fn encode(env: &Envelope) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(96);
+    encode_into(&mut buf, env.seq, env.at_ms, &env.event);
+    buf
+}
+
+/// Encodes an event at the current schema version into `buf`.
+pub fn encode_into(buf: &mut Vec<u8>, seq: u64, at_ms: u64, event: &Event) {
+    // Writing to a Vec cannot fail, and every event type serializes.
+    rmp::encode::write_array_len(buf, 4).expect("write to Vec");
+    rmp::encode::write_uint(buf, u64::from(SCHEMA_VERSION)).expect("write to Vec");
+    rmp::encode::write_uint(buf, seq).expect("write to Vec");
+    rmp::encode::write_uint(buf, at_ms).expect("write to Vec");
+    let mut ser = rmp_serde::Serializer::new(buf).with_struct_map();
+    event.serialize(&mut ser).expect("events always serialize");
+}
+
+/// Decodes a record. Refuses newer schema versions; reads every older one.
+pub fn decode(bytes: &[u8]) -> Result<Envelope, CodecError> {
+    let corrupt = |what: &str, e: &dyn fmt::Display| CodecError::Corrupt(format!("{what}: {e}"));
+    let mut rd = bytes;
+    let len = rmp::decode::read_array_len(&mut rd).map_err(|e| corrupt("envelope", &e))?;
+    if len != 4 {
+        return Err(CodecError::Corrupt(format!(
+            "envelope has {len} fields, expected 4"
+        )));
+    }
+    let version: u16 = rmp::decode::read_int(&mut rd).map_err(|e| corrupt("version", &e))?;
+    if version > SCHEMA_VERSION {
+        return Err(CodecError::NewerVersion {
+            version,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    let seq: u64 = rmp::decode::read_int(&mut rd).map_err(|e| corrupt("seq", &e))?;
+    let at_ms: u64 = rmp::decode::read_int(&mut rd).map_err(|e| corrupt("at_ms", &e))?;
+    let mut de = rmp_serde::Deserializer::new(std::io::Cursor::new(rd));
+    let event = match version {
+        1 => Event::deserialize(&mut de).map_err(|e| corrupt("event", &e))?,
+        v => return Err(CodecError::Corrupt(format!("unknown schema version {v}"))),
+    };
+    let trailing = rd.len() as u64 - de.position();
+    if trailing != 0 {
+        return Err(CodecError::Corrupt(format!(
+            "{trailing} trailing bytes after the event"
+        )));
+    }
+    Ok(Envelope {
+        seq,
+        at_ms,
+        version,
+        event,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let env = Envelope {
+            seq: 7,
+            at_ms: 1_700_000_000_000,
+            version: SCHEMA_VERSION,
+            event: Event::RequestsSeen {
+                route: "demo".into(),
+                count: 3,
+                last_at_ms: 1_699_999_999_000,
+            },
+        };
+        assert_eq!(decode(&encode(&env)).unwrap(), env);
+    }
+
+    #[test]
+    fn newer_version_is_refused_by_name() {
+        let mut buf = Vec::new();
+        rmp::encode::write_array_len(&mut buf, 4).unwrap();
+        rmp::encode::write_uint(&mut buf, u64::from(SCHEMA_VERSION) + 1).unwrap();
+        rmp::encode::write_uint(&mut buf, 1).unwrap();
+        rmp::encode::write_uint(&mut buf, 1).unwrap();
+        buf.extend_from_slice(b"\xc1whatever the future holds");
+        let err = decode(&buf).unwrap_err();
+        assert_eq!(
+            err,
+            CodecError::NewerVersion {
+                version: SCHEMA_VERSION + 1,
+                supported: SCHEMA_VERSION
+            }
+        );
+        assert!(err.to_string().contains("upgrade ebb"));
+    }
+
+    #[test]
+    fn garbage_and_truncation_are_errors() {
+        let env = Envelope {
+            seq: 1,
+            at_ms: 2,
+            version: SCHEMA_VERSION,
+            event: Event::RouteRemoved { name: "x".into() },
+        };
+        let bytes = encode(&env);
+        for cut in 0..bytes.len() {
+            assert!(
+                decode(&bytes[..cut]).is_err(),
+                "prefix of {cut} bytes decoded"
+            );
+        }
+        let mut trailing = bytes.clone();
+        trailing.push(0);
+        assert!(matches!(decode(&trailing), Err(CodecError::Corrupt(_))));
+        assert!(decode(b"hello world").is_err());
+    }
+}

@@ -1,0 +1,13 @@
+//! ebb: a serverless platform for HTTP workloads and functions on one append-only event log.
+//!
+//! The core ([`event`], [`state`]) is pure: it folds events into state and decides new events
+//! from `(state, input, now)`. IO lives at the edges: [`log`] (RocksDB), [`api`] (HTTP), the
+//! command line in `main.rs`. Time comes only from a [`clock::Clock`]. See `ARCHITECTURE.md`.
+
+pub mod api;
+pub mod bench;
+pub mod clock;
+pub mod event;
+pub mod log;
+pub mod state;
+pub mod tools;

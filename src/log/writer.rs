@@ -1,0 +1,382 @@
+//! The one writer: group commit, decisions against the live projection, and the live tail.
+//!
+//! Appends and decisions travel over a bounded channel to a dedicated thread. The thread takes the
+//! first waiting request and then every other one already waiting (up to `batch_max_events`),
+//! assigns seqs, folds each event into the projection, encodes them into one batch, writes the
+//! batch, syncs once when durability is `sync`, and only then acknowledges each request with the
+//! seqs it got. One sync therefore covers the whole batch, however many appenders wait.
+//!
+//! A decision is a closure run on the writer thread against the projection as it is at that point
+//! in the log, so two decisions never see the same state: that is what makes "start a queued call"
+//! exact. Readers ([`Log::read`]) may see a batch's effects a moment before it is durable; nothing
+//! is acknowledged before it is, and anything that leaves the process waits for the
+//! acknowledgement. If a write fails the writer stops accepting work (fail-stop): the projection
+//! may then be ahead of the disk, and only a restart, which rebuilds from the log, is safe.
+
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
+use std::thread::JoinHandle;
+
+use tokio::sync::{broadcast, mpsc, oneshot};
+
+use super::replay::{Projection, open_state};
+use super::store::{LogStore, RecordBatch};
+use super::{Durability, Error, Result};
+use crate::clock::Clock;
+use crate::event::{Envelope, Event, SCHEMA_VERSION, encode_into};
+use crate::state::State;
+
+/// Tuning of the writer. Every bound is a named value.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Sync each batch (the default) or leave flushing to the OS.
+    pub durability: Durability,
+    /// Requests that may wait for the writer; appenders wait for room beyond it.
+    pub queue_max_requests: usize,
+    /// Events written in one batch at most.
+    pub batch_max_events: usize,
+    /// Take a snapshot automatically after this many events (0: never).
+    pub snapshot_every_events: u64,
+    /// Batches a live-tail subscriber may fall behind before it is told it lagged.
+    pub tail_max_batches: usize,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            durability: Durability::Sync,
+            queue_max_requests: 65_536,
+            batch_max_events: 8_192,
+            snapshot_every_events: 1_000_000,
+            tail_max_batches: 1_024,
+        }
+    }
+}
+
+/// The seqs a request's events got: `first_seq..=last_seq` (empty when `first_seq > last_seq`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Committed {
+    /// Seq of the first event.
+    pub first_seq: u64,
+    /// Seq of the last event (the log's last seq before the request when it had none).
+    pub last_seq: u64,
+}
+
+impl Committed {
+    /// How many events were committed.
+    pub fn len(&self) -> u64 {
+        (self.last_seq + 1).saturating_sub(self.first_seq)
+    }
+
+    /// No event was committed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+type Decision<P> = Box<dyn FnOnce(&P, u64) -> Vec<Event> + Send>;
+type Ack = oneshot::Sender<Result<Committed>>;
+
+enum Request<P> {
+    Append { events: Vec<Event>, ack: Ack },
+    Decide { decide: Decision<P>, ack: Ack },
+    Snapshot { ack: oneshot::Sender<Result<u64>> },
+}
+
+/// A live tail of the log: batches of envelopes as they become durable.
+pub type Tail = broadcast::Receiver<Arc<[Envelope]>>;
+
+/// The open log with its live projection.
+pub struct Log<P: Projection = State> {
+    tx: Option<mpsc::Sender<Request<P>>>,
+    state: Arc<RwLock<P>>,
+    store: Arc<dyn LogStore>,
+    tail: broadcast::Sender<Arc<[Envelope]>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl<P: Projection> Log<P> {
+    /// Rebuilds the projection (newest snapshot + tail), then starts the writer.
+    /// `progress(seq)` is called during long replays.
+    pub fn open(
+        store: Arc<dyn LogStore>,
+        options: Options,
+        clock: Arc<dyn Clock>,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<Self> {
+        let (state, snapshot_seq) = open_state::<P>(store.as_ref(), None, progress)?;
+        let seq = state.seq();
+        let last_at_ms = match seq {
+            0 => 0,
+            s => store
+                .get(s)?
+                .map(|b| super::decode_at(s, &b))
+                .transpose()?
+                .map_or(0, |e| e.at_ms),
+        };
+        let state = Arc::new(RwLock::new(state));
+        let (tx, rx) = mpsc::channel(options.queue_max_requests.max(1));
+        let (tail, _) = broadcast::channel(options.tail_max_batches.max(1));
+        let writer = Writer {
+            rx,
+            state: state.clone(),
+            store: store.clone(),
+            tail: tail.clone(),
+            clock,
+            seq,
+            last_at_ms,
+            last_snapshot_seq: snapshot_seq,
+            failed: None,
+            options,
+        };
+        let thread = std::thread::Builder::new()
+            .name("ebb-log-writer".into())
+            .spawn(move || writer.run())
+            .map_err(|e| Error::Storage(format!("starting the writer thread: {e}")))?;
+        Ok(Self {
+            tx: Some(tx),
+            state,
+            store,
+            tail,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    async fn request(&self, req: Request<P>) -> Result<()> {
+        let tx = self.tx.as_ref().ok_or(Error::Closed)?;
+        tx.send(req).await.map_err(|_| Error::Closed)
+    }
+
+    /// Appends one event; returns its seq once it is durable.
+    pub async fn append(&self, event: Event) -> Result<u64> {
+        Ok(self.append_all(vec![event]).await?.last_seq)
+    }
+
+    /// Appends events atomically and contiguously; returns their seqs once they are durable.
+    pub async fn append_all(&self, events: Vec<Event>) -> Result<Committed> {
+        let (ack, rx) = oneshot::channel();
+        self.request(Request::Append { events, ack }).await?;
+        rx.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Runs `decide(state, now_ms)` on the writer against the projection as it stands at that point
+    /// in the log, appends the events it returns, and once they are durable returns its answer.
+    pub async fn decide<R, F>(&self, decide: F) -> Result<(R, Committed)>
+    where
+        R: Send + 'static,
+        F: FnOnce(&P, u64) -> (Vec<Event>, R) + Send + 'static,
+    {
+        let (answer_tx, answer_rx) = oneshot::channel();
+        let decide: Decision<P> = Box::new(move |state, now| {
+            let (events, answer) = decide(state, now);
+            let _ = answer_tx.send(answer);
+            events
+        });
+        let (ack, rx) = oneshot::channel();
+        self.request(Request::Decide { decide, ack }).await?;
+        let committed = rx.await.map_err(|_| Error::Closed)??;
+        let answer = answer_rx.await.map_err(|_| Error::Closed)?;
+        Ok((answer, committed))
+    }
+
+    /// Takes a snapshot of the projection now; returns the seq it covers.
+    pub async fn snapshot(&self) -> Result<u64> {
+        let (ack, rx) = oneshot::channel();
+        self.request(Request::Snapshot { ack }).await?;
+        rx.await.map_err(|_| Error::Closed)?
+    }
+
+    /// Reads the live projection.
+    pub fn read<T>(&self, f: impl FnOnce(&P) -> T) -> T {
+        f(&self.state())
+    }
+
+    /// A read guard on the live projection; hold it briefly.
+    pub fn state(&self) -> RwLockReadGuard<'_, P> {
+        self.state.read().expect("projection lock poisoned")
+    }
+
+    /// Follows new batches as they become durable.
+    pub fn subscribe(&self) -> Tail {
+        self.tail.subscribe()
+    }
+
+    /// The store under the log.
+    pub fn store(&self) -> &Arc<dyn LogStore> {
+        &self.store
+    }
+
+    /// Stops the writer after it has handled every request already sent, and waits for it.
+    pub fn close(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.tx.take();
+        let handle = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+impl<P: Projection> Drop for Log<P> {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+struct Writer<P: Projection> {
+    rx: mpsc::Receiver<Request<P>>,
+    state: Arc<RwLock<P>>,
+    store: Arc<dyn LogStore>,
+    tail: broadcast::Sender<Arc<[Envelope]>>,
+    clock: Arc<dyn Clock>,
+    seq: u64,
+    last_at_ms: u64,
+    last_snapshot_seq: u64,
+    failed: Option<String>,
+    options: Options,
+}
+
+impl<P: Projection> Request<P> {
+    fn events_hint(&self) -> usize {
+        match self {
+            Request::Append { events, .. } => events.len(),
+            _ => 1,
+        }
+    }
+}
+
+impl<P: Projection> Writer<P> {
+    fn run(mut self) {
+        let mut batch = RecordBatch::default();
+        let mut acks: Vec<(Ack, Committed)> = Vec::new();
+        let mut snapshot_acks = Vec::new();
+        let mut tail_envs: Vec<Envelope> = Vec::new();
+        let mut requests = Vec::new();
+        while let Some(first) = self.rx.blocking_recv() {
+            let mut n = first.events_hint();
+            requests.push(first);
+            while n < self.options.batch_max_events {
+                match self.rx.try_recv() {
+                    Ok(r) => {
+                        n += r.events_hint();
+                        requests.push(r);
+                    }
+                    Err(_) => break,
+                }
+            }
+            if let Some(why) = &self.failed {
+                for r in requests.drain(..) {
+                    let err = Error::Failed(why.clone());
+                    match r {
+                        Request::Append { ack, .. } | Request::Decide { ack, .. } => {
+                            let _ = ack.send(Err(err));
+                        }
+                        Request::Snapshot { ack } => {
+                            let _ = ack.send(Err(err));
+                        }
+                    }
+                }
+                continue;
+            }
+            let at_ms = self.last_at_ms.max(self.clock.now_ms());
+            self.last_at_ms = at_ms;
+            let want_tail = self.tail.receiver_count() > 0;
+            {
+                let mut state = self.state.write().expect("projection lock poisoned");
+                for r in requests.drain(..) {
+                    let (events, ack) = match r {
+                        Request::Append { events, ack } => (events, ack),
+                        Request::Decide { decide, ack } => (decide(&state, at_ms), ack),
+                        Request::Snapshot { ack } => {
+                            snapshot_acks.push(ack);
+                            continue;
+                        }
+                    };
+                    let first_seq = self.seq + 1;
+                    for event in events {
+                        self.seq += 1;
+                        let env = Envelope {
+                            seq: self.seq,
+                            at_ms,
+                            version: SCHEMA_VERSION,
+                            event,
+                        };
+                        batch.push_with(env.seq, |buf| {
+                            encode_into(buf, env.seq, env.at_ms, &env.event)
+                        });
+                        state.apply(&env);
+                        if want_tail {
+                            tail_envs.push(env);
+                        }
+                    }
+                    acks.push((
+                        ack,
+                        Committed {
+                            first_seq,
+                            last_seq: self.seq,
+                        },
+                    ));
+                }
+            }
+            let written = if batch.is_empty() {
+                Ok(())
+            } else {
+                self.store
+                    .write(&batch, self.options.durability == Durability::Sync)
+            };
+            batch.clear();
+            match written {
+                Ok(()) => {
+                    for (ack, c) in acks.drain(..) {
+                        let _ = ack.send(Ok(c));
+                    }
+                    if !tail_envs.is_empty() {
+                        let _ = self.tail.send(Arc::from(std::mem::take(&mut tail_envs)));
+                    }
+                }
+                Err(e) => {
+                    let why = e.to_string();
+                    tracing::error!(error = %why, "log write failed; the writer stops");
+                    for (ack, _) in acks.drain(..) {
+                        let _ = ack.send(Err(Error::Failed(why.clone())));
+                    }
+                    tail_envs.clear();
+                    self.failed = Some(why);
+                    continue;
+                }
+            }
+            let every = self.options.snapshot_every_events;
+            let due = every > 0 && self.seq - self.last_snapshot_seq >= every;
+            if due || !snapshot_acks.is_empty() {
+                let taken = self.take_snapshot();
+                if let Err(e) = &taken {
+                    tracing::warn!(error = %e, "snapshot failed");
+                }
+                for ack in snapshot_acks.drain(..) {
+                    let _ = ack.send(match &taken {
+                        Ok(seq) => Ok(*seq),
+                        Err(e) => Err(Error::Storage(e.to_string())),
+                    });
+                }
+            }
+        }
+    }
+
+    fn take_snapshot(&mut self) -> Result<u64> {
+        if self.options.durability != Durability::Sync {
+            // A snapshot must never cover records that a power loss could take away.
+            self.store.sync()?;
+        }
+        let bytes = {
+            let state = self.state.read().expect("projection lock poisoned");
+            debug_assert_eq!(state.seq(), self.seq);
+            state.encode_snapshot()
+        };
+        self.store.put_snapshot(self.seq, &bytes)?;
+        self.last_snapshot_seq = self.seq;
+        tracing::debug!(seq = self.seq, bytes = bytes.len(), "snapshot taken");
+        Ok(self.seq)
+    }
+}

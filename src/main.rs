@@ -1,0 +1,622 @@
+//! The `ebb` command line: `serve`, and the tools that read the log (`log`, `replay`, `explain`),
+//! plus `bench`. Errors are one line on stderr and a non-zero exit.
+
+use std::io::{IsTerminal, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use ebb::clock::{Clock, SystemClock};
+use ebb::event::{Envelope, Event};
+use ebb::log::rocks::OpenMode;
+use ebb::log::{Durability, Log, LogStore, Options, RocksStore, open_state};
+use ebb::state::State;
+use ebb::tools::{self, ExplainKind};
+
+#[derive(Parser)]
+#[command(
+    name = "ebb",
+    version,
+    about = "Serverless HTTP workloads and functions on one event log"
+)]
+struct Cli {
+    #[command(flatten)]
+    data: DataDir,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Clone)]
+struct DataDir {
+    /// The data directory holding ebb's log.
+    #[arg(
+        long,
+        global = true,
+        env = "EBB_DATA_DIR",
+        default_value = "./ebb-data",
+        value_name = "DIR"
+    )]
+    data_dir: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run ebb: open (or create) the log and serve HTTP.
+    Serve {
+        /// Address for ebb's own HTTP endpoints.
+        #[arg(long, default_value = "127.0.0.1:8080", env = "EBB_LISTEN")]
+        listen: SocketAddr,
+        /// Sync every acknowledged append to disk, or leave flushing to the OS.
+        #[arg(long, value_enum, default_value_t = Durability::Sync)]
+        durability: Durability,
+    },
+    /// Inspect the log.
+    #[command(subcommand)]
+    Log(LogCommand),
+    /// Print the state the projections had at a point of the log (default: its end).
+    Replay {
+        /// Replay up to and including this seq.
+        #[arg(long, conflicts_with = "at")]
+        until: Option<u64>,
+        /// Replay every event that happened at or before this time (RFC 3339).
+        #[arg(long)]
+        at: Option<String>,
+        /// Print the whole state as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the events that shaped an object, and the object as it is now.
+    Explain {
+        /// What kind of object.
+        #[arg(value_enum)]
+        kind: ExplainKind,
+        /// Its name or id.
+        id: String,
+        /// JSON lines instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Measure ebb on this machine.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Test helpers.
+    #[command(subcommand, hide = true)]
+    Debug(DebugCommand),
+}
+
+#[derive(Subcommand)]
+enum LogCommand {
+    /// Counts, seq range, times, snapshots and event types.
+    Stats {
+        /// JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print events.
+    Dump {
+        /// First seq to print.
+        #[arg(long, default_value_t = 1)]
+        from: u64,
+        /// Last seq to print.
+        #[arg(long)]
+        to: Option<u64>,
+        /// JSON lines instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print events as they are appended (also while `ebb serve` runs).
+    Tail {
+        /// Start at this seq (default: only events appended from now on).
+        #[arg(long)]
+        from: Option<u64>,
+        /// JSON lines instead of text.
+        #[arg(long)]
+        json: bool,
+        /// How often to look for new events, in milliseconds.
+        #[arg(long, default_value_t = 200)]
+        poll_ms: u64,
+    },
+    /// Take a snapshot of the projections now (ebb must not be running).
+    Snapshot,
+    /// Delete the events older than the newest snapshot (ebb must not be running).
+    Compact,
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Append throughput, replay speed and open time of the log.
+    Log(ebb::bench::LogBenchArgs),
+}
+
+#[derive(Subcommand)]
+enum DebugCommand {
+    /// Append as fast as possible, printing every acknowledged seq on its own line.
+    AppendStress {
+        /// Concurrent appenders.
+        #[arg(long, default_value_t = 64)]
+        appenders: usize,
+        /// Stop after this many acknowledged appends (default: never).
+        #[arg(long)]
+        count: Option<u64>,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("EBB_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run(cli) {
+        if is_broken_pipe(&e) {
+            std::process::exit(0);
+        }
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let dir = cli.data.data_dir;
+    match cli.command {
+        Command::Serve { listen, durability } => serve(&dir, listen, durability),
+        Command::Log(cmd) => log_command(&dir, cmd),
+        Command::Replay { until, at, json } => replay(&dir, until, at, json),
+        Command::Explain { kind, id, json } => explain(&dir, kind, &id, json),
+        Command::Bench(BenchCommand::Log(args)) => runtime()?.block_on(ebb::bench::log(args)),
+        Command::Debug(DebugCommand::AppendStress { appenders, count }) => {
+            append_stress(&dir, appenders, count)
+        }
+    }
+}
+
+/// A progress bar on a terminal; nothing when stderr is piped.
+fn progress(len: u64, what: &str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() || len < ebb::log::replay::PROGRESS_EVERY {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} events ({per_sec}, {eta})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    pb.set_message(what.to_owned());
+    pb
+}
+
+fn open_reader(dir: &Path) -> Result<RocksStore> {
+    Ok(RocksStore::open(dir, OpenMode::ReadOnly)?)
+}
+
+fn open_writer(dir: &Path, mode: OpenMode, durability: Durability) -> Result<Log> {
+    let store = Arc::new(RocksStore::open(dir, mode)?);
+    let last = store.last_seq()?;
+    let pb = progress(last, "replaying");
+    let log = Log::open(
+        store,
+        Options {
+            durability,
+            ..Options::default()
+        },
+        Arc::new(SystemClock),
+        &mut |seq| pb.set_position(seq),
+    )?;
+    pb.finish_and_clear();
+    Ok(log)
+}
+
+fn serve(dir: &Path, listen: SocketAddr, durability: Durability) -> Result<()> {
+    let log = Arc::new(open_writer(dir, OpenMode::Create, durability)?);
+    let rt = runtime()?;
+    rt.block_on(async {
+        let app = ebb::api::router(ebb::api::AppState { log: log.clone() });
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("listening on {listen}"))?;
+        let addr = listener.local_addr()?;
+        tracing::info!(
+            %addr,
+            data_dir = %dir.display(),
+            seq = log.read(|s| s.seq),
+            "ebb is serving"
+        );
+        println!("ebb listening on http://{addr}");
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+            .context("serving HTTP")
+    })?;
+    drop(rt);
+    if let Ok(log) = Arc::try_unwrap(log) {
+        log.close();
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let term = async {
+            match term.as_mut() {
+                Some(t) => {
+                    t.recv().await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("shutting down");
+}
+
+fn format_time(at_ms: u64) -> String {
+    chrono::DateTime::from_timestamp_millis(at_ms as i64)
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+        .unwrap_or_else(|| format!("{at_ms}ms"))
+}
+
+fn print_envelope(out: &mut impl Write, env: &Envelope, json: bool) -> Result<()> {
+    if json {
+        serde_json::to_writer(&mut *out, env)?;
+        writeln!(out)?;
+    } else {
+        let body = match serde_json::to_value(&env.event)? {
+            serde_json::Value::Object(mut m) => m.remove(env.event.name()).unwrap_or_default(),
+            v => v,
+        };
+        writeln!(
+            out,
+            "{:>8}  {}  {:<16}  {}",
+            env.seq,
+            format_time(env.at_ms),
+            env.event.name(),
+            body
+        )?;
+    }
+    Ok(())
+}
+
+fn log_command(dir: &Path, cmd: LogCommand) -> Result<()> {
+    match cmd {
+        LogCommand::Stats { json } => {
+            let store = open_reader(dir)?;
+            let pb = progress(store.last_seq()?, "scanning");
+            let st = tools::stats(&store, &mut |seq| pb.set_position(seq))?;
+            pb.finish_and_clear();
+            let mut out = std::io::stdout().lock();
+            if json {
+                serde_json::to_writer_pretty(&mut out, &st)?;
+                writeln!(out)?;
+                return Ok(());
+            }
+            writeln!(out, "data dir     {}", dir.display())?;
+            writeln!(
+                out,
+                "seqs         {}..={} ({} events, {} bytes encoded)",
+                st.first_seq.unwrap_or(0),
+                st.last_seq,
+                st.events,
+                st.event_bytes
+            )?;
+            if let (Some(a), Some(b)) = (st.first_at_ms, st.last_at_ms) {
+                writeln!(out, "time         {} .. {}", format_time(a), format_time(b))?;
+            }
+            writeln!(out, "snapshots    {:?}", st.snapshots)?;
+            for (name, n) in &st.by_type {
+                writeln!(out, "  {name:<18} {n}")?;
+            }
+            Ok(())
+        }
+        LogCommand::Dump { from, to, json } => {
+            let store = open_reader(dir)?;
+            let last = store.last_seq()?;
+            if let Some(to) = to {
+                if to < from {
+                    bail!("--to {to} is before --from {from}");
+                }
+            }
+            if from > last.max(1) {
+                bail!("--from {from} is past the end of the log (last seq is {last})");
+            }
+            let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+            let mut failure = None;
+            tools::for_each(
+                &store,
+                from,
+                to.unwrap_or(u64::MAX),
+                &mut |env, _| match print_envelope(&mut out, &env, json) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        failure = Some(e);
+                        false
+                    }
+                },
+            )?;
+            if let Some(e) = failure {
+                return Err(e);
+            }
+            out.flush()?;
+            Ok(())
+        }
+        LogCommand::Tail {
+            from,
+            json,
+            poll_ms,
+        } => tail(dir, from, json, poll_ms),
+        LogCommand::Snapshot => {
+            let log = open_writer(dir, OpenMode::Existing, Durability::Sync)?;
+            let seq = runtime()?.block_on(log.snapshot())?;
+            log.close();
+            println!("snapshot taken at seq {seq}");
+            Ok(())
+        }
+        LogCommand::Compact => {
+            let store = RocksStore::open(dir, OpenMode::Existing)?;
+            let Some(&newest) = store.snapshot_seqs()?.last() else {
+                bail!("the log has no snapshot to compact to; run `ebb log snapshot` first");
+            };
+            let deleted = store.delete_before(newest)?;
+            tracing::info!(before = newest, deleted, "log compacted");
+            println!("compacted: deleted {deleted} events before seq {newest}");
+            Ok(())
+        }
+    }
+}
+
+fn tail(dir: &Path, from: Option<u64>, json: bool, poll_ms: u64) -> Result<()> {
+    let scratch = tempfile_dir()?;
+    let store = RocksStore::open_follower(dir, scratch.path())?;
+    let mut next = match from {
+        Some(s) => s.max(1),
+        None => store.last_seq()? + 1,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let mut out = std::io::stdout().lock();
+    rt.block_on(async {
+        loop {
+            let mut failure = None;
+            tools::for_each(&store, next, u64::MAX, &mut |env, _| {
+                next = env.seq + 1;
+                match print_envelope(&mut out, &env, json) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        failure = Some(e);
+                        false
+                    }
+                }
+            })?;
+            if let Some(e) = failure {
+                return Err(e);
+            }
+            out.flush()?;
+            tokio::select! {
+                _ = tokio::time::sleep(std::time::Duration::from_millis(poll_ms.max(1))) => {}
+                _ = tokio::signal::ctrl_c() => return Ok(()),
+            }
+            store.catch_up()?;
+        }
+    })
+}
+
+/// A private scratch directory, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempfile_dir() -> Result<Scratch> {
+    let p = std::env::temp_dir().join(format!(
+        "ebb-tail-{}-{}",
+        std::process::id(),
+        SystemClock.now_ms()
+    ));
+    std::fs::create_dir_all(&p).with_context(|| format!("creating {}", p.display()))?;
+    Ok(Scratch(p))
+}
+
+fn replay(dir: &Path, until: Option<u64>, at: Option<String>, json: bool) -> Result<()> {
+    let store = open_reader(dir)?;
+    let until = match at {
+        Some(t) => {
+            let t = chrono::DateTime::parse_from_rfc3339(&t)
+                .with_context(|| format!("--at {t:?} is not an RFC 3339 time"))?;
+            Some(tools::seq_at(&store, t.timestamp_millis().max(0) as u64)?)
+        }
+        None => until,
+    };
+    let target = until.unwrap_or(store.last_seq()?);
+    let pb = progress(target, "replaying");
+    let (state, snapshot) = open_state::<State>(&store, until, &mut |seq| pb.set_position(seq))?;
+    pb.finish_and_clear();
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer_pretty(&mut out, &state)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    print_state(&mut out, &state, snapshot)?;
+    Ok(())
+}
+
+fn print_state(out: &mut impl Write, s: &State, snapshot: u64) -> Result<()> {
+    writeln!(
+        out,
+        "state at seq {} ({}), rebuilt from {}",
+        s.seq,
+        if s.seq == 0 {
+            "empty log".to_owned()
+        } else {
+            format_time(s.at_ms)
+        },
+        if snapshot == 0 {
+            "the first event".to_owned()
+        } else {
+            format!("the snapshot at seq {snapshot}")
+        }
+    )?;
+    writeln!(out, "routes ({})", s.routes.by_name.len())?;
+    for r in s.routes.by_name.values() {
+        let d = s.routes.deployments.get(&r.spec.deployment);
+        writeln!(
+            out,
+            "  {:<20} {} -> {} (replicas {}, last used {}, {} requests)",
+            r.spec.name,
+            r.spec.domains.join(","),
+            r.spec.deployment,
+            d.map_or(0, |d| d.replicas),
+            if r.last_used_ms == 0 {
+                "never".to_owned()
+            } else {
+                format_time(r.last_used_ms)
+            },
+            r.requests_total
+        )?;
+    }
+    let mut by_status = std::collections::BTreeMap::new();
+    for c in s.calls.by_id.values() {
+        *by_status
+            .entry(format!("{:?}", c.status).to_lowercase())
+            .or_insert(0u64) += 1;
+    }
+    writeln!(out, "calls ({}) {:?}", s.calls.by_id.len(), by_status)?;
+    writeln!(
+        out,
+        "functions: {} templates, {} instances",
+        s.functions.templates.len(),
+        s.functions.instances.len()
+    )?;
+    writeln!(out, "cleaners ({})", s.cleaners.by_name.len())?;
+    for c in s.cleaners.by_name.values() {
+        writeln!(
+            out,
+            "  {:<20} last result {:?}, next evaluation {}, fired {}",
+            c.spec.name,
+            c.last_result,
+            c.next_at_ms.map_or("-".to_owned(), format_time),
+            c.fired_at_ms.map_or("no".to_owned(), format_time)
+        )?;
+    }
+    writeln!(out, "scheduled deadlines: {}", s.schedule.len())?;
+    if let Some((at, due)) = s.schedule.next() {
+        writeln!(out, "  next: {:?} at {}", due, format_time(at))?;
+    }
+    Ok(())
+}
+
+fn explain(dir: &Path, kind: ExplainKind, id: &str, json: bool) -> Result<()> {
+    let store = open_reader(dir)?;
+    let pb = progress(store.last_seq()?, "scanning");
+    let found = tools::explain(&store, kind, id, &mut |seq| pb.set_position(seq))?;
+    pb.finish_and_clear();
+    let kind_name = format!("{kind:?}").to_lowercase();
+    let Some(ex) = found else {
+        bail!("no {kind_name} {id:?} in the log");
+    };
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer(&mut out, &ex)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    writeln!(out, "{kind_name} {id}: {} events", ex.events.len())?;
+    for env in &ex.events {
+        print_envelope(&mut out, env, false)?;
+    }
+    writeln!(out, "now: {}", ex.current)?;
+    Ok(())
+}
+
+fn append_stress(dir: &Path, appenders: usize, count: Option<u64>) -> Result<()> {
+    let log = Arc::new(open_writer(dir, OpenMode::Create, Durability::Sync)?);
+    let rt = runtime()?;
+    rt.block_on(async {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<u64>(65_536);
+        let left = Arc::new(std::sync::atomic::AtomicU64::new(count.unwrap_or(u64::MAX)));
+        for i in 0..appenders.max(1) {
+            let log = log.clone();
+            let tx = tx.clone();
+            let left = left.clone();
+            tokio::spawn(async move {
+                let route = format!("route-{i}");
+                let mut n = 0u64;
+                loop {
+                    let take = left.fetch_update(
+                        std::sync::atomic::Ordering::SeqCst,
+                        std::sync::atomic::Ordering::SeqCst,
+                        |v| v.checked_sub(1),
+                    );
+                    if take.is_err() {
+                        return;
+                    }
+                    n += 1;
+                    let event = Event::RequestsSeen {
+                        route: route.clone(),
+                        count: n,
+                        last_at_ms: n,
+                    };
+                    match log.append(event).await {
+                        Ok(seq) => {
+                            if tx.send(seq).await.is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            eprintln!("error: {e}");
+                            std::process::exit(1);
+                        }
+                    }
+                }
+            });
+        }
+        drop(tx);
+        let mut out = std::io::stdout().lock();
+        while let Some(seq) = rx.recv().await {
+            writeln!(out, "{seq}")?;
+            out.flush()?;
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    drop(rt);
+    if let Ok(log) = Arc::try_unwrap(log) {
+        log.close();
+    }
+    Ok(())
+}

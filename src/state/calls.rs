@@ -1,0 +1,330 @@
+//! Call states and the call state machine.
+//!
+//! The machine is the runner API's conditional start made exact:
+//!
+//! | state     | start                                   | finish                    | deadline passes |
+//! |-----------|-----------------------------------------|---------------------------|-----------------|
+//! | queued    | -> running, accepted                    | -> success / error        | -               |
+//! | running   | -> error, refused (must not run twice)  | -> success / error        | -> timeout      |
+//! | final     | refused, unchanged                      | unchanged (first wins)    | -               |
+//!
+//! A call enters `running` at most once: `running` is reachable only from `queued`, and nothing
+//! leads back to `queued`. The decisions (`decide_*`) and the projection (`apply`) step the same
+//! machine, so replaying the log reproduces exactly what was decided.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::event::{CallKind, CallResult, CallSpec, Event, Outcome, Payload, RejectReason};
+
+/// Where a call is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallStatus {
+    Queued,
+    Running,
+    Success,
+    Error,
+    Timeout,
+    Cancelled,
+}
+
+/// What a start does to a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartVerdict {
+    /// The runner may run the call.
+    Accepted,
+    /// The runner must not run the call.
+    Refused(RejectReason),
+}
+
+impl CallStatus {
+    /// Final states never change again.
+    pub fn is_final(self) -> bool {
+        !matches!(self, CallStatus::Queued | CallStatus::Running)
+    }
+
+    /// A runner asks to start the call.
+    pub fn on_start(self) -> (CallStatus, StartVerdict) {
+        match self {
+            CallStatus::Queued => (CallStatus::Running, StartVerdict::Accepted),
+            CallStatus::Running => (
+                CallStatus::Error,
+                StartVerdict::Refused(RejectReason::AlreadyRunning),
+            ),
+            s => (s, StartVerdict::Refused(RejectReason::AlreadyFinal)),
+        }
+    }
+
+    /// A runner reports the call finished; the first finish wins.
+    pub fn on_finish(self, outcome: Outcome) -> CallStatus {
+        match (self, outcome) {
+            (s, _) if s.is_final() => s,
+            (_, Outcome::Success) => CallStatus::Success,
+            (_, Outcome::Error) => CallStatus::Error,
+        }
+    }
+
+    /// The call's deadline passed.
+    pub fn on_deadline(self) -> CallStatus {
+        match self {
+            CallStatus::Running => CallStatus::Timeout,
+            s => s,
+        }
+    }
+}
+
+/// A call as the log describes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Call {
+    /// What was queued (for a call first seen at its finish, a placeholder with only the id).
+    pub spec: CallSpec,
+    /// Current state.
+    pub status: CallStatus,
+    /// When it was queued (or first recorded).
+    pub created_at_ms: u64,
+    /// When its start was accepted.
+    pub started_at_ms: Option<u64>,
+    /// When it reached a final state.
+    pub finished_at_ms: Option<u64>,
+    /// Deadline of the running call.
+    pub deadline_at_ms: Option<u64>,
+    /// The runner whose start was accepted.
+    pub runner: Option<String>,
+    /// Accepted starts; the state machine keeps this at most 1.
+    pub starts: u32,
+    /// Refused starts.
+    pub refused_starts: u32,
+    /// The target's answer, from the first finish.
+    pub result: Option<CallResult>,
+    /// The call's log, from the first finish.
+    pub log: String,
+}
+
+/// All calls by id.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Calls {
+    /// Calls by id.
+    pub by_id: BTreeMap<String, Call>,
+}
+
+/// What applying a call event did to the schedule.
+pub(crate) enum Timer {
+    Set(u64),
+    Clear,
+    Keep,
+}
+
+impl Calls {
+    /// A call by id.
+    pub fn get(&self, id: &str) -> Option<&Call> {
+        self.by_id.get(id)
+    }
+
+    pub(crate) fn apply(&mut self, at_ms: u64, event: &Event) -> Timer {
+        match event {
+            Event::CallQueued { call } => {
+                self.by_id.entry(call.id.clone()).or_insert_with(|| Call {
+                    spec: call.clone(),
+                    status: CallStatus::Queued,
+                    created_at_ms: at_ms,
+                    started_at_ms: None,
+                    finished_at_ms: None,
+                    deadline_at_ms: None,
+                    runner: None,
+                    starts: 0,
+                    refused_starts: 0,
+                    result: None,
+                    log: String::new(),
+                });
+                Timer::Keep
+            }
+            Event::CallStarted {
+                id,
+                runner,
+                deadline_at_ms,
+            } => {
+                let Some(c) = self.by_id.get_mut(id) else {
+                    return Timer::Keep;
+                };
+                let (next, verdict) = c.status.on_start();
+                c.status = next;
+                match verdict {
+                    StartVerdict::Accepted => {
+                        c.starts += 1;
+                        c.started_at_ms = Some(at_ms);
+                        c.deadline_at_ms = Some(*deadline_at_ms);
+                        c.runner = Some(runner.clone());
+                        Timer::Set(*deadline_at_ms)
+                    }
+                    StartVerdict::Refused(_) => {
+                        c.refused_starts += 1;
+                        c.mark_final(at_ms)
+                    }
+                }
+            }
+            Event::CallRejected { id, .. } => {
+                let Some(c) = self.by_id.get_mut(id) else {
+                    return Timer::Keep;
+                };
+                c.refused_starts += 1;
+                if c.status == CallStatus::Running {
+                    c.status = CallStatus::Error;
+                }
+                c.mark_final(at_ms)
+            }
+            Event::CallFinished {
+                id,
+                outcome,
+                result,
+                log,
+                ..
+            } => {
+                let c = self.by_id.entry(id.clone()).or_insert_with(|| Call {
+                    // A finish for a call that was never queued (a sync call, or a lost enqueue) is
+                    // recorded, as the runner API asks.
+                    spec: CallSpec {
+                        id: id.clone(),
+                        target: String::new(),
+                        kind: CallKind::Sync,
+                        timeout_ms: 0,
+                        partition: None,
+                        payload: Payload::default(),
+                    },
+                    status: CallStatus::Running,
+                    created_at_ms: at_ms,
+                    started_at_ms: None,
+                    finished_at_ms: None,
+                    deadline_at_ms: None,
+                    runner: None,
+                    starts: 0,
+                    refused_starts: 0,
+                    result: None,
+                    log: String::new(),
+                });
+                if c.status.is_final() {
+                    return Timer::Keep;
+                }
+                c.status = c.status.on_finish(*outcome);
+                c.result = result.clone();
+                c.log = log.clone();
+                c.mark_final(at_ms)
+            }
+            Event::CallTimedOut { id } => {
+                let Some(c) = self.by_id.get_mut(id) else {
+                    return Timer::Keep;
+                };
+                c.status = c.status.on_deadline();
+                c.mark_final(at_ms)
+            }
+            _ => Timer::Keep,
+        }
+    }
+}
+
+impl Call {
+    fn mark_final(&mut self, at_ms: u64) -> Timer {
+        if self.status.is_final() {
+            if self.finished_at_ms.is_none() {
+                self.finished_at_ms = Some(at_ms);
+            }
+            Timer::Clear
+        } else {
+            Timer::Keep
+        }
+    }
+}
+
+/// Decides a runner's start: the event to log and the verdict to answer with.
+pub fn decide_start(calls: &Calls, id: &str, runner: &str, now_ms: u64) -> (Event, StartVerdict) {
+    let Some(call) = calls.get(id) else {
+        return (
+            Event::CallRejected {
+                id: id.to_owned(),
+                runner: runner.to_owned(),
+                reason: RejectReason::UnknownCall,
+            },
+            StartVerdict::Refused(RejectReason::UnknownCall),
+        );
+    };
+    match call.status.on_start().1 {
+        StartVerdict::Accepted => (
+            Event::CallStarted {
+                id: id.to_owned(),
+                runner: runner.to_owned(),
+                deadline_at_ms: now_ms.saturating_add(call.spec.timeout_ms),
+            },
+            StartVerdict::Accepted,
+        ),
+        StartVerdict::Refused(reason) => (
+            Event::CallRejected {
+                id: id.to_owned(),
+                runner: runner.to_owned(),
+                reason,
+            },
+            StartVerdict::Refused(reason),
+        ),
+    }
+}
+
+/// Decides a runner's finish: an event only the first time; repeats change nothing.
+pub fn decide_finish(
+    calls: &Calls,
+    id: &str,
+    runner: &str,
+    outcome: Outcome,
+    result: Option<CallResult>,
+    log: String,
+) -> Option<Event> {
+    if calls.get(id).is_some_and(|c| c.status.is_final()) {
+        return None;
+    }
+    Some(Event::CallFinished {
+        id: id.to_owned(),
+        runner: runner.to_owned(),
+        outcome,
+        result,
+        log,
+    })
+}
+
+/// Decides which running calls have passed their deadline at `now_ms`.
+pub fn decide_timeouts(calls: &Calls, due_ids: &[&str], now_ms: u64) -> Vec<Event> {
+    due_ids
+        .iter()
+        .filter_map(|id| calls.get(id))
+        .filter(|c| {
+            c.status == CallStatus::Running && c.deadline_at_ms.is_some_and(|d| d <= now_ms)
+        })
+        .map(|c| Event::CallTimedOut {
+            id: c.spec.id.clone(),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_machine_table() {
+        use CallStatus::*;
+        assert_eq!(Queued.on_start(), (Running, StartVerdict::Accepted));
+        assert_eq!(
+            Running.on_start(),
+            (Error, StartVerdict::Refused(RejectReason::AlreadyRunning))
+        );
+        for s in [Success, Error, Timeout, Cancelled] {
+            assert_eq!(
+                s.on_start(),
+                (s, StartVerdict::Refused(RejectReason::AlreadyFinal))
+            );
+            assert_eq!(s.on_finish(Outcome::Success), s);
+            assert_eq!(s.on_deadline(), s);
+        }
+        assert_eq!(Running.on_deadline(), Timeout);
+        assert_eq!(Queued.on_deadline(), Queued);
+        assert_eq!(Running.on_finish(Outcome::Error), Error);
+    }
+}

@@ -1,0 +1,113 @@
+//! Function templates and their instances (chains of steps), as the log describes them.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+
+use crate::event::{Outcome, TemplateSpec};
+
+/// A template and the log position of its last change (its revision, for watches).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Template {
+    /// The template as last upserted.
+    pub spec: TemplateSpec,
+    /// Seq of the event that last changed it.
+    pub revision: u64,
+}
+
+/// One step of an instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Step {
+    /// The function that ran.
+    pub function: String,
+    /// The call that carried it.
+    pub call_id: String,
+    /// When the step was decided.
+    pub at_ms: u64,
+}
+
+/// Where an instance is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InstanceStatus {
+    Running,
+    Success,
+    Error,
+}
+
+/// One invocation of a template: a chain of steps and, once done, a result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Instance {
+    /// The template invoked.
+    pub template: String,
+    /// Arguments given at invocation.
+    pub args: ByteBuf,
+    /// Steps so far.
+    pub steps: Vec<Step>,
+    /// Current status.
+    pub status: InstanceStatus,
+    /// Final result.
+    pub result: Option<ByteBuf>,
+    /// Created and finished times.
+    pub created_at_ms: u64,
+    pub finished_at_ms: Option<u64>,
+}
+
+/// Templates by name and instances by id.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Functions {
+    /// Templates by name.
+    pub templates: BTreeMap<String, Template>,
+    /// Instances by id.
+    pub instances: BTreeMap<String, Instance>,
+}
+
+impl Functions {
+    pub(crate) fn upsert_template(&mut self, spec: &TemplateSpec, seq: u64) {
+        self.templates.insert(
+            spec.name.clone(),
+            Template {
+                spec: spec.clone(),
+                revision: seq,
+            },
+        );
+    }
+
+    pub(crate) fn create_instance(&mut self, id: &str, template: &str, args: &ByteBuf, at: u64) {
+        self.instances.entry(id.to_owned()).or_insert(Instance {
+            template: template.to_owned(),
+            args: args.clone(),
+            steps: Vec::new(),
+            status: InstanceStatus::Running,
+            result: None,
+            created_at_ms: at,
+            finished_at_ms: None,
+        });
+    }
+
+    pub(crate) fn step(&mut self, id: &str, function: &str, call_id: &str, at_ms: u64) {
+        if let Some(i) = self.instances.get_mut(id) {
+            if i.status == InstanceStatus::Running {
+                i.steps.push(Step {
+                    function: function.to_owned(),
+                    call_id: call_id.to_owned(),
+                    at_ms,
+                });
+            }
+        }
+    }
+
+    pub(crate) fn finish(&mut self, id: &str, outcome: Outcome, result: &ByteBuf, at_ms: u64) {
+        if let Some(i) = self.instances.get_mut(id) {
+            if i.status == InstanceStatus::Running {
+                i.status = match outcome {
+                    Outcome::Success => InstanceStatus::Success,
+                    Outcome::Error => InstanceStatus::Error,
+                };
+                i.result = Some(result.clone());
+                i.finished_at_ms = Some(at_ms);
+            }
+        }
+    }
+}

@@ -1,0 +1,211 @@
+//! Projections: all of ebb's state, folded from the log.
+//!
+//! [`State::apply`] is pure: no IO, no clock, no randomness. The time of an event is its envelope's
+//! `at_ms`. Replaying the same envelopes always gives an equal (`==`) state, which is how snapshots,
+//! replay tooling and the simulator are checked. Projections never refuse an event: decisions
+//! refuse bad commands before anything is logged, and `apply` is total so that any log replays.
+
+pub mod calls;
+pub mod cleaners;
+pub mod counters;
+pub mod functions;
+pub mod routes;
+pub mod schedule;
+
+use serde::{Deserialize, Serialize};
+
+use crate::event::{Envelope, Event};
+
+pub use calls::{Call, CallStatus, Calls, StartVerdict};
+pub use cleaners::{Cleaner, Cleaners};
+pub use counters::{Counter, Counters};
+pub use functions::{Functions, Instance, InstanceStatus, Template};
+pub use routes::{Deployment, Route, Routes};
+pub use schedule::{Due, Schedule};
+
+/// Everything ebb knows, as of log position `seq`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct State {
+    /// The last applied seq (0 before any event).
+    pub seq: u64,
+    /// The time of the last applied event.
+    pub at_ms: u64,
+    /// Routes, domains, deployments and last-used times.
+    pub routes: Routes,
+    /// Function call counters.
+    pub counters: Counters,
+    /// Calls and their states.
+    pub calls: Calls,
+    /// Earliest-first deadlines.
+    pub schedule: Schedule,
+    /// Templates and instances.
+    pub functions: Functions,
+    /// Cleaners.
+    pub cleaners: Cleaners,
+}
+
+impl State {
+    /// Folds one envelope into the state. Envelopes must come in seq order; one that is not newer
+    /// than the state is ignored (so a tail replayed over a snapshot that already covers it is safe).
+    pub fn apply(&mut self, env: &Envelope) {
+        if env.seq <= self.seq {
+            return;
+        }
+        self.seq = env.seq;
+        self.at_ms = self.at_ms.max(env.at_ms);
+        let at = env.at_ms;
+        match &env.event {
+            Event::RouteUpserted { route } => {
+                self.routes.upsert(route);
+                self.schedule_idle(&route.name);
+            }
+            Event::RouteRemoved { name } => {
+                self.routes.remove(name);
+                self.schedule.clear(&Due::RouteIdle(name.clone()));
+            }
+            Event::RequestsSeen {
+                route,
+                count,
+                last_at_ms,
+            } => {
+                if self.routes.seen(route, *count, *last_at_ms).is_some() {
+                    self.schedule_idle(route);
+                }
+            }
+            Event::ScaleRequested { deployment, to, .. } => {
+                self.routes
+                    .deployments
+                    .entry(deployment.clone())
+                    .or_default()
+                    .desired = *to;
+            }
+            Event::ScaledUp {
+                deployment,
+                replicas,
+            }
+            | Event::ScaledDown {
+                deployment,
+                replicas,
+            } => {
+                let d = self
+                    .routes
+                    .deployments
+                    .entry(deployment.clone())
+                    .or_default();
+                d.replicas = *replicas;
+                d.scaled_at_ms = at;
+                let names: Vec<String> = self
+                    .routes
+                    .routes_of(deployment)
+                    .map(|r| r.spec.name.clone())
+                    .collect();
+                for name in names {
+                    self.schedule_idle(&name);
+                }
+            }
+            Event::ScaleFailed { deployment, .. } => {
+                let d = self
+                    .routes
+                    .deployments
+                    .entry(deployment.clone())
+                    .or_default();
+                d.failures += 1;
+            }
+            Event::CallQueued { .. }
+            | Event::CallStarted { .. }
+            | Event::CallRejected { .. }
+            | Event::CallFinished { .. }
+            | Event::CallTimedOut { .. } => {
+                let (_, id) = env.event.subject();
+                match self.calls.apply(at, &env.event) {
+                    calls::Timer::Set(deadline) => {
+                        self.schedule.set(Due::CallTimeout(id.to_owned()), deadline)
+                    }
+                    calls::Timer::Clear => self.schedule.clear(&Due::CallTimeout(id.to_owned())),
+                    calls::Timer::Keep => {}
+                }
+            }
+            Event::TemplateUpserted { template } => {
+                self.functions.upsert_template(template, env.seq);
+            }
+            Event::TemplateDeleted { name } => {
+                self.functions.templates.remove(name);
+            }
+            Event::InstanceCreated { id, template, args } => {
+                self.functions.create_instance(id, template, args, at);
+            }
+            Event::InstanceStepped {
+                id,
+                function,
+                call_id,
+            } => self.functions.step(id, function, call_id, at),
+            Event::InstanceFinished {
+                id,
+                outcome,
+                result,
+            } => self.functions.finish(id, *outcome, result, at),
+            Event::CounterAdded { function, by, cap } => {
+                self.counters.add(function, *by, *cap, at);
+            }
+            Event::CounterDecayed { function, by } => self.counters.decay(function, *by),
+            Event::CleanerUpserted { cleaner } => {
+                let next = self.cleaners.upsert(cleaner, at);
+                self.schedule_cleaner(&cleaner.name, next);
+            }
+            Event::CleanerEvaluated {
+                name,
+                result,
+                next_at_ms,
+            } => {
+                if self.cleaners.by_name.contains_key(name) {
+                    let next = self.cleaners.evaluated(name, *result, *next_at_ms);
+                    self.schedule_cleaner(name, next);
+                }
+            }
+            Event::CleanerFired { name } => {
+                self.cleaners.fired(name, at);
+                self.schedule.clear(&Due::CleanerEval(name.clone()));
+            }
+            Event::CleanerDeleted { name } => {
+                self.cleaners.by_name.remove(name);
+                self.schedule.clear(&Due::CleanerEval(name.clone()));
+            }
+        }
+    }
+
+    /// A route with running replicas falls idle `idle_after_ms` after its last use (or after its
+    /// replicas came up, whichever is later); one with no replicas has nothing to scale down.
+    fn schedule_idle(&mut self, route: &str) {
+        let key = Due::RouteIdle(route.to_owned());
+        let Some(r) = self.routes.by_name.get(route) else {
+            self.schedule.clear(&key);
+            return;
+        };
+        match self.routes.deployments.get(&r.spec.deployment) {
+            Some(d) if d.replicas > r.spec.min_replicas => {
+                let from = r.last_used_ms.max(d.scaled_at_ms);
+                self.schedule
+                    .set(key, from.saturating_add(r.spec.idle_after_ms));
+            }
+            _ => self.schedule.clear(&key),
+        }
+    }
+
+    fn schedule_cleaner(&mut self, name: &str, next: Option<u64>) {
+        let key = Due::CleanerEval(name.to_owned());
+        match next {
+            Some(at) => self.schedule.set(key, at),
+            None => self.schedule.clear(&key),
+        }
+    }
+
+    /// Encodes the state for a snapshot (MessagePack, named fields).
+    pub fn encode_snapshot(&self) -> Vec<u8> {
+        rmp_serde::to_vec_named(self).expect("state always serializes")
+    }
+
+    /// Decodes a snapshot written by [`State::encode_snapshot`].
+    pub fn decode_snapshot(bytes: &[u8]) -> Result<State, String> {
+        rmp_serde::from_slice(bytes).map_err(|e| e.to_string())
+    }
+}

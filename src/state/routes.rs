@@ -1,0 +1,209 @@
+//! The route store: which route a Host leads to, which routes a deployment serves, when each route
+//! was last used, and how many replicas each deployment has as far as the log knows.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use crate::event::RouteSpec;
+
+/// A route and its traffic.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Route {
+    /// The route as last upserted.
+    pub spec: RouteSpec,
+    /// The newest request time seen for the route (from `RequestsSeen`).
+    pub last_used_ms: u64,
+    /// Requests counted over the route's life.
+    pub requests_total: u64,
+}
+
+/// What the log says about a deployment's replicas.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deployment {
+    /// Replicas asked for by the last `ScaleRequested`.
+    pub desired: u32,
+    /// Replicas reported by the last `ScaledUp` / `ScaledDown`.
+    pub replicas: u32,
+    /// When the replica count last changed.
+    pub scaled_at_ms: u64,
+    /// Failed scale requests over the deployment's life.
+    pub failures: u64,
+}
+
+/// Routes by name, with indexes by domain and by deployment.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Routes {
+    /// Routes by name.
+    pub by_name: BTreeMap<String, Route>,
+    /// Domain (exact or `*.suffix`) to route name.
+    pub by_domain: BTreeMap<String, String>,
+    /// Deployment to the routes it serves.
+    pub by_deployment: BTreeMap<String, BTreeSet<String>>,
+    /// Replica facts by deployment.
+    pub deployments: BTreeMap<String, Deployment>,
+}
+
+impl Routes {
+    pub(crate) fn upsert(&mut self, spec: &RouteSpec) {
+        let last_used_ms;
+        let requests_total;
+        if let Some(old) = self.by_name.get(&spec.name).cloned() {
+            self.unindex(&old.spec);
+            last_used_ms = old.last_used_ms;
+            requests_total = old.requests_total;
+        } else {
+            last_used_ms = 0;
+            requests_total = 0;
+        }
+        for d in &spec.domains {
+            // A domain moves to the route that names it last; the admin API refuses conflicts
+            // before they reach the log, so this only matters for hand-made logs.
+            if let Some(prev) = self
+                .by_domain
+                .insert(d.to_ascii_lowercase(), spec.name.clone())
+            {
+                if prev != spec.name {
+                    if let Some(r) = self.by_name.get_mut(&prev) {
+                        r.spec.domains.retain(|x| !x.eq_ignore_ascii_case(d));
+                    }
+                }
+            }
+        }
+        self.by_deployment
+            .entry(spec.deployment.clone())
+            .or_default()
+            .insert(spec.name.clone());
+        self.by_name.insert(
+            spec.name.clone(),
+            Route {
+                spec: spec.clone(),
+                last_used_ms,
+                requests_total,
+            },
+        );
+    }
+
+    pub(crate) fn remove(&mut self, name: &str) -> Option<Route> {
+        let old = self.by_name.remove(name)?;
+        self.unindex(&old.spec);
+        Some(old)
+    }
+
+    fn unindex(&mut self, spec: &RouteSpec) {
+        for d in &spec.domains {
+            let d = d.to_ascii_lowercase();
+            if self.by_domain.get(&d) == Some(&spec.name) {
+                self.by_domain.remove(&d);
+            }
+        }
+        if let Some(set) = self.by_deployment.get_mut(&spec.deployment) {
+            set.remove(&spec.name);
+            if set.is_empty() {
+                self.by_deployment.remove(&spec.deployment);
+            }
+        }
+    }
+
+    /// Records traffic; returns the route's new last-used time if the route exists.
+    pub(crate) fn seen(&mut self, route: &str, count: u64, last_at_ms: u64) -> Option<u64> {
+        let r = self.by_name.get_mut(route)?;
+        r.requests_total = r.requests_total.saturating_add(count);
+        r.last_used_ms = r.last_used_ms.max(last_at_ms);
+        Some(r.last_used_ms)
+    }
+
+    /// The route a `Host` header leads to: the port and case are ignored; an exact domain wins over
+    /// a wildcard, and a longer wildcard suffix over a shorter one.
+    pub fn route_for_host(&self, host: &str) -> Option<&Route> {
+        let host = host_without_port(host).to_ascii_lowercase();
+        let host = host.trim_end_matches('.');
+        if let Some(name) = self.by_domain.get(host) {
+            return self.by_name.get(name);
+        }
+        let mut rest = host;
+        while let Some(dot) = rest.find('.') {
+            rest = &rest[dot + 1..];
+            let wildcard = format!("*.{rest}");
+            if let Some(name) = self.by_domain.get(&wildcard) {
+                return self.by_name.get(name);
+            }
+        }
+        None
+    }
+
+    /// Routes served by a deployment.
+    pub fn routes_of(&self, deployment: &str) -> impl Iterator<Item = &Route> {
+        self.by_deployment
+            .get(deployment)
+            .into_iter()
+            .flatten()
+            .filter_map(|n| self.by_name.get(n))
+    }
+}
+
+/// `example.com:8080` -> `example.com`; `[::1]:80` -> `[::1]`.
+pub fn host_without_port(host: &str) -> &str {
+    if host.starts_with('[') {
+        return match host.find(']') {
+            Some(end) => &host[..=end],
+            None => host,
+        };
+    }
+    match host.rfind(':') {
+        Some(i) if host[i + 1..].bytes().all(|b| b.is_ascii_digit()) => &host[..i],
+        _ => host,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, domains: &[&str]) -> RouteSpec {
+        RouteSpec {
+            name: name.into(),
+            domains: domains.iter().map(|d| d.to_string()).collect(),
+            deployment: format!("{name}-dep"),
+            idle_after_ms: 1000,
+            min_replicas: 0,
+            max_replicas: 1,
+            hold_timeout_ms: 0,
+            hold_queue_max: 0,
+        }
+    }
+
+    #[test]
+    fn host_matching_ignores_port_and_case_and_prefers_exact() {
+        let mut r = Routes::default();
+        r.upsert(&spec("exact", &["api.example.com"]));
+        r.upsert(&spec("wild", &["*.example.com"]));
+        r.upsert(&spec("deep", &["*.eu.example.com"]));
+        let name = |h: &str| r.route_for_host(h).map(|x| x.spec.name.clone());
+        assert_eq!(name("API.Example.com:8080").as_deref(), Some("exact"));
+        assert_eq!(name("www.example.com").as_deref(), Some("wild"));
+        assert_eq!(name("a.eu.example.com").as_deref(), Some("deep"));
+        assert_eq!(name("example.com"), None);
+        assert_eq!(name("other.org"), None);
+    }
+
+    #[test]
+    fn upsert_replaces_domains_and_keeps_traffic() {
+        let mut r = Routes::default();
+        r.upsert(&spec("a", &["a.test"]));
+        r.seen("a", 5, 100);
+        r.upsert(&spec("a", &["b.test"]));
+        assert!(r.route_for_host("a.test").is_none());
+        let a = r.route_for_host("b.test").unwrap();
+        assert_eq!((a.last_used_ms, a.requests_total), (100, 5));
+        r.remove("a");
+        assert!(r.by_domain.is_empty() && r.by_deployment.is_empty());
+    }
+
+    #[test]
+    fn ports_are_stripped() {
+        assert_eq!(host_without_port("a.b:80"), "a.b");
+        assert_eq!(host_without_port("a.b"), "a.b");
+        assert_eq!(host_without_port("[::1]:8080"), "[::1]");
+    }
+}

@@ -1,0 +1,111 @@
+//! The schedule heap: every future deadline ebb has to act on, earliest first.
+//!
+//! Cleaner evaluations, route idle deadlines and call timeouts live here. It is a projection like
+//! any other: rebuilt from the log, never written to directly. Each key has at most one deadline;
+//! setting it again moves it.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+/// What falls due.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Due {
+    /// A running call's deadline.
+    CallTimeout(String),
+    /// The moment a route becomes idle if no request arrives before it.
+    RouteIdle(String),
+    /// A cleaner's next evaluation.
+    CleanerEval(String),
+}
+
+/// Deadlines ordered by time (then key, so ties are deterministic).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "Vec<(Due, u64)>", into = "Vec<(Due, u64)>")]
+pub struct Schedule {
+    by_key: BTreeMap<Due, u64>,
+    queue: BTreeSet<(u64, Due)>,
+}
+
+impl Schedule {
+    /// Sets (or moves) the deadline of `key`.
+    pub fn set(&mut self, key: Due, at_ms: u64) {
+        if let Some(old) = self.by_key.insert(key.clone(), at_ms) {
+            self.queue.remove(&(old, key.clone()));
+        }
+        self.queue.insert((at_ms, key));
+    }
+
+    /// Removes the deadline of `key`, if any.
+    pub fn clear(&mut self, key: &Due) {
+        if let Some(old) = self.by_key.remove(key) {
+            self.queue.remove(&(old, key.clone()));
+        }
+    }
+
+    /// The deadline of `key`.
+    pub fn get(&self, key: &Due) -> Option<u64> {
+        self.by_key.get(key).copied()
+    }
+
+    /// The earliest deadline.
+    pub fn next(&self) -> Option<(u64, &Due)> {
+        self.queue.first().map(|(at, k)| (*at, k))
+    }
+
+    /// Every deadline at or before `now_ms`, earliest first.
+    pub fn due(&self, now_ms: u64) -> impl Iterator<Item = (u64, &Due)> {
+        self.queue
+            .iter()
+            .take_while(move |(at, _)| *at <= now_ms)
+            .map(|(at, k)| (*at, k))
+    }
+
+    /// Number of pending deadlines.
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// No pending deadline.
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+}
+
+impl From<Vec<(Due, u64)>> for Schedule {
+    fn from(items: Vec<(Due, u64)>) -> Self {
+        let mut s = Schedule::default();
+        for (k, at) in items {
+            s.set(k, at);
+        }
+        s
+    }
+}
+
+impl From<Schedule> for Vec<(Due, u64)> {
+    fn from(s: Schedule) -> Self {
+        s.by_key.into_iter().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn earliest_first_and_moves() {
+        let mut s = Schedule::default();
+        s.set(Due::CleanerEval("a".into()), 30);
+        s.set(Due::RouteIdle("r".into()), 10);
+        s.set(Due::CallTimeout("c".into()), 20);
+        assert_eq!(s.next(), Some((10, &Due::RouteIdle("r".into()))));
+        s.set(Due::RouteIdle("r".into()), 40);
+        assert_eq!(s.next(), Some((20, &Due::CallTimeout("c".into()))));
+        let due: Vec<_> = s.due(30).map(|(at, _)| at).collect();
+        assert_eq!(due, vec![20, 30]);
+        s.clear(&Due::CallTimeout("c".into()));
+        assert_eq!(s.len(), 2);
+        let round: Schedule = Vec::from(s.clone()).into();
+        assert_eq!(round, s);
+    }
+}

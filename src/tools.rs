@@ -1,0 +1,209 @@
+//! Operator tooling over a log: statistics, finding a seq by time, and explaining an object by the
+//! events that shaped it. Read-only; the command line in `main.rs` formats what these return.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::event::{Envelope, Event, Kind};
+use crate::log::{Error, LogStore, Result, decode_at, open_state};
+use crate::state::State;
+
+/// What `ebb log stats` reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct Stats {
+    /// First stored seq (after compaction), if any.
+    pub first_seq: Option<u64>,
+    /// Last seq, 0 when empty.
+    pub last_seq: u64,
+    /// Stored events.
+    pub events: u64,
+    /// Time of the first and last stored event.
+    pub first_at_ms: Option<u64>,
+    pub last_at_ms: Option<u64>,
+    /// Seqs covered by stored snapshots.
+    pub snapshots: Vec<u64>,
+    /// Events per type.
+    pub by_type: BTreeMap<&'static str, u64>,
+    /// Bytes of encoded events.
+    pub event_bytes: u64,
+}
+
+/// Scans the whole log once; `progress(seq)` is called along the way.
+pub fn stats(store: &dyn LogStore, progress: &mut dyn FnMut(u64)) -> Result<Stats> {
+    let mut st = Stats {
+        first_seq: store.first_seq()?,
+        last_seq: store.last_seq()?,
+        events: 0,
+        first_at_ms: None,
+        last_at_ms: None,
+        snapshots: store.snapshot_seqs()?,
+        by_type: BTreeMap::new(),
+        event_bytes: 0,
+    };
+    for_each(store, 1, u64::MAX, &mut |env, len| {
+        st.events += 1;
+        st.event_bytes += len as u64;
+        st.first_at_ms.get_or_insert(env.at_ms);
+        st.last_at_ms = Some(env.at_ms);
+        *st.by_type.entry(env.event.name()).or_default() += 1;
+        if env.seq % crate::log::replay::PROGRESS_EVERY == 0 {
+            progress(env.seq);
+        }
+        true
+    })?;
+    Ok(st)
+}
+
+/// Decodes records `from..=to` in order until `visit` returns false; stops at the first bad record
+/// with an error naming its seq.
+pub fn for_each(
+    store: &dyn LogStore,
+    from: u64,
+    to: u64,
+    visit: &mut dyn FnMut(Envelope, usize) -> bool,
+) -> Result<()> {
+    let mut failure = None;
+    store.scan(from, to, &mut |seq, bytes| match decode_at(seq, bytes) {
+        Ok(env) => visit(env, bytes.len()),
+        Err(e) => {
+            failure = Some(e);
+            false
+        }
+    })?;
+    failure.map_or(Ok(()), Err)
+}
+
+/// The last seq whose event happened at or before `at_ms` (0 if none did).
+pub fn seq_at(store: &dyn LogStore, at_ms: u64) -> Result<u64> {
+    let Some(first) = store.first_seq()? else {
+        return Ok(0);
+    };
+    let last = store.last_seq()?;
+    let at = |seq: u64| -> Result<u64> {
+        let bytes = store.get(seq)?.ok_or(Error::Gap {
+            expected: seq,
+            found: 0,
+        })?;
+        Ok(decode_at(seq, &bytes)?.at_ms)
+    };
+    if at(first)? > at_ms {
+        if first > 1 {
+            return Err(Error::Compacted {
+                first,
+                first_state: first,
+            });
+        }
+        return Ok(0);
+    }
+    // Envelope times never decrease along the log: binary search for the last one <= at_ms.
+    let (mut lo, mut hi) = (first, last);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if at(mid)? <= at_ms {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    Ok(lo)
+}
+
+/// The objects `ebb explain` knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExplainKind {
+    Route,
+    Deployment,
+    Call,
+    Cleaner,
+    Function,
+    Instance,
+}
+
+/// The events that shaped one object, and the object as it stands at the end of the log.
+#[derive(Debug, Serialize)]
+pub struct Explanation {
+    /// The events, in log order.
+    pub events: Vec<Envelope>,
+    /// The object now, as JSON (null when it no longer exists).
+    pub current: serde_json::Value,
+}
+
+fn concerns(kind: ExplainKind, id: &str, deployments: &[String], event: &Event) -> bool {
+    let (k, subject) = event.subject();
+    match kind {
+        ExplainKind::Route => {
+            (k == Kind::Route && subject == id)
+                || (k == Kind::Deployment && deployments.iter().any(|d| d == subject))
+        }
+        ExplainKind::Deployment => k == Kind::Deployment && subject == id,
+        ExplainKind::Call => {
+            (k == Kind::Call && subject == id)
+                || matches!(event, Event::InstanceStepped { call_id, .. } if call_id == id)
+        }
+        ExplainKind::Cleaner => k == Kind::Cleaner && subject == id,
+        ExplainKind::Function => {
+            (k == Kind::Template && subject == id)
+                || matches!(event, Event::InstanceCreated { template, .. } if template == id)
+        }
+        ExplainKind::Instance => k == Kind::Instance && subject == id,
+    }
+}
+
+/// Lists the events that shaped `kind id`. An id the log never mentions is an error.
+pub fn explain(
+    store: &dyn LogStore,
+    kind: ExplainKind,
+    id: &str,
+    progress: &mut dyn FnMut(u64),
+) -> Result<Option<Explanation>> {
+    let mut events = Vec::new();
+    // A route's scaling events are its deployment's; remember every deployment it ever named.
+    let mut deployments: Vec<String> = Vec::new();
+    let from = store.first_seq()?.unwrap_or(1);
+    for_each(store, from, u64::MAX, &mut |env, _| {
+        if let (ExplainKind::Route, Event::RouteUpserted { route }) = (kind, &env.event) {
+            if route.name == id && !deployments.contains(&route.deployment) {
+                deployments.push(route.deployment.clone());
+            }
+        }
+        if concerns(kind, id, &deployments, &env.event) {
+            events.push(env.clone());
+        }
+        if env.seq % crate::log::replay::PROGRESS_EVERY == 0 {
+            progress(env.seq);
+        }
+        true
+    })?;
+    if events.is_empty() {
+        return Ok(None);
+    }
+    let (state, _) = open_state::<State>(store, None, &mut |_| {})?;
+    let current = current(&state, kind, id);
+    Ok(Some(Explanation { events, current }))
+}
+
+fn current(state: &State, kind: ExplainKind, id: &str) -> serde_json::Value {
+    let v = match kind {
+        ExplainKind::Route => state.routes.by_name.get(id).map(|r| {
+            let deployment = state.routes.deployments.get(&r.spec.deployment);
+            serde_json::json!({ "route": r, "deployment": deployment })
+        }),
+        ExplainKind::Deployment => state
+            .routes
+            .deployments
+            .get(id)
+            .map(|d| serde_json::json!(d)),
+        ExplainKind::Call => state.calls.get(id).map(|c| serde_json::json!(c)),
+        ExplainKind::Cleaner => state.cleaners.by_name.get(id).map(|c| serde_json::json!(c)),
+        ExplainKind::Function => state.functions.templates.get(id).map(
+            |t| serde_json::json!({ "template": t, "counter": state.counters.by_function.get(id) }),
+        ),
+        ExplainKind::Instance => state
+            .functions
+            .instances
+            .get(id)
+            .map(|i| serde_json::json!(i)),
+    };
+    v.unwrap_or(serde_json::Value::Null)
+}

@@ -1,0 +1,409 @@
+//! The command line against real logs on disk: stats, dump, tail, replay, explain, snapshot,
+//! compact, serve, and clear one-line errors for bad input.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use ebb::clock::SimClock;
+use ebb::event::{
+    CallKind, CallSpec, Event, Outcome, Payload, RouteSpec, SCHEMA_VERSION, ScaleReason, encode,
+};
+use ebb::log::rocks::OpenMode;
+use ebb::log::{Durability, Log, LogStore, Options, RecordBatch, RocksStore};
+
+const T0: u64 = 1_767_225_600_000; // 2026-01-01T00:00:00Z
+
+fn ebb(dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args(args)
+        .arg("--data-dir")
+        .arg(dir)
+        .env("EBB_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+fn ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "command failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout.clone()).unwrap()
+}
+
+/// Asserts a one-line error containing `needle` and a non-zero exit.
+fn fails(out: &Output, needle: &str) {
+    assert!(!out.status.success(), "expected failure, got success");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(needle), "stderr {err:?} lacks {needle:?}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "error is one line: {err:?}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+fn route() -> RouteSpec {
+    RouteSpec {
+        name: "demo".into(),
+        domains: vec!["demo.localhost".into()],
+        deployment: "demo-app".into(),
+        idle_after_ms: 60_000,
+        min_replicas: 0,
+        max_replicas: 2,
+        hold_timeout_ms: 30_000,
+        hold_queue_max: 100,
+    }
+}
+
+/// Writes a small known history, one event per second from T0.
+fn write_history(dir: &Path) -> Vec<Event> {
+    let events = vec![
+        Event::RouteUpserted { route: route() },
+        Event::ScaleRequested {
+            deployment: "demo-app".into(),
+            from: 0,
+            to: 1,
+            reason: ScaleReason::Wake,
+        },
+        Event::ScaledUp {
+            deployment: "demo-app".into(),
+            replicas: 1,
+        },
+        Event::RequestsSeen {
+            route: "demo".into(),
+            count: 12,
+            last_at_ms: T0 + 3_000,
+        },
+        Event::CallQueued {
+            call: CallSpec {
+                id: "call-1".into(),
+                target: "demo".into(),
+                kind: CallKind::Async,
+                timeout_ms: 10_000,
+                partition: None,
+                payload: Payload::default(),
+            },
+        },
+        Event::CallStarted {
+            id: "call-1".into(),
+            runner: "r1".into(),
+            deadline_at_ms: T0 + 15_000,
+        },
+        Event::CallFinished {
+            id: "call-1".into(),
+            runner: "r1".into(),
+            outcome: Outcome::Success,
+            result: None,
+            log: "done".into(),
+        },
+        Event::ScaledDown {
+            deployment: "demo-app".into(),
+            replicas: 0,
+        },
+    ];
+    let clock = SimClock::new(T0);
+    let store = Arc::new(RocksStore::open(dir, OpenMode::Create).unwrap());
+    let log: Log = Log::open(
+        store,
+        Options {
+            durability: Durability::Sync,
+            snapshot_every_events: 0,
+            ..Options::default()
+        },
+        Arc::new(clock.clone()),
+        &mut |_| {},
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    for e in &events {
+        rt.block_on(log.append(e.clone())).unwrap();
+        clock.advance(1_000);
+    }
+    log.close();
+    events
+}
+
+fn overwrite(dir: &Path, seq: u64, value: &[u8]) {
+    let store = RocksStore::open(dir, OpenMode::Existing).unwrap();
+    let mut b = RecordBatch::default();
+    b.push(seq, value);
+    store.write(&b, true).unwrap();
+}
+
+#[test]
+fn stats_dump_replay_and_explain_read_the_history() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let events = write_history(&dir);
+
+    let stats = ok(&ebb(&dir, &["log", "stats"]));
+    assert!(stats.contains("1..=8 (8 events"), "{stats}");
+    assert!(stats.contains("CallFinished") && stats.contains("2026-01-01T00:00:00.000Z"));
+
+    let dump = ok(&ebb(&dir, &["log", "dump", "--json"]));
+    let lines: Vec<serde_json::Value> = dump
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), events.len());
+    assert_eq!(lines[3]["seq"], 4);
+    assert_eq!(lines[3]["event"]["RequestsSeen"]["count"], 12);
+    let part = ok(&ebb(&dir, &["log", "dump", "--from", "2", "--to", "3"]));
+    assert_eq!(part.lines().count(), 2);
+    assert!(part.contains("ScaleRequested") && part.contains("ScaledUp"));
+
+    let at3: serde_json::Value =
+        serde_json::from_str(&ok(&ebb(&dir, &["replay", "--until", "3", "--json"]))).unwrap();
+    assert_eq!(at3["seq"], 3);
+    assert_eq!(at3["routes"]["deployments"]["demo-app"]["replicas"], 1);
+    assert!(at3["calls"]["by_id"].as_object().unwrap().is_empty());
+
+    // By time: events are one second apart from T0, so 00:00:05.5 includes seqs 1..=6.
+    let at_time: serde_json::Value = serde_json::from_str(&ok(&ebb(
+        &dir,
+        &["replay", "--at", "2026-01-01T00:00:05.500Z", "--json"],
+    )))
+    .unwrap();
+    assert_eq!(at_time["seq"], 6);
+    assert_eq!(at_time["calls"]["by_id"]["call-1"]["status"], "running");
+
+    let end = ok(&ebb(&dir, &["replay"]));
+    assert!(end.contains("state at seq 8"), "{end}");
+    assert!(
+        end.contains("demo.localhost -> demo-app (replicas 0"),
+        "{end}"
+    );
+
+    let route = ok(&ebb(&dir, &["explain", "route", "demo"]));
+    for name in [
+        "RouteUpserted",
+        "ScaleRequested",
+        "ScaledUp",
+        "RequestsSeen",
+        "ScaledDown",
+    ] {
+        assert!(route.contains(name), "explain route lacks {name}: {route}");
+    }
+    assert!(!route.contains("CallQueued"));
+    let call: serde_json::Value =
+        serde_json::from_str(&ok(&ebb(&dir, &["explain", "call", "call-1", "--json"]))).unwrap();
+    assert_eq!(call["events"].as_array().unwrap().len(), 3);
+    assert_eq!(call["current"]["status"], "success");
+    assert_eq!(call["current"]["log"], "done");
+}
+
+#[test]
+fn bad_input_gets_one_clear_line_and_a_non_zero_exit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    write_history(&dir);
+
+    fails(
+        &ebb(&dir, &["replay", "--until", "99"]),
+        "seq 99 is past the end",
+    );
+    fails(&ebb(&dir, &["explain", "call", "nope"]), "no call \"nope\"");
+    fails(
+        &ebb(&dir, &["explain", "route", "nope"]),
+        "no route \"nope\"",
+    );
+    fails(
+        &ebb(&dir, &["replay", "--at", "yesterday"]),
+        "not an RFC 3339 time",
+    );
+    fails(&ebb(&dir, &["log", "dump", "--from", "50"]), "past the end");
+
+    let missing = tmp.path().join("missing");
+    fails(&ebb(&missing, &["log", "stats"]), "does not exist");
+    let not_log = tmp.path().join("not-a-log");
+    std::fs::create_dir(&not_log).unwrap();
+    std::fs::write(not_log.join("hello.txt"), "hi").unwrap();
+    fails(&ebb(&not_log, &["replay"]), "is not an ebb log");
+    fails(
+        &ebb(&not_log, &["serve", "--listen", "127.0.0.1:0"]),
+        "is not an ebb log",
+    );
+
+    // A truncated record names its seq, in every tool that reads it.
+    let good = encode(&ebb::event::Envelope {
+        seq: 5,
+        at_ms: T0,
+        version: SCHEMA_VERSION,
+        event: Event::RouteRemoved { name: "x".into() },
+    });
+    overwrite(&dir, 5, &good[..good.len() - 2]);
+    fails(&ebb(&dir, &["log", "dump"]), "record at seq 5");
+    fails(&ebb(&dir, &["replay"]), "record at seq 5");
+    fails(&ebb(&dir, &["explain", "route", "demo"]), "record at seq 5");
+    // Replay up to just before it still works.
+    ok(&ebb(&dir, &["replay", "--until", "4"]));
+
+    overwrite(&dir, 5, b"\xffgarbage");
+    fails(&ebb(&dir, &["log", "stats"]), "record at seq 5");
+
+    // A record from a newer ebb.
+    let mut newer = Vec::new();
+    rmp::encode::write_array_len(&mut newer, 4).unwrap();
+    rmp::encode::write_uint(&mut newer, u64::from(SCHEMA_VERSION) + 1).unwrap();
+    rmp::encode::write_uint(&mut newer, 5).unwrap();
+    rmp::encode::write_uint(&mut newer, T0).unwrap();
+    newer.push(0xc0);
+    overwrite(&dir, 5, &newer);
+    fails(&ebb(&dir, &["replay"]), "newer than this ebb understands");
+
+    // A misplaced record (an envelope stored under another seq).
+    let moved = encode(&ebb::event::Envelope {
+        seq: 2,
+        at_ms: T0,
+        version: SCHEMA_VERSION,
+        event: Event::RouteRemoved { name: "x".into() },
+    });
+    overwrite(&dir, 5, &moved);
+    fails(&ebb(&dir, &["log", "dump"]), "envelope says seq 2");
+}
+
+#[test]
+fn snapshot_and_compact_keep_the_state_and_drop_old_events() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    write_history(&dir);
+    let before = ok(&ebb(&dir, &["replay", "--json"]));
+    fails(&ebb(&dir, &["log", "compact"]), "no snapshot to compact to");
+    assert!(ok(&ebb(&dir, &["log", "snapshot"])).contains("snapshot taken at seq 8"));
+    assert!(ok(&ebb(&dir, &["log", "compact"])).contains("deleted 7 events before seq 8"));
+    assert_eq!(ok(&ebb(&dir, &["replay", "--json"])), before);
+    fails(&ebb(&dir, &["replay", "--until", "3"]), "compacted away");
+    let stats = ok(&ebb(&dir, &["log", "stats"]));
+    assert!(stats.contains("8..=8 (1 events"), "{stats}");
+}
+
+/// Reads lines from a child's stdout on a thread, so the test can wait with a deadline.
+fn lines_of(child: &mut Child) -> mpsc::Receiver<String> {
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn tail_follows_another_process_appending() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    ok(&ebb(
+        &dir,
+        &[
+            "debug",
+            "append-stress",
+            "--appenders",
+            "4",
+            "--count",
+            "10",
+        ],
+    ));
+    let mut tail = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_ebb"))
+            .args(["log", "tail", "--json", "--from", "1", "--poll-ms", "20"])
+            .arg("--data-dir")
+            .arg(&dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    let rx = lines_of(&mut tail.0);
+    let next_seq = |rx: &mpsc::Receiver<String>| -> u64 {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("tail printed nothing in time");
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        v["seq"].as_u64().unwrap()
+    };
+    for want in 1..=10 {
+        assert_eq!(next_seq(&rx), want);
+    }
+    ok(&ebb(
+        &dir,
+        &[
+            "debug",
+            "append-stress",
+            "--appenders",
+            "4",
+            "--count",
+            "25",
+        ],
+    ));
+    for want in 11..=35 {
+        assert_eq!(next_seq(&rx), want);
+    }
+}
+
+#[test]
+fn serve_answers_healthz_and_unknown_paths_with_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("data");
+    let mut serve = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_ebb"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .arg("--data-dir")
+            .arg(&dir)
+            .env("EBB_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
+    let rx = lines_of(&mut serve.0);
+    let line = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("serve did not start");
+    let addr = line
+        .strip_prefix("ebb listening on http://")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned();
+    let get = |path: &str| -> String {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        body
+    };
+    let health = get("/healthz");
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    assert!(health.contains(r#""status":"ok""#), "{health}");
+    let missing = get("/nope");
+    assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+    assert!(missing.contains(r#""code":"not_found""#), "{missing}");
+    // The data dir is now an ebb log that the read tools accept, while serve still runs.
+    let stats = ok(&ebb(&dir, &["log", "stats"]));
+    assert!(stats.contains("0 events"), "{stats}");
+}
