@@ -469,17 +469,18 @@ pub fn decode(bytes: &[u8]) -> Result<Envelope, CodecError> {
     }
     let seq: u64 = rmp::decode::read_int(&mut rd).map_err(|e| corrupt("seq", &e))?;
     let at_ms: u64 = rmp::decode::read_int(&mut rd).map_err(|e| corrupt("at_ms", &e))?;
-    let mut de = rmp_serde::Deserializer::new(std::io::Cursor::new(rd));
-    let event = match version {
-        1 => Event::deserialize(&mut de).map_err(|e| corrupt("event", &e))?,
-        v => return Err(CodecError::Corrupt(format!("unknown schema version {v}"))),
-    };
-    let trailing = rd.len() as u64 - de.position();
-    if trailing != 0 {
+    let len =
+        value_len(rd).ok_or_else(|| CodecError::Corrupt("event: truncated or malformed".into()))?;
+    if len != rd.len() {
         return Err(CodecError::Corrupt(format!(
-            "{trailing} trailing bytes after the event"
+            "{} trailing bytes after the event",
+            rd.len() - len
         )));
     }
+    let event = match version {
+        1 => rmp_serde::from_slice::<Event>(rd).map_err(|e| corrupt("event", &e))?,
+        v => return Err(CodecError::Corrupt(format!("unknown schema version {v}"))),
+    };
     Ok(Envelope {
         seq,
         at_ms,
@@ -488,9 +489,232 @@ pub fn decode(bytes: &[u8]) -> Result<Envelope, CodecError> {
     })
 }
 
+/// One example of every event, in declaration order. `schema/fixtures/` holds their encodings at
+/// each schema version, and a test decodes those fixtures forever.
+pub fn examples() -> Vec<Event> {
+    let bytes = |s: &str| ByteBuf::from(s.as_bytes().to_vec());
+    let call = CallSpec {
+        id: "0190f5a2-7c1e-7000-8000-000000000001".into(),
+        target: "resize".into(),
+        kind: CallKind::Async,
+        timeout_ms: 30_000,
+        partition: Some("runner-1".into()),
+        payload: Payload {
+            method: "POST".into(),
+            path: "/resize?w=100".into(),
+            headers: vec![("content-type".into(), "image/png".into())],
+            body: bytes("png"),
+        },
+    };
+    vec![
+        Event::RouteUpserted {
+            route: RouteSpec {
+                name: "demo".into(),
+                domains: vec!["demo.localhost".into(), "*.demo.test".into()],
+                deployment: "demo-app".into(),
+                idle_after_ms: 300_000,
+                min_replicas: 0,
+                max_replicas: 3,
+                hold_timeout_ms: 30_000,
+                hold_queue_max: 1_000,
+            },
+        },
+        Event::RouteRemoved {
+            name: "demo".into(),
+        },
+        Event::RequestsSeen {
+            route: "demo".into(),
+            count: 42,
+            last_at_ms: 1_767_225_600_123,
+        },
+        Event::ScaleRequested {
+            deployment: "demo-app".into(),
+            from: 0,
+            to: 1,
+            reason: ScaleReason::Wake,
+        },
+        Event::ScaledUp {
+            deployment: "demo-app".into(),
+            replicas: 1,
+        },
+        Event::ScaledDown {
+            deployment: "demo-app".into(),
+            replicas: 0,
+        },
+        Event::ScaleFailed {
+            deployment: "demo-app".into(),
+            to: 1,
+            error: "spawn failed: no such file".into(),
+        },
+        Event::CallQueued { call: call.clone() },
+        Event::CallStarted {
+            id: call.id.clone(),
+            runner: "runner-1".into(),
+            deadline_at_ms: 1_767_225_630_000,
+        },
+        Event::CallRejected {
+            id: call.id.clone(),
+            runner: "runner-2".into(),
+            reason: RejectReason::AlreadyRunning,
+        },
+        Event::CallFinished {
+            id: call.id.clone(),
+            runner: "runner-1".into(),
+            outcome: Outcome::Success,
+            result: Some(CallResult {
+                status: 200,
+                headers: vec![("content-type".into(), "text/plain".into())],
+                body: bytes("ok"),
+            }),
+            log: "resized\n".into(),
+        },
+        Event::CallTimedOut {
+            id: call.id.clone(),
+        },
+        Event::TemplateUpserted {
+            template: TemplateSpec {
+                name: "resize".into(),
+                pre_run: Some("echo ready".into()),
+                function: "resize.handler".into(),
+                command: vec!["ebb".into(), "example-app".into()],
+                service_address: None,
+                left: Some("thumbnail".into()),
+                right: Some("RETURN".into()),
+                init_instances: 1,
+                min_instances: 0,
+                max_instances: 4,
+                timeout_ms: 30_000,
+                concurrency: 8,
+                schedule: Some("0 */5 * * * *".into()),
+            },
+        },
+        Event::TemplateDeleted {
+            name: "resize".into(),
+        },
+        Event::InstanceCreated {
+            id: "0190f5a2-7c1e-7000-8000-0000000000aa".into(),
+            template: "resize".into(),
+            args: bytes("{\"w\":100}"),
+        },
+        Event::InstanceStepped {
+            id: "0190f5a2-7c1e-7000-8000-0000000000aa".into(),
+            function: "resize".into(),
+            call_id: call.id.clone(),
+        },
+        Event::InstanceFinished {
+            id: "0190f5a2-7c1e-7000-8000-0000000000aa".into(),
+            outcome: Outcome::Success,
+            result: bytes("{\"url\":\"/t/1.png\"}"),
+        },
+        Event::CounterAdded {
+            function: "resize".into(),
+            by: 17,
+            cap: 1_000,
+        },
+        Event::CounterDecayed {
+            function: "resize".into(),
+            by: 5,
+        },
+        Event::CleanerUpserted {
+            cleaner: CleanerSpec {
+                name: "preview-42".into(),
+                ttl_ms: 360 * 3_600_000,
+                retry_period_ms: 5 * 3_600_000,
+                monotonic: true,
+                conditions: vec!["revisions.all(r, r.status.ready == false)".into()],
+                targets: vec![CleanerTarget {
+                    name: "revisions".into(),
+                    reference: "serving.knative.dev/v1/revision?ebb.dev/preview=42".into(),
+                    delete: false,
+                    include_when_evaluating: true,
+                }],
+            },
+        },
+        Event::CleanerEvaluated {
+            name: "preview-42".into(),
+            result: false,
+            next_at_ms: Some(1_767_243_600_000),
+        },
+        Event::CleanerFired {
+            name: "preview-42".into(),
+        },
+        Event::CleanerDeleted {
+            name: "preview-42".into(),
+        },
+    ]
+}
+
+/// The length in bytes of the one MessagePack value at the start of `b`, without decoding it;
+/// `None` if `b` holds no complete value. Lets the decoder borrow strings from the record and still
+/// refuse trailing bytes.
+fn value_len(b: &[u8]) -> Option<usize> {
+    let be = |at: usize, n: usize| -> Option<u64> {
+        let bytes = b.get(at..at + n)?;
+        Some(bytes.iter().fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
+    };
+    let mut pos = 0usize;
+    // Values still to skip. Each takes at least one byte, so more than the bytes left is malformed.
+    let mut pending: u64 = 1;
+    while pending > 0 {
+        pending -= 1;
+        let m = *b.get(pos)?;
+        pos += 1;
+        let (skip, more): (u64, u64) = match m {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0),
+            0x80..=0x8f => (0, 2 * u64::from(m & 0x0f)),
+            0x90..=0x9f => (0, u64::from(m & 0x0f)),
+            0xa0..=0xbf => (u64::from(m & 0x1f), 0),
+            0xc4 | 0xd9 => (1 + be(pos, 1)?, 0),
+            0xc5 | 0xda => (2 + be(pos, 2)?, 0),
+            0xc6 | 0xdb => (4 + be(pos, 4)?, 0),
+            0xc7 => (2 + be(pos, 1)?, 0),
+            0xc8 => (3 + be(pos, 2)?, 0),
+            0xc9 => (5 + be(pos, 4)?, 0),
+            0xca => (4, 0),
+            0xcb => (8, 0),
+            0xcc | 0xd0 => (1, 0),
+            0xcd | 0xd1 => (2, 0),
+            0xce | 0xd2 => (4, 0),
+            0xcf | 0xd3 => (8, 0),
+            0xd4 => (2, 0),
+            0xd5 => (3, 0),
+            0xd6 => (5, 0),
+            0xd7 => (9, 0),
+            0xd8 => (17, 0),
+            0xdc => (2, be(pos, 2)?),
+            0xdd => (4, be(pos, 4)?),
+            0xde => (2, 2 * be(pos, 2)?),
+            0xdf => (4, 2 * be(pos, 4)?),
+            0xc1 => return None,
+        };
+        pos = pos.checked_add(usize::try_from(skip).ok()?)?;
+        if pos > b.len() {
+            return None;
+        }
+        pending = pending.checked_add(more)?;
+        if pending > (b.len() - pos) as u64 {
+            return None;
+        }
+    }
+    Some(pos)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn value_len_measures_one_value() {
+        for ev in examples() {
+            let bytes = rmp_serde::to_vec_named(&ev).unwrap();
+            assert_eq!(value_len(&bytes), Some(bytes.len()), "{}", ev.name());
+            let mut longer = bytes.clone();
+            longer.extend_from_slice(&[1, 2, 3]);
+            assert_eq!(value_len(&longer), Some(bytes.len()));
+            assert_eq!(value_len(&bytes[..bytes.len() - 1]), None);
+        }
+        assert_eq!(value_len(&[0xdd, 0xff, 0xff, 0xff, 0xff]), None);
+    }
 
     #[test]
     fn round_trip() {

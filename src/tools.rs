@@ -162,10 +162,11 @@ pub fn explain(
     let mut deployments: Vec<String> = Vec::new();
     let from = store.first_seq()?.unwrap_or(1);
     for_each(store, from, u64::MAX, &mut |env, _| {
-        if let (ExplainKind::Route, Event::RouteUpserted { route }) = (kind, &env.event) {
-            if route.name == id && !deployments.contains(&route.deployment) {
-                deployments.push(route.deployment.clone());
-            }
+        if let (ExplainKind::Route, Event::RouteUpserted { route }) = (kind, &env.event)
+            && route.name == id
+            && !deployments.contains(&route.deployment)
+        {
+            deployments.push(route.deployment.clone());
         }
         if concerns(kind, id, &deployments, &env.event) {
             events.push(env.clone());

@@ -368,10 +368,10 @@ proptest! {
             state.apply(&Envelope { seq: i as u64 + 1, at_ms: i as u64, version: SCHEMA_VERSION, event: ev });
             for (id, c) in &state.calls.by_id {
                 prop_assert!(c.starts <= 1, "call {} started {} times", id, c.starts);
-                if let Some((old, _)) = before.get(id) {
-                    if old.is_final() {
-                        prop_assert_eq!(c.status, *old, "call {} left final state", id);
-                    }
+                if let Some((old, _)) = before.get(id)
+                    && old.is_final()
+                {
+                    prop_assert_eq!(c.status, *old, "call {} left final state", id);
                 }
             }
         }

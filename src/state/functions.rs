@@ -87,27 +87,27 @@ impl Functions {
     }
 
     pub(crate) fn step(&mut self, id: &str, function: &str, call_id: &str, at_ms: u64) {
-        if let Some(i) = self.instances.get_mut(id) {
-            if i.status == InstanceStatus::Running {
-                i.steps.push(Step {
-                    function: function.to_owned(),
-                    call_id: call_id.to_owned(),
-                    at_ms,
-                });
-            }
+        if let Some(i) = self.instances.get_mut(id)
+            && i.status == InstanceStatus::Running
+        {
+            i.steps.push(Step {
+                function: function.to_owned(),
+                call_id: call_id.to_owned(),
+                at_ms,
+            });
         }
     }
 
     pub(crate) fn finish(&mut self, id: &str, outcome: Outcome, result: &ByteBuf, at_ms: u64) {
-        if let Some(i) = self.instances.get_mut(id) {
-            if i.status == InstanceStatus::Running {
-                i.status = match outcome {
-                    Outcome::Success => InstanceStatus::Success,
-                    Outcome::Error => InstanceStatus::Error,
-                };
-                i.result = Some(result.clone());
-                i.finished_at_ms = Some(at_ms);
-            }
+        if let Some(i) = self.instances.get_mut(id)
+            && i.status == InstanceStatus::Running
+        {
+            i.status = match outcome {
+                Outcome::Success => InstanceStatus::Success,
+                Outcome::Error => InstanceStatus::Error,
+            };
+            i.result = Some(result.clone());
+            i.finished_at_ms = Some(at_ms);
         }
     }
 }

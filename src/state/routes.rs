@@ -62,12 +62,10 @@ impl Routes {
             if let Some(prev) = self
                 .by_domain
                 .insert(d.to_ascii_lowercase(), spec.name.clone())
+                && prev != spec.name
+                && let Some(r) = self.by_name.get_mut(&prev)
             {
-                if prev != spec.name {
-                    if let Some(r) = self.by_name.get_mut(&prev) {
-                        r.spec.domains.retain(|x| !x.eq_ignore_ascii_case(d));
-                    }
-                }
+                r.spec.domains.retain(|x| !x.eq_ignore_ascii_case(d));
             }
         }
         self.by_deployment
