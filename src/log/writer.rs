@@ -380,3 +380,196 @@ impl<P: Projection> Writer<P> {
         Ok(self.seq)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+    use crate::clock::SimClock;
+    use crate::event::{CallKind, CallSpec, Payload};
+    use crate::log::MemStore;
+    use crate::state::StartVerdict;
+    use crate::state::calls::decide_start;
+
+    fn seen(route: &str, n: u64) -> Event {
+        Event::RequestsSeen {
+            route: route.into(),
+            count: n,
+            last_at_ms: n,
+        }
+    }
+
+    fn open(store: Arc<dyn LogStore>, clock: &SimClock) -> Log {
+        Log::open(
+            store,
+            Options::default(),
+            Arc::new(clock.clone()),
+            &mut |_| {},
+        )
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn appends_get_contiguous_seqs_and_time_never_goes_back() {
+        let clock = SimClock::new(5_000);
+        let store = Arc::new(MemStore::new());
+        let log = open(store.clone(), &clock);
+        assert_eq!(log.append(seen("a", 1)).await.unwrap(), 1);
+        let c = log
+            .append_all(vec![seen("a", 2), seen("b", 3), seen("c", 4)])
+            .await
+            .unwrap();
+        assert_eq!((c.first_seq, c.last_seq, c.len()), (2, 4, 3));
+        let empty = log.append_all(vec![]).await.unwrap();
+        assert!(empty.is_empty());
+        clock.set(1_000); // The clock jumps back: envelope times must not.
+        log.append(seen("a", 5)).await.unwrap();
+        log.close();
+        let mut times = Vec::new();
+        store
+            .scan(1, u64::MAX, &mut |seq, b| {
+                times.push(crate::log::decode_at(seq, b).unwrap().at_ms);
+                true
+            })
+            .unwrap();
+        assert_eq!(times, vec![5_000; 5]);
+        // Reopening continues the seqs and keeps the time from going back.
+        let log = open(store.clone(), &clock);
+        assert_eq!(log.append(seen("a", 6)).await.unwrap(), 6);
+        let last = crate::log::decode_at(6, &store.get(6).unwrap().unwrap()).unwrap();
+        assert_eq!(last.at_ms, 5_000);
+    }
+
+    #[tokio::test]
+    async fn the_live_tail_sees_every_durable_batch_in_order() {
+        let clock = SimClock::new(0);
+        let log = open(Arc::new(MemStore::new()), &clock);
+        let mut tail = log.subscribe();
+        for i in 0..10 {
+            log.append(seen("a", i)).await.unwrap();
+        }
+        let mut seqs = Vec::new();
+        while seqs.len() < 10 {
+            let batch = tail.recv().await.unwrap();
+            seqs.extend(batch.iter().map(|e| e.seq));
+        }
+        assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_starts_of_one_call_accept_exactly_one() {
+        let clock = SimClock::new(0);
+        let log = Arc::new(open(Arc::new(MemStore::new()), &clock));
+        log.append(Event::CallQueued {
+            call: CallSpec {
+                id: "c".into(),
+                target: "t".into(),
+                kind: CallKind::Async,
+                timeout_ms: 1_000,
+                partition: None,
+                payload: Payload::default(),
+            },
+        })
+        .await
+        .unwrap();
+        let mut tasks = Vec::new();
+        for r in 0..64 {
+            let log = log.clone();
+            tasks.push(tokio::spawn(async move {
+                let runner = format!("runner-{r}");
+                let (verdict, _) = log
+                    .decide(move |s: &State, now| {
+                        let (ev, v) = decide_start(&s.calls, "c", &runner, now);
+                        (vec![ev], v)
+                    })
+                    .await
+                    .unwrap();
+                verdict
+            }));
+        }
+        let mut accepted = 0;
+        for t in tasks {
+            if t.await.unwrap() == StartVerdict::Accepted {
+                accepted += 1;
+            }
+        }
+        assert_eq!(accepted, 1);
+        let call = log.read(|s| s.calls.get("c").cloned().unwrap());
+        assert_eq!(call.starts, 1);
+        assert_eq!(call.refused_starts, 63);
+        // The second start found it running: it must not run again, so it is now an error.
+        assert_eq!(call.status, crate::state::CallStatus::Error);
+    }
+
+    /// A store whose writes fail once told to.
+    struct Failing {
+        inner: MemStore,
+        fail: AtomicBool,
+    }
+
+    impl LogStore for Failing {
+        fn write(&self, batch: &RecordBatch, sync: bool) -> Result<()> {
+            if self.fail.load(Ordering::SeqCst) {
+                return Err(Error::Storage("disk on fire".into()));
+            }
+            self.inner.write(batch, sync)
+        }
+        fn sync(&self) -> Result<()> {
+            self.inner.sync()
+        }
+        fn last_seq(&self) -> Result<u64> {
+            self.inner.last_seq()
+        }
+        fn first_seq(&self) -> Result<Option<u64>> {
+            self.inner.first_seq()
+        }
+        fn get(&self, seq: u64) -> Result<Option<Vec<u8>>> {
+            self.inner.get(seq)
+        }
+        fn scan(&self, from: u64, to: u64, v: &mut dyn FnMut(u64, &[u8]) -> bool) -> Result<()> {
+            self.inner.scan(from, to, v)
+        }
+        fn put_snapshot(&self, seq: u64, bytes: &[u8]) -> Result<()> {
+            self.inner.put_snapshot(seq, bytes)
+        }
+        fn snapshot_seqs(&self) -> Result<Vec<u64>> {
+            self.inner.snapshot_seqs()
+        }
+        fn get_snapshot(&self, seq: u64) -> Result<Option<Vec<u8>>> {
+            self.inner.get_snapshot(seq)
+        }
+        fn delete_before(&self, before: u64) -> Result<u64> {
+            self.inner.delete_before(before)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_write_stops_the_writer_for_good() {
+        let store = Arc::new(Failing {
+            inner: MemStore::new(),
+            fail: AtomicBool::new(false),
+        });
+        let log = open(store.clone(), &SimClock::new(0));
+        log.append(seen("a", 1)).await.unwrap();
+        store.fail.store(true, Ordering::SeqCst);
+        let err = log.append(seen("a", 2)).await.unwrap_err();
+        assert!(
+            matches!(err, Error::Failed(ref why) if why.contains("disk on fire")),
+            "{err}"
+        );
+        store.fail.store(false, Ordering::SeqCst);
+        // Even with the disk back, the writer refuses: its state may be ahead of the disk.
+        assert!(matches!(
+            log.append(seen("a", 3)).await,
+            Err(Error::Failed(_))
+        ));
+        assert!(matches!(log.snapshot().await, Err(Error::Failed(_))));
+        assert_eq!(store.last_seq().unwrap(), 1);
+        log.close();
+        // A restart rebuilds from what is on disk.
+        let log = open(store.clone(), &SimClock::new(0));
+        assert_eq!(log.read(|s| s.seq), 1);
+        assert_eq!(log.append(seen("a", 4)).await.unwrap(), 2);
+    }
+}
