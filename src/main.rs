@@ -308,6 +308,30 @@ fn print_envelope(out: &mut impl Write, env: &Envelope, json: bool) -> Result<()
     Ok(())
 }
 
+/// Prints the records `from..=to`; returns the seq after the last one printed.
+fn print_range(
+    store: &dyn LogStore,
+    from: u64,
+    to: u64,
+    json: bool,
+    out: &mut impl Write,
+) -> Result<u64> {
+    let mut failure = None;
+    let next = tools::for_each(
+        store,
+        from,
+        to,
+        &mut |env, _| match print_envelope(out, &env, json) {
+            Ok(()) => true,
+            Err(e) => {
+                failure = Some(e);
+                false
+            }
+        },
+    )?;
+    failure.map_or(Ok(next), Err)
+}
+
 fn log_command(dir: &Path, cmd: LogCommand) -> Result<()> {
     match cmd {
         LogCommand::Stats { json } => {
@@ -351,22 +375,7 @@ fn log_command(dir: &Path, cmd: LogCommand) -> Result<()> {
                 bail!("--from {from} is past the end of the log (last seq is {last})");
             }
             let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-            let mut failure = None;
-            tools::for_each(
-                &store,
-                from,
-                to.unwrap_or(u64::MAX),
-                &mut |env, _| match print_envelope(&mut out, &env, json) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        failure = Some(e);
-                        false
-                    }
-                },
-            )?;
-            if let Some(e) = failure {
-                return Err(e);
-            }
+            print_range(&store, from, to.unwrap_or(u64::MAX), json, &mut out)?;
             out.flush()?;
             Ok(())
         }
@@ -408,20 +417,7 @@ fn tail(dir: &Path, from: Option<u64>, json: bool, poll_ms: u64) -> Result<()> {
     let mut out = std::io::stdout().lock();
     rt.block_on(async {
         loop {
-            let mut failure = None;
-            tools::for_each(&store, next, u64::MAX, &mut |env, _| {
-                next = env.seq + 1;
-                match print_envelope(&mut out, &env, json) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        failure = Some(e);
-                        false
-                    }
-                }
-            })?;
-            if let Some(e) = failure {
-                return Err(e);
-            }
+            next = print_range(&store, next, u64::MAX, json, &mut out)?;
             out.flush()?;
             tokio::select! {
                 _ = tokio::time::sleep(std::time::Duration::from_millis(poll_ms.max(1))) => {}

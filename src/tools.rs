@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use crate::event::{Envelope, Event, Kind};
-use crate::log::{Error, LogStore, Result, decode_at, open_state};
+use crate::log::{Error, LogStore, Result, decode_at, open_state, read_envelopes};
 use crate::state::State;
 
 /// What `ebb log stats` reports.
@@ -55,23 +55,15 @@ pub fn stats(store: &dyn LogStore, progress: &mut dyn FnMut(u64)) -> Result<Stat
     Ok(st)
 }
 
-/// Decodes records `from..=to` in order until `visit` returns false; stops at the first bad record
-/// with an error naming its seq.
+/// Reads every stored record from `from` (or the first stored one, after compaction) to `to`.
 pub fn for_each(
     store: &dyn LogStore,
     from: u64,
     to: u64,
     visit: &mut dyn FnMut(Envelope, usize) -> bool,
-) -> Result<()> {
-    let mut failure = None;
-    store.scan(from, to, &mut |seq, bytes| match decode_at(seq, bytes) {
-        Ok(env) => visit(env, bytes.len()),
-        Err(e) => {
-            failure = Some(e);
-            false
-        }
-    })?;
-    failure.map_or(Ok(()), Err)
+) -> Result<u64> {
+    let from = from.max(store.first_seq()?.unwrap_or(from));
+    read_envelopes(store, from, to, visit)
 }
 
 /// The last seq whose event happened at or before `at_ms` (0 if none did).
@@ -160,8 +152,7 @@ pub fn explain(
     let mut events = Vec::new();
     // A route's scaling events are its deployment's; remember every deployment it ever named.
     let mut deployments: Vec<String> = Vec::new();
-    let from = store.first_seq()?.unwrap_or(1);
-    for_each(store, from, u64::MAX, &mut |env, _| {
+    for_each(store, 1, u64::MAX, &mut |env, _| {
         if let (ExplainKind::Route, Event::RouteUpserted { route }) = (kind, &env.event)
             && route.name == id
             && !deployments.contains(&route.deployment)

@@ -18,14 +18,29 @@ use ebb::log::{Durability, Log, LogStore, Options, RecordBatch, RocksStore};
 
 const T0: u64 = 1_767_225_600_000; // 2026-01-01T00:00:00Z
 
-fn ebb(dir: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ebb"))
-        .args(args)
+fn command(dir: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ebb"));
+    c.args(args)
         .arg("--data-dir")
         .arg(dir)
-        .env("EBB_LOG", "warn")
-        .output()
-        .unwrap()
+        .env("EBB_LOG", "warn");
+    c
+}
+
+/// Runs ebb to completion.
+fn ebb(dir: &Path, args: &[&str]) -> Output {
+    command(dir, args).output().unwrap()
+}
+
+/// Starts ebb with its stdout piped; it is killed when dropped.
+fn spawn(dir: &Path, args: &[&str]) -> KillOnDrop {
+    KillOnDrop(
+        command(dir, args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    )
 }
 
 fn ok(out: &Output) -> String {
@@ -326,15 +341,9 @@ fn tail_follows_another_process_appending() {
             "10",
         ],
     ));
-    let mut tail = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_ebb"))
-            .args(["log", "tail", "--json", "--from", "1", "--poll-ms", "20"])
-            .arg("--data-dir")
-            .arg(&dir)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
+    let mut tail = spawn(
+        &dir,
+        &["log", "tail", "--json", "--from", "1", "--poll-ms", "20"],
     );
     let rx = lines_of(&mut tail.0);
     let next_seq = |rx: &mpsc::Receiver<String>| -> u64 {
@@ -367,17 +376,7 @@ fn tail_follows_another_process_appending() {
 fn serve_answers_healthz_and_unknown_paths_with_json() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
-    let mut serve = KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_ebb"))
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .arg("--data-dir")
-            .arg(&dir)
-            .env("EBB_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap(),
-    );
+    let mut serve = spawn(&dir, &["serve", "--listen", "127.0.0.1:0"]);
     let rx = lines_of(&mut serve.0);
     let line = rx
         .recv_timeout(Duration::from_secs(60))

@@ -20,7 +20,7 @@ pub mod writer;
 use std::path::PathBuf;
 
 pub use mem::MemStore;
-pub use replay::{Projection, open_state, replay_range};
+pub use replay::{Projection, open_state, read_envelopes, replay_range};
 pub use rocks::RocksStore;
 pub use store::{LogStore, RecordBatch};
 pub use writer::{Committed, Log, Options, Tail};

@@ -43,17 +43,18 @@ const PIPELINE_BATCH: usize = 1_024;
 /// Batches in flight between the two threads at most.
 const PIPELINE_DEPTH: usize = 8;
 
-/// Reads and decodes `from..=to`, checking that seqs are contiguous and the range is complete;
-/// hands each envelope to `visit` until it returns false.
-fn decode_range(
+/// Reads and decodes the records `from..=to` in order, checking that their seqs are contiguous
+/// from `from`; hands each envelope and its encoded size to `visit` until it returns false.
+/// Returns the seq after the last one visited. A missing, undecodable or misplaced record is an
+/// error naming its seq. Every reader of the log goes through here.
+pub fn read_envelopes(
     store: &dyn LogStore,
     from: u64,
     to: u64,
-    visit: &mut dyn FnMut(Envelope) -> bool,
-) -> Result<()> {
+    visit: &mut dyn FnMut(Envelope, usize) -> bool,
+) -> Result<u64> {
     let mut expected = from;
     let mut failure = None;
-    let mut stopped = false;
     store.scan(from, to, &mut |seq, bytes| {
         if seq != expected {
             failure = Some(Error::Gap {
@@ -65,12 +66,7 @@ fn decode_range(
         match decode_at(seq, bytes) {
             Ok(env) => {
                 expected += 1;
-                if visit(env) {
-                    true
-                } else {
-                    stopped = true;
-                    false
-                }
+                visit(env, bytes.len())
             }
             Err(e) => {
                 failure = Some(e);
@@ -78,12 +74,24 @@ fn decode_range(
             }
         }
     })?;
-    if let Some(e) = failure {
-        return Err(e);
-    }
-    if !stopped && expected <= to {
+    failure.map_or(Ok(expected), Err)
+}
+
+/// [`read_envelopes`], requiring every record up to `to` to be there.
+fn decode_range(
+    store: &dyn LogStore,
+    from: u64,
+    to: u64,
+    visit: &mut dyn FnMut(Envelope) -> bool,
+) -> Result<()> {
+    let mut stopped = false;
+    let next = read_envelopes(store, from, to, &mut |env, _| {
+        stopped = !visit(env);
+        !stopped
+    })?;
+    if !stopped && next <= to {
         return Err(Error::Gap {
-            expected,
+            expected: next,
             found: store.last_seq()?,
         });
     }
@@ -269,6 +277,44 @@ mod tests {
         let err = replay_range(&store, &mut State::default(), N + 10, &mut |_| {}).unwrap_err();
         assert!(
             matches!(err, Error::Gap { expected, found } if expected == N + 1 && found == N),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_missing_record_in_the_middle_is_a_gap() {
+        let store = MemStore::new();
+        let mut b = RecordBatch::default();
+        for seq in (1..=100).filter(|&s| s != 50) {
+            b.push(seq, &encode(&env(seq)));
+        }
+        store.write(&b, true).unwrap();
+        let mut n = 0;
+        let err = read_envelopes(&store, 1, u64::MAX, &mut |_, _| {
+            n += 1;
+            true
+        })
+        .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Gap {
+                    expected: 50,
+                    found: 51
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(n, 49);
+        let err = replay_range(&store, &mut State::default(), 100, &mut |_| {}).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Gap {
+                    expected: 50,
+                    found: 51
+                }
+            ),
             "{err}"
         );
     }

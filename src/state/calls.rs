@@ -125,19 +125,9 @@ impl Calls {
     pub(crate) fn apply(&mut self, at_ms: u64, event: &Event) -> Timer {
         match event {
             Event::CallQueued { call } => {
-                self.by_id.entry(call.id.clone()).or_insert_with(|| Call {
-                    spec: call.clone(),
-                    status: CallStatus::Queued,
-                    created_at_ms: at_ms,
-                    started_at_ms: None,
-                    finished_at_ms: None,
-                    deadline_at_ms: None,
-                    runner: None,
-                    starts: 0,
-                    refused_starts: 0,
-                    result: None,
-                    log: String::new(),
-                });
+                self.by_id
+                    .entry(call.id.clone())
+                    .or_insert_with(|| Call::new(call.clone(), CallStatus::Queued, at_ms));
                 Timer::Keep
             }
             Event::CallStarted {
@@ -181,27 +171,18 @@ impl Calls {
                 log,
                 ..
             } => {
-                let c = self.by_id.entry(id.clone()).or_insert_with(|| Call {
-                    // A finish for a call that was never queued (a sync call, or a lost enqueue) is
-                    // recorded, as the runner API asks.
-                    spec: CallSpec {
+                // A finish for a call that was never queued (a sync call, or a lost enqueue) is
+                // recorded, as the runner API asks.
+                let c = self.by_id.entry(id.clone()).or_insert_with(|| {
+                    let spec = CallSpec {
                         id: id.clone(),
                         target: String::new(),
                         kind: CallKind::Sync,
                         timeout_ms: 0,
                         partition: None,
                         payload: Payload::default(),
-                    },
-                    status: CallStatus::Running,
-                    created_at_ms: at_ms,
-                    started_at_ms: None,
-                    finished_at_ms: None,
-                    deadline_at_ms: None,
-                    runner: None,
-                    starts: 0,
-                    refused_starts: 0,
-                    result: None,
-                    log: String::new(),
+                    };
+                    Call::new(spec, CallStatus::Running, at_ms)
                 });
                 if c.status.is_final() {
                     return Timer::Keep;
@@ -224,6 +205,22 @@ impl Calls {
 }
 
 impl Call {
+    fn new(spec: CallSpec, status: CallStatus, created_at_ms: u64) -> Self {
+        Call {
+            spec,
+            status,
+            created_at_ms,
+            started_at_ms: None,
+            finished_at_ms: None,
+            deadline_at_ms: None,
+            runner: None,
+            starts: 0,
+            refused_starts: 0,
+            result: None,
+            log: String::new(),
+        }
+    }
+
     fn mark_final(&mut self, at_ms: u64) -> Timer {
         if self.status.is_final() {
             if self.finished_at_ms.is_none() {
