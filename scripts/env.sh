@@ -1,6 +1,16 @@
 # Sourced by scripts/run and scripts/test: installs what a fresh machine lacks and sets up the
 # build caches. Safe to source again: every step checks before it acts.
 
+# A bare environment (no HOME, no cargo on PATH) still finds the toolchain that rustup installed.
+if [ -z "${HOME:-}" ]; then
+  HOME="$(getent passwd "$(id -u)" | cut -d: -f6)"
+  export HOME
+fi
+if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then
+  export PATH="$HOME/.cargo/bin:$PATH"
+fi
+command -v cargo >/dev/null 2>&1 || { echo "error: cargo not found; install Rust with rustup first" >&2; exit 1; }
+
 need_apt=()
 # rust-rocksdb builds RocksDB's C++ itself (Debian's librocksdb is too old) and runs bindgen,
 # which needs libclang; sccache caches both the Rust and the C++ compilation.

@@ -153,6 +153,25 @@ async fn append_rate(
     Ok(rate)
 }
 
+/// The storage floor: one synced single-record write after another, straight to the store.
+fn raw_synced_writes(dir: &std::path::Path, seconds: u64) -> Result<f64> {
+    let _ = std::fs::remove_dir_all(dir);
+    let store = RocksStore::open(dir, OpenMode::Create)?;
+    let limit = Duration::from_secs(seconds);
+    let sw = Stopwatch::start();
+    let mut n = 0u64;
+    let mut batch = crate::log::RecordBatch::default();
+    while sw.elapsed() < limit {
+        n += 1;
+        batch.clear();
+        batch.push_with(n, |buf| {
+            crate::event::encode_into(buf, n, n, &sample_event(n))
+        });
+        crate::log::LogStore::write(&store, &batch, true)?;
+    }
+    Ok(n as f64 / sw.elapsed().as_secs_f64())
+}
+
 /// Runs the log benchmark and prints its table.
 pub async fn log(args: LogBenchArgs) -> Result<()> {
     let base = match &args.dir {
@@ -164,6 +183,8 @@ pub async fn log(args: LogBenchArgs) -> Result<()> {
     println!("ebb bench log: data in {}", base.display());
     println!("| measure | value |");
     println!("|---|---|");
+    let raw = raw_synced_writes(&base.join("raw"), args.seconds)?;
+    println!("| storage floor: synced single-record RocksDB writes, no ebb | {raw:.0} writes/s |");
     for (durability, appenders) in [
         (Durability::Sync, 1),
         (Durability::Sync, 64),

@@ -2,9 +2,11 @@
 //!
 //! Appends and decisions travel over a bounded channel to a dedicated thread. The thread takes the
 //! first waiting request and then every other one already waiting (up to `batch_max_events`),
-//! assigns seqs, folds each event into the projection, encodes them into one batch, writes the
-//! batch, syncs once when durability is `sync`, and only then acknowledges each request with the
-//! seqs it got. One sync therefore covers the whole batch, however many appenders wait.
+//! assigns seqs, folds each event into the projection, encodes them into one batch and writes it.
+//! With durability `sync`, a second thread (the syncer) then syncs the log once for every batch
+//! written since its previous sync, and only then acknowledges each request with the seqs it got.
+//! While one sync runs, the next batch forms and is written, so a sync covers every appender that
+//! was waiting, however many there are, and no appender waits for a sync that started before it.
 //!
 //! A decision is a closure run on the writer thread against the projection as it is at that point
 //! in the log, so two decisions never see the same state: that is what makes "start a queued call"
@@ -13,6 +15,7 @@
 //! acknowledgement. If a write fails the writer stops accepting work (fail-stop): the projection
 //! may then be ahead of the disk, and only a restart, which rebuilds from the log, is safe.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::thread::JoinHandle;
 
@@ -125,7 +128,7 @@ impl<P: Projection> Log<P> {
             seq,
             last_at_ms,
             last_snapshot_seq: snapshot_seq,
-            failed: None,
+            failed: Failure::default(),
             options,
         };
         let thread = std::thread::Builder::new()
@@ -234,9 +237,36 @@ struct Writer<P: Projection> {
     seq: u64,
     last_at_ms: u64,
     last_snapshot_seq: u64,
-    failed: Option<String>,
+    failed: Failure,
     options: Options,
 }
+
+/// Set once by whichever thread first sees a storage failure; both threads refuse work after it.
+#[derive(Clone, Default)]
+struct Failure(Arc<Mutex<Option<String>>>);
+
+impl Failure {
+    fn get(&self) -> Option<String> {
+        self.0.lock().expect("failure lock").clone()
+    }
+
+    fn set(&self, why: String) {
+        let mut g = self.0.lock().expect("failure lock");
+        if g.is_none() {
+            tracing::error!(error = %why, "log storage failed; the writer stops");
+            *g = Some(why);
+        }
+    }
+}
+
+/// Written but not yet synced: what to acknowledge and publish once a sync covers it.
+struct Unsynced {
+    acks: Vec<(Ack, Committed)>,
+    tail: Vec<Envelope>,
+}
+
+/// Batches written and waiting for the syncer at most; beyond it the writer waits.
+const SYNC_QUEUE_MAX_BATCHES: usize = 4;
 
 impl<P: Projection> Request<P> {
     fn events_hint(&self) -> usize {
@@ -245,14 +275,80 @@ impl<P: Projection> Request<P> {
             _ => 1,
         }
     }
+
+    fn fail(self, err: impl Fn() -> Error) {
+        match self {
+            Request::Append { ack, .. } | Request::Decide { ack, .. } => {
+                let _ = ack.send(Err(err()));
+            }
+            Request::Snapshot { ack } => {
+                let _ = ack.send(Err(err()));
+            }
+        }
+    }
+}
+
+/// Acknowledges a durable group and publishes it to the live tail, in log order.
+fn publish(group: Vec<Unsynced>, tail: &broadcast::Sender<Arc<[Envelope]>>) {
+    for u in group {
+        for (ack, c) in u.acks {
+            let _ = ack.send(Ok(c));
+        }
+        if !u.tail.is_empty() {
+            let _ = tail.send(Arc::from(u.tail));
+        }
+    }
+}
+
+/// The syncer: while it syncs one group of written batches, the writer writes the next, so each
+/// sync covers everything written since the previous one started.
+fn run_syncer(
+    rx: std::sync::mpsc::Receiver<Unsynced>,
+    store: Arc<dyn LogStore>,
+    tail: broadcast::Sender<Arc<[Envelope]>>,
+    failed: Failure,
+    in_flight: Arc<AtomicUsize>,
+) {
+    while let Ok(first) = rx.recv() {
+        let mut group = vec![first];
+        group.extend(rx.try_iter());
+        let n = group.len();
+        let synced = match failed.get() {
+            Some(why) => Err(why),
+            None => store.sync().map_err(|e| e.to_string()),
+        };
+        match synced {
+            Ok(()) => publish(group, &tail),
+            Err(why) => {
+                failed.set(why.clone());
+                for u in group {
+                    for (ack, _) in u.acks {
+                        let _ = ack.send(Err(Error::Failed(why.clone())));
+                    }
+                }
+            }
+        }
+        in_flight.fetch_sub(n, Ordering::AcqRel);
+    }
 }
 
 impl<P: Projection> Writer<P> {
     fn run(mut self) {
+        let syncing = self.options.durability == Durability::Sync;
+        let (sync_tx, sync_rx) = std::sync::mpsc::sync_channel(SYNC_QUEUE_MAX_BATCHES);
+        // Groups handed to the syncer and not yet acknowledged.
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let syncer = syncing.then(|| {
+            let (store, tail, failed) =
+                (self.store.clone(), self.tail.clone(), self.failed.clone());
+            let in_flight = in_flight.clone();
+            std::thread::Builder::new()
+                .name("ebb-log-syncer".into())
+                .spawn(move || run_syncer(sync_rx, store, tail, failed, in_flight))
+                .expect("starting the log syncer thread")
+        });
         let mut batch = RecordBatch::default();
-        let mut acks: Vec<(Ack, Committed)> = Vec::new();
         let mut snapshot_acks = Vec::new();
-        let mut tail_envs: Vec<Envelope> = Vec::new();
         let mut requests = Vec::new();
         while let Some(first) = self.rx.blocking_recv() {
             let mut n = first.events_hint();
@@ -266,23 +362,19 @@ impl<P: Projection> Writer<P> {
                     Err(_) => break,
                 }
             }
-            if let Some(why) = &self.failed {
+            if let Some(why) = self.failed.get() {
                 for r in requests.drain(..) {
-                    let err = Error::Failed(why.clone());
-                    match r {
-                        Request::Append { ack, .. } | Request::Decide { ack, .. } => {
-                            let _ = ack.send(Err(err));
-                        }
-                        Request::Snapshot { ack } => {
-                            let _ = ack.send(Err(err));
-                        }
-                    }
+                    r.fail(|| Error::Failed(why.clone()));
                 }
                 continue;
             }
             let at_ms = self.last_at_ms.max(self.clock.now_ms());
             self.last_at_ms = at_ms;
             let want_tail = self.tail.receiver_count() > 0;
+            let mut unsynced = Unsynced {
+                acks: Vec::with_capacity(requests.len()),
+                tail: Vec::new(),
+            };
             {
                 let mut state = self.state.write().expect("projection lock poisoned");
                 for r in requests.drain(..) {
@@ -308,10 +400,10 @@ impl<P: Projection> Writer<P> {
                         });
                         state.apply(&env);
                         if want_tail {
-                            tail_envs.push(env);
+                            unsynced.tail.push(env);
                         }
                     }
-                    acks.push((
+                    unsynced.acks.push((
                         ack,
                         Committed {
                             first_seq,
@@ -320,32 +412,44 @@ impl<P: Projection> Writer<P> {
                     ));
                 }
             }
+            // Written without a sync: the syncer makes it durable while the next batch forms.
             let written = if batch.is_empty() {
                 Ok(())
             } else {
-                self.store
-                    .write(&batch, self.options.durability == Durability::Sync)
+                self.store.write(&batch, false)
             };
             batch.clear();
-            match written {
-                Ok(()) => {
-                    for (ack, c) in acks.drain(..) {
-                        let _ = ack.send(Ok(c));
-                    }
-                    if !tail_envs.is_empty() {
-                        let _ = self.tail.send(Arc::from(std::mem::take(&mut tail_envs)));
+            if let Err(e) = written {
+                let why = e.to_string();
+                self.failed.set(why.clone());
+                for (ack, _) in unsynced.acks {
+                    let _ = ack.send(Err(Error::Failed(why.clone())));
+                }
+                continue;
+            }
+            if syncing && in_flight.load(Ordering::Acquire) == 0 && self.rx.is_empty() {
+                // Nothing to overlap the sync with: sync here and save a thread hop. Every earlier
+                // group is acknowledged already, so acknowledgements stay in log order.
+                match self.store.sync() {
+                    Ok(()) => publish(vec![unsynced], &self.tail),
+                    Err(e) => {
+                        let why = e.to_string();
+                        self.failed.set(why.clone());
+                        for (ack, _) in unsynced.acks {
+                            let _ = ack.send(Err(Error::Failed(why.clone())));
+                        }
                     }
                 }
-                Err(e) => {
-                    let why = e.to_string();
-                    tracing::error!(error = %why, "log write failed; the writer stops");
-                    for (ack, _) in acks.drain(..) {
-                        let _ = ack.send(Err(Error::Failed(why.clone())));
+            } else if syncing {
+                in_flight.fetch_add(1, Ordering::AcqRel);
+                // Blocks when the syncer is SYNC_QUEUE_MAX_BATCHES behind: backpressure.
+                if let Err(unsent) = sync_tx.send(unsynced) {
+                    for (ack, _) in unsent.0.acks {
+                        let _ = ack.send(Err(Error::Closed));
                     }
-                    tail_envs.clear();
-                    self.failed = Some(why);
-                    continue;
                 }
+            } else {
+                publish(vec![unsynced], &self.tail);
             }
             let every = self.options.snapshot_every_events;
             let due = every > 0 && self.seq - self.last_snapshot_seq >= every;
@@ -362,13 +466,15 @@ impl<P: Projection> Writer<P> {
                 }
             }
         }
+        drop(sync_tx);
+        if let Some(s) = syncer {
+            let _ = s.join();
+        }
     }
 
     fn take_snapshot(&mut self) -> Result<u64> {
-        if self.options.durability != Durability::Sync {
-            // A snapshot must never cover records that a power loss could take away.
-            self.store.sync()?;
-        }
+        // A snapshot must never cover records that a crash could take away.
+        self.store.sync()?;
         let bytes = {
             let state = self.state.read().expect("projection lock poisoned");
             debug_assert_eq!(state.seq(), self.seq);
@@ -506,6 +612,7 @@ mod tests {
     struct Failing {
         inner: MemStore,
         fail: AtomicBool,
+        fail_sync: AtomicBool,
     }
 
     impl LogStore for Failing {
@@ -516,6 +623,9 @@ mod tests {
             self.inner.write(batch, sync)
         }
         fn sync(&self) -> Result<()> {
+            if self.fail_sync.load(Ordering::SeqCst) {
+                return Err(Error::Storage("fsync: input/output error".into()));
+            }
             self.inner.sync()
         }
         fn last_seq(&self) -> Result<u64> {
@@ -549,6 +659,7 @@ mod tests {
         let store = Arc::new(Failing {
             inner: MemStore::new(),
             fail: AtomicBool::new(false),
+            fail_sync: AtomicBool::new(false),
         });
         let log = open(store.clone(), &SimClock::new(0));
         log.append(seen("a", 1)).await.unwrap();
@@ -571,5 +682,46 @@ mod tests {
         let log = open(store.clone(), &SimClock::new(0));
         assert_eq!(log.read(|s| s.seq), 1);
         assert_eq!(log.append(seen("a", 4)).await.unwrap(), 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_sync_fails_every_waiting_appender_and_stops_the_writer() {
+        let store = Arc::new(Failing {
+            inner: MemStore::new(),
+            fail: AtomicBool::new(false),
+            fail_sync: AtomicBool::new(false),
+        });
+        let log = Arc::new(open(store.clone(), &SimClock::new(0)));
+        // Concurrent appenders go through the syncer thread as well as the inline sync.
+        let appends = |n: u64| {
+            let log = log.clone();
+            async move {
+                let tasks: Vec<_> = (0..n)
+                    .map(|i| {
+                        let log = log.clone();
+                        tokio::spawn(async move { log.append(seen("a", i)).await })
+                    })
+                    .collect();
+                let mut results = Vec::new();
+                for t in tasks {
+                    results.push(t.await.unwrap());
+                }
+                results
+            }
+        };
+        assert!(appends(200).await.iter().all(|r| r.is_ok()));
+        store.fail_sync.store(true, Ordering::SeqCst);
+        let failed = appends(200).await;
+        assert!(
+            failed
+                .iter()
+                .all(|r| matches!(r, Err(Error::Failed(why)) if why.contains("fsync"))),
+            "{failed:?}"
+        );
+        store.fail_sync.store(false, Ordering::SeqCst);
+        assert!(matches!(
+            log.append(seen("a", 0)).await,
+            Err(Error::Failed(_))
+        ));
     }
 }
