@@ -8,6 +8,8 @@ pub mod api;
 pub mod bench;
 pub mod clock;
 pub mod event;
+pub mod example_app;
 pub mod log;
+pub mod orchestrator;
 pub mod state;
 pub mod tools;

@@ -88,6 +88,8 @@ enum Command {
     /// Measure ebb on this machine.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// A small HTTP app for demos, tests and benchmarks (echo, /sleep, /bytes, /ws, /health).
+    ExampleApp(ebb::example_app::ExampleAppArgs),
     /// Test helpers.
     #[command(subcommand, hide = true)]
     Debug(DebugCommand),
@@ -139,6 +141,19 @@ enum BenchCommand {
 
 #[derive(Subcommand)]
 enum DebugCommand {
+    /// Run one workload with the process orchestrator, print its ready addresses, and keep it
+    /// running until killed.
+    RunWorkload {
+        /// Replicas to run.
+        #[arg(long, default_value_t = 1)]
+        replicas: u32,
+        /// Where replica logs go.
+        #[arg(long)]
+        log_dir: PathBuf,
+        /// The command (after `--`).
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
     /// Append as fast as possible, printing every acknowledged seq on its own line.
     AppendStress {
         /// Concurrent appenders.
@@ -190,9 +205,15 @@ fn run(cli: Cli) -> Result<()> {
         Command::Replay { until, at, json } => replay(&dir, until, at, json),
         Command::Explain { kind, id, json } => explain(&dir, kind, &id, json),
         Command::Bench(BenchCommand::Log(args)) => runtime()?.block_on(ebb::bench::log(args)),
+        Command::ExampleApp(args) => runtime()?.block_on(ebb::example_app::run(args)),
         Command::Debug(DebugCommand::AppendStress { appenders, count }) => {
             append_stress(&dir, appenders, count)
         }
+        Command::Debug(DebugCommand::RunWorkload {
+            replicas,
+            log_dir,
+            command,
+        }) => runtime()?.block_on(run_workload(replicas, log_dir, command)),
     }
 }
 
@@ -619,5 +640,38 @@ fn append_stress(dir: &Path, appenders: usize, count: Option<u64>) -> Result<()>
     if let Ok(log) = Arc::try_unwrap(log) {
         log.close();
     }
+    Ok(())
+}
+
+async fn run_workload(replicas: u32, log_dir: PathBuf, command: Vec<String>) -> Result<()> {
+    use ebb::orchestrator::{Orchestrator, ProcessOptions, ProcessOrchestrator, Readiness};
+    let orch = ProcessOrchestrator::new(ProcessOptions {
+        log_dir,
+        ..ProcessOptions::default()
+    })?;
+    orch.register(ebb::orchestrator::WorkloadSpec {
+        name: "workload".into(),
+        command,
+        env: vec![],
+        cwd: None,
+        readiness: Readiness::Http {
+            path: "/health".into(),
+        },
+        startup_timeout_ms: 30_000,
+        stop_grace_ms: 5_000,
+    })?;
+    orch.scale("workload", replicas)?;
+    let mut changes = orch.changes();
+    loop {
+        let seen = orch.observe("workload").unwrap_or_default();
+        if seen.ready.len() as u32 >= replicas {
+            for addr in &seen.ready {
+                println!("ready {addr}");
+            }
+            break;
+        }
+        changes.changed().await?;
+    }
+    std::future::pending::<()>().await;
     Ok(())
 }

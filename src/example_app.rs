@@ -1,0 +1,165 @@
+//! `ebb example-app`: a small HTTP app built into ebb, so demos, tests and benchmarks need no
+//! Python or Node. It listens on `--port` (or `$PORT`), after an optional start-up delay, and serves:
+//!
+//! | path | answer |
+//! |---|---|
+//! | `/health` | 200 `ok` (503 with `--never-ready`) |
+//! | `/pid` | the process id, so tests can tell replicas apart |
+//! | `/sleep?ms=N` | 200 after N milliseconds (a long request) |
+//! | `/bytes?n=N` | N bytes, streamed (downloads) |
+//! | `/ws` | WebSocket echo |
+//! | `/crash` | exits the process with status 3 |
+//! | anything else | echo: the request body streamed back, method and path in headers |
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Query, Request};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use futures_util::{SinkExt, StreamExt};
+use serde::Deserialize;
+
+/// Arguments of `ebb example-app`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExampleAppArgs {
+    /// Port to listen on, on 127.0.0.1.
+    #[arg(long, env = "PORT")]
+    pub port: u16,
+    /// Wait this long before listening, like an app with a slow start.
+    #[arg(long, default_value_t = 0)]
+    pub startup_delay_ms: u64,
+    /// Answer `/health` with 503 forever: an app that never becomes ready.
+    #[arg(long)]
+    pub never_ready: bool,
+}
+
+#[derive(Deserialize)]
+struct SleepQuery {
+    ms: u64,
+}
+
+#[derive(Deserialize)]
+struct BytesQuery {
+    n: u64,
+}
+
+/// Largest `/sleep` the app accepts.
+const SLEEP_MAX_MS: u64 = 600_000;
+/// Chunk size of `/bytes`.
+const CHUNK_BYTES: usize = 64 * 1024;
+
+/// The app's routes.
+pub fn router(never_ready: bool) -> Router {
+    Router::new()
+        .route(
+            "/health",
+            get(move || async move {
+                if never_ready {
+                    (StatusCode::SERVICE_UNAVAILABLE, "starting")
+                } else {
+                    (StatusCode::OK, "ok")
+                }
+            }),
+        )
+        .route("/pid", get(|| async { std::process::id().to_string() }))
+        .route(
+            "/sleep",
+            get(|Query(q): Query<SleepQuery>| async move {
+                tokio::time::sleep(Duration::from_millis(q.ms.min(SLEEP_MAX_MS))).await;
+                format!("slept {} ms\n", q.ms.min(SLEEP_MAX_MS))
+            }),
+        )
+        .route("/bytes", get(bytes))
+        .route("/ws", get(ws))
+        .route(
+            "/crash",
+            get(|| async {
+                std::process::exit(3);
+                #[allow(unreachable_code)]
+                ""
+            }),
+        )
+        .fallback(echo)
+}
+
+async fn bytes(Query(q): Query<BytesQuery>) -> Response {
+    let total = q.n;
+    let chunk = bytes_chunk();
+    let stream = futures_util::stream::unfold(0u64, move |sent| {
+        let chunk = chunk.clone();
+        async move {
+            if sent >= total {
+                return None;
+            }
+            let n = (total - sent).min(CHUNK_BYTES as u64) as usize;
+            Some((Ok::<_, std::io::Error>(chunk.slice(..n)), sent + n as u64))
+        }
+    });
+    let mut r = Response::new(Body::from_stream(stream));
+    r.headers_mut().insert(
+        "content-length",
+        HeaderValue::from_str(&total.to_string()).expect("digits"),
+    );
+    r
+}
+
+fn bytes_chunk() -> axum::body::Bytes {
+    axum::body::Bytes::from(
+        (0..CHUNK_BYTES)
+            .map(|i| (i % 251) as u8)
+            .collect::<Vec<u8>>(),
+    )
+}
+
+async fn ws(upgrade: WebSocketUpgrade) -> Response {
+    upgrade.on_upgrade(|socket: WebSocket| async move {
+        let (mut tx, mut rx) = socket.split();
+        while let Some(Ok(msg)) = rx.next().await {
+            let reply = match msg {
+                Message::Text(t) => Message::Text(t),
+                Message::Binary(b) => Message::Binary(b),
+                Message::Close(_) => break,
+                _ => continue,
+            };
+            if tx.send(reply).await.is_err() {
+                break;
+            }
+        }
+    })
+}
+
+async fn echo(req: Request) -> impl IntoResponse {
+    let method = req.method().to_string();
+    let path = req.uri().to_string();
+    let mut r = Response::new(Body::new(req.into_body()));
+    let h = r.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&method) {
+        h.insert("x-echo-method", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&path) {
+        h.insert("x-echo-path", v);
+    }
+    h.insert(
+        "x-echo-pid",
+        HeaderValue::from_str(&std::process::id().to_string()).expect("digits"),
+    );
+    r
+}
+
+/// Runs the app until the process is stopped.
+pub async fn run(args: ExampleAppArgs) -> anyhow::Result<()> {
+    if args.startup_delay_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(args.startup_delay_ms)).await;
+    }
+    let addr = SocketAddr::from(([127, 0, 0, 1], args.port));
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("example-app: listening on {addr}: {e}"))?;
+    axum::serve(listener, router(args.never_ready)).await?;
+    Ok(())
+}

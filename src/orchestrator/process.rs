@@ -1,0 +1,581 @@
+//! The process backend: each replica of a workload is a local child process listening on a port
+//! ebb assigns (`$PORT` on 127.0.0.1).
+//!
+//! One reconciler task per workload compares the replicas it has with the replicas wanted and
+//! starts or stops one at a time; one task per replica spawns it, checks readiness, and waits for
+//! it to exit. A replica that exits while wanted is a failure: it is counted, reported, and
+//! replaced after a backoff that doubles with consecutive failures and resets on readiness.
+//! Stopping sends SIGTERM to the replica's process group, then SIGKILL after the grace period.
+//! stdout and stderr go to `<log_dir>/<workload>/replica-<id>.log`.
+//!
+//! No child outlives ebb: every replica runs in its own process group, is killed with it when its
+//! task ends, and carries a parent-death signal (SIGKILL) bound to a long-lived spawner thread, so
+//! even a SIGKILL of ebb takes its children with it.
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{Notify, oneshot, watch};
+
+use super::{Error, Observed, Orchestrator, Readiness, Result, WorkloadSpec};
+
+/// Tuning of the process backend. Every bound is a named value.
+#[derive(Debug, Clone)]
+pub struct ProcessOptions {
+    /// Where replica logs go.
+    pub log_dir: PathBuf,
+    /// Interval between readiness checks of a starting replica.
+    pub readiness_poll_ms: u64,
+    /// Time one readiness check may take.
+    pub readiness_check_timeout_ms: u64,
+    /// First delay before replacing a failed replica; doubles per consecutive failure.
+    pub restart_backoff_min_ms: u64,
+    /// Largest delay before replacing a failed replica.
+    pub restart_backoff_max_ms: u64,
+    /// Upper bound on replicas of one workload.
+    pub max_replicas: u32,
+}
+
+impl Default for ProcessOptions {
+    fn default() -> Self {
+        Self {
+            log_dir: PathBuf::from("./ebb-data/workloads"),
+            readiness_poll_ms: 2,
+            readiness_check_timeout_ms: 1_000,
+            restart_backoff_min_ms: 100,
+            restart_backoff_max_ms: 10_000,
+            max_replicas: 64,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Starting,
+    Ready,
+    Stopping,
+}
+
+struct Replica {
+    addr: SocketAddr,
+    pid: Option<u32>,
+    phase: Phase,
+    stop: Arc<Notify>,
+}
+
+struct Workload {
+    spec: WorkloadSpec,
+    desired: u32,
+    replicas: BTreeMap<u64, Replica>,
+    next_id: u64,
+    spawns: u64,
+    failures: u64,
+    consecutive_failures: u32,
+    last_failure: Option<String>,
+    wake: Arc<Notify>,
+}
+
+struct SpawnJob {
+    command: std::process::Command,
+    reply: oneshot::Sender<std::io::Result<tokio::process::Child>>,
+}
+
+struct Inner {
+    workloads: Mutex<BTreeMap<String, Workload>>,
+    changes: watch::Sender<u64>,
+    options: ProcessOptions,
+    spawner: Mutex<Option<std::sync::mpsc::Sender<SpawnJob>>>,
+    runtime: tokio::runtime::Handle,
+}
+
+/// Runs workloads as local processes.
+pub struct ProcessOrchestrator {
+    inner: Arc<Inner>,
+}
+
+impl ProcessOrchestrator {
+    /// Starts the backend on the current tokio runtime.
+    pub fn new(options: ProcessOptions) -> std::io::Result<Self> {
+        std::fs::create_dir_all(&options.log_dir)?;
+        let runtime = tokio::runtime::Handle::current();
+        let (spawner, jobs) = std::sync::mpsc::channel::<SpawnJob>();
+        let handle = runtime.clone();
+        // Children get SIGKILL when the thread that forked them ends, so they are all forked here,
+        // on a thread that lives exactly as long as the orchestrator.
+        std::thread::Builder::new()
+            .name("ebb-spawner".into())
+            .spawn(move || {
+                let _rt = handle.enter();
+                for job in jobs {
+                    let mut cmd = tokio::process::Command::from(job.command);
+                    cmd.kill_on_drop(true);
+                    let _ = job.reply.send(cmd.spawn());
+                }
+            })?;
+        let (changes, _) = watch::channel(0);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                workloads: Mutex::new(BTreeMap::new()),
+                changes,
+                options,
+                spawner: Mutex::new(Some(spawner)),
+                runtime,
+            }),
+        })
+    }
+
+    /// Scales every workload to zero and waits (up to each one's grace period plus `extra`) until
+    /// their replicas are gone.
+    pub async fn shutdown(&self, extra: Duration) {
+        let names: Vec<String> = self.inner.lock().keys().cloned().collect();
+        let mut grace = Duration::ZERO;
+        for n in &names {
+            let _ = self.scale(n, 0);
+            if let Some(w) = self.inner.lock().get(n) {
+                grace = grace.max(Duration::from_millis(w.spec.stop_grace_ms));
+            }
+        }
+        let mut rx = self.changes();
+        let all_gone = || self.inner.lock().values().all(|w| w.replicas.is_empty());
+        let _ = tokio::time::timeout(grace + extra, async {
+            while !all_gone() {
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
+    }
+}
+
+impl Drop for ProcessOrchestrator {
+    fn drop(&mut self) {
+        // Whatever is still running goes now, with its whole process group; the workloads are
+        // forgotten, which ends their reconcilers.
+        let workloads = std::mem::take(&mut *self.inner.lock());
+        for w in workloads.values() {
+            for r in w.replicas.values() {
+                if let Some(pid) = r.pid {
+                    signal_group(pid, Signal::SIGKILL);
+                }
+            }
+            w.wake.notify_one();
+        }
+        // Closing the channel ends the spawner thread.
+        self.inner.spawner.lock().expect("spawner lock").take();
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Workload>> {
+        self.workloads.lock().expect("workloads lock poisoned")
+    }
+
+    fn bump(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+        && !name.starts_with('.')
+}
+
+impl Orchestrator for ProcessOrchestrator {
+    fn register(&self, spec: WorkloadSpec) -> Result<()> {
+        if !valid_name(&spec.name) {
+            return Err(Error::InvalidSpec {
+                name: spec.name,
+                why: "names are 1-63 characters of letters, digits, '-', '_' and '.'".into(),
+            });
+        }
+        if spec.command.is_empty() {
+            return Err(Error::InvalidSpec {
+                name: spec.name,
+                why: "the command is empty".into(),
+            });
+        }
+        let mut all = self.inner.lock();
+        if let Some(w) = all.get_mut(&spec.name) {
+            w.spec = spec;
+            w.wake.notify_one();
+            return Ok(());
+        }
+        let wake = Arc::new(Notify::new());
+        let name = spec.name.clone();
+        all.insert(
+            name.clone(),
+            Workload {
+                spec,
+                desired: 0,
+                replicas: BTreeMap::new(),
+                next_id: 1,
+                spawns: 0,
+                failures: 0,
+                consecutive_failures: 0,
+                last_failure: None,
+                wake: wake.clone(),
+            },
+        );
+        drop(all);
+        self.inner
+            .runtime
+            .spawn(reconcile(self.inner.clone(), name, wake));
+        Ok(())
+    }
+
+    fn scale(&self, name: &str, replicas: u32) -> Result<()> {
+        let mut all = self.inner.lock();
+        let w = all
+            .get_mut(name)
+            .ok_or_else(|| Error::UnknownWorkload(name.to_owned()))?;
+        w.desired = replicas.min(self.inner.options.max_replicas);
+        w.wake.notify_one();
+        drop(all);
+        self.inner.bump();
+        Ok(())
+    }
+
+    fn observe(&self, name: &str) -> Option<Observed> {
+        let all = self.inner.lock();
+        let w = all.get(name)?;
+        let count = |p: Phase| w.replicas.values().filter(|r| r.phase == p).count() as u32;
+        Some(Observed {
+            desired: w.desired,
+            starting: count(Phase::Starting),
+            ready: w
+                .replicas
+                .values()
+                .filter(|r| r.phase == Phase::Ready)
+                .map(|r| r.addr)
+                .collect(),
+            stopping: count(Phase::Stopping),
+            spawns: w.spawns,
+            failures: w.failures,
+            last_failure: w.last_failure.clone(),
+        })
+    }
+
+    fn changes(&self) -> watch::Receiver<u64> {
+        self.inner.changes.subscribe()
+    }
+}
+
+enum Action {
+    Start {
+        id: u64,
+        addr: SocketAddr,
+        backoff: Duration,
+    },
+    Stop(Arc<Notify>),
+    Wait,
+}
+
+/// Converges one workload: one start or stop at a time, then waits to be woken.
+async fn reconcile(inner: Arc<Inner>, name: String, wake: Arc<Notify>) {
+    loop {
+        let action = {
+            let mut all = inner.lock();
+            let Some(w) = all.get_mut(&name) else { return };
+            let live: Vec<u64> = w
+                .replicas
+                .iter()
+                .filter(|(_, r)| r.phase != Phase::Stopping)
+                .map(|(id, _)| *id)
+                .collect();
+            if (live.len() as u32) < w.desired {
+                match free_port() {
+                    Ok(addr) => {
+                        let id = w.next_id;
+                        w.next_id += 1;
+                        w.replicas.insert(
+                            id,
+                            Replica {
+                                addr,
+                                pid: None,
+                                phase: Phase::Starting,
+                                stop: Arc::new(Notify::new()),
+                            },
+                        );
+                        let backoff = match w.consecutive_failures {
+                            0 => Duration::ZERO,
+                            n => Duration::from_millis(
+                                inner
+                                    .options
+                                    .restart_backoff_min_ms
+                                    .saturating_mul(1u64 << (n - 1).min(20))
+                                    .min(inner.options.restart_backoff_max_ms),
+                            ),
+                        };
+                        Action::Start { id, addr, backoff }
+                    }
+                    Err(e) => {
+                        w.failures += 1;
+                        w.last_failure = Some(format!("no free port: {e}"));
+                        Action::Wait
+                    }
+                }
+            } else if (live.len() as u32) > w.desired {
+                // Stop replicas that are still starting first, then the newest ready one.
+                let victim = live
+                    .iter()
+                    .rev()
+                    .find(|id| w.replicas[id].phase == Phase::Starting)
+                    .or_else(|| live.last())
+                    .copied()
+                    .expect("live is not empty");
+                let r = w.replicas.get_mut(&victim).expect("victim exists");
+                r.phase = Phase::Stopping;
+                Action::Stop(r.stop.clone())
+            } else {
+                Action::Wait
+            }
+        };
+        match action {
+            Action::Start { id, addr, backoff } => {
+                inner.bump();
+                let inner2 = inner.clone();
+                let name2 = name.clone();
+                inner.runtime.spawn(async move {
+                    if !backoff.is_zero() {
+                        tokio::time::sleep(backoff).await;
+                    }
+                    run_replica(inner2, name2, id, addr).await;
+                });
+            }
+            Action::Stop(stop) => {
+                stop.notify_one();
+                inner.bump();
+            }
+            Action::Wait => wake.notified().await,
+        }
+    }
+}
+
+fn free_port() -> std::io::Result<SocketAddr> {
+    let l = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+    l.local_addr()
+}
+
+/// Records that a replica is gone; a replica that was not being stopped counts as a failure.
+fn replica_gone(inner: &Inner, name: &str, id: u64, failure: Option<String>) {
+    let mut all = inner.lock();
+    if let Some(w) = all.get_mut(name) {
+        let was_stopping = w
+            .replicas
+            .remove(&id)
+            .is_some_and(|r| r.phase == Phase::Stopping);
+        if let Some(why) = failure.filter(|_| !was_stopping) {
+            tracing::warn!(workload = name, replica = id, %why, "replica failed");
+            w.failures += 1;
+            w.consecutive_failures = w.consecutive_failures.saturating_add(1);
+            w.last_failure = Some(why);
+        }
+        w.wake.notify_one();
+    }
+    drop(all);
+    inner.bump();
+}
+
+fn command_for(spec: &WorkloadSpec, addr: SocketAddr, log: std::fs::File) -> std::process::Command {
+    let mut cmd = std::process::Command::new(&spec.command[0]);
+    cmd.args(&spec.command[1..])
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .env("PORT", addr.port().to_string())
+        .stdin(Stdio::null());
+    if let Ok(err) = log.try_clone() {
+        cmd.stderr(err);
+    }
+    cmd.stdout(log);
+    if let Some(dir) = &spec.cwd {
+        cmd.current_dir(dir);
+    }
+    die_with_parent(&mut cmd);
+    cmd
+}
+
+/// Puts the child in its own process group and has the kernel SIGKILL it when the thread that
+/// forked it (the spawner thread) ends, which includes ebb being killed.
+#[allow(unsafe_code)]
+fn die_with_parent(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    cmd.process_group(0);
+    let parent = nix::unistd::getpid();
+    // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe
+    // calls are allowed; it makes two raw syscalls (prctl, getppid) and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).map_err(std::io::Error::from)?;
+            // The parent may have died before prctl took effect.
+            if nix::unistd::getppid() != parent {
+                return Err(std::io::Error::other("parent exited during spawn"));
+            }
+            Ok(())
+        });
+    }
+}
+
+async fn spawn(
+    inner: &Inner,
+    cmd: std::process::Command,
+) -> std::io::Result<tokio::process::Child> {
+    let (reply, rx) = oneshot::channel();
+    let sent = match &*inner.spawner.lock().expect("spawner lock") {
+        Some(tx) => tx.send(SpawnJob {
+            command: cmd,
+            reply,
+        }),
+        None => return Err(std::io::Error::other("the orchestrator is shutting down")),
+    };
+    sent.map_err(|_| std::io::Error::other("the spawner thread has stopped"))?;
+    rx.await
+        .map_err(|_| std::io::Error::other("the spawner thread has stopped"))?
+}
+
+fn signal_group(pid: u32, sig: Signal) {
+    let _ = killpg(Pid::from_raw(pid as i32), sig);
+}
+
+/// Starts one replica, waits for readiness, then for its exit; stops it when told to.
+async fn run_replica(inner: Arc<Inner>, name: String, id: u64, addr: SocketAddr) {
+    let (spec, stop) = {
+        let all = inner.lock();
+        let Some(w) = all.get(&name) else { return };
+        let Some(r) = w.replicas.get(&id) else { return };
+        (w.spec.clone(), r.stop.clone())
+    };
+    let log_path = inner.options.log_dir.join(&name);
+    let log = std::fs::create_dir_all(&log_path).and_then(|_| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log_path.join(format!("replica-{id}.log")))
+    });
+    let log = match log {
+        Ok(f) => f,
+        Err(e) => {
+            return replica_gone(&inner, &name, id, Some(format!("opening its log: {e}")));
+        }
+    };
+    let mut child = match spawn(&inner, command_for(&spec, addr, log)).await {
+        Ok(c) => c,
+        Err(e) => {
+            let why = format!("spawning {:?}: {e}", spec.command[0]);
+            return replica_gone(&inner, &name, id, Some(why));
+        }
+    };
+    let pid = child.id().unwrap_or(0);
+    {
+        let mut all = inner.lock();
+        if let Some(r) = all.get_mut(&name).and_then(|w| {
+            w.spawns += 1;
+            w.replicas.get_mut(&id)
+        }) {
+            r.pid = Some(pid);
+        }
+    }
+    inner.bump();
+    tracing::debug!(workload = %name, replica = id, pid, %addr, "replica started");
+
+    let startup = Duration::from_millis(spec.startup_timeout_ms);
+    let ready = tokio::select! {
+        r = tokio::time::timeout(startup, wait_ready(&inner.options, addr, &spec.readiness)) => {
+            r.map_err(|_| format!("not ready after {} ms", spec.startup_timeout_ms))
+        }
+        status = child.wait() => {
+            let why = match status {
+                Ok(s) => format!("exited before it was ready ({s})"),
+                Err(e) => format!("lost before it was ready: {e}"),
+            };
+            return replica_gone(&inner, &name, id, Some(why));
+        }
+        _ = stop.notified() => Err(String::new()),
+    };
+    match ready {
+        Ok(()) => {
+            if let Some(w) = inner.lock().get_mut(&name) {
+                w.consecutive_failures = 0;
+                if let Some(r) = w.replicas.get_mut(&id)
+                    && r.phase == Phase::Starting
+                {
+                    r.phase = Phase::Ready;
+                }
+            }
+            inner.bump();
+            tracing::debug!(workload = %name, replica = id, "replica ready");
+            let failure = tokio::select! {
+                status = child.wait() => Some(match status {
+                    Ok(s) => format!("exited ({s})"),
+                    Err(e) => format!("lost: {e}"),
+                }),
+                _ = stop.notified() => {
+                    stop_child(&mut child, pid, &spec).await;
+                    None
+                }
+            };
+            replica_gone(&inner, &name, id, failure);
+        }
+        Err(why) => {
+            stop_child(&mut child, pid, &spec).await;
+            replica_gone(&inner, &name, id, Some(why).filter(|w| !w.is_empty()));
+        }
+    }
+}
+
+/// SIGTERM to the group, SIGKILL after the grace period.
+async fn stop_child(child: &mut tokio::process::Child, pid: u32, spec: &WorkloadSpec) {
+    signal_group(pid, Signal::SIGTERM);
+    let grace = Duration::from_millis(spec.stop_grace_ms);
+    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+        signal_group(pid, Signal::SIGKILL);
+        let _ = child.wait().await;
+    }
+    // Anything the replica left in its group goes too.
+    signal_group(pid, Signal::SIGKILL);
+}
+
+/// Polls until the readiness check passes.
+async fn wait_ready(options: &ProcessOptions, addr: SocketAddr, readiness: &Readiness) {
+    let poll = Duration::from_millis(options.readiness_poll_ms.max(1));
+    let check = Duration::from_millis(options.readiness_check_timeout_ms.max(1));
+    loop {
+        if let Ok(true) = tokio::time::timeout(check, ready_once(addr, readiness)).await {
+            return;
+        }
+        tokio::time::sleep(poll).await;
+    }
+}
+
+async fn ready_once(addr: SocketAddr, readiness: &Readiness) -> bool {
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+        return false;
+    };
+    let path = match readiness {
+        Readiness::Tcp => return true,
+        Readiness::Http { path } => path,
+    };
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if s.write_all(req.as_bytes()).await.is_err() {
+        return false;
+    }
+    let mut head = [0u8; 12];
+    let mut got = 0;
+    while got < head.len() {
+        match s.read(&mut head[got..]).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => got += n,
+        }
+    }
+    head.starts_with(b"HTTP/1.") && head[9] == b'2'
+}
