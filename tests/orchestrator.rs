@@ -81,7 +81,7 @@ fn get(addr: SocketAddr, path: &str) -> (u16, String) {
 fn alive(pid: u32) -> bool {
     // A zombie is dead for our purposes: /proc/PID/stat says Z.
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !stat.split(' ').nth(2).is_some_and(|s| s == "Z"),
+        Ok(stat) => stat.split(' ').nth(2).is_none_or(|s| s != "Z"),
         Err(_) => false,
     }
 }
