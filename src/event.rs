@@ -43,6 +43,8 @@ pub enum ScaleReason {
     Autoscale,
     /// An operator asked for it.
     Manual,
+    /// ebb restarted: no replica it ran before is running any more.
+    Restart,
 }
 
 /// Whether a call's caller waits for its result.

@@ -7,9 +7,13 @@
 pub mod api;
 pub mod bench;
 pub mod clock;
+pub mod config;
 pub mod event;
 pub mod example_app;
 pub mod log;
 pub mod orchestrator;
+pub mod proxy;
+pub mod scaler;
+pub mod serve;
 pub mod state;
 pub mod tools;

@@ -50,14 +50,24 @@ struct DataDir {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run ebb: open (or create) the log and serve HTTP.
+    /// Run ebb: open (or create) the log, start the apps' workloads on demand, and proxy HTTP to
+    /// them by Host.
     Serve {
-        /// Address for ebb's own HTTP endpoints.
+        /// The apps to serve (`ebb.toml`).
+        #[arg(long, env = "EBB_CONFIG")]
+        config: Option<PathBuf>,
+        /// Address of the proxy.
         #[arg(long, default_value = "127.0.0.1:8080", env = "EBB_LISTEN")]
         listen: SocketAddr,
+        /// Address of ebb's own endpoints (`/healthz`).
+        #[arg(long, default_value = "127.0.0.1:8081", env = "EBB_ADMIN_LISTEN")]
+        admin_listen: SocketAddr,
         /// Sync every acknowledged append to disk, or leave flushing to the OS.
         #[arg(long, value_enum, default_value_t = Durability::Sync)]
         durability: Durability,
+        /// How often request counts are flushed to the log, in milliseconds.
+        #[arg(long, default_value_t = 1_000)]
+        flush_interval_ms: u64,
     },
     /// Inspect the log.
     #[command(subcommand)]
@@ -200,7 +210,25 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 fn run(cli: Cli) -> Result<()> {
     let dir = cli.data.data_dir;
     match cli.command {
-        Command::Serve { listen, durability } => serve(&dir, listen, durability),
+        Command::Serve {
+            config,
+            listen,
+            admin_listen,
+            durability,
+            flush_interval_ms,
+        } => serve(
+            ebb::serve::ServeOptions {
+                data_dir: dir.clone(),
+                config,
+                listen,
+                admin_listen,
+                runtime: ebb::proxy::runtime::RuntimeOptions {
+                    flush_interval_ms,
+                    ..Default::default()
+                },
+            },
+            durability,
+        ),
         Command::Log(cmd) => log_command(&dir, cmd),
         Command::Replay { until, at, json } => replay(&dir, until, at, json),
         Command::Explain { kind, id, json } => explain(&dir, kind, &id, json),
@@ -253,27 +281,14 @@ fn open_writer(dir: &Path, mode: OpenMode, durability: Durability) -> Result<Log
     Ok(log)
 }
 
-fn serve(dir: &Path, listen: SocketAddr, durability: Durability) -> Result<()> {
-    let log = Arc::new(open_writer(dir, OpenMode::Create, durability)?);
+fn serve(options: ebb::serve::ServeOptions, durability: Durability) -> Result<()> {
+    let log = Arc::new(open_writer(
+        &options.data_dir,
+        OpenMode::Create,
+        durability,
+    )?);
     let rt = runtime()?;
-    rt.block_on(async {
-        let app = ebb::api::router(ebb::api::AppState { log: log.clone() });
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("listening on {listen}"))?;
-        let addr = listener.local_addr()?;
-        tracing::info!(
-            %addr,
-            data_dir = %dir.display(),
-            seq = log.read(|s| s.seq),
-            "ebb is serving"
-        );
-        println!("ebb listening on http://{addr}");
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-            .context("serving HTTP")
-    })?;
+    rt.block_on(ebb::serve::run(options, log.clone(), shutdown_signal()))?;
     drop(rt);
     if let Ok(log) = Arc::try_unwrap(log) {
         log.close();

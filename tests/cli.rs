@@ -376,15 +376,27 @@ fn tail_follows_another_process_appending() {
 fn serve_answers_healthz_and_unknown_paths_with_json() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
-    let mut serve = spawn(&dir, &["serve", "--listen", "127.0.0.1:0"]);
+    let mut serve = spawn(
+        &dir,
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ],
+    );
     let rx = lines_of(&mut serve.0);
-    let line = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("serve did not start");
-    let addr = line
-        .strip_prefix("ebb listening on http://")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_owned();
+    let next_addr = |what: &str| -> String {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("serve did not start");
+        line.strip_prefix(&format!("ebb {what} listening on http://"))
+            .unwrap_or_else(|| panic!("unexpected line {line:?}"))
+            .to_owned()
+    };
+    let _proxy = next_addr("proxy");
+    let addr = next_addr("admin");
     let get = |path: &str| -> String {
         let mut s = TcpStream::connect(&addr).unwrap();
         write!(

@@ -73,11 +73,13 @@ impl State {
                 }
             }
             Event::ScaleRequested { deployment, to, .. } => {
-                self.routes
+                let d = self
+                    .routes
                     .deployments
                     .entry(deployment.clone())
-                    .or_default()
-                    .desired = *to;
+                    .or_default();
+                d.desired = *to;
+                d.desired_at_ms = at;
             }
             Event::ScaledUp {
                 deployment,

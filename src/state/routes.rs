@@ -23,6 +23,9 @@ pub struct Route {
 pub struct Deployment {
     /// Replicas asked for by the last `ScaleRequested`.
     pub desired: u32,
+    /// When the last `ScaleRequested` was decided.
+    #[serde(default)]
+    pub desired_at_ms: u64,
     /// Replicas reported by the last `ScaledUp` / `ScaledDown`.
     pub replicas: u32,
     /// When the replica count last changed.

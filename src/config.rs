@@ -1,0 +1,187 @@
+//! `ebb.toml`: the apps ebb serves on one machine, their domains and how they scale.
+//!
+//! ```toml
+//! [[app]]
+//! name = "demo"
+//! domains = ["demo.localhost"]
+//! command = ["ebb", "example-app"]   # must listen on 127.0.0.1:$PORT
+//! idle_after_ms = 30000
+//! ```
+//!
+//! Parsing is strict (unknown keys are errors) and every error names the file and the problem.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::event::RouteSpec;
+use crate::orchestrator::{Readiness, WorkloadSpec};
+
+/// The whole file.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The apps.
+    #[serde(default, rename = "app")]
+    pub apps: Vec<AppConfig>,
+}
+
+/// One app: a route and the workload behind it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AppConfig {
+    /// Route and workload name.
+    pub name: String,
+    /// Host names (exact or `*.suffix`).
+    pub domains: Vec<String>,
+    /// Program and arguments; the program `ebb` means this ebb binary.
+    pub command: Vec<String>,
+    /// Extra environment.
+    #[serde(default)]
+    pub env: std::collections::BTreeMap<String, String>,
+    /// Working directory (relative to the config file).
+    #[serde(default)]
+    pub cwd: Option<PathBuf>,
+    /// HTTP readiness path; `tcp` readiness when absent.
+    #[serde(default = "default_health")]
+    pub readiness_path: Option<String>,
+    /// Scale to zero after this long without a request.
+    #[serde(default = "default_idle")]
+    pub idle_after_ms: u64,
+    /// Replicas kept when idle.
+    #[serde(default)]
+    pub min_replicas: u32,
+    /// Upper bound on replicas.
+    #[serde(default = "default_max")]
+    pub max_replicas: u32,
+    /// How long a request waits for a ready replica.
+    #[serde(default = "default_hold_timeout")]
+    pub hold_timeout_ms: u64,
+    /// How many requests may wait at once.
+    #[serde(default = "default_hold_queue")]
+    pub hold_queue_max: u32,
+    /// A replica not ready after this long has failed to start.
+    #[serde(default = "default_startup_timeout")]
+    pub startup_timeout_ms: u64,
+    /// Time between SIGTERM and SIGKILL.
+    #[serde(default = "default_grace")]
+    pub stop_grace_ms: u64,
+}
+
+fn default_health() -> Option<String> {
+    Some("/health".into())
+}
+fn default_idle() -> u64 {
+    300_000
+}
+fn default_max() -> u32 {
+    1
+}
+fn default_hold_timeout() -> u64 {
+    30_000
+}
+fn default_hold_queue() -> u32 {
+    1_000
+}
+fn default_startup_timeout() -> u64 {
+    30_000
+}
+fn default_grace() -> u64 {
+    10_000
+}
+
+/// Why a config file was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("reading {}: {source}", .path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {message}", .path.display())]
+    Invalid { path: PathBuf, message: String },
+}
+
+impl Config {
+    /// Reads and checks a config file.
+    pub fn load(path: &Path) -> Result<Self, Error> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let invalid = |message: String| Error::Invalid {
+            path: path.to_owned(),
+            message,
+        };
+        let mut cfg: Config = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        let mut names = std::collections::BTreeSet::new();
+        let mut domains = std::collections::BTreeMap::new();
+        for app in &mut cfg.apps {
+            if !names.insert(app.name.clone()) {
+                return Err(invalid(format!("app {:?} is defined twice", app.name)));
+            }
+            if app.command.is_empty() {
+                return Err(invalid(format!("app {:?}: command is empty", app.name)));
+            }
+            if app.domains.is_empty() {
+                return Err(invalid(format!("app {:?}: no domains", app.name)));
+            }
+            if app.max_replicas == 0 || app.min_replicas > app.max_replicas {
+                return Err(invalid(format!(
+                    "app {:?}: need 0 <= min_replicas <= max_replicas and max_replicas >= 1",
+                    app.name
+                )));
+            }
+            for d in &mut app.domains {
+                *d = d.to_ascii_lowercase();
+                if let Some(other) = domains.insert(d.clone(), app.name.clone()) {
+                    return Err(invalid(format!(
+                        "domain {d:?} belongs to both {other:?} and {:?}",
+                        app.name
+                    )));
+                }
+            }
+            if let Some(cwd) = &app.cwd {
+                app.cwd = Some(base.join(cwd));
+            }
+        }
+        Ok(cfg)
+    }
+}
+
+impl AppConfig {
+    /// The route this app serves.
+    pub fn route(&self) -> RouteSpec {
+        RouteSpec {
+            name: self.name.clone(),
+            domains: self.domains.clone(),
+            deployment: self.name.clone(),
+            idle_after_ms: self.idle_after_ms,
+            min_replicas: self.min_replicas,
+            max_replicas: self.max_replicas,
+            hold_timeout_ms: self.hold_timeout_ms,
+            hold_queue_max: self.hold_queue_max,
+        }
+    }
+
+    /// The workload that runs it; `ebb` as the program means the running ebb binary.
+    pub fn workload(&self, ebb_exe: &Path) -> WorkloadSpec {
+        let mut command = self.command.clone();
+        if command[0] == "ebb" {
+            command[0] = ebb_exe.to_string_lossy().into_owned();
+        }
+        WorkloadSpec {
+            name: self.name.clone(),
+            command,
+            env: self.env.clone().into_iter().collect(),
+            cwd: self.cwd.clone(),
+            readiness: match &self.readiness_path {
+                Some(path) => Readiness::Http { path: path.clone() },
+                None => Readiness::Tcp,
+            },
+            startup_timeout_ms: self.startup_timeout_ms,
+            stop_grace_ms: self.stop_grace_ms,
+        }
+    }
+}

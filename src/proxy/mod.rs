@@ -1,0 +1,434 @@
+//! The proxy: routes HTTP requests by Host to a ready replica of the route's workload, holding
+//! and waking when there is none.
+//!
+//! * **Routing** reads the live route store (`route_for_host`: port and case ignored, exact names
+//!   before `*.suffix` wildcards); an unknown Host gets 404 with a JSON error.
+//! * **Hold-and-wake**: a request for a workload with no ready replica waits in a bounded per-route
+//!   hold (beyond `hold_queue_max`: 503 at once). The first waiter's wake decision is logged once
+//!   (single flight, decided on the log's writer) before the orchestrator is asked to scale; every
+//!   waiter goes out the moment a replica is ready; past `hold_timeout_ms` it gets 503 with
+//!   `Retry-After`.
+//! * **Forwarding** (hyper, pooled keep-alive connections to backends) streams bodies both ways and
+//!   adds `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`. A request without a body that meets a
+//!   backend refusing or resetting the connection (it is stopping) wakes the workload again and is
+//!   retried once.
+//! * **Traffic** is counted in memory ([`Traffic`]): in-flight requests per route (held ones
+//!   included; a response counts until its body is done) and requests since the last flush. The
+//!   runtime loops in [`runtime`] flush it as `RequestsSeen` aggregates and scale idle workloads down.
+//!   The proxy never writes the log per request.
+
+pub mod runtime;
+pub mod traffic;
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Request, Response, StatusCode, Uri};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+use crate::clock::Clock;
+use crate::event::RouteSpec;
+use crate::log::Log;
+use crate::orchestrator::Orchestrator;
+use crate::scaler::{awake_replicas, decide_wake};
+use crate::state::State;
+pub use traffic::{InFlight, RouteTraffic, Traffic};
+
+/// Bodies the proxy sends and answers with.
+pub type Body = BoxBody<Bytes, hyper::Error>;
+
+/// Tuning of the proxy. Every bound is a named value.
+#[derive(Debug, Clone)]
+pub struct ProxyOptions {
+    /// Idle keep-alive connections kept per backend.
+    pub pool_max_idle_per_host: usize,
+    /// How long an idle backend connection is kept.
+    pub pool_idle_timeout_ms: u64,
+    /// `Retry-After` seconds on 503s.
+    pub retry_after_s: u32,
+}
+
+impl Default for ProxyOptions {
+    fn default() -> Self {
+        Self {
+            pool_max_idle_per_host: 256,
+            pool_idle_timeout_ms: 90_000,
+            retry_after_s: 1,
+        }
+    }
+}
+
+/// The proxy's shared state.
+pub struct Proxy {
+    log: Arc<Log>,
+    orch: Arc<dyn Orchestrator>,
+    clock: Arc<dyn Clock>,
+    client: Client<HttpConnector, Body>,
+    traffic: Arc<Traffic>,
+    next: AtomicUsize,
+    options: ProxyOptions,
+}
+
+fn empty() -> Body {
+    Empty::new().map_err(|never| match never {}).boxed()
+}
+
+fn json_error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
+    let body = serde_json::json!({ "error": message, "code": code }).to_string();
+    Response::builder()
+        .status(status)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(
+            Full::new(Bytes::from(body))
+                .map_err(|never| match never {})
+                .boxed(),
+        )
+        .expect("valid response")
+}
+
+/// Headers that belong to one connection, never forwarded (RFC 9110 section 7.6.1).
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+    for n in HOP_BY_HOP {
+        headers.remove(n);
+    }
+}
+
+/// A response body that keeps its request counted as in flight until it is done.
+struct Counted {
+    inner: Body,
+    _in_flight: InFlight,
+}
+
+impl HttpBody for Counted {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Proxy {
+    /// A proxy over the live route store and an orchestrator.
+    pub fn new(
+        log: Arc<Log>,
+        orch: Arc<dyn Orchestrator>,
+        clock: Arc<dyn Clock>,
+        traffic: Arc<Traffic>,
+        options: ProxyOptions,
+    ) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(options.pool_max_idle_per_host)
+            .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
+            .build(connector);
+        Self {
+            log,
+            orch,
+            clock,
+            client,
+            traffic,
+            next: AtomicUsize::new(0),
+            options,
+        }
+    }
+
+    /// Accepts connections until `shutdown` resolves.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(shutdown);
+        loop {
+            let (stream, peer) = tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        continue;
+                    }
+                },
+                _ = &mut shutdown => return,
+            };
+            let _ = stream.set_nodelay(true);
+            let proxy = self.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let proxy = proxy.clone();
+                    async move { Ok::<_, std::convert::Infallible>(proxy.handle(req, peer).await) }
+                });
+                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                if let Err(e) = builder
+                    .serve_connection_with_upgrades(TokioIo::new(stream), service)
+                    .await
+                {
+                    tracing::debug!(error = %e, %peer, "connection ended with an error");
+                }
+            });
+        }
+    }
+
+    /// Answers one request.
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .or_else(|| req.uri().host())
+            .unwrap_or("")
+            .to_owned();
+        let Some(route) = self
+            .log
+            .read(|s| s.routes.route_for_host(&host).map(|r| r.spec.clone()))
+        else {
+            return json_error(
+                StatusCode::NOT_FOUND,
+                "unknown_host",
+                &format!("no route for host {host:?}"),
+            );
+        };
+        let stats = self.traffic.route(&route.name);
+        let in_flight = stats.begin(self.clock.now_ms());
+        let replayable = !req.headers().contains_key(header::TRANSFER_ENCODING)
+            && req
+                .headers()
+                .get(header::CONTENT_LENGTH)
+                .is_none_or(|v| v.as_bytes() == b"0");
+        let (mut parts, body) = req.into_parts();
+        strip_hop_by_hop(&mut parts.headers);
+        add_forwarded(&mut parts.headers, peer, &host);
+        let path = parts
+            .uri
+            .path_and_query()
+            .map_or("/", |p| p.as_str())
+            .to_owned();
+        let mut body = Some(body.boxed());
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let addr = match self.endpoint(&route, &stats).await {
+                Ok(a) => a,
+                Err(resp) => return resp,
+            };
+            let mut out = Request::from_parts(parts.clone(), body.take().unwrap_or_else(empty));
+            *out.uri_mut() = match Uri::builder()
+                .scheme("http")
+                .authority(addr.to_string())
+                .path_and_query(path.as_str())
+                .build()
+            {
+                Ok(u) => u,
+                Err(e) => {
+                    return json_error(StatusCode::BAD_REQUEST, "bad_request", &e.to_string());
+                }
+            };
+            match self.client.request(out).await {
+                Ok(resp) => {
+                    let (mut parts, body) = resp.into_parts();
+                    strip_hop_by_hop(&mut parts.headers);
+                    let body = Counted {
+                        inner: body.boxed(),
+                        _in_flight: in_flight,
+                    };
+                    return Response::from_parts(parts, body.boxed());
+                }
+                Err(e)
+                    if attempt == 1 && replayable && (e.is_connect() || backend_went_away(&e)) =>
+                {
+                    // The replica is stopping: wake the workload again and try once more.
+                    tracing::debug!(route = %route.name, %addr, error = %e, "backend went away; retrying");
+                    continue;
+                }
+                Err(e) => {
+                    return json_error(
+                        StatusCode::BAD_GATEWAY,
+                        "backend_error",
+                        &format!("backend {addr}: {e}"),
+                    );
+                }
+            }
+        }
+    }
+
+    /// A ready replica's address, holding the request (and waking the workload) while there is
+    /// none.
+    async fn endpoint(
+        &self,
+        route: &RouteSpec,
+        stats: &Arc<RouteTraffic>,
+    ) -> Result<SocketAddr, Response<Body>> {
+        if let Some(addr) = self.pick(&route.deployment) {
+            return Ok(addr);
+        }
+        let Some(_held) = stats.hold(route.hold_queue_max) else {
+            return Err(self.unavailable(
+                "hold_queue_full",
+                &format!(
+                    "{} requests already wait for {}",
+                    route.hold_queue_max, route.name
+                ),
+            ));
+        };
+        let mut changes = self.orch.changes();
+        if let Err(e) = self.wake(route).await {
+            return Err(self.unavailable("wake_failed", &e));
+        }
+        let wait = async {
+            loop {
+                if let Some(addr) = self.pick(&route.deployment) {
+                    return Some(addr);
+                }
+                if changes.changed().await.is_err() {
+                    return None;
+                }
+            }
+        };
+        match tokio::time::timeout(Duration::from_millis(route.hold_timeout_ms), wait).await {
+            Ok(Some(addr)) => Ok(addr),
+            _ => Err(self.unavailable(
+                "wake_timeout",
+                &format!(
+                    "{} has no ready replica after {} ms",
+                    route.name, route.hold_timeout_ms
+                ),
+            )),
+        }
+    }
+
+    fn unavailable(&self, code: &str, message: &str) -> Response<Body> {
+        let mut r = json_error(StatusCode::SERVICE_UNAVAILABLE, code, message);
+        r.headers_mut().insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(self.options.retry_after_s),
+        );
+        r
+    }
+
+    fn pick(&self, deployment: &str) -> Option<SocketAddr> {
+        let seen = self.orch.observe(deployment)?;
+        if seen.ready.is_empty() {
+            return None;
+        }
+        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        Some(seen.ready[i % seen.ready.len()])
+    }
+
+    /// Logs the wake decision (once per wake, whoever asks) and makes sure the orchestrator runs
+    /// the workload.
+    async fn wake(&self, route: &RouteSpec) -> Result<(), String> {
+        let name = route.name.clone();
+        self.log
+            .decide(move |s: &State, _| (decide_wake(s, &name).into_iter().collect(), ()))
+            .await
+            .map_err(|e| e.to_string())?;
+        let want = awake_replicas(route.min_replicas);
+        let desired = self
+            .orch
+            .observe(&route.deployment)
+            .map_or(0, |o| o.desired);
+        if desired < want {
+            self.orch
+                .scale(&route.deployment, want)
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+}
+
+/// A pooled connection the backend closed or reset: it is going away.
+fn backend_went_away(e: &hyper_util::client::legacy::Error) -> bool {
+    use std::error::Error as _;
+    let mut source = e.source();
+    while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>()
+            && (h.is_incomplete_message() || h.is_closed() || h.is_canceled())
+        {
+            return true;
+        }
+        if let Some(io) = s.downcast_ref::<std::io::Error>()
+            && matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::BrokenPipe
+            )
+        {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+fn add_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: &str) {
+    let ip = peer.ip().to_string();
+    let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+        Some(prev) => format!("{prev}, {ip}"),
+        None => ip.clone(),
+    };
+    let node = if peer.is_ipv6() {
+        format!("\"[{ip}]\"")
+    } else {
+        ip
+    };
+    let forwarded = format!("for={node};host=\"{host}\";proto=http");
+    let forwarded = match headers.get("forwarded").and_then(|v| v.to_str().ok()) {
+        Some(prev) => format!("{prev}, {forwarded}"),
+        None => forwarded,
+    };
+    for (name, value) in [
+        ("x-forwarded-for", xff),
+        ("x-forwarded-proto", "http".to_owned()),
+        ("x-forwarded-host", host.to_owned()),
+        ("forwarded", forwarded),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            headers.insert(name, v);
+        }
+    }
+}

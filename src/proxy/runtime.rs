@@ -1,0 +1,178 @@
+//! The proxy's background loops: flush traffic into `RequestsSeen` aggregates, record what the
+//! orchestrator reports as `ScaledUp` / `ScaledDown`, and scale idle workloads down. Each loop
+//! decides on the log's writer (serialized with every other decision) and acts only after its
+//! events are durable.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::Traffic;
+use crate::clock::Clock;
+use crate::event::Event;
+use crate::log::Log;
+use crate::orchestrator::Orchestrator;
+use crate::scaler::{Live, decide_idle, decide_observed};
+use crate::state::State;
+
+/// Intervals of the loops.
+#[derive(Debug, Clone)]
+pub struct RuntimeOptions {
+    /// How often traffic is flushed to the log.
+    pub flush_interval_ms: u64,
+    /// How often idle workloads are looked for.
+    pub idle_check_interval_ms: u64,
+}
+
+impl Default for RuntimeOptions {
+    fn default() -> Self {
+        Self {
+            flush_interval_ms: 1_000,
+            idle_check_interval_ms: 100,
+        }
+    }
+}
+
+/// Appends one `RequestsSeen` per route that saw requests since the last flush.
+pub async fn flush(log: &Log, traffic: &Traffic) {
+    let mut events = Vec::new();
+    let mut taken = Vec::new();
+    for (route, t) in traffic.all() {
+        let (count, last_at_ms) = t.take_requests();
+        if count > 0 {
+            events.push(Event::RequestsSeen {
+                route,
+                count,
+                last_at_ms,
+            });
+            taken.push((t, count));
+        }
+    }
+    if events.is_empty() {
+        return;
+    }
+    if let Err(e) = log.append_all(events).await {
+        tracing::warn!(error = %e, "flushing traffic failed; keeping the counts");
+        for (t, count) in taken {
+            t.restore_requests(count);
+        }
+    }
+}
+
+/// Flushes traffic every interval until `stop` turns true, and once more then.
+pub async fn run_flusher(
+    log: Arc<Log>,
+    traffic: Arc<Traffic>,
+    options: RuntimeOptions,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(options.flush_interval_ms.max(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => flush(&log, &traffic).await,
+            _ = stop.changed() => {
+                flush(&log, &traffic).await;
+                return;
+            }
+        }
+    }
+}
+
+/// Records the orchestrator's ready counts as `ScaledUp` / `ScaledDown` events.
+pub async fn run_observer(
+    log: Arc<Log>,
+    orch: Arc<dyn Orchestrator>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut changes = orch.changes();
+    loop {
+        let deployments: Vec<String> =
+            log.read(|s| s.routes.by_deployment.keys().cloned().collect());
+        for d in deployments {
+            let ready = orch.observe(&d).map_or(0, |o| o.ready.len() as u32);
+            let r = log
+                .decide(move |s: &State, _| {
+                    (decide_observed(s, &d, ready).into_iter().collect(), ())
+                })
+                .await;
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "recording replicas failed");
+            }
+        }
+        tokio::select! {
+            r = changes.changed() => if r.is_err() { return },
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// Scales idle workloads down to their minimum.
+pub async fn run_downscaler(
+    log: Arc<Log>,
+    orch: Arc<dyn Orchestrator>,
+    traffic: Arc<Traffic>,
+    clock: Arc<dyn Clock>,
+    options: RuntimeOptions,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut tick =
+        tokio::time::interval(Duration::from_millis(options.idle_check_interval_ms.max(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let now = clock.now_ms();
+        // Deployments asked to run, with the routes that lead to them.
+        let candidates: Vec<(String, Vec<String>)> = log.read(|s| {
+            s.routes
+                .deployments
+                .iter()
+                .filter(|(_, d)| d.desired > 0)
+                .map(|(name, _)| {
+                    let routes = s
+                        .routes
+                        .routes_of(name)
+                        .map(|r| r.spec.name.clone())
+                        .collect();
+                    (name.clone(), routes)
+                })
+                .collect()
+        });
+        for (deployment, routes) in candidates {
+            let mut live = Live::default();
+            for r in &routes {
+                let t = traffic.route(r);
+                live.in_flight += t.in_flight();
+                live.last_at_ms = live.last_at_ms.max(t.last_at_ms());
+            }
+            if live.in_flight > 0 {
+                continue;
+            }
+            let d = deployment.clone();
+            let decided = log
+                .decide(move |s: &State, _| {
+                    let ev = decide_idle(s, &d, live, now);
+                    let to = match &ev {
+                        Some(Event::ScaleRequested { to, .. }) => Some(*to),
+                        _ => None,
+                    };
+                    (ev.into_iter().collect(), to)
+                })
+                .await;
+            match decided {
+                Ok((Some(to), _)) => {
+                    tracing::info!(%deployment, to, "idle: scaling down");
+                    if let Err(e) = orch.scale(&deployment, to) {
+                        tracing::warn!(%deployment, error = %e, "scaling down failed");
+                    }
+                }
+                Ok((None, _)) => {}
+                Err(e) => tracing::warn!(error = %e, "idle decision failed"),
+            }
+        }
+    }
+}

@@ -1,0 +1,185 @@
+//! `ebb serve`: the runtime shell that wires the log, the orchestrator, the proxy, its background
+//! loops and the admin endpoints together, and takes them down in order. Like `main.rs` it is an
+//! edge of the program: it reports errors with `anyhow`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::sync::watch;
+
+use crate::clock::{Clock, SystemClock};
+use crate::config::Config;
+use crate::event::{Event, RouteSpec, ScaleReason};
+use crate::log::Log;
+use crate::orchestrator::{Orchestrator, ProcessOptions, ProcessOrchestrator};
+use crate::proxy::runtime::{self, RuntimeOptions};
+use crate::proxy::{Proxy, ProxyOptions, Traffic};
+use crate::state::State;
+
+/// What `ebb serve` was asked to do.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// The data directory (workload logs go in `workloads/` under it).
+    pub data_dir: PathBuf,
+    /// `ebb.toml`, if any.
+    pub config: Option<PathBuf>,
+    /// Where the proxy listens.
+    pub listen: SocketAddr,
+    /// Where ebb's own endpoints (`/healthz`) listen.
+    pub admin_listen: SocketAddr,
+    /// Loop intervals.
+    pub runtime: RuntimeOptions,
+}
+
+/// Routes from the config file that differ from the log's, as events.
+fn config_routes(state: &State, routes: &[RouteSpec]) -> Vec<Event> {
+    routes
+        .iter()
+        .filter(|r| state.routes.by_name.get(&r.name).map(|x| &x.spec) != Some(*r))
+        .map(|r| Event::RouteUpserted { route: r.clone() })
+        .collect()
+}
+
+/// After a restart no replica ebb ran before is running: say so, and ask for each deployment's
+/// minimum again.
+fn restart_events(state: &State) -> Vec<Event> {
+    let mut out = Vec::new();
+    for (name, d) in &state.routes.deployments {
+        let min = state
+            .routes
+            .routes_of(name)
+            .map(|r| r.spec.min_replicas)
+            .max()
+            .unwrap_or(0);
+        if d.replicas > 0 {
+            out.push(Event::ScaledDown {
+                deployment: name.clone(),
+                replicas: 0,
+            });
+        }
+        if d.desired != min {
+            out.push(Event::ScaleRequested {
+                deployment: name.clone(),
+                from: d.desired,
+                to: min,
+                reason: ScaleReason::Restart,
+            });
+        }
+    }
+    out
+}
+
+/// Runs until `shutdown` resolves, then stops accepting, flushes traffic, stops every replica.
+pub async fn run(
+    options: ServeOptions,
+    log: Arc<Log>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let config = match &options.config {
+        Some(path) => Config::load(path)?,
+        None => Config::default(),
+    };
+    let orch = Arc::new(
+        ProcessOrchestrator::new(ProcessOptions {
+            log_dir: options.data_dir.join("workloads"),
+            ..ProcessOptions::default()
+        })
+        .context("starting the process orchestrator")?,
+    );
+    let exe = std::env::current_exe().context("finding the ebb executable")?;
+    for app in &config.apps {
+        orch.register(app.workload(&exe))?;
+    }
+    let routes: Vec<RouteSpec> = config.apps.iter().map(|a| a.route()).collect();
+    log.decide(move |s: &State, _| (config_routes(s, &routes), ()))
+        .await?;
+    log.decide(|s: &State, _| (restart_events(s), ())).await?;
+    // Deployments with a minimum run it from the start.
+    let minimums: Vec<(String, u32)> = log.read(|s| {
+        s.routes
+            .deployments
+            .iter()
+            .filter(|(_, d)| d.desired > 0)
+            .map(|(n, d)| (n.clone(), d.desired))
+            .collect()
+    });
+    for (deployment, n) in minimums {
+        if let Err(e) = orch.scale(&deployment, n) {
+            tracing::warn!(%deployment, error = %e, "cannot start minimum replicas");
+        }
+    }
+
+    let traffic = Arc::new(Traffic::default());
+    let dyn_orch: Arc<dyn Orchestrator> = orch.clone();
+    let proxy = Arc::new(Proxy::new(
+        log.clone(),
+        dyn_orch.clone(),
+        clock.clone(),
+        traffic.clone(),
+        ProxyOptions::default(),
+    ));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let flusher = tokio::spawn(runtime::run_flusher(
+        log.clone(),
+        traffic.clone(),
+        options.runtime.clone(),
+        stop_rx.clone(),
+    ));
+    tokio::spawn(runtime::run_observer(
+        log.clone(),
+        dyn_orch.clone(),
+        stop_rx.clone(),
+    ));
+    tokio::spawn(runtime::run_downscaler(
+        log.clone(),
+        dyn_orch.clone(),
+        traffic.clone(),
+        clock.clone(),
+        options.runtime.clone(),
+        stop_rx.clone(),
+    ));
+
+    let proxy_listener = tokio::net::TcpListener::bind(options.listen)
+        .await
+        .with_context(|| format!("listening on {}", options.listen))?;
+    let admin_listener = tokio::net::TcpListener::bind(options.admin_listen)
+        .await
+        .with_context(|| format!("listening on {}", options.admin_listen))?;
+    let proxy_addr = proxy_listener.local_addr()?;
+    let admin_addr = admin_listener.local_addr()?;
+    tracing::info!(%proxy_addr, %admin_addr, apps = config.apps.len(), seq = log.read(|s| s.seq), "ebb is serving");
+    println!("ebb proxy listening on http://{proxy_addr}");
+    println!("ebb admin listening on http://{admin_addr}");
+
+    let stopped = {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.changed().await;
+        }
+    };
+    let proxy_task = tokio::spawn(proxy.clone().serve(proxy_listener, stopped));
+    let admin = crate::api::router(crate::api::AppState { log: log.clone() });
+    let admin_stopped = {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.changed().await;
+        }
+    };
+    let admin_task = tokio::spawn(async move {
+        axum::serve(admin_listener, admin)
+            .with_graceful_shutdown(admin_stopped)
+            .await
+    });
+
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    let _ = proxy_task.await;
+    let _ = flusher.await;
+    orch.shutdown(Duration::from_secs(1)).await;
+    let _ = admin_task.await;
+    Ok(())
+}

@@ -1,0 +1,326 @@
+//! The scale-to-zero proxy end to end: `ebb serve` with an `ebb.toml`, real app processes
+//! (`ebb example-app`), real HTTP over loopback.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+struct Ebb {
+    child: Child,
+    proxy: SocketAddr,
+    data: PathBuf,
+}
+
+impl Drop for Ebb {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn write_config(dir: &Path, apps: &str) -> PathBuf {
+    let path = dir.join("ebb.toml");
+    std::fs::write(&path, apps).unwrap();
+    path
+}
+
+/// An app running `ebb example-app` with `args`, plus extra TOML lines.
+fn app_with(name: &str, args: &[&str], extra: &str) -> String {
+    let mut command = vec!["\"ebb\"".to_owned(), "\"example-app\"".to_owned()];
+    command.extend(args.iter().map(|a| format!("\"{a}\"")));
+    format!(
+        "[[app]]\nname = \"{name}\"\ndomains = [\"{name}.localhost\"]\ncommand = [{}]\nstartup_timeout_ms = 20000\nstop_grace_ms = 2000\n{extra}\n",
+        command.join(", ")
+    )
+}
+
+fn app(name: &str, extra: &str) -> String {
+    app_with(name, &[], extra)
+}
+
+fn start(dir: &Path, config: &Path) -> Ebb {
+    let data = dir.join("data");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--flush-interval-ms", "100", "--config"])
+        .arg(config)
+        .arg("--data-dir")
+        .arg(&data)
+        .env("EBB_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().expect("serve printed its address").unwrap();
+    let proxy = first
+        .strip_prefix("ebb proxy listening on http://")
+        .unwrap_or_else(|| panic!("unexpected line {first:?}"))
+        .parse()
+        .unwrap();
+    std::thread::spawn(move || for _ in lines {});
+    Ebb { child, proxy, data }
+}
+
+fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+struct Answer {
+    status: u16,
+    headers: hyper::HeaderMap,
+    body: String,
+}
+
+async fn get(
+    c: &Client<HttpConnector, Full<Bytes>>,
+    proxy: SocketAddr,
+    host: &str,
+    path: &str,
+) -> Answer {
+    let req = hyper::Request::get(format!("http://{proxy}{path}"))
+        .header("host", host)
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = c.request(req).await.expect("the proxy answers");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    Answer {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat.split(' ').nth(2).is_none_or(|s| s != "Z"),
+        Err(_) => false,
+    }
+}
+
+/// Polls `cond` until it holds or the deadline passes.
+async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let wait = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(10));
+        while !cond() {
+            tick.tick().await;
+        }
+    };
+    tokio::time::timeout(DEADLINE, wait)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not happen in time"));
+}
+
+fn spawns(data: &Path, app: &str) -> usize {
+    std::fs::read_dir(data.join("workloads").join(app)).map_or(0, |d| d.count())
+}
+
+fn events(data: &Path) -> Vec<serde_json::Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args(["log", "dump", "--json", "--data-dir"])
+        .arg(data)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+fn count(
+    events: &[serde_json::Value],
+    name: &str,
+    pred: impl Fn(&serde_json::Value) -> bool,
+) -> usize {
+    events
+        .iter()
+        .filter(|e| e["event"].get(name).is_some_and(&pred))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hundred_cold_requests_spawn_once_and_all_succeed() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &write_config(dir.path(), &app("demo", "")));
+    let c = client();
+    let tasks: Vec<_> = (0..200)
+        .map(|_| {
+            let c = c.clone();
+            let proxy = ebb.proxy;
+            tokio::spawn(async move { get(&c, proxy, "Demo.Localhost:8080", "/pid").await })
+        })
+        .collect();
+    let mut pids = BTreeSet::new();
+    for t in tasks {
+        let a = t.await.unwrap();
+        assert_eq!(a.status, 200, "{}", a.body);
+        pids.insert(a.body.trim().parse::<u32>().unwrap());
+    }
+    assert_eq!(pids.len(), 1, "one replica served every request");
+    assert_eq!(spawns(&ebb.data, "demo"), 1, "exactly one spawn");
+    // The echo path sees the forwarding headers.
+    let echo = get(&c, ebb.proxy, "demo.localhost", "/some/path?x=1").await;
+    assert_eq!(echo.status, 200);
+    assert_eq!(echo.headers["x-echo-path"], "/some/path?x=1");
+    let ev = events(&ebb.data);
+    assert_eq!(
+        count(&ev, "ScaleRequested", |e| e["reason"] == "wake"),
+        1,
+        "one wake decision"
+    );
+    assert_eq!(count(&ev, "ScaledUp", |e| e["replicas"] == 1), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_hosts_get_404_and_unready_apps_get_503() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!(
+        "{}{}",
+        app_with("slow", &["--never-ready"], "hold_timeout_ms = 300"),
+        app_with(
+            "narrow",
+            &["--never-ready"],
+            "hold_timeout_ms = 2000\nhold_queue_max = 1"
+        ),
+    );
+    let ebb = start(dir.path(), &write_config(dir.path(), &config));
+    let c = client();
+    let a = get(&c, ebb.proxy, "nobody.example", "/").await;
+    assert_eq!(a.status, 404);
+    let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+    assert_eq!(v["code"], "unknown_host");
+
+    let a = get(&c, ebb.proxy, "slow.localhost", "/").await;
+    assert_eq!(a.status, 503);
+    assert_eq!(a.headers["retry-after"], "1");
+    assert!(a.body.contains("wake_timeout"), "{}", a.body);
+
+    // Two requests, room for one: one waits (and times out), the other is refused at once.
+    let (x, y) = tokio::join!(
+        get(&c, ebb.proxy, "narrow.localhost", "/"),
+        get(&c, ebb.proxy, "narrow.localhost", "/")
+    );
+    let mut codes: Vec<String> = [x, y]
+        .iter()
+        .map(|a| {
+            assert_eq!(a.status, 503);
+            serde_json::from_str::<serde_json::Value>(&a.body).unwrap()["code"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    codes.sort();
+    assert_eq!(codes, ["hold_queue_full", "wake_timeout"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_apps_stop_and_wake_again_but_not_during_a_long_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(
+        dir.path(),
+        &write_config(dir.path(), &app("idle", "idle_after_ms = 300")),
+    );
+    let c = client();
+    // A request that lasts well past idle_after keeps its replica alive and completes.
+    let long = get(&c, ebb.proxy, "idle.localhost", "/sleep?ms=1500").await;
+    assert_eq!(long.status, 200, "{}", long.body);
+    let a = get(&c, ebb.proxy, "idle.localhost", "/pid").await;
+    let pid: u32 = a.body.trim().parse().unwrap();
+    assert_eq!(
+        spawns(&ebb.data, "idle"),
+        1,
+        "the long request kept the first replica"
+    );
+    eventually("the idle replica stops", || !alive(pid)).await;
+    let ev = events(&ebb.data);
+    assert_eq!(count(&ev, "ScaleRequested", |e| e["reason"] == "idle"), 1);
+    // The next request wakes it again.
+    let b = get(&c, ebb.proxy, "idle.localhost", "/pid").await;
+    assert_eq!(b.status, 200);
+    assert_ne!(b.body.trim().parse::<u32>().unwrap(), pid);
+    assert_eq!(spawns(&ebb.data, "idle"), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_app_serves_the_next_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &write_config(dir.path(), &app("crashy", "")));
+    let c = client();
+    let a = get(&c, ebb.proxy, "crashy.localhost", "/pid").await;
+    let pid: u32 = a.body.trim().parse().unwrap();
+    let crash = get(&c, ebb.proxy, "crashy.localhost", "/crash").await;
+    assert_eq!(crash.status, 502, "{}", crash.body);
+    eventually("the crashed replica is gone", || !alive(pid)).await;
+    let b = get(&c, ebb.proxy, "crashy.localhost", "/pid").await;
+    assert_eq!(b.status, 200, "{}", b.body);
+    assert_ne!(b.body.trim().parse::<u32>().unwrap(), pid);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_of_ebb_leaves_no_app_and_a_restart_rebuilds_the_routes() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &app("keep", ""));
+    let mut ebb = start(dir.path(), &config);
+    let c = client();
+    let a = get(&c, ebb.proxy, "keep.localhost", "/pid").await;
+    let pid: u32 = a.body.trim().parse().unwrap();
+    // Let the traffic reach the log, then kill ebb without warning.
+    eventually("traffic is flushed", || {
+        count(&events(&ebb.data), "RequestsSeen", |_| true) > 0
+    })
+    .await;
+    ebb.child.kill().unwrap();
+    ebb.child.wait().unwrap();
+    eventually("the app dies with ebb", || !alive(pid)).await;
+
+    let replay = Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args(["replay", "--json", "--data-dir"])
+        .arg(&ebb.data)
+        .output()
+        .unwrap();
+    let state: serde_json::Value = serde_json::from_slice(&replay.stdout).unwrap();
+    let route = &state["routes"]["by_name"]["keep"];
+    assert_eq!(route["spec"]["domains"][0], "keep.localhost");
+    assert!(route["last_used_ms"].as_u64().unwrap() > 0);
+
+    drop(ebb);
+    let ebb = start(dir.path(), &config);
+    let ev = events(&ebb.data);
+    assert_eq!(
+        count(&ev, "ScaleRequested", |e| e["reason"] == "restart"),
+        1
+    );
+    assert_eq!(
+        count(&ev, "RouteUpserted", |_| true),
+        1,
+        "an unchanged route is not logged again"
+    );
+    let b = get(&c, ebb.proxy, "keep.localhost", "/pid").await;
+    assert_eq!(b.status, 200);
+}
