@@ -185,3 +185,72 @@ impl AppConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<Config, Error> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ebb.toml");
+        std::fs::write(&path, text).unwrap();
+        Config::load(&path)
+    }
+
+    #[test]
+    fn the_demo_config_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/demo.toml");
+        let cfg = Config::load(&path).unwrap();
+        let demo = &cfg.apps[0];
+        assert_eq!(demo.route().domains, ["demo.localhost", "*.demo.localhost"]);
+        let w = demo.workload(Path::new("/opt/ebb"));
+        assert_eq!(w.command, ["/opt/ebb", "example-app"]);
+        assert_eq!(
+            w.readiness,
+            Readiness::Http {
+                path: "/health".into()
+            }
+        );
+    }
+
+    #[test]
+    fn bad_configs_are_refused_with_the_reason() {
+        let app = |name: &str, domain: &str| {
+            format!("[[app]]\nname = \"{name}\"\ndomains = [\"{domain}\"]\ncommand = [\"x\"]\n")
+        };
+        let cases = [
+            (
+                format!("{}{}", app("a", "x.test"), app("b", "X.test")),
+                "belongs to both",
+            ),
+            (
+                format!("{}{}", app("a", "x.test"), app("a", "y.test")),
+                "defined twice",
+            ),
+            (
+                format!("{}colour = \"red\"\n", app("a", "x.test")),
+                "unknown field",
+            ),
+            (
+                "[[app]]\nname = \"a\"\ndomains = [\"a\"]\ncommand = []\n".to_owned(),
+                "command is empty",
+            ),
+            (
+                format!("{}min_replicas = 3\nmax_replicas = 2\n", app("a", "x.test")),
+                "min_replicas <= max_replicas",
+            ),
+            ("[[app]]\nname = 1\n".to_owned(), "invalid type"),
+        ];
+        for (text, needle) in cases {
+            let err = load(&text).unwrap_err().to_string();
+            assert!(err.contains("ebb.toml"), "{err}");
+            assert!(err.contains(needle), "{needle:?} not in {err:?}");
+        }
+        let missing = Config::load(Path::new("/nonexistent/ebb.toml")).unwrap_err();
+        assert!(
+            missing
+                .to_string()
+                .contains("reading /nonexistent/ebb.toml")
+        );
+    }
+}

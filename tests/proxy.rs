@@ -324,3 +324,104 @@ async fn sigkill_of_ebb_leaves_no_app_and_a_restart_rebuilds_the_routes() {
     let b = get(&c, ebb.proxy, "keep.localhost", "/pid").await;
     assert_eq!(b.status, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websockets_pass_through_and_keep_their_app_awake() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(
+        dir.path(),
+        &write_config(dir.path(), &app("ws", "idle_after_ms = 300")),
+    );
+    let mut req = format!("ws://{}/ws", ebb.proxy)
+        .into_client_request()
+        .unwrap();
+    req.headers_mut()
+        .insert("host", "ws.localhost".parse().unwrap());
+    let (mut ws, resp) = tokio_tungstenite::connect_async(req).await.unwrap();
+    assert_eq!(resp.status(), 101);
+    // Messages over more than three times idle_after: the open socket keeps the app alive.
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    for i in 0..20 {
+        tick.tick().await;
+        ws.send(Message::text(format!("hello {i}"))).await.unwrap();
+        let back = ws.next().await.unwrap().unwrap();
+        assert_eq!(back, Message::text(format!("hello {i}")));
+    }
+    ws.send(Message::binary(vec![1u8, 2, 3])).await.unwrap();
+    assert_eq!(
+        ws.next().await.unwrap().unwrap(),
+        Message::binary(vec![1u8, 2, 3])
+    );
+    ws.close(None).await.unwrap();
+    assert_eq!(spawns(&ebb.data, "ws"), 1);
+}
+
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_megabytes_stream_both_ways_in_bounded_memory() {
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+
+    const CHUNK: usize = 64 * 1024;
+    const CHUNKS: usize = 1_600; // 100 MiB
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &write_config(dir.path(), &app("big", "")));
+
+    // Download.
+    let c = client();
+    let req = hyper::Request::get(format!("http://{}/bytes?n={}", ebb.proxy, CHUNK * CHUNKS))
+        .header("host", "big.localhost")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let mut body = c.request(req).await.unwrap().into_body();
+    let mut got = 0usize;
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            got += data.len();
+        }
+    }
+    assert_eq!(got, CHUNK * CHUNKS);
+
+    // Upload, echoed back while it is still being sent.
+    let streaming: Client<HttpConnector, StreamBody<_>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let chunk = Bytes::from((0..CHUNK).map(|i| (i % 253) as u8).collect::<Vec<u8>>());
+    let frames = futures_util::stream::iter(
+        (0..CHUNKS).map(move |_| Ok::<_, std::convert::Infallible>(Frame::data(chunk.clone()))),
+    );
+    let req = hyper::Request::post(format!("http://{}/upload", ebb.proxy))
+        .header("host", "big.localhost")
+        .body(StreamBody::new(frames))
+        .unwrap();
+    let resp = streaming.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let (mut got, mut sum) = (0usize, 0u64);
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            sum += data.iter().map(|&b| u64::from(b)).sum::<u64>();
+            got += data.len();
+        }
+    }
+    assert_eq!(got, CHUNK * CHUNKS);
+    let per_chunk: u64 = (0..CHUNK).map(|i| (i % 253) as u64).sum();
+    assert_eq!(sum, per_chunk * CHUNKS as u64, "the bytes came back intact");
+    // Neither body was held whole in ebb's memory.
+    let peak = peak_rss_kib(ebb.child.id());
+    assert!(
+        peak < 64 * 1024,
+        "ebb's peak RSS was {peak} KiB for 2 x 100 MiB"
+    );
+}

@@ -214,7 +214,7 @@ impl Proxy {
     }
 
     /// Answers one request.
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let host = req
             .headers()
             .get(header::HOST)
@@ -239,8 +239,17 @@ impl Proxy {
                 .headers()
                 .get(header::CONTENT_LENGTH)
                 .is_none_or(|v| v.as_bytes() == b"0");
+        // An upgrade (WebSocket) keeps its Upgrade header and becomes a byte tunnel after a 101.
+        let upgrade_to = upgrade_protocol(req.headers());
+        let client_upgrade = upgrade_to.is_some().then(|| hyper::upgrade::on(&mut req));
         let (mut parts, body) = req.into_parts();
         strip_hop_by_hop(&mut parts.headers);
+        if let Some(proto) = &upgrade_to {
+            parts
+                .headers
+                .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            parts.headers.insert(header::UPGRADE, proto.clone());
+        }
         add_forwarded(&mut parts.headers, peer, &host);
         let path = parts
             .uri
@@ -268,7 +277,15 @@ impl Proxy {
                 }
             };
             match self.client.request(out).await {
-                Ok(resp) => {
+                Ok(mut resp) => {
+                    if resp.status() == StatusCode::SWITCHING_PROTOCOLS
+                        && let Some(client_upgrade) = client_upgrade
+                    {
+                        let backend_upgrade = hyper::upgrade::on(&mut resp);
+                        tokio::spawn(tunnel(client_upgrade, backend_upgrade, in_flight));
+                        let (parts, _) = resp.into_parts();
+                        return Response::from_parts(parts, empty());
+                    }
                     let (mut parts, body) = resp.into_parts();
                     strip_hop_by_hop(&mut parts.headers);
                     let body = Counted {
@@ -378,6 +395,40 @@ impl Proxy {
         }
         Ok(())
     }
+}
+
+/// The protocol a request asks to upgrade to (`Connection: upgrade` with an `Upgrade` header).
+fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
+    let asks = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    asks.then(|| headers.get(header::UPGRADE).cloned())
+        .flatten()
+}
+
+/// Copies bytes both ways between an upgraded client and backend connection; the connection counts
+/// as in flight (so its workload is never idle) until both sides are done.
+async fn tunnel(
+    client: hyper::upgrade::OnUpgrade,
+    backend: hyper::upgrade::OnUpgrade,
+    in_flight: InFlight,
+) {
+    let (client, backend) = match tokio::try_join!(client, backend) {
+        Ok(pair) => pair,
+        Err(e) => {
+            tracing::debug!(error = %e, "upgrade failed");
+            return;
+        }
+    };
+    let mut client = TokioIo::new(client);
+    let mut backend = TokioIo::new(backend);
+    if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut backend).await {
+        tracing::debug!(error = %e, "upgraded connection ended with an error");
+    }
+    drop(in_flight);
 }
 
 /// A pooled connection the backend closed or reset: it is going away.
