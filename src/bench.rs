@@ -91,6 +91,7 @@ fn route_events() -> Vec<Event> {
                 max_replicas: 4,
                 hold_timeout_ms: 30_000,
                 hold_queue_max: 1_000,
+                process: None,
             },
         })
         .collect()

@@ -14,8 +14,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::event::RouteSpec;
-use crate::orchestrator::{Readiness, WorkloadSpec};
+use crate::event::{ProcessSpec, RouteSpec};
 
 /// The whole file.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -121,20 +120,8 @@ impl Config {
             if !names.insert(app.name.clone()) {
                 return Err(invalid(format!("app {:?} is defined twice", app.name)));
             }
-            if app.command.is_empty() {
-                return Err(invalid(format!("app {:?}: command is empty", app.name)));
-            }
-            if app.domains.is_empty() {
-                return Err(invalid(format!("app {:?}: no domains", app.name)));
-            }
-            if app.max_replicas == 0 || app.min_replicas > app.max_replicas {
-                return Err(invalid(format!(
-                    "app {:?}: need 0 <= min_replicas <= max_replicas and max_replicas >= 1",
-                    app.name
-                )));
-            }
-            for d in &mut app.domains {
-                *d = d.to_ascii_lowercase();
+            app.validate().map_err(invalid)?;
+            for d in &app.domains {
                 if let Some(other) = domains.insert(d.clone(), app.name.clone()) {
                     return Err(invalid(format!(
                         "domain {d:?} belongs to both {other:?} and {:?}",
@@ -151,7 +138,48 @@ impl Config {
 }
 
 impl AppConfig {
-    /// The route this app serves.
+    /// Checks one app on its own (and lower-cases its domains).
+    pub fn validate(&mut self) -> Result<(), String> {
+        let name_ok = !self.name.is_empty()
+            && self.name.len() <= 63
+            && self
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            && !self.name.starts_with('-');
+        if !name_ok {
+            return Err(format!(
+                "app name {:?}: use 1-63 letters, digits, '-' and '_'",
+                self.name
+            ));
+        }
+        if self.command.is_empty() {
+            return Err(format!("app {:?}: command is empty", self.name));
+        }
+        if self.domains.is_empty() {
+            return Err(format!("app {:?}: no domains", self.name));
+        }
+        if self.max_replicas == 0 || self.min_replicas > self.max_replicas {
+            return Err(format!(
+                "app {:?}: need 0 <= min_replicas <= max_replicas and max_replicas >= 1",
+                self.name
+            ));
+        }
+        for d in &mut self.domains {
+            *d = d.to_ascii_lowercase();
+            let bare = d.strip_prefix("*.").unwrap_or(d);
+            let ok = !bare.is_empty()
+                && bare
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+            if !ok {
+                return Err(format!("app {:?}: {d:?} is not a host name", self.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// The route this app serves, with how to run it.
     pub fn route(&self) -> RouteSpec {
         RouteSpec {
             name: self.name.clone(),
@@ -162,26 +190,14 @@ impl AppConfig {
             max_replicas: self.max_replicas,
             hold_timeout_ms: self.hold_timeout_ms,
             hold_queue_max: self.hold_queue_max,
-        }
-    }
-
-    /// The workload that runs it; `ebb` as the program means the running ebb binary.
-    pub fn workload(&self, ebb_exe: &Path) -> WorkloadSpec {
-        let mut command = self.command.clone();
-        if command[0] == "ebb" {
-            command[0] = ebb_exe.to_string_lossy().into_owned();
-        }
-        WorkloadSpec {
-            name: self.name.clone(),
-            command,
-            env: self.env.clone().into_iter().collect(),
-            cwd: self.cwd.clone(),
-            readiness: match &self.readiness_path {
-                Some(path) => Readiness::Http { path: path.clone() },
-                None => Readiness::Tcp,
-            },
-            startup_timeout_ms: self.startup_timeout_ms,
-            stop_grace_ms: self.stop_grace_ms,
+            process: Some(ProcessSpec {
+                command: self.command.clone(),
+                env: self.env.clone().into_iter().collect(),
+                cwd: self.cwd.as_ref().map(|c| c.to_string_lossy().into_owned()),
+                readiness_path: self.readiness_path.clone(),
+                startup_timeout_ms: self.startup_timeout_ms,
+                stop_grace_ms: self.stop_grace_ms,
+            }),
         }
     }
 }
@@ -201,16 +217,11 @@ mod tests {
     fn the_demo_config_loads() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/demo.toml");
         let cfg = Config::load(&path).unwrap();
-        let demo = &cfg.apps[0];
-        assert_eq!(demo.route().domains, ["demo.localhost", "*.demo.localhost"]);
-        let w = demo.workload(Path::new("/opt/ebb"));
-        assert_eq!(w.command, ["/opt/ebb", "example-app"]);
-        assert_eq!(
-            w.readiness,
-            Readiness::Http {
-                path: "/health".into()
-            }
-        );
+        let demo = cfg.apps[0].route();
+        assert_eq!(demo.domains, ["demo.localhost", "*.demo.localhost"]);
+        let process = demo.process.unwrap();
+        assert_eq!(process.command, ["ebb", "example-app"]);
+        assert_eq!(process.readiness_path.as_deref(), Some("/health"));
     }
 
     #[test]

@@ -149,6 +149,32 @@ pub struct RouteSpec {
     /// How many requests may wait at once.
     #[serde(default)]
     pub hold_queue_max: u32,
+    /// How to run the deployment as local processes (absent: something else runs it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<ProcessSpec>,
+}
+
+/// How to run a deployment as local processes, one per replica, each listening on
+/// 127.0.0.1:`$PORT`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ProcessSpec {
+    /// Program and arguments; the program `ebb` means the running ebb binary.
+    pub command: Vec<String>,
+    /// Extra environment variables.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// Working directory.
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// HTTP path that answers 2xx when ready; a TCP connect when absent.
+    #[serde(default)]
+    pub readiness_path: Option<String>,
+    /// A replica not ready after this long has failed to start.
+    #[serde(default)]
+    pub startup_timeout_ms: u64,
+    /// Time between SIGTERM and SIGKILL.
+    #[serde(default)]
+    pub stop_grace_ms: u64,
 }
 
 fn one() -> u32 {
@@ -519,6 +545,7 @@ pub fn examples() -> Vec<Event> {
                 max_replicas: 3,
                 hold_timeout_ms: 30_000,
                 hold_queue_max: 1_000,
+                process: None,
             },
         },
         Event::RouteRemoved {

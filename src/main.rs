@@ -65,6 +65,9 @@ enum Command {
         /// Sync every acknowledged append to disk, or leave flushing to the OS.
         #[arg(long, value_enum, default_value_t = Durability::Sync)]
         durability: Durability,
+        /// Bearer token for the admin API (`/admin/routes`); without one it is disabled.
+        #[arg(long, env = "EBB_ADMIN_TOKEN", hide_env_values = true)]
+        admin_token: Option<String>,
         /// How often request counts are flushed to the log, in milliseconds.
         #[arg(long, default_value_t = 1_000)]
         flush_interval_ms: u64,
@@ -215,6 +218,7 @@ fn run(cli: Cli) -> Result<()> {
             listen,
             admin_listen,
             durability,
+            admin_token,
             flush_interval_ms,
         } => serve(
             ebb::serve::ServeOptions {
@@ -222,6 +226,7 @@ fn run(cli: Cli) -> Result<()> {
                 config,
                 listen,
                 admin_listen,
+                admin_token,
                 runtime: ebb::proxy::runtime::RuntimeOptions {
                     flush_interval_ms,
                     ..Default::default()

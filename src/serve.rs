@@ -12,9 +12,9 @@ use tokio::sync::watch;
 
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
-use crate::event::{Event, RouteSpec, ScaleReason};
+use crate::event::{Event, ProcessSpec, RouteSpec, ScaleReason};
 use crate::log::Log;
-use crate::orchestrator::{Orchestrator, ProcessOptions, ProcessOrchestrator};
+use crate::orchestrator::{Orchestrator, ProcessOptions, ProcessOrchestrator, WorkloadSpec};
 use crate::proxy::runtime::{self, RuntimeOptions};
 use crate::proxy::{Proxy, ProxyOptions, Traffic};
 use crate::state::State;
@@ -30,6 +30,8 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     /// Where ebb's own endpoints (`/healthz`) listen.
     pub admin_listen: SocketAddr,
+    /// Bearer token of the admin API (`None`: the admin API is disabled).
+    pub admin_token: Option<String>,
     /// Loop intervals.
     pub runtime: RuntimeOptions,
 }
@@ -91,12 +93,20 @@ pub async fn run(
         .context("starting the process orchestrator")?,
     );
     let exe = std::env::current_exe().context("finding the ebb executable")?;
-    for app in &config.apps {
-        orch.register(app.workload(&exe))?;
-    }
     let routes: Vec<RouteSpec> = config.apps.iter().map(|a| a.route()).collect();
     log.decide(move |s: &State, _| (config_routes(s, &routes), ()))
         .await?;
+    // Every route in the log that ebb runs as processes, whether from the config or the admin API.
+    let workloads: Vec<(String, ProcessSpec)> = log.read(|s| {
+        s.routes
+            .by_name
+            .values()
+            .filter_map(|r| Some((r.spec.deployment.clone(), r.spec.process.clone()?)))
+            .collect()
+    });
+    for (deployment, process) in &workloads {
+        orch.register(WorkloadSpec::from_process(deployment, process, &exe))?;
+    }
     log.decide(|s: &State, _| (restart_events(s), ())).await?;
     // Deployments with a minimum run it from the start.
     let minimums: Vec<(String, u32)> = log.read(|s| {
@@ -162,7 +172,12 @@ pub async fn run(
         }
     };
     let proxy_task = tokio::spawn(proxy.clone().serve(proxy_listener, stopped));
-    let admin = crate::api::router(crate::api::AppState { log: log.clone() });
+    let admin = crate::api::router(crate::api::AppState {
+        log: log.clone(),
+        orchestrator: Some(dyn_orch.clone()),
+        admin_token: options.admin_token.clone(),
+        ebb_exe: exe.clone(),
+    });
     let admin_stopped = {
         let mut rx = stop_rx.clone();
         async move {

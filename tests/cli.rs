@@ -75,6 +75,7 @@ fn route() -> RouteSpec {
         max_replicas: 2,
         hold_timeout_ms: 30_000,
         hold_queue_max: 100,
+        process: None,
     }
 }
 

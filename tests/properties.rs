@@ -10,7 +10,8 @@ use serde_bytes::ByteBuf;
 use ebb::clock::SimClock;
 use ebb::event::{
     CallKind, CallResult, CallSpec, CleanerSpec, CleanerTarget, Envelope, Event, Outcome, Payload,
-    RejectReason, RouteSpec, SCHEMA_VERSION, ScaleReason, TemplateSpec, decode, encode,
+    ProcessSpec, RejectReason, RouteSpec, SCHEMA_VERSION, ScaleReason, TemplateSpec, decode,
+    encode,
 };
 use ebb::log::rocks::OpenMode;
 use ebb::log::{
@@ -49,17 +50,40 @@ fn route_spec() -> impl Strategy<Value = RouteSpec> {
         1u32..5,
         any::<u64>(),
         any::<u32>(),
+        proptest::option::of(
+            (
+                proptest::collection::vec(text(), 1..3),
+                headers(),
+                proptest::option::of(text()),
+                proptest::option::of(text()),
+                any::<u64>(),
+                any::<u64>(),
+            )
+                .prop_map(|(command, env, cwd, readiness_path, startup, grace)| {
+                    ProcessSpec {
+                        command,
+                        env,
+                        cwd,
+                        readiness_path,
+                        startup_timeout_ms: startup,
+                        stop_grace_ms: grace,
+                    }
+                }),
+        ),
     )
-        .prop_map(|(n, domains, dep, idle, min, max, hold, q)| RouteSpec {
-            name: n,
-            domains: domains.into_iter().map(String::from).collect(),
-            deployment: dep,
-            idle_after_ms: idle,
-            min_replicas: min,
-            max_replicas: max,
-            hold_timeout_ms: hold,
-            hold_queue_max: q,
-        })
+        .prop_map(
+            |(n, domains, dep, idle, min, max, hold, q, process)| RouteSpec {
+                name: n,
+                domains: domains.into_iter().map(String::from).collect(),
+                deployment: dep,
+                idle_after_ms: idle,
+                min_replicas: min,
+                max_replicas: max,
+                hold_timeout_ms: hold,
+                hold_queue_max: q,
+                process,
+            },
+        )
 }
 
 fn call_spec() -> impl Strategy<Value = CallSpec> {

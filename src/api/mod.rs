@@ -1,6 +1,13 @@
-//! ebb's HTTP surface (axum). For now: `/healthz`, and the one place where errors become HTTP
-//! answers with a JSON body `{"error": "...", "code": "..."}`. Handlers read the live projection
-//! and ask the log for decisions; they never touch storage directly.
+//! ebb's own HTTP endpoints (axum), apart from the proxy: `/healthz` and the admin API, and the one
+//! place where errors become HTTP answers with a JSON body `{"error": "...", "code": "..."}`.
+//! Handlers read the live projection and ask the log for decisions; they never touch storage
+//! directly.
+//!
+//! Admin API (bearer token, `ebb serve --admin-token` / `EBB_ADMIN_TOKEN`; disabled without one):
+//! `GET /admin/routes`, `GET|PUT|DELETE /admin/routes/{name}`. A PUT body has the fields of an app
+//! in `ebb.toml` (JSON); the route and how to run it go into the log, so they survive restarts.
+
+pub mod admin;
 
 use std::sync::Arc;
 
@@ -19,6 +26,12 @@ use crate::log::Log;
 pub struct AppState {
     /// The open log and its live projection.
     pub log: Arc<Log>,
+    /// Runs the workloads of routes created through the admin API.
+    pub orchestrator: Option<Arc<dyn crate::orchestrator::Orchestrator>>,
+    /// The admin API's bearer token; `None` disables the admin API.
+    pub admin_token: Option<String>,
+    /// The ebb binary, for workloads whose program is `ebb`.
+    pub ebb_exe: std::path::PathBuf,
 }
 
 /// An API error: an HTTP status, a stable machine-readable code and a message for people.
@@ -34,6 +47,15 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// An error with a status and code.
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
     /// A 404 with code `not_found`.
     pub fn not_found(message: impl Into<String>) -> Self {
         Self {
@@ -68,6 +90,7 @@ impl IntoResponse for ApiError {
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
+        .merge(admin::router())
         .fallback(not_found)
         .with_state(state)
 }

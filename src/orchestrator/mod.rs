@@ -48,6 +48,33 @@ pub struct WorkloadSpec {
     pub stop_grace_ms: u64,
 }
 
+impl WorkloadSpec {
+    /// The workload for a deployment described by a route's process spec; `ebb` as the program
+    /// means `ebb_exe`, the running ebb binary.
+    pub fn from_process(
+        name: &str,
+        p: &crate::event::ProcessSpec,
+        ebb_exe: &std::path::Path,
+    ) -> Self {
+        let mut command = p.command.clone();
+        if command.first().is_some_and(|c| c == "ebb") {
+            command[0] = ebb_exe.to_string_lossy().into_owned();
+        }
+        WorkloadSpec {
+            name: name.to_owned(),
+            command,
+            env: p.env.clone(),
+            cwd: p.cwd.as_ref().map(PathBuf::from),
+            readiness: match &p.readiness_path {
+                Some(path) => Readiness::Http { path: path.clone() },
+                None => Readiness::Tcp,
+            },
+            startup_timeout_ms: p.startup_timeout_ms,
+            stop_grace_ms: p.stop_grace_ms,
+        }
+    }
+}
+
 /// A workload as the orchestrator sees it now.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Observed {

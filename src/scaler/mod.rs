@@ -115,6 +115,7 @@ mod tests {
                 max_replicas: 1,
                 hold_timeout_ms: 1_000,
                 hold_queue_max: 10,
+                process: None,
             },
         }
     }

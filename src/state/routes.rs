@@ -171,6 +171,7 @@ mod tests {
             max_replicas: 1,
             hold_timeout_ms: 0,
             hold_queue_max: 0,
+            process: None,
         }
     }
 

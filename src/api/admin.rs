@@ -1,0 +1,198 @@
+//! `/admin/routes`: create, replace, list and delete routes at run time. Changes are decisions on
+//! the log's writer, so a domain can never end up claimed by two routes, and they are events, so
+//! they survive restarts and show in `ebb explain route NAME`.
+
+use axum::Json;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, State as Extract};
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::get;
+use serde_json::{Value, json};
+
+use super::{ApiError, AppState};
+use crate::config::AppConfig;
+use crate::event::{Event, RouteSpec};
+use crate::orchestrator::WorkloadSpec;
+use crate::state::State;
+
+pub(super) fn router() -> Router<AppState> {
+    Router::new()
+        .route("/admin/routes", get(list))
+        .route("/admin/routes/{name}", get(show).put(put).delete(delete))
+}
+
+/// Checks the bearer token in constant time.
+fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = &app.admin_token else {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "admin_disabled",
+            "the admin API is disabled: start ebb with --admin-token or EBB_ADMIN_TOKEN",
+        ));
+    };
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    let same = given.len() == token.len()
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0;
+    if same {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "missing or wrong bearer token",
+        ))
+    }
+}
+
+fn view(state: &State, spec: &RouteSpec) -> Value {
+    let route = state.routes.by_name.get(&spec.name);
+    let d = state.routes.deployments.get(&spec.deployment);
+    json!({
+        "route": spec,
+        "last_used_ms": route.map_or(0, |r| r.last_used_ms),
+        "requests_total": route.map_or(0, |r| r.requests_total),
+        "replicas": d.map_or(0, |d| d.replicas),
+        "desired": d.map_or(0, |d| d.desired),
+    })
+}
+
+async fn list(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&app, &headers)?;
+    Ok(Json(app.log.read(|s| {
+        Value::Array(
+            s.routes
+                .by_name
+                .values()
+                .map(|r| view(s, &r.spec))
+                .collect(),
+        )
+    })))
+}
+
+async fn show(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&app, &headers)?;
+    app.log
+        .read(|s| s.routes.by_name.get(&name).map(|r| view(s, &r.spec)))
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("no route named {name:?}")))
+}
+
+async fn put(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    authorize(&app, &headers)?;
+    let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", m);
+    let mut value: Value =
+        serde_json::from_slice(&body).map_err(|e| bad(format!("the body is not JSON: {e}")))?;
+    let Some(obj) = value.as_object_mut() else {
+        return Err(bad("the body must be a JSON object".into()));
+    };
+    match obj.get("name") {
+        Some(n) if n.as_str() != Some(name.as_str()) => {
+            return Err(bad(format!("the body names another route than {name:?}")));
+        }
+        _ => {
+            obj.insert("name".into(), Value::String(name.clone()));
+        }
+    }
+    let mut cfg: AppConfig =
+        serde_json::from_value(value).map_err(|e| bad(format!("invalid route: {e}")))?;
+    cfg.validate().map_err(bad)?;
+    let spec = cfg.route();
+    let orchestrator = app.orchestrator.clone().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no_orchestrator",
+            "this ebb runs no workloads",
+        )
+    })?;
+    let workload = WorkloadSpec::from_process(
+        &spec.deployment,
+        spec.process
+            .as_ref()
+            .expect("routes from the API run processes"),
+        &app.ebb_exe,
+    );
+    orchestrator
+        .register(workload)
+        .map_err(|e| bad(e.to_string()))?;
+    let decided = spec.clone();
+    let (outcome, _) = app
+        .log
+        .decide(move |s: &State, _| {
+            for d in &decided.domains {
+                if let Some(owner) = s.routes.by_domain.get(d)
+                    && owner != &decided.name
+                {
+                    let why = format!("domain {d:?} belongs to route {owner:?}");
+                    return (vec![], Err(why));
+                }
+            }
+            let created = !s.routes.by_name.contains_key(&decided.name);
+            (vec![Event::RouteUpserted { route: decided }], Ok(created))
+        })
+        .await?;
+    match outcome {
+        Ok(created) => {
+            let status = if created {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            Ok((status, Json(app.log.read(|s| view(s, &spec)))))
+        }
+        Err(why) => Err(ApiError::new(StatusCode::CONFLICT, "domain_conflict", why)),
+    }
+}
+
+async fn delete(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    authorize(&app, &headers)?;
+    let n = name.clone();
+    let (outcome, _) = app
+        .log
+        .decide(move |s: &State, _| match s.routes.by_name.get(&n) {
+            None => (vec![], None),
+            Some(r) => {
+                let deployment = r.spec.deployment.clone();
+                let shared = s.routes.routes_of(&deployment).count() > 1;
+                (
+                    vec![Event::RouteRemoved { name: n.clone() }],
+                    Some((!shared).then_some(deployment)),
+                )
+            }
+        })
+        .await?;
+    match outcome {
+        Some(stop) => {
+            // The last route of a deployment takes its replicas with it.
+            if let (Some(deployment), Some(o)) = (stop, &app.orchestrator) {
+                let _ = o.scale(&deployment, 0);
+            }
+            Ok(StatusCode::NO_CONTENT)
+        }
+        None => Err(ApiError::not_found(format!("no route named {name:?}"))),
+    }
+}
