@@ -41,7 +41,7 @@ pub struct AppConfig {
     /// Working directory (relative to the config file).
     #[serde(default)]
     pub cwd: Option<PathBuf>,
-    /// HTTP readiness path; `tcp` readiness when absent.
+    /// HTTP readiness path (default `/health`); empty for a TCP connect check.
     #[serde(default = "default_health")]
     pub readiness_path: Option<String>,
     /// Scale to zero after this long without a request.
@@ -194,7 +194,7 @@ impl AppConfig {
                 command: self.command.clone(),
                 env: self.env.clone().into_iter().collect(),
                 cwd: self.cwd.as_ref().map(|c| c.to_string_lossy().into_owned()),
-                readiness_path: self.readiness_path.clone(),
+                readiness_path: self.readiness_path.clone().filter(|p| !p.is_empty()),
                 startup_timeout_ms: self.startup_timeout_ms,
                 stop_grace_ms: self.stop_grace_ms,
             }),

@@ -40,7 +40,7 @@ fn app_with(name: &str, args: &[&str], extra: &str) -> String {
     let mut command = vec!["\"ebb\"".to_owned(), "\"example-app\"".to_owned()];
     command.extend(args.iter().map(|a| format!("\"{a}\"")));
     format!(
-        "[[app]]\nname = \"{name}\"\ndomains = [\"{name}.localhost\"]\ncommand = [{}]\nstartup_timeout_ms = 20000\nstop_grace_ms = 2000\n{extra}\n",
+        "[[app]]\nname = \"{name}\"\ndomains = [\"{name}.localhost\"]\ncommand = [{}]\nstartup_timeout_ms = 20000\n{extra}\n",
         command.join(", ")
     )
 }
@@ -423,5 +423,54 @@ async fn a_hundred_megabytes_stream_both_ways_in_bounded_memory() {
     assert!(
         peak < 64 * 1024,
         "ebb's peak RSS was {peak} KiB for 2 x 100 MiB"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_clients_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &write_config(dir.path(), &app("h2", "")));
+    let c: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let req = hyper::Request::post(format!("http://{}/over/h2", ebb.proxy))
+        .header("host", "h2.localhost")
+        .body(Full::new(Bytes::from_static(b"ping")))
+        .unwrap();
+    let resp = c.request(req).await.unwrap();
+    assert_eq!(resp.version(), hyper::Version::HTTP_2);
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-echo-path"], "/over/h2");
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"ping");
+}
+
+/// Requests paced just slower than `idle_after`, so the downscaler keeps stopping the app between
+/// them while the next request is already on its way: every request still gets the app's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_across_scale_downs_all_get_the_apps_answer() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(
+        dir.path(),
+        &write_config(
+            dir.path(),
+            &app("edge", "idle_after_ms = 10\nstop_grace_ms = 100"),
+        ),
+    );
+    let c = client();
+    let mut pace = tokio::time::interval(Duration::from_millis(30));
+    let mut pids = BTreeSet::new();
+    for i in 0..100 {
+        pace.tick().await;
+        let a = get(&c, ebb.proxy, "edge.localhost", "/pid").await;
+        assert_eq!(a.status, 200, "request {i}: {}", a.body);
+        pids.insert(a.body.trim().parse::<u32>().unwrap());
+    }
+    let ev = events(&ebb.data);
+    let downs = count(&ev, "ScaleRequested", |e| e["reason"] == "idle");
+    assert!(downs >= 1, "the pacing caused no scale-down");
+    assert!(
+        pids.len() >= 2,
+        "the app was woken again after a scale-down"
     );
 }

@@ -244,6 +244,13 @@ impl Proxy {
         let client_upgrade = upgrade_to.is_some().then(|| hyper::upgrade::on(&mut req));
         let (mut parts, body) = req.into_parts();
         strip_hop_by_hop(&mut parts.headers);
+        // Backends speak HTTP/1.1 whatever the client spoke (h2c included), with the client's Host.
+        parts.version = hyper::Version::HTTP_11;
+        if !parts.headers.contains_key(header::HOST)
+            && let Ok(h) = HeaderValue::from_str(&host)
+        {
+            parts.headers.insert(header::HOST, h);
+        }
         if let Some(proto) = &upgrade_to {
             parts
                 .headers
