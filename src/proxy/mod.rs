@@ -264,10 +264,10 @@ impl Proxy {
             .map_or("/", |p| p.as_str())
             .to_owned();
         let mut body = Some(body.boxed());
-        let mut attempt = 0;
+        // A replica that refused or reset the connection is avoided on the retry.
+        let mut failed: Option<SocketAddr> = None;
         loop {
-            attempt += 1;
-            let addr = match self.endpoint(&route, &stats).await {
+            let addr = match self.endpoint(&route, &stats, failed).await {
                 Ok(a) => a,
                 Err(resp) => return resp,
             };
@@ -302,10 +302,14 @@ impl Proxy {
                     return Response::from_parts(parts, body.boxed());
                 }
                 Err(e)
-                    if attempt == 1 && replayable && (e.is_connect() || backend_went_away(&e)) =>
+                    if failed.is_none()
+                        && replayable
+                        && (e.is_connect() || backend_went_away(&e)) =>
                 {
-                    // The replica is stopping: wake the workload again and try once more.
+                    // The replica is stopping or gone: wake the workload again and try once more,
+                    // on another replica.
                     tracing::debug!(route = %route.name, %addr, error = %e, "backend went away; retrying");
+                    failed = Some(addr);
                     continue;
                 }
                 Err(e) => {
@@ -319,14 +323,15 @@ impl Proxy {
         }
     }
 
-    /// A ready replica's address, holding the request (and waking the workload) while there is
-    /// none.
+    /// A ready replica's address other than `avoid`, holding the request (and waking the workload)
+    /// while there is none.
     async fn endpoint(
         &self,
         route: &RouteSpec,
         stats: &Arc<RouteTraffic>,
+        avoid: Option<SocketAddr>,
     ) -> Result<SocketAddr, Response<Body>> {
-        if let Some(addr) = self.pick(&route.deployment) {
+        if let Some(addr) = self.pick(&route.deployment, avoid) {
             return Ok(addr);
         }
         let Some(_held) = stats.hold(route.hold_queue_max) else {
@@ -344,7 +349,7 @@ impl Proxy {
         }
         let wait = async {
             loop {
-                if let Some(addr) = self.pick(&route.deployment) {
+                if let Some(addr) = self.pick(&route.deployment, avoid) {
                     return Some(addr);
                 }
                 if changes.changed().await.is_err() {
@@ -373,13 +378,19 @@ impl Proxy {
         r
     }
 
-    fn pick(&self, deployment: &str) -> Option<SocketAddr> {
+    /// Round-robin over the ready replicas, skipping `avoid`.
+    fn pick(&self, deployment: &str, avoid: Option<SocketAddr>) -> Option<SocketAddr> {
         let seen = self.orch.observe(deployment)?;
-        if seen.ready.is_empty() {
+        let ready: Vec<SocketAddr> = seen
+            .ready
+            .into_iter()
+            .filter(|a| Some(*a) != avoid)
+            .collect();
+        if ready.is_empty() {
             return None;
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed);
-        Some(seen.ready[i % seen.ready.len()])
+        Some(ready[i % ready.len()])
     }
 
     /// Logs the wake decision (once per wake, whoever asks) and makes sure the orchestrator runs
