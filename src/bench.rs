@@ -270,3 +270,149 @@ pub async fn log(args: LogBenchArgs) -> Result<()> {
     log.close();
     Ok(())
 }
+
+/// Arguments of `ebb bench cold-start`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ColdStartArgs {
+    /// Cold starts to measure.
+    #[arg(long, default_value_t = 20)]
+    pub rounds: u32,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Starts `ebb example-app` directly and polls `/health` every `poll` until it answers 200;
+/// returns the time from spawn to ready.
+async fn direct_start_to_ready(exe: &std::path::Path, poll: Duration) -> Result<Duration> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let sw = Stopwatch::start();
+    let mut child = tokio::process::Command::new(exe)
+        .args(["example-app", "--port", &port.to_string()])
+        .kill_on_drop(true)
+        .spawn()?;
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    loop {
+        if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await?;
+            let mut head = [0u8; 12];
+            if s.read_exact(&mut head).await.is_ok() && head.starts_with(b"HTTP/1.1 200") {
+                break;
+            }
+        }
+        tokio::time::sleep(poll).await;
+    }
+    let took = sw.elapsed();
+    child.kill().await?;
+    Ok(took)
+}
+
+/// Cold-start overhead: time to first byte through ebb for a workload at zero, minus the app's
+/// own start-to-ready time measured without ebb (same binary, same readiness poll interval).
+pub async fn cold_start(args: ColdStartArgs) -> Result<()> {
+    use crate::orchestrator::{Orchestrator, ProcessOptions, ProcessOrchestrator, WorkloadSpec};
+    use crate::proxy::{Proxy, ProxyOptions, Traffic};
+
+    let exe = std::env::current_exe()?;
+    let base = std::env::temp_dir().join(format!("ebb-bench-cold-{}", std::process::id()));
+    std::fs::create_dir_all(&base)?;
+    let _cleanup = Scratch(base.clone());
+    let options = ProcessOptions {
+        log_dir: base.join("workloads"),
+        ..ProcessOptions::default()
+    };
+    let poll = Duration::from_millis(options.readiness_poll_ms);
+    let mut direct = Vec::new();
+    for _ in 0..args.rounds {
+        direct.push(direct_start_to_ready(&exe, poll).await?.as_secs_f64() * 1e3);
+    }
+
+    let log = Arc::new(open(&base.join("log"), Durability::Sync)?);
+    let orch = Arc::new(ProcessOrchestrator::new(options)?);
+    let process = crate::event::ProcessSpec {
+        command: vec!["ebb".into(), "example-app".into()],
+        readiness_path: Some("/health".into()),
+        startup_timeout_ms: 30_000,
+        stop_grace_ms: 5_000,
+        ..Default::default()
+    };
+    orch.register(WorkloadSpec::from_process("cold", &process, &exe))?;
+    log.append(Event::RouteUpserted {
+        route: RouteSpec {
+            name: "cold".into(),
+            domains: vec!["cold.localhost".into()],
+            deployment: "cold".into(),
+            idle_after_ms: 3_600_000,
+            min_replicas: 0,
+            max_replicas: 1,
+            hold_timeout_ms: 30_000,
+            hold_queue_max: 100,
+            process: Some(process),
+        },
+    })
+    .await?;
+    let dyn_orch: Arc<dyn Orchestrator> = orch.clone();
+    let proxy = Arc::new(Proxy::new(
+        log.clone(),
+        dyn_orch,
+        Arc::new(SystemClock),
+        Arc::new(Traffic::default()),
+        ProxyOptions::default(),
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(proxy.clone().serve(listener, std::future::pending()));
+    let mut through = Vec::new();
+    for _ in 0..args.rounds {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        let sw = Stopwatch::start();
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: cold.localhost\r\nConnection: close\r\n\r\n")
+            .await?;
+        let mut first = [0u8; 1];
+        s.read_exact(&mut first).await?;
+        through.push(sw.elapsed().as_secs_f64() * 1e3);
+        // Back to zero for the next round: the wake decision is undone by an idle one.
+        log.append(Event::ScaleRequested {
+            deployment: "cold".into(),
+            from: 1,
+            to: 0,
+            reason: crate::event::ScaleReason::Manual,
+        })
+        .await?;
+        orch.scale("cold", 0)?;
+        let mut changes = orch.changes();
+        while orch
+            .observe("cold")
+            .is_some_and(|o| !o.ready.is_empty() || o.stopping > 0 || o.starting > 0)
+        {
+            changes.changed().await?;
+        }
+    }
+    orch.shutdown(Duration::from_secs(1)).await;
+    direct.sort_by(f64::total_cmp);
+    through.sort_by(f64::total_cmp);
+    println!("| measure ({} rounds) | p50 | p90 |", args.rounds);
+    println!("|---|---|---|");
+    println!(
+        "| app start-to-ready without ebb (spawn, poll /health every {} ms) | {:.2} ms | {:.2} ms |",
+        poll.as_millis(),
+        percentile(&direct, 0.5),
+        percentile(&direct, 0.9)
+    );
+    println!(
+        "| first byte through ebb, workload at zero | {:.2} ms | {:.2} ms |",
+        percentile(&through, 0.5),
+        percentile(&through, 0.9)
+    );
+    println!(
+        "| cold-start overhead (difference) | {:.2} ms | {:.2} ms |",
+        percentile(&through, 0.5) - percentile(&direct, 0.5),
+        percentile(&through, 0.9) - percentile(&direct, 0.9)
+    );
+    Ok(())
+}

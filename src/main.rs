@@ -150,6 +150,8 @@ enum LogCommand {
 enum BenchCommand {
     /// Append throughput, replay speed and open time of the log.
     Log(ebb::bench::LogBenchArgs),
+    /// Cold-start overhead of the proxy: first byte for a workload at zero vs the app's own start.
+    ColdStart(ebb::bench::ColdStartArgs),
 }
 
 #[derive(Subcommand)]
@@ -238,6 +240,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Replay { until, at, json } => replay(&dir, until, at, json),
         Command::Explain { kind, id, json } => explain(&dir, kind, &id, json),
         Command::Bench(BenchCommand::Log(args)) => runtime()?.block_on(ebb::bench::log(args)),
+        Command::Bench(BenchCommand::ColdStart(args)) => {
+            runtime()?.block_on(ebb::bench::cold_start(args))
+        }
         Command::ExampleApp(args) => runtime()?.block_on(ebb::example_app::run(args)),
         Command::Debug(DebugCommand::AppendStress { appenders, count }) => {
             append_stress(&dir, appenders, count)

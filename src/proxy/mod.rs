@@ -18,6 +18,7 @@
 //!   The proxy never writes the log per request.
 
 pub mod runtime;
+pub mod table;
 pub mod traffic;
 
 use std::net::SocketAddr;
@@ -43,6 +44,7 @@ use crate::log::Log;
 use crate::orchestrator::Orchestrator;
 use crate::scaler::{awake_replicas, decide_wake};
 use crate::state::State;
+use table::{Entry, Table};
 pub use traffic::{InFlight, RouteTraffic, Traffic};
 
 /// Bodies the proxy sends and answers with.
@@ -76,6 +78,8 @@ pub struct Proxy {
     clock: Arc<dyn Clock>,
     client: Client<HttpConnector, Body>,
     traffic: Arc<Traffic>,
+    table: std::sync::RwLock<Arc<Table>>,
+    orch_version: tokio::sync::watch::Receiver<u64>,
     next: AtomicUsize,
     options: ProxyOptions,
 }
@@ -166,15 +170,31 @@ impl Proxy {
             .pool_max_idle_per_host(options.pool_max_idle_per_host)
             .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
             .build(connector);
+        let orch_version = orch.changes();
         Self {
             log,
             orch,
             clock,
             client,
             traffic,
+            table: std::sync::RwLock::new(Arc::new(Table::default())),
+            orch_version,
             next: AtomicUsize::new(0),
             options,
         }
+    }
+
+    /// The route a Host leads to, from the routing table, rebuilt first if the route store has
+    /// changed since it was built.
+    fn route(&self, host: &str) -> Option<Arc<Entry>> {
+        let seq = self.log.read(|s| s.routes.changed_at_seq);
+        let mut table = self.table.read().expect("table lock").clone();
+        if table.seq != seq {
+            let fresh = Arc::new(self.log.read(|s| Table::build(s, &self.traffic)));
+            *self.table.write().expect("table lock") = fresh.clone();
+            table = fresh;
+        }
+        table.lookup(host)
     }
 
     /// Accepts connections until `shutdown` resolves.
@@ -222,18 +242,15 @@ impl Proxy {
             .or_else(|| req.uri().host())
             .unwrap_or("")
             .to_owned();
-        let Some(route) = self
-            .log
-            .read(|s| s.routes.route_for_host(&host).map(|r| r.spec.clone()))
-        else {
+        let Some(entry) = self.route(&host) else {
             return json_error(
                 StatusCode::NOT_FOUND,
                 "unknown_host",
                 &format!("no route for host {host:?}"),
             );
         };
-        let stats = self.traffic.route(&route.name);
-        let in_flight = stats.begin(self.clock.now_ms());
+        let route = &entry.spec;
+        let in_flight = entry.traffic.begin(self.clock.now_ms());
         let replayable = !req.headers().contains_key(header::TRANSFER_ENCODING)
             && req
                 .headers()
@@ -267,7 +284,7 @@ impl Proxy {
         // A replica that refused or reset the connection is avoided on the retry.
         let mut failed: Option<SocketAddr> = None;
         loop {
-            let addr = match self.endpoint(&route, &stats, failed).await {
+            let addr = match self.endpoint(&entry, failed).await {
                 Ok(a) => a,
                 Err(resp) => return resp,
             };
@@ -327,14 +344,14 @@ impl Proxy {
     /// while there is none.
     async fn endpoint(
         &self,
-        route: &RouteSpec,
-        stats: &Arc<RouteTraffic>,
+        entry: &Entry,
         avoid: Option<SocketAddr>,
     ) -> Result<SocketAddr, Response<Body>> {
-        if let Some(addr) = self.pick(&route.deployment, avoid) {
+        let route = &entry.spec;
+        if let Some(addr) = self.pick(entry, avoid) {
             return Ok(addr);
         }
-        let Some(_held) = stats.hold(route.hold_queue_max) else {
+        let Some(_held) = entry.traffic.hold(route.hold_queue_max) else {
             return Err(self.unavailable(
                 "hold_queue_full",
                 &format!(
@@ -349,7 +366,7 @@ impl Proxy {
         }
         let wait = async {
             loop {
-                if let Some(addr) = self.pick(&route.deployment, avoid) {
+                if let Some(addr) = self.pick(entry, avoid) {
                     return Some(addr);
                 }
                 if changes.changed().await.is_err() {
@@ -378,19 +395,29 @@ impl Proxy {
         r
     }
 
+    /// The route's ready replicas, read from the orchestrator only when it reported a change.
+    fn ready(&self, entry: &Entry) -> Arc<[SocketAddr]> {
+        let version = *self.orch_version.borrow();
+        if let Some(ready) = entry.ready_at(version) {
+            return ready;
+        }
+        let ready: Arc<[SocketAddr]> = self
+            .orch
+            .observe(&entry.spec.deployment)
+            .map_or_else(|| Arc::from([]), |o| Arc::from(o.ready));
+        entry.set_ready(version, ready.clone());
+        ready
+    }
+
     /// Round-robin over the ready replicas, skipping `avoid`.
-    fn pick(&self, deployment: &str, avoid: Option<SocketAddr>) -> Option<SocketAddr> {
-        let seen = self.orch.observe(deployment)?;
-        let ready: Vec<SocketAddr> = seen
-            .ready
-            .into_iter()
-            .filter(|a| Some(*a) != avoid)
-            .collect();
-        if ready.is_empty() {
+    fn pick(&self, entry: &Entry, avoid: Option<SocketAddr>) -> Option<SocketAddr> {
+        let ready = self.ready(entry);
+        let usable = ready.iter().filter(|a| Some(**a) != avoid).count();
+        if usable == 0 {
             return None;
         }
-        let i = self.next.fetch_add(1, Ordering::Relaxed);
-        Some(ready[i % ready.len()])
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % usable;
+        ready.iter().filter(|a| Some(**a) != avoid).nth(i).copied()
     }
 
     /// Logs the wake decision (once per wake, whoever asks) and makes sure the orchestrator runs

@@ -57,10 +57,12 @@ impl State {
         match &env.event {
             Event::RouteUpserted { route } => {
                 self.routes.upsert(route);
+                self.routes.changed_at_seq = env.seq;
                 self.schedule_idle(&route.name);
             }
             Event::RouteRemoved { name } => {
                 self.routes.remove(name);
+                self.routes.changed_at_seq = env.seq;
                 self.schedule.clear(&Due::RouteIdle(name.clone()));
             }
             Event::RequestsSeen {

@@ -45,6 +45,9 @@ pub struct Routes {
     pub by_deployment: BTreeMap<String, BTreeSet<String>>,
     /// Replica facts by deployment.
     pub deployments: BTreeMap<String, Deployment>,
+    /// Seq of the last event that created, replaced or removed a route (caches compare it).
+    #[serde(default)]
+    pub changed_at_seq: u64,
 }
 
 impl Routes {
@@ -114,23 +117,9 @@ impl Routes {
         Some(r.last_used_ms)
     }
 
-    /// The route a `Host` header leads to: the port and case are ignored; an exact domain wins over
-    /// a wildcard, and a longer wildcard suffix over a shorter one.
+    /// The route a `Host` header leads to (see [`match_host`]).
     pub fn route_for_host(&self, host: &str) -> Option<&Route> {
-        let host = host_without_port(host).to_ascii_lowercase();
-        let host = host.trim_end_matches('.');
-        if let Some(name) = self.by_domain.get(host) {
-            return self.by_name.get(name);
-        }
-        let mut rest = host;
-        while let Some(dot) = rest.find('.') {
-            rest = &rest[dot + 1..];
-            let wildcard = format!("*.{rest}");
-            if let Some(name) = self.by_domain.get(&wildcard) {
-                return self.by_name.get(name);
-            }
-        }
-        None
+        match_host(host, |d| self.by_domain.get(d)).and_then(|name| self.by_name.get(name))
     }
 
     /// Routes served by a deployment.
@@ -141,6 +130,33 @@ impl Routes {
             .flatten()
             .filter_map(|n| self.by_name.get(n))
     }
+}
+
+/// Looks a `Host` up in a table of domains: the port and case are ignored; an exact domain wins
+/// over a wildcard (`*.suffix`), and a longer wildcard suffix over a shorter one.
+pub fn match_host<T>(host: &str, mut get: impl FnMut(&str) -> Option<T>) -> Option<T> {
+    let host = host_without_port(host);
+    let lower: std::borrow::Cow<'_, str> = if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        host.to_ascii_lowercase().into()
+    } else {
+        host.into()
+    };
+    let host = lower.trim_end_matches('.');
+    if let Some(v) = get(host) {
+        return Some(v);
+    }
+    let mut rest = host;
+    let mut wildcard = String::with_capacity(host.len() + 1);
+    while let Some(dot) = rest.find('.') {
+        rest = &rest[dot + 1..];
+        wildcard.clear();
+        wildcard.push_str("*.");
+        wildcard.push_str(rest);
+        if let Some(v) = get(&wildcard) {
+            return Some(v);
+        }
+    }
+    None
 }
 
 /// `example.com:8080` -> `example.com`; `[::1]:80` -> `[::1]`.

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Proxy benchmark, in one go on this machine:
+#   1. warm throughput and latency (wrk) of the example app directly, of ebb in front of it, and of
+#      nginx as a keep-alive reverse proxy in front of it, with the ratios ebb/nginx;
+#   2. cold-start overhead (`ebb bench cold-start`): first byte through ebb for a workload at zero
+#      minus the app's own start-to-ready time.
+# Installs wrk and nginx (Debian packages) when missing. Usage: benches/proxy.sh [SECONDS] [CONNS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+
+seconds="${1:-10}"
+conns="${2:-64}"
+need=()
+for pkg in wrk nginx curl; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+cargo build --locked --release --bin ebb
+ebb="$CARGO_TARGET_DIR/release/ebb"
+
+work="$(mktemp -d)"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+base="${BENCH_PORT_BASE:-18000}"
+app_port=$((base + 1)); ebb_port=$((base + 2)); admin_port=$((base + 3)); nginx_port=$((base + 4))
+
+wait_http() { # URL HOST
+  for _ in $(seq 1 600); do
+    if curl -sf -o /dev/null -H "Host: $2" "$1"; then return 0; fi
+    sleep 0.05
+  done
+  echo "error: $1 did not answer" >&2
+  exit 1
+}
+
+# The app, directly.
+"$ebb" example-app --port "$app_port" &
+pids+=($!)
+
+# ebb in front of the same app binary, kept warm (min_replicas = 1).
+cat >"$work/ebb.toml" <<TOML
+[[app]]
+name = "bench"
+domains = ["bench.localhost"]
+command = ["ebb", "example-app"]
+min_replicas = 1
+idle_after_ms = 3600000
+TOML
+EBB_LOG=warn "$ebb" serve --config "$work/ebb.toml" --data-dir "$work/data" \
+  --listen "127.0.0.1:$ebb_port" --admin-listen "127.0.0.1:$admin_port" >/dev/null &
+pids+=($!)
+
+# nginx as a keep-alive reverse proxy in front of the app.
+mkdir -p "$work/nginx"
+cat >"$work/nginx/nginx.conf" <<NGINX
+worker_processes auto;
+daemon off;
+pid $work/nginx/nginx.pid;
+error_log $work/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $work/nginx/body;
+  proxy_temp_path $work/nginx/proxy;
+  fastcgi_temp_path $work/nginx/fastcgi;
+  uwsgi_temp_path $work/nginx/uwsgi;
+  scgi_temp_path $work/nginx/scgi;
+  upstream app { server 127.0.0.1:$app_port; keepalive 256; }
+  server {
+    listen 127.0.0.1:$nginx_port;
+    location / {
+      proxy_pass http://app;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_set_header Host \$host;
+      proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+    }
+  }
+}
+NGINX
+nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" &
+pids+=($!)
+
+wait_http "http://127.0.0.1:$app_port/health" x
+wait_http "http://127.0.0.1:$ebb_port/health" bench.localhost
+wait_http "http://127.0.0.1:$nginx_port/health" x
+
+run() { # NAME PORT
+  local out
+  out="$(wrk -t2 -c"$conns" -d"${seconds}s" --latency -H 'Host: bench.localhost' "http://127.0.0.1:$2/")"
+  local rps p50 p99
+  rps="$(awk '/^Requests\/sec:/ {print $2}' <<<"$out")"
+  p50="$(awk '$1 == "50%" {print $2}' <<<"$out")"
+  p99="$(awk '$1 == "99%" {print $2}' <<<"$out")"
+  echo "$1 $rps $p50 $p99"
+}
+
+# wrk prints latencies with units (us, ms, s); normalise to microseconds.
+to_us() {
+  awk -v v="$1" 'BEGIN {
+    n = v + 0
+    if (v ~ /us$/) print n; else if (v ~ /ms$/) print n * 1000; else if (v ~ /s$/) print n * 1000000; else print n
+  }'
+}
+
+echo "warm: wrk -t2 -c$conns -d${seconds}s, GET / (echo), 2 cores shared by wrk, proxy and app"
+results=()
+for target in "direct $app_port" "ebb $ebb_port" "nginx $nginx_port"; do
+  # shellcheck disable=SC2086
+  results+=("$(run $target)")
+done
+echo
+echo "| target | requests/s | p50 | p99 |"
+echo "|---|---|---|---|"
+for r in "${results[@]}"; do
+  read -r name rps p50 p99 <<<"$r"
+  echo "| $name | $rps | $p50 | $p99 |"
+done
+read -r _ ebb_rps ebb_p50 ebb_p99 <<<"${results[1]}"
+read -r _ ngx_rps ngx_p50 ngx_p99 <<<"${results[2]}"
+awk -v a="$ebb_rps" -v b="$ngx_rps" -v c="$(to_us "$ebb_p99")" -v d="$(to_us "$ngx_p99")" \
+    -v e="$(to_us "$ebb_p50")" -v f="$(to_us "$ngx_p50")" 'BEGIN {
+  printf "| ebb / nginx | %.2f x throughput | %.2f x p50 | %.2f x p99 |\n", a / b, e / f, c / d
+}'
+echo
+echo "cold start:"
+"$ebb" bench cold-start
