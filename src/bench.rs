@@ -287,7 +287,9 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// Starts `ebb example-app` directly and polls `/health` every `poll` until it answers 200;
 /// returns the time from spawn to ready.
 async fn direct_start_to_ready(exe: &std::path::Path, poll: Duration) -> Result<Duration> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
     let sw = Stopwatch::start();
     let mut child = tokio::process::Command::new(exe)
         .args(["example-app", "--port", &port.to_string()])

@@ -71,6 +71,9 @@ enum Command {
         /// How often request counts are flushed to the log, in milliseconds.
         #[arg(long, default_value_t = 1_000)]
         flush_interval_ms: u64,
+        /// Proxy threads (default: one per core).
+        #[arg(long, env = "EBB_PROXY_THREADS")]
+        proxy_threads: Option<usize>,
     },
     /// Inspect the log.
     #[command(subcommand)]
@@ -206,10 +209,14 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = std::env::var("EBB_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        b.worker_threads(n.max(1));
+    }
+    b.enable_all().build().context("starting the async runtime")
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -222,6 +229,7 @@ fn run(cli: Cli) -> Result<()> {
             durability,
             admin_token,
             flush_interval_ms,
+            proxy_threads,
         } => serve(
             ebb::serve::ServeOptions {
                 data_dir: dir.clone(),
@@ -229,6 +237,8 @@ fn run(cli: Cli) -> Result<()> {
                 listen,
                 admin_listen,
                 admin_token,
+                proxy_threads: proxy_threads
+                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
                 runtime: ebb::proxy::runtime::RuntimeOptions {
                     flush_interval_ms,
                     ..Default::default()

@@ -30,6 +30,8 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     /// Where ebb's own endpoints (`/healthz`) listen.
     pub admin_listen: SocketAddr,
+    /// Proxy threads, each with its own listener (`SO_REUSEPORT`) and runtime.
+    pub proxy_threads: usize,
     /// Bearer token of the admin API (`None`: the admin API is disabled).
     pub admin_token: Option<String>,
     /// Loop intervals.
@@ -72,6 +74,28 @@ fn restart_events(state: &State) -> Vec<Event> {
         }
     }
     out
+}
+
+/// `n` listeners on one address with `SO_REUSEPORT`; the first one picks the port when it is 0.
+fn reuseport_listeners(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
+    let mut addr = addr;
+    let mut out = Vec::new();
+    for i in 0..n.max(1) {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        socket.set_reuseport(true)?;
+        socket.bind(addr)?;
+        let listener = socket.listen(1024)?;
+        if i == 0 {
+            addr = listener.local_addr()?;
+        }
+        out.push(listener.into_std()?);
+    }
+    Ok(out)
 }
 
 /// Runs until `shutdown` resolves, then stops accepting, flushes traffic, stops every replica.
@@ -153,25 +177,18 @@ pub async fn run(
         stop_rx.clone(),
     ));
 
-    let proxy_listener = tokio::net::TcpListener::bind(options.listen)
-        .await
+    let proxy_listeners = reuseport_listeners(options.listen, options.proxy_threads)
         .with_context(|| format!("listening on {}", options.listen))?;
     let admin_listener = tokio::net::TcpListener::bind(options.admin_listen)
         .await
         .with_context(|| format!("listening on {}", options.admin_listen))?;
-    let proxy_addr = proxy_listener.local_addr()?;
+    let proxy_addr = proxy_listeners[0].local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
     tracing::info!(%proxy_addr, %admin_addr, apps = config.apps.len(), seq = log.read(|s| s.seq), "ebb is serving");
     println!("ebb proxy listening on http://{proxy_addr}");
     println!("ebb admin listening on http://{admin_addr}");
 
-    let stopped = {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.changed().await;
-        }
-    };
-    let proxy_task = tokio::spawn(proxy.clone().serve(proxy_listener, stopped));
+    let proxy_threads = proxy.spawn_workers(proxy_listeners, stop_rx.clone())?;
     let admin = crate::api::router(crate::api::AppState {
         log: log.clone(),
         orchestrator: Some(dyn_orch.clone()),
@@ -192,7 +209,12 @@ pub async fn run(
 
     shutdown.await;
     let _ = stop_tx.send(true);
-    let _ = proxy_task.await;
+    let _ = tokio::task::spawn_blocking(move || {
+        for t in proxy_threads {
+            let _ = t.join();
+        }
+    })
+    .await;
     let _ = flusher.await;
     orch.shutdown(Duration::from_secs(1)).await;
     let _ = admin_task.await;

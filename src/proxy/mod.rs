@@ -71,12 +71,33 @@ impl Default for ProxyOptions {
     }
 }
 
+thread_local! {
+    /// Each proxy thread keeps its own pool of backend connections, so a request and the
+    /// connection task that carries it stay on one thread (no cross-thread wake-ups).
+    static CLIENT: std::cell::RefCell<Option<Client<HttpConnector, Body>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+fn client(options: &ProxyOptions) -> Client<HttpConnector, Body> {
+    CLIENT.with(|c| {
+        c.borrow_mut()
+            .get_or_insert_with(|| {
+                let mut connector = HttpConnector::new();
+                connector.set_nodelay(true);
+                Client::builder(TokioExecutor::new())
+                    .pool_max_idle_per_host(options.pool_max_idle_per_host)
+                    .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
+                    .build(connector)
+            })
+            .clone()
+    })
+}
+
 /// The proxy's shared state.
 pub struct Proxy {
     log: Arc<Log>,
     orch: Arc<dyn Orchestrator>,
     clock: Arc<dyn Clock>,
-    client: Client<HttpConnector, Body>,
     traffic: Arc<Traffic>,
     table: std::sync::RwLock<Arc<Table>>,
     orch_version: tokio::sync::watch::Receiver<u64>,
@@ -164,18 +185,11 @@ impl Proxy {
         traffic: Arc<Traffic>,
         options: ProxyOptions,
     ) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(options.pool_max_idle_per_host)
-            .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
-            .build(connector);
         let orch_version = orch.changes();
         Self {
             log,
             orch,
             clock,
-            client,
             traffic,
             table: std::sync::RwLock::new(Arc::new(Table::default())),
             orch_version,
@@ -195,6 +209,52 @@ impl Proxy {
             table = fresh;
         }
         table.lookup(host)
+    }
+
+    /// Serves each listener on a thread of its own with a single-threaded runtime, the way nginx
+    /// runs worker processes: listeners bound with `SO_REUSEPORT` to one address share the
+    /// connections, and each thread keeps its connections, tasks and backend pool to itself.
+    pub fn spawn_workers(
+        self: &Arc<Self>,
+        listeners: Vec<std::net::TcpListener>,
+        stop: tokio::sync::watch::Receiver<bool>,
+    ) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
+        let mut threads = Vec::new();
+        for (i, listener) in listeners.into_iter().enumerate() {
+            let proxy = self.clone();
+            let mut stop = stop.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("ebb-proxy-{i}"))
+                    .spawn(move || {
+                        let rt = match tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                        {
+                            Ok(rt) => rt,
+                            Err(e) => {
+                                tracing::error!(error = %e, "proxy thread has no runtime");
+                                return;
+                            }
+                        };
+                        rt.block_on(async move {
+                            let listener = match tokio::net::TcpListener::from_std(listener) {
+                                Ok(l) => l,
+                                Err(e) => {
+                                    tracing::error!(error = %e, "proxy listener unusable");
+                                    return;
+                                }
+                            };
+                            proxy
+                                .serve(listener, async move {
+                                    let _ = stop.changed().await;
+                                })
+                                .await;
+                        });
+                    })?,
+            );
+        }
+        Ok(threads)
     }
 
     /// Accepts connections until `shutdown` resolves.
@@ -300,7 +360,7 @@ impl Proxy {
                     return json_error(StatusCode::BAD_REQUEST, "bad_request", &e.to_string());
                 }
             };
-            match self.client.request(out).await {
+            match client(&self.options).request(out).await {
                 Ok(mut resp) => {
                     if resp.status() == StatusCode::SWITCHING_PROTOCOLS
                         && let Some(client_upgrade) = client_upgrade
