@@ -280,6 +280,13 @@ async fn a_crashed_app_serves_the_next_request() {
     let b = get(&c, ebb.proxy, "crashy.localhost", "/pid").await;
     assert_eq!(b.status, 200, "{}", b.body);
     assert_ne!(b.body.trim().parse::<u32>().unwrap(), pid);
+    // The crash is in the log, with what happened.
+    eventually("the crash is logged", || {
+        count(&events(&ebb.data), "ScaleFailed", |e| {
+            e["error"].as_str().is_some_and(|m| m.contains("exited"))
+        }) >= 1
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,7 +13,7 @@ use crate::clock::Clock;
 use crate::event::Event;
 use crate::log::Log;
 use crate::orchestrator::Orchestrator;
-use crate::scaler::{Live, decide_idle, decide_observed};
+use crate::scaler::{Live, Report, decide_idle, decide_observed};
 use crate::state::State;
 
 /// Intervals of the loops.
@@ -80,25 +80,32 @@ pub async fn run_flusher(
     }
 }
 
-/// Records the orchestrator's ready counts as `ScaledUp` / `ScaledDown` events.
+/// Records what the orchestrator reports as `ScaleFailed`, `ScaledUp` and `ScaledDown` events.
 pub async fn run_observer(
     log: Arc<Log>,
     orch: Arc<dyn Orchestrator>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut changes = orch.changes();
+    // Failures already logged, per deployment (the orchestrator counts since it started).
+    let mut logged_failures: std::collections::HashMap<String, u64> = Default::default();
     loop {
         let deployments: Vec<String> =
             log.read(|s| s.routes.by_deployment.keys().cloned().collect());
         for d in deployments {
-            let ready = orch.observe(&d).map_or(0, |o| o.ready.len() as u32);
-            let r = log
-                .decide(move |s: &State, _| {
-                    (decide_observed(s, &d, ready).into_iter().collect(), ())
-                })
-                .await;
-            if let Err(e) = r {
-                tracing::warn!(error = %e, "recording replicas failed");
+            let seen = orch.observe(&d).unwrap_or_default();
+            let logged = logged_failures.entry(d.clone()).or_default();
+            let report = Report {
+                ready: seen.ready.len() as u32,
+                new_failures: seen.failures.saturating_sub(*logged),
+                last_failure: seen.last_failure,
+            };
+            match log
+                .decide(move |s: &State, _| (decide_observed(s, &d, &report), ()))
+                .await
+            {
+                Ok(_) => *logged = seen.failures,
+                Err(e) => tracing::warn!(error = %e, "recording replicas failed"),
             }
         }
         tokio::select! {

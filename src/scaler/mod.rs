@@ -27,24 +27,44 @@ pub fn decide_wake(state: &State, route: &str) -> Option<Event> {
     })
 }
 
-/// Records a change in the number of ready replicas the orchestrator reports.
-pub fn decide_observed(state: &State, deployment: &str, ready: u32) -> Option<Event> {
-    let known = state
-        .routes
-        .deployments
-        .get(deployment)
-        .map_or(0, |d| d.replicas);
-    match ready.cmp(&known) {
-        std::cmp::Ordering::Greater => Some(Event::ScaledUp {
+/// What the orchestrator reported about a deployment since the last observation.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Ready replicas now.
+    pub ready: u32,
+    /// Replicas that failed (crashed, or did not start) since the last report.
+    pub new_failures: u64,
+    /// The last failure's description.
+    pub last_failure: Option<String>,
+}
+
+/// Records what the orchestrator reports: each new failure as `ScaleFailed`, then a change in the
+/// number of ready replicas as `ScaledUp` / `ScaledDown`.
+pub fn decide_observed(state: &State, deployment: &str, report: &Report) -> Vec<Event> {
+    let d = state.routes.deployments.get(deployment);
+    let known = d.map_or(0, |d| d.replicas);
+    let mut events: Vec<Event> = (0..report.new_failures)
+        .map(|_| Event::ScaleFailed {
             deployment: deployment.to_owned(),
-            replicas: ready,
-        }),
-        std::cmp::Ordering::Less => Some(Event::ScaledDown {
+            to: d.map_or(0, |d| d.desired),
+            error: report
+                .last_failure
+                .clone()
+                .unwrap_or_else(|| "replica failed".into()),
+        })
+        .collect();
+    match report.ready.cmp(&known) {
+        std::cmp::Ordering::Greater => events.push(Event::ScaledUp {
             deployment: deployment.to_owned(),
-            replicas: ready,
+            replicas: report.ready,
         }),
-        std::cmp::Ordering::Equal => None,
+        std::cmp::Ordering::Less => events.push(Event::ScaledDown {
+            deployment: deployment.to_owned(),
+            replicas: report.ready,
+        }),
+        std::cmp::Ordering::Equal => {}
     }
+    events
 }
 
 /// What the proxy knows about a deployment's traffic that the log may not have yet.
@@ -187,12 +207,16 @@ mod tests {
 
     #[test]
     fn observed_changes_become_scaled_events() {
+        let ready = |n| Report {
+            ready: n,
+            ..Report::default()
+        };
         let s = state(vec![(0, route())]);
         assert!(matches!(
-            decide_observed(&s, "d", 1),
-            Some(Event::ScaledUp { replicas: 1, .. })
+            decide_observed(&s, "d", &ready(1))[..],
+            [Event::ScaledUp { replicas: 1, .. }]
         ));
-        assert_eq!(decide_observed(&s, "d", 0), None);
+        assert!(decide_observed(&s, "d", &ready(0)).is_empty());
         let s = state(vec![
             (0, route()),
             (
@@ -203,9 +227,16 @@ mod tests {
                 },
             ),
         ]);
+        let crashed = Report {
+            ready: 1,
+            new_failures: 1,
+            last_failure: Some("exited (signal 9)".into()),
+        };
+        let events = decide_observed(&s, "d", &crashed);
         assert!(matches!(
-            decide_observed(&s, "d", 0),
-            Some(Event::ScaledDown { replicas: 0, .. })
+            &events[..],
+            [Event::ScaleFailed { error, .. }, Event::ScaledDown { replicas: 1, .. }]
+                if error == "exited (signal 9)"
         ));
     }
 }
