@@ -123,29 +123,31 @@ fn json_error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
 }
 
 /// Headers that belong to one connection, never forwarded (RFC 9110 section 7.6.1).
-const HOP_BY_HOP: [&str; 8] = [
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
 ];
 
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-        .collect();
-    for n in named {
-        headers.remove(n);
+    if headers.contains_key(header::CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+            .collect();
+        for n in named {
+            headers.remove(n);
+        }
     }
-    for n in HOP_BY_HOP {
+    for n in &HOP_BY_HOP {
         headers.remove(n);
     }
 }
@@ -338,8 +340,8 @@ impl Proxy {
         let path = parts
             .uri
             .path_and_query()
-            .map_or("/", |p| p.as_str())
-            .to_owned();
+            .cloned()
+            .unwrap_or_else(|| hyper::http::uri::PathAndQuery::from_static("/"));
         let mut body = Some(body.boxed());
         // A replica that refused or reset the connection is avoided on the retry.
         let mut failed: Option<SocketAddr> = None;
@@ -349,12 +351,11 @@ impl Proxy {
                 Err(resp) => return resp,
             };
             let mut out = Request::from_parts(parts.clone(), body.take().unwrap_or_else(empty));
-            *out.uri_mut() = match Uri::builder()
-                .scheme("http")
-                .authority(addr.to_string())
-                .path_and_query(path.as_str())
-                .build()
-            {
+            let mut uri = hyper::http::uri::Parts::default();
+            uri.scheme = Some(hyper::http::uri::Scheme::HTTP);
+            uri.authority = Some(authority(addr));
+            uri.path_and_query = Some(path.clone());
+            *out.uri_mut() = match Uri::from_parts(uri) {
                 Ok(u) => u,
                 Err(e) => {
                     return json_error(StatusCode::BAD_REQUEST, "bad_request", &e.to_string());
@@ -500,6 +501,26 @@ impl Proxy {
         }
         Ok(())
     }
+}
+
+/// The URI authority of a backend, built once per address and thread.
+fn authority(addr: SocketAddr) -> hyper::http::uri::Authority {
+    thread_local! {
+        static CACHE: std::cell::RefCell<std::collections::HashMap<SocketAddr, hyper::http::uri::Authority>> =
+            std::cell::RefCell::new(std::collections::HashMap::new());
+    }
+    CACHE.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.len() > 4_096 {
+            c.clear();
+        }
+        c.entry(addr)
+            .or_insert_with(|| {
+                hyper::http::uri::Authority::try_from(addr.to_string())
+                    .expect("a socket address is an authority")
+            })
+            .clone()
+    })
 }
 
 /// The protocol a request asks to upgrade to (`Connection: upgrade` with an `Upgrade` header).
