@@ -45,6 +45,8 @@ pub enum ScaleReason {
     Manual,
     /// ebb restarted: no replica it ran before is running any more.
     Restart,
+    /// ebb is shutting down and stops every replica.
+    Shutdown,
 }
 
 /// Whether a call's caller waits for its result.

@@ -163,10 +163,12 @@ pub async fn run(
         options.runtime.clone(),
         stop_rx.clone(),
     ));
-    tokio::spawn(runtime::run_observer(
+    // The observer outlives the others, to record the replicas stopping at shutdown.
+    let (observer_stop_tx, observer_stop_rx) = watch::channel(false);
+    let observer = tokio::spawn(runtime::run_observer(
         log.clone(),
         dyn_orch.clone(),
-        stop_rx.clone(),
+        observer_stop_rx,
     ));
     tokio::spawn(runtime::run_downscaler(
         log.clone(),
@@ -216,7 +218,29 @@ pub async fn run(
     })
     .await;
     let _ = flusher.await;
+    // Stopping every replica is a decision like any other: logged first, then carried out.
+    if let Err(e) = log.decide(|s: &State, _| (shutdown_events(s), ())).await {
+        tracing::warn!(error = %e, "recording the shutdown failed");
+    }
     orch.shutdown(Duration::from_secs(1)).await;
+    let _ = observer_stop_tx.send(true);
+    let _ = observer.await;
     let _ = admin_task.await;
     Ok(())
+}
+
+/// At shutdown every deployment asked to run is asked to stop.
+fn shutdown_events(state: &State) -> Vec<Event> {
+    state
+        .routes
+        .deployments
+        .iter()
+        .filter(|(_, d)| d.desired > 0)
+        .map(|(name, d)| Event::ScaleRequested {
+            deployment: name.clone(),
+            from: d.desired,
+            to: 0,
+            reason: ScaleReason::Shutdown,
+        })
+        .collect()
 }

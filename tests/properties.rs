@@ -203,7 +203,9 @@ fn event() -> impl Strategy<Value = Event> {
                 Just(ScaleReason::Wake),
                 Just(ScaleReason::Idle),
                 Just(ScaleReason::Autoscale),
-                Just(ScaleReason::Manual)
+                Just(ScaleReason::Manual),
+                Just(ScaleReason::Restart),
+                Just(ScaleReason::Shutdown)
             ]
         )
             .prop_map(|(deployment, from, to, reason)| Event::ScaleRequested {

@@ -489,3 +489,31 @@ async fn requests_across_scale_downs_all_get_the_apps_answer() {
         "the app was woken again after a scale-down"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_shutdown_stops_the_apps_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ebb = start(dir.path(), &write_config(dir.path(), &app("bye", "")));
+    let c = client();
+    let a = get(&c, ebb.proxy, "bye.localhost", "/pid").await;
+    let pid: u32 = a.body.trim().parse().unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(ebb.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = ebb.child.wait().unwrap();
+    assert!(status.success(), "ebb exits cleanly on SIGTERM: {status}");
+    assert!(!alive(pid), "the app stopped with ebb");
+    let ev = events(&ebb.data);
+    assert_eq!(
+        count(&ev, "ScaleRequested", |e| e["reason"] == "shutdown"),
+        1
+    );
+    assert_eq!(count(&ev, "ScaledDown", |e| e["replicas"] == 0), 1);
+    assert_eq!(
+        count(&ev, "RequestsSeen", |_| true),
+        1,
+        "traffic flushed on the way out"
+    );
+}
