@@ -90,27 +90,38 @@ pub async fn run_observer(
     // Failures already logged, per deployment (the orchestrator counts since it started).
     let mut logged_failures: std::collections::HashMap<String, u64> = Default::default();
     loop {
-        let deployments: Vec<String> =
-            log.read(|s| s.routes.by_deployment.keys().cloned().collect());
-        for d in deployments {
-            let seen = orch.observe(&d).unwrap_or_default();
-            let logged = logged_failures.entry(d.clone()).or_default();
-            let report = Report {
-                ready: seen.ready.len() as u32,
-                new_failures: seen.failures.saturating_sub(*logged),
-                last_failure: seen.last_failure,
-            };
-            match log
-                .decide(move |s: &State, _| (decide_observed(s, &d, &report), ()))
-                .await
-            {
-                Ok(_) => *logged = seen.failures,
-                Err(e) => tracing::warn!(error = %e, "recording replicas failed"),
-            }
-        }
+        observe_once(&log, orch.as_ref(), &mut logged_failures).await;
         tokio::select! {
             r = changes.changed() => if r.is_err() { return },
-            _ = stop.changed() => return,
+            _ = stop.changed() => {
+                // What changed just before the stop is recorded too.
+                observe_once(&log, orch.as_ref(), &mut logged_failures).await;
+                return;
+            }
+        }
+    }
+}
+
+async fn observe_once(
+    log: &Log,
+    orch: &dyn Orchestrator,
+    logged_failures: &mut std::collections::HashMap<String, u64>,
+) {
+    let deployments: Vec<String> = log.read(|s| s.routes.by_deployment.keys().cloned().collect());
+    for d in deployments {
+        let seen = orch.observe(&d).unwrap_or_default();
+        let logged = logged_failures.entry(d.clone()).or_default();
+        let report = Report {
+            ready: seen.ready.len() as u32,
+            new_failures: seen.failures.saturating_sub(*logged),
+            last_failure: seen.last_failure,
+        };
+        match log
+            .decide(move |s: &State, _| (decide_observed(s, &d, &report), ()))
+            .await
+        {
+            Ok(_) => *logged = seen.failures,
+            Err(e) => tracing::warn!(error = %e, "recording replicas failed"),
         }
     }
 }
