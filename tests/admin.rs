@@ -1,10 +1,7 @@
 //! The admin API over real HTTP: token checks, creating a route that then serves traffic through
 //! the proxy, conflicts, deletion, bad input, and routes surviving a restart.
 
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -15,54 +12,12 @@ use serde_json::{Value, json};
 
 const TOKEN: &str = "s3cret-token";
 
-struct Ebb {
-    child: Child,
-    proxy: SocketAddr,
-    admin: SocketAddr,
-}
+mod common;
 
-impl Drop for Ebb {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::Ebb;
 
 fn start(data: &Path, token: Option<&str>) -> Ebb {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ebb"));
-    cmd.args([
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-    ])
-    .arg("--data-dir")
-    .arg(data)
-    .env("EBB_LOG", "warn")
-    .env_remove("EBB_ADMIN_TOKEN")
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
-    if let Some(t) = token {
-        cmd.env("EBB_ADMIN_TOKEN", t);
-    }
-    let mut child = cmd.spawn().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut addr = |what: &str| -> SocketAddr {
-        let line = lines.next().expect("serve printed its addresses").unwrap();
-        line.strip_prefix(&format!("ebb {what} listening on http://"))
-            .unwrap_or_else(|| panic!("unexpected line {line:?}"))
-            .parse()
-            .unwrap()
-    };
-    let proxy = addr("proxy");
-    let admin = addr("admin");
-    std::thread::spawn(move || for _ in lines {});
-    Ebb {
-        child,
-        proxy,
-        admin,
-    }
+    common::serve(data, None, token)
 }
 
 async fn call(

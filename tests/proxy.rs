@@ -2,10 +2,9 @@
 //! (`ebb example-app`), real HTTP over loopback.
 
 use std::collections::BTreeSet;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -16,18 +15,9 @@ use hyper_util::rt::TokioExecutor;
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
-struct Ebb {
-    child: Child,
-    proxy: SocketAddr,
-    data: PathBuf,
-}
+mod common;
 
-impl Drop for Ebb {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use common::Ebb;
 
 fn write_config(dir: &Path, apps: &str) -> PathBuf {
     let path = dir.join("ebb.toml");
@@ -50,33 +40,7 @@ fn app(name: &str, extra: &str) -> String {
 }
 
 fn start(dir: &Path, config: &Path) -> Ebb {
-    let data = dir.join("data");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_ebb"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .args(["--flush-interval-ms", "100", "--config"])
-        .arg(config)
-        .arg("--data-dir")
-        .arg(&data)
-        .env("EBB_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let first = lines.next().expect("serve printed its address").unwrap();
-    let proxy = first
-        .strip_prefix("ebb proxy listening on http://")
-        .unwrap_or_else(|| panic!("unexpected line {first:?}"))
-        .parse()
-        .unwrap();
-    std::thread::spawn(move || for _ in lines {});
-    Ebb { child, proxy, data }
+    common::serve(&dir.join("data"), Some(config), None)
 }
 
 fn client() -> Client<HttpConnector, Full<Bytes>> {
