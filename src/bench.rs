@@ -97,14 +97,6 @@ fn route_events() -> Vec<Event> {
         .collect()
 }
 
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn open(dir: &std::path::Path, durability: Durability) -> Result<Log> {
     let store = Arc::new(RocksStore::open(dir, OpenMode::Create)?);
     Ok(Log::open(
@@ -175,12 +167,18 @@ fn raw_synced_writes(dir: &std::path::Path, seconds: u64) -> Result<f64> {
 
 /// Runs the log benchmark and prints its table.
 pub async fn log(args: LogBenchArgs) -> Result<()> {
+    // A directory of our own is removed when `_scratch` drops; one the user named is kept.
+    let _scratch;
     let base = match &args.dir {
         Some(d) => d.clone(),
-        None => std::env::temp_dir().join(format!("ebb-bench-{}", std::process::id())),
+        None => {
+            let t = tempfile::Builder::new().prefix("ebb-bench-").tempdir()?;
+            let p = t.path().to_path_buf();
+            _scratch = t;
+            p
+        }
     };
     std::fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
-    let _cleanup = args.dir.is_none().then(|| Scratch(base.clone()));
     println!("ebb bench log: data in {}", base.display());
     println!("| measure | value |");
     println!("|---|---|");
@@ -320,9 +318,10 @@ pub async fn cold_start(args: ColdStartArgs) -> Result<()> {
     use crate::proxy::{Proxy, ProxyOptions, Traffic};
 
     let exe = std::env::current_exe()?;
-    let base = std::env::temp_dir().join(format!("ebb-bench-cold-{}", std::process::id()));
-    std::fs::create_dir_all(&base)?;
-    let _cleanup = Scratch(base.clone());
+    let scratch = tempfile::Builder::new()
+        .prefix("ebb-bench-cold-")
+        .tempdir()?;
+    let base = scratch.path();
     let options = ProcessOptions {
         log_dir: base.join("workloads"),
         ..ProcessOptions::default()

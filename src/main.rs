@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use ebb::clock::{Clock, SystemClock};
+use ebb::clock::SystemClock;
 use ebb::event::{Envelope, Event};
 use ebb::log::rocks::OpenMode;
 use ebb::log::{Durability, Log, LogStore, Options, RocksStore, open_state};
@@ -461,7 +461,10 @@ fn log_command(dir: &Path, cmd: LogCommand) -> Result<()> {
 }
 
 fn tail(dir: &Path, from: Option<u64>, json: bool, poll_ms: u64) -> Result<()> {
-    let scratch = tempfile_dir()?;
+    let scratch = tempfile::Builder::new()
+        .prefix("ebb-tail-")
+        .tempdir()
+        .context("creating the follower's scratch directory")?;
     let store = RocksStore::open_follower(dir, scratch.path())?;
     let mut next = match from {
         Some(s) => s.max(1),
@@ -482,31 +485,6 @@ fn tail(dir: &Path, from: Option<u64>, json: bool, poll_ms: u64) -> Result<()> {
             store.catch_up()?;
         }
     })
-}
-
-/// A private scratch directory, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn tempfile_dir() -> Result<Scratch> {
-    let p = std::env::temp_dir().join(format!(
-        "ebb-tail-{}-{}",
-        std::process::id(),
-        SystemClock.now_ms()
-    ));
-    std::fs::create_dir_all(&p).with_context(|| format!("creating {}", p.display()))?;
-    Ok(Scratch(p))
 }
 
 fn replay(dir: &Path, until: Option<u64>, at: Option<String>, json: bool) -> Result<()> {

@@ -12,11 +12,12 @@ use tokio::sync::watch;
 
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
-use crate::event::{Event, ProcessSpec, RouteSpec, ScaleReason};
+use crate::event::{Event, ProcessSpec, RouteSpec};
 use crate::log::Log;
 use crate::orchestrator::{Orchestrator, ProcessOptions, ProcessOrchestrator, WorkloadSpec};
 use crate::proxy::runtime::{self, RuntimeOptions};
 use crate::proxy::{Proxy, ProxyOptions, Traffic};
+use crate::scaler::{decide_restart, decide_shutdown};
 use crate::state::State;
 
 /// What `ebb serve` was asked to do.
@@ -45,35 +46,6 @@ fn config_routes(state: &State, routes: &[RouteSpec]) -> Vec<Event> {
         .filter(|r| state.routes.by_name.get(&r.name).map(|x| &x.spec) != Some(*r))
         .map(|r| Event::RouteUpserted { route: r.clone() })
         .collect()
-}
-
-/// After a restart no replica ebb ran before is running: say so, and ask for each deployment's
-/// minimum again.
-fn restart_events(state: &State) -> Vec<Event> {
-    let mut out = Vec::new();
-    for (name, d) in &state.routes.deployments {
-        let min = state
-            .routes
-            .routes_of(name)
-            .map(|r| r.spec.min_replicas)
-            .max()
-            .unwrap_or(0);
-        if d.replicas > 0 {
-            out.push(Event::ScaledDown {
-                deployment: name.clone(),
-                replicas: 0,
-            });
-        }
-        if d.desired != min {
-            out.push(Event::ScaleRequested {
-                deployment: name.clone(),
-                from: d.desired,
-                to: min,
-                reason: ScaleReason::Restart,
-            });
-        }
-    }
-    out
 }
 
 /// `n` listeners on one address with `SO_REUSEPORT`; the first one picks the port when it is 0.
@@ -131,7 +103,7 @@ pub async fn run(
     for (deployment, process) in &workloads {
         orch.register(WorkloadSpec::from_process(deployment, process, &exe))?;
     }
-    log.decide(|s: &State, _| (restart_events(s), ())).await?;
+    log.decide(|s: &State, _| (decide_restart(s), ())).await?;
     // Deployments with a minimum run it from the start.
     let minimums: Vec<(String, u32)> = log.read(|s| {
         s.routes
@@ -219,7 +191,7 @@ pub async fn run(
     .await;
     let _ = flusher.await;
     // Stopping every replica is a decision like any other: logged first, then carried out.
-    if let Err(e) = log.decide(|s: &State, _| (shutdown_events(s), ())).await {
+    if let Err(e) = log.decide(|s: &State, _| (decide_shutdown(s), ())).await {
         tracing::warn!(error = %e, "recording the shutdown failed");
     }
     orch.shutdown(Duration::from_secs(1)).await;
@@ -227,20 +199,4 @@ pub async fn run(
     let _ = observer.await;
     let _ = admin_task.await;
     Ok(())
-}
-
-/// At shutdown every deployment asked to run is asked to stop.
-fn shutdown_events(state: &State) -> Vec<Event> {
-    state
-        .routes
-        .deployments
-        .iter()
-        .filter(|(_, d)| d.desired > 0)
-        .map(|(name, d)| Event::ScaleRequested {
-            deployment: name.clone(),
-            from: d.desired,
-            to: 0,
-            reason: ScaleReason::Shutdown,
-        })
-        .collect()
 }

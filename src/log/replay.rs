@@ -289,33 +289,24 @@ mod tests {
             b.push(seq, &encode(&env(seq)));
         }
         store.write(&b, true).unwrap();
+        let is_gap_at_50 = |e: &Error| {
+            matches!(
+                e,
+                Error::Gap {
+                    expected: 50,
+                    found: 51
+                }
+            )
+        };
         let mut n = 0;
         let err = read_envelopes(&store, 1, u64::MAX, &mut |_, _| {
             n += 1;
             true
         })
         .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::Gap {
-                    expected: 50,
-                    found: 51
-                }
-            ),
-            "{err}"
-        );
+        assert!(is_gap_at_50(&err), "{err}");
         assert_eq!(n, 49);
         let err = replay_range(&store, &mut State::default(), 100, &mut |_| {}).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                Error::Gap {
-                    expected: 50,
-                    found: 51
-                }
-            ),
-            "{err}"
-        );
+        assert!(is_gap_at_50(&err), "{err}");
     }
 }

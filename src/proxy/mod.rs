@@ -1,8 +1,9 @@
 //! The proxy: routes HTTP requests by Host to a ready replica of the route's workload, holding
 //! and waking when there is none.
 //!
-//! * **Routing** reads the live route store (`route_for_host`: port and case ignored, exact names
-//!   before `*.suffix` wildcards); an unknown Host gets 404 with a JSON error.
+//! * **Routing** looks the Host up in the routing table ([`table`], a snapshot of the route store
+//!   matched with `state::routes::match_host`: port and case ignored, exact names before
+//!   `*.suffix` wildcards); an unknown Host gets 404 with a JSON error.
 //! * **Hold-and-wake**: a request for a workload with no ready replica waits in a bounded per-route
 //!   hold (beyond `hold_queue_max`: 503 at once). The first waiter's wake decision is logged once
 //!   (single flight, decided on the log's writer) before the orchestrator is asked to scale; every

@@ -67,6 +67,51 @@ pub fn decide_observed(state: &State, deployment: &str, report: &Report) -> Vec<
     events
 }
 
+/// After a restart no replica ebb ran before is running: say so, and ask for each deployment's
+/// minimum (over its routes) again.
+pub fn decide_restart(state: &State) -> Vec<Event> {
+    let mut out = Vec::new();
+    for (name, d) in &state.routes.deployments {
+        let min = state
+            .routes
+            .routes_of(name)
+            .map(|r| r.spec.min_replicas)
+            .max()
+            .unwrap_or(0);
+        if d.replicas > 0 {
+            out.push(Event::ScaledDown {
+                deployment: name.clone(),
+                replicas: 0,
+            });
+        }
+        if d.desired != min {
+            out.push(Event::ScaleRequested {
+                deployment: name.clone(),
+                from: d.desired,
+                to: min,
+                reason: ScaleReason::Restart,
+            });
+        }
+    }
+    out
+}
+
+/// At shutdown every deployment asked to run is asked to stop.
+pub fn decide_shutdown(state: &State) -> Vec<Event> {
+    state
+        .routes
+        .deployments
+        .iter()
+        .filter(|(_, d)| d.desired > 0)
+        .map(|(name, d)| Event::ScaleRequested {
+            deployment: name.clone(),
+            from: d.desired,
+            to: 0,
+            reason: ScaleReason::Shutdown,
+        })
+        .collect()
+}
+
 /// What the proxy knows about a deployment's traffic that the log may not have yet.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Live {
@@ -238,5 +283,47 @@ mod tests {
             [Event::ScaleFailed { error, .. }, Event::ScaledDown { replicas: 1, .. }]
                 if error == "exited (signal 9)"
         ));
+    }
+
+    #[test]
+    fn restart_and_shutdown_bring_deployments_back_to_their_minimum_and_to_zero() {
+        let running = vec![
+            (0, route()),
+            (1, decide_wake(&state(vec![(0, route())]), "r").unwrap()),
+            (
+                2,
+                Event::ScaledUp {
+                    deployment: "d".into(),
+                    replicas: 1,
+                },
+            ),
+        ];
+        let s = state(running.clone());
+        let restart = decide_restart(&s);
+        assert!(matches!(
+            &restart[..],
+            [
+                Event::ScaledDown { replicas: 0, .. },
+                Event::ScaleRequested {
+                    from: 1,
+                    to: 0,
+                    reason: ScaleReason::Restart,
+                    ..
+                }
+            ]
+        ));
+        let shutdown = decide_shutdown(&s);
+        assert!(matches!(
+            &shutdown[..],
+            [Event::ScaleRequested {
+                from: 1,
+                to: 0,
+                reason: ScaleReason::Shutdown,
+                ..
+            }]
+        ));
+        // A deployment at rest needs neither.
+        let s = state(vec![(0, route())]);
+        assert!(decide_restart(&s).is_empty() && decide_shutdown(&s).is_empty());
     }
 }
