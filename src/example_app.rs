@@ -8,6 +8,8 @@
 //! | `/sleep?ms=N` | 200 after N milliseconds (a long request) |
 //! | `/bytes?n=N` | N bytes, streamed (downloads) |
 //! | `/ws` | WebSocket echo |
+//! | `/count` | reads the whole request body, then answers how many bytes it had |
+//! | `/headers` | the request headers it received, a `name: value` line each |
 //! | `/crash` | exits the process with status 3 |
 //! | anything else | echo: the request body streamed back, method and path in headers |
 
@@ -76,6 +78,8 @@ pub fn router(never_ready: bool) -> Router {
         )
         .route("/bytes", get(bytes))
         .route("/ws", get(ws))
+        .route("/headers", get(headers))
+        .route("/count", axum::routing::any(count))
         .route(
             "/crash",
             get(|| async {
@@ -114,6 +118,22 @@ fn bytes_chunk() -> axum::body::Bytes {
             .map(|i| (i % 251) as u8)
             .collect::<Vec<u8>>(),
     )
+}
+
+async fn count(req: Request) -> Result<String, StatusCode> {
+    let mut body = req.into_body().into_data_stream();
+    let mut n = 0u64;
+    while let Some(chunk) = body.next().await {
+        n += chunk.map_err(|_| StatusCode::BAD_REQUEST)?.len() as u64;
+    }
+    Ok(format!("{n} bytes\n"))
+}
+
+async fn headers(req: Request) -> String {
+    req.headers()
+        .iter()
+        .map(|(k, v)| format!("{k}: {}\n", String::from_utf8_lossy(v.as_bytes())))
+        .collect()
 }
 
 async fn ws(upgrade: WebSocketUpgrade) -> Response {

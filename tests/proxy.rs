@@ -481,3 +481,197 @@ async fn a_graceful_shutdown_stops_the_apps_and_says_so() {
         "traffic flushed on the way out"
     );
 }
+
+/// One response read off a raw connection: status, headers (names lowercased), decoded body.
+struct Raw {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Raw {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// Reads one response from `stream`, keeping bytes past it in `buf`. Bodies framed by
+/// Content-Length or chunked; `no_body` for answers to HEAD and 1xx.
+async fn read_raw(stream: &mut tokio::net::TcpStream, buf: &mut Vec<u8>, no_body: bool) -> Raw {
+    use tokio::io::AsyncReadExt;
+    async fn more(stream: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) {
+        let mut chunk = [0u8; 16 * 1024];
+        let n = tokio::time::timeout(DEADLINE, stream.read(&mut chunk))
+            .await
+            .expect("an answer in time")
+            .unwrap();
+        assert!(
+            n > 0,
+            "the connection closed early: {:?}",
+            String::from_utf8_lossy(buf)
+        );
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let (status, headers, head_len) = loop {
+        let mut hs = [httparse::EMPTY_HEADER; 64];
+        let mut r = httparse::Response::new(&mut hs);
+        if let httparse::Status::Complete(n) = r.parse(buf).unwrap() {
+            let headers = r
+                .headers
+                .iter()
+                .map(|h| {
+                    (
+                        h.name.to_ascii_lowercase(),
+                        String::from_utf8_lossy(h.value).into_owned(),
+                    )
+                })
+                .collect::<Vec<_>>();
+            break (r.code.unwrap(), headers, n);
+        }
+        more(stream, buf).await;
+    };
+    buf.drain(..head_len);
+    let mut raw = Raw {
+        status,
+        headers,
+        body: Vec::new(),
+    };
+    if no_body {
+        return raw;
+    }
+    if raw.header("transfer-encoding") == Some("chunked") {
+        loop {
+            let line_end = loop {
+                if let Some(i) = buf.windows(2).position(|w| w == b"\r\n") {
+                    break i;
+                }
+                more(stream, buf).await;
+            };
+            let size =
+                usize::from_str_radix(std::str::from_utf8(&buf[..line_end]).unwrap(), 16).unwrap();
+            while buf.len() < line_end + 2 + size + 2 {
+                more(stream, buf).await;
+            }
+            raw.body
+                .extend_from_slice(&buf[line_end + 2..line_end + 2 + size]);
+            buf.drain(..line_end + 2 + size + 2);
+            if size == 0 {
+                return raw;
+            }
+        }
+    }
+    let len: usize = raw
+        .header("content-length")
+        .map_or(0, |v| v.parse().unwrap());
+    while buf.len() < len {
+        more(stream, buf).await;
+    }
+    raw.body = buf.drain(..len).collect();
+    raw
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http1_framing_pipelining_and_forwarding_headers_hold() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &write_config(dir.path(), &app("h1", "")));
+    let mut s = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
+    let mut buf = Vec::new();
+
+    // Four pipelined requests in one write: headers, a chunked upload, HEAD, a sized upload.
+    s.write_all(
+        b"GET /headers HTTP/1.1\r\nHost: H1.localhost:80\r\nX-Forwarded-For: 10.0.0.1\r\n\
+          Connection: x-secret\r\nX-Secret: 1\r\nKeep-Alive: timeout=5\r\n\r\n\
+          POST /up HTTP/1.1\r\nHost: h1.localhost\r\nTransfer-Encoding: chunked\r\n\r\n\
+          5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nx-trailer: t\r\n\r\n\
+          HEAD /head HTTP/1.1\r\nHost: h1.localhost\r\n\r\n\
+          POST /sized HTTP/1.1\r\nHost: h1.localhost\r\nContent-Length: 3\r\n\r\nabc",
+    )
+    .await
+    .unwrap();
+    let seen = read_raw(&mut s, &mut buf, false).await;
+    assert_eq!(seen.status, 200);
+    let seen = seen.text();
+    for line in [
+        "x-forwarded-for: 10.0.0.1, 127.0.0.1",
+        "x-forwarded-proto: http",
+        "x-forwarded-host: H1.localhost:80",
+        "forwarded: for=127.0.0.1;host=\"H1.localhost:80\";proto=http",
+        "host: H1.localhost:80",
+    ] {
+        assert!(seen.lines().any(|l| l == line), "{line:?} not in\n{seen}");
+    }
+    for gone in ["x-secret", "keep-alive", "connection: x-secret"] {
+        assert!(!seen.contains(gone), "{gone:?} was forwarded:\n{seen}");
+    }
+    let up = read_raw(&mut s, &mut buf, false).await;
+    assert_eq!((up.status, up.text().as_str()), (200, "hello world"));
+    assert_eq!(up.header("x-echo-method"), Some("POST"));
+    let head = read_raw(&mut s, &mut buf, true).await;
+    assert_eq!(head.status, 200);
+    assert_eq!(head.header("x-echo-method"), Some("HEAD"));
+    let sized = read_raw(&mut s, &mut buf, false).await;
+    assert_eq!((sized.status, sized.text().as_str()), (200, "abc"));
+    assert!(buf.is_empty(), "nothing after the fourth answer");
+
+    // An unknown Host gets a JSON 404 and the connection stays usable.
+    s.write_all(b"GET / HTTP/1.1\r\nHost: nobody.example\r\n\r\n")
+        .await
+        .unwrap();
+    let nobody = read_raw(&mut s, &mut buf, false).await;
+    assert_eq!(nobody.status, 404);
+    let v: serde_json::Value = serde_json::from_slice(&nobody.body).unwrap();
+    assert_eq!(v["code"], "unknown_host");
+
+    // Expect: 100-continue: the interim answer comes through before the body is sent.
+    s.write_all(
+        b"PUT /count HTTP/1.1\r\nHost: h1.localhost\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let interim = read_raw(&mut s, &mut buf, true).await;
+    assert_eq!(interim.status, 100);
+    s.write_all(b"howdy").await.unwrap();
+    let done = read_raw(&mut s, &mut buf, false).await;
+    assert_eq!((done.status, done.text().as_str()), (200, "5 bytes\n"));
+
+    // A missing Host is a bad request.
+    s.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
+    let bad = read_raw(&mut s, &mut buf, false).await;
+    assert_eq!(bad.status, 400);
+
+    // Connection: close is honoured.
+    s.write_all(b"GET /last HTTP/1.1\r\nHost: h1.localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let last = read_raw(&mut s, &mut buf, false).await;
+    assert_eq!(last.status, 200);
+    assert_eq!(last.header("connection"), Some("close"));
+    let mut rest = Vec::new();
+    let n = tokio::time::timeout(DEADLINE, s.read_to_end(&mut rest))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(n, 0, "the proxy closed the connection");
+
+    // HTTP/1.0 goes through the general path.
+    let mut s = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
+    s.write_all(b"GET /old HTTP/1.0\r\nHost: h1.localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut old = Vec::new();
+    tokio::time::timeout(DEADLINE, s.read_to_end(&mut old))
+        .await
+        .unwrap()
+        .unwrap();
+    let old = String::from_utf8_lossy(&old);
+    assert!(old.starts_with("HTTP/1.0 200"), "{old}");
+    assert!(old.contains("x-echo-path: /old"), "{old}");
+}

@@ -9,15 +9,19 @@
 //!   (single flight, decided on the log's writer) before the orchestrator is asked to scale; every
 //!   waiter goes out the moment a replica is ready; past `hold_timeout_ms` it gets 503 with
 //!   `Retry-After`.
-//! * **Forwarding** (hyper, pooled keep-alive connections to backends) streams bodies both ways and
-//!   adds `X-Forwarded-For`, `-Proto`, `-Host` and `Forwarded`. A request without a body that meets a
-//!   backend refusing or resetting the connection (it is stopping) wakes the workload again and is
-//!   retried once.
+//! * **Forwarding**: HTTP/1.1 requests take the raw-socket path in [`h1`] (per-thread pools of
+//!   keep-alive backend connections, bodies streamed byte for byte); h2c, HTTP/1.0 and upgrades
+//!   (WebSocket) take the general path on hyper ([`Proxy::handle`]). Both add `X-Forwarded-For`,
+//!   `-Proto`, `-Host` and `Forwarded`. A request that meets a backend refusing the connection, or
+//!   a body-less one whose connection is reset before an answer (the replica is stopping), wakes
+//!   the workload again and is retried once on another replica.
 //! * **Traffic** is counted in memory ([`Traffic`]): in-flight requests per route (held ones
 //!   included; a response counts until its body is done) and requests since the last flush. The
 //!   runtime loops in [`runtime`] flush it as `RequestsSeen` aggregates and scale idle workloads down.
 //!   The proxy never writes the log per request.
 
+pub mod chunked;
+mod h1;
 pub mod runtime;
 pub mod table;
 pub mod traffic;
@@ -60,6 +64,10 @@ pub struct ProxyOptions {
     pub pool_idle_timeout_ms: u64,
     /// `Retry-After` seconds on 503s.
     pub retry_after_s: u32,
+    /// How long a client connection may sit between requests (or inside a request head).
+    pub client_idle_timeout_ms: u64,
+    /// How long connecting to a backend may take.
+    pub connect_timeout_ms: u64,
 }
 
 impl Default for ProxyOptions {
@@ -68,6 +76,8 @@ impl Default for ProxyOptions {
             pool_max_idle_per_host: 256,
             pool_idle_timeout_ms: 90_000,
             retry_after_s: 1,
+            client_idle_timeout_ms: 75_000,
+            connect_timeout_ms: 5_000,
         }
     }
 }
@@ -121,6 +131,53 @@ fn json_error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
                 .boxed(),
         )
         .expect("valid response")
+}
+
+/// A request the proxy answers itself, with a JSON error.
+#[derive(Debug)]
+struct Refusal {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+    /// Whether the answer carries `Retry-After`.
+    retry_after: bool,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, code: &'static str, message: String) -> Self {
+        Self {
+            status,
+            code,
+            message,
+            retry_after: false,
+        }
+    }
+
+    /// 503 with `Retry-After`.
+    fn unavailable(code: &'static str, message: String) -> Self {
+        Self {
+            retry_after: true,
+            ..Self::new(StatusCode::SERVICE_UNAVAILABLE, code, message)
+        }
+    }
+
+    fn bad_gateway(message: String) -> Self {
+        Self::new(StatusCode::BAD_GATEWAY, "backend_error", message)
+    }
+
+    /// The JSON body.
+    fn json(&self) -> String {
+        serde_json::json!({ "error": self.message, "code": self.code }).to_string()
+    }
+
+    fn into_response(self, retry_after_s: u32) -> Response<Body> {
+        let mut r = json_error(self.status, self.code, &self.message);
+        if self.retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
+        }
+        r
+    }
 }
 
 /// Headers that belong to one connection, never forwarded (RFC 9110 section 7.6.1).
@@ -279,20 +336,27 @@ impl Proxy {
                 _ = &mut shutdown => return,
             };
             let _ = stream.set_nodelay(true);
-            let proxy = self.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req| {
-                    let proxy = proxy.clone();
-                    async move { Ok::<_, std::convert::Infallible>(proxy.handle(req, peer).await) }
-                });
-                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                if let Err(e) = builder
-                    .serve_connection_with_upgrades(TokioIo::new(stream), service)
-                    .await
-                {
-                    tracing::debug!(error = %e, %peer, "connection ended with an error");
-                }
-            });
+            tokio::spawn(h1::serve_connection(self.clone(), stream, peer));
+        }
+    }
+
+    /// Serves a connection with hyper: HTTP/1.0 and 1.1, h2c, upgrades. The HTTP/1.1 path hands
+    /// connections here when a request needs more than it does.
+    async fn serve_hyper<I>(self: Arc<Self>, io: I, peer: SocketAddr)
+    where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let proxy = self;
+        let service = hyper::service::service_fn(move |req| {
+            let proxy = proxy.clone();
+            async move { Ok::<_, std::convert::Infallible>(proxy.handle(req, peer).await) }
+        });
+        let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        if let Err(e) = builder
+            .serve_connection_with_upgrades(TokioIo::new(io), service)
+            .await
+        {
+            tracing::debug!(error = %e, %peer, "connection ended with an error");
         }
     }
 
@@ -349,7 +413,7 @@ impl Proxy {
         loop {
             let addr = match self.endpoint(&entry, failed).await {
                 Ok(a) => a,
-                Err(resp) => return resp,
+                Err(refusal) => return refusal.into_response(self.options.retry_after_s),
             };
             let mut out = Request::from_parts(parts.clone(), body.take().unwrap_or_else(empty));
             let mut uri = hyper::http::uri::Parts::default();
@@ -408,15 +472,15 @@ impl Proxy {
         &self,
         entry: &Entry,
         avoid: Option<SocketAddr>,
-    ) -> Result<SocketAddr, Response<Body>> {
+    ) -> Result<SocketAddr, Refusal> {
         let route = &entry.spec;
         if let Some(addr) = self.pick(entry, avoid) {
             return Ok(addr);
         }
         let Some(_held) = entry.traffic.hold(route.hold_queue_max) else {
-            return Err(self.unavailable(
+            return Err(Refusal::unavailable(
                 "hold_queue_full",
-                &format!(
+                format!(
                     "{} requests already wait for {}",
                     route.hold_queue_max, route.name
                 ),
@@ -424,7 +488,7 @@ impl Proxy {
         };
         let mut changes = self.orch.changes();
         if let Err(e) = self.wake(route).await {
-            return Err(self.unavailable("wake_failed", &e));
+            return Err(Refusal::unavailable("wake_failed", e));
         }
         let wait = async {
             loop {
@@ -438,23 +502,14 @@ impl Proxy {
         };
         match tokio::time::timeout(Duration::from_millis(route.hold_timeout_ms), wait).await {
             Ok(Some(addr)) => Ok(addr),
-            _ => Err(self.unavailable(
+            _ => Err(Refusal::unavailable(
                 "wake_timeout",
-                &format!(
+                format!(
                     "{} has no ready replica after {} ms",
                     route.name, route.hold_timeout_ms
                 ),
             )),
         }
-    }
-
-    fn unavailable(&self, code: &str, message: &str) -> Response<Body> {
-        let mut r = json_error(StatusCode::SERVICE_UNAVAILABLE, code, message);
-        r.headers_mut().insert(
-            header::RETRY_AFTER,
-            HeaderValue::from(self.options.retry_after_s),
-        );
-        r
     }
 
     /// The route's ready replicas, read from the orchestrator only when it reported a change.

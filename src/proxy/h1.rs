@@ -1,0 +1,1072 @@
+//! The HTTP/1.1 forwarding path: the common case (an HTTP/1.1 request in origin form, no
+//! upgrade) handled on the raw connections, the way nginx does it, without building request and
+//! response objects.
+//!
+//! * The request head is parsed with `httparse` and rewritten once into the backend's head:
+//!   hop-by-hop headers (and those named in `Connection`) dropped, `X-Forwarded-For`, `-Proto`,
+//!   `-Host` and `Forwarded` added. The response head is rewritten the same way.
+//! * Bodies stream through byte for byte in bounded buffers: `Content-Length` bodies by count,
+//!   chunked ones passed through as they are, with [`Chunked`] finding where they end. A response
+//!   without framing is read to the backend's close and ends the client connection too.
+//! * Backend connections are kept per thread in a bounded pool of idle keep-alive connections.
+//!   A request meets a backend connection in one task: small responses cost one read and one
+//!   write on each side.
+//! * Everything else (h2c, HTTP/1.0, upgrades such as WebSocket, absolute-form targets, unusual
+//!   framing, malformed heads) is handed, with the bytes read so far, to the general path on
+//!   hyper ([`Proxy::serve_hyper`]), which serves the rest of that connection.
+//!
+//! The retry rules are the general path's: a request meeting a backend that refuses the
+//! connection, or resets or closes it before answering, is retried once on another replica (waking
+//! the workload again) when its body was not yet sent; a stale pooled connection is first retried
+//! on a fresh connection to the same replica.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use hyper::StatusCode;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+
+use super::chunked::Chunked;
+use super::table::Entry;
+use super::{Proxy, Refusal};
+
+/// Headers accepted in one head.
+const MAX_HEADERS: usize = 100;
+/// The largest head read here; a longer one goes to the general path (which answers 431).
+const MAX_HEAD: usize = 64 * 1024;
+/// How much of a body is read at once.
+const READ_CHUNK: usize = 64 * 1024;
+/// `Connection` tokens read from one head; more go to the general path.
+const MAX_CONNECTION_TOKENS: usize = 8;
+
+/// How a message body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    /// No body.
+    Empty,
+    /// `Content-Length` bytes.
+    Length(u64),
+    /// `Transfer-Encoding: chunked`.
+    Chunked,
+    /// Everything until the sender closes (responses only).
+    Close,
+}
+
+/// A request head, parsed and rewritten for the backend.
+struct Request {
+    head_len: usize,
+    entry: Option<Arc<Entry>>,
+    body: Framing,
+    is_head: bool,
+    /// The client asked to close after this request.
+    close: bool,
+}
+
+enum Parsed {
+    /// More bytes are needed.
+    Partial,
+    /// Not a request for this path: the general path serves the connection from here on.
+    Elsewhere,
+    /// A request; its backend head is in the output buffer.
+    Request(Request),
+    /// A request whose Host has no usable name.
+    BadHost { head_len: usize, body: Framing },
+}
+
+/// Serves one client connection, handing it to the general path when a request needs it.
+pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, peer: SocketAddr) {
+    let mut buf = BytesMut::with_capacity(8 * 1024);
+    let mut head = Vec::with_capacity(1024);
+    let mut out = Vec::with_capacity(8 * 1024);
+    // One idle timer per connection, moved only when it fires: arming a timer per request would
+    // cost a driver wake-up each time.
+    let idle_ms = proxy.options.client_idle_timeout_ms;
+    let idle = tokio::time::sleep(Duration::from_millis(idle_ms));
+    tokio::pin!(idle);
+    let mut active_at_ms = proxy.clock.now_ms();
+    let peer_text = Peer::new(peer);
+    loop {
+        let req = loop {
+            if !buf.is_empty() {
+                head.clear();
+                match parse_request(&buf, &peer_text, &proxy, &mut head) {
+                    Parsed::Request(r) => break r,
+                    Parsed::BadHost { head_len, body } => {
+                        buf.advance(head_len);
+                        let refusal = Refusal::new(
+                            StatusCode::BAD_REQUEST,
+                            "bad_host",
+                            "the Host header is missing or not a host name".to_owned(),
+                        );
+                        let close = body != Framing::Empty;
+                        if write_refusal(&mut client, &mut out, &proxy, &refusal, close)
+                            .await
+                            .is_err()
+                            || close
+                        {
+                            return;
+                        }
+                        continue;
+                    }
+                    Parsed::Elsewhere => {
+                        let io = Prefixed {
+                            prefix: buf.freeze(),
+                            inner: client,
+                        };
+                        proxy.serve_hyper(io, peer).await;
+                        return;
+                    }
+                    Parsed::Partial if buf.len() >= MAX_HEAD => {
+                        let io = Prefixed {
+                            prefix: buf.freeze(),
+                            inner: client,
+                        };
+                        proxy.serve_hyper(io, peer).await;
+                        return;
+                    }
+                    Parsed::Partial => {}
+                }
+            }
+            if buf.capacity() - buf.len() < 1024 {
+                buf.reserve(8 * 1024);
+            }
+            tokio::select! {
+                biased;
+                read = client.read_buf(&mut buf) => match read {
+                    Ok(n) if n > 0 => active_at_ms = proxy.clock.now_ms(),
+                    _ => return,
+                },
+                () = &mut idle => {
+                    let quiet = proxy.clock.now_ms().saturating_sub(active_at_ms);
+                    if quiet >= idle_ms {
+                        return;
+                    }
+                    let deadline = idle.deadline() + Duration::from_millis(idle_ms - quiet);
+                    idle.as_mut().reset(deadline);
+                }
+            }
+        };
+        buf.advance(req.head_len);
+        let Some(entry) = req.entry.clone() else {
+            // parse_request put the Host it could not route into `head`.
+            let host = String::from_utf8_lossy(&head).into_owned();
+            let refusal = Refusal::new(
+                StatusCode::NOT_FOUND,
+                "unknown_host",
+                format!("no route for host {host:?}"),
+            );
+            let close = req.close || req.body != Framing::Empty;
+            if write_refusal(&mut client, &mut out, &proxy, &refusal, close)
+                .await
+                .is_err()
+                || close
+            {
+                return;
+            }
+            continue;
+        };
+        let keep = exchange(&proxy, &entry, &mut client, &mut buf, &head, &req, &mut out).await;
+        if !keep || req.close {
+            return;
+        }
+    }
+}
+
+/// A backend connection with its read buffer.
+struct Backend {
+    stream: TcpStream,
+    buf: BytesMut,
+}
+
+/// Why a response could not be relayed.
+struct RelayError {
+    /// Whether anything was written to the client.
+    wrote: bool,
+    /// Whether anything was read from the backend.
+    got_any: bool,
+    message: String,
+}
+
+/// What became of a relayed response.
+struct Relayed {
+    /// The backend connection can carry another request.
+    backend_reusable: bool,
+    /// The client connection must end (the response was delimited by the backend's close).
+    client_close: bool,
+}
+
+/// Forwards one request and relays its response. Returns whether the client connection can carry
+/// another request.
+async fn exchange(
+    proxy: &Proxy,
+    entry: &Entry,
+    client: &mut TcpStream,
+    buf: &mut BytesMut,
+    head: &[u8],
+    req: &Request,
+    out: &mut Vec<u8>,
+) -> bool {
+    let _in_flight = entry.traffic.begin(proxy.clock.now_ms());
+    let has_body = req.body != Framing::Empty;
+    let mut avoid: Option<SocketAddr> = None;
+    let mut pooled_allowed = true;
+    loop {
+        let addr = match proxy.endpoint(entry, avoid).await {
+            Ok(a) => a,
+            Err(refusal) => {
+                return write_refusal(client, out, proxy, &refusal, has_body)
+                    .await
+                    .is_ok()
+                    && !has_body;
+            }
+        };
+        let now = proxy.clock.now_ms();
+        let pooled = if pooled_allowed {
+            pool_take(addr, now, proxy.options.pool_idle_timeout_ms, has_body)
+        } else {
+            None
+        };
+        let reused = pooled.is_some();
+        let mut backend = match pooled {
+            Some(b) => b,
+            None => match connect(addr, proxy.options.connect_timeout_ms).await {
+                Ok(b) => b,
+                Err(e) if avoid.is_none() => {
+                    // Refused: the replica is stopping or gone. The body is untouched.
+                    tracing::debug!(route = %entry.spec.name, %addr, error = %e, "backend refused; retrying");
+                    avoid = Some(addr);
+                    continue;
+                }
+                Err(e) => {
+                    let refusal = Refusal::bad_gateway(format!("backend {addr}: {e}"));
+                    return write_refusal(client, out, proxy, &refusal, has_body)
+                        .await
+                        .is_ok()
+                        && !has_body;
+                }
+            },
+        };
+        let result = if has_body {
+            relay_with_body(client, buf, &mut backend, head, req, out).await
+        } else {
+            let Backend { stream, buf: bbuf } = &mut backend;
+            let (mut br, mut bw) = stream.split();
+            match bw.write_all(head).await {
+                Ok(()) => {
+                    let (_, mut cw) = client.split();
+                    relay_response(&mut br, bbuf, &mut cw, out, req.is_head, req.close).await
+                }
+                Err(e) => Err(RelayError {
+                    wrote: false,
+                    got_any: false,
+                    message: e.to_string(),
+                }),
+            }
+        };
+        match result {
+            Ok(r) => {
+                if r.backend_reusable {
+                    pool_put(addr, backend, proxy.clock.now_ms(), &proxy.options);
+                }
+                return !r.client_close;
+            }
+            Err(e) if !e.wrote && !e.got_any && !has_body && reused && pooled_allowed => {
+                // A stale pooled connection: once more on a fresh connection.
+                tracing::debug!(%addr, error = %e.message, "pooled backend connection was closed; retrying");
+                pooled_allowed = false;
+            }
+            Err(e) if !e.wrote && !e.got_any && !has_body && avoid.is_none() => {
+                // The replica closed or reset the connection without answering: it is stopping.
+                tracing::debug!(route = %entry.spec.name, %addr, error = %e.message, "backend went away; retrying");
+                avoid = Some(addr);
+            }
+            Err(e) if !e.wrote => {
+                let refusal = Refusal::bad_gateway(format!("backend {addr}: {}", e.message));
+                let _ = write_refusal(client, out, proxy, &refusal, true).await;
+                return false;
+            }
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Sends a request body while relaying the response, as a backend may answer before the body is
+/// done (or answer `100 Continue` first). A response that ends before the body was sent ends both
+/// connections.
+async fn relay_with_body(
+    client: &mut TcpStream,
+    buf: &mut BytesMut,
+    backend: &mut Backend,
+    head: &[u8],
+    req: &Request,
+    out: &mut Vec<u8>,
+) -> Result<Relayed, RelayError> {
+    let Backend { stream, buf: bbuf } = backend;
+    let (mut cr, mut cw) = client.split();
+    let (mut br, mut bw) = stream.split();
+    let send = async {
+        bw.write_all(head).await?;
+        send_body(&mut cr, buf, &mut bw, req.body).await
+    };
+    let recv = relay_response(&mut br, bbuf, &mut cw, out, req.is_head, req.close);
+    tokio::pin!(send, recv);
+    let mut sent = false;
+    loop {
+        tokio::select! {
+            r = &mut send, if !sent => match r {
+                Ok(()) => sent = true,
+                Err(e) => {
+                    return Err(RelayError { wrote: false, got_any: true, message: e.to_string() });
+                }
+            },
+            r = &mut recv => {
+                return r.map(|mut r| {
+                    if !sent {
+                        r.backend_reusable = false;
+                        r.client_close = true;
+                    }
+                    r
+                });
+            }
+        }
+    }
+}
+
+/// Copies a request body from the client (bytes already read first) to the backend.
+async fn send_body<R, W>(
+    cr: &mut R,
+    buf: &mut BytesMut,
+    bw: &mut W,
+    body: Framing,
+) -> io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut left = match body {
+        Framing::Length(n) => n,
+        _ => u64::MAX,
+    };
+    let mut chunked = (body == Framing::Chunked).then(Chunked::new);
+    loop {
+        let done = match &chunked {
+            Some(c) => c.is_done(),
+            None => left == 0,
+        };
+        if done {
+            return Ok(());
+        }
+        if buf.is_empty() {
+            buf.reserve(READ_CHUNK);
+            if cr.read_buf(buf).await? == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "client closed inside the request body",
+                ));
+            }
+        }
+        let take = match &mut chunked {
+            Some(c) => c
+                .advance(buf)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?,
+            None => usize::try_from(left).unwrap_or(usize::MAX).min(buf.len()),
+        };
+        bw.write_all(&buf[..take]).await?;
+        buf.advance(take);
+        left = left.saturating_sub(take as u64);
+    }
+}
+
+/// Reads the backend's response and writes it to the client.
+async fn relay_response<R, W>(
+    br: &mut R,
+    bbuf: &mut BytesMut,
+    cw: &mut W,
+    out: &mut Vec<u8>,
+    is_head: bool,
+    client_wants_close: bool,
+) -> Result<Relayed, RelayError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut wrote = false;
+    let mut got_any = false;
+    let fail = |wrote: bool, got_any: bool, message: String| RelayError {
+        wrote,
+        got_any,
+        message,
+    };
+    loop {
+        let resp = loop {
+            if !bbuf.is_empty() {
+                out.clear();
+                match parse_response(bbuf, out, is_head, client_wants_close) {
+                    Ok(Some(r)) => break r,
+                    Ok(None) if bbuf.len() >= MAX_HEAD => {
+                        return Err(fail(wrote, got_any, "response head too large".into()));
+                    }
+                    Ok(None) => {}
+                    Err(e) => return Err(fail(wrote, got_any, e)),
+                }
+            }
+            if bbuf.capacity() - bbuf.len() < 1024 {
+                bbuf.reserve(8 * 1024);
+            }
+            match br.read_buf(bbuf).await {
+                Ok(0) => {
+                    let message = "backend closed the connection before answering".into();
+                    return Err(fail(wrote, got_any, message));
+                }
+                Ok(_) => got_any = true,
+                Err(e) => return Err(fail(wrote, got_any, e.to_string())),
+            }
+        };
+        bbuf.advance(resp.head_len);
+        if resp.interim {
+            if let Err(e) = cw.write_all(out).await {
+                return Err(fail(true, true, e.to_string()));
+            }
+            wrote = true;
+            continue;
+        }
+        let client_close = client_wants_close || resp.body == Framing::Close;
+        let mut reusable = resp.backend_keep_alive && resp.body != Framing::Close;
+        let mut left = match resp.body {
+            Framing::Length(n) => n,
+            Framing::Empty => 0,
+            Framing::Chunked | Framing::Close => u64::MAX,
+        };
+        let mut chunked = (resp.body == Framing::Chunked).then(Chunked::new);
+        let mut first = true;
+        loop {
+            if !first {
+                let done = match &chunked {
+                    Some(c) => c.is_done(),
+                    None => resp.body != Framing::Close && left == 0,
+                };
+                if done {
+                    break;
+                }
+                // Everything read so far went out; read the next piece of the body.
+                bbuf.clear();
+                bbuf.reserve(READ_CHUNK);
+                match br.read_buf(bbuf).await {
+                    Ok(0) if resp.body == Framing::Close => break,
+                    Ok(0) => {
+                        let message = "backend closed the connection inside the body".into();
+                        return Err(fail(true, true, message));
+                    }
+                    Ok(_) => {}
+                    Err(e) => return Err(fail(true, true, e.to_string())),
+                }
+            }
+            let take = match &mut chunked {
+                Some(c) => c
+                    .advance(bbuf)
+                    .map_err(|e| fail(true, true, e.to_string()))?,
+                None => usize::try_from(left).unwrap_or(usize::MAX).min(bbuf.len()),
+            };
+            // The head goes out with the body bytes already read: one write for a small response.
+            let write = if first {
+                out.extend_from_slice(&bbuf[..take]);
+                cw.write_all(out).await
+            } else {
+                cw.write_all(&bbuf[..take]).await
+            };
+            if let Err(e) = write {
+                return Err(fail(true, true, e.to_string()));
+            }
+            bbuf.advance(take);
+            left = left.saturating_sub(take as u64);
+            first = false;
+        }
+        if !bbuf.is_empty() {
+            // Bytes after the response: the backend broke the framing.
+            reusable = false;
+        }
+        return Ok(Relayed {
+            backend_reusable: reusable,
+            client_close,
+        });
+    }
+}
+
+/// A response head, parsed and rewritten for the client into the output buffer.
+struct Response {
+    head_len: usize,
+    interim: bool,
+    body: Framing,
+    backend_keep_alive: bool,
+}
+
+/// The names `Connection` lists (and whether it says `close` or `upgrade`).
+struct ConnectionTokens<'a> {
+    names: [&'a [u8]; MAX_CONNECTION_TOKENS],
+    len: usize,
+    close: bool,
+    keep_alive: bool,
+    upgrade: bool,
+    overflow: bool,
+}
+
+impl<'a> ConnectionTokens<'a> {
+    fn read(headers: &[httparse::Header<'a>]) -> Self {
+        let mut t = ConnectionTokens {
+            names: [&[]; MAX_CONNECTION_TOKENS],
+            len: 0,
+            close: false,
+            keep_alive: false,
+            upgrade: false,
+            overflow: false,
+        };
+        for h in headers {
+            if !h.name.eq_ignore_ascii_case("connection") {
+                continue;
+            }
+            for token in h.value.split(|b| *b == b',') {
+                let token = token.trim_ascii();
+                if token.is_empty() {
+                    continue;
+                }
+                if token.eq_ignore_ascii_case(b"close") {
+                    t.close = true;
+                } else if token.eq_ignore_ascii_case(b"keep-alive") {
+                    t.keep_alive = true;
+                } else if token.eq_ignore_ascii_case(b"upgrade") {
+                    t.upgrade = true;
+                } else if t.len < MAX_CONNECTION_TOKENS {
+                    t.names[t.len] = token;
+                    t.len += 1;
+                } else {
+                    t.overflow = true;
+                }
+            }
+        }
+        t
+    }
+
+    fn names(&self, name: &str) -> bool {
+        self.names[..self.len]
+            .iter()
+            .any(|n| n.eq_ignore_ascii_case(name.as_bytes()))
+    }
+}
+
+/// Headers that belong to one connection (RFC 9110 section 7.6.1), never forwarded as they are.
+fn hop_by_hop(name: &str) -> bool {
+    const NAMES: [&str; 8] = [
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    ];
+    NAMES.iter().any(|n| n.eq_ignore_ascii_case(name))
+}
+
+/// A `Content-Length` value: digits only.
+fn content_length(value: &[u8]) -> Option<u64> {
+    let v = value.trim_ascii();
+    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(v).ok()?.parse().ok()
+}
+
+/// A host name as routes know them: letters, digits, `.-_`, and a port or IPv6 brackets.
+fn plain_host(host: &[u8]) -> bool {
+    !host.is_empty()
+        && host
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || b".-_:[]".contains(b))
+}
+
+/// The client's address as the forwarding headers write it, formatted once per connection.
+struct Peer {
+    /// For `X-Forwarded-For`.
+    ip: String,
+    /// For `Forwarded: for=` (an IPv6 address bracketed and quoted).
+    node: String,
+}
+
+impl Peer {
+    fn new(addr: SocketAddr) -> Self {
+        let ip = addr.ip().to_string();
+        let node = if addr.is_ipv6() {
+            format!("\"[{ip}]\"")
+        } else {
+            ip.clone()
+        };
+        Self { ip, node }
+    }
+}
+
+/// Parses a request head and, for a request this path serves, writes the backend's head to `out`.
+/// For a request to an unknown Host, `out` holds that Host instead.
+fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> Parsed {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    let head_len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Parsed::Partial,
+        Err(_) => return Parsed::Elsewhere,
+    };
+    let (Some(method), Some(path), Some(1)) = (req.method, req.path, req.version) else {
+        return Parsed::Elsewhere;
+    };
+    if !path.starts_with('/') || method == "CONNECT" {
+        return Parsed::Elsewhere;
+    }
+    let headers = &*req.headers;
+    let conn = ConnectionTokens::read(headers);
+    if conn.upgrade || conn.overflow {
+        return Parsed::Elsewhere;
+    }
+    let mut host: Option<&[u8]> = None;
+    let mut length: Option<u64> = None;
+    let mut chunked = false;
+    for h in headers {
+        if h.name.eq_ignore_ascii_case("host") {
+            if host.is_some() {
+                return Parsed::Elsewhere;
+            }
+            host = Some(h.value.trim_ascii());
+        } else if h.name.eq_ignore_ascii_case("content-length") {
+            match (content_length(h.value), length) {
+                (Some(n), None) => length = Some(n),
+                (Some(n), Some(m)) if n == m => {}
+                _ => return Parsed::Elsewhere,
+            }
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            if chunked || !h.value.trim_ascii().eq_ignore_ascii_case(b"chunked") {
+                return Parsed::Elsewhere;
+            }
+            chunked = true;
+        } else if h.name.eq_ignore_ascii_case("upgrade") {
+            return Parsed::Elsewhere;
+        }
+    }
+    let body = match (chunked, length) {
+        (true, Some(_)) => return Parsed::Elsewhere,
+        (true, None) => Framing::Chunked,
+        (false, Some(0) | None) => Framing::Empty,
+        (false, Some(n)) => Framing::Length(n),
+    };
+    let host = match host {
+        Some(h) if plain_host(h) => std::str::from_utf8(h).expect("ASCII"),
+        _ => return Parsed::BadHost { head_len, body },
+    };
+    let entry = proxy.route(host);
+    let close = conn.close;
+    let is_head = method == "HEAD";
+    if entry.is_none() {
+        out.extend_from_slice(host.as_bytes());
+        return Parsed::Request(Request {
+            head_len,
+            entry,
+            body,
+            is_head,
+            close,
+        });
+    }
+
+    out.extend_from_slice(method.as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(path.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    for h in headers {
+        let name = h.name;
+        if hop_by_hop(name)
+            || conn.names(name)
+            || name.eq_ignore_ascii_case("x-forwarded-for")
+            || name.eq_ignore_ascii_case("x-forwarded-proto")
+            || name.eq_ignore_ascii_case("x-forwarded-host")
+            || name.eq_ignore_ascii_case("forwarded")
+        {
+            continue;
+        }
+        push_header(out, name.as_bytes(), h.value);
+    }
+    if chunked {
+        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+    }
+    // X-Forwarded-For and Forwarded extend what earlier proxies said.
+    out.extend_from_slice(b"x-forwarded-for: ");
+    for h in headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("x-forwarded-for"))
+    {
+        out.extend_from_slice(h.value.trim_ascii());
+        out.extend_from_slice(b", ");
+    }
+    out.extend_from_slice(peer.ip.as_bytes());
+    out.extend_from_slice(b"\r\nx-forwarded-proto: http\r\nx-forwarded-host: ");
+    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(b"\r\nforwarded: ");
+    for h in headers
+        .iter()
+        .filter(|h| h.name.eq_ignore_ascii_case("forwarded"))
+    {
+        out.extend_from_slice(h.value.trim_ascii());
+        out.extend_from_slice(b", ");
+    }
+    out.extend_from_slice(b"for=");
+    out.extend_from_slice(peer.node.as_bytes());
+    out.extend_from_slice(b";host=\"");
+    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(b"\";proto=http\r\n\r\n");
+    Parsed::Request(Request {
+        head_len,
+        entry,
+        body,
+        is_head,
+        close,
+    })
+}
+
+/// Parses a response head and writes the client's head to `out`. `Ok(None)`: more bytes needed.
+fn parse_response(
+    buf: &[u8],
+    out: &mut Vec<u8>,
+    is_head: bool,
+    client_wants_close: bool,
+) -> Result<Option<Response>, String> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut headers);
+    let head_len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(format!("malformed response head: {e}")),
+    };
+    let (Some(version), Some(code)) = (resp.version, resp.code) else {
+        return Err("malformed response head".into());
+    };
+    if code == 101 {
+        return Err("unexpected 101 Switching Protocols".into());
+    }
+    let interim = (100..200).contains(&code);
+    let headers = &*resp.headers;
+    let conn = ConnectionTokens::read(headers);
+    let mut length: Option<u64> = None;
+    let mut transfer: Option<&[u8]> = None;
+    for h in headers {
+        if h.name.eq_ignore_ascii_case("content-length") {
+            match (content_length(h.value), length) {
+                (Some(n), None) => length = Some(n),
+                (Some(n), Some(m)) if n == m => {}
+                _ => return Err("invalid Content-Length in the response".into()),
+            }
+        } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+            if transfer.is_some() {
+                return Err("more than one Transfer-Encoding in the response".into());
+            }
+            transfer = Some(h.value.trim_ascii());
+        }
+    }
+    let body = if interim || is_head || code == 204 || code == 304 {
+        Framing::Empty
+    } else if let Some(te) = transfer {
+        let last = te.rsplit(|b| *b == b',').next().unwrap_or(te).trim_ascii();
+        if last.eq_ignore_ascii_case(b"chunked") {
+            Framing::Chunked
+        } else {
+            Framing::Close
+        }
+    } else if let Some(n) = length {
+        if n == 0 {
+            Framing::Empty
+        } else {
+            Framing::Length(n)
+        }
+    } else {
+        Framing::Close
+    };
+    let backend_keep_alive = !conn.close && (version == 1 || conn.keep_alive);
+
+    out.extend_from_slice(b"HTTP/1.1 ");
+    if (100..1000).contains(&code) {
+        out.extend_from_slice(&[
+            b'0' + (code / 100) as u8,
+            b'0' + (code / 10 % 10) as u8,
+            b'0' + (code % 10) as u8,
+        ]);
+    } else {
+        return Err(format!("invalid status code {code}"));
+    }
+    out.push(b' ');
+    out.extend_from_slice(resp.reason.unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for h in headers {
+        let name = h.name;
+        if hop_by_hop(name)
+            || conn.names(name)
+            || (transfer.is_some() && name.eq_ignore_ascii_case("content-length"))
+        {
+            continue;
+        }
+        push_header(out, name.as_bytes(), h.value);
+    }
+    if let Some(te) = transfer {
+        push_header(out, b"transfer-encoding", te);
+    }
+    if !interim && (client_wants_close || body == Framing::Close) {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    Ok(Some(Response {
+        head_len,
+        interim,
+        body,
+        backend_keep_alive,
+    }))
+}
+
+fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+fn push_display(out: &mut Vec<u8>, v: &impl std::fmt::Display) {
+    use std::io::Write as _;
+    let _ = write!(out, "{v}");
+}
+
+/// Writes a refusal (404, 502, 503 ...) as a JSON error.
+async fn write_refusal(
+    client: &mut TcpStream,
+    out: &mut Vec<u8>,
+    proxy: &Proxy,
+    refusal: &Refusal,
+    close: bool,
+) -> io::Result<()> {
+    let body = refusal.json();
+    out.clear();
+    out.extend_from_slice(b"HTTP/1.1 ");
+    push_display(out, &refusal.status.as_u16());
+    out.push(b' ');
+    out.extend_from_slice(
+        refusal
+            .status
+            .canonical_reason()
+            .unwrap_or("Error")
+            .as_bytes(),
+    );
+    out.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
+    push_display(out, &body.len());
+    out.extend_from_slice(b"\r\n");
+    if refusal.retry_after {
+        out.extend_from_slice(b"retry-after: ");
+        push_display(out, &proxy.options.retry_after_s);
+        out.extend_from_slice(b"\r\n");
+    }
+    if close {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body.as_bytes());
+    client.write_all(out).await
+}
+
+async fn connect(addr: SocketAddr, timeout_ms: u64) -> io::Result<Backend> {
+    let stream = tokio::time::timeout(Duration::from_millis(timeout_ms), TcpStream::connect(addr))
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
+    stream.set_nodelay(true)?;
+    Ok(Backend {
+        stream,
+        buf: BytesMut::with_capacity(8 * 1024),
+    })
+}
+
+/// Idle keep-alive backend connections of this thread, newest last.
+#[derive(Default)]
+struct Pool {
+    idle: HashMap<SocketAddr, Vec<(Backend, u64)>>,
+    swept_at_ms: u64,
+}
+
+thread_local! {
+    static POOL: RefCell<Pool> = RefCell::new(Pool::default());
+}
+
+/// The newest idle connection to `addr` that has not timed out. With `check`, one the backend has
+/// closed (or written to out of turn) is dropped instead of returned.
+fn pool_take(addr: SocketAddr, now_ms: u64, idle_timeout_ms: u64, check: bool) -> Option<Backend> {
+    POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        let conns = p.idle.get_mut(&addr)?;
+        while let Some((b, since)) = conns.pop() {
+            if now_ms.saturating_sub(since) >= idle_timeout_ms {
+                // The rest are older still.
+                conns.clear();
+                break;
+            }
+            if check && !alive(&b.stream) {
+                continue;
+            }
+            return Some(b);
+        }
+        None
+    })
+}
+
+/// Whether an idle connection is still open: nothing to read (no EOF, no stray bytes).
+fn alive(stream: &TcpStream) -> bool {
+    let mut byte = [0u8; 1];
+    matches!(stream.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+}
+
+fn pool_put(addr: SocketAddr, b: Backend, now_ms: u64, options: &super::ProxyOptions) {
+    POOL.with(|p| {
+        let mut p = p.borrow_mut();
+        if now_ms.saturating_sub(p.swept_at_ms) >= 1_000 {
+            p.swept_at_ms = now_ms;
+            let timeout = options.pool_idle_timeout_ms;
+            p.idle.retain(|_, conns| {
+                conns.retain(|(_, since)| now_ms.saturating_sub(*since) < timeout);
+                !conns.is_empty()
+            });
+        }
+        let conns = p.idle.entry(addr).or_default();
+        if conns.len() >= options.pool_max_idle_per_host {
+            conns.remove(0);
+        }
+        conns.push((b, now_ms));
+    })
+}
+
+/// A connection with bytes already read from it, handed to the general path.
+pub(super) struct Prefixed {
+    prefix: Bytes,
+    inner: TcpStream,
+}
+
+impl AsyncRead for Prefixed {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if !self.prefix.is_empty() {
+            let n = self.prefix.len().min(out.remaining());
+            out.put_slice(&self.prefix[..n]);
+            self.prefix.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, out)
+    }
+}
+
+impl AsyncWrite for Prefixed {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn response(raw: &str, is_head: bool) -> (Response, String) {
+        let mut out = Vec::new();
+        let r = parse_response(raw.as_bytes(), &mut out, is_head, false)
+            .unwrap()
+            .unwrap();
+        (r, String::from_utf8(out).unwrap())
+    }
+
+    #[test]
+    fn response_framing_follows_rfc_9112() {
+        let (r, head) = response(
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: keep-alive, x-private\r\nx-private: 1\r\nkeep-alive: timeout=5\r\n\r\nhello",
+            false,
+        );
+        assert_eq!(r.body, Framing::Length(5));
+        assert!(r.backend_keep_alive);
+        assert_eq!(head, "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n");
+        let (r, _) = response("HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n", true);
+        assert_eq!(r.body, Framing::Empty, "HEAD has no body");
+        let (r, head) = response(
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 9\r\n\r\n",
+            false,
+        );
+        assert_eq!(r.body, Framing::Chunked);
+        assert!(!head.contains("content-length"), "{head}");
+        assert!(head.contains("transfer-encoding: chunked"), "{head}");
+        let (r, head) = response("HTTP/1.0 200 OK\r\n\r\n", false);
+        assert_eq!(r.body, Framing::Close);
+        assert!(!r.backend_keep_alive);
+        assert!(head.ends_with("connection: close\r\n\r\n"), "{head}");
+        let (r, _) = response("HTTP/1.1 204 No Content\r\n\r\n", false);
+        assert_eq!(r.body, Framing::Empty);
+        let (r, _) = response("HTTP/1.1 100 Continue\r\n\r\n", false);
+        assert!(r.interim);
+        let mut out = Vec::new();
+        for bad in [
+            "HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
+            "HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+            "HTTP/1.1 101 Switching Protocols\r\n\r\n",
+            "nonsense\r\n\r\n",
+        ] {
+            assert!(
+                parse_response(bad.as_bytes(), &mut out, false, false).is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn content_lengths_are_digits_only() {
+        assert_eq!(content_length(b" 42 "), Some(42));
+        for bad in [&b""[..], b"+1", b"1 2", b"0x10", b"99999999999999999999"] {
+            assert_eq!(content_length(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn hosts_are_plain_names() {
+        assert!(plain_host(b"demo.localhost:8080"));
+        assert!(plain_host(b"[::1]:80"));
+        assert!(!plain_host(b""));
+        assert!(!plain_host(b"a\"b.localhost"));
+        assert!(!plain_host(b"a b"));
+    }
+}
