@@ -63,7 +63,7 @@ enum Framing {
 /// A request head, parsed and rewritten for the backend.
 struct Request {
     head_len: usize,
-    entry: Option<Arc<Entry>>,
+    entry: Arc<Entry>,
     body: Framing,
     is_head: bool,
     /// The client asked to close after this request.
@@ -75,10 +75,14 @@ enum Parsed {
     Partial,
     /// Not a request for this path: the general path serves the connection from here on.
     Elsewhere,
-    /// A request; its backend head is in the output buffer.
+    /// A request to a route; its backend head is in the output buffer.
     Request(Request),
-    /// A request whose Host has no usable name.
-    BadHost { head_len: usize, body: Framing },
+    /// A request answered here (bad or unknown Host); `close` when its body is not read.
+    Refuse {
+        head_len: usize,
+        refusal: Refusal,
+        close: bool,
+    },
 }
 
 /// Serves one client connection, handing it to the general path when a request needs it.
@@ -99,14 +103,12 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
                 head.clear();
                 match parse_request(&buf, &peer_text, &proxy, &mut head) {
                     Parsed::Request(r) => break r,
-                    Parsed::BadHost { head_len, body } => {
+                    Parsed::Refuse {
+                        head_len,
+                        refusal,
+                        close,
+                    } => {
                         buf.advance(head_len);
-                        let refusal = Refusal::new(
-                            StatusCode::BAD_REQUEST,
-                            "bad_host",
-                            "the Host header is missing or not a host name".to_owned(),
-                        );
-                        let close = body != Framing::Empty;
                         if write_refusal(&mut client, &mut out, &proxy, &refusal, close)
                             .await
                             .is_err()
@@ -116,7 +118,8 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
                         }
                         continue;
                     }
-                    Parsed::Elsewhere => {
+                    Parsed::Partial if buf.len() < MAX_HEAD => {}
+                    Parsed::Partial | Parsed::Elsewhere => {
                         let io = Prefixed {
                             prefix: buf.freeze(),
                             inner: client,
@@ -124,15 +127,6 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
                         proxy.serve_hyper(io, peer).await;
                         return;
                     }
-                    Parsed::Partial if buf.len() >= MAX_HEAD => {
-                        let io = Prefixed {
-                            prefix: buf.freeze(),
-                            inner: client,
-                        };
-                        proxy.serve_hyper(io, peer).await;
-                        return;
-                    }
-                    Parsed::Partial => {}
                 }
             }
             if buf.capacity() - buf.len() < 1024 {
@@ -155,25 +149,16 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
             }
         };
         buf.advance(req.head_len);
-        let Some(entry) = req.entry.clone() else {
-            // parse_request put the Host it could not route into `head`.
-            let host = String::from_utf8_lossy(&head).into_owned();
-            let refusal = Refusal::new(
-                StatusCode::NOT_FOUND,
-                "unknown_host",
-                format!("no route for host {host:?}"),
-            );
-            let close = req.close || req.body != Framing::Empty;
-            if write_refusal(&mut client, &mut out, &proxy, &refusal, close)
-                .await
-                .is_err()
-                || close
-            {
-                return;
-            }
-            continue;
-        };
-        let keep = exchange(&proxy, &entry, &mut client, &mut buf, &head, &req, &mut out).await;
+        let keep = exchange(
+            &proxy,
+            &req.entry,
+            &mut client,
+            &mut buf,
+            &head,
+            &req,
+            &mut out,
+        )
+        .await;
         if !keep || req.close {
             return;
         }
@@ -614,7 +599,6 @@ impl Peer {
 }
 
 /// Parses a request head and, for a request this path serves, writes the backend's head to `out`.
-/// For a request to an unknown Host, `out` holds that Host instead.
 fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> Parsed {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut headers);
@@ -664,23 +648,26 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
         (false, Some(0) | None) => Framing::Empty,
         (false, Some(n)) => Framing::Length(n),
     };
+    let close = conn.close || body != Framing::Empty;
     let host = match host {
         Some(h) if plain_host(h) => std::str::from_utf8(h).expect("ASCII"),
-        _ => return Parsed::BadHost { head_len, body },
+        _ => {
+            let message = "the Host header is missing or not a host name".to_owned();
+            return Parsed::Refuse {
+                head_len,
+                refusal: Refusal::new(StatusCode::BAD_REQUEST, "bad_host", message),
+                close,
+            };
+        }
     };
-    let entry = proxy.route(host);
-    let close = conn.close;
-    let is_head = method == "HEAD";
-    if entry.is_none() {
-        out.extend_from_slice(host.as_bytes());
-        return Parsed::Request(Request {
+    let Some(entry) = proxy.route(host) else {
+        let message = format!("no route for host {host:?}");
+        return Parsed::Refuse {
             head_len,
-            entry,
-            body,
-            is_head,
+            refusal: Refusal::new(StatusCode::NOT_FOUND, "unknown_host", message),
             close,
-        });
-    }
+        };
+    };
 
     out.extend_from_slice(method.as_bytes());
     out.push(b' ');
@@ -731,8 +718,8 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
         head_len,
         entry,
         body,
-        is_head,
-        close,
+        is_head: method == "HEAD",
+        close: conn.close,
     })
 }
 
