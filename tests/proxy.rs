@@ -642,6 +642,15 @@ async fn http1_framing_pipelining_and_forwarding_headers_hold() {
     let done = read_raw(&mut s, &mut buf, false).await;
     assert_eq!((done.status, done.text().as_str()), (200, "5 bytes\n"));
 
+    // `Connection` naming Content-Length does not take the body's framing away from the backend.
+    s.write_all(
+        b"POST /count HTTP/1.1\r\nHost: h1.localhost\r\nContent-Length: 5\r\nConnection: content-length, host\r\n\r\nhello",
+    )
+    .await
+    .unwrap();
+    let framed = read_raw(&mut s, &mut buf, false).await;
+    assert_eq!((framed.status, framed.text().as_str()), (200, "5 bytes\n"));
+
     // A missing Host is a bad request.
     s.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
     let bad = read_raw(&mut s, &mut buf, false).await;

@@ -112,7 +112,13 @@ impl Chunked {
                     _ => return Err(ChunkedError("invalid chunk size")),
                 },
                 St::SizeWs => match b {
-                    b' ' | b'\t' => St::SizeWs,
+                    b' ' | b'\t' => {
+                        self.line += 1;
+                        if self.line > MAX_SIZE_LINE {
+                            return Err(ChunkedError("chunk size line too long"));
+                        }
+                        St::SizeWs
+                    }
                     b';' => St::Ext,
                     b'\r' => St::SizeLf,
                     _ => return Err(ChunkedError("invalid chunk size line")),

@@ -26,6 +26,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -37,6 +38,7 @@ use tokio::net::TcpStream;
 use super::chunked::Chunked;
 use super::table::Entry;
 use super::{Proxy, Refusal};
+use crate::clock::Clock;
 
 /// Headers accepted in one head.
 const MAX_HEADERS: usize = 100;
@@ -45,7 +47,7 @@ const MAX_HEAD: usize = 64 * 1024;
 /// How much of a body is read at once.
 const READ_CHUNK: usize = 64 * 1024;
 /// `Connection` tokens read from one head; more go to the general path.
-const MAX_CONNECTION_TOKENS: usize = 8;
+const MAX_CONNECTION_TOKENS: usize = 16;
 
 /// How a message body is delimited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +68,8 @@ struct Request {
     entry: Arc<Entry>,
     body: Framing,
     is_head: bool,
+    /// GET, HEAD, OPTIONS, TRACE, PUT or DELETE (RFC 9110 section 9.2.2): safe to send again.
+    idempotent: bool,
     /// The client asked to close after this request.
     close: bool,
 }
@@ -90,12 +94,10 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
     let mut buf = BytesMut::with_capacity(8 * 1024);
     let mut head = Vec::with_capacity(1024);
     let mut out = Vec::with_capacity(8 * 1024);
-    // One idle timer per connection, moved only when it fires: arming a timer per request would
-    // cost a driver wake-up each time.
     let idle_ms = proxy.options.client_idle_timeout_ms;
-    let idle = tokio::time::sleep(Duration::from_millis(idle_ms));
-    tokio::pin!(idle);
-    let mut active_at_ms = proxy.clock.now_ms();
+    let stall_ms = proxy.options.request_stall_timeout_ms;
+    let progress = Progress::new(&*proxy.clock);
+    let mut watchdog = Watchdog::new(&progress, idle_ms);
     let peer_text = Peer::new(peer);
     loop {
         let req = loop {
@@ -135,33 +137,28 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
             tokio::select! {
                 biased;
                 read = client.read_buf(&mut buf) => match read {
-                    Ok(n) if n > 0 => active_at_ms = proxy.clock.now_ms(),
+                    Ok(n) if n > 0 => progress.mark(),
                     _ => return,
                 },
-                () = &mut idle => {
-                    let quiet = proxy.clock.now_ms().saturating_sub(active_at_ms);
-                    if quiet >= idle_ms {
-                        return;
-                    }
-                    let deadline = idle.deadline() + Duration::from_millis(idle_ms - quiet);
-                    idle.as_mut().reset(deadline);
-                }
+                () = watchdog.expired(&progress, idle_ms) => return,
             }
         };
         buf.advance(req.head_len);
-        let keep = exchange(
-            &proxy,
-            &req.entry,
-            &mut client,
-            &mut buf,
-            &head,
-            &req,
-            &mut out,
-        )
-        .await;
+        progress.mark();
+        let keep = tokio::select! {
+            biased;
+            keep = exchange(
+                &proxy, &req.entry, &mut client, &mut buf, &head, &req, &mut out, &progress,
+            ) => keep,
+            () = watchdog.expired(&progress, stall_ms) => {
+                tracing::debug!(%peer, route = %req.entry.spec.name, "request stalled; closing");
+                false
+            }
+        };
         if !keep || req.close {
             return;
         }
+        progress.mark();
     }
 }
 
@@ -171,25 +168,98 @@ struct Backend {
     buf: BytesMut,
 }
 
+/// When a connection last moved bytes, for the stall and idle bounds.
+struct Progress<'a> {
+    clock: &'a dyn Clock,
+    at_ms: AtomicU64,
+}
+
+impl<'a> Progress<'a> {
+    fn new(clock: &'a dyn Clock) -> Self {
+        Self {
+            at_ms: AtomicU64::new(clock.now_ms()),
+            clock,
+        }
+    }
+
+    fn mark(&self) {
+        self.at_ms.store(self.clock.now_ms(), Ordering::Relaxed);
+    }
+}
+
+/// One timer per connection that resolves when the connection made no progress for a bound. It is
+/// moved only when it fires (or must fire sooner): arming a timer per request would cost a driver
+/// wake-up each time.
+struct Watchdog {
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    /// The instant the clock read `base_ms`.
+    base: tokio::time::Instant,
+    base_ms: u64,
+}
+
+impl Watchdog {
+    fn new(progress: &Progress<'_>, first_ms: u64) -> Self {
+        let sleep = Box::pin(tokio::time::sleep(Duration::from_millis(first_ms)));
+        let base = sleep.deadline() - Duration::from_millis(first_ms);
+        Self {
+            sleep,
+            base,
+            base_ms: progress.at_ms.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Resolves once `limit_ms` pass without progress.
+    async fn expired(&mut self, progress: &Progress<'_>, limit_ms: u64) {
+        // A tighter bound than the timer's takes effect now; a looser one when the timer fires.
+        let due_ms = progress.at_ms.load(Ordering::Relaxed) + limit_ms;
+        let due = self.base + Duration::from_millis(due_ms.saturating_sub(self.base_ms));
+        if due < self.sleep.deadline() {
+            self.sleep.as_mut().reset(due);
+        }
+        loop {
+            self.sleep.as_mut().await;
+            let now_ms = progress.clock.now_ms();
+            let due_ms = progress.at_ms.load(Ordering::Relaxed) + limit_ms;
+            if now_ms >= due_ms {
+                return;
+            }
+            let next = self.sleep.deadline() + Duration::from_millis(due_ms - now_ms);
+            self.sleep.as_mut().reset(next);
+        }
+    }
+}
+
 /// Why a response could not be relayed.
 struct RelayError {
-    /// Whether anything was written to the client.
-    wrote: bool,
     /// Whether anything was read from the backend.
     got_any: bool,
+    /// The client broke the request (its body ended early or was malformed).
+    client_fault: bool,
     message: String,
+}
+
+impl RelayError {
+    fn backend(got_any: bool, message: String) -> Self {
+        Self {
+            got_any,
+            client_fault: false,
+            message,
+        }
+    }
 }
 
 /// What became of a relayed response.
 struct Relayed {
     /// The backend connection can carry another request.
     backend_reusable: bool,
-    /// The client connection must end (the response was delimited by the backend's close).
+    /// The client connection must end (the response was delimited by the backend's close, or
+    /// ended before the request body).
     client_close: bool,
 }
 
 /// Forwards one request and relays its response. Returns whether the client connection can carry
 /// another request.
+#[allow(clippy::too_many_arguments)]
 async fn exchange(
     proxy: &Proxy,
     entry: &Entry,
@@ -198,6 +268,7 @@ async fn exchange(
     head: &[u8],
     req: &Request,
     out: &mut Vec<u8>,
+    progress: &Progress<'_>,
 ) -> bool {
     let _in_flight = entry.traffic.begin(proxy.clock.now_ms());
     let has_body = req.body != Framing::Empty;
@@ -213,9 +284,13 @@ async fn exchange(
                     && !has_body;
             }
         };
-        let now = proxy.clock.now_ms();
+        progress.mark();
         let pooled = if pooled_allowed {
-            pool_take(addr, now, proxy.options.pool_idle_timeout_ms, has_body)
+            pool_take(
+                addr,
+                proxy.clock.now_ms(),
+                proxy.options.pool_idle_timeout_ms,
+            )
         } else {
             None
         };
@@ -225,7 +300,7 @@ async fn exchange(
             None => match connect(addr, proxy.options.connect_timeout_ms).await {
                 Ok(b) => b,
                 Err(e) if avoid.is_none() => {
-                    // Refused: the replica is stopping or gone. The body is untouched.
+                    // Refused: the replica is stopping or gone. The request is untouched.
                     tracing::debug!(route = %entry.spec.name, %addr, error = %e, "backend refused; retrying");
                     avoid = Some(addr);
                     continue;
@@ -239,23 +314,28 @@ async fn exchange(
                 }
             },
         };
+        let wrote = AtomicBool::new(false);
         let result = if has_body {
-            relay_with_body(client, buf, &mut backend, head, req, out).await
+            relay_with_body(client, buf, &mut backend, head, req, out, &wrote, progress).await
         } else {
             let Backend { stream, buf: bbuf } = &mut backend;
             let (mut br, mut bw) = stream.split();
             match bw.write_all(head).await {
                 Ok(()) => {
                     let (_, mut cw) = client.split();
-                    relay_response(&mut br, bbuf, &mut cw, out, req.is_head, req.close).await
+                    let to = Relay {
+                        out,
+                        wrote: &wrote,
+                        progress,
+                        is_head: req.is_head,
+                        client_wants_close: req.close,
+                    };
+                    relay_response(&mut br, bbuf, &mut cw, to).await
                 }
-                Err(e) => Err(RelayError {
-                    wrote: false,
-                    got_any: false,
-                    message: e.to_string(),
-                }),
+                Err(e) => Err(RelayError::backend(false, e.to_string())),
             }
         };
+        let wrote = wrote.load(Ordering::Relaxed);
         match result {
             Ok(r) => {
                 if r.backend_reusable {
@@ -263,18 +343,24 @@ async fn exchange(
                 }
                 return !r.client_close;
             }
-            Err(e) if !e.wrote && !e.got_any && !has_body && reused && pooled_allowed => {
-                // A stale pooled connection: once more on a fresh connection.
+            Err(e) if !wrote && !e.got_any && !has_body && reused && pooled_allowed => {
+                // A pooled connection the backend closed while it sat idle: the request did not
+                // reach the app. Once more on a fresh connection.
                 tracing::debug!(%addr, error = %e.message, "pooled backend connection was closed; retrying");
                 pooled_allowed = false;
             }
-            Err(e) if !e.wrote && !e.got_any && !has_body && avoid.is_none() => {
-                // The replica closed or reset the connection without answering: it is stopping.
+            Err(e) if !wrote && !e.got_any && !has_body && req.idempotent && avoid.is_none() => {
+                // The replica closed or reset a fresh connection without answering: it is
+                // stopping.
                 tracing::debug!(route = %entry.spec.name, %addr, error = %e.message, "backend went away; retrying");
                 avoid = Some(addr);
             }
-            Err(e) if !e.wrote => {
-                let refusal = Refusal::bad_gateway(format!("backend {addr}: {}", e.message));
+            Err(e) if !wrote => {
+                let refusal = if e.client_fault {
+                    Refusal::new(StatusCode::BAD_REQUEST, "bad_request_body", e.message)
+                } else {
+                    Refusal::bad_gateway(format!("backend {addr}: {}", e.message))
+                };
                 let _ = write_refusal(client, out, proxy, &refusal, true).await;
                 return false;
             }
@@ -283,9 +369,18 @@ async fn exchange(
     }
 }
 
+/// A request body failed to go through.
+enum SendError {
+    /// Reading it from the client failed or it was malformed.
+    Client(io::Error),
+    /// Writing it to the backend failed.
+    Backend(io::Error),
+}
+
 /// Sends a request body while relaying the response, as a backend may answer before the body is
 /// done (or answer `100 Continue` first). A response that ends before the body was sent ends both
 /// connections.
+#[allow(clippy::too_many_arguments)]
 async fn relay_with_body(
     client: &mut TcpStream,
     buf: &mut BytesMut,
@@ -293,28 +388,43 @@ async fn relay_with_body(
     head: &[u8],
     req: &Request,
     out: &mut Vec<u8>,
+    wrote: &AtomicBool,
+    progress: &Progress<'_>,
 ) -> Result<Relayed, RelayError> {
     let Backend { stream, buf: bbuf } = backend;
     let (mut cr, mut cw) = client.split();
     let (mut br, mut bw) = stream.split();
     let send = async {
-        bw.write_all(head).await?;
-        send_body(&mut cr, buf, &mut bw, req.body).await
+        bw.write_all(head).await.map_err(SendError::Backend)?;
+        send_body(&mut cr, buf, &mut bw, req.body, progress).await
     };
-    let recv = relay_response(&mut br, bbuf, &mut cw, out, req.is_head, req.close);
+    let to = Relay {
+        out,
+        wrote,
+        progress,
+        is_head: req.is_head,
+        client_wants_close: req.close,
+    };
+    let recv = relay_response(&mut br, bbuf, &mut cw, to);
     tokio::pin!(send, recv);
-    let mut sent = false;
+    // `None` while the body is being sent; then whether it all went.
+    let mut sent: Option<bool> = None;
     loop {
         tokio::select! {
-            r = &mut send, if !sent => match r {
-                Ok(()) => sent = true,
-                Err(e) => {
-                    return Err(RelayError { wrote: false, got_any: true, message: e.to_string() });
+            r = &mut send, if sent.is_none() => match r {
+                Ok(()) => sent = Some(true),
+                Err(SendError::Client(e)) => {
+                    return Err(RelayError { got_any: true, client_fault: true, message: e.to_string() });
+                }
+                // The backend stopped reading: it may have answered already (413, say).
+                Err(SendError::Backend(e)) => {
+                    tracing::debug!(error = %e, "the backend stopped reading the request body");
+                    sent = Some(false);
                 }
             },
             r = &mut recv => {
                 return r.map(|mut r| {
-                    if !sent {
+                    if sent != Some(true) {
                         r.backend_reusable = false;
                         r.client_close = true;
                     }
@@ -331,7 +441,8 @@ async fn send_body<R, W>(
     buf: &mut BytesMut,
     bw: &mut W,
     body: Framing,
-) -> io::Result<()>
+    progress: &Progress<'_>,
+) -> Result<(), SendError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -351,23 +462,39 @@ where
         }
         if buf.is_empty() {
             buf.reserve(READ_CHUNK);
-            if cr.read_buf(buf).await? == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "client closed inside the request body",
-                ));
+            match cr.read_buf(buf).await {
+                Ok(0) => {
+                    return Err(SendError::Client(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the client closed inside the request body",
+                    )));
+                }
+                Ok(_) => progress.mark(),
+                Err(e) => return Err(SendError::Client(e)),
             }
         }
         let take = match &mut chunked {
             Some(c) => c
                 .advance(buf)
-                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?,
+                .map_err(|e| SendError::Client(io::Error::new(io::ErrorKind::InvalidData, e)))?,
             None => usize::try_from(left).unwrap_or(usize::MAX).min(buf.len()),
         };
-        bw.write_all(&buf[..take]).await?;
+        bw.write_all(&buf[..take])
+            .await
+            .map_err(SendError::Backend)?;
         buf.advance(take);
         left = left.saturating_sub(take as u64);
     }
+}
+
+/// Where a response goes and what the request said about it.
+struct Relay<'a, 'c> {
+    out: &'a mut Vec<u8>,
+    /// Set once anything was written to the client.
+    wrote: &'a AtomicBool,
+    progress: &'a Progress<'c>,
+    is_head: bool,
+    client_wants_close: bool,
 }
 
 /// Reads the backend's response and writes it to the client.
@@ -375,21 +502,20 @@ async fn relay_response<R, W>(
     br: &mut R,
     bbuf: &mut BytesMut,
     cw: &mut W,
-    out: &mut Vec<u8>,
-    is_head: bool,
-    client_wants_close: bool,
+    to: Relay<'_, '_>,
 ) -> Result<Relayed, RelayError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let mut wrote = false;
-    let mut got_any = false;
-    let fail = |wrote: bool, got_any: bool, message: String| RelayError {
+    let Relay {
+        out,
         wrote,
-        got_any,
-        message,
-    };
+        progress,
+        is_head,
+        client_wants_close,
+    } = to;
+    let mut got_any = false;
     loop {
         let resp = loop {
             if !bbuf.is_empty() {
@@ -397,10 +523,11 @@ where
                 match parse_response(bbuf, out, is_head, client_wants_close) {
                     Ok(Some(r)) => break r,
                     Ok(None) if bbuf.len() >= MAX_HEAD => {
-                        return Err(fail(wrote, got_any, "response head too large".into()));
+                        let message = "response head too large".into();
+                        return Err(RelayError::backend(got_any, message));
                     }
                     Ok(None) => {}
-                    Err(e) => return Err(fail(wrote, got_any, e)),
+                    Err(e) => return Err(RelayError::backend(got_any, e)),
                 }
             }
             if bbuf.capacity() - bbuf.len() < 1024 {
@@ -409,18 +536,21 @@ where
             match br.read_buf(bbuf).await {
                 Ok(0) => {
                     let message = "backend closed the connection before answering".into();
-                    return Err(fail(wrote, got_any, message));
+                    return Err(RelayError::backend(got_any, message));
                 }
-                Ok(_) => got_any = true,
-                Err(e) => return Err(fail(wrote, got_any, e.to_string())),
+                Ok(_) => {
+                    got_any = true;
+                    progress.mark();
+                }
+                Err(e) => return Err(RelayError::backend(got_any, e.to_string())),
             }
         };
         bbuf.advance(resp.head_len);
         if resp.interim {
             if let Err(e) = cw.write_all(out).await {
-                return Err(fail(true, true, e.to_string()));
+                return Err(RelayError::backend(true, e.to_string()));
             }
-            wrote = true;
+            wrote.store(true, Ordering::Relaxed);
             continue;
         }
         let client_close = client_wants_close || resp.body == Framing::Close;
@@ -448,16 +578,16 @@ where
                     Ok(0) if resp.body == Framing::Close => break,
                     Ok(0) => {
                         let message = "backend closed the connection inside the body".into();
-                        return Err(fail(true, true, message));
+                        return Err(RelayError::backend(true, message));
                     }
-                    Ok(_) => {}
-                    Err(e) => return Err(fail(true, true, e.to_string())),
+                    Ok(_) => progress.mark(),
+                    Err(e) => return Err(RelayError::backend(true, e.to_string())),
                 }
             }
             let take = match &mut chunked {
                 Some(c) => c
                     .advance(bbuf)
-                    .map_err(|e| fail(true, true, e.to_string()))?,
+                    .map_err(|e| RelayError::backend(true, e.to_string()))?,
                 None => usize::try_from(left).unwrap_or(usize::MAX).min(bbuf.len()),
             };
             // The head goes out with the body bytes already read: one write for a small response.
@@ -468,8 +598,9 @@ where
                 cw.write_all(&bbuf[..take]).await
             };
             if let Err(e) = write {
-                return Err(fail(true, true, e.to_string()));
+                return Err(RelayError::backend(true, e.to_string()));
             }
+            wrote.store(true, Ordering::Relaxed);
             bbuf.advance(take);
             left = left.saturating_sub(take as u64);
             first = false;
@@ -546,10 +677,12 @@ impl<'a> ConnectionTokens<'a> {
     }
 }
 
-/// Headers that belong to one connection (RFC 9110 section 7.6.1), never forwarded as they are.
+/// Headers that belong to one connection (RFC 9110 section 7.6.1, and the old
+/// `Proxy-Connection`), never forwarded as they are.
 fn hop_by_hop(name: &str) -> bool {
-    const NAMES: [&str; 8] = [
+    const NAMES: [&str; 9] = [
         "connection",
+        "proxy-connection",
         "keep-alive",
         "proxy-authenticate",
         "proxy-authorization",
@@ -675,8 +808,12 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
     out.extend_from_slice(b" HTTP/1.1\r\n");
     for h in headers {
         let name = h.name;
+        // The framing is written below from what was parsed, so `Connection` naming
+        // Content-Length cannot take a body's framing away; Host always goes.
+        let host = name.eq_ignore_ascii_case("host");
         if hop_by_hop(name)
-            || conn.names(name)
+            || (conn.names(name) && !host)
+            || name.eq_ignore_ascii_case("content-length")
             || name.eq_ignore_ascii_case("x-forwarded-for")
             || name.eq_ignore_ascii_case("x-forwarded-proto")
             || name.eq_ignore_ascii_case("x-forwarded-host")
@@ -686,14 +823,13 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
         }
         push_header(out, name.as_bytes(), h.value);
     }
-    if chunked {
-        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
-    }
+    push_framing(out, chunked.then_some(b"chunked".as_slice()), length);
     // X-Forwarded-For and Forwarded extend what earlier proxies said.
     out.extend_from_slice(b"x-forwarded-for: ");
     for h in headers
         .iter()
         .filter(|h| h.name.eq_ignore_ascii_case("x-forwarded-for"))
+        .filter(|h| !h.value.trim_ascii().is_empty())
     {
         out.extend_from_slice(h.value.trim_ascii());
         out.extend_from_slice(b", ");
@@ -705,6 +841,7 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
     for h in headers
         .iter()
         .filter(|h| h.name.eq_ignore_ascii_case("forwarded"))
+        .filter(|h| !h.value.trim_ascii().is_empty())
     {
         out.extend_from_slice(h.value.trim_ascii());
         out.extend_from_slice(b", ");
@@ -719,6 +856,10 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
         entry,
         body,
         is_head: method == "HEAD",
+        idempotent: matches!(
+            method,
+            "GET" | "HEAD" | "OPTIONS" | "TRACE" | "PUT" | "DELETE"
+        ),
         close: conn.close,
     })
 }
@@ -746,6 +887,9 @@ fn parse_response(
     let interim = (100..200).contains(&code);
     let headers = &*resp.headers;
     let conn = ConnectionTokens::read(headers);
+    if conn.overflow {
+        return Err("too many Connection tokens in the response".into());
+    }
     let mut length: Option<u64> = None;
     let mut transfer: Option<&[u8]> = None;
     for h in headers {
@@ -797,17 +941,17 @@ fn parse_response(
     out.extend_from_slice(b"\r\n");
     for h in headers {
         let name = h.name;
-        if hop_by_hop(name)
-            || conn.names(name)
-            || (transfer.is_some() && name.eq_ignore_ascii_case("content-length"))
-        {
+        if hop_by_hop(name) || conn.names(name) || name.eq_ignore_ascii_case("content-length") {
             continue;
         }
         push_header(out, name.as_bytes(), h.value);
     }
-    if let Some(te) = transfer {
-        push_header(out, b"transfer-encoding", te);
-    }
+    // The framing as parsed: Transfer-Encoding wins over Content-Length (RFC 9112 section 6.3).
+    push_framing(
+        out,
+        transfer,
+        if transfer.is_some() { None } else { length },
+    );
     if !interim && (client_wants_close || body == Framing::Close) {
         out.extend_from_slice(b"connection: close\r\n");
     }
@@ -818,6 +962,18 @@ fn parse_response(
         body,
         backend_keep_alive,
     }))
+}
+
+/// Writes the framing headers of a message.
+fn push_framing(out: &mut Vec<u8>, transfer: Option<&[u8]>, length: Option<u64>) {
+    if let Some(te) = transfer {
+        push_header(out, b"transfer-encoding", te);
+    }
+    if let Some(n) = length {
+        out.extend_from_slice(b"content-length: ");
+        push_display(out, &n);
+        out.extend_from_slice(b"\r\n");
+    }
 }
 
 fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
@@ -890,9 +1046,9 @@ thread_local! {
     static POOL: RefCell<Pool> = RefCell::new(Pool::default());
 }
 
-/// The newest idle connection to `addr` that has not timed out. With `check`, one the backend has
-/// closed (or written to out of turn) is dropped instead of returned.
-fn pool_take(addr: SocketAddr, now_ms: u64, idle_timeout_ms: u64, check: bool) -> Option<Backend> {
+/// The newest idle connection to `addr` that has not timed out; one the backend has closed (or
+/// written to out of turn) is dropped instead of returned.
+fn pool_take(addr: SocketAddr, now_ms: u64, idle_timeout_ms: u64) -> Option<Backend> {
     POOL.with(|p| {
         let mut p = p.borrow_mut();
         let conns = p.idle.get_mut(&addr)?;
@@ -902,7 +1058,7 @@ fn pool_take(addr: SocketAddr, now_ms: u64, idle_timeout_ms: u64, check: bool) -
                 conns.clear();
                 break;
             }
-            if check && !alive(&b.stream) {
+            if !alive(&b.stream) {
                 continue;
             }
             return Some(b);
@@ -918,6 +1074,9 @@ fn alive(stream: &TcpStream) -> bool {
 }
 
 fn pool_put(addr: SocketAddr, b: Backend, now_ms: u64, options: &super::ProxyOptions) {
+    if options.pool_max_idle_per_host == 0 {
+        return;
+    }
     POOL.with(|p| {
         let mut p = p.borrow_mut();
         if now_ms.saturating_sub(p.swept_at_ms) >= 1_000 {
@@ -991,6 +1150,48 @@ impl AsyncWrite for Prefixed {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::SimClock;
+    use futures_util::FutureExt;
+
+    async fn step(clock: &SimClock, ms: u64) {
+        clock.advance(ms);
+        tokio::time::advance(Duration::from_millis(ms)).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_watchdog_fires_only_after_a_quiet_limit() {
+        let clock = SimClock::new(1_000);
+        let progress = Progress::new(&clock);
+        let mut dog = Watchdog::new(&progress, 100);
+        {
+            let quiet = dog.expired(&progress, 100);
+            tokio::pin!(quiet);
+            assert!(quiet.as_mut().now_or_never().is_none());
+            step(&clock, 60).await;
+            progress.mark();
+            step(&clock, 60).await;
+            assert!(
+                quiet.as_mut().now_or_never().is_none(),
+                "60 ms since the last progress"
+            );
+            step(&clock, 40).await;
+            assert!(quiet.as_mut().now_or_never().is_some());
+        }
+        // A looser bound waits longer; a tighter one after it takes effect at once.
+        progress.mark();
+        {
+            let stall = dog.expired(&progress, 1_000);
+            tokio::pin!(stall);
+            step(&clock, 500).await;
+            assert!(stall.as_mut().now_or_never().is_none());
+        }
+        progress.mark();
+        let quiet = dog.expired(&progress, 100);
+        tokio::pin!(quiet);
+        assert!(quiet.as_mut().now_or_never().is_none());
+        step(&clock, 100).await;
+        assert!(quiet.as_mut().now_or_never().is_some());
+    }
 
     fn response(raw: &str, is_head: bool) -> (Response, String) {
         let mut out = Vec::new();

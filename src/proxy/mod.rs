@@ -66,6 +66,9 @@ pub struct ProxyOptions {
     pub retry_after_s: u32,
     /// How long a client connection may sit between requests (or inside a request head).
     pub client_idle_timeout_ms: u64,
+    /// How long a request under way may go without a byte moving either way (the backend
+    /// thinking included) before both connections are closed.
+    pub request_stall_timeout_ms: u64,
     /// How long connecting to a backend may take.
     pub connect_timeout_ms: u64,
 }
@@ -77,6 +80,7 @@ impl Default for ProxyOptions {
             pool_idle_timeout_ms: 90_000,
             retry_after_s: 1,
             client_idle_timeout_ms: 75_000,
+            request_stall_timeout_ms: 300_000,
             connect_timeout_ms: 5_000,
         }
     }
