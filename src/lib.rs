@@ -13,6 +13,7 @@ pub mod example_app;
 pub mod log;
 pub mod orchestrator;
 pub mod proxy;
+pub mod queue;
 pub mod scaler;
 pub mod serve;
 pub mod state;
