@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rocksdb::{DB, IteratorMode, Options as DbOptions, WriteBatch, WriteOptions};
+use rocksdb::{DB, Options as DbOptions, WriteBatch, WriteOptions};
 use serde::{Deserialize, Serialize};
 
 use super::{Message, Queue, QueueError, QueueFuture, QueueStats};
@@ -210,7 +210,7 @@ impl EmbeddedQueue {
         o.set_max_total_wal_size(128 << 20);
         let db = DB::open(&o, path.as_ref()).map_err(storage)?;
         let mut index = Index::default();
-        for item in db.prefix_iterator([b'm']) {
+        for item in db.prefix_iterator(b"m") {
             let (k, v) = item.map_err(storage)?;
             if k.first() != Some(&b'm') {
                 break;
@@ -234,7 +234,7 @@ impl EmbeddedQueue {
             .map(|(id, s)| (s.seq, id.clone()))
             .collect();
         let mut stale = WriteBatch::default();
-        for item in db.iterator(IteratorMode::From(&[b'r'], rocksdb::Direction::Forward)) {
+        for item in db.prefix_iterator(b"r") {
             let (k, v) = item.map_err(storage)?;
             if k.first() != Some(&b'r') {
                 break;
