@@ -20,8 +20,8 @@ fn ids(got: &[Message]) -> Vec<&str> {
 /// Reserves until `n` messages came (or the wait ran out).
 async fn reserve_n(q: &dyn Queue, runner: &str, n: usize) -> Vec<Message> {
     let mut got = Vec::new();
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while got.len() < n && tokio::time::Instant::now() < deadline {
+    let clock = ebb::clock::Stopwatch::start();
+    while got.len() < n && clock.elapsed() < WAIT {
         got.extend(
             q.reserve(runner, n - got.len(), Duration::from_millis(500))
                 .await
