@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod bench;
+pub mod calls;
 pub mod clock;
 pub mod config;
 pub mod event;

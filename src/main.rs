@@ -74,6 +74,45 @@ enum Command {
         /// Proxy threads (default: one per core).
         #[arg(long, env = "EBB_PROXY_THREADS")]
         proxy_threads: Option<usize>,
+        /// Bearer token for the runner API (`/runner/*`, `/v1/calls`); without one it is disabled.
+        #[arg(long, env = "EBB_RUNNER_TOKEN", hide_env_values = true)]
+        runner_token: Option<String>,
+        /// Calls the built-in runner runs at once (0: none; external runners only).
+        #[arg(long, default_value_t = 64)]
+        runner_capacity: usize,
+        /// How long a runner may keep a call it did not start before it is redelivered, in ms.
+        #[arg(long, default_value_t = 30_000)]
+        visibility_timeout_ms: u64,
+        /// A runner not heard from for this long is gone and its calls go to others, in ms.
+        #[arg(long, default_value_t = 15_000)]
+        runner_lease_ms: u64,
+        /// The most calls the queue holds.
+        #[arg(long, default_value_t = 1_000_000)]
+        max_queued: usize,
+    },
+    /// Run calls from a remote ebb: dequeue, start, execute through ebb's proxy, finish.
+    Runner {
+        /// The ebb API (its admin listener), e.g. http://127.0.0.1:8081.
+        #[arg(long, env = "EBB_API")]
+        api: String,
+        /// The runner token.
+        #[arg(long, env = "EBB_RUNNER_TOKEN", hide_env_values = true)]
+        token: String,
+        /// This runner's id (its queue partition).
+        #[arg(long, default_value = "runner")]
+        id: String,
+        /// Calls run at once.
+        #[arg(long, default_value_t = 64)]
+        capacity: usize,
+        /// The ebb proxy the calls' requests go through.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        proxy: SocketAddr,
+        /// Finish every call at once without running it (for measuring the queue).
+        #[arg(long, hide = true)]
+        noop: bool,
+        /// Fault injection for tests: SIGKILL this runner at a point of a call's life.
+        #[arg(long, hide = true, value_enum)]
+        fault: Option<ebb::calls::runner::Fault>,
     },
     /// Inspect the log.
     #[command(subcommand)]
@@ -230,6 +269,11 @@ fn run(cli: Cli) -> Result<()> {
             admin_token,
             flush_interval_ms,
             proxy_threads,
+            runner_token,
+            runner_capacity,
+            visibility_timeout_ms,
+            runner_lease_ms,
+            max_queued,
         } => serve(
             ebb::serve::ServeOptions {
                 data_dir: dir.clone(),
@@ -237,6 +281,16 @@ fn run(cli: Cli) -> Result<()> {
                 listen,
                 admin_listen,
                 admin_token,
+                runner_token,
+                runner_capacity,
+                calls: ebb::calls::CallOptions {
+                    runner_lease_ms,
+                    ..ebb::calls::CallOptions::default()
+                },
+                queue: ebb::queue::embedded::EmbeddedOptions {
+                    visibility_timeout_ms,
+                    max_messages: max_queued,
+                },
                 proxy_threads: proxy_threads
                     .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
                 runtime: ebb::proxy::runtime::RuntimeOptions {
@@ -254,6 +308,15 @@ fn run(cli: Cli) -> Result<()> {
             runtime()?.block_on(ebb::bench::cold_start(args))
         }
         Command::ExampleApp(args) => runtime()?.block_on(ebb::example_app::run(args)),
+        Command::Runner {
+            api,
+            token,
+            id,
+            capacity,
+            proxy,
+            noop,
+            fault,
+        } => runtime()?.block_on(run_runner(api, token, id, capacity, proxy, noop, fault)),
         Command::Debug(DebugCommand::AppendStress { appenders, count }) => {
             append_stress(&dir, appenders, count)
         }
@@ -308,7 +371,7 @@ fn serve(options: ebb::serve::ServeOptions, durability: Durability) -> Result<()
         durability,
     )?);
     let rt = runtime()?;
-    rt.block_on(ebb::serve::run(options, log.clone(), shutdown_signal()))?;
+    rt.block_on(async { ebb::serve::run(options, log.clone(), shutdown_signal()).await })?;
     drop(rt);
     if let Ok(log) = Arc::try_unwrap(log) {
         log.close();
@@ -316,25 +379,67 @@ fn serve(options: ebb::serve::ServeOptions, durability: Durability) -> Result<()
     Ok(())
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        let term = async {
-            match term.as_mut() {
-                Some(t) => {
-                    t.recv().await;
+/// `ebb runner`: the runner loop against a remote ebb until SIGTERM or Ctrl-C.
+async fn run_runner(
+    api: String,
+    token: String,
+    id: String,
+    capacity: usize,
+    proxy: SocketAddr,
+    noop: bool,
+    fault: Option<ebb::calls::runner::Fault>,
+) -> Result<()> {
+    use ebb::calls::runner::{self, Executor, HttpApi, NoopExecutor, ProxyExecutor, RunnerApi};
+    if !api.starts_with("http://") {
+        bail!("--api must be an http:// URL, got {api:?}");
+    }
+    if capacity == 0 {
+        bail!("--capacity must be at least 1");
+    }
+    let client: Arc<dyn RunnerApi> = Arc::new(HttpApi::new(&api, &token));
+    let executor: Arc<dyn Executor> = if noop {
+        Arc::new(NoopExecutor)
+    } else {
+        Arc::new(ProxyExecutor::new(
+            proxy,
+            ebb::calls::CallOptions::default().max_result_bytes,
+        ))
+    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let options = runner::RunnerOptions {
+        id,
+        capacity,
+        batch: capacity.min(256),
+        fault,
+        ..runner::RunnerOptions::default()
+    };
+    let stopped = shutdown_signal();
+    let run = tokio::spawn(runner::run(client, executor, options, stop_rx));
+    stopped.await;
+    let _ = stop_tx.send(true);
+    let _ = run.await;
+    Ok(())
+}
+
+/// Resolves on SIGTERM or SIGINT. The handlers are installed when this is called (inside a
+/// runtime), not when the future is first polled, so a signal sent right after ebb says it is
+/// ready is never missed.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
+    use tokio::signal::unix::{SignalKind, signal};
+    let term = signal(SignalKind::terminate()).ok();
+    let int = signal(SignalKind::interrupt()).ok();
+    async move {
+        let wait = |s: Option<tokio::signal::unix::Signal>| async move {
+            match s {
+                Some(mut s) => {
+                    s.recv().await;
                 }
                 None => std::future::pending().await,
             }
         };
-        tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+        tokio::select! { _ = wait(term) => {}, _ = wait(int) => {} }
+        tracing::info!("shutting down");
     }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
-    tracing::info!("shutting down");
 }
 
 fn format_time(at_ms: u64) -> String {

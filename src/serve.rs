@@ -10,6 +10,8 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::sync::watch;
 
+use crate::calls::runner::{self as call_runner, ProxyExecutor, RunnerApi, RunnerOptions};
+use crate::calls::{CallOptions, Calls};
 use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::event::{Event, ProcessSpec, RouteSpec};
@@ -17,6 +19,8 @@ use crate::log::Log;
 use crate::orchestrator::{Orchestrator, ProcessOptions, ProcessOrchestrator, WorkloadSpec};
 use crate::proxy::runtime::{self, RuntimeOptions};
 use crate::proxy::{Proxy, ProxyOptions, Traffic};
+use crate::queue::Queue;
+use crate::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
 use crate::scaler::{decide_restart, decide_shutdown};
 use crate::state::State;
 
@@ -37,6 +41,14 @@ pub struct ServeOptions {
     pub admin_token: Option<String>,
     /// Loop intervals.
     pub runtime: RuntimeOptions,
+    /// Bearer token of the runner API (`None`: the runner API is disabled).
+    pub runner_token: Option<String>,
+    /// Bounds of the call service.
+    pub calls: CallOptions,
+    /// The embedded queue's tuning.
+    pub queue: EmbeddedOptions,
+    /// Calls the built-in runner runs at once (0: no built-in runner).
+    pub runner_capacity: usize,
 }
 
 /// Routes from the config file that differ from the log's, as events.
@@ -158,16 +170,54 @@ pub async fn run(
         .with_context(|| format!("listening on {}", options.admin_listen))?;
     let proxy_addr = proxy_listeners[0].local_addr()?;
     let admin_addr = admin_listener.local_addr()?;
-    tracing::info!(%proxy_addr, %admin_addr, apps = config.apps.len(), seq = log.read(|s| s.seq), "ebb is serving");
-    println!("ebb proxy listening on http://{proxy_addr}");
-    println!("ebb admin listening on http://{admin_addr}");
 
     let proxy_threads = proxy.spawn_workers(proxy_listeners, stop_rx.clone())?;
+
+    // Calls: the embedded queue, the service behind the runner API, the expiry loop and the
+    // built-in runner.
+    let queue: Arc<dyn Queue> = Arc::new(
+        EmbeddedQueue::open(
+            options.data_dir.join("queue"),
+            clock.clone(),
+            options.queue.clone(),
+        )
+        .context("opening the call queue")?,
+    );
+    let calls = Arc::new(Calls::new(
+        log.clone(),
+        queue,
+        clock.clone(),
+        options.calls.clone(),
+    ));
+    let expiry = tokio::spawn(crate::calls::run_expiry(
+        calls.clone(),
+        Duration::from_millis(100),
+        stop_rx.clone(),
+    ));
+    let runner = (options.runner_capacity > 0).then(|| {
+        let api: Arc<dyn RunnerApi> = Arc::new(calls.clone());
+        let executor = Arc::new(ProxyExecutor::new(
+            proxy_addr,
+            options.calls.max_result_bytes,
+        ));
+        tokio::spawn(call_runner::run(
+            api,
+            executor,
+            RunnerOptions {
+                capacity: options.runner_capacity,
+                ..RunnerOptions::default()
+            },
+            stop_rx.clone(),
+        ))
+    });
+
     let admin = crate::api::router(crate::api::AppState {
         log: log.clone(),
         orchestrator: Some(dyn_orch.clone()),
         admin_token: options.admin_token.clone(),
         ebb_exe: exe.clone(),
+        calls: Some(calls.clone()),
+        runner_token: options.runner_token.clone(),
     });
     let admin_stopped = {
         let mut rx = stop_rx.clone();
@@ -181,8 +231,21 @@ pub async fn run(
             .await
     });
 
+    // Ready: the addresses are the signal tests and scripts wait for.
+    tracing::info!(%proxy_addr, %admin_addr, apps = config.apps.len(), seq = log.read(|s| s.seq), "ebb is serving");
+    println!("ebb proxy listening on http://{proxy_addr}");
+    println!("ebb admin listening on http://{admin_addr}");
     shutdown.await;
     let _ = stop_tx.send(true);
+    // Calls under way get a moment to end and be reported; the rest time out.
+    if let Some(runner) = runner
+        && tokio::time::timeout(Duration::from_secs(5), runner)
+            .await
+            .is_err()
+    {
+        tracing::warn!("calls still running at shutdown will time out");
+    }
+    let _ = expiry.await;
     let _ = tokio::task::spawn_blocking(move || {
         for t in proxy_threads {
             let _ = t.join();

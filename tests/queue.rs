@@ -36,15 +36,27 @@ async fn reserve_n(q: &dyn Queue, runner: &str, n: usize) -> Vec<Message> {
 async fn contract(open: impl Fn() -> Arc<dyn Queue>) {
     let q = open();
     // Order, bodies, delivery counts.
-    q.put(vec![msg("a1", "a"), msg("s1", ""), msg("a2", "a"), msg("b1", "b")])
-        .await
-        .unwrap();
+    q.put(vec![
+        msg("a1", "a"),
+        msg("s1", ""),
+        msg("a2", "a"),
+        msg("b1", "b"),
+    ])
+    .await
+    .unwrap();
     let got = reserve_n(&*q, "a", 3).await;
-    assert_eq!(ids(&got), ["a1", "a2", "s1"], "own partition first, then any runner's");
+    assert_eq!(
+        ids(&got),
+        ["a1", "a2", "s1"],
+        "own partition first, then any runner's"
+    );
     assert_eq!(got[0].body, b"body of a1");
     assert!(got.iter().all(|m| m.deliveries == 1));
     // b's message is b's; nothing else is ready for a.
-    let none = q.reserve("a", 10, Duration::from_millis(200)).await.unwrap();
+    let none = q
+        .reserve("a", 10, Duration::from_millis(200))
+        .await
+        .unwrap();
     assert!(none.is_empty(), "{:?}", ids(&none));
     let got = reserve_n(&*q, "b", 1).await;
     assert_eq!(ids(&got), ["b1"]);
@@ -74,9 +86,15 @@ async fn contract(open: impl Fn() -> Arc<dyn Queue>) {
     );
 
     // Deleted messages are gone; the rest survive a reopen.
-    q.delete(vec!["a2".into(), "a3".into(), "s1".into(), "c1".into(), "nope".into()])
-        .await
-        .unwrap();
+    q.delete(vec![
+        "a2".into(),
+        "a3".into(),
+        "s1".into(),
+        "c1".into(),
+        "nope".into(),
+    ])
+    .await
+    .unwrap();
     drop(got);
     drop(q);
     let q = open();
@@ -85,7 +103,10 @@ async fn contract(open: impl Fn() -> Arc<dyn Queue>) {
     let got = reserve_n(&*q, "e", 1).await;
     assert_eq!(ids(&got), ["b1"], "b1 survived, a1 is still held");
     q.delete(vec!["a1".into(), "b1".into()]).await.unwrap();
-    let none = q.reserve("e", 10, Duration::from_millis(200)).await.unwrap();
+    let none = q
+        .reserve("e", 10, Duration::from_millis(200))
+        .await
+        .unwrap();
     assert!(none.is_empty(), "{:?}", ids(&none));
 }
 
@@ -119,7 +140,10 @@ async fn the_embedded_queue_redelivers_after_the_visibility_timeout_and_holds_st
     assert_eq!(ids(&again), ["x"]);
     assert_eq!(again[0].deliveries, 2);
     q.hold("x", u64::MAX).await.unwrap();
-    let none = q.reserve("r", 10, Duration::from_millis(600)).await.unwrap();
+    let none = q
+        .reserve("r", 10, Duration::from_millis(600))
+        .await
+        .unwrap();
     assert!(none.is_empty(), "{:?}", ids(&none));
     // Reservations survive a reopen (ebb restarting must not hand out what a runner still has).
     drop(q);

@@ -22,35 +22,13 @@ pub(super) fn router() -> Router<AppState> {
         .route("/admin/routes/{name}", get(show).put(put).delete(delete))
 }
 
-/// Checks the bearer token in constant time.
 fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(token) = &app.admin_token else {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "admin_disabled",
-            "the admin API is disabled: start ebb with --admin-token or EBB_ADMIN_TOKEN",
-        ));
-    };
-    let given = headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    let same = given.len() == token.len()
-        && given
-            .bytes()
-            .zip(token.bytes())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0;
-    if same {
-        Ok(())
-    } else {
-        Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "missing or wrong bearer token",
-        ))
-    }
+    super::authorize_token(
+        app.admin_token.as_deref(),
+        headers,
+        "admin",
+        "--admin-token or EBB_ADMIN_TOKEN",
+    )
 }
 
 fn view(state: &State, spec: &RouteSpec) -> Value {

@@ -8,6 +8,7 @@
 //! in `ebb.toml` (JSON); the route and how to run it go into the log, so they survive restarts.
 
 pub mod admin;
+pub mod runner;
 
 use std::sync::Arc;
 
@@ -32,6 +33,54 @@ pub struct AppState {
     pub admin_token: Option<String>,
     /// The ebb binary, for workloads whose program is `ebb`.
     pub ebb_exe: std::path::PathBuf,
+    /// The call service behind the runner API, if this ebb runs one.
+    pub calls: Option<Arc<crate::calls::Calls>>,
+    /// The runner API's bearer token; `None` disables the runner API.
+    pub runner_token: Option<String>,
+}
+
+/// Largest request body ebb's own endpoints read.
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+/// Checks a bearer token in constant time. `what` names the API, `how` how to give it a token.
+pub fn authorize_token(
+    token: Option<&str>,
+    headers: &axum::http::HeaderMap,
+    what: &str,
+    how: &str,
+) -> Result<(), ApiError> {
+    let Some(token) = token else {
+        let code = if what == "admin" {
+            "admin_disabled"
+        } else {
+            "runner_disabled"
+        };
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            code,
+            format!("the {what} API is disabled: start ebb with {how}"),
+        ));
+    };
+    let given = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    let same = given.len() == token.len()
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0;
+    if same {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "missing or wrong bearer token",
+        ))
+    }
 }
 
 /// An API error: an HTTP status, a stable machine-readable code and a message for people.
@@ -91,7 +140,9 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .merge(admin::router())
+        .merge(runner::router())
         .fallback(not_found)
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
 

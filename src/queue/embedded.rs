@@ -335,10 +335,7 @@ impl EmbeddedQueue {
                 },
                 deliveries,
             };
-            batch.put(
-                key(b'r', seq),
-                rmp_serde::to_vec(&record).map_err(storage)?,
-            );
+            batch.put(key(b'r', seq), rmp_serde::to_vec(&record).map_err(storage)?);
             out.push(Message {
                 id,
                 partition,

@@ -24,6 +24,11 @@ impl Drop for Ebb {
 /// Starts `ebb serve` on loopback ports of its choosing, with its log in `data`, an optional
 /// config file and an optional admin token; returns once it has printed its addresses.
 pub fn serve(data: &Path, config: Option<&Path>, token: Option<&str>) -> Ebb {
+    serve_with(data, config, token, &[])
+}
+
+/// [`serve`] with more arguments for `ebb serve`.
+pub fn serve_with(data: &Path, config: Option<&Path>, token: Option<&str>, extra: &[&str]) -> Ebb {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ebb"));
     cmd.args([
         "serve",
@@ -35,7 +40,9 @@ pub fn serve(data: &Path, config: Option<&Path>, token: Option<&str>) -> Ebb {
     .args(["--flush-interval-ms", "100", "--data-dir"])
     .arg(data)
     .env("EBB_LOG", "warn")
+    .args(extra)
     .env_remove("EBB_ADMIN_TOKEN")
+    .env_remove("EBB_RUNNER_TOKEN")
     .env_remove("EBB_CONFIG")
     .stdout(Stdio::piped())
     .stderr(Stdio::inherit());

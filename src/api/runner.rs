@@ -1,0 +1,412 @@
+//! The runner API (`/runner/*`) and the calls API (`/v1/calls`), over the call service.
+//!
+//! Every `/runner/*` request needs the runner token (`ebb serve --runner-token` /
+//! `EBB_RUNNER_TOKEN`; without one the API is disabled); `/v1/calls` takes the runner or the admin
+//! token. Runner requests may carry `X-Runner-Load: in_flight/capacity`; answers carry the load
+//! ebb has recorded for that runner. Single calls and batches share each endpoint: a body with
+//! `calls` / `ids` is a batch and gets `results`.
+
+use axum::Json;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Query, State as Extract};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::{ApiError, AppState, authorize_token};
+use crate::calls::wire::{FinishJson, JobJson, MessageJson};
+use crate::calls::{CallError, Calls, Load, NewCall};
+use crate::state::calls::{Call, CallStatus};
+
+pub(super) fn router() -> Router<AppState> {
+    Router::new()
+        .route("/runner/enqueue", post(enqueue))
+        .route("/runner/dequeue", post(dequeue))
+        .route("/runner/start", post(start))
+        .route("/runner/finish", post(finish))
+        .route("/v1/calls", get(list))
+        .route("/v1/calls/{id}", get(show))
+        .route("/v1/calls/{id}/log", get(show_log))
+}
+
+impl From<CallError> for ApiError {
+    fn from(e: CallError) -> Self {
+        use crate::queue::QueueError;
+        match e {
+            CallError::Bad(m) => ApiError::new(StatusCode::BAD_REQUEST, "bad_request", m),
+            CallError::TooLarge(m) => {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", m)
+            }
+            e @ CallError::UnknownTarget(_) => {
+                ApiError::new(StatusCode::NOT_FOUND, "unknown_target", e.to_string())
+            }
+            CallError::Queue(q @ QueueError::Full(_)) => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "queue_full",
+                q.to_string(),
+            ),
+            CallError::Queue(q) => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "queue_failed",
+                q.to_string(),
+            ),
+            CallError::Log(l) => l.into(),
+        }
+    }
+}
+
+/// The call service, if this ebb runs one, after the runner token is checked.
+fn service<'a>(
+    app: &'a AppState,
+    headers: &HeaderMap,
+) -> Result<&'a std::sync::Arc<Calls>, ApiError> {
+    authorize_token(
+        app.runner_token.as_deref(),
+        headers,
+        "runner",
+        "--runner-token or EBB_RUNNER_TOKEN",
+    )?;
+    app.calls.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "calls_disabled",
+            "this ebb runs no call queue",
+        )
+    })
+}
+
+/// Parses a JSON body, turning every failure into a JSON error.
+fn body<T: serde::de::DeserializeOwned>(
+    bytes: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    let bytes = bytes.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                e.body_text(),
+            )
+        } else {
+            ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text())
+        }
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_json", e.to_string()))
+}
+
+/// A runner id: 1 to 128 of `A-Za-z0-9._-`.
+fn runner_id(id: &str) -> Result<&str, ApiError> {
+    if id.is_empty()
+        || id.len() > 128
+        || !id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_runner",
+            format!("runner id {id:?}: 1 to 128 of A-Z a-z 0-9 . _ -"),
+        ));
+    }
+    Ok(id)
+}
+
+/// Notes the runner's load and answers with the load recorded for it.
+fn with_load(calls: &Calls, runner: &str, headers: &HeaderMap, resp: Response) -> Response {
+    let load = headers
+        .get("x-runner-load")
+        .and_then(|v| v.to_str().ok())
+        .and_then(Load::parse);
+    calls.seen(runner, load);
+    let mut resp = resp;
+    if let Some(l) = calls.load_of(runner)
+        && let Ok(v) = HeaderValue::from_str(&l.to_string())
+    {
+        resp.headers_mut().insert("x-runner-load", v);
+    }
+    resp
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum EnqueueBody {
+    Batch { calls: Vec<NewCall> },
+    One(NewCall),
+}
+
+async fn enqueue(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    bytes: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let calls = service(&app, &headers)?;
+    let (batch, items) = match body::<EnqueueBody>(bytes)? {
+        EnqueueBody::Batch { calls } => (true, calls),
+        EnqueueBody::One(c) => (false, vec![c]),
+    };
+    let ids = calls.enqueue(items).await?;
+    let answer = if batch {
+        json!({ "ids": ids, "state": "queued" })
+    } else {
+        json!({ "id": ids[0], "state": "queued" })
+    };
+    Ok((StatusCode::OK, Json(answer)).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DequeueBody {
+    runner: String,
+    #[serde(default)]
+    max: Option<usize>,
+    #[serde(default)]
+    wait_ms: Option<u64>,
+}
+
+async fn dequeue(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    bytes: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let calls = service(&app, &headers)?;
+    let b: DequeueBody = body(bytes)?;
+    let runner = runner_id(&b.runner)?;
+    calls.seen(runner, None);
+    let jobs = calls
+        .dequeue(runner, b.max.unwrap_or(1), b.wait_ms.unwrap_or(0))
+        .await?;
+    let resp = if jobs.is_empty() {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        let jobs: Vec<JobJson> = jobs.iter().map(JobJson::of).collect();
+        Json(json!({ "calls": jobs })).into_response()
+    };
+    Ok(with_load(calls, runner, &headers, resp))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StartBody {
+    runner: String,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    ids: Option<Vec<String>>,
+}
+
+async fn start(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    bytes: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let calls = service(&app, &headers)?;
+    let b: StartBody = body(bytes)?;
+    let runner = runner_id(&b.runner)?;
+    let (batch, ids) = match (b.id, b.ids) {
+        (Some(id), None) => (false, vec![id]),
+        (None, Some(ids)) => (true, ids),
+        _ => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                "give id or ids",
+            ));
+        }
+    };
+    let results = calls.start(runner, ids).await?;
+    let resp = if batch {
+        Json(json!({ "results": results })).into_response()
+    } else {
+        let r = &results[0];
+        if r.started {
+            Json(json!(r)).into_response()
+        } else {
+            let code = r.code.clone().unwrap_or_default();
+            let message = match code.as_str() {
+                "already_running" => {
+                    "the call was already running: it must not run twice and is now error"
+                }
+                "already_final" => "the call has already ended",
+                _ => "no such call was queued",
+            };
+            (
+                StatusCode::CONFLICT,
+                Json(json!({ "error": message, "code": code, "id": r.id, "state": r.state })),
+            )
+                .into_response()
+        }
+    };
+    Ok(with_load(calls, runner, &headers, resp))
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum FinishBody {
+    Batch {
+        runner: String,
+        calls: Vec<FinishJson>,
+    },
+    One {
+        runner: String,
+        #[serde(flatten)]
+        call: FinishJson,
+    },
+}
+
+async fn finish(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    bytes: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let calls = service(&app, &headers)?;
+    let (batch, runner, items) = match body::<FinishBody>(bytes)? {
+        FinishBody::Batch { runner, calls } => (true, runner, calls),
+        FinishBody::One { runner, call } => (false, runner, vec![call]),
+    };
+    let runner = runner_id(&runner)?.to_owned();
+    let finishes = items
+        .into_iter()
+        .map(FinishJson::finish)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e))?;
+    let states = calls.finish(&runner, finishes).await?;
+    let results: Vec<Value> = states
+        .iter()
+        .map(|(id, state)| json!({ "id": id, "state": state }))
+        .collect();
+    let resp = if batch {
+        Json(json!({ "results": results })).into_response()
+    } else {
+        Json(results[0].clone()).into_response()
+    };
+    Ok(with_load(calls, &runner, &headers, resp))
+}
+
+/// `/v1/calls` takes the runner token or the admin token.
+fn reader<'a>(
+    app: &'a AppState,
+    headers: &HeaderMap,
+) -> Result<&'a std::sync::Arc<Calls>, ApiError> {
+    let runner = authorize_token(
+        app.runner_token.as_deref(),
+        headers,
+        "runner",
+        "--runner-token or EBB_RUNNER_TOKEN",
+    );
+    if runner.is_err() && app.admin_token.is_some() {
+        authorize_token(
+            app.admin_token.as_deref(),
+            headers,
+            "admin",
+            "--admin-token or EBB_ADMIN_TOKEN",
+        )?;
+    } else {
+        runner?;
+    }
+    app.calls.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "calls_disabled",
+            "this ebb runs no call queue",
+        )
+    })
+}
+
+fn view(c: &Call) -> Value {
+    json!({
+        "id": c.spec.id,
+        "target": c.spec.target,
+        "kind": c.spec.kind,
+        "state": c.status,
+        "timeout_ms": c.spec.timeout_ms,
+        "partition": c.spec.partition,
+        "created_at_ms": c.created_at_ms,
+        "started_at_ms": c.started_at_ms,
+        "finished_at_ms": c.finished_at_ms,
+        "deadline_at_ms": c.deadline_at_ms,
+        "runner": c.runner,
+        "attempt": c.starts + c.refused_starts,
+        "payload": MessageJson::of_payload(&c.spec.payload),
+        "result": c.result.as_ref().map(MessageJson::of_result),
+    })
+}
+
+async fn show(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    reader(&app, &headers)?;
+    app.log
+        .read(|s| s.calls.get(&id).map(view))
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("no call {id}")))
+}
+
+async fn show_log(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    reader(&app, &headers)?;
+    let log = app
+        .log
+        .read(|s| s.calls.get(&id).map(|c| c.log.clone()))
+        .ok_or_else(|| ApiError::not_found(format!("no call {id}")))?;
+    Ok(([("content-type", "text/plain; charset=utf-8")], log).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    #[serde(default)]
+    state: Option<CallStatus>,
+    #[serde(default)]
+    target: Option<String>,
+    /// Ids after this one (the `next` of the previous page).
+    #[serde(default)]
+    after: Option<String>,
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+/// Most calls on one page.
+const MAX_PAGE: usize = 1_000;
+
+async fn list(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Result<Json<Value>, ApiError> {
+    reader(&app, &headers)?;
+    let Query(q) =
+        query.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_query", e.body_text()))?;
+    let limit = q.limit.unwrap_or(100).clamp(1, MAX_PAGE);
+    Ok(Json(app.log.read(|s| {
+        use std::ops::Bound;
+        let from = match &q.after {
+            Some(a) => Bound::Excluded(a.clone()),
+            None => Bound::Unbounded,
+        };
+        let mut page: Vec<Value> = Vec::new();
+        let mut last = None;
+        for (id, c) in s.calls.by_id.range((from, Bound::Unbounded)) {
+            if q.state.is_some_and(|st| st != c.status)
+                || q.target.as_ref().is_some_and(|t| *t != c.spec.target)
+            {
+                continue;
+            }
+            if page.len() == limit {
+                break;
+            }
+            page.push(view(c));
+            last = Some(id.clone());
+        }
+        let next = if page.len() == limit { last } else { None };
+        json!({ "calls": page, "next": next })
+    })))
+}

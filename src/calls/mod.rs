@@ -1,0 +1,759 @@
+//! The call service: the runner API's semantics, shared by its HTTP face (`api/runner.rs`) and
+//! the built-in runner, which calls it in process.
+//!
+//! * **enqueue** puts calls on the [`Queue`] first and records `CallQueued` after; a failed put
+//!   records nothing. A call the queue has but the log does not (ebb stopped in between) is
+//!   recorded when it is delivered, so a runner never meets a call the log does not know.
+//! * **dequeue** hands out up to `max` calls, waiting up to `wait_ms` for one.
+//! * **start** is the conditional transition of [`crate::state::calls`], decided on the log's
+//!   writer: `queued -> running` is accepted (and the message is held until the deadline, so it is
+//!   not redelivered while the call may still run); `running` -> the call becomes `error`, the
+//!   message is deleted, refused; final -> the message is deleted, refused.
+//! * **finish** records the first result and deletes the message; repeating it changes nothing
+//!   and answers the same.
+//! * Runners report their load (`in_flight/capacity`) on every request; work without a partition
+//!   goes to the least-loaded live runner. A runner not heard from for `runner_lease_ms` is gone:
+//!   its reserved calls go back to the queue for others. Running calls past their deadline become
+//!   `timeout` ([`Calls::expire`], driven by the schedule).
+
+pub mod runner;
+pub mod wire;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::clock::Clock;
+use crate::event::{CallKind, CallResult, CallSpec, Event, Outcome, Payload, RejectReason};
+use crate::log::Log;
+use crate::queue::{Message, Queue, QueueError};
+use crate::state::calls::{CallStatus, StartVerdict, decide_finish, decide_start, decide_timeouts};
+use crate::state::{Due, State};
+
+/// Bounds and timings of the call service. Every bound is a named value.
+#[derive(Debug, Clone)]
+pub struct CallOptions {
+    /// Largest request body a call may carry.
+    pub max_payload_bytes: usize,
+    /// Largest result body kept.
+    pub max_result_bytes: usize,
+    /// Largest call log kept.
+    pub max_log_bytes: usize,
+    /// Timeout of a call that names none.
+    pub default_timeout_ms: u64,
+    /// Longest timeout a call may ask for.
+    pub max_timeout_ms: u64,
+    /// Most calls in one batch (enqueue, dequeue, start, finish).
+    pub max_batch: usize,
+    /// Longest dequeue long-poll.
+    pub max_wait_ms: u64,
+    /// How long past its deadline a started call's message is kept from redelivery (the timeout
+    /// decision deletes it well before).
+    pub hold_grace_ms: u64,
+    /// A runner not heard from for this long is gone.
+    pub runner_lease_ms: u64,
+    /// Most runners tracked at once.
+    pub max_runners: usize,
+}
+
+impl Default for CallOptions {
+    fn default() -> Self {
+        Self {
+            max_payload_bytes: 1 << 20,
+            max_result_bytes: 1 << 20,
+            max_log_bytes: 64 << 10,
+            default_timeout_ms: 30_000,
+            max_timeout_ms: 3_600_000,
+            max_batch: 1_000,
+            max_wait_ms: 30_000,
+            hold_grace_ms: 60_000,
+            runner_lease_ms: 15_000,
+            max_runners: 10_000,
+        }
+    }
+}
+
+/// A runner's load: calls in flight and how many it can run at once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Load {
+    pub in_flight: u32,
+    pub capacity: u32,
+}
+
+impl Load {
+    /// Parses `in_flight/capacity`.
+    pub fn parse(s: &str) -> Option<Load> {
+        let (a, b) = s.trim().split_once('/')?;
+        Some(Load {
+            in_flight: a.trim().parse().ok()?,
+            capacity: b.trim().parse().ok()?,
+        })
+    }
+
+    fn spare(self) -> u32 {
+        self.capacity.saturating_sub(self.in_flight)
+    }
+}
+
+impl std::fmt::Display for Load {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.in_flight, self.capacity)
+    }
+}
+
+/// What a caller asks to enqueue.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewCall {
+    /// A UUID; ebb makes a v7 one when absent.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// The route (or function) to call.
+    pub target: String,
+    /// How long the call may run once started.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+    /// The runner whose partition the call goes to.
+    #[serde(default)]
+    pub partition: Option<String>,
+    /// The HTTP request to send.
+    #[serde(default)]
+    pub payload: Option<PayloadIn>,
+}
+
+/// An HTTP request as JSON: the body as text, or as base64 for bytes.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PayloadIn {
+    #[serde(default)]
+    pub method: Option<String>,
+    #[serde(default)]
+    pub path: Option<String>,
+    #[serde(default)]
+    pub headers: Vec<(String, String)>,
+    #[serde(default)]
+    pub body: Option<String>,
+    #[serde(default)]
+    pub body_base64: Option<String>,
+}
+
+/// A call handed to a runner.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Job {
+    /// The call.
+    pub call: CallSpec,
+    /// The Host to send it with through the proxy (a domain of the target route).
+    pub host: String,
+    /// How many times it was handed to a runner.
+    pub deliveries: u32,
+}
+
+/// The answer to one start.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Started {
+    pub id: String,
+    /// Whether the runner may run the call.
+    pub started: bool,
+    /// Why not (`already_running`, `already_final`, `unknown_call`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
+    /// The call's state after the start.
+    pub state: CallStatus,
+    /// When a started call times out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_at_ms: Option<u64>,
+}
+
+/// A runner's report of a finished call.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Finish {
+    pub id: String,
+    pub outcome: Outcome,
+    #[serde(default)]
+    pub result: Option<CallResult>,
+    #[serde(default)]
+    pub log: String,
+}
+
+/// A call-service failure, mapped to HTTP by the API.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The request is malformed.
+    #[error("{0}")]
+    Bad(String),
+    /// A body is over its bound.
+    #[error("{0}")]
+    TooLarge(String),
+    /// The target names no route or function.
+    #[error("no route or function named {0:?}")]
+    UnknownTarget(String),
+    /// The queue refused or failed the put: nothing was recorded.
+    #[error("the queue failed: {0}")]
+    Queue(#[from] QueueError),
+    /// The log failed.
+    #[error(transparent)]
+    Log(#[from] crate::log::Error),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    load: Load,
+    at_ms: u64,
+    /// Dequeues of this runner under way: a runner waiting in a long-poll is alive.
+    polls: u32,
+}
+
+/// The call service.
+pub struct Calls {
+    log: Arc<Log>,
+    queue: Arc<dyn Queue>,
+    clock: Arc<dyn Clock>,
+    options: CallOptions,
+    runners: Mutex<HashMap<String, Seen>>,
+}
+
+impl std::fmt::Debug for Calls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Calls")
+            .field("options", &self.options)
+            .finish()
+    }
+}
+
+fn reject_code(r: RejectReason) -> &'static str {
+    match r {
+        RejectReason::AlreadyRunning => "already_running",
+        RejectReason::AlreadyFinal => "already_final",
+        RejectReason::UnknownCall => "unknown_call",
+    }
+}
+
+impl Calls {
+    /// A call service over the log and a queue.
+    pub fn new(
+        log: Arc<Log>,
+        queue: Arc<dyn Queue>,
+        clock: Arc<dyn Clock>,
+        options: CallOptions,
+    ) -> Self {
+        Self {
+            log,
+            queue,
+            clock,
+            options,
+            runners: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The bounds in force.
+    pub fn options(&self) -> &CallOptions {
+        &self.options
+    }
+
+    /// The queue.
+    pub fn queue(&self) -> &Arc<dyn Queue> {
+        &self.queue
+    }
+
+    /// Notes a runner's load.
+    pub fn seen(&self, runner: &str, load: Option<Load>) {
+        let now = self.clock.now_ms();
+        let mut runners = self.runners.lock().expect("runners lock");
+        if runners.len() >= self.options.max_runners && !runners.contains_key(runner) {
+            return;
+        }
+        let e = runners.entry(runner.to_owned()).or_insert(Seen {
+            load: Load::default(),
+            at_ms: now,
+            polls: 0,
+        });
+        e.at_ms = now;
+        if let Some(l) = load {
+            e.load = l;
+        }
+    }
+
+    /// The load recorded for a runner.
+    pub fn load_of(&self, runner: &str) -> Option<Load> {
+        self.runners
+            .lock()
+            .expect("runners lock")
+            .get(runner)
+            .map(|s| s.load)
+    }
+
+    /// The live runner with the most spare capacity, if any has some.
+    fn least_loaded(&self) -> Option<String> {
+        let now = self.clock.now_ms();
+        let runners = self.runners.lock().expect("runners lock");
+        runners
+            .iter()
+            .filter(|(_, s)| now.saturating_sub(s.at_ms) < self.options.runner_lease_ms)
+            .filter(|(_, s)| s.load.spare() > 0)
+            .max_by_key(|(name, s)| {
+                (
+                    s.load.spare(),
+                    std::cmp::Reverse((*name).clone()), // ties: the first name
+                )
+            })
+            .map(|(name, _)| name.clone())
+    }
+
+    fn is_live(&self, runner: &str) -> bool {
+        let now = self.clock.now_ms();
+        self.runners
+            .lock()
+            .expect("runners lock")
+            .get(runner)
+            .is_some_and(|s| now.saturating_sub(s.at_ms) < self.options.runner_lease_ms)
+    }
+
+    /// Validates a new call into a spec.
+    fn spec(&self, new: NewCall) -> Result<CallSpec, CallError> {
+        let id = match new.id {
+            Some(id) => {
+                let u = uuid::Uuid::parse_str(&id)
+                    .map_err(|e| CallError::Bad(format!("call id {id:?} is not a UUID: {e}")))?;
+                u.hyphenated().to_string()
+            }
+            None => uuid::Uuid::now_v7().hyphenated().to_string(),
+        };
+        if new.target.is_empty() {
+            return Err(CallError::Bad("a call needs a target".into()));
+        }
+        let known = self
+            .log
+            .read(|s| s.routes.by_name.contains_key(&new.target));
+        if !known {
+            return Err(CallError::UnknownTarget(new.target));
+        }
+        let timeout_ms = new.timeout_ms.unwrap_or(self.options.default_timeout_ms);
+        if timeout_ms == 0 || timeout_ms > self.options.max_timeout_ms {
+            return Err(CallError::Bad(format!(
+                "timeout_ms must be between 1 and {}",
+                self.options.max_timeout_ms
+            )));
+        }
+        let p = new.payload.unwrap_or_default();
+        let body = match (p.body, p.body_base64) {
+            (Some(_), Some(_)) => {
+                return Err(CallError::Bad(
+                    "give the payload body as body or body_base64, not both".into(),
+                ));
+            }
+            (Some(text), None) => text.into_bytes(),
+            (None, Some(b64)) => {
+                use base64::Engine as _;
+                base64::engine::general_purpose::STANDARD
+                    .decode(b64.as_bytes())
+                    .map_err(|e| CallError::Bad(format!("body_base64: {e}")))?
+            }
+            (None, None) => Vec::new(),
+        };
+        if body.len() > self.options.max_payload_bytes {
+            return Err(CallError::TooLarge(format!(
+                "the payload body has {} bytes; the bound is {}",
+                body.len(),
+                self.options.max_payload_bytes
+            )));
+        }
+        let method = p.method.unwrap_or_else(|| "POST".into());
+        if method.is_empty() || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
+            return Err(CallError::Bad(format!("bad method {method:?}")));
+        }
+        let path = p.path.unwrap_or_else(|| "/".into());
+        if !path.starts_with('/') || path.bytes().any(|b| b.is_ascii_control() || b == b' ') {
+            return Err(CallError::Bad(format!("bad path {path:?}")));
+        }
+        for (k, v) in &p.headers {
+            if hyper::header::HeaderName::from_bytes(k.as_bytes()).is_err()
+                || hyper::header::HeaderValue::from_str(v).is_err()
+            {
+                return Err(CallError::Bad(format!("bad header {k:?}")));
+            }
+        }
+        let partition = match new.partition {
+            Some(p) if !p.is_empty() => Some(p),
+            _ => None,
+        };
+        Ok(CallSpec {
+            id,
+            target: new.target,
+            kind: CallKind::Async,
+            timeout_ms,
+            partition,
+            payload: Payload {
+                method,
+                path,
+                headers: p.headers,
+                body: body.into(),
+            },
+        })
+    }
+
+    /// Enqueues calls: on the queue first, then in the log. Returns their ids.
+    pub async fn enqueue(&self, calls: Vec<NewCall>) -> Result<Vec<String>, CallError> {
+        if calls.len() > self.options.max_batch {
+            return Err(CallError::Bad(format!(
+                "{} calls in one batch; the bound is {}",
+                calls.len(),
+                self.options.max_batch
+            )));
+        }
+        let mut specs = Vec::with_capacity(calls.len());
+        for c in calls {
+            let mut spec = self.spec(c)?;
+            let partition = match spec.partition.take() {
+                Some(p) if self.is_live(&p) => Some(p),
+                _ => self.least_loaded(),
+            };
+            spec.partition = partition;
+            specs.push(spec);
+        }
+        let mut messages = Vec::with_capacity(specs.len());
+        for s in &specs {
+            let body = rmp_serde::to_vec_named(s).map_err(|e| CallError::Bad(e.to_string()))?;
+            messages.push(Message::new(
+                s.id.clone(),
+                s.partition.clone().unwrap_or_default(),
+                body,
+            ));
+        }
+        self.queue.put(messages).await?;
+        let ids = specs.iter().map(|s| s.id.clone()).collect();
+        self.record_queued(specs).await?;
+        Ok(ids)
+    }
+
+    /// Records `CallQueued` for calls the log does not know yet.
+    async fn record_queued(&self, specs: Vec<CallSpec>) -> Result<(), CallError> {
+        self.log
+            .decide(move |s: &State, _| {
+                let events = specs
+                    .into_iter()
+                    .filter(|c| s.calls.get(&c.id).is_none())
+                    .map(|call| Event::CallQueued { call })
+                    .collect();
+                (events, ())
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Hands up to `max` calls to `runner`, waiting up to `wait_ms` for one.
+    pub async fn dequeue(
+        &self,
+        runner: &str,
+        max: usize,
+        wait_ms: u64,
+    ) -> Result<Vec<Job>, CallError> {
+        let max = max.clamp(1, self.options.max_batch);
+        let wait = Duration::from_millis(wait_ms.min(self.options.max_wait_ms));
+        let messages = {
+            let _polling = Polling::new(self, runner);
+            self.queue.reserve(runner, max, wait).await?
+        };
+        let mut specs = Vec::with_capacity(messages.len());
+        let mut broken = Vec::new();
+        for m in messages {
+            match rmp_serde::from_slice::<CallSpec>(&m.body) {
+                Ok(spec) if spec.id == m.id => specs.push((spec, m.deliveries)),
+                _ => {
+                    tracing::warn!(id = %m.id, "a queue message is not a call; deleting it");
+                    broken.push(m.id);
+                }
+            }
+        }
+        // Calls the log lost (ebb stopped between put and record) are recorded now; calls that
+        // already ended (a redelivery) are deleted instead of handed out.
+        self.record_queued(specs.iter().map(|(s, _)| s.clone()).collect())
+            .await?;
+        let (jobs, done) = self.log.read(|s| {
+            let mut jobs = Vec::new();
+            let mut done = Vec::new();
+            for (spec, deliveries) in specs {
+                if s.calls.get(&spec.id).is_some_and(|c| c.status.is_final()) {
+                    done.push(spec.id);
+                    continue;
+                }
+                let host = s
+                    .routes
+                    .by_name
+                    .get(&spec.target)
+                    .and_then(|r| r.spec.domains.first().cloned())
+                    .unwrap_or_default();
+                jobs.push(Job {
+                    call: spec,
+                    host,
+                    deliveries,
+                });
+            }
+            (jobs, done)
+        });
+        broken.extend(done);
+        if !broken.is_empty()
+            && let Err(e) = self.queue.delete(broken).await
+        {
+            tracing::warn!(error = %e, "deleting finished calls' messages failed");
+        }
+        Ok(jobs)
+    }
+
+    /// Starts calls for `runner`: the conditional transition, one answer per id.
+    pub async fn start(&self, runner: &str, ids: Vec<String>) -> Result<Vec<Started>, CallError> {
+        if ids.len() > self.options.max_batch {
+            return Err(CallError::Bad(format!(
+                "{} ids in one batch; the bound is {}",
+                ids.len(),
+                self.options.max_batch
+            )));
+        }
+        let mut unique = HashSet::new();
+        if let Some(dup) = ids.iter().find(|id| !unique.insert(id.as_str())) {
+            return Err(CallError::Bad(format!("call {dup} is twice in one batch")));
+        }
+        // Hold first: once the start is accepted the message must not come back while the call
+        // may run.
+        let now = self.clock.now_ms();
+        let holds: Vec<(String, u64)> = self.log.read(|s| {
+            ids.iter()
+                .filter_map(|id| s.calls.get(id).map(|c| (c, id)))
+                .filter(|(c, _)| c.status == CallStatus::Queued)
+                .map(|(c, id)| {
+                    let until = now + c.spec.timeout_ms + self.options.hold_grace_ms;
+                    (id.clone(), until)
+                })
+                .collect()
+        });
+        for (id, until) in holds {
+            self.queue.hold(&id, until).await?;
+        }
+        let runner_owned = runner.to_owned();
+        let (verdicts, _) = self
+            .log
+            .decide(move |s: &State, now| {
+                let mut events = Vec::with_capacity(ids.len());
+                let mut verdicts = Vec::with_capacity(ids.len());
+                for id in ids {
+                    let (event, verdict) = decide_start(&s.calls, &id, &runner_owned, now);
+                    let deadline = match &event {
+                        Event::CallStarted { deadline_at_ms, .. } => Some(*deadline_at_ms),
+                        _ => None,
+                    };
+                    events.push(event);
+                    verdicts.push((id, verdict, deadline));
+                }
+                (events, verdicts)
+            })
+            .await?;
+        let refused: Vec<String> = verdicts
+            .iter()
+            .filter(|(_, v, _)| *v != StartVerdict::Accepted)
+            .map(|(id, _, _)| id.clone())
+            .collect();
+        if !refused.is_empty()
+            && let Err(e) = self.queue.delete(refused).await
+        {
+            // A message left behind comes back and meets the same refusal.
+            tracing::warn!(error = %e, "deleting refused calls' messages failed");
+        }
+        Ok(self.log.read(|s| {
+            verdicts
+                .into_iter()
+                .map(|(id, verdict, deadline)| {
+                    let state = s.calls.get(&id).map_or(CallStatus::Error, |c| c.status);
+                    match verdict {
+                        StartVerdict::Accepted => Started {
+                            id,
+                            started: true,
+                            code: None,
+                            state,
+                            deadline_at_ms: deadline,
+                        },
+                        StartVerdict::Refused(r) => Started {
+                            id,
+                            started: false,
+                            code: Some(reject_code(r).to_owned()),
+                            state,
+                            deadline_at_ms: None,
+                        },
+                    }
+                })
+                .collect()
+        }))
+    }
+
+    /// Records finished calls (the first finish of each wins) and deletes their messages.
+    /// Returns each call's state afterwards.
+    pub async fn finish(
+        &self,
+        runner: &str,
+        finishes: Vec<Finish>,
+    ) -> Result<Vec<(String, CallStatus)>, CallError> {
+        if finishes.len() > self.options.max_batch {
+            return Err(CallError::Bad(format!(
+                "{} finishes in one batch; the bound is {}",
+                finishes.len(),
+                self.options.max_batch
+            )));
+        }
+        for f in &finishes {
+            uuid::Uuid::parse_str(&f.id)
+                .map_err(|e| CallError::Bad(format!("call id {:?} is not a UUID: {e}", f.id)))?;
+            if f.result
+                .as_ref()
+                .is_some_and(|r| r.body.len() > self.options.max_result_bytes)
+            {
+                return Err(CallError::TooLarge(format!(
+                    "the result of {} is over {} bytes",
+                    f.id, self.options.max_result_bytes
+                )));
+            }
+            if f.log.len() > self.options.max_log_bytes {
+                return Err(CallError::TooLarge(format!(
+                    "the log of {} is over {} bytes",
+                    f.id, self.options.max_log_bytes
+                )));
+            }
+        }
+        let ids: Vec<String> = finishes.iter().map(|f| f.id.clone()).collect();
+        let runner = runner.to_owned();
+        self.log
+            .decide(move |s: &State, _| {
+                let mut seen = HashSet::new();
+                let events = finishes
+                    .into_iter()
+                    .filter(|f| seen.insert(f.id.clone()))
+                    .filter_map(|f| {
+                        decide_finish(&s.calls, &f.id, &runner, f.outcome, f.result, f.log)
+                    })
+                    .collect();
+                (events, ())
+            })
+            .await?;
+        if let Err(e) = self.queue.delete(ids.clone()).await {
+            // A message left behind comes back; its start is refused as final and deletes it.
+            tracing::warn!(error = %e, "deleting finished calls' messages failed");
+        }
+        Ok(self.log.read(|s| {
+            ids.into_iter()
+                .map(|id| {
+                    let state = s.calls.get(&id).map_or(CallStatus::Error, |c| c.status);
+                    (id, state)
+                })
+                .collect()
+        }))
+    }
+
+    /// Times out running calls past their deadline and deletes their messages; forgets runners
+    /// not heard from for the lease, handing their reserved calls to others. Returns the number
+    /// of calls timed out.
+    pub async fn expire(&self) -> Result<usize, CallError> {
+        let now = self.clock.now_ms();
+        let due: Vec<String> = self.log.read(|s| {
+            s.schedule
+                .due(now)
+                .filter_map(|(_, d)| match d {
+                    Due::CallTimeout(id) => Some(id.clone()),
+                    _ => None,
+                })
+                .take(self.options.max_batch)
+                .collect()
+        });
+        let mut timed_out = 0;
+        if !due.is_empty() {
+            let (ids, _) = self
+                .log
+                .decide(move |s: &State, now| {
+                    let refs: Vec<&str> = due.iter().map(String::as_str).collect();
+                    let events = decide_timeouts(&s.calls, &refs, now);
+                    let ids: Vec<String> = events
+                        .iter()
+                        .filter_map(|e| match e {
+                            Event::CallTimedOut { id } => Some(id.clone()),
+                            _ => None,
+                        })
+                        .collect();
+                    (events, ids)
+                })
+                .await?;
+            timed_out = ids.len();
+            if !ids.is_empty() {
+                self.queue.delete(ids).await?;
+            }
+        }
+        let gone: Vec<String> = {
+            let mut runners = self.runners.lock().expect("runners lock");
+            let gone: Vec<String> = runners
+                .iter()
+                .filter(|(_, s)| {
+                    s.polls == 0 && now.saturating_sub(s.at_ms) >= self.options.runner_lease_ms
+                })
+                .map(|(n, _)| n.clone())
+                .collect();
+            for n in &gone {
+                runners.remove(n);
+            }
+            gone
+        };
+        for runner in gone {
+            tracing::info!(%runner, "runner not heard from; its reserved calls go to others");
+            self.queue.release(&runner).await?;
+        }
+        Ok(timed_out)
+    }
+}
+
+/// Counts a dequeue under way for its runner (and notes the runner when it ends).
+struct Polling<'a> {
+    calls: &'a Calls,
+    runner: &'a str,
+}
+
+impl<'a> Polling<'a> {
+    fn new(calls: &'a Calls, runner: &'a str) -> Self {
+        calls.seen(runner, None);
+        if let Some(s) = calls.runners.lock().expect("runners lock").get_mut(runner) {
+            s.polls += 1;
+        }
+        Self { calls, runner }
+    }
+}
+
+impl Drop for Polling<'_> {
+    fn drop(&mut self) {
+        let now = self.calls.clock.now_ms();
+        if let Some(s) = self
+            .calls
+            .runners
+            .lock()
+            .expect("runners lock")
+            .get_mut(self.runner)
+        {
+            s.polls = s.polls.saturating_sub(1);
+            s.at_ms = now;
+        }
+    }
+}
+
+/// Runs [`Calls::expire`] every `every` until `stop` changes.
+pub async fn run_expiry(
+    calls: Arc<Calls>,
+    every: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                if let Err(e) = calls.expire().await {
+                    tracing::warn!(error = %e, "expiring calls failed");
+                }
+            }
+            _ = stop.changed() => return,
+        }
+    }
+}

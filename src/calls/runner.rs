@@ -1,0 +1,484 @@
+//! The runner: dequeues calls, starts them (only a start the API accepts runs), executes them
+//! with bounded concurrency and reports each finish. The same loop runs inside `ebb serve` (the
+//! built-in runner, calling the service in process) and as `ebb runner --api URL --token T`
+//! (over HTTP).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::json;
+use tokio::sync::{Semaphore, mpsc, watch};
+
+use super::wire::{FinishJson, JobJson};
+use super::{Calls, Finish, Job, Load, Started};
+use crate::event::{CallResult, Outcome};
+
+/// A future a runner waits on.
+pub type RunnerFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, String>> + Send + 'a>>;
+
+/// The runner API as a runner sees it.
+pub trait RunnerApi: Send + Sync {
+    /// Up to `max` calls, waiting up to `wait_ms` for one.
+    fn dequeue(
+        &self,
+        runner: &str,
+        max: usize,
+        wait_ms: u64,
+        load: Load,
+    ) -> RunnerFuture<'_, Vec<Job>>;
+    /// Starts calls; only those answered `started` may run.
+    fn start(&self, runner: &str, ids: Vec<String>, load: Load) -> RunnerFuture<'_, Vec<Started>>;
+    /// Reports finished calls.
+    fn finish(&self, runner: &str, finishes: Vec<Finish>, load: Load) -> RunnerFuture<'_, ()>;
+}
+
+impl RunnerApi for Arc<Calls> {
+    fn dequeue(
+        &self,
+        runner: &str,
+        max: usize,
+        wait_ms: u64,
+        load: Load,
+    ) -> RunnerFuture<'_, Vec<Job>> {
+        let runner = runner.to_owned();
+        Box::pin(async move {
+            self.seen(&runner, Some(load));
+            Calls::dequeue(self, &runner, max, wait_ms)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn start(&self, runner: &str, ids: Vec<String>, load: Load) -> RunnerFuture<'_, Vec<Started>> {
+        let runner = runner.to_owned();
+        Box::pin(async move {
+            self.seen(&runner, Some(load));
+            Calls::start(self, &runner, ids)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn finish(&self, runner: &str, finishes: Vec<Finish>, load: Load) -> RunnerFuture<'_, ()> {
+        let runner = runner.to_owned();
+        Box::pin(async move {
+            self.seen(&runner, Some(load));
+            Calls::finish(self, &runner, finishes)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        })
+    }
+}
+
+/// The runner API over HTTP.
+pub struct HttpApi {
+    base: String,
+    token: String,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl HttpApi {
+    /// A client of the API at `base` (`http://host:port`).
+    pub fn new(base: &str, token: &str) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        Self {
+            base: base.trim_end_matches('/').to_owned(),
+            token: token.to_owned(),
+            client: Client::builder(TokioExecutor::new()).build(connector),
+        }
+    }
+
+    async fn post(
+        &self,
+        path: &str,
+        body: serde_json::Value,
+        load: Load,
+    ) -> Result<(u16, Bytes), String> {
+        let req = hyper::Request::post(format!("{}{path}", self.base))
+            .header("authorization", format!("Bearer {}", self.token))
+            .header("content-type", "application/json")
+            .header("x-runner-load", load.to_string())
+            .body(Full::new(Bytes::from(body.to_string())))
+            .map_err(|e| e.to_string())?;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .map_err(|e| format!("{path}: {e}"))?;
+        let status = resp.status().as_u16();
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("{path}: {e}"))?
+            .to_bytes();
+        if status >= 400 && status != 409 {
+            return Err(format!(
+                "{path}: {status} {}",
+                String::from_utf8_lossy(&body)
+            ));
+        }
+        Ok((status, body))
+    }
+}
+
+impl RunnerApi for HttpApi {
+    fn dequeue(
+        &self,
+        runner: &str,
+        max: usize,
+        wait_ms: u64,
+        load: Load,
+    ) -> RunnerFuture<'_, Vec<Job>> {
+        let body = json!({ "runner": runner, "max": max, "wait_ms": wait_ms });
+        Box::pin(async move {
+            let (status, bytes) = self.post("/runner/dequeue", body, load).await?;
+            if status == 204 {
+                return Ok(Vec::new());
+            }
+            #[derive(serde::Deserialize)]
+            struct Answer {
+                calls: Vec<JobJson>,
+            }
+            let a: Answer = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+            a.calls.iter().map(JobJson::job).collect()
+        })
+    }
+
+    fn start(&self, runner: &str, ids: Vec<String>, load: Load) -> RunnerFuture<'_, Vec<Started>> {
+        let body = json!({ "runner": runner, "ids": ids });
+        Box::pin(async move {
+            let (_, bytes) = self.post("/runner/start", body, load).await?;
+            #[derive(serde::Deserialize)]
+            struct Answer {
+                results: Vec<Started>,
+            }
+            let a: Answer = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+            Ok(a.results)
+        })
+    }
+
+    fn finish(&self, runner: &str, finishes: Vec<Finish>, load: Load) -> RunnerFuture<'_, ()> {
+        let calls: Vec<FinishJson> = finishes.iter().map(FinishJson::of).collect();
+        let body = json!({ "runner": runner, "calls": calls });
+        Box::pin(async move {
+            self.post("/runner/finish", body, load).await?;
+            Ok(())
+        })
+    }
+}
+
+/// Runs a call's request.
+pub trait Executor: Send + Sync {
+    /// Runs `job` within `timeout` and says how it ended.
+    fn execute(&self, job: Job, timeout: Duration) -> Pin<Box<dyn Future<Output = Finish> + Send>>;
+}
+
+/// Sends a call's request through ebb's proxy (which wakes the target from zero), with the
+/// target route's Host.
+pub struct ProxyExecutor {
+    proxy: SocketAddr,
+    client: Client<HttpConnector, Full<Bytes>>,
+    max_result_bytes: usize,
+}
+
+impl ProxyExecutor {
+    /// An executor sending to the proxy at `proxy`.
+    pub fn new(proxy: SocketAddr, max_result_bytes: usize) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        Self {
+            proxy,
+            client: Client::builder(TokioExecutor::new()).build(connector),
+            max_result_bytes,
+        }
+    }
+}
+
+fn failed(id: String, log: String) -> Finish {
+    Finish {
+        id,
+        outcome: Outcome::Error,
+        result: None,
+        log,
+    }
+}
+
+impl Executor for ProxyExecutor {
+    fn execute(&self, job: Job, timeout: Duration) -> Pin<Box<dyn Future<Output = Finish> + Send>> {
+        let client = self.client.clone();
+        let proxy = self.proxy;
+        let max = self.max_result_bytes;
+        Box::pin(async move {
+            let id = job.call.id.clone();
+            let p = job.call.payload;
+            let mut req = hyper::Request::builder()
+                .method(p.method.as_str())
+                .uri(format!("http://{proxy}{}", p.path))
+                .header("host", &job.host)
+                .header("x-ebb-call-id", &id);
+            for (k, v) in &p.headers {
+                req = req.header(k, v);
+            }
+            let req = match req.body(Full::new(Bytes::from(p.body.into_vec()))) {
+                Ok(r) => r,
+                Err(e) => return failed(id, format!("bad request: {e}")),
+            };
+            let run = async {
+                let resp = client.request(req).await.map_err(|e| e.to_string())?;
+                let status = resp.status().as_u16();
+                let headers = resp
+                    .headers()
+                    .iter()
+                    .map(|(k, v)| {
+                        (
+                            k.to_string(),
+                            String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                        )
+                    })
+                    .collect();
+                let mut body = resp.into_body();
+                let mut bytes = Vec::new();
+                let mut truncated = false;
+                while let Some(frame) = body.frame().await {
+                    let frame = frame.map_err(|e| e.to_string())?;
+                    if let Ok(data) = frame.into_data() {
+                        let room = max.saturating_sub(bytes.len());
+                        truncated |= data.len() > room;
+                        bytes.extend_from_slice(&data[..data.len().min(room)]);
+                    }
+                }
+                Ok::<_, String>((status, headers, bytes, truncated))
+            };
+            match tokio::time::timeout(timeout, run).await {
+                Ok(Ok((status, headers, bytes, truncated))) => Finish {
+                    id,
+                    outcome: if (200..300).contains(&status) {
+                        Outcome::Success
+                    } else {
+                        Outcome::Error
+                    },
+                    result: Some(CallResult {
+                        status,
+                        headers,
+                        body: bytes.into(),
+                    }),
+                    log: if truncated {
+                        format!("the answer was cut at {max} bytes\n")
+                    } else {
+                        String::new()
+                    },
+                },
+                Ok(Err(e)) => failed(id, format!("request failed: {e}\n")),
+                Err(_) => failed(id, format!("no answer within {} ms\n", timeout.as_millis())),
+            }
+        })
+    }
+}
+
+/// Finishes every call at once with an empty 200: for measuring the queue and the API alone.
+pub struct NoopExecutor;
+
+impl Executor for NoopExecutor {
+    fn execute(&self, job: Job, _: Duration) -> Pin<Box<dyn Future<Output = Finish> + Send>> {
+        Box::pin(async move {
+            Finish {
+                id: job.call.id,
+                outcome: Outcome::Success,
+                result: Some(CallResult {
+                    status: 200,
+                    ..CallResult::default()
+                }),
+                log: String::new(),
+            }
+        })
+    }
+}
+
+/// How a runner runs.
+#[derive(Debug, Clone)]
+pub struct RunnerOptions {
+    /// This runner's id (its partition).
+    pub id: String,
+    /// Calls run at once.
+    pub capacity: usize,
+    /// Dequeue long-poll.
+    pub wait_ms: u64,
+    /// Most calls asked for, started or finished in one request.
+    pub batch: usize,
+    /// Attempts at reporting a finish before giving up on it (the call then times out).
+    pub finish_attempts: u32,
+    /// Fault injection for tests: the runner SIGKILLs itself at this point.
+    pub fault: Option<Fault>,
+}
+
+/// Where a runner kills itself, to test what ebb does when runners die.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Fault {
+    /// After calls were dequeued, before they are started.
+    KillAfterDequeue,
+    /// After calls were started, before they run.
+    KillAfterStart,
+}
+
+fn die_if(fault: Option<Fault>, at: Fault) {
+    if fault == Some(at) {
+        tracing::warn!(?at, "fault injection: killing this runner");
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+impl Default for RunnerOptions {
+    fn default() -> Self {
+        Self {
+            id: "builtin".into(),
+            capacity: 64,
+            wait_ms: 5_000,
+            batch: 64,
+            finish_attempts: 20,
+            fault: None,
+        }
+    }
+}
+
+/// Backoff between failed API requests: 50 ms doubling to 2 s.
+fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis((50u64 << attempt.min(6)).min(2_000))
+}
+
+/// Runs the runner until `stop` changes; calls under way finish and are reported first.
+pub async fn run(
+    api: Arc<dyn RunnerApi>,
+    executor: Arc<dyn Executor>,
+    options: RunnerOptions,
+    mut stop: watch::Receiver<bool>,
+) {
+    let capacity = options.capacity.max(1);
+    let permits = Arc::new(Semaphore::new(capacity));
+    let load = {
+        let permits = permits.clone();
+        move || Load {
+            in_flight: (capacity - permits.available_permits()) as u32,
+            capacity: capacity as u32,
+        }
+    };
+    let (done_tx, done_rx) = mpsc::channel::<Finish>(capacity);
+    let finisher = tokio::spawn(report(api.clone(), options.clone(), done_rx, load.clone()));
+    let mut failures = 0u32;
+    loop {
+        // Wait for room, then ask for as much work as there is room for.
+        let first = tokio::select! {
+            p = permits.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            _ = stop.changed() => break,
+        };
+        let mut held = vec![first];
+        while held.len() < options.batch {
+            match permits.clone().try_acquire_owned() {
+                Ok(p) => held.push(p),
+                Err(_) => break,
+            }
+        }
+        let jobs = tokio::select! {
+            j = api.dequeue(&options.id, held.len(), options.wait_ms, load()) => j,
+            _ = stop.changed() => break,
+        };
+        let jobs = match jobs {
+            Ok(j) => {
+                failures = 0;
+                j
+            }
+            Err(e) => {
+                tracing::warn!(runner = %options.id, error = %e, "dequeue failed");
+                failures += 1;
+                drop(held);
+                tokio::time::sleep(backoff(failures)).await;
+                continue;
+            }
+        };
+        held.truncate(jobs.len());
+        if jobs.is_empty() {
+            continue;
+        }
+        die_if(options.fault, Fault::KillAfterDequeue);
+        let ids = jobs.iter().map(|j| j.call.id.clone()).collect();
+        let started = match api.start(&options.id, ids, load()).await {
+            Ok(s) => s,
+            Err(e) => {
+                // Not started: the calls come back after the visibility timeout.
+                tracing::warn!(runner = %options.id, error = %e, "start failed");
+                continue;
+            }
+        };
+        let accepted: std::collections::HashSet<String> = started
+            .into_iter()
+            .filter(|s| s.started)
+            .map(|s| s.id)
+            .collect();
+        if !accepted.is_empty() {
+            die_if(options.fault, Fault::KillAfterStart);
+        }
+        for (job, permit) in jobs.into_iter().zip(held) {
+            if !accepted.contains(&job.call.id) {
+                continue;
+            }
+            let executor = executor.clone();
+            let done = done_tx.clone();
+            tokio::spawn(async move {
+                let timeout = Duration::from_millis(job.call.timeout_ms);
+                let finish = executor.execute(job, timeout).await;
+                let _ = done.send(finish).await;
+                drop(permit);
+            });
+        }
+    }
+    // Let the calls under way end, then the reports.
+    let _ = permits.acquire_many(capacity as u32).await;
+    drop(done_tx);
+    let _ = finisher.await;
+}
+
+/// Reports finishes in batches, retrying each batch with backoff.
+async fn report(
+    api: Arc<dyn RunnerApi>,
+    options: RunnerOptions,
+    mut done: mpsc::Receiver<Finish>,
+    load: impl Fn() -> Load + Send + 'static,
+) {
+    while let Some(first) = done.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < options.batch {
+            match done.try_recv() {
+                Ok(f) => batch.push(f),
+                Err(_) => break,
+            }
+        }
+        let mut attempt = 0;
+        loop {
+            match api.finish(&options.id, batch.clone(), load()).await {
+                Ok(()) => break,
+                Err(e) if attempt + 1 < options.finish_attempts => {
+                    attempt += 1;
+                    tracing::warn!(runner = %options.id, error = %e, attempt, "finish failed; retrying");
+                    tokio::time::sleep(backoff(attempt)).await;
+                }
+                Err(e) => {
+                    tracing::error!(runner = %options.id, error = %e, calls = batch.len(), "giving up reporting finished calls; they will time out");
+                    break;
+                }
+            }
+        }
+    }
+}

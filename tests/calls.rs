@@ -1,0 +1,559 @@
+//! Durable calls end to end: `ebb serve` with the embedded queue, the runner API over real HTTP,
+//! `ebb runner` processes (some told to SIGKILL themselves at a point of a call's life), and the
+//! example app as the calls' target.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+
+mod common;
+
+use common::Ebb;
+
+const TOKEN: &str = "runner-secret";
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn config(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("ebb.toml");
+    std::fs::write(
+        &path,
+        "[[app]]\nname = \"work\"\ndomains = [\"work.localhost\"]\ncommand = [\"ebb\", \"example-app\"]\nstartup_timeout_ms = 20000\n",
+    )
+    .unwrap();
+    path
+}
+
+/// `ebb serve` with the runner API on; `extra` are more serve arguments.
+fn start(dir: &Path, extra: &[&str]) -> Ebb {
+    let mut args = vec!["--runner-token", TOKEN];
+    args.extend_from_slice(extra);
+    common::serve_with(&dir.join("data"), Some(&config(dir)), None, &args)
+}
+
+struct Answer {
+    status: u16,
+    headers: hyper::HeaderMap,
+    json: Value,
+}
+
+async fn call_api(
+    ebb: &Ebb,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<String>,
+    extra: &[(&str, &str)],
+) -> Answer {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(format!("http://{}{path}", ebb.admin))
+        .header("content-type", "application/json");
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    for (k, v) in extra {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(Full::new(Bytes::from(body.unwrap_or_default())))
+        .unwrap();
+    let resp = client.request(req).await.expect("ebb answers");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let json = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()))
+    };
+    Answer {
+        status,
+        headers,
+        json,
+    }
+}
+
+async fn post(ebb: &Ebb, path: &str, body: Value) -> Answer {
+    call_api(ebb, "POST", path, Some(TOKEN), Some(body.to_string()), &[]).await
+}
+
+async fn get(ebb: &Ebb, path: &str) -> Answer {
+    call_api(ebb, "GET", path, Some(TOKEN), None, &[]).await
+}
+
+async fn enqueue(ebb: &Ebb, body: Value) -> String {
+    let a = post(ebb, "/runner/enqueue", body).await;
+    assert_eq!(a.status, 200, "{}", a.json);
+    a.json["id"].as_str().unwrap().to_owned()
+}
+
+async fn state(ebb: &Ebb, id: &str) -> String {
+    let a = get(ebb, &format!("/v1/calls/{id}")).await;
+    assert_eq!(a.status, 200, "{}", a.json);
+    a.json["state"].as_str().unwrap().to_owned()
+}
+
+/// Polls until the call is in `want` (or the deadline passes).
+async fn wait_state(ebb: &Ebb, id: &str, want: &str) {
+    let wait = async {
+        loop {
+            if state(ebb, id).await == want {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(DEADLINE, wait)
+        .await
+        .unwrap_or_else(|_| panic!("call {id} never became {want}"));
+}
+
+async fn count_calls(ebb: &Ebb) -> usize {
+    let a = get(ebb, "/v1/calls?limit=1000").await;
+    assert_eq!(a.status, 200, "{}", a.json);
+    a.json["calls"].as_array().unwrap().len()
+}
+
+/// The events of one kind for one call, from `ebb log dump`.
+fn events_of(data: &Path, id: &str, kind: &str) -> usize {
+    let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args(["log", "dump", "--json", "--data-dir"])
+        .arg(data)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| {
+            e["event"]
+                .get(kind)
+                .is_some_and(|x| x["id"] == id || x["call"]["id"] == id)
+        })
+        .count()
+}
+
+/// `ebb runner` against `ebb`, killed when dropped.
+struct Runner(Child);
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn runner(ebb: &Ebb, id: &str, fault: Option<&str>) -> Runner {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ebb"));
+    cmd.args(["runner", "--api"])
+        .arg(format!("http://{}", ebb.admin))
+        .args(["--token", TOKEN, "--id", id, "--capacity", "4", "--proxy"])
+        .arg(ebb.proxy.to_string())
+        .env("EBB_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit());
+    if let Some(f) = fault {
+        cmd.args(["--fault", f]);
+    }
+    Runner(cmd.spawn().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_and_finish_are_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &["--runner-capacity", "0"]);
+
+    let id = enqueue(
+        &ebb,
+        json!({ "target": "work", "payload": { "path": "/x", "body": "hi" } }),
+    )
+    .await;
+    assert_eq!(state(&ebb, &id).await, "queued");
+    let d = post(
+        &ebb,
+        "/runner/dequeue",
+        json!({ "runner": "r1", "max": 5, "wait_ms": 5000 }),
+    )
+    .await;
+    assert_eq!(d.status, 200, "{}", d.json);
+    assert_eq!(d.json["calls"][0]["id"], id.as_str());
+    assert_eq!(d.json["calls"][0]["host"], "work.localhost");
+    assert_eq!(d.json["calls"][0]["payload"]["body"], "hi");
+
+    // The first start runs the call; a second start means it may run twice: 409, and error.
+    let s = post(&ebb, "/runner/start", json!({ "runner": "r1", "id": id })).await;
+    assert_eq!(s.status, 200, "{}", s.json);
+    assert_eq!(s.json["state"], "running");
+    let again = post(&ebb, "/runner/start", json!({ "runner": "r2", "id": id })).await;
+    assert_eq!(again.status, 409, "{}", again.json);
+    assert_eq!(again.json["code"], "already_running");
+    assert_eq!(state(&ebb, &id).await, "error");
+    // A start on a finished call: 409.
+    let late = post(&ebb, "/runner/start", json!({ "runner": "r1", "id": id })).await;
+    assert_eq!(
+        (late.status, late.json["code"].as_str()),
+        (409, Some("already_final"))
+    );
+    // Its message is gone: nothing is handed out again.
+    let none = post(
+        &ebb,
+        "/runner/dequeue",
+        json!({ "runner": "r1", "wait_ms": 300 }),
+    )
+    .await;
+    assert_eq!(none.status, 204);
+
+    // Finish twice: one result, the same answer both times.
+    let id2 = enqueue(&ebb, json!({ "target": "work" })).await;
+    let d = post(
+        &ebb,
+        "/runner/dequeue",
+        json!({ "runner": "r1", "wait_ms": 5000 }),
+    )
+    .await;
+    assert_eq!(d.json["calls"][0]["id"], id2.as_str());
+    let s = post(
+        &ebb,
+        "/runner/start",
+        json!({ "runner": "r1", "ids": [id2] }),
+    )
+    .await;
+    assert_eq!(s.json["results"][0]["started"], true, "{}", s.json);
+    let first = json!({ "runner": "r1", "id": id2, "outcome": "success",
+        "result": { "status": 201, "headers": [["x-a", "1"]], "body": "first" }, "log": "ran\n" });
+    let second = json!({ "runner": "r1", "id": id2, "outcome": "error",
+        "result": { "status": 500, "body": "second" } });
+    let a = post(&ebb, "/runner/finish", first).await;
+    let b = post(&ebb, "/runner/finish", second).await;
+    assert_eq!((a.status, b.status), (200, 200));
+    assert_eq!(a.json, b.json);
+    assert_eq!(a.json["state"], "success");
+    let c = get(&ebb, &format!("/v1/calls/{id2}")).await;
+    assert_eq!(c.json["result"]["status"], 201);
+    assert_eq!(c.json["result"]["body"], "first");
+    assert_eq!(c.json["attempt"], 1);
+    let log = call_api(
+        &ebb,
+        "GET",
+        &format!("/v1/calls/{id2}/log"),
+        Some(TOKEN),
+        None,
+        &[],
+    )
+    .await;
+    assert_eq!(log.json, "ran\n");
+    assert_eq!(events_of(&ebb.data, &id2, "CallFinished"), 1);
+
+    // A finish for a call never queued (a sync call) is recorded.
+    let sync_id = "01890a5d-ac96-774b-bcce-b302099a8057";
+    let f = post(
+        &ebb,
+        "/runner/finish",
+        json!({ "runner": "r1", "id": sync_id, "outcome": "success" }),
+    )
+    .await;
+    assert_eq!((f.status, f.json["state"].as_str()), (200, Some("success")));
+    assert_eq!(state(&ebb, sync_id).await, "success");
+
+    // Listing by state, paged.
+    let page = get(&ebb, "/v1/calls?state=success&limit=1").await;
+    assert_eq!(page.json["calls"].as_array().unwrap().len(), 1);
+    let next = page.json["next"].as_str().unwrap().to_owned();
+    let page2 = get(
+        &ebb,
+        &format!("/v1/calls?state=success&limit=1&after={next}"),
+    )
+    .await;
+    assert_eq!(page2.json["calls"].as_array().unwrap().len(), 1);
+    assert_ne!(page.json["calls"][0]["id"], page2.json["calls"][0]["id"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_clear_errors_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &["--runner-capacity", "0", "--max-queued", "2"]);
+    let before = count_calls(&ebb).await;
+
+    let no_token = call_api(
+        &ebb,
+        "POST",
+        "/runner/enqueue",
+        None,
+        Some("{}".into()),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        (no_token.status, no_token.json["code"].as_str()),
+        (401, Some("unauthorized"))
+    );
+    let wrong = call_api(&ebb, "GET", "/v1/calls", Some("nope"), None, &[]).await;
+    assert_eq!(wrong.status, 401);
+    let bad = call_api(
+        &ebb,
+        "POST",
+        "/runner/enqueue",
+        Some(TOKEN),
+        Some("{not json".into()),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        (bad.status, bad.json["code"].as_str()),
+        (400, Some("bad_json"))
+    );
+    let unknown_field = post(&ebb, "/runner/dequeue", json!({ "runner": "r", "nope": 1 })).await;
+    assert_eq!(unknown_field.status, 400);
+    let bad_runner = post(&ebb, "/runner/dequeue", json!({ "runner": "a b" })).await;
+    assert_eq!(
+        (bad_runner.status, bad_runner.json["code"].as_str()),
+        (400, Some("bad_runner"))
+    );
+    let unknown_target = post(&ebb, "/runner/enqueue", json!({ "target": "nobody" })).await;
+    assert_eq!(
+        (unknown_target.status, unknown_target.json["code"].as_str()),
+        (404, Some("unknown_target"))
+    );
+    let big = "x".repeat((1 << 20) + 1);
+    let too_big = post(
+        &ebb,
+        "/runner/enqueue",
+        json!({ "target": "work", "payload": { "body": big } }),
+    )
+    .await;
+    assert_eq!(
+        (too_big.status, too_big.json["code"].as_str()),
+        (413, Some("payload_too_large"))
+    );
+    let huge = "y".repeat(17 << 20);
+    let too_huge = call_api(
+        &ebb,
+        "POST",
+        "/runner/enqueue",
+        Some(TOKEN),
+        Some(huge),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        (too_huge.status, too_huge.json["code"].as_str()),
+        (413, Some("payload_too_large"))
+    );
+    let not_uuid = post(
+        &ebb,
+        "/runner/enqueue",
+        json!({ "target": "work", "id": "abc" }),
+    )
+    .await;
+    assert_eq!(not_uuid.status, 400);
+    let unknown_call = get(&ebb, "/v1/calls/01890a5d-ac96-774b-bcce-b302099a8057").await;
+    assert_eq!(
+        (unknown_call.status, unknown_call.json["code"].as_str()),
+        (404, Some("not_found"))
+    );
+    let start_unknown = post(
+        &ebb,
+        "/runner/start",
+        json!({ "runner": "r", "id": "01890a5d-ac96-774b-bcce-b302099a8057" }),
+    )
+    .await;
+    assert_eq!(
+        (start_unknown.status, start_unknown.json["code"].as_str()),
+        (409, Some("unknown_call"))
+    );
+    assert_eq!(count_calls(&ebb).await, before, "no error wrote a call");
+
+    // The queue's put fails (it is full): 500, and no call recorded.
+    enqueue(&ebb, json!({ "target": "work" })).await;
+    enqueue(&ebb, json!({ "target": "work" })).await;
+    let full = post(&ebb, "/runner/enqueue", json!({ "target": "work" })).await;
+    assert_eq!(
+        (full.status, full.json["code"].as_str()),
+        (500, Some("queue_full"))
+    );
+    let batch = post(
+        &ebb,
+        "/runner/enqueue",
+        json!({ "calls": [{ "target": "work" }] }),
+    )
+    .await;
+    assert_eq!(batch.status, 500);
+    assert_eq!(count_calls(&ebb).await, before + 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runner_load_steers_work_to_the_least_loaded_runner() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &["--runner-capacity", "0"]);
+    for (runner, load) in [("busy", "9/10"), ("idle", "1/10")] {
+        let a = call_api(
+            &ebb,
+            "POST",
+            "/runner/dequeue",
+            Some(TOKEN),
+            Some(json!({ "runner": runner, "wait_ms": 0 }).to_string()),
+            &[("x-runner-load", load)],
+        )
+        .await;
+        assert_eq!(a.status, 204);
+        assert_eq!(a.headers["x-runner-load"], load);
+    }
+    let id = enqueue(&ebb, json!({ "target": "work" })).await;
+    let c = get(&ebb, &format!("/v1/calls/{id}")).await;
+    assert_eq!(c.json["partition"], "idle");
+    // The busy runner does not get the idle one's call.
+    let none = post(
+        &ebb,
+        "/runner/dequeue",
+        json!({ "runner": "busy", "wait_ms": 200 }),
+    )
+    .await;
+    assert_eq!(none.status, 204);
+    let got = post(
+        &ebb,
+        "/runner/dequeue",
+        json!({ "runner": "idle", "wait_ms": 5000 }),
+    )
+    .await;
+    assert_eq!(got.json["calls"][0]["id"], id.as_str());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_built_in_runner_runs_calls_against_the_app_from_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &[]);
+    let id = enqueue(&ebb, json!({ "target": "work", "payload": { "method": "PUT", "path": "/echo", "body": "ping" } })).await;
+    wait_state(&ebb, &id, "success").await;
+    let c = get(&ebb, &format!("/v1/calls/{id}")).await;
+    assert_eq!(c.json["result"]["status"], 200);
+    assert_eq!(c.json["result"]["body"], "ping");
+    assert_eq!(c.json["runner"], "builtin");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_killed_after_dequeue_loses_nothing_and_runs_nothing_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(
+        dir.path(),
+        &[
+            "--runner-capacity",
+            "0",
+            "--visibility-timeout-ms",
+            "500",
+            "--runner-lease-ms",
+            "1000",
+        ],
+    );
+    let id = enqueue(
+        &ebb,
+        json!({ "target": "work", "payload": { "method": "GET", "path": "/pid" } }),
+    )
+    .await;
+    let mut victim = runner(&ebb, "victim", Some("kill-after-dequeue"));
+    let status = tokio::task::spawn_blocking(move || {
+        let s = victim.0.wait().unwrap();
+        std::mem::forget(victim);
+        s
+    })
+    .await
+    .unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "the runner SIGKILLed itself after its dequeue"
+    );
+    assert_eq!(state(&ebb, &id).await, "queued");
+    let _healthy = runner(&ebb, "healthy", None);
+    wait_state(&ebb, &id, "success").await;
+    assert_eq!(events_of(&ebb.data, &id, "CallStarted"), 1);
+    assert_eq!(events_of(&ebb.data, &id, "CallRejected"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runner_killed_after_start_ends_in_timeout_not_a_second_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(
+        dir.path(),
+        &[
+            "--runner-capacity",
+            "0",
+            "--visibility-timeout-ms",
+            "500",
+            "--runner-lease-ms",
+            "1000",
+        ],
+    );
+    let id = enqueue(&ebb, json!({ "target": "work", "timeout_ms": 1500 })).await;
+    let mut victim = runner(&ebb, "victim", Some("kill-after-start"));
+    tokio::task::spawn_blocking(move || {
+        let _ = victim.0.wait();
+        std::mem::forget(victim);
+    })
+    .await
+    .unwrap();
+    // A healthy runner is around the whole time: it must not get the call.
+    let _healthy = runner(&ebb, "healthy", None);
+    wait_state(&ebb, &id, "timeout").await;
+    // Well past the lease and the visibility timeout, nothing ran it again.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(state(&ebb, &id).await, "timeout");
+    assert_eq!(events_of(&ebb.data, &id, "CallStarted"), 1);
+    assert_eq!(events_of(&ebb.data, &id, "CallRejected"), 0);
+    assert_eq!(events_of(&ebb.data, &id, "CallTimedOut"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_enqueues_survive_a_sigkill_of_ebb_and_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ebb = start(dir.path(), &["--runner-capacity", "0"]);
+    let mut ids = Vec::new();
+    for i in 0..20 {
+        ids.push(
+            enqueue(
+                &ebb,
+                json!({ "target": "work", "payload": { "body": format!("n{i}") } }),
+            )
+            .await,
+        );
+    }
+    let batch = post(
+        &ebb,
+        "/runner/enqueue",
+        json!({ "calls": [{ "target": "work" }, { "target": "work" }] }),
+    )
+    .await;
+    assert_eq!(batch.status, 200);
+    ids.extend(
+        batch.json["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_owned()),
+    );
+    ebb.child.kill().unwrap();
+    ebb.child.wait().unwrap();
+    drop(ebb);
+    let ebb = start(dir.path(), &[]);
+    for id in &ids {
+        wait_state(&ebb, id, "success").await;
+    }
+    for id in &ids {
+        assert_eq!(events_of(&ebb.data, id, "CallStarted"), 1);
+    }
+}
