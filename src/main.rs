@@ -194,6 +194,8 @@ enum BenchCommand {
     Log(ebb::bench::LogBenchArgs),
     /// Cold-start overhead of the proxy: first byte for a workload at zero vs the app's own start.
     ColdStart(ebb::bench::ColdStartArgs),
+    /// Durable calls end to end: calls/s and enqueue-to-start latency through the runner API.
+    Calls(ebb::bench::calls::CallsBenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -304,6 +306,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Replay { until, at, json } => replay(&dir, until, at, json),
         Command::Explain { kind, id, json } => explain(&dir, kind, &id, json),
         Command::Bench(BenchCommand::Log(args)) => runtime()?.block_on(ebb::bench::log(args)),
+        Command::Bench(BenchCommand::Calls(args)) => {
+            runtime()?.block_on(ebb::bench::calls::run(args))
+        }
         Command::Bench(BenchCommand::ColdStart(args)) => {
             runtime()?.block_on(ebb::bench::cold_start(args))
         }

@@ -226,6 +226,10 @@ pub async fn run(
         }
     };
     let admin_task = tokio::spawn(async move {
+        use axum::serve::ListenerExt;
+        let admin_listener = admin_listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(admin_listener, admin)
             .with_graceful_shutdown(admin_stopped)
             .await

@@ -74,7 +74,7 @@ async fn contract(open: impl Fn() -> Arc<dyn Queue>) {
     // Released runners' messages go to others: reserved-but-not-started ones and queued ones;
     // held (started) ones do not.
     q.put(vec![msg("a3", "a")]).await.unwrap();
-    q.hold("a1", u64::MAX).await.unwrap();
+    q.hold(vec![("a1".into(), u64::MAX)]).await.unwrap();
     q.release("a").await.unwrap();
     let mut got = reserve_n(&*q, "d", 3).await;
     got.sort_by(|x, y| x.id.cmp(&y.id));
@@ -134,12 +134,12 @@ async fn the_embedded_queue_redelivers_after_the_visibility_timeout_and_holds_st
     q.put(vec![msg("x", "r"), msg("y", "r")]).await.unwrap();
     let got = reserve_n(&*q, "r", 2).await;
     assert_eq!(ids(&got), ["x", "y"]);
-    q.hold("y", u64::MAX).await.unwrap();
+    q.hold(vec![("y".into(), u64::MAX)]).await.unwrap();
     // x was not started: it comes back, to the same runner, on its second delivery; y does not.
     let again = reserve_n(&*q, "r", 1).await;
     assert_eq!(ids(&again), ["x"]);
     assert_eq!(again[0].deliveries, 2);
-    q.hold("x", u64::MAX).await.unwrap();
+    q.hold(vec![("x".into(), u64::MAX)]).await.unwrap();
     let none = q
         .reserve("r", 10, Duration::from_millis(600))
         .await

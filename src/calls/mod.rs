@@ -252,6 +252,11 @@ impl Calls {
         &self.options
     }
 
+    /// The log.
+    pub fn log(&self) -> &Arc<Log> {
+        &self.log
+    }
+
     /// The queue.
     pub fn queue(&self) -> &Arc<dyn Queue> {
         &self.queue
@@ -466,10 +471,19 @@ impl Calls {
                 }
             }
         }
-        // Calls the log lost (ebb stopped between put and record) are recorded now; calls that
-        // already ended (a redelivery) are deleted instead of handed out.
-        self.record_queued(specs.iter().map(|(s, _)| s.clone()).collect())
-            .await?;
+        // Calls the log lost (ebb stopped between put and record), or has not recorded yet (the
+        // enqueue is still under way), are recorded now; calls that already ended (a
+        // redelivery) are deleted instead of handed out.
+        let unknown: Vec<CallSpec> = self.log.read(|s| {
+            specs
+                .iter()
+                .filter(|(c, _)| s.calls.get(&c.id).is_none())
+                .map(|(c, _)| c.clone())
+                .collect()
+        });
+        if !unknown.is_empty() {
+            self.record_queued(unknown).await?;
+        }
         let (jobs, done) = self.log.read(|s| {
             let mut jobs = Vec::new();
             let mut done = Vec::new();
@@ -527,8 +541,8 @@ impl Calls {
                 })
                 .collect()
         });
-        for (id, until) in holds {
-            self.queue.hold(&id, until).await?;
+        if !holds.is_empty() {
+            self.queue.hold(holds).await?;
         }
         let runner_owned = runner.to_owned();
         let (verdicts, _) = self

@@ -413,36 +413,45 @@ pub async fn run(
             continue;
         }
         die_if(options.fault, Fault::KillAfterDequeue);
-        let ids = jobs.iter().map(|j| j.call.id.clone()).collect();
-        let started = match api.start(&options.id, ids, load()).await {
-            Ok(s) => s,
-            Err(e) => {
-                // Not started: the calls come back after the visibility timeout.
-                tracing::warn!(runner = %options.id, error = %e, "start failed");
-                continue;
+        // The start (and the runs) go on while the loop asks for more work.
+        let api = api.clone();
+        let executor = executor.clone();
+        let done = done_tx.clone();
+        let runner_id = options.id.clone();
+        let fault = options.fault;
+        let load_now = load();
+        tokio::spawn(async move {
+            let ids = jobs.iter().map(|j| j.call.id.clone()).collect();
+            let started = match api.start(&runner_id, ids, load_now).await {
+                Ok(s) => s,
+                Err(e) => {
+                    // Not started: the calls come back after the visibility timeout.
+                    tracing::warn!(runner = %runner_id, error = %e, "start failed");
+                    return;
+                }
+            };
+            let accepted: std::collections::HashSet<String> = started
+                .into_iter()
+                .filter(|s| s.started)
+                .map(|s| s.id)
+                .collect();
+            if !accepted.is_empty() {
+                die_if(fault, Fault::KillAfterStart);
             }
-        };
-        let accepted: std::collections::HashSet<String> = started
-            .into_iter()
-            .filter(|s| s.started)
-            .map(|s| s.id)
-            .collect();
-        if !accepted.is_empty() {
-            die_if(options.fault, Fault::KillAfterStart);
-        }
-        for (job, permit) in jobs.into_iter().zip(held) {
-            if !accepted.contains(&job.call.id) {
-                continue;
+            for (job, permit) in jobs.into_iter().zip(held) {
+                if !accepted.contains(&job.call.id) {
+                    continue;
+                }
+                let executor = executor.clone();
+                let done = done.clone();
+                tokio::spawn(async move {
+                    let timeout = Duration::from_millis(job.call.timeout_ms);
+                    let finish = executor.execute(job, timeout).await;
+                    let _ = done.send(finish).await;
+                    drop(permit);
+                });
             }
-            let executor = executor.clone();
-            let done = done_tx.clone();
-            tokio::spawn(async move {
-                let timeout = Duration::from_millis(job.call.timeout_ms);
-                let finish = executor.execute(job, timeout).await;
-                let _ = done.send(finish).await;
-                drop(permit);
-            });
-        }
+        });
     }
     // Let the calls under way end, then the reports.
     let _ = permits.acquire_many(capacity as u32).await;

@@ -458,32 +458,28 @@ impl Queue for EmbeddedQueue {
         })
     }
 
-    fn hold(&self, id: &str, until_ms: u64) -> QueueFuture<'_, ()> {
-        let id = id.to_owned();
+    fn hold(&self, holds: Vec<(String, u64)>) -> QueueFuture<'_, ()> {
         Box::pin(async move {
-            let (seq, deliveries) = {
+            let mut batch = WriteBatch::default();
+            {
                 let mut index = self.lock();
-                let Some(slot) = index.slots.get(&id) else {
-                    return Ok(());
-                };
-                if slot.state == SlotState::Pending {
-                    return Ok(());
+                for (id, until_ms) in holds {
+                    let Some(slot) = index.slots.get(&id) else {
+                        continue;
+                    };
+                    if slot.state == SlotState::Pending {
+                        continue;
+                    }
+                    let (seq, deliveries) = (slot.seq, slot.deliveries);
+                    index.set_out(&id, Delivery::Held { until_ms });
+                    let record = DeliveryRecord {
+                        delivery: Delivery::Held { until_ms },
+                        deliveries,
+                    };
+                    batch.put(key(b'r', seq), rmp_serde::to_vec(&record).map_err(storage)?);
                 }
-                let (seq, deliveries) = (slot.seq, slot.deliveries);
-                index.set_out(&id, Delivery::Held { until_ms });
-                (seq, deliveries)
-            };
-            let record = DeliveryRecord {
-                delivery: Delivery::Held { until_ms },
-                deliveries,
-            };
-            self.db
-                .put_opt(
-                    key(b'r', seq),
-                    rmp_serde::to_vec(&record).map_err(storage)?,
-                    &unsynced(),
-                )
-                .map_err(storage)
+            }
+            self.db.write_opt(batch, &unsynced()).map_err(storage)
         })
     }
 

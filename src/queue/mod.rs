@@ -77,8 +77,9 @@ pub trait Queue: Send + Sync {
     /// up to `wait` for one; an empty answer means none came.
     fn reserve(&self, runner: &str, max: usize, wait: Duration) -> QueueFuture<'_, Vec<Message>>;
 
-    /// Keeps a delivered message from redelivery until `until_ms` (a started call's deadline).
-    fn hold(&self, id: &str, until_ms: u64) -> QueueFuture<'_, ()>;
+    /// Keeps delivered messages from redelivery, each until its time (a started call's deadline).
+    /// Unknown ids are ignored.
+    fn hold(&self, holds: Vec<(String, u64)>) -> QueueFuture<'_, ()>;
 
     /// Removes messages for good (the call finished or its start was refused). Unknown ids are
     /// ignored.

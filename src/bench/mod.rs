@@ -1,6 +1,8 @@
 //! `ebb bench`: measurements on this machine, printed as a table. Benchmarks are the only place
 //! timings are taken; tests never assert on time.
 
+pub mod calls;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -97,7 +99,7 @@ fn route_events() -> Vec<Event> {
         .collect()
 }
 
-fn open(dir: &std::path::Path, durability: Durability) -> Result<Log> {
+pub(crate) fn open(dir: &std::path::Path, durability: Durability) -> Result<Log> {
     let store = Arc::new(RocksStore::open(dir, OpenMode::Create)?);
     Ok(Log::open(
         store,

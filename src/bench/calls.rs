@@ -1,0 +1,323 @@
+//! `ebb bench calls`: durable calls end to end on this machine. Producers enqueue batches through
+//! the HTTP runner API; runners (in process, or over HTTP) dequeue, start and finish them with a
+//! no-op target. Reports calls/s from the first enqueue until every call has finished, then the
+//! enqueue-to-start latency (from just before the enqueue request to the moment the runner holds
+//! the accepted start) at half that rate.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::json;
+
+use crate::calls::runner::{self, Executor, HttpApi, NoopExecutor, RunnerApi, RunnerOptions};
+use crate::calls::{CallOptions, Calls, Finish, Job};
+use crate::clock::{Clock, Stopwatch, SystemClock};
+use crate::event::{Event, RouteSpec};
+use crate::log::Durability;
+use crate::queue::Queue;
+use crate::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
+
+/// Arguments of `ebb bench calls`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CallsBenchArgs {
+    /// Seconds each phase enqueues for.
+    #[arg(long, default_value_t = 5)]
+    pub seconds: u64,
+    /// Concurrent producers.
+    #[arg(long, default_value_t = 4)]
+    pub producers: usize,
+    /// Calls per enqueue request in the throughput phase.
+    #[arg(long, default_value_t = 250)]
+    pub batch: usize,
+    /// Runners.
+    #[arg(long, default_value_t = 2)]
+    pub runners: usize,
+    /// Calls each runner runs at once (and asks for per dequeue).
+    #[arg(long, default_value_t = 500)]
+    pub capacity: usize,
+    /// Calls/s of the latency phase (default: half the measured throughput).
+    #[arg(long)]
+    pub rate: Option<f64>,
+}
+
+const TOKEN: &str = "bench";
+
+/// Records when each call started (relative to one stopwatch), then finishes it at once.
+struct Recorder {
+    clock: Stopwatch,
+    started: Mutex<HashMap<String, f64>>,
+}
+
+impl Executor for Arc<Recorder> {
+    fn execute(&self, job: Job, t: Duration) -> Pin<Box<dyn Future<Output = Finish> + Send>> {
+        self.started
+            .lock()
+            .expect("recorder lock")
+            .insert(job.call.id.clone(), self.clock.elapsed().as_secs_f64());
+        NoopExecutor.execute(job, t)
+    }
+}
+
+struct Setup {
+    calls: Arc<Calls>,
+    api: std::net::SocketAddr,
+    stop: tokio::sync::watch::Sender<bool>,
+    recorder: Arc<Recorder>,
+    runners: Vec<tokio::task::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+async fn setup(args: &CallsBenchArgs, over_http: bool) -> Result<Setup> {
+    let dir = tempfile::Builder::new()
+        .prefix("ebb-bench-calls-")
+        .tempdir()?;
+    let log = Arc::new(super::open(&dir.path().join("log"), Durability::Sync)?);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let queue: Arc<dyn Queue> = Arc::new(EmbeddedQueue::open(
+        dir.path().join("queue"),
+        clock.clone(),
+        EmbeddedOptions::default(),
+    )?);
+    log.append(Event::RouteUpserted {
+        route: RouteSpec {
+            name: "noop".into(),
+            domains: vec!["noop.localhost".into()],
+            deployment: "noop".into(),
+            idle_after_ms: 60_000,
+            min_replicas: 0,
+            max_replicas: 1,
+            hold_timeout_ms: 1_000,
+            hold_queue_max: 1,
+            process: None,
+        },
+    })
+    .await?;
+    let calls = Arc::new(Calls::new(
+        log.clone(),
+        queue,
+        clock,
+        CallOptions::default(),
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let api = listener.local_addr()?;
+    let router = crate::api::router(crate::api::AppState {
+        log,
+        orchestrator: None,
+        admin_token: None,
+        ebb_exe: std::env::current_exe()?,
+        calls: Some(calls.clone()),
+        runner_token: Some(TOKEN.into()),
+    });
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let recorder = Arc::new(Recorder {
+        clock: Stopwatch::start(),
+        started: Mutex::new(HashMap::new()),
+    });
+    let mut runners = Vec::new();
+    for i in 0..args.runners {
+        let client: Arc<dyn RunnerApi> = if over_http {
+            Arc::new(HttpApi::new(&format!("http://{api}"), TOKEN))
+        } else {
+            Arc::new(calls.clone())
+        };
+        let options = RunnerOptions {
+            id: format!("bench-{i}"),
+            capacity: args.capacity,
+            batch: args.capacity.min(CallOptions::default().max_batch),
+            wait_ms: 1_000,
+            ..RunnerOptions::default()
+        };
+        runners.push(tokio::spawn(runner::run(
+            client,
+            Arc::new(recorder.clone()),
+            options,
+            stop_rx.clone(),
+        )));
+    }
+    Ok(Setup {
+        calls,
+        api,
+        stop,
+        recorder,
+        runners,
+        _dir: dir,
+    })
+}
+
+fn producer_client() -> Client<HttpConnector, Full<Bytes>> {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
+/// Enqueues `batch` calls; returns their ids.
+async fn enqueue(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    api: std::net::SocketAddr,
+    batch: usize,
+) -> Result<Vec<String>> {
+    let calls: Vec<_> = (0..batch)
+        .map(|_| json!({ "target": "noop", "payload": { "body": "x" } }))
+        .collect();
+    let req = hyper::Request::post(format!("http://{api}/runner/enqueue"))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(
+            json!({ "calls": calls }).to_string(),
+        )))?;
+    let resp = client.request(req).await?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    anyhow::ensure!(
+        status.is_success(),
+        "enqueue: {status} {}",
+        String::from_utf8_lossy(&body)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&body)?;
+    Ok(v["ids"]
+        .as_array()
+        .context("ids")?
+        .iter()
+        .filter_map(|i| i.as_str().map(str::to_owned))
+        .collect())
+}
+
+/// Waits until every call in `ids` has finished (bounded). Calls finish about in the order they
+/// were enqueued, so each look starts at the first one not yet seen finished.
+async fn drain(calls: &Calls, ids: &[String]) -> Result<()> {
+    let wait = async {
+        let mut done = 0;
+        while done < ids.len() {
+            done = calls.log().read(|s| {
+                let mut i = done;
+                while i < ids.len() && s.calls.get(&ids[i]).is_some_and(|c| c.status.is_final()) {
+                    i += 1;
+                }
+                i
+            });
+            if done < ids.len() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), wait)
+        .await
+        .context("calls did not finish within 120 s")
+}
+
+/// Throughput: producers enqueue as fast as they can for the phase; the clock stops when the last
+/// call has finished.
+async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<f64> {
+    let clock = Stopwatch::start();
+    let phase = Duration::from_secs(args.seconds);
+    let mut producers = Vec::new();
+    for _ in 0..args.producers {
+        let api = s.api;
+        let batch = args.batch;
+        producers.push(tokio::spawn(async move {
+            let client = producer_client();
+            let clock = Stopwatch::start();
+            let mut ids = Vec::new();
+            while clock.elapsed() < phase {
+                ids.extend(enqueue(&client, api, batch).await?);
+            }
+            anyhow::Ok(ids)
+        }));
+    }
+    let mut ids = Vec::new();
+    for p in producers {
+        ids.extend(p.await??);
+    }
+    drain(&s.calls, &ids).await?;
+    Ok(ids.len() as f64 / clock.elapsed().as_secs_f64())
+}
+
+/// Latency at `rate` calls/s: small batches sent on a fixed schedule; returns (p50, p99) in ms.
+async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f64)> {
+    const PER_REQUEST: usize = 10;
+    // Sized up front: growing the map under the runners would be the bench's own pause.
+    *s.recorder.started.lock().expect("recorder lock") =
+        HashMap::with_capacity((rate * args.seconds as f64 * 1.5) as usize);
+    let requests_per_s = (rate / PER_REQUEST as f64).max(1.0);
+    let per_producer = requests_per_s / args.producers as f64;
+    let interval = Duration::from_secs_f64(1.0 / per_producer);
+    let phase = Duration::from_secs(args.seconds);
+    let mut producers = Vec::new();
+    for _ in 0..args.producers {
+        let api = s.api;
+        let recorder = s.recorder.clone();
+        producers.push(tokio::spawn(async move {
+            let client = producer_client();
+            let clock = Stopwatch::start();
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let mut sent = Vec::new();
+            while clock.elapsed() < phase {
+                tick.tick().await;
+                let at = recorder.clock.elapsed().as_secs_f64();
+                for id in enqueue(&client, api, PER_REQUEST).await? {
+                    sent.push((id, at));
+                }
+            }
+            anyhow::Ok(sent)
+        }));
+    }
+    let mut sent = Vec::new();
+    for p in producers {
+        sent.extend(p.await??);
+    }
+    let ids: Vec<String> = sent.iter().map(|(id, _)| id.clone()).collect();
+    drain(&s.calls, &ids).await?;
+    let started = s.recorder.started.lock().expect("recorder lock");
+    let mut ms: Vec<f64> = sent
+        .iter()
+        .filter_map(|(id, at)| started.get(id).map(|t| (t - at) * 1e3))
+        .collect();
+    anyhow::ensure!(!ms.is_empty(), "no call started");
+    ms.sort_by(f64::total_cmp);
+    let pick = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
+    Ok((pick(0.50), pick(0.99)))
+}
+
+async fn teardown(s: Setup) {
+    let _ = s.stop.send(true);
+    for r in s.runners {
+        let _ = tokio::time::timeout(Duration::from_secs(10), r).await;
+    }
+}
+
+/// Runs the benchmark and prints its table.
+pub async fn run(args: CallsBenchArgs) -> Result<()> {
+    println!(
+        "ebb bench calls: embedded queue, no-op target, {} producers (HTTP, {} calls a request), {} runners x {} capacity, {} s phases",
+        args.producers, args.batch, args.runners, args.capacity, args.seconds
+    );
+    println!("| runners | calls/s end to end | enqueue-to-start p50 | p99 |");
+    println!("|---|---|---|---|");
+    for (name, over_http) in [("in process", false), ("over HTTP", true)] {
+        // Each phase on a fresh log and queue, so one does not pay for the other's compactions.
+        let s = setup(&args, over_http).await?;
+        let rate = throughput(&args, &s).await?;
+        teardown(s).await;
+        let at = args.rate.unwrap_or(rate / 2.0);
+        let s = setup(&args, over_http).await?;
+        let (p50, p99) = latency(&args, &s, at).await?;
+        teardown(s).await;
+        println!("| {name} | {rate:.0} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s) |");
+    }
+    Ok(())
+}
