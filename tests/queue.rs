@@ -5,9 +5,12 @@ use std::time::Duration;
 
 use ebb::clock::{Clock, SystemClock};
 use ebb::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
+use ebb::queue::kafka::{KafkaOptions, KafkaQueue};
+
+mod common;
 use ebb::queue::{Message, Queue};
 
-const WAIT: Duration = Duration::from_secs(10);
+const WAIT: Duration = Duration::from_secs(30);
 
 fn msg(id: &str, partition: &str) -> Message {
     Message::new(id, partition, format!("body of {id}").into_bytes())
@@ -33,78 +36,65 @@ async fn reserve_n(q: &dyn Queue, runner: &str, n: usize) -> Vec<Message> {
 
 /// The contract. `open` opens the queue over the same storage each time it is called (the
 /// previous one is dropped first).
-async fn contract(open: impl Fn() -> Arc<dyn Queue>) {
-    let q = open();
-    // Order, bodies, delivery counts.
-    q.put(vec![
-        msg("a1", "a"),
-        msg("s1", ""),
-        msg("a2", "a"),
-        msg("b1", "b"),
-    ])
-    .await
-    .unwrap();
-    let got = reserve_n(&*q, "a", 3).await;
-    assert_eq!(
-        ids(&got),
-        ["a1", "a2", "s1"],
-        "own partition first, then any runner's"
-    );
-    assert_eq!(got[0].body, b"body of a1");
+async fn contract(open: impl AsyncFn() -> Arc<dyn Queue>) {
+    let q = open().await;
+    // Every message once, bodies intact.
+    q.put(vec![msg("x1", ""), msg("x2", ""), msg("x3", "")])
+        .await
+        .unwrap();
+    let mut got = reserve_n(&*q, "r1", 3).await;
+    got.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(ids(&got), ["x1", "x2", "x3"]);
+    assert_eq!(got[0].body, b"body of x1");
     assert!(got.iter().all(|m| m.deliveries == 1));
-    // b's message is b's; nothing else is ready for a.
     let none = q
-        .reserve("a", 10, Duration::from_millis(200))
+        .reserve("r1", 10, Duration::from_millis(300))
         .await
         .unwrap();
     assert!(none.is_empty(), "{:?}", ids(&none));
-    let got = reserve_n(&*q, "b", 1).await;
-    assert_eq!(ids(&got), ["b1"]);
+
+    // A released runner's messages go to another runner, except a held (started) one.
+    q.hold(vec![("x1".into(), u64::MAX)]).await.unwrap();
+    q.release("r1").await.unwrap();
+    let mut got = reserve_n(&*q, "r2", 2).await;
+    got.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(ids(&got), ["x2", "x3"]);
+    assert!(got.iter().all(|m| m.deliveries == 2), "{got:?}");
+    let none = q
+        .reserve("r2", 10, Duration::from_millis(300))
+        .await
+        .unwrap();
+    assert!(none.is_empty(), "{:?}", ids(&none));
 
     // A put wakes a waiting runner.
     let waiter = {
         let q = q.clone();
-        tokio::spawn(async move { q.reserve("c", 1, WAIT).await.unwrap() })
+        tokio::spawn(async move { q.reserve("r2", 1, WAIT).await.unwrap() })
     };
     tokio::task::yield_now().await;
-    q.put(vec![msg("c1", "c")]).await.unwrap();
-    let got = waiter.await.unwrap();
-    assert_eq!(ids(&got), ["c1"]);
+    q.put(vec![msg("y1", "")]).await.unwrap();
+    assert_eq!(ids(&waiter.await.unwrap()), ["y1"]);
 
-    // Released runners' messages go to others: reserved-but-not-started ones and queued ones;
-    // held (started) ones do not.
-    q.put(vec![msg("a3", "a")]).await.unwrap();
-    q.hold(vec![("a1".into(), u64::MAX)]).await.unwrap();
-    q.release("a").await.unwrap();
-    let mut got = reserve_n(&*q, "d", 3).await;
-    got.sort_by(|x, y| x.id.cmp(&y.id));
-    assert_eq!(ids(&got), ["a2", "a3", "s1"]);
-    assert_eq!(
-        got.iter().find(|m| m.id == "a2").unwrap().deliveries,
-        2,
-        "a2 is on its second delivery"
-    );
-
-    // Deleted messages are gone; the rest survive a reopen.
+    // Deleted messages are gone for good; the others survive a reopen.
     q.delete(vec![
-        "a2".into(),
-        "a3".into(),
-        "s1".into(),
-        "c1".into(),
+        "x1".into(),
+        "x2".into(),
+        "x3".into(),
+        "y1".into(),
         "nope".into(),
     ])
     .await
     .unwrap();
+    q.put(vec![msg("z1", ""), msg("z2", "")]).await.unwrap();
     drop(got);
     drop(q);
-    let q = open();
-    q.release("b").await.unwrap();
-    q.release("d").await.unwrap();
-    let got = reserve_n(&*q, "e", 1).await;
-    assert_eq!(ids(&got), ["b1"], "b1 survived, a1 is still held");
-    q.delete(vec!["a1".into(), "b1".into()]).await.unwrap();
+    let q = open().await;
+    let mut got = reserve_n(&*q, "r3", 2).await;
+    got.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(ids(&got), ["z1", "z2"]);
+    q.delete(vec!["z1".into(), "z2".into()]).await.unwrap();
     let none = q
-        .reserve("e", 10, Duration::from_millis(200))
+        .reserve("r3", 10, Duration::from_millis(500))
         .await
         .unwrap();
     assert!(none.is_empty(), "{:?}", ids(&none));
@@ -119,7 +109,51 @@ fn embedded(dir: &std::path::Path, options: EmbeddedOptions) -> Arc<dyn Queue> {
 async fn the_embedded_queue_keeps_the_contract() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("queue");
-    contract(|| embedded(&path, EmbeddedOptions::default())).await;
+    contract(async || embedded(&path, EmbeddedOptions::default())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_queue_hands_a_runner_its_own_partition_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = embedded(&dir.path().join("queue"), EmbeddedOptions::default());
+    q.put(vec![
+        msg("a1", "a"),
+        msg("s1", ""),
+        msg("a2", "a"),
+        msg("b1", "b"),
+    ])
+    .await
+    .unwrap();
+    let got = reserve_n(&*q, "a", 3).await;
+    assert_eq!(
+        ids(&got),
+        ["a1", "a2", "s1"],
+        "own partition first, then any runner's"
+    );
+    let none = q
+        .reserve("a", 10, Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert!(none.is_empty(), "b's message is b's: {:?}", ids(&none));
+    // Once b is gone, its messages are anyone's.
+    q.release("b").await.unwrap();
+    assert_eq!(ids(&reserve_n(&*q, "a", 1).await), ["b1"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kafka_queue_keeps_the_contract() {
+    let broker = common::broker();
+    let options = KafkaOptions {
+        brokers: broker.addr.to_string(),
+        partitions: 4,
+        ..KafkaOptions::default()
+    };
+    contract(async || {
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let q: Arc<dyn Queue> = Arc::new(KafkaQueue::open(clock, options.clone()).await.unwrap());
+        q
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,6 +12,7 @@
 //! (RocksDB, the default) and the Kafka queue.
 
 pub mod embedded;
+pub mod kafka;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,0 +1,493 @@
+//! The Kafka queue: calls on a topic with N partitions (rdkafka, bundled librdkafka).
+//!
+//! * [`Queue::put`] produces with `acks=all` and returns once the broker has every message; a
+//!   message's key is the runner it is meant for (so a runner's calls share a partition), or the
+//!   call id.
+//! * Each runner that asks for work gets a consumer of its own in one consumer group, created on
+//!   its first dequeue; the group spreads the partitions over the live runners, and when a runner
+//!   is released its consumer leaves the group and its partitions move to the others.
+//! * Offsets are committed only after finish or reject ([`Queue::delete`]): per partition, up to
+//!   the oldest message still outstanding. A message read again (after a rebalance or a restart)
+//!   whose call is handed out or held already is not handed out twice.
+//! * Messages handed out are kept in memory until deleted, so a runner's reserved-but-not-started
+//!   messages can go to another runner at once when it is released, and after the visibility
+//!   timeout, without waiting for Kafka to redeliver them.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::Message as _;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{Offset, TopicPartitionList};
+use serde::{Deserialize, Serialize};
+
+use super::{Message, Queue, QueueError, QueueFuture, QueueStats};
+use crate::clock::Clock;
+
+/// How to reach Kafka and shape the topic.
+#[derive(Debug, Clone)]
+pub struct KafkaOptions {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// The calls topic.
+    pub topic: String,
+    /// Partitions of the topic when ebb creates it.
+    pub partitions: i32,
+    /// The runners' consumer group.
+    pub group: String,
+    /// `session.timeout.ms` of the consumers: how soon a gone consumer's partitions move.
+    pub session_timeout_ms: u32,
+    /// How long a put may take before it fails.
+    pub put_timeout_ms: u64,
+    /// How long a runner may keep a message it did not start before another runner gets it.
+    pub visibility_timeout_ms: u64,
+    /// The most messages handed out and not yet deleted.
+    pub max_out: usize,
+}
+
+impl Default for KafkaOptions {
+    fn default() -> Self {
+        Self {
+            brokers: "127.0.0.1:9092".into(),
+            topic: "ebb-calls".into(),
+            partitions: 8,
+            group: "ebb-runners".into(),
+            session_timeout_ms: 6_000,
+            put_timeout_ms: 5_000,
+            visibility_timeout_ms: 30_000,
+            max_out: 1_000_000,
+        }
+    }
+}
+
+/// What a Kafka message carries.
+#[derive(Debug, Serialize, Deserialize)]
+struct Envelope {
+    id: String,
+    partition: String,
+    #[serde(with = "serde_bytes")]
+    body: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Out {
+    /// Handed to a runner until the time; then anyone's again.
+    Reserved { until_ms: u64 },
+    /// A started call's message, kept until the time.
+    Held { until_ms: u64 },
+    /// Its runner is gone: the next runner to ask gets it.
+    Free,
+}
+
+#[derive(Debug)]
+struct Entry {
+    out: Out,
+    runner: String,
+    partition: String,
+    body: Vec<u8>,
+    deliveries: u32,
+    /// Where it sits: (partition, offset).
+    at: (i32, i64),
+}
+
+/// One partition's offsets read and not yet done, whichever consumer read them.
+#[derive(Debug, Default)]
+struct Tracker {
+    outstanding: BTreeSet<i64>,
+    /// Offsets done (deleted) before their partition was read up to them again.
+    next: i64,
+    /// The commit point last committed.
+    committed: i64,
+}
+
+impl Tracker {
+    fn seen(&mut self, offset: i64) {
+        self.outstanding.insert(offset);
+        self.next = self.next.max(offset + 1);
+    }
+
+    fn done(&mut self, offset: i64) {
+        self.outstanding.remove(&offset);
+    }
+
+    /// Where consumption resumes: the oldest offset not done, or past the newest read.
+    fn point(&self) -> i64 {
+        self.outstanding.first().copied().unwrap_or(self.next)
+    }
+}
+
+#[derive(Default)]
+struct Books {
+    entries: HashMap<String, Entry>,
+    trackers: HashMap<i32, Tracker>,
+    consumers: HashMap<String, Arc<StreamConsumer>>,
+}
+
+/// The Kafka queue.
+pub struct KafkaQueue {
+    producer: FutureProducer,
+    clock: Arc<dyn Clock>,
+    options: KafkaOptions,
+    books: Mutex<Books>,
+}
+
+impl std::fmt::Debug for KafkaQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaQueue")
+            .field("brokers", &self.options.brokers)
+            .field("topic", &self.options.topic)
+            .finish()
+    }
+}
+
+fn kafka(e: impl std::fmt::Display) -> QueueError {
+    QueueError::Storage(format!("kafka: {e}"))
+}
+
+impl KafkaQueue {
+    /// Connects, creating the topic if it is missing.
+    pub async fn open(clock: Arc<dyn Clock>, options: KafkaOptions) -> Result<Self, QueueError> {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &options.brokers)
+            .create()
+            .map_err(kafka)?;
+        let topic = NewTopic::new(
+            &options.topic,
+            options.partitions,
+            TopicReplication::Fixed(1),
+        );
+        let created = admin
+            .create_topics(
+                [&topic],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+            )
+            .await
+            .map_err(kafka)?;
+        for r in created {
+            match r {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((t, e)) => return Err(kafka(format!("creating topic {t}: {e}"))),
+            }
+        }
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", &options.brokers)
+            .set("acks", "all")
+            .set("linger.ms", "1")
+            .set("message.timeout.ms", options.put_timeout_ms.to_string())
+            .create()
+            .map_err(kafka)?;
+        Ok(Self {
+            producer,
+            clock,
+            options,
+            books: Mutex::new(Books::default()),
+        })
+    }
+
+    fn books(&self) -> std::sync::MutexGuard<'_, Books> {
+        self.books.lock().expect("kafka queue lock")
+    }
+
+    /// The runner's consumer, joining the group on first use.
+    fn consumer(&self, runner: &str) -> Result<Arc<StreamConsumer>, QueueError> {
+        if let Some(c) = self.books().consumers.get(runner) {
+            return Ok(c.clone());
+        }
+        let c: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.options.brokers)
+            .set("group.id", &self.options.group)
+            .set("client.id", format!("ebb-runner-{runner}"))
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .set(
+                "session.timeout.ms",
+                self.options.session_timeout_ms.to_string(),
+            )
+            .set("heartbeat.interval.ms", "500")
+            .create()
+            .map_err(kafka)?;
+        c.subscribe(&[&self.options.topic]).map_err(kafka)?;
+        let c = Arc::new(c);
+        Ok(self
+            .books()
+            .consumers
+            .entry(runner.to_owned())
+            .or_insert(c)
+            .clone())
+    }
+
+    /// Hands out messages already in memory: those whose runner is gone and those whose time is
+    /// up.
+    fn take_known(&self, runner: &str, max: usize, now: u64) -> Vec<Message> {
+        let until_ms = now + self.options.visibility_timeout_ms;
+        let mut books = self.books();
+        let mut out = Vec::new();
+        for (id, e) in books.entries.iter_mut() {
+            if out.len() >= max {
+                break;
+            }
+            let due = match e.out {
+                Out::Free => true,
+                Out::Reserved { until_ms } | Out::Held { until_ms } => until_ms <= now,
+            };
+            if !due {
+                continue;
+            }
+            e.out = Out::Reserved { until_ms };
+            e.runner = runner.to_owned();
+            e.deliveries += 1;
+            out.push(Message {
+                id: id.clone(),
+                partition: e.partition.clone(),
+                body: e.body.clone(),
+                deliveries: e.deliveries,
+            });
+        }
+        out
+    }
+
+    /// Books a message read from Kafka; returns it when it is to be handed out.
+    fn read(&self, runner: &str, partition: i32, offset: i64, payload: &[u8]) -> Option<Message> {
+        let mut books = self.books();
+        let tracker = books.trackers.entry(partition).or_default();
+        if offset < tracker.committed {
+            return None; // done already
+        }
+        tracker.seen(offset);
+        let env: Envelope = match rmp_serde::from_slice(payload) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(partition, offset, error = %e, "a kafka message is not an ebb message; skipping it");
+                tracker.done(offset);
+                return None;
+            }
+        };
+        if let Some(e) = books.entries.get_mut(&env.id) {
+            // Read again (a rebalance moved the partition): handed out or held already.
+            e.at = (partition, offset);
+            return None;
+        }
+        if books.entries.len() >= self.options.max_out {
+            // Over the bound: it stays outstanding and comes back after a rebalance or restart.
+            return None;
+        }
+        let until_ms = self.clock.now_ms() + self.options.visibility_timeout_ms;
+        books.entries.insert(
+            env.id.clone(),
+            Entry {
+                out: Out::Reserved { until_ms },
+                runner: runner.to_owned(),
+                partition: env.partition.clone(),
+                body: env.body.clone(),
+                deliveries: 1,
+                at: (partition, offset),
+            },
+        );
+        Some(Message {
+            id: env.id,
+            partition: env.partition,
+            body: env.body,
+            deliveries: 1,
+        })
+    }
+
+    /// Commits every partition whose point moved, through the consumer that owns it now, and
+    /// waits for the broker (off the runtime: the call blocks). A partition owned by nobody yet
+    /// (a rebalance is under way) is committed on a later call.
+    async fn commit(&self) {
+        let (work, consumers): (Vec<(i32, i64)>, Vec<Arc<StreamConsumer>>) = {
+            let books = self.books();
+            let work = books
+                .trackers
+                .iter()
+                .filter(|(_, t)| t.point() > t.committed)
+                .map(|(p, t)| (*p, t.point()))
+                .collect();
+            (work, books.consumers.values().cloned().collect())
+        };
+        if work.is_empty() {
+            return;
+        }
+        let topic = self.options.topic.clone();
+        let committed = tokio::task::spawn_blocking(move || {
+            let mut committed = Vec::new();
+            for (partition, offset) in work {
+                let owner = consumers.iter().find(|c| {
+                    c.assignment().is_ok_and(|a| {
+                        a.elements_for_topic(&topic)
+                            .iter()
+                            .any(|e| e.partition() == partition)
+                    })
+                });
+                let Some(owner) = owner else {
+                    continue;
+                };
+                let mut tpl = TopicPartitionList::new();
+                if tpl
+                    .add_partition_offset(&topic, partition, Offset::Offset(offset))
+                    .is_err()
+                {
+                    continue;
+                }
+                match owner.commit(&tpl, CommitMode::Sync) {
+                    Ok(()) => committed.push((partition, offset)),
+                    Err(e) => tracing::debug!(partition, offset, error = %e, "commit failed"),
+                }
+            }
+            committed
+        })
+        .await
+        .unwrap_or_default();
+        let mut books = self.books();
+        for (partition, offset) in committed {
+            if let Some(t) = books.trackers.get_mut(&partition) {
+                t.committed = t.committed.max(offset);
+            }
+        }
+    }
+}
+
+impl Queue for KafkaQueue {
+    fn put(&self, messages: Vec<Message>) -> QueueFuture<'_, ()> {
+        Box::pin(async move {
+            let timeout = Duration::from_millis(self.options.put_timeout_ms);
+            let mut sends = Vec::with_capacity(messages.len());
+            for m in messages {
+                let key = if m.partition.is_empty() {
+                    m.id.clone()
+                } else {
+                    m.partition.clone()
+                };
+                let payload = rmp_serde::to_vec(&Envelope {
+                    id: m.id,
+                    partition: m.partition,
+                    body: m.body,
+                })
+                .map_err(kafka)?;
+                let producer = self.producer.clone();
+                let topic = self.options.topic.clone();
+                sends.push(async move {
+                    producer
+                        .send(
+                            FutureRecord::to(&topic).key(&key).payload(&payload),
+                            timeout,
+                        )
+                        .await
+                        .map(|_| ())
+                        .map_err(|(e, _)| kafka(e))
+                });
+            }
+            for r in futures_util::future::join_all(sends).await {
+                r?;
+            }
+            Ok(())
+        })
+    }
+
+    fn reserve(&self, runner: &str, max: usize, wait: Duration) -> QueueFuture<'_, Vec<Message>> {
+        let runner = runner.to_owned();
+        Box::pin(async move {
+            let max = max.max(1);
+            let mut got = self.take_known(&runner, max, self.clock.now_ms());
+            if got.len() >= max {
+                return Ok(got);
+            }
+            let consumer = self.consumer(&runner)?;
+            let deadline = tokio::time::sleep(wait);
+            tokio::pin!(deadline);
+            while got.len() < max {
+                // Once something came, take only what is already fetched.
+                let next = if got.is_empty() {
+                    tokio::select! {
+                        m = consumer.recv() => Some(m),
+                        () = &mut deadline => None,
+                    }
+                } else {
+                    tokio::time::timeout(Duration::ZERO, consumer.recv())
+                        .await
+                        .ok()
+                };
+                let Some(m) = next else {
+                    break;
+                };
+                let m = m.map_err(kafka)?;
+                got.extend(self.read(
+                    &runner,
+                    m.partition(),
+                    m.offset(),
+                    m.payload().unwrap_or(&[]),
+                ));
+            }
+            Ok(got)
+        })
+    }
+
+    fn hold(&self, holds: Vec<(String, u64)>) -> QueueFuture<'_, ()> {
+        Box::pin(async move {
+            let mut books = self.books();
+            for (id, until_ms) in holds {
+                if let Some(e) = books.entries.get_mut(&id) {
+                    e.out = Out::Held { until_ms };
+                }
+            }
+            Ok(())
+        })
+    }
+
+    fn delete(&self, ids: Vec<String>) -> QueueFuture<'_, ()> {
+        Box::pin(async move {
+            {
+                let mut books = self.books();
+                for id in &ids {
+                    if let Some(e) = books.entries.remove(id)
+                        && let Some(t) = books.trackers.get_mut(&e.at.0)
+                    {
+                        t.done(e.at.1);
+                    }
+                }
+            }
+            self.commit().await;
+            Ok(())
+        })
+    }
+
+    fn release(&self, runner: &str) -> QueueFuture<'_, ()> {
+        let runner = runner.to_owned();
+        Box::pin(async move {
+            let consumer = {
+                let mut books = self.books();
+                for e in books.entries.values_mut() {
+                    if e.runner == runner && matches!(e.out, Out::Reserved { .. }) {
+                        e.out = Out::Free;
+                    }
+                }
+                books.consumers.remove(&runner)
+            };
+            // Closing leaves the group (the others get its partitions); it blocks, so off the
+            // runtime.
+            if let Some(c) = consumer {
+                let _ = tokio::task::spawn_blocking(move || drop(c)).await;
+            }
+            Ok(())
+        })
+    }
+
+    fn stats(&self) -> QueueStats {
+        let books = self.books();
+        let reserved = books
+            .entries
+            .values()
+            .filter(|e| !matches!(e.out, Out::Free))
+            .count();
+        QueueStats {
+            ready: books.entries.len() - reserved,
+            reserved,
+        }
+    }
+}
