@@ -484,13 +484,25 @@ impl Calls {
         if !unknown.is_empty() {
             self.record_queued(unknown).await?;
         }
-        let (jobs, done) = self.log.read(|s| {
+        let grace = self.options.hold_grace_ms;
+        let (jobs, done, running) = self.log.read(|s| {
             let mut jobs = Vec::new();
             let mut done = Vec::new();
+            let mut running = Vec::new();
             for (spec, deliveries) in specs {
-                if s.calls.get(&spec.id).is_some_and(|c| c.status.is_final()) {
-                    done.push(spec.id);
-                    continue;
+                match s.calls.get(&spec.id) {
+                    Some(c) if c.status.is_final() => {
+                        done.push(spec.id);
+                        continue;
+                    }
+                    // Started already (a queue that lost the hold, e.g. Kafka after a restart):
+                    // held again, never handed out twice.
+                    Some(c) if c.status == CallStatus::Running => {
+                        let until = c.deadline_at_ms.unwrap_or(0).saturating_add(grace);
+                        running.push((spec.id, until));
+                        continue;
+                    }
+                    _ => {}
                 }
                 let host = s
                     .routes
@@ -504,8 +516,11 @@ impl Calls {
                     deliveries,
                 });
             }
-            (jobs, done)
+            (jobs, done, running)
         });
+        if !running.is_empty() {
+            self.queue.hold(running).await?;
+        }
         broken.extend(done);
         if !broken.is_empty()
             && let Err(e) = self.queue.delete(broken).await
