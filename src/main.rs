@@ -89,6 +89,15 @@ enum Command {
         /// The most calls the queue holds.
         #[arg(long, default_value_t = 1_000_000)]
         max_queued: usize,
+        /// Put calls on Kafka (`bootstrap.servers`) instead of the embedded queue.
+        #[arg(long, env = "EBB_KAFKA_BROKERS")]
+        kafka_brokers: Option<String>,
+        /// The Kafka topic of calls.
+        #[arg(long, default_value = "ebb-calls")]
+        kafka_topic: String,
+        /// Partitions of the Kafka topic when ebb creates it.
+        #[arg(long, default_value_t = 8)]
+        kafka_partitions: i32,
     },
     /// Run calls from a remote ebb: dequeue, start, execute through ebb's proxy, finish.
     Runner {
@@ -276,6 +285,9 @@ fn run(cli: Cli) -> Result<()> {
             visibility_timeout_ms,
             runner_lease_ms,
             max_queued,
+            kafka_brokers,
+            kafka_topic,
+            kafka_partitions,
         } => serve(
             ebb::serve::ServeOptions {
                 data_dir: dir.clone(),
@@ -293,6 +305,14 @@ fn run(cli: Cli) -> Result<()> {
                     visibility_timeout_ms,
                     max_messages: max_queued,
                 },
+                kafka: kafka_brokers.map(|brokers| ebb::queue::kafka::KafkaOptions {
+                    brokers,
+                    topic: kafka_topic,
+                    partitions: kafka_partitions,
+                    visibility_timeout_ms,
+                    max_out: max_queued,
+                    ..ebb::queue::kafka::KafkaOptions::default()
+                }),
                 proxy_threads: proxy_threads
                     .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
                 runtime: ebb::proxy::runtime::RuntimeOptions {

@@ -21,6 +21,7 @@ use crate::proxy::runtime::{self, RuntimeOptions};
 use crate::proxy::{Proxy, ProxyOptions, Traffic};
 use crate::queue::Queue;
 use crate::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
+use crate::queue::kafka::{KafkaOptions, KafkaQueue};
 use crate::scaler::{decide_restart, decide_shutdown};
 use crate::state::State;
 
@@ -47,6 +48,8 @@ pub struct ServeOptions {
     pub calls: CallOptions,
     /// The embedded queue's tuning.
     pub queue: EmbeddedOptions,
+    /// The Kafka queue instead of the embedded one.
+    pub kafka: Option<KafkaOptions>,
     /// Calls the built-in runner runs at once (0: no built-in runner).
     pub runner_capacity: usize,
 }
@@ -175,14 +178,21 @@ pub async fn run(
 
     // Calls: the embedded queue, the service behind the runner API, the expiry loop and the
     // built-in runner.
-    let queue: Arc<dyn Queue> = Arc::new(
-        EmbeddedQueue::open(
-            options.data_dir.join("queue"),
-            clock.clone(),
-            options.queue.clone(),
-        )
-        .context("opening the call queue")?,
-    );
+    let queue: Arc<dyn Queue> = match &options.kafka {
+        Some(k) => Arc::new(
+            KafkaQueue::open(clock.clone(), k.clone())
+                .await
+                .with_context(|| format!("connecting to Kafka at {}", k.brokers))?,
+        ),
+        None => Arc::new(
+            EmbeddedQueue::open(
+                options.data_dir.join("queue"),
+                clock.clone(),
+                options.queue.clone(),
+            )
+            .context("opening the call queue")?,
+        ),
+    };
     let calls = Arc::new(Calls::new(
         log.clone(),
         queue,

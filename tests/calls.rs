@@ -557,3 +557,78 @@ async fn acknowledged_enqueues_survive_a_sigkill_of_ebb_and_complete() {
         assert_eq!(events_of(&ebb.data, id, "CallStarted"), 1);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_kafka_a_killed_runners_partitions_move_to_the_other_runner() {
+    let broker = common::broker();
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = broker.addr.to_string();
+    let ebb = start(
+        dir.path(),
+        &[
+            "--runner-capacity",
+            "0",
+            "--runner-lease-ms",
+            "1500",
+            "--kafka-brokers",
+            &brokers,
+            "--kafka-partitions",
+            "4",
+        ],
+    );
+    let _healthy = runner(&ebb, "healthy", None);
+    let mut victim = runner(&ebb, "victim", Some("kill-after-dequeue"));
+    let mut ids = Vec::new();
+    for i in 0..20 {
+        ids.push(enqueue(&ebb, json!({ "target": "work", "payload": { "method": "GET", "path": format!("/pid?n={i}") } })).await);
+    }
+    for id in &ids {
+        wait_state(&ebb, id, "success").await;
+    }
+    for id in &ids {
+        assert_eq!(
+            events_of(&ebb.data, id, "CallStarted"),
+            1,
+            "{id} started once"
+        );
+    }
+    // The victim really died holding calls, and the healthy runner ran everything.
+    let status = tokio::task::spawn_blocking(move || {
+        let s = victim.0.wait().unwrap();
+        std::mem::forget(victim);
+        s
+    })
+    .await
+    .unwrap();
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(9));
+    for id in &ids {
+        let c = get(&ebb, &format!("/v1/calls/{id}")).await;
+        assert_eq!(c.json["runner"], "healthy");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_kafka_down_an_enqueue_fails_with_500_and_records_nothing() {
+    let broker = common::broker();
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = broker.addr.to_string();
+    let ebb = start(
+        dir.path(),
+        &["--runner-capacity", "0", "--kafka-brokers", &brokers],
+    );
+    enqueue(&ebb, json!({ "target": "work" })).await;
+    drop(broker);
+    let failed = post(&ebb, "/runner/enqueue", json!({ "target": "work" })).await;
+    assert_eq!(
+        (failed.status, failed.json["code"].as_str()),
+        (500, Some("queue_failed")),
+        "{}",
+        failed.json
+    );
+    assert_eq!(
+        count_calls(&ebb).await,
+        1,
+        "the failed enqueue recorded nothing"
+    );
+}
