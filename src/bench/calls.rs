@@ -25,6 +25,7 @@ use crate::event::{Event, RouteSpec};
 use crate::log::Durability;
 use crate::queue::Queue;
 use crate::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
+use crate::queue::kafka::{KafkaOptions, KafkaQueue};
 
 /// Arguments of `ebb bench calls`.
 #[derive(Debug, Clone, clap::Args)]
@@ -47,6 +48,9 @@ pub struct CallsBenchArgs {
     /// Calls/s of the latency phase (default: half the measured throughput).
     #[arg(long)]
     pub rate: Option<f64>,
+    /// Also measure the Kafka queue, on this broker (`bootstrap.servers`).
+    #[arg(long)]
+    pub kafka: Option<String>,
 }
 
 const TOKEN: &str = "bench";
@@ -76,17 +80,32 @@ struct Setup {
     _dir: tempfile::TempDir,
 }
 
-async fn setup(args: &CallsBenchArgs, over_http: bool) -> Result<Setup> {
+async fn setup(args: &CallsBenchArgs, over_http: bool, kafka: Option<&str>) -> Result<Setup> {
     let dir = tempfile::Builder::new()
         .prefix("ebb-bench-calls-")
         .tempdir()?;
     let log = Arc::new(super::open(&dir.path().join("log"), Durability::Sync)?);
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let queue: Arc<dyn Queue> = Arc::new(EmbeddedQueue::open(
-        dir.path().join("queue"),
-        clock.clone(),
-        EmbeddedOptions::default(),
-    )?);
+    let queue: Arc<dyn Queue> = match kafka {
+        Some(brokers) => Arc::new(
+            KafkaQueue::open(
+                clock.clone(),
+                KafkaOptions {
+                    brokers: brokers.to_owned(),
+                    // A topic and group of its own per run: nothing left over from the last.
+                    topic: format!("ebb-bench-{}", uuid::Uuid::now_v7().simple()),
+                    group: format!("ebb-bench-{}", uuid::Uuid::now_v7().simple()),
+                    ..KafkaOptions::default()
+                },
+            )
+            .await?,
+        ),
+        None => Arc::new(EmbeddedQueue::open(
+            dir.path().join("queue"),
+            clock.clone(),
+            EmbeddedOptions::default(),
+        )?),
+    };
     log.append(Event::RouteUpserted {
         route: RouteSpec {
             name: "noop".into(),
@@ -249,6 +268,9 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<f64> {
 /// Latency at `rate` calls/s: small batches sent on a fixed schedule; returns (p50, p99) in ms.
 async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f64)> {
     const PER_REQUEST: usize = 10;
+    // Warm up (runners joined, connections open) before measuring.
+    let warm = enqueue(&producer_client(), s.api, PER_REQUEST).await?;
+    drain(&s.calls, &warm).await?;
     // Sized up front: growing the map under the runners would be the bench's own pause.
     *s.recorder.started.lock().expect("recorder lock") =
         HashMap::with_capacity((rate * args.seconds as f64 * 1.5) as usize);
@@ -303,21 +325,28 @@ async fn teardown(s: Setup) {
 /// Runs the benchmark and prints its table.
 pub async fn run(args: CallsBenchArgs) -> Result<()> {
     println!(
-        "ebb bench calls: embedded queue, no-op target, {} producers (HTTP, {} calls a request), {} runners x {} capacity, {} s phases",
+        "ebb bench calls: no-op target, {} producers (HTTP, {} calls a request), {} runners x {} capacity, {} s phases",
         args.producers, args.batch, args.runners, args.capacity, args.seconds
     );
-    println!("| runners | calls/s end to end | enqueue-to-start p50 | p99 |");
-    println!("|---|---|---|---|");
-    for (name, over_http) in [("in process", false), ("over HTTP", true)] {
-        // Each phase on a fresh log and queue, so one does not pay for the other's compactions.
-        let s = setup(&args, over_http).await?;
-        let rate = throughput(&args, &s).await?;
-        teardown(s).await;
-        let at = args.rate.unwrap_or(rate / 2.0);
-        let s = setup(&args, over_http).await?;
-        let (p50, p99) = latency(&args, &s, at).await?;
-        teardown(s).await;
-        println!("| {name} | {rate:.0} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s) |");
+    println!("| queue | runners | calls/s end to end | enqueue-to-start p50 | p99 |");
+    println!("|---|---|---|---|---|");
+    let mut queues = vec![("embedded", None)];
+    if let Some(k) = &args.kafka {
+        queues.push(("kafka", Some(k.as_str())));
+    }
+    for (queue, kafka) in queues {
+        for (name, over_http) in [("in process", false), ("over HTTP", true)] {
+            // Each phase on a fresh log and queue, so one does not pay for the other's
+            // compactions.
+            let s = setup(&args, over_http, kafka).await?;
+            let rate = throughput(&args, &s).await?;
+            teardown(s).await;
+            let at = args.rate.unwrap_or(rate / 2.0);
+            let s = setup(&args, over_http, kafka).await?;
+            let (p50, p99) = latency(&args, &s, at).await?;
+            teardown(s).await;
+            println!("| {queue} | {name} | {rate:.0} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s) |");
+        }
     }
     Ok(())
 }

@@ -210,6 +210,9 @@ impl KafkaQueue {
                 self.options.session_timeout_ms.to_string(),
             )
             .set("heartbeat.interval.ms", "500")
+            // Hand calls over as soon as they are on the broker.
+            .set("fetch.wait.max.ms", "5")
+            .set("fetch.min.bytes", "1")
             .create()
             .map_err(kafka)?;
         c.subscribe(&[&self.options.topic]).map_err(kafka)?;

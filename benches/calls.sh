@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Durable calls benchmark: `ebb bench calls` with the embedded queue and, against a tansu broker
+# started here on loopback, the Kafka queue. Usage: benches/calls.sh [SECONDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+cargo build --locked --release --bin ebb
+ebb="$CARGO_TARGET_DIR/release/ebb"
+tansu="${EBB_TANSU:-${XDG_CACHE_HOME:-$HOME/.cache}/ebb/tools/bin/tansu}"
+[ -x "$tansu" ] || { echo "error: no tansu at $tansu (./scripts/test installs it)" >&2; exit 1; }
+port="${BENCH_KAFKA_PORT:-19092}"
+"$tansu" broker --listener-url "tcp://127.0.0.1:$port" --advertised-listener-url "tcp://127.0.0.1:$port" \
+  --storage-engine memory://tansu/ >/dev/null 2>&1 &
+broker=$!
+trap 'kill $broker 2>/dev/null || true; wait 2>/dev/null || true' EXIT
+for _ in $(seq 1 200); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
+"$ebb" bench calls --seconds "${1:-5}" --kafka "127.0.0.1:$port"
