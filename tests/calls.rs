@@ -632,3 +632,36 @@ async fn with_kafka_down_an_enqueue_fails_with_500_and_records_nothing() {
         "the failed enqueue recorded nothing"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_calls_meant_for_a_runner_that_never_returns_run_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ebb = start(
+        dir.path(),
+        &["--runner-capacity", "0", "--runner-lease-ms", "1000"],
+    );
+    let a = call_api(
+        &ebb,
+        "POST",
+        "/runner/dequeue",
+        Some(TOKEN),
+        Some(json!({ "runner": "gone", "wait_ms": 0 }).to_string()),
+        &[("x-runner-load", "0/10")],
+    )
+    .await;
+    assert_eq!(a.status, 204);
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let id = enqueue(&ebb, json!({ "target": "work" })).await;
+        let c = get(&ebb, &format!("/v1/calls/{id}")).await;
+        assert_eq!(c.json["partition"], "gone");
+        ids.push(id);
+    }
+    ebb.child.kill().unwrap();
+    ebb.child.wait().unwrap();
+    drop(ebb);
+    let ebb = start(dir.path(), &["--runner-lease-ms", "1000"]);
+    for id in &ids {
+        wait_state(&ebb, id, "success").await;
+    }
+}

@@ -212,7 +212,17 @@ pub struct Calls {
     clock: Arc<dyn Clock>,
     options: CallOptions,
     runners: Mutex<HashMap<String, Seen>>,
+    /// When this service started: runners the queue names but that are not back one lease later
+    /// are released.
+    started_at_ms: u64,
+    owners_checked: std::sync::atomic::AtomicBool,
+    /// Ids whose put failed (the caller got 500): never run if a queue delivers them anyway (a
+    /// Kafka produce that timed out may still land). Bounded, oldest forgotten first.
+    aborted: Mutex<(HashSet<String>, std::collections::VecDeque<String>)>,
 }
+
+/// Most failed-put ids remembered.
+const MAX_ABORTED: usize = 100_000;
 
 impl std::fmt::Debug for Calls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -238,12 +248,16 @@ impl Calls {
         clock: Arc<dyn Clock>,
         options: CallOptions,
     ) -> Self {
+        let started_at_ms = clock.now_ms();
         Self {
             log,
             queue,
             clock,
             options,
             runners: Mutex::new(HashMap::new()),
+            started_at_ms,
+            owners_checked: std::sync::atomic::AtomicBool::new(false),
+            aborted: Mutex::new((HashSet::new(), std::collections::VecDeque::new())),
         }
     }
 
@@ -426,7 +440,20 @@ impl Calls {
                 body,
             ));
         }
-        self.queue.put(messages).await?;
+        if let Err(e) = self.queue.put(messages).await {
+            let mut aborted = self.aborted.lock().expect("aborted lock");
+            for s in &specs {
+                if aborted.0.insert(s.id.clone()) {
+                    aborted.1.push_back(s.id.clone());
+                }
+            }
+            while aborted.1.len() > MAX_ABORTED {
+                if let Some(old) = aborted.1.pop_front() {
+                    aborted.0.remove(&old);
+                }
+            }
+            return Err(e.into());
+        }
         let ids = specs.iter().map(|s| s.id.clone()).collect();
         self.record_queued(specs).await?;
         Ok(ids)
@@ -463,6 +490,10 @@ impl Calls {
         let mut specs = Vec::with_capacity(messages.len());
         let mut broken = Vec::new();
         for m in messages {
+            if self.aborted.lock().expect("aborted lock").0.contains(&m.id) {
+                broken.push(m.id);
+                continue;
+            }
             match rmp_serde::from_slice::<CallSpec>(&m.body) {
                 Ok(spec) if spec.id == m.id => specs.push((spec, m.deliveries)),
                 _ => {
@@ -485,6 +516,7 @@ impl Calls {
             self.record_queued(unknown).await?;
         }
         let grace = self.options.hold_grace_ms;
+        let now = self.clock.now_ms();
         let (jobs, done, running) = self.log.read(|s| {
             let mut jobs = Vec::new();
             let mut done = Vec::new();
@@ -498,7 +530,11 @@ impl Calls {
                     // Started already (a queue that lost the hold, e.g. Kafka after a restart):
                     // held again, never handed out twice.
                     Some(c) if c.status == CallStatus::Running => {
-                        let until = c.deadline_at_ms.unwrap_or(0).saturating_add(grace);
+                        let until = c
+                            .deadline_at_ms
+                            .unwrap_or(0)
+                            .saturating_add(grace)
+                            .max(now.saturating_add(grace));
                         running.push((spec.id, until));
                         continue;
                     }
@@ -543,6 +579,9 @@ impl Calls {
         if let Some(dup) = ids.iter().find(|id| !unique.insert(id.as_str())) {
             return Err(CallError::Bad(format!("call {dup} is twice in one batch")));
         }
+        if let Some(bad) = ids.iter().find(|id| uuid::Uuid::parse_str(id).is_err()) {
+            return Err(CallError::Bad(format!("call id {bad:?} is not a UUID")));
+        }
         // Hold first: once the start is accepted the message must not come back while the call
         // may run.
         let now = self.clock.now_ms();
@@ -551,7 +590,9 @@ impl Calls {
                 .filter_map(|id| s.calls.get(id).map(|c| (c, id)))
                 .filter(|(c, _)| c.status == CallStatus::Queued)
                 .map(|(c, id)| {
-                    let until = now + c.spec.timeout_ms + self.options.hold_grace_ms;
+                    let until = now
+                        .saturating_add(c.spec.timeout_ms)
+                        .saturating_add(self.options.hold_grace_ms);
                     (id.clone(), until)
                 })
                 .collect()
@@ -727,6 +768,21 @@ impl Calls {
             }
             gone
         };
+        let mut gone = gone;
+        // After a restart: runners the queue still names that are not back within a lease.
+        if now.saturating_sub(self.started_at_ms) >= self.options.runner_lease_ms
+            && !self
+                .owners_checked
+                .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            let seen = self.runners.lock().expect("runners lock");
+            gone.extend(
+                self.queue
+                    .owners()
+                    .into_iter()
+                    .filter(|o| !seen.contains_key(o)),
+            );
+        }
         for runner in gone {
             tracing::info!(%runner, "runner not heard from; its reserved calls go to others");
             self.queue.release(&runner).await?;

@@ -21,8 +21,55 @@ use super::wire::{FinishJson, JobJson};
 use super::{Calls, Finish, Job, Load, Started};
 use crate::event::{CallResult, Outcome};
 
+/// Why a runner API request failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunnerError {
+    /// The HTTP status of a refusal (`None`: the request did not get an answer).
+    pub status: Option<u16>,
+    pub message: String,
+}
+
+impl RunnerError {
+    fn other(message: impl std::fmt::Display) -> Self {
+        Self {
+            status: None,
+            message: message.to_string(),
+        }
+    }
+
+    /// The request itself was refused (4xx): sending it again gets the same answer.
+    pub fn is_refusal(&self) -> bool {
+        self.status.is_some_and(|s| (400..500).contains(&s))
+    }
+}
+
+impl std::fmt::Display for RunnerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.status {
+            Some(s) => write!(f, "{s}: {}", self.message),
+            None => f.write_str(&self.message),
+        }
+    }
+}
+
+impl From<super::CallError> for RunnerError {
+    fn from(e: super::CallError) -> Self {
+        use super::CallError;
+        let status = match &e {
+            CallError::Bad(_) => Some(400),
+            CallError::TooLarge(_) => Some(413),
+            CallError::UnknownTarget(_) => Some(404),
+            CallError::Queue(_) | CallError::Log(_) => None,
+        };
+        Self {
+            status,
+            message: e.to_string(),
+        }
+    }
+}
+
 /// A future a runner waits on.
-pub type RunnerFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, String>> + Send + 'a>>;
+pub type RunnerFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, RunnerError>> + Send + 'a>>;
 
 /// The runner API as a runner sees it.
 pub trait RunnerApi: Send + Sync {
@@ -51,9 +98,7 @@ impl RunnerApi for Arc<Calls> {
         let runner = runner.to_owned();
         Box::pin(async move {
             self.seen(&runner, Some(load));
-            Calls::dequeue(self, &runner, max, wait_ms)
-                .await
-                .map_err(|e| e.to_string())
+            Ok(Calls::dequeue(self, &runner, max, wait_ms).await?)
         })
     }
 
@@ -61,9 +106,7 @@ impl RunnerApi for Arc<Calls> {
         let runner = runner.to_owned();
         Box::pin(async move {
             self.seen(&runner, Some(load));
-            Calls::start(self, &runner, ids)
-                .await
-                .map_err(|e| e.to_string())
+            Ok(Calls::start(self, &runner, ids).await?)
         })
     }
 
@@ -71,10 +114,8 @@ impl RunnerApi for Arc<Calls> {
         let runner = runner.to_owned();
         Box::pin(async move {
             self.seen(&runner, Some(load));
-            Calls::finish(self, &runner, finishes)
-                .await
-                .map(|_| ())
-                .map_err(|e| e.to_string())
+            Calls::finish(self, &runner, finishes).await?;
+            Ok(())
         })
     }
 }
@@ -103,30 +144,30 @@ impl HttpApi {
         path: &str,
         body: serde_json::Value,
         load: Load,
-    ) -> Result<(u16, Bytes), String> {
+    ) -> Result<(u16, Bytes), RunnerError> {
         let req = hyper::Request::post(format!("{}{path}", self.base))
             .header("authorization", format!("Bearer {}", self.token))
             .header("content-type", "application/json")
             .header("x-runner-load", load.to_string())
             .body(Full::new(Bytes::from(body.to_string())))
-            .map_err(|e| e.to_string())?;
+            .map_err(RunnerError::other)?;
         let resp = self
             .client
             .request(req)
             .await
-            .map_err(|e| format!("{path}: {e}"))?;
+            .map_err(|e| RunnerError::other(format!("{path}: {e}")))?;
         let status = resp.status().as_u16();
         let body = resp
             .into_body()
             .collect()
             .await
-            .map_err(|e| format!("{path}: {e}"))?
+            .map_err(|e| RunnerError::other(format!("{path}: {e}")))?
             .to_bytes();
         if status >= 400 && status != 409 {
-            return Err(format!(
-                "{path}: {status} {}",
-                String::from_utf8_lossy(&body)
-            ));
+            return Err(RunnerError {
+                status: Some(status),
+                message: format!("{path}: {}", String::from_utf8_lossy(&body)),
+            });
         }
         Ok((status, body))
     }
@@ -150,8 +191,12 @@ impl RunnerApi for HttpApi {
             struct Answer {
                 calls: Vec<JobJson>,
             }
-            let a: Answer = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
-            a.calls.iter().map(JobJson::job).collect()
+            let a: Answer = serde_json::from_slice(&bytes).map_err(RunnerError::other)?;
+            a.calls
+                .iter()
+                .map(JobJson::job)
+                .collect::<Result<_, _>>()
+                .map_err(RunnerError::other)
         })
     }
 
@@ -163,7 +208,7 @@ impl RunnerApi for HttpApi {
             struct Answer {
                 results: Vec<Started>,
             }
-            let a: Answer = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
+            let a: Answer = serde_json::from_slice(&bytes).map_err(RunnerError::other)?;
             Ok(a.results)
         })
     }
@@ -365,10 +410,12 @@ pub async fn run(
 ) {
     let capacity = options.capacity.max(1);
     let permits = Arc::new(Semaphore::new(capacity));
+    // Calls running now (permits held only for a dequeue under way do not count).
+    let running = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let load = {
-        let permits = permits.clone();
+        let running = running.clone();
         move || Load {
-            in_flight: (capacity - permits.available_permits()) as u32,
+            in_flight: running.load(std::sync::atomic::Ordering::Relaxed) as u32,
             capacity: capacity as u32,
         }
     };
@@ -408,6 +455,9 @@ pub async fn run(
                 continue;
             }
         };
+        // Never more calls than room: extra ones are not started and come back.
+        let mut jobs = jobs;
+        jobs.truncate(held.len());
         held.truncate(jobs.len());
         if jobs.is_empty() {
             continue;
@@ -419,6 +469,7 @@ pub async fn run(
         let done = done_tx.clone();
         let runner_id = options.id.clone();
         let fault = options.fault;
+        let running = running.clone();
         let load_now = load();
         tokio::spawn(async move {
             let ids = jobs.iter().map(|j| j.call.id.clone()).collect();
@@ -444,9 +495,12 @@ pub async fn run(
                 }
                 let executor = executor.clone();
                 let done = done.clone();
+                let running = running.clone();
+                running.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 tokio::spawn(async move {
                     let timeout = Duration::from_millis(job.call.timeout_ms);
                     let finish = executor.execute(job, timeout).await;
+                    running.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
                     let _ = done.send(finish).await;
                     drop(permit);
                 });
@@ -459,34 +513,77 @@ pub async fn run(
     let _ = finisher.await;
 }
 
-/// Reports finishes in batches, retrying each batch with backoff.
+/// Most result bytes in one finish request (the API reads 16 MiB at most).
+const FINISH_BATCH_BYTES: usize = 8 << 20;
+
+/// Reports finishes in batches, retrying each batch with backoff. A batch the API refuses (4xx) is
+/// reported call by call, so one bad finish does not take the others with it.
 async fn report(
     api: Arc<dyn RunnerApi>,
     options: RunnerOptions,
     mut done: mpsc::Receiver<Finish>,
     load: impl Fn() -> Load + Send + 'static,
 ) {
-    while let Some(first) = done.recv().await {
+    let size = |f: &Finish| f.result.as_ref().map_or(0, |r| r.body.len()) + f.log.len();
+    let mut next: Option<Finish> = None;
+    loop {
+        let first = match next.take() {
+            Some(f) => f,
+            None => match done.recv().await {
+                Some(f) => f,
+                None => return,
+            },
+        };
+        let mut bytes = size(&first);
         let mut batch = vec![first];
         while batch.len() < options.batch {
             match done.try_recv() {
-                Ok(f) => batch.push(f),
+                Ok(f) if bytes + size(&f) > FINISH_BATCH_BYTES => {
+                    next = Some(f);
+                    break;
+                }
+                Ok(f) => {
+                    bytes += size(&f);
+                    batch.push(f);
+                }
                 Err(_) => break,
             }
         }
-        let mut attempt = 0;
-        loop {
-            match api.finish(&options.id, batch.clone(), load()).await {
-                Ok(()) => break,
-                Err(e) if attempt + 1 < options.finish_attempts => {
-                    attempt += 1;
-                    tracing::warn!(runner = %options.id, error = %e, attempt, "finish failed; retrying");
-                    tokio::time::sleep(backoff(attempt)).await;
+        match send_finishes(&*api, &options, batch.clone(), &load).await {
+            Err(e) if e.is_refusal() && batch.len() > 1 => {
+                tracing::warn!(runner = %options.id, error = %e, "finish batch refused; reporting one by one");
+                for f in batch {
+                    let _ = send_finishes(&*api, &options, vec![f], &load).await;
                 }
-                Err(e) => {
-                    tracing::error!(runner = %options.id, error = %e, calls = batch.len(), "giving up reporting finished calls; they will time out");
-                    break;
-                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Sends one finish request, retrying with backoff unless the API refuses it.
+async fn send_finishes(
+    api: &dyn RunnerApi,
+    options: &RunnerOptions,
+    batch: Vec<Finish>,
+    load: &impl Fn() -> Load,
+) -> Result<(), RunnerError> {
+    let mut attempt = 0;
+    loop {
+        match api.finish(&options.id, batch.clone(), load()).await {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_refusal() => {
+                tracing::error!(runner = %options.id, error = %e, calls = batch.len(), "finish refused");
+                return Err(e);
+            }
+            Err(e) if attempt + 1 < options.finish_attempts => {
+                attempt += 1;
+                tracing::warn!(runner = %options.id, error = %e, attempt, "finish failed; retrying");
+                tokio::time::sleep(backoff(attempt)).await;
+            }
+            Err(e) => {
+                tracing::error!(runner = %options.id, error = %e, calls = batch.len(), "giving up reporting finished calls; they will time out");
+                return Err(e);
             }
         }
     }

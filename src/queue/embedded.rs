@@ -310,32 +310,40 @@ impl EmbeddedQueue {
                 break;
             }
         }
+        // Recorded under the lock, so a hold that follows is never overwritten on disk.
+        let mut batch = WriteBatch::default();
+        for (seq, _, _, deliveries, until_ms) in &taken {
+            let record = DeliveryRecord {
+                delivery: Delivery::Reserved {
+                    runner: runner.to_owned(),
+                    until_ms: *until_ms,
+                },
+                deliveries: *deliveries,
+            };
+            if let Ok(bytes) = rmp_serde::to_vec(&record) {
+                batch.put(key(b'r', *seq), bytes);
+            }
+        }
+        if let Err(e) = self.db.write_opt(batch, &unsynced()) {
+            // Not recorded: after a restart these come back sooner, which is safe.
+            tracing::warn!(error = %e, "recording deliveries failed");
+        }
         taken
     }
 
-    /// Reads the bodies of taken messages and records their reservations.
+    /// Reads the bodies of taken messages.
     fn deliver(
         &self,
-        runner: &str,
         taken: Vec<(u64, String, String, u32, u64)>,
     ) -> Result<Vec<Message>, QueueError> {
         let keys: Vec<[u8; 9]> = taken.iter().map(|t| key(b'm', t.0)).collect();
         let bodies = self.db.multi_get(&keys);
-        let mut batch = WriteBatch::default();
         let mut out = Vec::with_capacity(taken.len());
-        for ((seq, id, partition, deliveries, until_ms), body) in taken.into_iter().zip(bodies) {
+        for ((_, id, partition, deliveries, _), body) in taken.into_iter().zip(bodies) {
             let Some(bytes) = body.map_err(storage)? else {
                 continue; // deleted meanwhile
             };
             let stored: Stored = rmp_serde::from_slice(&bytes).map_err(storage)?;
-            let record = DeliveryRecord {
-                delivery: Delivery::Reserved {
-                    runner: runner.to_owned(),
-                    until_ms,
-                },
-                deliveries,
-            };
-            batch.put(key(b'r', seq), rmp_serde::to_vec(&record).map_err(storage)?);
             out.push(Message {
                 id,
                 partition,
@@ -343,7 +351,6 @@ impl EmbeddedQueue {
                 deliveries,
             });
         }
-        self.db.write_opt(batch, &unsynced()).map_err(storage)?;
         Ok(out)
     }
 }
@@ -372,15 +379,24 @@ impl Queue for EmbeddedQueue {
                         return Err(QueueError::Duplicate(m.id.clone()));
                     }
                 }
+                let mut encoded = Vec::with_capacity(messages.len());
                 for m in messages {
-                    let seq = index.next_seq;
-                    index.next_seq += 1;
                     let stored = Stored {
                         id: m.id.clone(),
                         partition: m.partition.clone(),
                         body: m.body,
                     };
-                    batch.put(key(b'm', seq), rmp_serde::to_vec(&stored).map_err(storage)?);
+                    encoded.push((
+                        m.id,
+                        m.partition,
+                        rmp_serde::to_vec(&stored).map_err(storage)?,
+                    ));
+                }
+                for (id, partition, bytes) in encoded {
+                    let m = Message::new(id, partition, Vec::new());
+                    let seq = index.next_seq;
+                    index.next_seq += 1;
+                    batch.put(key(b'm', seq), bytes);
                     index.slots.insert(
                         m.id.clone(),
                         Slot {
@@ -432,7 +448,7 @@ impl Queue for EmbeddedQueue {
                 arrived.as_mut().enable();
                 let taken = self.take(&runner, max.max(1));
                 if !taken.is_empty() {
-                    let got = self.deliver(&runner, taken)?;
+                    let got = self.deliver(taken)?;
                     if !got.is_empty() {
                         return Ok(got);
                     }
@@ -538,6 +554,22 @@ impl Queue for EmbeddedQueue {
             self.arrived.notify_waiters();
             Ok(())
         })
+    }
+
+    fn owners(&self) -> Vec<String> {
+        let index = self.lock();
+        let mut owners: std::collections::BTreeSet<&str> = index
+            .slots
+            .values()
+            .map(|s| s.partition.as_str())
+            .filter(|p| !p.is_empty())
+            .collect();
+        for s in index.slots.values() {
+            if let SlotState::Out(Delivery::Reserved { runner, .. }) = &s.state {
+                owners.insert(runner);
+            }
+        }
+        owners.into_iter().map(str::to_owned).collect()
     }
 
     fn stats(&self) -> QueueStats {

@@ -180,6 +180,7 @@ impl KafkaQueue {
             .set("acks", "all")
             .set("linger.ms", "1")
             .set("message.timeout.ms", options.put_timeout_ms.to_string())
+            .set("enable.idempotence", "true")
             .create()
             .map_err(kafka)?;
         Ok(Self {
@@ -271,13 +272,14 @@ impl KafkaQueue {
                 return None;
             }
         };
-        if let Some(e) = books.entries.get_mut(&env.id) {
-            // Read again (a rebalance moved the partition): handed out or held already.
-            e.at = (partition, offset);
-            return None;
-        }
-        if books.entries.len() >= self.options.max_out {
-            // Over the bound: it stays outstanding and comes back after a rebalance or restart.
+        if let Some(e) = books.entries.get(&env.id) {
+            // Read again after a rebalance (same place): handed out or held already. A second
+            // copy elsewhere (a producer retry, an id put twice) is done at once.
+            if e.at != (partition, offset)
+                && let Some(t) = books.trackers.get_mut(&partition)
+            {
+                t.done(offset);
+            }
             return None;
         }
         let until_ms = self.clock.now_ms() + self.options.visibility_timeout_ms;
@@ -401,6 +403,10 @@ impl Queue for KafkaQueue {
             if got.len() >= max {
                 return Ok(got);
             }
+            if self.books().entries.len() >= self.options.max_out {
+                // Over the bound: nothing more is read until calls end.
+                return Ok(got);
+            }
             let consumer = self.consumer(&runner)?;
             let deadline = tokio::time::sleep(wait);
             tokio::pin!(deadline);
@@ -419,7 +425,14 @@ impl Queue for KafkaQueue {
                 let Some(m) = next else {
                     break;
                 };
-                let m = m.map_err(kafka)?;
+                let m = match m {
+                    Ok(m) => m,
+                    Err(e) if got.is_empty() => return Err(kafka(e)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "kafka receive failed");
+                        break;
+                    }
+                };
                 got.extend(self.read(
                     &runner,
                     m.partition(),
@@ -479,6 +492,11 @@ impl Queue for KafkaQueue {
             }
             Ok(())
         })
+    }
+
+    fn owners(&self) -> Vec<String> {
+        // The consumer group moves a gone runner's partitions; nothing to release by name.
+        Vec::new()
     }
 
     fn stats(&self) -> QueueStats {

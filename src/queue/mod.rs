@@ -90,6 +90,10 @@ pub trait Queue: Send + Sync {
     /// to other runners.
     fn release(&self, runner: &str) -> QueueFuture<'_, ()>;
 
+    /// Runners that messages are meant for or reserved by: after a restart, the ones that never
+    /// come back are released.
+    fn owners(&self) -> Vec<String>;
+
     /// Current counts.
     fn stats(&self) -> QueueStats;
 }
