@@ -75,6 +75,27 @@ struct Envelope {
     body: Vec<u8>,
 }
 
+impl Out {
+    /// When the message is anyone's again.
+    fn due_ms(self) -> u64 {
+        match self {
+            Out::Reserved { until_ms } | Out::Held { until_ms } => until_ms,
+            Out::Free => 0,
+        }
+    }
+}
+
+impl Books {
+    /// Changes an entry's state, keeping its timer.
+    fn set_out(&mut self, id: &str, out: Out) {
+        if let Some(e) = self.entries.get_mut(id) {
+            self.timers.remove(&(e.out.due_ms(), id.to_owned()));
+            e.out = out;
+            self.timers.insert((out.due_ms(), id.to_owned()));
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Out {
     /// Handed to a runner until the time; then anyone's again.
@@ -125,6 +146,8 @@ impl Tracker {
 #[derive(Default)]
 struct Books {
     entries: HashMap<String, Entry>,
+    /// Every entry once, by when it is anyone's again (free ones at 0): (time, id).
+    timers: BTreeSet<(u64, String)>,
     trackers: HashMap<i32, Tracker>,
     consumers: HashMap<String, Arc<StreamConsumer>>,
 }
@@ -231,23 +254,23 @@ impl KafkaQueue {
     fn take_known(&self, runner: &str, max: usize, now: u64) -> Vec<Message> {
         let until_ms = now + self.options.visibility_timeout_ms;
         let mut books = self.books();
-        let mut out = Vec::new();
-        for (id, e) in books.entries.iter_mut() {
-            if out.len() >= max {
-                break;
-            }
-            let due = match e.out {
-                Out::Free => true,
-                Out::Reserved { until_ms } | Out::Held { until_ms } => until_ms <= now,
-            };
-            if !due {
+        let due: Vec<String> = books
+            .timers
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .take(max)
+            .map(|(_, id)| id.clone())
+            .collect();
+        let mut out = Vec::with_capacity(due.len());
+        for id in due {
+            books.set_out(&id, Out::Reserved { until_ms });
+            let Some(e) = books.entries.get_mut(&id) else {
                 continue;
-            }
-            e.out = Out::Reserved { until_ms };
+            };
             e.runner = runner.to_owned();
             e.deliveries += 1;
             out.push(Message {
-                id: id.clone(),
+                id,
                 partition: e.partition.clone(),
                 body: e.body.clone(),
                 deliveries: e.deliveries,
@@ -283,6 +306,7 @@ impl KafkaQueue {
             return None;
         }
         let until_ms = self.clock.now_ms() + self.options.visibility_timeout_ms;
+        books.timers.insert((until_ms, env.id.clone()));
         books.entries.insert(
             env.id.clone(),
             Entry {
@@ -448,9 +472,7 @@ impl Queue for KafkaQueue {
         Box::pin(async move {
             let mut books = self.books();
             for (id, until_ms) in holds {
-                if let Some(e) = books.entries.get_mut(&id) {
-                    e.out = Out::Held { until_ms };
-                }
+                books.set_out(&id, Out::Held { until_ms });
             }
             Ok(())
         })
@@ -461,10 +483,11 @@ impl Queue for KafkaQueue {
             {
                 let mut books = self.books();
                 for id in &ids {
-                    if let Some(e) = books.entries.remove(id)
-                        && let Some(t) = books.trackers.get_mut(&e.at.0)
-                    {
-                        t.done(e.at.1);
+                    if let Some(e) = books.entries.remove(id) {
+                        books.timers.remove(&(e.out.due_ms(), id.clone()));
+                        if let Some(t) = books.trackers.get_mut(&e.at.0) {
+                            t.done(e.at.1);
+                        }
                     }
                 }
             }
@@ -478,10 +501,14 @@ impl Queue for KafkaQueue {
         Box::pin(async move {
             let consumer = {
                 let mut books = self.books();
-                for e in books.entries.values_mut() {
-                    if e.runner == runner && matches!(e.out, Out::Reserved { .. }) {
-                        e.out = Out::Free;
-                    }
+                let theirs: Vec<String> = books
+                    .entries
+                    .iter()
+                    .filter(|(_, e)| e.runner == runner && matches!(e.out, Out::Reserved { .. }))
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for id in theirs {
+                    books.set_out(&id, Out::Free);
                 }
                 books.consumers.remove(&runner)
             };
