@@ -98,23 +98,7 @@ fn spawns(data: &Path, app: &str) -> usize {
     std::fs::read_dir(data.join("workloads").join(app)).map_or(0, |d| d.count())
 }
 
-fn events(data: &Path) -> Vec<serde_json::Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
-        .args(["log", "dump", "--json", "--data-dir"])
-        .arg(data)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
+use common::events;
 
 fn count(
     events: &[serde_json::Value],

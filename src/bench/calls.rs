@@ -15,7 +15,6 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use serde_json::json;
 
 use crate::calls::runner::{self, Executor, HttpApi, NoopExecutor, RunnerApi, RunnerOptions};
@@ -177,12 +176,6 @@ async fn setup(args: &CallsBenchArgs, over_http: bool, kafka: Option<&str>) -> R
     })
 }
 
-fn producer_client() -> Client<HttpConnector, Full<Bytes>> {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    Client::builder(TokioExecutor::new()).build(connector)
-}
-
 /// Enqueues `batch` calls; returns their ids.
 async fn enqueue(
     client: &Client<HttpConnector, Full<Bytes>>,
@@ -248,7 +241,7 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<f64> {
         let api = s.api;
         let batch = args.batch;
         producers.push(tokio::spawn(async move {
-            let client = producer_client();
+            let client = runner::http_client();
             let clock = Stopwatch::start();
             let mut ids = Vec::new();
             while clock.elapsed() < phase {
@@ -269,7 +262,7 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<f64> {
 async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f64)> {
     const PER_REQUEST: usize = 10;
     // Warm up (runners joined, connections open) before measuring.
-    let warm = enqueue(&producer_client(), s.api, PER_REQUEST).await?;
+    let warm = enqueue(&runner::http_client(), s.api, PER_REQUEST).await?;
     drain(&s.calls, &warm).await?;
     // Sized up front: growing the map under the runners would be the bench's own pause.
     *s.recorder.started.lock().expect("recorder lock") =
@@ -283,7 +276,7 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
         let api = s.api;
         let recorder = s.recorder.clone();
         producers.push(tokio::spawn(async move {
-            let client = producer_client();
+            let client = runner::http_client();
             let clock = Stopwatch::start();
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);

@@ -120,6 +120,13 @@ impl RunnerApi for Arc<Calls> {
     }
 }
 
+/// A pooled HTTP/1.1 client with `TCP_NODELAY`.
+pub fn http_client() -> Client<HttpConnector, Full<Bytes>> {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    Client::builder(TokioExecutor::new()).build(connector)
+}
+
 /// The runner API over HTTP.
 pub struct HttpApi {
     base: String,
@@ -130,12 +137,10 @@ pub struct HttpApi {
 impl HttpApi {
     /// A client of the API at `base` (`http://host:port`).
     pub fn new(base: &str, token: &str) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
         Self {
             base: base.trim_end_matches('/').to_owned(),
             token: token.to_owned(),
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            client: http_client(),
         }
     }
 
@@ -240,11 +245,9 @@ pub struct ProxyExecutor {
 impl ProxyExecutor {
     /// An executor sending to the proxy at `proxy`.
     pub fn new(proxy: SocketAddr, max_result_bytes: usize) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
         Self {
             proxy,
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            client: http_client(),
             max_result_bytes,
         }
     }

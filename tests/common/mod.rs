@@ -136,3 +136,22 @@ pub fn broker() -> Broker {
     }
     panic!("the broker did not listen on {addr}");
 }
+
+/// Every event of the log in `data`, as `ebb log dump --json` prints them.
+pub fn events(data: &Path) -> Vec<serde_json::Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args(["log", "dump", "--json", "--data-dir"])
+        .arg(data)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
