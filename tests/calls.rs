@@ -106,11 +106,9 @@ async fn state(ebb: &Ebb, id: &str) -> String {
 /// Polls until the call is in `want` (or the deadline passes).
 async fn wait_state(ebb: &Ebb, id: &str, want: &str) {
     let wait = async {
-        loop {
-            if state(ebb, id).await == want {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        while state(ebb, id).await != want {
+            tick.tick().await;
         }
     };
     tokio::time::timeout(DEADLINE, wait)
