@@ -322,6 +322,9 @@ pub enum Event {
     },
     /// A running call passed its deadline.
     CallTimedOut { id: String },
+    /// Calls that ended before this time leave the projection (their events stay in the log):
+    /// the call retention, decided like everything else.
+    CallsForgotten { finished_before_ms: u64 },
     // Functions.
     /// A function template was created or replaced.
     TemplateUpserted { template: TemplateSpec },
@@ -404,6 +407,7 @@ impl Event {
             Event::CallRejected { .. } => "CallRejected",
             Event::CallFinished { .. } => "CallFinished",
             Event::CallTimedOut { .. } => "CallTimedOut",
+            Event::CallsForgotten { .. } => "CallsForgotten",
             Event::TemplateUpserted { .. } => "TemplateUpserted",
             Event::TemplateDeleted { .. } => "TemplateDeleted",
             Event::InstanceCreated { .. } => "InstanceCreated",
@@ -433,6 +437,7 @@ impl Event {
             | Event::CallRejected { id, .. }
             | Event::CallFinished { id, .. }
             | Event::CallTimedOut { id } => (Kind::Call, id),
+            Event::CallsForgotten { .. } => (Kind::Call, ""),
             Event::TemplateUpserted { template } => (Kind::Template, &template.name),
             Event::TemplateDeleted { name } => (Kind::Template, name),
             Event::CounterAdded { function, .. } | Event::CounterDecayed { function, .. } => {
@@ -671,6 +676,10 @@ pub fn examples() -> Vec<Event> {
         },
         Event::CleanerDeleted {
             name: "preview-42".into(),
+        },
+        // Later additions go last, so the fixtures written before keep their seqs.
+        Event::CallsForgotten {
+            finished_before_ms: 1_767_225_000_000,
         },
     ]
 }

@@ -89,6 +89,9 @@ enum Command {
         /// The most calls the queue holds.
         #[arg(long, default_value_t = 1_000_000)]
         max_queued: usize,
+        /// How long an ended call stays readable through the API, in ms (its events stay in the log).
+        #[arg(long, default_value_t = 3_600_000)]
+        call_retention_ms: u64,
         /// Put calls on Kafka (`bootstrap.servers`) instead of the embedded queue.
         #[arg(long, env = "EBB_KAFKA_BROKERS")]
         kafka_brokers: Option<String>,
@@ -285,6 +288,7 @@ fn run(cli: Cli) -> Result<()> {
             visibility_timeout_ms,
             runner_lease_ms,
             max_queued,
+            call_retention_ms,
             kafka_brokers,
             kafka_topic,
             kafka_partitions,
@@ -299,6 +303,8 @@ fn run(cli: Cli) -> Result<()> {
                 runner_capacity,
                 calls: ebb::calls::CallOptions {
                     runner_lease_ms,
+                    retention_ms: call_retention_ms,
+                    forget_every_ms: call_retention_ms.clamp(1, 60_000),
                     ..ebb::calls::CallOptions::default()
                 },
                 queue: ebb::queue::embedded::EmbeddedOptions {

@@ -635,3 +635,26 @@ async fn after_a_restart_calls_meant_for_a_runner_that_never_returns_run_elsewhe
         wait_state(&ebb, id, "success").await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ended_calls_leave_the_api_after_the_retention_but_stay_in_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &["--call-retention-ms", "300"]);
+    let id = enqueue(&ebb, json!({ "target": "work" })).await;
+    wait_state(&ebb, &id, "success").await;
+    let gone = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        while get(&ebb, &format!("/v1/calls/{id}")).await.status != 404 {
+            tick.tick().await;
+        }
+    };
+    tokio::time::timeout(DEADLINE, gone)
+        .await
+        .expect("the call is forgotten");
+    assert_eq!(events_of(&ebb.data, &id, "CallFinished"), 1);
+    assert!(
+        common::events(&ebb.data)
+            .iter()
+            .any(|e| e["event"].get("CallsForgotten").is_some())
+    );
+}

@@ -56,6 +56,10 @@ pub struct CallOptions {
     pub runner_lease_ms: u64,
     /// Most runners tracked at once.
     pub max_runners: usize,
+    /// How long an ended call stays readable (`GET /v1/calls/{id}`); its events stay in the log.
+    pub retention_ms: u64,
+    /// How often the retention is applied.
+    pub forget_every_ms: u64,
 }
 
 impl Default for CallOptions {
@@ -71,6 +75,8 @@ impl Default for CallOptions {
             hold_grace_ms: 60_000,
             runner_lease_ms: 15_000,
             max_runners: 10_000,
+            retention_ms: 3_600_000,
+            forget_every_ms: 60_000,
         }
     }
 }
@@ -216,6 +222,8 @@ pub struct Calls {
     /// are released.
     started_at_ms: u64,
     owners_checked: std::sync::atomic::AtomicBool,
+    /// When the retention was last applied.
+    forgot_at_ms: std::sync::atomic::AtomicU64,
     /// Ids whose put failed (the caller got 500): never run if a queue delivers them anyway (a
     /// Kafka produce that timed out may still land). Bounded, oldest forgotten first.
     aborted: Mutex<(HashSet<String>, std::collections::VecDeque<String>)>,
@@ -257,6 +265,7 @@ impl Calls {
             runners: Mutex::new(HashMap::new()),
             started_at_ms,
             owners_checked: std::sync::atomic::AtomicBool::new(false),
+            forgot_at_ms: std::sync::atomic::AtomicU64::new(started_at_ms),
             aborted: Mutex::new((HashSet::new(), std::collections::VecDeque::new())),
         }
     }
@@ -786,6 +795,26 @@ impl Calls {
         for runner in gone {
             tracing::info!(%runner, "runner not heard from; its reserved calls go to others");
             self.queue.release(&runner).await?;
+        }
+        // The retention: ended calls older than it leave the projection.
+        let last = self.forgot_at_ms.load(std::sync::atomic::Ordering::Relaxed);
+        if now.saturating_sub(last) >= self.options.forget_every_ms {
+            self.forgot_at_ms
+                .store(now, std::sync::atomic::Ordering::Relaxed);
+            let retention = self.options.retention_ms;
+            self.log
+                .decide(move |s: &State, now| {
+                    let before = now.saturating_sub(retention);
+                    let events = if s.calls.any_finished_before(before) {
+                        vec![Event::CallsForgotten {
+                            finished_before_ms: before,
+                        }]
+                    } else {
+                        Vec::new()
+                    };
+                    (events, ())
+                })
+                .await?;
         }
         Ok(timed_out)
     }

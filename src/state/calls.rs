@@ -122,6 +122,20 @@ impl Calls {
         self.by_id.get(id)
     }
 
+    /// Drops calls that ended before `finished_before_ms`.
+    pub(crate) fn forget(&mut self, finished_before_ms: u64) {
+        self.by_id.retain(|_, c| {
+            !(c.status.is_final() && c.finished_at_ms.is_some_and(|f| f < finished_before_ms))
+        });
+    }
+
+    /// Whether any call ended before `finished_before_ms`.
+    pub fn any_finished_before(&self, finished_before_ms: u64) -> bool {
+        self.by_id.values().any(|c| {
+            c.status.is_final() && c.finished_at_ms.is_some_and(|f| f < finished_before_ms)
+        })
+    }
+
     pub(crate) fn apply(&mut self, at_ms: u64, event: &Event) -> Timer {
         match event {
             Event::CallQueued { call } => {

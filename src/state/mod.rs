@@ -129,6 +129,9 @@ impl State {
                     calls::Timer::Keep => {}
                 }
             }
+            Event::CallsForgotten { finished_before_ms } => {
+                self.calls.forget(*finished_before_ms);
+            }
             Event::TemplateUpserted { template } => {
                 self.functions.upsert_template(template, env.seq);
             }
