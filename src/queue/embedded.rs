@@ -414,7 +414,7 @@ impl Queue for EmbeddedQueue {
             let db = self.db.clone();
             let index = self.index.clone();
             let arrived = self.arrived.clone();
-            tokio::task::spawn_blocking(move || {
+            let write = move || {
                 let mut sync = WriteOptions::default();
                 sync.set_sync(true);
                 let written = db.write_opt(batch, &sync).map_err(storage);
@@ -431,9 +431,16 @@ impl Queue for EmbeddedQueue {
                     arrived.notify_waiters();
                 }
                 written
-            })
-            .await
-            .map_err(storage)?
+            };
+            // On a multi-threaded runtime the synced write runs right here (the runtime moves
+            // this worker's other tasks away meanwhile): no hand-off to another thread. It runs
+            // to the end either way, so no message is left pending if the caller goes away.
+            match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+                Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+                    tokio::task::block_in_place(write)
+                }
+                _ => tokio::task::spawn_blocking(write).await.map_err(storage)?,
+            }
         })
     }
 
