@@ -322,6 +322,8 @@ pub enum Event {
     },
     /// A running call passed its deadline.
     CallTimedOut { id: String },
+    /// A queued or running call was cancelled.
+    CallCancelled { id: String },
     /// Calls that ended before this time leave the projection (their events stay in the log):
     /// the call retention, decided like everything else.
     CallsForgotten { finished_before_ms: u64 },
@@ -408,6 +410,7 @@ impl Event {
             Event::CallFinished { .. } => "CallFinished",
             Event::CallTimedOut { .. } => "CallTimedOut",
             Event::CallsForgotten { .. } => "CallsForgotten",
+            Event::CallCancelled { .. } => "CallCancelled",
             Event::TemplateUpserted { .. } => "TemplateUpserted",
             Event::TemplateDeleted { .. } => "TemplateDeleted",
             Event::InstanceCreated { .. } => "InstanceCreated",
@@ -436,7 +439,8 @@ impl Event {
             Event::CallStarted { id, .. }
             | Event::CallRejected { id, .. }
             | Event::CallFinished { id, .. }
-            | Event::CallTimedOut { id } => (Kind::Call, id),
+            | Event::CallTimedOut { id }
+            | Event::CallCancelled { id } => (Kind::Call, id),
             Event::CallsForgotten { .. } => (Kind::Call, ""),
             Event::TemplateUpserted { template } => (Kind::Template, &template.name),
             Event::TemplateDeleted { name } => (Kind::Template, name),
@@ -680,6 +684,9 @@ pub fn examples() -> Vec<Event> {
         // Later additions go last, so the fixtures written before keep their seqs.
         Event::CallsForgotten {
             finished_before_ms: 1_767_225_000_000,
+        },
+        Event::CallCancelled {
+            id: call.id.clone(),
         },
     ]
 }

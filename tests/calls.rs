@@ -658,3 +658,63 @@ async fn ended_calls_leave_the_api_after_the_retention_but_stay_in_the_log() {
             .any(|e| e["event"].get("CallsForgotten").is_some())
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_and_running_calls_can_be_cancelled_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &["--runner-capacity", "0"]);
+    let queued = enqueue(&ebb, json!({ "target": "work" })).await;
+    let c = post(&ebb, &format!("/v1/calls/{queued}/cancel"), json!({})).await;
+    assert_eq!(
+        (c.status, c.json["state"].as_str()),
+        (200, Some("cancelled"))
+    );
+    let none = post(
+        &ebb,
+        "/runner/dequeue",
+        json!({ "runner": "r", "wait_ms": 300 }),
+    )
+    .await;
+    assert_eq!(none.status, 204, "a cancelled call is never handed out");
+    let again = post(&ebb, &format!("/v1/calls/{queued}/cancel"), json!({})).await;
+    assert_eq!(
+        (again.status, again.json["code"].as_str()),
+        (409, Some("already_final"))
+    );
+    let unknown = post(
+        &ebb,
+        "/v1/calls/01890a5d-ac96-774b-bcce-b302099a8057/cancel",
+        json!({}),
+    )
+    .await;
+    assert_eq!(unknown.status, 404);
+
+    // A running call: cancelled, and its runner's finish changes nothing.
+    let running = enqueue(&ebb, json!({ "target": "work" })).await;
+    let d = post(
+        &ebb,
+        "/runner/dequeue",
+        json!({ "runner": "r", "wait_ms": 5000 }),
+    )
+    .await;
+    assert_eq!(d.json["calls"][0]["id"], running.as_str());
+    let s = post(
+        &ebb,
+        "/runner/start",
+        json!({ "runner": "r", "id": running }),
+    )
+    .await;
+    assert_eq!(s.status, 200);
+    let c = post(&ebb, &format!("/v1/calls/{running}/cancel"), json!({})).await;
+    assert_eq!(c.status, 200);
+    let f = post(
+        &ebb,
+        "/runner/finish",
+        json!({ "runner": "r", "id": running, "outcome": "success" }),
+    )
+    .await;
+    assert_eq!(
+        (f.status, f.json["state"].as_str()),
+        (200, Some("cancelled"))
+    );
+}

@@ -31,6 +31,7 @@ pub(super) fn router() -> Router<AppState> {
         .route("/v1/calls", get(list))
         .route("/v1/calls/{id}", get(show))
         .route("/v1/calls/{id}/log", get(show_log))
+        .route("/v1/calls/{id}/cancel", post(cancel))
 }
 
 impl From<CallError> for ApiError {
@@ -358,6 +359,23 @@ async fn show_log(
         .read(|s| s.calls.get(&id).map(|c| c.log.clone()))
         .ok_or_else(|| ApiError::not_found(format!("no call {id}")))?;
     Ok(([("content-type", "text/plain; charset=utf-8")], log).into_response())
+}
+
+async fn cancel(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let calls = reader(&app, &headers)?;
+    match calls.cancel(&id).await? {
+        Ok(()) => Ok(Json(json!({ "id": id, "state": CallStatus::Cancelled }))),
+        Err(Some(state)) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "already_final",
+            format!("call {id} has already ended ({state:?})"),
+        )),
+        Err(None) => Err(ApiError::not_found(format!("no call {id}"))),
+    }
 }
 
 #[derive(Deserialize)]

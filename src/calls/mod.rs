@@ -29,7 +29,9 @@ use crate::clock::Clock;
 use crate::event::{CallKind, CallResult, CallSpec, Event, Outcome, Payload, RejectReason};
 use crate::log::Log;
 use crate::queue::{Message, Queue, QueueError};
-use crate::state::calls::{CallStatus, StartVerdict, decide_finish, decide_start, decide_timeouts};
+use crate::state::calls::{
+    CallStatus, StartVerdict, decide_cancel, decide_finish, decide_start, decide_timeouts,
+};
 use crate::state::{Due, State};
 
 /// Bounds and timings of the call service. Every bound is a named value.
@@ -724,6 +726,25 @@ impl Calls {
                 })
                 .collect()
         }))
+    }
+
+    /// Cancels a queued or running call and deletes its message. `Err(Some(state))`: it had
+    /// ended already; `Err(None)`: no such call.
+    pub async fn cancel(&self, id: &str) -> Result<Result<(), Option<CallStatus>>, CallError> {
+        let owned = id.to_owned();
+        let (answer, _) = self
+            .log
+            .decide(move |s: &State, _| match decide_cancel(&s.calls, &owned) {
+                Ok(event) => (vec![event], Ok(())),
+                Err(state) => (Vec::new(), Err(state)),
+            })
+            .await?;
+        if answer.is_ok()
+            && let Err(e) = self.queue.delete(vec![id.to_owned()]).await
+        {
+            tracing::warn!(error = %e, "deleting a cancelled call's message failed");
+        }
+        Ok(answer)
     }
 
     /// Times out running calls past their deadline and deletes their messages; forgets runners

@@ -73,6 +73,15 @@ impl CallStatus {
             s => s,
         }
     }
+
+    /// Someone cancelled the call: a queued or running call ends `cancelled` (a running one's
+    /// later finish changes nothing); an ended one stays as it is.
+    pub fn on_cancel(self) -> CallStatus {
+        match self {
+            CallStatus::Queued | CallStatus::Running => CallStatus::Cancelled,
+            s => s,
+        }
+    }
 }
 
 /// A call as the log describes it.
@@ -213,6 +222,13 @@ impl Calls {
                 c.status = c.status.on_deadline();
                 c.mark_final(at_ms)
             }
+            Event::CallCancelled { id } => {
+                let Some(c) = self.by_id.get_mut(id) else {
+                    return Timer::Keep;
+                };
+                c.status = c.status.on_cancel();
+                c.mark_final(at_ms)
+            }
             _ => Timer::Keep,
         }
     }
@@ -300,6 +316,16 @@ pub fn decide_finish(
     })
 }
 
+/// Decides a cancel: the event when the call is queued or running; `Err` with the call's state
+/// (`None`: no such call) otherwise.
+pub fn decide_cancel(calls: &Calls, id: &str) -> Result<Event, Option<CallStatus>> {
+    match calls.get(id) {
+        Some(c) if !c.status.is_final() => Ok(Event::CallCancelled { id: id.to_owned() }),
+        Some(c) => Err(Some(c.status)),
+        None => Err(None),
+    }
+}
+
 /// Decides which running calls have passed their deadline at `now_ms`.
 pub fn decide_timeouts(calls: &Calls, due_ids: &[&str], now_ms: u64) -> Vec<Event> {
     due_ids
@@ -335,6 +361,11 @@ mod tests {
             assert_eq!(s.on_deadline(), s);
         }
         assert_eq!(Running.on_deadline(), Timeout);
+        assert_eq!(Queued.on_cancel(), Cancelled);
+        assert_eq!(Running.on_cancel(), Cancelled);
+        for s in [Success, Error, Timeout, Cancelled] {
+            assert_eq!(s.on_cancel(), s);
+        }
         assert_eq!(Queued.on_deadline(), Queued);
         assert_eq!(Running.on_finish(Outcome::Error), Error);
     }

@@ -119,7 +119,8 @@ impl State {
             | Event::CallStarted { .. }
             | Event::CallRejected { .. }
             | Event::CallFinished { .. }
-            | Event::CallTimedOut { .. } => {
+            | Event::CallTimedOut { .. }
+            | Event::CallCancelled { .. } => {
                 let (_, id) = env.event.subject();
                 match self.calls.apply(at, &env.event) {
                     calls::Timer::Set(deadline) => {
