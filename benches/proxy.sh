@@ -112,12 +112,30 @@ to_us() {
   }'
 }
 
-echo "warm: wrk -t2 -c$conns -d${seconds}s, GET / (echo), 2 cores shared by wrk, proxy and app"
-results=()
-for target in "direct $app_port" "ebb $ebb_port" "nginx $nginx_port"; do
-  # shellcheck disable=SC2086
-  results+=("$(run $target)")
+rounds="${BENCH_ROUNDS:-3}"
+echo "warm: wrk -t2 -c$conns -d${seconds}s, GET / (echo), 2 cores shared by wrk, proxy and app;"
+echo "ebb and nginx measured in $rounds alternating rounds, each figure the median of its rounds"
+results=("$(run direct "$app_port")")
+ebb_runs=()
+ngx_runs=()
+for _ in $(seq 1 "$rounds"); do
+  ebb_runs+=("$(run ebb "$ebb_port")")
+  ngx_runs+=("$(run nginx "$nginx_port")")
 done
+# The median of each column over the rounds, latencies in microseconds.
+median() { # NAME RUNS...
+  local name="$1"; shift
+  printf '%s\n' "$@" | while read -r _ rps p50 p99; do
+    echo "$rps $(to_us "$p50") $(to_us "$p99")"
+  done | awk -v name="$name" '
+    { r[NR] = $1; a[NR] = $2; b[NR] = $3 }
+    function med(x, n,   i, j, t) {
+      for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (x[j] < x[i]) { t = x[i]; x[i] = x[j]; x[j] = t }
+      return x[int((n + 1) / 2)]
+    }
+    END { printf "%s %.2f %.0fus %.0fus\n", name, med(r, NR), med(a, NR), med(b, NR) }'
+}
+results+=("$(median ebb "${ebb_runs[@]}")" "$(median nginx "${ngx_runs[@]}")")
 echo
 echo "| target | requests/s | p50 | p99 |"
 echo "|---|---|---|---|"

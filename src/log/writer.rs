@@ -15,7 +15,7 @@
 //! acknowledgement. If a write fails the writer stops accepting work (fail-stop): the projection
 //! may then be ahead of the disk, and only a restart, which rebuilds from the log, is safe.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 use std::thread::JoinHandle;
 
@@ -92,6 +92,9 @@ pub type Tail = broadcast::Receiver<Arc<[Envelope]>>;
 pub struct Log<P: Projection = State> {
     tx: Option<mpsc::Sender<Request<P>>>,
     state: Arc<RwLock<P>>,
+    /// The seq of the last event applied to the projection, stored after each batch is applied
+    /// and before it is acknowledged.
+    applied: Arc<AtomicU64>,
     store: Arc<dyn LogStore>,
     tail: broadcast::Sender<Arc<[Envelope]>>,
     thread: Mutex<Option<JoinHandle<()>>>,
@@ -117,11 +120,13 @@ impl<P: Projection> Log<P> {
                 .map_or(0, |e| e.at_ms),
         };
         let state = Arc::new(RwLock::new(state));
+        let applied = Arc::new(AtomicU64::new(seq));
         let (tx, rx) = mpsc::channel(options.queue_max_requests.max(1));
         let (tail, _) = broadcast::channel(options.tail_max_batches.max(1));
         let writer = Writer {
             rx,
             state: state.clone(),
+            applied: applied.clone(),
             store: store.clone(),
             tail: tail.clone(),
             clock,
@@ -138,6 +143,7 @@ impl<P: Projection> Log<P> {
         Ok(Self {
             tx: Some(tx),
             state,
+            applied,
             store,
             tail,
             thread: Mutex::new(Some(thread)),
@@ -198,6 +204,12 @@ impl<P: Projection> Log<P> {
         self.state.read().expect("projection lock poisoned")
     }
 
+    /// The seq of the last event applied to the projection: a cheap way to tell that nothing
+    /// changed since a value was read (no lock).
+    pub fn applied_seq(&self) -> u64 {
+        self.applied.load(Ordering::Acquire)
+    }
+
     /// Follows new batches as they become durable.
     pub fn subscribe(&self) -> Tail {
         self.tail.subscribe()
@@ -231,6 +243,7 @@ impl<P: Projection> Drop for Log<P> {
 struct Writer<P: Projection> {
     rx: mpsc::Receiver<Request<P>>,
     state: Arc<RwLock<P>>,
+    applied: Arc<AtomicU64>,
     store: Arc<dyn LogStore>,
     tail: broadcast::Sender<Arc<[Envelope]>>,
     clock: Arc<dyn Clock>,
@@ -412,6 +425,7 @@ impl<P: Projection> Writer<P> {
                     ));
                 }
             }
+            self.applied.store(self.seq, Ordering::Release);
             // Written without a sync: the syncer makes it durable while the next batch forms.
             let written = if batch.is_empty() {
                 Ok(())

@@ -263,15 +263,35 @@ impl Proxy {
     }
 
     /// The route a Host leads to, from the routing table, rebuilt first if the route store has
-    /// changed since it was built.
+    /// changed since it was built. Each thread keeps the table it last used with the log's
+    /// applied seq at that moment: while the log has not moved, no lock is taken.
     fn route(&self, host: &str) -> Option<Arc<Entry>> {
-        let seq = self.log.read(|s| s.routes.changed_at_seq);
-        let mut table = self.table.read().expect("table lock").clone();
-        if table.seq != seq {
-            let fresh = Arc::new(self.log.read(|s| Table::build(s, &self.traffic)));
-            *self.table.write().expect("table lock") = fresh.clone();
-            table = fresh;
+        thread_local! {
+            static CACHED: std::cell::RefCell<Option<(usize, u64, Arc<Table>)>> =
+                const { std::cell::RefCell::new(None) };
         }
+        let me = self as *const Self as usize;
+        let applied = self.log.applied_seq();
+        let hit = CACHED.with(|c| {
+            c.borrow()
+                .as_ref()
+                .filter(|(p, seen, _)| *p == me && *seen == applied)
+                .map(|(_, _, t)| t.clone())
+        });
+        let table = match hit {
+            Some(t) => t,
+            None => {
+                let seq = self.log.read(|s| s.routes.changed_at_seq);
+                let mut table = self.table.read().expect("table lock").clone();
+                if table.seq != seq {
+                    let fresh = Arc::new(self.log.read(|s| Table::build(s, &self.traffic)));
+                    *self.table.write().expect("table lock") = fresh.clone();
+                    table = fresh;
+                }
+                CACHED.with(|c| *c.borrow_mut() = Some((me, applied, table.clone())));
+                table
+            }
+        };
         table.lookup(host)
     }
 
