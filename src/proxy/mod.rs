@@ -511,7 +511,10 @@ impl Proxy {
             ));
         };
         let mut changes = self.orch.changes();
-        if let Err(e) = self.wake(route).await {
+        // Single flight: while one held request wakes the workload, the others only wait.
+        if let Some(_waking) = entry.traffic.begin_wake()
+            && let Err(e) = self.wake(route).await
+        {
             return Err(Refusal::unavailable("wake_failed", e));
         }
         let wait = async {

@@ -19,6 +19,17 @@ pub struct RouteTraffic {
     held: AtomicU32,
     requests: AtomicU64,
     last_at_ms: AtomicU64,
+    waking: std::sync::atomic::AtomicBool,
+}
+
+/// Marks a wake of the route under way until dropped.
+#[derive(Debug)]
+pub struct Waking(Arc<RouteTraffic>);
+
+impl Drop for Waking {
+    fn drop(&mut self) {
+        self.0.waking.store(false, Ordering::Release);
+    }
 }
 
 /// Counts a request as in flight until dropped.
@@ -82,6 +93,14 @@ impl RouteTraffic {
         (prev < max).then_some(held)
     }
 
+    /// Starts a wake unless one is under way.
+    pub fn begin_wake(self: &Arc<Self>) -> Option<Waking> {
+        self.waking
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+            .then(|| Waking(self.clone()))
+    }
+
     /// Requests in flight now.
     pub fn in_flight(&self) -> u64 {
         self.in_flight.load(Ordering::Acquire)
@@ -127,6 +146,11 @@ mod tests {
         assert!(r.hold(1).is_none(), "the second hold is over the bound");
         drop(h1);
         assert!(r.hold(1).is_some());
+        let w = r.begin_wake();
+        assert!(w.is_some());
+        assert!(r.begin_wake().is_none(), "one wake at a time");
+        drop(w);
+        assert!(r.begin_wake().is_some());
         assert!(Arc::ptr_eq(&t.route("a"), &r));
     }
 }
