@@ -73,10 +73,7 @@ pub fn seq_at(store: &dyn LogStore, at_ms: u64) -> Result<u64> {
     };
     let last = store.last_seq()?;
     let at = |seq: u64| -> Result<u64> {
-        let bytes = store.get(seq)?.ok_or(Error::Gap {
-            expected: seq,
-            found: 0,
-        })?;
+        let bytes = store.get(seq)?.ok_or(Error::MissingRecord { seq })?;
         Ok(decode_at(seq, &bytes)?.at_ms)
     };
     if at(first)? > at_ms {

@@ -58,6 +58,9 @@ pub enum Error {
     /// The records are not contiguous.
     #[error("corrupt log: expected seq {expected}, found {found}")]
     Gap { expected: u64, found: u64 },
+    /// A record inside the log's range is missing.
+    #[error("corrupt log: record {seq} is missing")]
+    MissingRecord { seq: u64 },
     /// A seq past the last record was asked for.
     #[error("seq {seq} is past the end of the log (last seq is {last})")]
     PastEnd { seq: u64, last: u64 },
