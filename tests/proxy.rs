@@ -668,3 +668,43 @@ async fn http1_framing_pipelining_and_forwarding_headers_hold() {
     assert!(old.starts_with("HTTP/1.0 200"), "{old}");
     assert!(old.contains("x-echo-path: /old"), "{old}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_answer_to_an_unread_upload_reaches_the_client() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &write_config(dir.path(), &app("early", "")));
+    for _ in 0..5 {
+        let s = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
+        let (mut rd, mut wr) = s.into_split();
+        // /health takes GET only: the app answers 405 without reading the 50 MB it was promised,
+        // while the client keeps sending them.
+        let sender = tokio::spawn(async move {
+            let head = b"POST /health HTTP/1.1\r\nHost: early.localhost\r\nContent-Length: 50000000\r\n\r\n";
+            if wr.write_all(head).await.is_err() {
+                return;
+            }
+            let chunk = vec![b'x'; 64 * 1024];
+            for _ in 0..(50_000_000 / chunk.len()) {
+                if wr.write_all(&chunk).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let mut got = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let read = async {
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                match rd.read(&mut chunk).await {
+                    Ok(0) => break,
+                    Ok(n) => got.extend_from_slice(&chunk[..n]),
+                    Err(e) => panic!("the answer was lost to {e}; read so far: {got:?}"),
+                }
+            }
+        };
+        tokio::time::timeout(DEADLINE, read).await.unwrap();
+        let text = String::from_utf8_lossy(&got);
+        assert!(text.starts_with("HTTP/1.1 405"), "{text}");
+        sender.abort();
+    }
+}

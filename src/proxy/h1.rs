@@ -155,11 +155,40 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
                 false
             }
         };
+        if !keep && req.body != Framing::Empty {
+            // The client may still be sending a body nobody reads: close gently, so that the
+            // answer it was sent is not lost to a reset.
+            linger_close(client).await;
+            return;
+        }
         if !keep || req.close {
             return;
         }
         progress.mark();
     }
+}
+
+/// How long, and how many bytes, a closing connection's unread input is drained.
+const LINGER_MS: u64 = 1_000;
+const LINGER_BYTES: usize = 1 << 20;
+
+/// Closes a connection whose peer may still be sending: our side is shut first, then what
+/// arrives is read and dropped (bounded), so the peer reads our last answer before the close.
+async fn linger_close(mut client: TcpStream) {
+    if client.shutdown().await.is_err() {
+        return;
+    }
+    let drain = async {
+        let mut sink = vec![0u8; 16 * 1024];
+        let mut total = 0;
+        while total < LINGER_BYTES {
+            match client.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => total += n,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(LINGER_MS), drain).await;
 }
 
 /// A backend connection with its read buffer.
