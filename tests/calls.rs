@@ -91,6 +91,36 @@ async fn get(ebb: &Ebb, path: &str) -> Answer {
     call_api(ebb, "GET", path, Some(TOKEN), None, &[]).await
 }
 
+/// `POST /runner/dequeue` for `runner`, long-polling up to `wait_ms`.
+async fn dequeue(ebb: &Ebb, runner: &str, wait_ms: u64) -> Answer {
+    post(
+        ebb,
+        "/runner/dequeue",
+        json!({ "runner": runner, "wait_ms": wait_ms }),
+    )
+    .await
+}
+
+/// A dequeue that finds nothing, carrying the runner's `X-Runner-Load`.
+async fn report_load(ebb: &Ebb, runner: &str, load: &str) -> Answer {
+    let body = json!({ "runner": runner, "wait_ms": 0 }).to_string();
+    let extra = [("x-runner-load", load)];
+    call_api(
+        ebb,
+        "POST",
+        "/runner/dequeue",
+        Some(TOKEN),
+        Some(body),
+        &extra,
+    )
+    .await
+}
+
+/// `POST /runner/start` of one call for `runner`.
+async fn start_one(ebb: &Ebb, runner: &str, id: &str) -> Answer {
+    post(ebb, "/runner/start", json!({ "runner": runner, "id": id })).await
+}
+
 async fn enqueue(ebb: &Ebb, body: Value) -> String {
     let a = post(ebb, "/runner/enqueue", body).await;
     assert_eq!(a.status, 200, "{}", a.json);
@@ -194,36 +224,26 @@ async fn start_and_finish_are_exact() {
     assert_eq!(d.json["calls"][0]["payload"]["body"], "hi");
 
     // The first start runs the call; a second start means it may run twice: 409, and error.
-    let s = post(&ebb, "/runner/start", json!({ "runner": "r1", "id": id })).await;
+    let s = start_one(&ebb, "r1", &id).await;
     assert_eq!(s.status, 200, "{}", s.json);
     assert_eq!(s.json["state"], "running");
-    let again = post(&ebb, "/runner/start", json!({ "runner": "r2", "id": id })).await;
+    let again = start_one(&ebb, "r2", &id).await;
     assert_eq!(again.status, 409, "{}", again.json);
     assert_eq!(again.json["code"], "already_running");
     assert_eq!(state(&ebb, &id).await, "error");
     // A start on a finished call: 409.
-    let late = post(&ebb, "/runner/start", json!({ "runner": "r1", "id": id })).await;
+    let late = start_one(&ebb, "r1", &id).await;
     assert_eq!(
         (late.status, late.json["code"].as_str()),
         (409, Some("already_final"))
     );
     // Its message is gone: nothing is handed out again.
-    let none = post(
-        &ebb,
-        "/runner/dequeue",
-        json!({ "runner": "r1", "wait_ms": 300 }),
-    )
-    .await;
+    let none = dequeue(&ebb, "r1", 300).await;
     assert_eq!(none.status, 204);
 
     // Finish twice: one result, the same answer both times.
     let id2 = enqueue(&ebb, json!({ "target": "work" })).await;
-    let d = post(
-        &ebb,
-        "/runner/dequeue",
-        json!({ "runner": "r1", "wait_ms": 5000 }),
-    )
-    .await;
+    let d = dequeue(&ebb, "r1", 5000).await;
     assert_eq!(d.json["calls"][0]["id"], id2.as_str());
     let s = post(
         &ebb,
@@ -399,15 +419,7 @@ async fn runner_load_steers_work_to_the_least_loaded_runner() {
     let dir = tempfile::tempdir().unwrap();
     let ebb = start(dir.path(), &["--runner-capacity", "0"]);
     for (runner, load) in [("busy", "9/10"), ("idle", "1/10")] {
-        let a = call_api(
-            &ebb,
-            "POST",
-            "/runner/dequeue",
-            Some(TOKEN),
-            Some(json!({ "runner": runner, "wait_ms": 0 }).to_string()),
-            &[("x-runner-load", load)],
-        )
-        .await;
+        let a = report_load(&ebb, runner, load).await;
         assert_eq!(a.status, 204);
         assert_eq!(a.headers["x-runner-load"], load);
     }
@@ -415,19 +427,9 @@ async fn runner_load_steers_work_to_the_least_loaded_runner() {
     let c = get(&ebb, &format!("/v1/calls/{id}")).await;
     assert_eq!(c.json["partition"], "idle");
     // The busy runner does not get the idle one's call.
-    let none = post(
-        &ebb,
-        "/runner/dequeue",
-        json!({ "runner": "busy", "wait_ms": 200 }),
-    )
-    .await;
+    let none = dequeue(&ebb, "busy", 200).await;
     assert_eq!(none.status, 204);
-    let got = post(
-        &ebb,
-        "/runner/dequeue",
-        json!({ "runner": "idle", "wait_ms": 5000 }),
-    )
-    .await;
+    let got = dequeue(&ebb, "idle", 5000).await;
     assert_eq!(got.json["calls"][0]["id"], id.as_str());
 }
 
@@ -538,7 +540,7 @@ async fn acknowledged_enqueues_survive_a_sigkill_of_ebb_and_complete() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_kafka_a_killed_runners_partitions_move_to_the_other_runner() {
-    let broker = common::broker();
+    let broker = common::broker().await;
     let dir = tempfile::tempdir().unwrap();
     let brokers = broker.addr.to_string();
     let ebb = start(
@@ -580,7 +582,7 @@ async fn with_kafka_a_killed_runners_partitions_move_to_the_other_runner() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_kafka_down_an_enqueue_fails_with_500_and_records_nothing() {
-    let broker = common::broker();
+    let broker = common::broker().await;
     let dir = tempfile::tempdir().unwrap();
     let brokers = broker.addr.to_string();
     let ebb = start(
@@ -610,15 +612,7 @@ async fn after_a_restart_calls_meant_for_a_runner_that_never_returns_run_elsewhe
         dir.path(),
         &["--runner-capacity", "0", "--runner-lease-ms", "1000"],
     );
-    let a = call_api(
-        &ebb,
-        "POST",
-        "/runner/dequeue",
-        Some(TOKEN),
-        Some(json!({ "runner": "gone", "wait_ms": 0 }).to_string()),
-        &[("x-runner-load", "0/10")],
-    )
-    .await;
+    let a = report_load(&ebb, "gone", "0/10").await;
     assert_eq!(a.status, 204);
     let mut ids = Vec::new();
     for _ in 0..3 {
@@ -669,12 +663,7 @@ async fn queued_and_running_calls_can_be_cancelled_once() {
         (c.status, c.json["state"].as_str()),
         (200, Some("cancelled"))
     );
-    let none = post(
-        &ebb,
-        "/runner/dequeue",
-        json!({ "runner": "r", "wait_ms": 300 }),
-    )
-    .await;
+    let none = dequeue(&ebb, "r", 300).await;
     assert_eq!(none.status, 204, "a cancelled call is never handed out");
     let again = post(&ebb, &format!("/v1/calls/{queued}/cancel"), json!({})).await;
     assert_eq!(
@@ -691,19 +680,9 @@ async fn queued_and_running_calls_can_be_cancelled_once() {
 
     // A running call: cancelled, and its runner's finish changes nothing.
     let running = enqueue(&ebb, json!({ "target": "work" })).await;
-    let d = post(
-        &ebb,
-        "/runner/dequeue",
-        json!({ "runner": "r", "wait_ms": 5000 }),
-    )
-    .await;
+    let d = dequeue(&ebb, "r", 5000).await;
     assert_eq!(d.json["calls"][0]["id"], running.as_str());
-    let s = post(
-        &ebb,
-        "/runner/start",
-        json!({ "runner": "r", "id": running }),
-    )
-    .await;
+    let s = start_one(&ebb, "r", &running).await;
     assert_eq!(s.status, 200);
     let c = post(&ebb, &format!("/v1/calls/{running}/cancel"), json!({})).await;
     assert_eq!(c.status, 200);

@@ -142,7 +142,7 @@ async fn the_embedded_queue_hands_a_runner_its_own_partition_first() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kafka_queue_keeps_the_contract() {
-    let broker = common::broker();
+    let broker = common::broker().await;
     let options = KafkaOptions {
         brokers: broker.addr.to_string(),
         partitions: 4,

@@ -71,6 +71,11 @@ fn service<'a>(
         "runner",
         "--runner-token or EBB_RUNNER_TOKEN",
     )?;
+    calls_of(app)
+}
+
+/// The call service, if this ebb runs one.
+fn calls_of(app: &AppState) -> Result<&std::sync::Arc<Calls>, ApiError> {
     app.calls.as_ref().ok_or_else(|| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -308,13 +313,7 @@ fn reader<'a>(
     } else {
         runner?;
     }
-    app.calls.as_ref().ok_or_else(|| {
-        ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "calls_disabled",
-            "this ebb runs no call queue",
-        )
-    })
+    calls_of(app)
 }
 
 fn view(c: &Call) -> Value {

@@ -20,7 +20,7 @@ use serde_json::json;
 use crate::calls::runner::{self, Executor, HttpApi, NoopExecutor, RunnerApi, RunnerOptions};
 use crate::calls::{CallOptions, Calls, Finish, Job};
 use crate::clock::{Clock, Stopwatch, SystemClock};
-use crate::event::{Event, RouteSpec};
+use crate::event::Event;
 use crate::log::Durability;
 use crate::queue::Queue;
 use crate::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
@@ -106,17 +106,7 @@ async fn setup(args: &CallsBenchArgs, over_http: bool, kafka: Option<&str>) -> R
         )?),
     };
     log.append(Event::RouteUpserted {
-        route: RouteSpec {
-            name: "noop".into(),
-            domains: vec!["noop.localhost".into()],
-            deployment: "noop".into(),
-            idle_after_ms: 60_000,
-            min_replicas: 0,
-            max_replicas: 1,
-            hold_timeout_ms: 1_000,
-            hold_queue_max: 1,
-            process: None,
-        },
+        route: super::bench_route("noop", None),
     })
     .await?;
     let calls = Arc::new(Calls::new(

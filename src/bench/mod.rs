@@ -99,6 +99,21 @@ fn route_events() -> Vec<Event> {
         .collect()
 }
 
+/// A route for benchmarks: `NAME.localhost`, never idle within a run, at most one replica.
+pub(crate) fn bench_route(name: &str, process: Option<crate::event::ProcessSpec>) -> RouteSpec {
+    RouteSpec {
+        name: name.into(),
+        domains: vec![format!("{name}.localhost")],
+        deployment: name.into(),
+        idle_after_ms: 3_600_000,
+        min_replicas: 0,
+        max_replicas: 1,
+        hold_timeout_ms: 30_000,
+        hold_queue_max: 100,
+        process,
+    }
+}
+
 pub(crate) fn open(dir: &std::path::Path, durability: Durability) -> Result<Log> {
     let store = Arc::new(RocksStore::open(dir, OpenMode::Create)?);
     Ok(Log::open(
@@ -345,17 +360,7 @@ pub async fn cold_start(args: ColdStartArgs) -> Result<()> {
     };
     orch.register(WorkloadSpec::from_process("cold", &process, &exe))?;
     log.append(Event::RouteUpserted {
-        route: RouteSpec {
-            name: "cold".into(),
-            domains: vec!["cold.localhost".into()],
-            deployment: "cold".into(),
-            idle_after_ms: 3_600_000,
-            min_replicas: 0,
-            max_replicas: 1,
-            hold_timeout_ms: 30_000,
-            hold_queue_max: 100,
-            process: Some(process),
-        },
+        route: bench_route("cold", Some(process)),
     })
     .await?;
     let dyn_orch: Arc<dyn Orchestrator> = orch.clone();

@@ -100,7 +100,7 @@ pub fn tansu() -> PathBuf {
 }
 
 /// Starts a broker and waits until it accepts connections.
-pub fn broker() -> Broker {
+pub async fn broker() -> Broker {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -128,13 +128,16 @@ pub fn broker() -> Broker {
         });
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let broker = Broker { child, addr };
-    for _ in 0..600 {
-        if std::net::TcpStream::connect(addr).is_ok() {
-            return broker;
+    let listening = async {
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(20));
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            tick.tick().await;
         }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    panic!("the broker did not listen on {addr}");
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(30), listening)
+        .await
+        .unwrap_or_else(|_| panic!("the broker did not listen on {addr}"));
+    broker
 }
 
 /// Every event of the log in `data`, as `ebb log dump --json` prints them.
