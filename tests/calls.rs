@@ -19,6 +19,15 @@ use common::Ebb;
 
 const TOKEN: &str = "runner-secret";
 const DEADLINE: Duration = Duration::from_secs(60);
+/// No built-in runner; calls not started come back after 0.5 s, silent runners are gone after 1 s.
+const FAST_REDELIVERY: &[&str] = &[
+    "--runner-capacity",
+    "0",
+    "--visibility-timeout-ms",
+    "500",
+    "--runner-lease-ms",
+    "1000",
+];
 
 fn config(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("ebb.toml");
@@ -448,17 +457,7 @@ async fn the_built_in_runner_runs_calls_against_the_app_from_zero() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runner_killed_after_dequeue_loses_nothing_and_runs_nothing_twice() {
     let dir = tempfile::tempdir().unwrap();
-    let ebb = start(
-        dir.path(),
-        &[
-            "--runner-capacity",
-            "0",
-            "--visibility-timeout-ms",
-            "500",
-            "--runner-lease-ms",
-            "1000",
-        ],
-    );
+    let ebb = start(dir.path(), FAST_REDELIVERY);
     let id = enqueue(
         &ebb,
         json!({ "target": "work", "payload": { "method": "GET", "path": "/pid" } }),
@@ -475,17 +474,7 @@ async fn a_runner_killed_after_dequeue_loses_nothing_and_runs_nothing_twice() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runner_killed_after_start_ends_in_timeout_not_a_second_run() {
     let dir = tempfile::tempdir().unwrap();
-    let ebb = start(
-        dir.path(),
-        &[
-            "--runner-capacity",
-            "0",
-            "--visibility-timeout-ms",
-            "500",
-            "--runner-lease-ms",
-            "1000",
-        ],
-    );
+    let ebb = start(dir.path(), FAST_REDELIVERY);
     let id = enqueue(&ebb, json!({ "target": "work", "timeout_ms": 1500 })).await;
     killed(runner(&ebb, "victim", Some("kill-after-start"))).await;
     // A healthy runner is around the whole time: it must not get the call.
