@@ -310,6 +310,7 @@ fn run(cli: Cli) -> Result<()> {
                 queue: ebb::queue::embedded::EmbeddedOptions {
                     visibility_timeout_ms,
                     max_messages: max_queued,
+                    ..ebb::queue::embedded::EmbeddedOptions::default()
                 },
                 kafka: kafka_brokers.map(|brokers| ebb::queue::kafka::KafkaOptions {
                     brokers,

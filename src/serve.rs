@@ -199,6 +199,10 @@ pub async fn run(
         clock.clone(),
         options.calls.clone(),
     ));
+    calls
+        .recover()
+        .await
+        .context("putting queued calls back on the queue")?;
     let expiry = tokio::spawn(crate::calls::run_expiry(
         calls.clone(),
         Duration::from_millis(100),

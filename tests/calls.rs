@@ -527,6 +527,37 @@ async fn acknowledged_enqueues_survive_a_sigkill_of_ebb_and_complete() {
     }
 }
 
+/// The embedded queue does not sync its puts (the log, synced before an enqueue is answered, is
+/// the durable record). The worst a machine crash can do to it is take every message away: the
+/// queued calls are put back from the log at start-up and each runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_calls_a_machine_crash_took_from_the_queue_are_put_back_from_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ebb = start(dir.path(), &["--runner-capacity", "0"]);
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        ids.push(
+            enqueue(
+                &ebb,
+                json!({ "target": "work", "payload": { "body": format!("n{i}") } }),
+            )
+            .await,
+        );
+    }
+    ebb.child.kill().unwrap();
+    ebb.child.wait().unwrap();
+    let queue = ebb.data.join("queue");
+    drop(ebb);
+    std::fs::remove_dir_all(&queue).unwrap();
+    let ebb = start(dir.path(), &[]);
+    for id in &ids {
+        wait_state(&ebb, id, "success").await;
+    }
+    for id in &ids {
+        assert_eq!(events_of(&ebb.data, id, "CallStarted"), 1);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_kafka_a_killed_runners_partitions_move_to_the_other_runner() {
     let broker = common::broker().await;

@@ -187,6 +187,19 @@ async fn the_embedded_queue_redelivers_after_the_visibility_timeout_and_holds_st
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_queue_names_the_messages_it_does_not_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = embedded(&dir.path().join("queue"), EmbeddedOptions::default());
+    q.put(vec![msg("a", ""), msg("b", "r")]).await.unwrap();
+    q.delete(vec!["b".into()]).await.unwrap();
+    let asked: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
+    assert_eq!(
+        q.missing(&asked),
+        Some(vec!["b".to_owned(), "c".to_owned()])
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_embedded_queue_refuses_beyond_its_bound_and_duplicates() {
     let dir = tempfile::tempdir().unwrap();
     let q = embedded(

@@ -470,6 +470,49 @@ impl Calls {
         Ok(ids)
     }
 
+    /// Puts back on the queue the queued calls it lost (a machine crash can take unsynced puts
+    /// away; the log, synced before any enqueue was answered, still has them). Run at start-up,
+    /// before runners are served; returns how many were put back.
+    pub async fn recover(&self) -> Result<usize, CallError> {
+        let queued: Vec<CallSpec> = self.log.read(|s| {
+            s.calls
+                .by_id
+                .values()
+                .filter(|c| c.status == crate::state::calls::CallStatus::Queued)
+                .map(|c| c.spec.clone())
+                .collect()
+        });
+        let mut restored = 0;
+        for chunk in queued.chunks(self.options.max_batch.max(1)) {
+            let ids: Vec<String> = chunk.iter().map(|c| c.id.clone()).collect();
+            let Some(missing) = self.queue.missing(&ids) else {
+                return Ok(0);
+            };
+            if missing.is_empty() {
+                continue;
+            }
+            let missing: HashSet<String> = missing.into_iter().collect();
+            let mut messages = Vec::with_capacity(missing.len());
+            for s in chunk.iter().filter(|c| missing.contains(&c.id)) {
+                let body = rmp_serde::to_vec_named(s).map_err(|e| CallError::Bad(e.to_string()))?;
+                messages.push(Message::new(
+                    s.id.clone(),
+                    s.partition.clone().unwrap_or_default(),
+                    body,
+                ));
+            }
+            restored += messages.len();
+            self.queue.put(messages).await?;
+        }
+        if restored > 0 {
+            tracing::warn!(
+                calls = restored,
+                "queued calls the queue had lost were put back"
+            );
+        }
+        Ok(restored)
+    }
+
     /// Records `CallQueued` for calls the log does not know yet.
     async fn record_queued(&self, specs: Vec<CallSpec>) -> Result<(), CallError> {
         self.log

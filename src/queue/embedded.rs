@@ -1,8 +1,11 @@
 //! The embedded queue: messages in a RocksDB database of their own (`<data-dir>/queue`), with an
 //! index in memory.
 //!
-//! * `m` + seq (big-endian) -> the message (id, partition, body), written with a synced write
-//!   before [`Queue::put`] returns.
+//! * `m` + seq (big-endian) -> the message (id, partition, body), written before [`Queue::put`]
+//!   returns; synced there only with `sync_puts`. Unsynced, a put survives a crash of ebb (the
+//!   write-ahead log is in the kernel's hands) but not necessarily one of the machine: the call
+//!   service records every call in its own synced log and puts back, at start-up, the queued
+//!   calls [`Queue::missing`] names. One fsync per enqueue instead of two.
 //! * `r` + seq -> its delivery state (reserved by a runner until a time, or held for a started
 //!   call until its deadline) and delivery count. These writes are not synced: they survive a
 //!   crash of ebb (the write-ahead log is in the kernel's hands), and a lost one after a machine
@@ -29,6 +32,9 @@ pub struct EmbeddedOptions {
     pub visibility_timeout_ms: u64,
     /// The most messages the queue holds; a put beyond it fails.
     pub max_messages: usize,
+    /// Sync every put to disk before it returns. Off by default: the call service's log is the
+    /// durable record and puts back what a machine crash lost (see the module docs).
+    pub sync_puts: bool,
 }
 
 impl Default for EmbeddedOptions {
@@ -36,6 +42,7 @@ impl Default for EmbeddedOptions {
         Self {
             visibility_timeout_ms: 30_000,
             max_messages: 1_000_000,
+            sync_puts: false,
         }
     }
 }
@@ -409,14 +416,13 @@ impl Queue for EmbeddedQueue {
                     ids.push(m.id);
                 }
             }
-            // The synced write and what follows it run to the end even if the caller goes away,
-            // so no message is left pending.
             let db = self.db.clone();
+            let synced = self.options.sync_puts;
             let index = self.index.clone();
             let arrived = self.arrived.clone();
             let write = move || {
                 let mut sync = WriteOptions::default();
-                sync.set_sync(true);
+                sync.set_sync(synced);
                 let written = db.write_opt(batch, &sync).map_err(storage);
                 let mut index = index.lock().expect("queue index lock");
                 for id in &ids {
@@ -432,7 +438,7 @@ impl Queue for EmbeddedQueue {
                 }
                 written
             };
-            // On a multi-threaded runtime the synced write runs right here (the runtime moves
+            // On a multi-threaded runtime the write runs right here (the runtime moves
             // this worker's other tasks away meanwhile): no hand-off to another thread. It runs
             // to the end either way, so no message is left pending if the caller goes away.
             match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
@@ -561,6 +567,16 @@ impl Queue for EmbeddedQueue {
             self.arrived.notify_waiters();
             Ok(())
         })
+    }
+
+    fn missing(&self, ids: &[String]) -> Option<Vec<String>> {
+        let index = self.lock();
+        Some(
+            ids.iter()
+                .filter(|id| !index.slots.contains_key(*id))
+                .cloned()
+                .collect(),
+        )
     }
 
     fn owners(&self) -> Vec<String> {

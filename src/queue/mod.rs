@@ -71,8 +71,17 @@ pub struct QueueStats {
 
 /// A durable queue of call messages with per-runner partitions.
 pub trait Queue: Send + Sync {
-    /// Puts messages on the queue; returns once they are durable.
+    /// Puts messages on the queue; returns once they are written (durable, unless the
+    /// implementation says otherwise: see [`Queue::missing`]).
     fn put(&self, messages: Vec<Message>) -> QueueFuture<'_, ()>;
+
+    /// Which of `ids` the queue does not hold, for a queue whose puts a machine crash may lose
+    /// (the caller puts them again from its own durable record); `None` when every put is
+    /// durable on its own or the queue cannot tell.
+    fn missing(&self, ids: &[String]) -> Option<Vec<String>> {
+        let _ = ids;
+        None
+    }
 
     /// Hands up to `max` messages to `runner`: its own partition's first, then any runner's. Waits
     /// up to `wait` for one; an empty answer means none came.
