@@ -47,6 +47,8 @@ pub enum ScaleReason {
     Restart,
     /// ebb is shutting down and stops every replica.
     Shutdown,
+    /// Another ebb replica changed the shared deployment's replica count; this replica saw it.
+    Peer,
 }
 
 /// Whether a call's caller waits for its result.

@@ -328,7 +328,7 @@ async fn exchange(
             Some(b) => b,
             None => match connect(addr, proxy.options.connect_timeout_ms).await {
                 Ok(b) => b,
-                Err(e) if avoid.is_none() => {
+                Err(e) if super::retry_after_miss(super::BackendMiss::Refused, avoid.is_some()) => {
                     // Refused: the replica is stopping or gone. The request is untouched.
                     tracing::debug!(route = %entry.spec.name, %addr, error = %e, "backend refused; retrying");
                     avoid = Some(addr);
@@ -378,7 +378,16 @@ async fn exchange(
                 tracing::debug!(%addr, error = %e.message, "pooled backend connection was closed; retrying");
                 pooled_allowed = false;
             }
-            Err(e) if !wrote && !e.got_any && !has_body && req.idempotent && avoid.is_none() => {
+            Err(e)
+                if !wrote
+                    && !e.got_any
+                    && super::retry_after_miss(
+                        super::BackendMiss::WentAway {
+                            replayable: !has_body && req.idempotent,
+                        },
+                        avoid.is_some(),
+                    ) =>
+            {
                 // The replica closed or reset a fresh connection without answering: it is
                 // stopping.
                 tracing::debug!(route = %entry.spec.name, %addr, error = %e.message, "backend went away; retrying");

@@ -137,6 +137,29 @@ fn json_error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
         .expect("valid response")
 }
 
+/// How a forwarded request met a replica that did not serve it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendMiss {
+    /// The connection was refused: nothing of the request left ebb.
+    Refused,
+    /// The replica closed or reset the connection before a byte of answer; `replayable` when the
+    /// request can be sent again safely (idempotent, and no body was sent).
+    WentAway { replayable: bool },
+}
+
+/// The retry rule of both paths (and of the simulator's proxy): a request that met a stopping or
+/// gone replica is tried once more, on another replica (waking the workload again if none is
+/// ready), when it can be sent again safely. `retried`: this request was already tried again.
+pub fn retry_after_miss(miss: BackendMiss, retried: bool) -> bool {
+    if retried || crate::mutation::active(crate::mutation::Mutation::NoRetryOnStopping) {
+        return false;
+    }
+    match miss {
+        BackendMiss::Refused => true,
+        BackendMiss::WentAway { replayable } => replayable,
+    }
+}
+
 /// A request the proxy answers itself, with a JSON error.
 #[derive(Debug)]
 struct Refusal {
@@ -469,9 +492,11 @@ impl Proxy {
                     return Response::from_parts(parts, body.boxed());
                 }
                 Err(e)
-                    if failed.is_none()
-                        && replayable
-                        && (e.is_connect() || backend_went_away(&e)) =>
+                    if (e.is_connect() || backend_went_away(&e))
+                        && retry_after_miss(
+                            BackendMiss::WentAway { replayable },
+                            failed.is_some(),
+                        ) =>
                 {
                     // The replica is stopping or gone: wake the workload again and try once more,
                     // on another replica.

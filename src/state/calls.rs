@@ -275,7 +275,16 @@ pub fn decide_start(calls: &Calls, id: &str, runner: &str, now_ms: u64) -> (Even
             StartVerdict::Refused(RejectReason::UnknownCall),
         );
     };
-    match call.status.on_start().1 {
+    let verdict = match call.status {
+        // A broken variant, only ever on inside the simulator: a running call starts again.
+        CallStatus::Running
+            if crate::mutation::active(crate::mutation::Mutation::StartWithoutCondition) =>
+        {
+            StartVerdict::Accepted
+        }
+        s => s.on_start().1,
+    };
+    match verdict {
         StartVerdict::Accepted => (
             Event::CallStarted {
                 id: id.to_owned(),
@@ -304,7 +313,9 @@ pub fn decide_finish(
     result: Option<CallResult>,
     log: String,
 ) -> Option<Event> {
-    if calls.get(id).is_some_and(|c| c.status.is_final()) {
+    if calls.get(id).is_some_and(|c| c.status.is_final())
+        && !crate::mutation::active(crate::mutation::Mutation::FinishNotIdempotent)
+    {
         return None;
     }
     Some(Event::CallFinished {

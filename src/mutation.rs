@@ -1,0 +1,89 @@
+//! Deliberately broken variants of ebb's decisions, to prove that the simulator finds what they
+//! break (`ebb simulate --mutation NAME`, and `tests/simulation.rs`).
+//!
+//! A mutation is switched on for the current thread only, by [`with`]. Only the simulator, which
+//! runs a seed on one thread, does that; nothing else in ebb ever switches one on, so every check
+//! of [`active`] outside a simulation is false.
+
+use std::cell::Cell;
+
+/// A broken variant of one decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mutation {
+    /// The leader scales a deployment down without the `resourceVersion` precondition, so a
+    /// last-used bump that landed after its read does not stop it.
+    DownscaleWithoutCas,
+    /// `decide_start` accepts a start for a call already running.
+    StartWithoutCondition,
+    /// `decide_finish` records every finish, not only the first.
+    FinishNotIdempotent,
+    /// The proxy does not retry a request whose backend refused it (a stopping replica).
+    NoRetryOnStopping,
+}
+
+impl Mutation {
+    /// Every mutation.
+    pub const ALL: [Mutation; 4] = [
+        Mutation::DownscaleWithoutCas,
+        Mutation::StartWithoutCondition,
+        Mutation::FinishNotIdempotent,
+        Mutation::NoRetryOnStopping,
+    ];
+
+    /// The name used on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mutation::DownscaleWithoutCas => "downscale-without-cas",
+            Mutation::StartWithoutCondition => "start-without-condition",
+            Mutation::FinishNotIdempotent => "finish-not-idempotent",
+            Mutation::NoRetryOnStopping => "no-retry-on-stopping",
+        }
+    }
+
+    /// The mutation named `name`.
+    pub fn parse(name: &str) -> Option<Mutation> {
+        Mutation::ALL.into_iter().find(|m| m.name() == name)
+    }
+}
+
+thread_local! {
+    static ACTIVE: Cell<Option<Mutation>> = const { Cell::new(None) };
+}
+
+/// Whether `m` is switched on for this thread.
+pub fn active(m: Mutation) -> bool {
+    ACTIVE.with(|a| a.get() == Some(m))
+}
+
+/// Runs `f` with `m` switched on for this thread (none for `None`), then switches it off.
+pub fn with<R>(m: Option<Mutation>, f: impl FnOnce() -> R) -> R {
+    struct Reset(Option<Mutation>);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            ACTIVE.with(|a| a.set(self.0));
+        }
+    }
+    let _reset = Reset(ACTIVE.with(|a| a.replace(m)));
+    f()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mutation_is_on_only_inside_with_and_only_on_its_thread() {
+        assert!(!active(Mutation::FinishNotIdempotent));
+        with(Some(Mutation::FinishNotIdempotent), || {
+            assert!(active(Mutation::FinishNotIdempotent));
+            assert!(!active(Mutation::StartWithoutCondition));
+            let other = std::thread::spawn(|| active(Mutation::FinishNotIdempotent));
+            assert!(!other.join().unwrap());
+        });
+        assert!(!active(Mutation::FinishNotIdempotent));
+        for m in Mutation::ALL {
+            assert_eq!(Mutation::parse(m.name()), Some(m));
+        }
+    }
+}

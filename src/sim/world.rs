@@ -1,0 +1,1828 @@
+//! One simulated run: every component as a state machine on one thread, driven by one queue of
+//! timed actions from one seed. Proxy replicas, the cluster, the calls node and its runners use
+//! the production decisions and projections; only the world around them (network, pods, time,
+//! faults) is simulated. The invariants are checked as the steps happen and at the end.
+
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::hash::Hasher;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use futures_util::FutureExt;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::event::{CallKind, CallSpec, Event, Payload, RouteSpec};
+use crate::orchestrator::Orchestrator;
+use crate::proxy::{BackendMiss, retry_after_miss};
+use crate::queue::{Message, Queue};
+use crate::scaler::shared::{
+    self, CoordError, Coordinator, Lease, SharedDeployment, SharedOptions,
+};
+use crate::scaler::{Live, Report, decide_observed, decide_wake};
+use crate::sim::cluster::{PodTimer, SimCluster};
+use crate::sim::log::SimLog;
+use crate::sim::queue::SimQueue;
+use crate::sim::scenario::{Faults, Range, Scenario};
+use crate::state::calls::{decide_finish, decide_start, decide_timeouts};
+use crate::state::{CallStatus, Due, StartVerdict};
+
+const DEPLOYMENT: &str = "app";
+const ROUTE: &str = "app";
+/// Simulated time starts here, so skewed clocks never go below zero.
+const T0: u64 = 1_000_000;
+/// Attempts at an API request that keeps failing (wake, last-used bump).
+const API_ATTEMPTS: u32 = 8;
+/// Attempts at a runner request while the node is down or its answer is lost.
+const RUNNER_ATTEMPTS: u32 = 50;
+/// Replays of every log are compared with the live state this often (in steps), and at the end.
+const REPLAY_EVERY: u64 = 5_000;
+/// Trace lines kept for a violation's report.
+const TRACE_KEEP: usize = 60;
+
+/// A broken invariant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    /// The invariant's name.
+    pub invariant: &'static str,
+    /// What broke it.
+    pub detail: String,
+    /// Simulated time since the start.
+    pub at_ms: u64,
+}
+
+/// Counts of what happened in a run.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Client requests.
+    pub requests: u64,
+    /// Requests that met a stopping replica and were retried.
+    pub retried: u64,
+    /// Scale-downs that took effect.
+    pub scale_downs: u64,
+    /// Scale-downs refused by the compare-and-swap.
+    pub conflicts: u64,
+    /// Wakes from zero.
+    pub wakes: u64,
+    /// Calls acknowledged.
+    pub calls: u64,
+    /// Calls executed by a runner.
+    pub executed: u64,
+    /// Crashes of replicas, the calls node and runners.
+    pub crashes: u64,
+    /// Steps (actions run).
+    pub steps: u64,
+}
+
+/// The result of a run.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    /// Hash of the whole trace: equal seeds give equal hashes.
+    pub hash: u64,
+    /// Simulated milliseconds.
+    pub sim_ms: u64,
+    /// The first invariant broken, if any.
+    pub violation: Option<Violation>,
+    /// The trace's last lines (ending at the violation, if any).
+    pub trace: Vec<String>,
+    /// What happened.
+    pub stats: Stats,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The action queue.
+
+#[derive(Debug, Clone)]
+enum ApiOp {
+    Read,
+    Scale {
+        to: u32,
+        if_version: Option<u64>,
+        /// The leader's decision, logged once it took effect.
+        decision: Option<Box<Event>>,
+    },
+    Touch(u64),
+    ReadLease,
+    TakeLease {
+        until: u64,
+        if_version: u64,
+    },
+}
+
+#[derive(Debug, Clone)]
+enum ApiAnswer {
+    Deployment(SharedDeployment),
+    Version(u64),
+    Lease(Lease),
+}
+
+#[derive(Debug, Clone)]
+enum NodeReq {
+    Enqueue(CallSpec),
+    Dequeue { max: usize },
+    Start { ids: Vec<String>, duplicate: bool },
+    Finish { id: String, duplicate: bool },
+}
+
+#[derive(Debug, Clone)]
+enum NodeAnswer {
+    Enqueued,
+    Jobs(Vec<CallSpec>),
+    Started(Vec<(String, bool)>),
+    Finished(CallStatus),
+    Down,
+}
+
+/// Who sent a node request: the producer or runner `i`.
+const PRODUCER: usize = usize::MAX;
+
+#[derive(Debug, Clone)]
+enum Action {
+    NextBurst,
+    Arrive(usize),
+    Flush(usize, u32),
+    Observe(usize, u32),
+    Sync(usize, u32),
+    LeaseTick(usize, u32),
+    DownscaleTick(usize, u32),
+    ApiArrive(usize, u32, ApiOp, u32),
+    ApiReply(usize, u32, ApiOp, Result<ApiAnswer, CoordError>, u32),
+    Pod(PodTimer),
+    RequestDone(usize),
+    HoldTimeout(usize),
+    FaultTick,
+    Restart(usize),
+    Enqueue(CallSpec, u32),
+    RunnerPoll(usize, u32),
+    NodeArrive(usize, u32, NodeReq, u32),
+    NodeReply(usize, u32, NodeReq, NodeAnswer, u32),
+    CallDone(usize, u32, String),
+    Expire,
+    NodeRestart,
+    RunnerRestart(usize),
+}
+
+struct Item {
+    at: u64,
+    seq: u64,
+    action: Action,
+}
+
+impl PartialEq for Item {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Item {}
+impl PartialOrd for Item {
+    fn partial_cmp(&self, o: &Self) -> Option<Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Item {
+    fn cmp(&self, o: &Self) -> Ordering {
+        (self.at, self.seq).cmp(&(o.at, o.seq))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The parts.
+
+struct Replica {
+    name: String,
+    up: bool,
+    epoch: u32,
+    skew: i64,
+    log: SimLog,
+    view: Vec<SocketAddr>,
+    in_flight: u64,
+    last_at: u64,
+    count: u64,
+    known_used: u64,
+    touching: bool,
+    lease: Lease,
+    leasing: bool,
+    downscaling: bool,
+    held: Vec<usize>,
+}
+
+impl Replica {
+    fn local(&self, now: u64) -> u64 {
+        now.saturating_add_signed(self.skew)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReqState {
+    Pending,
+    Held,
+    Serving,
+    Done,
+    Failed,
+    /// Lost with the replica that had it (a crash, not a scaling decision).
+    Dropped,
+}
+
+struct Req {
+    replica: usize,
+    epoch: u32,
+    arrived: u64,
+    serve_ms: u64,
+    state: ReqState,
+    retried: bool,
+    pod: Option<SocketAddr>,
+    /// Its use may have died with its replica before it was published.
+    exempt: bool,
+}
+
+struct Node {
+    up: bool,
+    epoch: u32,
+    log: SimLog,
+    queue: Arc<SimQueue>,
+    finish_answers: HashMap<String, CallStatus>,
+}
+
+struct Runner {
+    name: String,
+    up: bool,
+    epoch: u32,
+    busy: usize,
+    polling: bool,
+}
+
+struct Trace {
+    hasher: std::collections::hash_map::DefaultHasher,
+    tail: VecDeque<String>,
+}
+
+impl Trace {
+    fn line(&mut self, now: u64, who: &str, what: std::fmt::Arguments<'_>) {
+        let line = format!("{:>8} {who:<8} {what}", now - T0);
+        self.hasher.write(line.as_bytes());
+        if self.tail.len() == TRACE_KEEP {
+            self.tail.pop_front();
+        }
+        self.tail.push_back(line);
+    }
+}
+
+/// The simulated world of one run.
+pub struct World {
+    sc: Scenario,
+    faults: Faults,
+    now: u64,
+    end: u64,
+    seq: u64,
+    heap: BinaryHeap<Reverse<Item>>,
+    rng: ChaCha8Rng,
+    trace: Trace,
+    violation: Option<Violation>,
+    stats: Stats,
+    cluster: Option<Arc<SimCluster>>,
+    opts: SharedOptions,
+    replicas: Vec<Replica>,
+    requests: Vec<Req>,
+    /// (true arrival time, request), in time order.
+    arrivals: Vec<(u64, usize)>,
+    open: BTreeSet<usize>,
+    node: Option<Node>,
+    runners: Vec<Runner>,
+    executions: HashMap<String, u32>,
+    acked: Vec<String>,
+    next_call: u64,
+}
+
+impl World {
+    /// A world for `scenario` (its faults already restricted) from `seed`.
+    pub fn new(sc: &Scenario, seed: u64) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let faults = sc.faults.clone();
+        let end = T0 + sc.duration_ms + sc.settle_ms;
+        let opts = match &sc.proxy {
+            Some(p) => SharedOptions {
+                sync_ms: p.sync_ms,
+                sync_lag_ms: p.sync_lag_ms,
+                lease_ms: p.lease_ms,
+                max_skew_ms: p.max_skew_ms,
+            },
+            None => SharedOptions {
+                sync_ms: 1,
+                sync_lag_ms: 0,
+                lease_ms: 1,
+                max_skew_ms: 0,
+            },
+        };
+        let cluster = sc.proxy.as_ref().map(|p| {
+            Arc::new(SimCluster::new(
+                DEPLOYMENT,
+                rng.random(),
+                p.start_ms,
+                p.stop_ms,
+            ))
+        });
+        let node = sc.calls.as_ref().map(|c| Node {
+            up: true,
+            epoch: 0,
+            log: SimLog::new(),
+            queue: Arc::new(SimQueue::new(
+                rng.random(),
+                c.visibility_timeout_ms,
+                faults.duplicate_chance,
+            )),
+            finish_answers: HashMap::new(),
+        });
+        let mut w = World {
+            sc: sc.clone(),
+            faults,
+            now: T0,
+            end,
+            seq: 0,
+            heap: BinaryHeap::new(),
+            rng,
+            trace: Trace {
+                hasher: std::collections::hash_map::DefaultHasher::new(),
+                tail: VecDeque::with_capacity(TRACE_KEEP),
+            },
+            violation: None,
+            stats: Stats::default(),
+            cluster,
+            opts,
+            replicas: Vec::new(),
+            requests: Vec::new(),
+            arrivals: Vec::new(),
+            open: BTreeSet::new(),
+            node,
+            runners: Vec::new(),
+            executions: HashMap::new(),
+            acked: Vec::new(),
+            next_call: 0,
+        };
+        w.setup();
+        w
+    }
+
+    fn setup(&mut self) {
+        if let Some(p) = self.sc.proxy.clone() {
+            let route = RouteSpec {
+                name: ROUTE.into(),
+                domains: vec!["app.sim".into()],
+                deployment: DEPLOYMENT.into(),
+                idle_after_ms: p.idle_after_ms,
+                min_replicas: 0,
+                max_replicas: 1,
+                hold_timeout_ms: p.hold_timeout_ms,
+                hold_queue_max: 10_000,
+                process: None,
+            };
+            for i in 0..p.replicas {
+                let skew = if self.faults.skew && p.max_skew_ms > 0 {
+                    let m = p.max_skew_ms as i64;
+                    self.rng.random_range(-m..=m)
+                } else {
+                    0
+                };
+                let mut log = SimLog::new();
+                log.append(
+                    vec![Event::RouteUpserted {
+                        route: route.clone(),
+                    }],
+                    T0.saturating_add_signed(skew),
+                    false,
+                );
+                self.replicas.push(Replica {
+                    name: format!("ebb-{i}"),
+                    up: true,
+                    epoch: 0,
+                    skew,
+                    log,
+                    view: Vec::new(),
+                    in_flight: 0,
+                    last_at: 0,
+                    count: 0,
+                    known_used: 0,
+                    touching: false,
+                    lease: Lease::default(),
+                    leasing: false,
+                    downscaling: false,
+                    held: Vec::new(),
+                });
+                self.start_replica_loops(i);
+            }
+            self.at(0, Action::NextBurst);
+        }
+        if let Some(c) = self.sc.calls.clone() {
+            for i in 0..c.runners {
+                self.runners.push(Runner {
+                    name: format!("runner-{i}"),
+                    up: true,
+                    epoch: 0,
+                    busy: 0,
+                    polling: false,
+                });
+                self.at(0, Action::RunnerPoll(i, 0));
+            }
+            let first = self.new_call();
+            self.at(0, Action::Enqueue(first, 0));
+            self.at(0, Action::Expire);
+        }
+        self.at(100, Action::FaultTick);
+    }
+
+    fn start_replica_loops(&mut self, r: usize) {
+        let p = self.sc.proxy.clone().expect("proxy scenario");
+        let e = self.replicas[r].epoch;
+        self.at(0, Action::Observe(r, e));
+        self.at(p.flush_ms, Action::Flush(r, e));
+        self.at(p.sync_ms / 2 + 1, Action::Sync(r, e));
+        self.at(0, Action::LeaseTick(r, e));
+        self.at(p.downscale_every_ms, Action::DownscaleTick(r, e));
+    }
+
+    // -- helpers --------------------------------------------------------------------------------
+
+    fn at(&mut self, delay: u64, action: Action) {
+        self.seq += 1;
+        self.heap.push(Reverse(Item {
+            at: self.now + delay,
+            seq: self.seq,
+            action,
+        }));
+    }
+
+    fn draw(&mut self, [lo, hi]: Range) -> u64 {
+        self.rng.random_range(lo..=hi)
+    }
+
+    /// Whether a fault with chance `p` strikes (never once the faults are over).
+    fn strikes(&mut self, p: f64) -> bool {
+        self.now < T0 + self.sc.duration_ms && p > 0.0 && self.rng.random_bool(p)
+    }
+
+    fn latency(&mut self) -> u64 {
+        self.draw(self.sc.api.latency_ms)
+    }
+
+    fn note(&mut self, who: &str, what: std::fmt::Arguments<'_>) {
+        self.trace.line(self.now, who, what);
+    }
+
+    fn violate(&mut self, invariant: &'static str, detail: String) {
+        if self.violation.is_none() {
+            self.trace
+                .line(self.now, "VIOLATED", format_args!("{invariant}: {detail}"));
+            self.violation = Some(Violation {
+                invariant,
+                detail,
+                at_ms: self.now - T0,
+            });
+        }
+    }
+
+    fn cluster(&self) -> Arc<SimCluster> {
+        self.cluster.clone().expect("proxy scenario")
+    }
+
+    fn sync_pods(&mut self) {
+        if let Some(c) = self.cluster.clone() {
+            for (at, t) in c.take_timers() {
+                let delay = at.saturating_sub(self.now);
+                self.at(delay, Action::Pod(t));
+            }
+        }
+    }
+
+    // -- the run --------------------------------------------------------------------------------
+
+    /// Runs to the end (or the first violation).
+    pub fn run(mut self) -> Outcome {
+        while let Some(Reverse(item)) = self.heap.pop() {
+            if item.at > self.end || self.violation.is_some() {
+                break;
+            }
+            self.now = item.at;
+            if let Some(c) = &self.cluster {
+                c.set_now(self.now);
+            }
+            if let Some(n) = &self.node {
+                n.queue.set_now(self.now);
+            }
+            self.step(item.action);
+            self.stats.steps += 1;
+            if self.stats.steps.is_multiple_of(REPLAY_EVERY) {
+                self.check_replays();
+            }
+        }
+        if self.violation.is_none() {
+            self.now = self.now.max(self.end);
+            self.final_checks();
+        }
+        Outcome {
+            hash: self.trace.hasher.finish(),
+            sim_ms: self.now - T0,
+            violation: self.violation,
+            trace: self.trace.tail.into_iter().collect(),
+            stats: self.stats,
+        }
+    }
+
+    fn step(&mut self, action: Action) {
+        match action {
+            Action::NextBurst => self.next_burst(),
+            Action::Arrive(id) => self.arrive(id),
+            Action::Flush(r, e) => self.flush(r, e),
+            Action::Observe(r, e) => {
+                if self.live(r, e) {
+                    self.observe(r);
+                    let p = self.sc.proxy.clone().expect("proxy");
+                    let d = self.draw(p.observe_ms);
+                    self.at(d.max(1), Action::Observe(r, e));
+                }
+            }
+            Action::Sync(r, e) => {
+                if self.live(r, e) {
+                    self.touch_check(r);
+                    let every = self.opts.sync_ms / 2 + 1;
+                    self.at(every, Action::Sync(r, e));
+                }
+            }
+            Action::LeaseTick(r, e) => self.lease_tick(r, e),
+            Action::DownscaleTick(r, e) => self.downscale_tick(r, e),
+            Action::ApiArrive(r, e, op, attempt) => self.api_arrive(r, e, op, attempt),
+            Action::ApiReply(r, e, op, answer, attempt) => {
+                self.api_reply(r, e, op, answer, attempt)
+            }
+            Action::Pod(t) => {
+                let c = self.cluster();
+                if let Some(what) = c.fire(t) {
+                    self.note("cluster", format_args!("{what}"));
+                }
+            }
+            Action::RequestDone(id) => self.request_done(id),
+            Action::HoldTimeout(id) => {
+                if self.requests[id].state == ReqState::Held {
+                    let hold = self.sc.proxy.as_ref().map_or(0, |p| p.hold_timeout_ms);
+                    self.fail(id, format!("held {hold} ms without a ready replica: 503"));
+                }
+            }
+            Action::FaultTick => self.fault_tick(),
+            Action::Restart(r) => self.restart(r),
+            Action::Enqueue(spec, attempt) => self.enqueue(spec, attempt),
+            Action::RunnerPoll(i, e) => self.runner_poll(i, e),
+            Action::NodeArrive(from, e, req, attempt) => self.node_arrive(from, e, req, attempt),
+            Action::NodeReply(to, e, req, answer, attempt) => {
+                self.node_reply(to, e, req, answer, attempt)
+            }
+            Action::CallDone(i, e, id) => self.call_done(i, e, id),
+            Action::Expire => self.expire(),
+            Action::NodeRestart => self.node_restart(),
+            Action::RunnerRestart(i) => {
+                let r = &mut self.runners[i];
+                r.up = true;
+                r.busy = 0;
+                r.polling = false;
+                let (name, e) = (r.name.clone(), r.epoch);
+                self.note(&name, format_args!("restarted"));
+                self.at(0, Action::RunnerPoll(i, e));
+            }
+        }
+    }
+
+    fn live(&self, r: usize, e: u32) -> bool {
+        let rep = &self.replicas[r];
+        rep.up && rep.epoch == e
+    }
+
+    // -- the proxy ------------------------------------------------------------------------------
+
+    fn next_burst(&mut self) {
+        if self.now >= T0 + self.sc.duration_ms {
+            return;
+        }
+        let t = self.sc.proxy.clone().expect("proxy").traffic;
+        let n = self.draw(t.burst);
+        let mut offset = 0;
+        for _ in 0..n {
+            let serve_ms = if t.long_chance > 0.0 && self.rng.random_bool(t.long_chance) {
+                self.draw(t.long_ms)
+            } else {
+                self.draw(t.serve_ms)
+            };
+            let id = self.requests.len();
+            self.requests.push(Req {
+                replica: 0,
+                epoch: 0,
+                arrived: 0,
+                serve_ms,
+                state: ReqState::Pending,
+                retried: false,
+                pod: None,
+                exempt: false,
+            });
+            self.open.insert(id);
+            self.at(offset, Action::Arrive(id));
+            offset += self.draw(t.spacing_ms);
+        }
+        let gap = self.draw(t.gap_ms);
+        self.at(offset + gap, Action::NextBurst);
+    }
+
+    fn arrive(&mut self, id: usize) {
+        let up: Vec<usize> = (0..self.replicas.len())
+            .filter(|&r| self.replicas[r].up)
+            .collect();
+        if up.is_empty() {
+            // No replica behind the load balancer: the client tries again.
+            self.at(100, Action::Arrive(id));
+            return;
+        }
+        let r = up[self.rng.random_range(0..up.len())];
+        self.stats.requests += 1;
+        let now = self.now;
+        let rep = &mut self.replicas[r];
+        let local = rep.local(now);
+        rep.in_flight += 1;
+        rep.count += 1;
+        rep.last_at = rep.last_at.max(local);
+        let epoch = rep.epoch;
+        let req = &mut self.requests[id];
+        req.replica = r;
+        req.epoch = epoch;
+        req.arrived = now;
+        self.arrivals.push((now, id));
+        let name = self.replicas[r].name.clone();
+        self.note(&name, format_args!("request {id} arrives"));
+        self.touch_check(r);
+        self.route(id, None);
+    }
+
+    fn route(&mut self, id: usize, avoid: Option<SocketAddr>) {
+        let r = self.requests[id].replica;
+        let choices: Vec<SocketAddr> = self.replicas[r]
+            .view
+            .iter()
+            .copied()
+            .filter(|a| Some(*a) != avoid)
+            .collect();
+        if choices.is_empty() {
+            self.hold(id);
+        } else {
+            let addr = choices[self.rng.random_range(0..choices.len())];
+            self.forward(id, addr);
+        }
+    }
+
+    fn forward(&mut self, id: usize, addr: SocketAddr) {
+        let r = self.requests[id].replica;
+        let name = self.replicas[r].name.clone();
+        match self.cluster().connect(addr) {
+            Ok(()) => {
+                let req = &mut self.requests[id];
+                req.state = ReqState::Serving;
+                req.pod = Some(addr);
+                let serve = req.serve_ms;
+                self.note(&name, format_args!("request {id} -> {addr}"));
+                self.at(serve, Action::RequestDone(id));
+            }
+            Err(state) => {
+                let retried = self.requests[id].retried;
+                if retry_after_miss(BackendMiss::Refused, retried) {
+                    self.stats.retried += 1;
+                    self.note(
+                        &name,
+                        format_args!("request {id} refused by {addr} ({state}); retrying"),
+                    );
+                    self.requests[id].retried = true;
+                    self.observe(r);
+                    if self.requests[id].state == ReqState::Held {
+                        // The observation already routed it again.
+                        return;
+                    }
+                    self.route(id, Some(addr));
+                } else {
+                    self.fail(
+                        id,
+                        format!("refused by {addr} ({state}) and not retried: 502"),
+                    );
+                }
+            }
+        }
+    }
+
+    fn hold(&mut self, id: usize) {
+        let r = self.requests[id].replica;
+        if self.requests[id].state != ReqState::Held {
+            self.requests[id].state = ReqState::Held;
+            self.replicas[r].held.push(id);
+            let t = self.sc.proxy.as_ref().map_or(0, |p| p.hold_timeout_ms);
+            self.at(t, Action::HoldTimeout(id));
+        }
+        self.wake(r);
+    }
+
+    /// Appends `events` to replica `r`'s log; false if the write was torn (the replica crashed).
+    fn append(&mut self, r: usize, events: Vec<Event>) -> bool {
+        if events.is_empty() {
+            return true;
+        }
+        let torn = self.strikes(self.faults.torn_write_chance);
+        let local = self.replicas[r].local(self.now);
+        for e in &events {
+            let (name, what) = (self.replicas[r].name.clone(), e.name());
+            self.note(&name, format_args!("logs {what} {}", describe(e)));
+        }
+        self.replicas[r].log.append(events, local, torn);
+        if torn {
+            let name = self.replicas[r].name.clone();
+            self.note(&name, format_args!("torn write"));
+            self.crash(r);
+            return false;
+        }
+        true
+    }
+
+    fn wake(&mut self, r: usize) {
+        let Some(event) = decide_wake(&self.replicas[r].log.state, ROUTE) else {
+            return;
+        };
+        let Event::ScaleRequested { to, .. } = event else {
+            return;
+        };
+        self.stats.wakes += 1;
+        if self.append(r, vec![event]) {
+            self.api(
+                r,
+                ApiOp::Scale {
+                    to,
+                    if_version: None,
+                    decision: None,
+                },
+                0,
+                0,
+            );
+        }
+    }
+
+    fn observe(&mut self, r: usize) {
+        let c = self.cluster();
+        let observed = c.observe(DEPLOYMENT).unwrap_or_default();
+        let shared = Coordinator::deployment(c.as_ref(), DEPLOYMENT).unwrap_or_default();
+        {
+            let rep = &mut self.replicas[r];
+            rep.view = observed.ready.clone();
+            rep.known_used = rep.known_used.max(shared.last_used_ms);
+        }
+        if let Some(peer) = shared::decide_peer(&self.replicas[r].log.state, DEPLOYMENT, &shared)
+            && !self.append(r, vec![peer])
+        {
+            return;
+        }
+        let report = Report {
+            ready: observed.ready.len() as u32,
+            ..Report::default()
+        };
+        let facts = decide_observed(&self.replicas[r].log.state, DEPLOYMENT, &report);
+        if !self.append(r, facts) {
+            return;
+        }
+        let held = std::mem::take(&mut self.replicas[r].held);
+        if held.is_empty() {
+            return;
+        }
+        if self.replicas[r].view.is_empty() {
+            self.replicas[r].held = held;
+            self.wake(r);
+        } else {
+            for id in held {
+                if self.requests[id].state == ReqState::Held {
+                    self.requests[id].state = ReqState::Pending;
+                    self.route(id, None);
+                }
+            }
+        }
+    }
+
+    fn touch_check(&mut self, r: usize) {
+        let now = self.now;
+        let rep = &self.replicas[r];
+        if rep.touching {
+            return;
+        }
+        let local = rep.local(now);
+        if let Some(v) = shared::decide_touch(
+            rep.known_used,
+            rep.last_at,
+            rep.in_flight,
+            local,
+            &self.opts,
+        ) {
+            self.replicas[r].touching = true;
+            self.api(r, ApiOp::Touch(v), 0, 0);
+        }
+    }
+
+    fn flush(&mut self, r: usize, e: u32) {
+        if !self.live(r, e) {
+            return;
+        }
+        let every = self.sc.proxy.as_ref().map_or(1_000, |p| p.flush_ms);
+        self.at(every, Action::Flush(r, e));
+        let rep = &mut self.replicas[r];
+        if rep.count == 0 {
+            return;
+        }
+        let event = Event::RequestsSeen {
+            route: ROUTE.into(),
+            count: std::mem::take(&mut rep.count),
+            last_at_ms: rep.last_at,
+        };
+        self.append(r, vec![event]);
+    }
+
+    fn lease_tick(&mut self, r: usize, e: u32) {
+        if !self.live(r, e) {
+            return;
+        }
+        self.at(self.opts.lease_ms / 3 + 1, Action::LeaseTick(r, e));
+        if !self.replicas[r].leasing {
+            self.replicas[r].leasing = true;
+            self.api(r, ApiOp::ReadLease, 0, 0);
+        }
+    }
+
+    fn downscale_tick(&mut self, r: usize, e: u32) {
+        if !self.live(r, e) {
+            return;
+        }
+        let every = self
+            .sc
+            .proxy
+            .as_ref()
+            .map_or(1_000, |p| p.downscale_every_ms);
+        self.at(every, Action::DownscaleTick(r, e));
+        let rep = &self.replicas[r];
+        let local = rep.local(self.now);
+        if !rep.downscaling && shared::leads(&rep.lease, &rep.name, local, &self.opts) {
+            self.replicas[r].downscaling = true;
+            self.api(r, ApiOp::Read, 0, 0);
+        }
+    }
+
+    /// Sends an API request from replica `r` after `extra` ms (a pause) plus the network.
+    fn api(&mut self, r: usize, op: ApiOp, attempt: u32, extra: u64) {
+        let lat = self.latency();
+        let e = self.replicas[r].epoch;
+        self.at(extra + lat, Action::ApiArrive(r, e, op, attempt));
+    }
+
+    fn api_arrive(&mut self, r: usize, e: u32, op: ApiOp, attempt: u32) {
+        // The request reached the API server; it is served even if its sender died since.
+        let answer = if self.strikes(self.faults.api_error_chance) {
+            Err(CoordError::Unavailable("simulated API error".into()))
+        } else {
+            let c = self.cluster();
+            match &op {
+                ApiOp::Read => {
+                    Coordinator::deployment(c.as_ref(), DEPLOYMENT).map(ApiAnswer::Deployment)
+                }
+                ApiOp::Scale { to, if_version, .. } => {
+                    let before = Coordinator::deployment(c.as_ref(), DEPLOYMENT)
+                        .map(|d| d.replicas)
+                        .unwrap_or(0);
+                    let done = Coordinator::scale(c.as_ref(), DEPLOYMENT, *to, *if_version);
+                    if done.is_ok() {
+                        let name = self.replicas[r].name.clone();
+                        self.note(
+                            &name,
+                            format_args!("scaled the deployment {before} -> {to}"),
+                        );
+                        if *to < before {
+                            self.stats.scale_downs += 1;
+                            self.check_downscale();
+                        }
+                    }
+                    self.sync_pods();
+                    done.map(ApiAnswer::Version)
+                }
+                ApiOp::Touch(v) => {
+                    let name = self.replicas[r].name.clone();
+                    self.note(
+                        &name,
+                        format_args!("publishes last use {}", v.saturating_sub(T0)),
+                    );
+                    Coordinator::touch(c.as_ref(), DEPLOYMENT, *v).map(ApiAnswer::Version)
+                }
+                ApiOp::ReadLease => c.lease().map(ApiAnswer::Lease),
+                ApiOp::TakeLease { until, if_version } => {
+                    let name = self.replicas[r].name.clone();
+                    c.take_lease(&name, *until, *if_version)
+                        .map(ApiAnswer::Version)
+                }
+            }
+        };
+        let lat = self.latency();
+        self.at(lat, Action::ApiReply(r, e, op, answer, attempt));
+    }
+
+    fn api_reply(
+        &mut self,
+        r: usize,
+        e: u32,
+        op: ApiOp,
+        answer: Result<ApiAnswer, CoordError>,
+        attempt: u32,
+    ) {
+        if !self.live(r, e) {
+            return;
+        }
+        let local = self.replicas[r].local(self.now);
+        match (op, answer) {
+            (ApiOp::Touch(v), Ok(_)) => {
+                let rep = &mut self.replicas[r];
+                rep.touching = false;
+                rep.known_used = rep.known_used.max(v);
+                // Uses since the bump was decided may need another.
+                self.touch_check(r);
+            }
+            (ApiOp::Touch(v), Err(_)) => {
+                if attempt + 1 < API_ATTEMPTS {
+                    self.api(r, ApiOp::Touch(v), attempt + 1, 0);
+                } else {
+                    self.replicas[r].touching = false;
+                }
+            }
+            (ApiOp::ReadLease, Ok(ApiAnswer::Lease(l))) => {
+                let name = self.replicas[r].name.clone();
+                match shared::decide_lease(&l, &name, local, &self.opts) {
+                    Some(until) => {
+                        let if_version = l.version;
+                        self.replicas[r].lease = l;
+                        self.api(r, ApiOp::TakeLease { until, if_version }, 0, 0);
+                    }
+                    None => {
+                        self.replicas[r].lease = l;
+                        self.replicas[r].leasing = false;
+                    }
+                }
+            }
+            (ApiOp::TakeLease { until, .. }, Ok(ApiAnswer::Version(v))) => {
+                let rep = &mut self.replicas[r];
+                rep.lease = Lease {
+                    holder: Some(rep.name.clone()),
+                    until_ms: until,
+                    version: v,
+                };
+                rep.leasing = false;
+            }
+            (ApiOp::ReadLease | ApiOp::TakeLease { .. }, _) => {
+                self.replicas[r].leasing = false;
+            }
+            (ApiOp::Read, Ok(ApiAnswer::Deployment(d))) => {
+                let rep = &self.replicas[r];
+                let live = Live {
+                    in_flight: rep.in_flight,
+                    last_at_ms: rep.last_at,
+                };
+                match shared::decide_downscale(
+                    &rep.log.state,
+                    DEPLOYMENT,
+                    &d,
+                    live,
+                    local,
+                    &self.opts,
+                ) {
+                    Some((decision, if_version)) => {
+                        let Event::ScaleRequested { to, .. } = decision else {
+                            self.replicas[r].downscaling = false;
+                            return;
+                        };
+                        let pause = if self.strikes(self.faults.pause_chance) {
+                            self.draw(self.faults.pause_ms)
+                        } else {
+                            0
+                        };
+                        if pause > 0 {
+                            let name = self.replicas[r].name.clone();
+                            self.note(&name, format_args!("pauses {pause} ms before scaling down"));
+                        }
+                        self.api(
+                            r,
+                            ApiOp::Scale {
+                                to,
+                                if_version,
+                                decision: Some(Box::new(decision)),
+                            },
+                            0,
+                            pause,
+                        );
+                    }
+                    None => self.replicas[r].downscaling = false,
+                }
+            }
+            (ApiOp::Read, _) => self.replicas[r].downscaling = false,
+            (
+                ApiOp::Scale {
+                    decision: Some(decision),
+                    ..
+                },
+                answer,
+            ) => {
+                self.replicas[r].downscaling = false;
+                match answer {
+                    Ok(_) => {
+                        self.append(r, vec![*decision]);
+                    }
+                    Err(CoordError::Conflict) => {
+                        self.stats.conflicts += 1;
+                        let name = self.replicas[r].name.clone();
+                        self.note(
+                            &name,
+                            format_args!("scale-down refused: the deployment changed"),
+                        );
+                    }
+                    Err(_) => {}
+                }
+            }
+            (op @ ApiOp::Scale { decision: None, .. }, Err(_)) => {
+                if attempt + 1 < API_ATTEMPTS {
+                    self.api(r, op, attempt + 1, 0);
+                }
+            }
+            (ApiOp::Scale { decision: None, .. }, Ok(_)) => {}
+        }
+    }
+
+    /// Invariant `no_downscale_while_used`, checked when a scale-down takes effect: no request
+    /// arrived within `idle_after_ms` before it, except within the sync lag (those could not be
+    /// known; they must be saved by the retry), and none older than the lag is still in flight.
+    fn check_downscale(&mut self) {
+        let Some(p) = self.sc.proxy.clone() else {
+            return;
+        };
+        let now = self.now;
+        let lag = self.opts.sync_lag_ms;
+        let from = now.saturating_sub(p.idle_after_ms);
+        let to = now.saturating_sub(lag);
+        if to > from {
+            let lo = self.arrivals.partition_point(|(t, _)| *t <= from);
+            let hi = self.arrivals.partition_point(|(t, _)| *t <= to);
+            if let Some(&(t, id)) = self.arrivals[lo..hi]
+                .iter()
+                .find(|(_, id)| !self.requests[*id].exempt)
+            {
+                let r = self.requests[id].replica;
+                self.violate(
+                    "no_downscale_while_used",
+                    format!(
+                        "scaled down while request {id} seen by {} {} ms ago counted (idle_after {} ms, sync lag {lag} ms)",
+                        self.replicas[r].name,
+                        now - t,
+                        p.idle_after_ms
+                    ),
+                );
+                return;
+            }
+        }
+        let stale = self.open.iter().copied().find(|&id| {
+            let q = &self.requests[id];
+            matches!(q.state, ReqState::Held | ReqState::Serving) && q.arrived <= to && !q.exempt
+        });
+        if let Some(id) = stale {
+            let q = &self.requests[id];
+            let what = format!(
+                "scaled down while request {id} ({:?}, arrived {} ms ago) was in flight",
+                q.state,
+                now - q.arrived
+            );
+            self.violate("no_downscale_while_used", what);
+        }
+    }
+
+    fn request_done(&mut self, id: usize) {
+        let c = self.cluster();
+        if let Some(pod) = self.requests[id].pod.take() {
+            c.done(pod);
+            self.sync_pods();
+        }
+        let q = &mut self.requests[id];
+        if q.state != ReqState::Serving {
+            return;
+        }
+        q.state = ReqState::Done;
+        let (r, e) = (q.replica, q.epoch);
+        self.open.remove(&id);
+        if self.live(r, e) {
+            let rep = &mut self.replicas[r];
+            rep.in_flight = rep.in_flight.saturating_sub(1);
+            let local = rep.local(self.now);
+            rep.last_at = rep.last_at.max(local);
+        }
+    }
+
+    fn fail(&mut self, id: usize, why: String) {
+        let q = &mut self.requests[id];
+        q.state = ReqState::Failed;
+        let (r, e, arrived) = (q.replica, q.epoch, q.arrived);
+        self.open.remove(&id);
+        if self.live(r, e) {
+            let rep = &mut self.replicas[r];
+            rep.in_flight = rep.in_flight.saturating_sub(1);
+            rep.held.retain(|h| *h != id);
+        }
+        let name = self.replicas[r].name.clone();
+        self.violate(
+            "request_not_lost",
+            format!(
+                "request {id} (arrived {} ms ago at {name}): {why}",
+                self.now - arrived
+            ),
+        );
+    }
+
+    fn crash(&mut self, r: usize) {
+        self.stats.crashes += 1;
+        let name = self.replicas[r].name.clone();
+        self.note(&name, format_args!("crashes"));
+        let window = self
+            .sc
+            .proxy
+            .as_ref()
+            .map_or(0, |p| p.idle_after_ms + p.sync_lag_ms);
+        let since = self.now.saturating_sub(window);
+        let now = self.now;
+        for q in self.requests.iter_mut() {
+            if q.replica == r
+                && q.arrived >= since
+                && q.arrived <= now
+                && q.state != ReqState::Pending
+            {
+                q.exempt = true;
+            }
+        }
+        let lost: Vec<usize> = self
+            .open
+            .iter()
+            .copied()
+            .filter(|&id| {
+                let q = &self.requests[id];
+                q.replica == r && matches!(q.state, ReqState::Held | ReqState::Serving)
+            })
+            .collect();
+        for id in lost {
+            self.requests[id].state = ReqState::Dropped;
+            self.open.remove(&id);
+        }
+        let rep = &mut self.replicas[r];
+        rep.up = false;
+        rep.epoch += 1;
+        rep.in_flight = 0;
+        rep.count = 0;
+        rep.held.clear();
+        rep.view.clear();
+        let restart = self.draw(self.faults.restart_ms);
+        self.at(restart.max(1), Action::Restart(r));
+    }
+
+    fn restart(&mut self, r: usize) {
+        let name = self.replicas[r].name.clone();
+        if let Err(why) = self.replicas[r].log.crash_and_recover() {
+            self.violate(
+                "replay_equals_live",
+                format!("{name} cannot replay its log: {why}"),
+            );
+            return;
+        }
+        let rep = &mut self.replicas[r];
+        rep.up = true;
+        rep.last_at = 0;
+        rep.known_used = 0;
+        rep.touching = false;
+        rep.lease = Lease::default();
+        rep.leasing = false;
+        rep.downscaling = false;
+        let seq = self.replicas[r].log.state.seq;
+        self.note(&name, format_args!("restarted from its log (seq {seq})"));
+        self.start_replica_loops(r);
+    }
+
+    fn fault_tick(&mut self) {
+        if self.now >= T0 + self.sc.duration_ms {
+            return;
+        }
+        self.at(100, Action::FaultTick);
+        let p = self.faults.crash_per_s / 10.0;
+        if p <= 0.0 {
+            return;
+        }
+        for r in 0..self.replicas.len() {
+            if self.replicas[r].up && self.strikes(p) {
+                self.crash(r);
+            }
+        }
+        if self.node.as_ref().is_some_and(|n| n.up) && self.strikes(p) {
+            self.crash_node();
+        }
+    }
+
+    // -- calls ----------------------------------------------------------------------------------
+
+    fn new_call(&mut self) -> CallSpec {
+        let c = self.sc.calls.clone().expect("calls scenario");
+        self.next_call += 1;
+        let partition = if self.rng.random_bool(0.5) {
+            let i = self.rng.random_range(0..c.runners);
+            Some(format!("runner-{i}"))
+        } else {
+            None
+        };
+        CallSpec {
+            id: uuid::Uuid::from_u128(self.rng.random())
+                .hyphenated()
+                .to_string(),
+            target: "app".into(),
+            kind: CallKind::Async,
+            timeout_ms: c.timeout_ms,
+            partition,
+            payload: Payload::default(),
+        }
+    }
+
+    fn send(&mut self, from: usize, req: NodeReq, attempt: u32, extra: u64) {
+        let e = if from == PRODUCER {
+            0
+        } else {
+            self.runners[from].epoch
+        };
+        let lat = self.latency();
+        self.at(extra + lat, Action::NodeArrive(from, e, req, attempt));
+    }
+
+    fn enqueue(&mut self, spec: CallSpec, attempt: u32) {
+        if attempt == 0 {
+            if self.now >= T0 + self.sc.duration_ms {
+                return;
+            }
+            let gap = self.sc.calls.as_ref().map_or([100, 100], |c| c.gap_ms);
+            let gap = self.draw(gap);
+            let next = self.new_call();
+            self.at(gap.max(1), Action::Enqueue(next, 0));
+        }
+        self.send(PRODUCER, NodeReq::Enqueue(spec), attempt, 0);
+    }
+
+    fn node_append(&mut self, events: Vec<Event>) -> bool {
+        if events.is_empty() {
+            return true;
+        }
+        let torn = self.strikes(self.faults.torn_write_chance);
+        for e in &events {
+            self.note("node", format_args!("logs {} {}", e.name(), describe(e)));
+        }
+        let now = self.now;
+        let node = self.node.as_mut().expect("calls node");
+        node.log.append(events, now, torn);
+        if torn {
+            self.note("node", format_args!("torn write"));
+            self.crash_node();
+            return false;
+        }
+        true
+    }
+
+    fn node_arrive(&mut self, from: usize, e: u32, req: NodeReq, attempt: u32) {
+        let up = self.node.as_ref().is_some_and(|n| n.up);
+        let answer = if up {
+            self.serve_node(from, &req)
+        } else {
+            NodeAnswer::Down
+        };
+        let lat = self.latency();
+        self.at(lat, Action::NodeReply(from, e, req, answer, attempt));
+    }
+
+    fn runner_name(&self, from: usize) -> String {
+        if from == PRODUCER {
+            "producer".into()
+        } else {
+            self.runners[from].name.clone()
+        }
+    }
+
+    /// The runner API's semantics (as `calls::Calls` has them), on the production decisions.
+    fn serve_node(&mut self, from: usize, req: &NodeReq) -> NodeAnswer {
+        let c = self.sc.calls.clone().expect("calls scenario");
+        let queue = self.node.as_ref().expect("node").queue.clone();
+        let now = self.now;
+        let runner = self.runner_name(from);
+        match req {
+            NodeReq::Enqueue(spec) => {
+                let message = Message::new(
+                    spec.id.clone(),
+                    spec.partition.clone().unwrap_or_default(),
+                    rmp_serde::to_vec_named(spec).expect("a call spec encodes"),
+                );
+                match queue.put(vec![message]).now_or_never() {
+                    // A retried enqueue finds its message already there.
+                    Some(Ok(())) | Some(Err(crate::queue::QueueError::Duplicate(_))) => {}
+                    _ => return NodeAnswer::Down,
+                }
+                let known = self.node_state().calls.get(&spec.id).is_some();
+                if !known && !self.node_append(vec![Event::CallQueued { call: spec.clone() }]) {
+                    return NodeAnswer::Down;
+                }
+                NodeAnswer::Enqueued
+            }
+            NodeReq::Dequeue { max } => {
+                let messages = queue
+                    .reserve(&runner, *max, std::time::Duration::ZERO)
+                    .now_or_never()
+                    .and_then(Result::ok)
+                    .unwrap_or_default();
+                let mut jobs = Vec::new();
+                let mut done = Vec::new();
+                let mut holds = Vec::new();
+                for m in messages {
+                    let Ok(spec) = rmp_serde::from_slice::<CallSpec>(&m.body) else {
+                        done.push(m.id);
+                        continue;
+                    };
+                    let status = self.node_state().calls.get(&spec.id).map(|c| c.status);
+                    match status {
+                        None => {
+                            if !self.node_append(vec![Event::CallQueued { call: spec.clone() }]) {
+                                return NodeAnswer::Down;
+                            }
+                            jobs.push(spec);
+                        }
+                        Some(s) if s.is_final() => done.push(spec.id),
+                        Some(CallStatus::Running) => {
+                            let deadline = self
+                                .node_state()
+                                .calls
+                                .get(&spec.id)
+                                .and_then(|c| c.deadline_at_ms)
+                                .unwrap_or(now);
+                            holds.push((spec.id, deadline.max(now) + c.hold_grace_ms));
+                        }
+                        Some(_) => jobs.push(spec),
+                    }
+                }
+                let _ = queue.hold(holds).now_or_never();
+                let _ = queue.delete(done).now_or_never();
+                NodeAnswer::Jobs(jobs)
+            }
+            NodeReq::Start { ids, .. } => {
+                let until = now + c.timeout_ms + c.hold_grace_ms;
+                let _ = queue
+                    .hold(ids.iter().map(|id| (id.clone(), until)).collect())
+                    .now_or_never();
+                let mut verdicts = Vec::new();
+                let mut refused = Vec::new();
+                for id in ids {
+                    let (event, verdict) = decide_start(&self.node_state().calls, id, &runner, now);
+                    if !self.node_append(vec![event]) {
+                        return NodeAnswer::Down;
+                    }
+                    let accepted = verdict == StartVerdict::Accepted;
+                    if !accepted {
+                        refused.push(id.clone());
+                    }
+                    verdicts.push((id.clone(), accepted));
+                }
+                let _ = queue.delete(refused).now_or_never();
+                NodeAnswer::Started(verdicts)
+            }
+            NodeReq::Finish { id, .. } => {
+                let before = self.node_state().calls.get(id).map(|c| c.status);
+                if let Some(event) = decide_finish(
+                    &self.node_state().calls,
+                    id,
+                    &runner,
+                    crate::event::Outcome::Success,
+                    None,
+                    format!("run by {runner}"),
+                ) {
+                    if before.is_some_and(CallStatus::is_final) {
+                        self.violate(
+                            "finish_idempotent",
+                            format!("a second finish of call {id} was recorded (it was already {before:?})"),
+                        );
+                    }
+                    if !self.node_append(vec![event]) {
+                        return NodeAnswer::Down;
+                    }
+                }
+                let _ = queue.delete(vec![id.clone()]).now_or_never();
+                let status = self
+                    .node_state()
+                    .calls
+                    .get(id)
+                    .map_or(CallStatus::Error, |c| c.status);
+                let node = self.node.as_mut().expect("node");
+                match node.finish_answers.get(id) {
+                    Some(first) if *first != status => {
+                        let first = *first;
+                        self.violate(
+                            "finish_idempotent",
+                            format!("finish of call {id} answered {status:?}, earlier {first:?}"),
+                        );
+                    }
+                    Some(_) => {}
+                    None => {
+                        node.finish_answers.insert(id.clone(), status);
+                    }
+                }
+                NodeAnswer::Finished(status)
+            }
+        }
+    }
+
+    fn node_state(&self) -> &crate::state::State {
+        &self.node.as_ref().expect("node").log.state
+    }
+
+    fn node_reply(&mut self, to: usize, e: u32, req: NodeReq, answer: NodeAnswer, attempt: u32) {
+        if to == PRODUCER {
+            if let NodeReq::Enqueue(spec) = req {
+                match answer {
+                    NodeAnswer::Enqueued => {
+                        self.stats.calls += 1;
+                        self.acked.push(spec.id);
+                    }
+                    _ if attempt + 1 < RUNNER_ATTEMPTS => {
+                        self.at(200, Action::Enqueue(spec, attempt + 1));
+                    }
+                    _ => {}
+                }
+            }
+            return;
+        }
+        let runner = &self.runners[to];
+        if !runner.up || runner.epoch != e {
+            return;
+        }
+        let name = runner.name.clone();
+        let lost =
+            !matches!(answer, NodeAnswer::Down) && self.strikes(self.faults.lost_reply_chance);
+        match (req, answer) {
+            (NodeReq::Dequeue { .. }, NodeAnswer::Jobs(jobs)) if !lost => {
+                self.runners[to].polling = false;
+                if jobs.is_empty() {
+                    let wait = self.rng.random_range(10..=50);
+                    self.runners[to].polling = true;
+                    self.at(wait, Action::RunnerPoll(to, e));
+                    return;
+                }
+                let c = self.sc.calls.clone().expect("calls");
+                if self.strikes(self.faults.runner_crash_chance) {
+                    self.note(&name, format_args!("dequeued {} and crashes", jobs.len()));
+                    self.crash_runner(to, c.restart_ms);
+                    return;
+                }
+                self.runners[to].busy += jobs.len();
+                let ids: Vec<String> = jobs.into_iter().map(|j| j.id).collect();
+                if self.strikes(self.faults.duplicate_chance) {
+                    self.send(
+                        to,
+                        NodeReq::Start {
+                            ids: ids.clone(),
+                            duplicate: true,
+                        },
+                        0,
+                        0,
+                    );
+                }
+                self.send(
+                    to,
+                    NodeReq::Start {
+                        ids,
+                        duplicate: false,
+                    },
+                    0,
+                    0,
+                );
+                self.runners[to].polling = true;
+                self.at(0, Action::RunnerPoll(to, e));
+            }
+            (NodeReq::Dequeue { .. }, _) => {
+                self.runners[to].polling = true;
+                self.at(200, Action::RunnerPoll(to, e));
+            }
+            (
+                NodeReq::Start {
+                    duplicate: true, ..
+                },
+                _,
+            ) => {}
+            (NodeReq::Start { ids, .. }, NodeAnswer::Started(verdicts)) if !lost => {
+                let c = self.sc.calls.clone().expect("calls");
+                let accepted: Vec<String> = verdicts
+                    .into_iter()
+                    .filter_map(|(id, ok)| ok.then_some(id))
+                    .collect();
+                let refused = ids.len() - accepted.len();
+                self.runners[to].busy = self.runners[to].busy.saturating_sub(refused);
+                if !accepted.is_empty() && self.strikes(self.faults.runner_crash_chance) {
+                    self.note(
+                        &name,
+                        format_args!("started {} and crashes", accepted.len()),
+                    );
+                    self.crash_runner(to, c.restart_ms);
+                    return;
+                }
+                for id in accepted {
+                    self.stats.executed += 1;
+                    let n = self.executions.entry(id.clone()).or_insert(0);
+                    *n += 1;
+                    let n = *n;
+                    self.note(&name, format_args!("runs call {id}"));
+                    if n > 1 {
+                        self.violate(
+                            "call_at_most_once",
+                            format!("call {id} ran {n} times (now on {name})"),
+                        );
+                        return;
+                    }
+                    let run = self.draw(c.run_ms);
+                    self.at(run, Action::CallDone(to, e, id));
+                }
+                self.maybe_poll(to);
+            }
+            (NodeReq::Start { ids, .. }, _) => {
+                // No answer: the runner asks again (a start already accepted is refused then,
+                // and the call becomes `error`, never runs).
+                if attempt + 1 < RUNNER_ATTEMPTS {
+                    self.send(
+                        to,
+                        NodeReq::Start {
+                            ids,
+                            duplicate: false,
+                        },
+                        attempt + 1,
+                        200,
+                    );
+                } else {
+                    self.runners[to].busy = self.runners[to].busy.saturating_sub(ids.len());
+                    self.maybe_poll(to);
+                }
+            }
+            (
+                NodeReq::Finish {
+                    duplicate: true, ..
+                },
+                _,
+            ) => {}
+            (NodeReq::Finish { id, .. }, NodeAnswer::Finished(status)) if !lost => {
+                self.note(&name, format_args!("finished call {id}: {status:?}"));
+                self.runners[to].busy = self.runners[to].busy.saturating_sub(1);
+                self.maybe_poll(to);
+            }
+            (NodeReq::Finish { id, .. }, _) => {
+                if attempt + 1 < RUNNER_ATTEMPTS {
+                    self.send(
+                        to,
+                        NodeReq::Finish {
+                            id,
+                            duplicate: false,
+                        },
+                        attempt + 1,
+                        200,
+                    );
+                } else {
+                    self.runners[to].busy = self.runners[to].busy.saturating_sub(1);
+                    self.maybe_poll(to);
+                }
+            }
+            (NodeReq::Enqueue(_), _) => {}
+        }
+    }
+
+    fn maybe_poll(&mut self, i: usize) {
+        let r = &self.runners[i];
+        if r.up && !r.polling {
+            let e = r.epoch;
+            self.runners[i].polling = true;
+            self.at(0, Action::RunnerPoll(i, e));
+        }
+    }
+
+    fn runner_poll(&mut self, i: usize, e: u32) {
+        let c = self.sc.calls.clone().expect("calls");
+        let r = &self.runners[i];
+        if !r.up || r.epoch != e {
+            return;
+        }
+        let free = c.capacity.saturating_sub(r.busy);
+        if free == 0 {
+            self.runners[i].polling = false;
+            return;
+        }
+        self.runners[i].polling = true;
+        self.send(i, NodeReq::Dequeue { max: free }, 0, 0);
+    }
+
+    fn call_done(&mut self, i: usize, e: u32, id: String) {
+        let r = &self.runners[i];
+        if !r.up || r.epoch != e {
+            return;
+        }
+        let name = r.name.clone();
+        let c = self.sc.calls.clone().expect("calls");
+        if self.strikes(self.faults.runner_crash_chance) {
+            self.note(
+                &name,
+                format_args!("ran call {id} and crashes before finishing it"),
+            );
+            self.crash_runner(i, c.restart_ms);
+            return;
+        }
+        if self.strikes(self.faults.duplicate_chance) {
+            self.send(
+                i,
+                NodeReq::Finish {
+                    id: id.clone(),
+                    duplicate: true,
+                },
+                0,
+                0,
+            );
+        }
+        self.send(
+            i,
+            NodeReq::Finish {
+                id,
+                duplicate: false,
+            },
+            0,
+            0,
+        );
+    }
+
+    fn crash_runner(&mut self, i: usize, restart_ms: Range) {
+        self.stats.crashes += 1;
+        let r = &mut self.runners[i];
+        r.up = false;
+        r.epoch += 1;
+        r.busy = 0;
+        r.polling = false;
+        let t = self.draw(restart_ms);
+        self.at(t.max(1), Action::RunnerRestart(i));
+    }
+
+    fn crash_node(&mut self) {
+        self.stats.crashes += 1;
+        self.note("node", format_args!("crashes"));
+        let node = self.node.as_mut().expect("node");
+        node.up = false;
+        node.epoch += 1;
+        let t = self.draw(self.faults.restart_ms);
+        self.at(t.max(1), Action::NodeRestart);
+    }
+
+    fn node_restart(&mut self) {
+        let node = self.node.as_mut().expect("node");
+        if let Err(why) = node.log.crash_and_recover() {
+            self.violate(
+                "replay_equals_live",
+                format!("the calls node cannot replay its log: {why}"),
+            );
+            return;
+        }
+        node.up = true;
+        let seq = node.log.state.seq;
+        self.note("node", format_args!("restarted from its log (seq {seq})"));
+    }
+
+    fn expire(&mut self) {
+        if self.node.is_none() {
+            return;
+        }
+        self.at(100, Action::Expire);
+        if self.now >= T0 + self.sc.duration_ms
+            && let Some(n) = self.node.as_mut()
+            && let Some(q) = Arc::get_mut(&mut n.queue)
+        {
+            q.calm();
+        }
+        if !self.node.as_ref().is_some_and(|n| n.up) {
+            return;
+        }
+        let now = self.now;
+        let due: Vec<String> = self
+            .node_state()
+            .schedule
+            .due(now)
+            .filter_map(|(_, d)| match d {
+                Due::CallTimeout(id) => Some(id.clone()),
+                _ => None,
+            })
+            .take(1_000)
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        let refs: Vec<&str> = due.iter().map(String::as_str).collect();
+        let events = decide_timeouts(&self.node_state().calls, &refs, now);
+        let ids: Vec<String> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::CallTimedOut { id } => Some(id.clone()),
+                _ => None,
+            })
+            .collect();
+        if self.node_append(events) {
+            let queue = self.node.as_ref().expect("node").queue.clone();
+            let _ = queue.delete(ids).now_or_never();
+        }
+    }
+
+    // -- checks ---------------------------------------------------------------------------------
+
+    fn check_replays(&mut self) {
+        for r in 0..self.replicas.len() {
+            if !self.replicas[r].up {
+                continue;
+            }
+            if let Err((invariant, why)) = self.replicas[r].log.check_replay() {
+                let name = self.replicas[r].name.clone();
+                self.violate(invariant, format!("{name}: {why}"));
+                return;
+            }
+        }
+        if let Some(n) = &self.node
+            && n.up
+            && let Err((invariant, why)) = n.log.check_replay()
+        {
+            self.violate(invariant, format!("calls node: {why}"));
+        }
+    }
+
+    fn final_checks(&mut self) {
+        self.check_replays();
+        if self.violation.is_some() {
+            return;
+        }
+        if let Some(&id) = self.open.iter().find(|&&id| {
+            matches!(
+                self.requests[id].state,
+                ReqState::Held | ReqState::Serving | ReqState::Pending
+            )
+        }) {
+            let q = &self.requests[id];
+            let what = format!(
+                "request {id} ({:?}, arrived {} ms before the end) was never answered",
+                q.state,
+                self.now - q.arrived
+            );
+            self.violate("request_not_lost", what);
+            return;
+        }
+        if let Some(node) = &self.node {
+            if !node.up {
+                self.violate(
+                    "call_reaches_final",
+                    "the calls node is still down at the end".into(),
+                );
+                return;
+            }
+            let stuck = self.acked.iter().find(|id| {
+                !node
+                    .log
+                    .state
+                    .calls
+                    .get(id)
+                    .is_some_and(|c| c.status.is_final())
+            });
+            if let Some(id) = stuck {
+                let status = node.log.state.calls.get(id).map(|c| c.status);
+                let what = format!(
+                    "call {id} is {status:?} {} ms after the faults stopped",
+                    self.sc.settle_ms
+                );
+                self.violate("call_reaches_final", what);
+            }
+        }
+    }
+}
+
+/// A short description of an event for the trace.
+fn describe(e: &Event) -> String {
+    match e {
+        Event::ScaleRequested {
+            from, to, reason, ..
+        } => format!("{from}->{to} ({reason:?})"),
+        Event::ScaledUp { replicas, .. } | Event::ScaledDown { replicas, .. } => {
+            format!("{replicas}")
+        }
+        Event::RequestsSeen {
+            count, last_at_ms, ..
+        } => format!("{count} last {last_at_ms}"),
+        Event::CallQueued { call } => call.id.clone(),
+        Event::CallStarted { id, runner, .. } => format!("{id} by {runner}"),
+        Event::CallRejected { id, reason, .. } => format!("{id} ({reason:?})"),
+        Event::CallFinished { id, outcome, .. } => format!("{id} {outcome:?}"),
+        Event::CallTimedOut { id } => id.clone(),
+        _ => String::new(),
+    }
+}
