@@ -310,6 +310,32 @@ async fn start_and_finish_are_exact() {
     assert_ne!(page.json["calls"][0]["id"], page2.json["calls"][0]["id"]);
 }
 
+/// A call id is the enqueue's idempotency key: an enqueue retried with the same id (its answer
+/// was lost) answers the same id, and the call is queued and run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueue_retried_with_the_same_id_is_the_same_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &["--runner-capacity", "0"]);
+    let id = uuid::Uuid::now_v7().hyphenated().to_string();
+    let body = json!({ "target": "work", "id": id, "payload": { "body": "once" } });
+    let first = post(&ebb, "/runner/enqueue", body.clone()).await;
+    let again = post(&ebb, "/runner/enqueue", body.clone()).await;
+    assert_eq!((first.status, again.status), (200, 200), "{:?}", again.json);
+    assert_eq!(first.json["id"], id.as_str());
+    assert_eq!(again.json["id"], id.as_str());
+    let got = dequeue(&ebb, "r1", 2_000).await;
+    assert_eq!(got.json["calls"].as_array().map(Vec::len), Some(1), "{:?}", got.json);
+    assert_eq!(start_one(&ebb, "r1", &id).await.status, 200);
+    let done = json!({ "runner": "r1", "id": id, "outcome": "success" });
+    assert_eq!(post(&ebb, "/runner/finish", done).await.status, 200);
+    // Retried after the call ended: still the same call, not run again.
+    let late = post(&ebb, "/runner/enqueue", body).await;
+    assert_eq!(late.status, 200);
+    assert_eq!(events_of(&ebb.data, &id, "CallQueued"), 1);
+    assert_eq!(events_of(&ebb.data, &id, "CallStarted"), 1);
+    assert_eq!(state(&ebb, &id).await, "success");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_clear_errors_and_writes_nothing() {
     let dir = tempfile::tempdir().unwrap();

@@ -451,7 +451,12 @@ impl Calls {
                 body,
             ));
         }
-        if let Err(e) = self.queue.put(messages).await {
+        if let Err(e) = self.put_new(messages).await {
+            if matches!(e, QueueError::Duplicate(_)) {
+                // The same ids enqueued at the same moment: those messages are the other
+                // enqueue's, not aborted ones.
+                return Err(e.into());
+            }
             let mut aborted = self.aborted.lock().expect("aborted lock");
             for s in &specs {
                 if aborted.0.insert(s.id.clone()) {
@@ -468,6 +473,23 @@ impl Calls {
         let ids = specs.iter().map(|s| s.id.clone()).collect();
         self.record_queued(specs).await?;
         Ok(ids)
+    }
+
+    /// Puts messages, skipping those whose id is on the queue already: an enqueue retried with
+    /// the same call id (its answer was lost, or the log write failed after the put) is the same
+    /// call, not a new one, and must not abort the first.
+    async fn put_new(&self, mut messages: Vec<Message>) -> Result<(), QueueError> {
+        let ids: Vec<String> = messages.iter().map(|m| m.id.clone()).collect();
+        if let Some(missing) = self.queue.missing(&ids)
+            && missing.len() < ids.len()
+        {
+            let missing: HashSet<String> = missing.into_iter().collect();
+            messages.retain(|m| missing.contains(&m.id));
+        }
+        if messages.is_empty() {
+            return Ok(());
+        }
+        self.queue.put(messages).await
     }
 
     /// Puts back on the queue the queued calls it lost (a machine crash can take unsynced puts
