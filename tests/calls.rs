@@ -324,7 +324,12 @@ async fn an_enqueue_retried_with_the_same_id_is_the_same_call() {
     assert_eq!(first.json["id"], id.as_str());
     assert_eq!(again.json["id"], id.as_str());
     let got = dequeue(&ebb, "r1", 2_000).await;
-    assert_eq!(got.json["calls"].as_array().map(Vec::len), Some(1), "{:?}", got.json);
+    assert_eq!(
+        got.json["calls"].as_array().map(Vec::len),
+        Some(1),
+        "{:?}",
+        got.json
+    );
     assert_eq!(start_one(&ebb, "r1", &id).await.status, 200);
     let done = json!({ "runner": "r1", "id": id, "outcome": "success" });
     assert_eq!(post(&ebb, "/runner/finish", done).await.status, 200);

@@ -29,7 +29,8 @@ use crate::state::State;
 pub struct SharedDeployment {
     /// Replicas asked for (`spec.replicas`).
     pub replicas: u32,
-    /// The `last-used` annotation: the newest use any replica published (its clock, ms).
+    /// The `last-used` annotation: the newest use any replica published (in that replica's
+    /// clock, ms).
     pub last_used_ms: u64,
     /// Moves on every change (`metadata.resourceVersion`).
     pub version: u64,
@@ -68,7 +69,9 @@ pub trait Coordinator {
     /// Sets a deployment's replicas; with `if_version`, only if it is still at that version.
     /// Returns the new version.
     fn scale(&self, name: &str, replicas: u32, if_version: Option<u64>) -> Result<u64, CoordError>;
-    /// Sets the `last-used` annotation. Returns the new version.
+    /// Raises the `last-used` annotation to `last_used_ms`; never lowers it (against the API
+    /// server: read, then write conditioned on the version read, until it holds). Returns the
+    /// version.
     fn touch(&self, name: &str, last_used_ms: u64) -> Result<u64, CoordError>;
     /// Reads the lease.
     fn lease(&self) -> Result<Lease, CoordError>;

@@ -46,6 +46,17 @@ pub enum PodTimer {
     Ready(usize),
     /// Check exit of pod `i`.
     Exit(usize),
+    /// The grace period of stopping pod `i` is over: it is killed with whatever it still serves.
+    Kill(usize),
+}
+
+/// What a timer did.
+#[derive(Debug, Clone, Default)]
+pub struct Fired {
+    /// For the trace.
+    pub what: Option<String>,
+    /// A pod killed with requests in flight: they end without an answer.
+    pub killed: Option<SocketAddr>,
 }
 
 struct Inner {
@@ -57,6 +68,7 @@ struct Inner {
     timers: Vec<(u64, PodTimer)>,
     start_ms: Range,
     stop_ms: Range,
+    grace_ms: u64,
     changes: u64,
 }
 
@@ -68,8 +80,9 @@ pub struct SimCluster {
 }
 
 impl SimCluster {
-    /// One deployment named `name` at zero replicas.
-    pub fn new(name: &str, seed: u64, start_ms: Range, stop_ms: Range) -> Self {
+    /// One deployment named `name` at zero replicas. A stopping pod exits `stop_ms` after its
+    /// requests end, and is killed `grace_ms` after it was asked to stop.
+    pub fn new(name: &str, seed: u64, start_ms: Range, stop_ms: Range, grace_ms: u64) -> Self {
         Self {
             name: name.to_owned(),
             inner: Mutex::new(Inner {
@@ -89,6 +102,7 @@ impl SimCluster {
                 timers: Vec::new(),
                 start_ms,
                 stop_ms,
+                grace_ms,
                 changes: 0,
             }),
             changes: watch::channel(0).0,
@@ -110,7 +124,7 @@ impl SimCluster {
     }
 
     /// Runs a timer.
-    pub fn fire(&self, timer: PodTimer) -> Option<String> {
+    pub fn fire(&self, timer: PodTimer) -> Fired {
         let mut g = self.lock();
         let now = g.now_ms;
         match timer {
@@ -120,12 +134,37 @@ impl SimCluster {
                 {
                     g.pods[i].state = PodState::Ready;
                     g.changes += 1;
-                    return Some(format!("pod {} ready", g.pods[i].addr));
+                    return Fired {
+                        what: Some(format!("pod {} ready", g.pods[i].addr)),
+                        killed: None,
+                    };
                 }
             }
-            PodTimer::Exit(i) => return exit_if_done(&mut g, i),
+            PodTimer::Exit(i) => {
+                return Fired {
+                    what: exit_if_done(&mut g, i),
+                    killed: None,
+                };
+            }
+            PodTimer::Kill(i) => {
+                if matches!(g.pods[i].state, PodState::Stopping { .. }) {
+                    let pod = &mut g.pods[i];
+                    pod.state = PodState::Gone;
+                    let killed = (pod.in_flight > 0).then_some(pod.addr);
+                    let what = format!(
+                        "pod {} killed after its grace period ({} in flight)",
+                        pod.addr, pod.in_flight
+                    );
+                    pod.in_flight = 0;
+                    g.changes += 1;
+                    return Fired {
+                        what: Some(what),
+                        killed,
+                    };
+                }
+            }
         }
-        None
+        Fired::default()
     }
 
     /// A connection to `addr`: `Ok` if a ready pod accepts it (the request is now in flight
@@ -218,6 +257,8 @@ fn reconcile(g: &mut Inner) {
                 let at = now + draw(&mut g.rng, g.stop_ms);
                 g.pods[i].state = PodState::Stopping { exit_at: at };
                 g.timers.push((at, PodTimer::Exit(i)));
+                let kill = now + g.grace_ms;
+                g.timers.push((kill, PodTimer::Kill(i)));
                 extra -= 1;
             }
         }
@@ -252,8 +293,10 @@ impl Coordinator for SimCluster {
             return Err(CoordError::NotFound(name.to_owned()));
         }
         let mut g = self.lock();
-        g.deployment.last_used_ms = last_used_ms;
-        g.deployment.version += 1;
+        if last_used_ms > g.deployment.last_used_ms {
+            g.deployment.last_used_ms = last_used_ms;
+            g.deployment.version += 1;
+        }
         Ok(g.deployment.version)
     }
 

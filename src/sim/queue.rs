@@ -30,13 +30,13 @@ struct Inner {
     entries: BTreeMap<u64, Entry>,
     by_id: HashMap<String, u64>,
     rng: ChaCha8Rng,
+    duplicate_chance: f64,
 }
 
 /// The queue.
 pub struct SimQueue {
     inner: Mutex<Inner>,
     visibility_ms: u64,
-    duplicate_chance: f64,
 }
 
 impl SimQueue {
@@ -49,9 +49,9 @@ impl SimQueue {
                 entries: BTreeMap::new(),
                 by_id: HashMap::new(),
                 rng: ChaCha8Rng::seed_from_u64(seed),
+                duplicate_chance,
             }),
             visibility_ms,
-            duplicate_chance,
         }
     }
 
@@ -65,8 +65,28 @@ impl SimQueue {
     }
 
     /// Stops duplicate deliveries (faults are over).
-    pub fn calm(&mut self) {
-        self.duplicate_chance = 0.0;
+    pub fn calm(&self) {
+        self.lock().duplicate_chance = 0.0;
+    }
+
+    /// A machine crash: the embedded queue writes puts and delivery records unsynced, so any of
+    /// them may be gone. Each message is lost with even chance; the survivors' deliveries are
+    /// forgotten (ready again). Returns how many were lost.
+    pub fn machine_crash(&self) -> usize {
+        let mut g = self.lock();
+        let seqs: Vec<u64> = g.entries.keys().copied().collect();
+        let mut lost = 0;
+        for n in seqs {
+            if g.rng.random_bool(0.5) {
+                if let Some(e) = g.entries.remove(&n) {
+                    g.by_id.remove(&e.message.id);
+                }
+                lost += 1;
+            } else if let Some(e) = g.entries.get_mut(&n) {
+                e.out = Out::Ready;
+            }
+        }
+        lost
     }
 
     /// Messages on the queue.
@@ -118,20 +138,26 @@ impl Queue for SimQueue {
                     _ => {}
                 }
             }
+            // Its own partition's messages first, then those meant for any runner.
             let mut picked: Vec<u64> = Vec::new();
             for own in [true, false] {
                 for (&n, e) in &g.entries {
                     if picked.len() >= max {
                         break;
                     }
-                    let mine = e.message.partition == runner;
-                    if e.out == Out::Ready && mine == own && !picked.contains(&n) {
+                    let wanted = if own {
+                        e.message.partition == runner
+                    } else {
+                        e.message.partition.is_empty()
+                    };
+                    if e.out == Out::Ready && wanted {
                         picked.push(n);
                     }
                 }
             }
             // The fault: a message another runner holds is handed out again.
-            if self.duplicate_chance > 0.0 && g.rng.random_bool(self.duplicate_chance) {
+            let dup = g.duplicate_chance;
+            if dup > 0.0 && g.rng.random_bool(dup) {
                 let other = g
                     .entries
                     .iter()
@@ -192,6 +218,9 @@ impl Queue for SimQueue {
             for e in g.entries.values_mut() {
                 if matches!(&e.out, Out::Reserved { runner: r, .. } if *r == runner) {
                     e.out = Out::Ready;
+                }
+                if e.message.partition == runner {
+                    e.message.partition.clear();
                 }
             }
             Ok(())

@@ -78,6 +78,9 @@ pub struct ProxyScenario {
     pub start_ms: Range,
     /// A stopping replica's time to exit (after its requests end).
     pub stop_ms: Range,
+    /// A stopping replica still serving this long after it was asked to stop is killed.
+    #[serde(default = "default_grace")]
+    pub stop_grace_ms: u64,
     /// How long a request may be held for a wake.
     pub hold_timeout_ms: u64,
     /// The request pattern.
@@ -86,6 +89,14 @@ pub struct ProxyScenario {
 
 fn default_flush() -> u64 {
     1_000
+}
+
+fn default_grace() -> u64 {
+    30_000
+}
+
+fn default_lease() -> u64 {
+    3_000
 }
 
 /// Bursts of requests separated by idle gaps.
@@ -128,6 +139,10 @@ pub struct CallsScenario {
     pub hold_grace_ms: u64,
     /// A crashed runner is back after this.
     pub restart_ms: Range,
+    /// A runner not heard from for this long is gone: its reserved calls and those meant for it
+    /// go to others.
+    #[serde(default = "default_lease")]
+    pub runner_lease_ms: u64,
 }
 
 /// Fault rates. `--faults` switches kinds off by name.
@@ -222,7 +237,7 @@ impl Scenario {
         if self.faults.pause_chance > 0.0 {
             ranges.push(("faults.pause_ms", self.faults.pause_ms));
         }
-        if self.faults.crash_per_s > 0.0 {
+        if self.faults.crash_per_s > 0.0 || self.faults.torn_write_chance > 0.0 {
             ranges.push(("faults.restart_ms", self.faults.restart_ms));
         }
         if let Some(p) = &self.proxy {
@@ -231,6 +246,15 @@ impl Scenario {
             }
             if p.downscale_every_ms == 0 || p.sync_ms == 0 || p.flush_ms == 0 || p.lease_ms == 0 {
                 return Err("proxy intervals must be above 0".into());
+            }
+            // The protocol's promise needs the lag to cover the sync interval, the skew both ways
+            // and a bump's round trip.
+            let least = p.sync_ms + 2 * p.max_skew_ms + 2 * self.api.latency_ms[1];
+            if p.sync_lag_ms < least {
+                return Err(format!(
+                    "proxy.sync_lag_ms {} is below sync_ms + 2 x max_skew_ms + 2 x the API's highest latency = {least}",
+                    p.sync_lag_ms
+                ));
             }
             ranges.extend([
                 ("proxy.observe_ms", p.observe_ms),

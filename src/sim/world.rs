@@ -120,9 +120,18 @@ enum ApiAnswer {
 #[derive(Debug, Clone)]
 enum NodeReq {
     Enqueue(CallSpec),
-    Dequeue { max: usize },
-    Start { ids: Vec<String>, duplicate: bool },
-    Finish { id: String, duplicate: bool },
+    Dequeue {
+        max: usize,
+    },
+    Start {
+        ids: Vec<String>,
+        duplicate: bool,
+    },
+    Finish {
+        id: String,
+        success: bool,
+        duplicate: bool,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -130,7 +139,7 @@ enum NodeAnswer {
     Enqueued,
     Jobs(Vec<CallSpec>),
     Started(Vec<(String, bool)>),
-    Finished(CallStatus),
+    Finished(CallStatus, String),
     Down,
 }
 
@@ -149,7 +158,7 @@ enum Action {
     ApiArrive(usize, u32, ApiOp, u32),
     ApiReply(usize, u32, ApiOp, Result<ApiAnswer, CoordError>, u32),
     Pod(PodTimer),
-    RequestDone(usize),
+    RequestDone(usize, u32),
     HoldTimeout(usize),
     FaultTick,
     Restart(usize),
@@ -196,11 +205,17 @@ struct Replica {
     skew: i64,
     log: SimLog,
     view: Vec<SocketAddr>,
+    /// Replicas the deployment was asked for, as last observed.
+    view_desired: u32,
     in_flight: u64,
     last_at: u64,
     count: u64,
     known_used: u64,
     touching: bool,
+    /// When (true time) the bump under way was decided, and the latest such time whose bump
+    /// landed: uses up to it are published.
+    touch_decided_at: u64,
+    published_through: u64,
     lease: Lease,
     leasing: bool,
     downscaling: bool,
@@ -232,7 +247,11 @@ struct Req {
     state: ReqState,
     retried: bool,
     pod: Option<SocketAddr>,
-    /// Its use may have died with its replica before it was published.
+    /// Forwards so far; a completion of an earlier one is stale.
+    attempt: u32,
+    /// Its replica had to bump the shared last use for it.
+    needs_publish: bool,
+    /// Its use died with its replica before it was published.
     exempt: bool,
 }
 
@@ -241,7 +260,9 @@ struct Node {
     epoch: u32,
     log: SimLog,
     queue: Arc<SimQueue>,
-    finish_answers: HashMap<String, CallStatus>,
+    finish_answers: HashMap<String, (CallStatus, String)>,
+    /// When each runner was last heard from, for its lease.
+    heard: std::collections::BTreeMap<String, u64>,
 }
 
 struct Runner {
@@ -253,7 +274,7 @@ struct Runner {
 }
 
 struct Trace {
-    hasher: std::collections::hash_map::DefaultHasher,
+    hasher: fnv::FnvHasher,
     tail: VecDeque<String>,
 }
 
@@ -320,6 +341,7 @@ impl World {
                 rng.random(),
                 p.start_ms,
                 p.stop_ms,
+                p.stop_grace_ms,
             ))
         });
         let node = sc.calls.as_ref().map(|c| Node {
@@ -332,6 +354,7 @@ impl World {
                 faults.duplicate_chance,
             )),
             finish_answers: HashMap::new(),
+            heard: std::collections::BTreeMap::new(),
         });
         let mut w = World {
             sc: sc.clone(),
@@ -342,7 +365,7 @@ impl World {
             heap: BinaryHeap::new(),
             rng,
             trace: Trace {
-                hasher: std::collections::hash_map::DefaultHasher::new(),
+                hasher: fnv::FnvHasher::default(),
                 tail: VecDeque::with_capacity(TRACE_KEEP),
             },
             violation: None,
@@ -398,11 +421,14 @@ impl World {
                     skew,
                     log,
                     view: Vec::new(),
+                    view_desired: 0,
                     in_flight: 0,
                     last_at: 0,
                     count: 0,
                     known_used: 0,
                     touching: false,
+                    touch_decided_at: 0,
+                    published_through: 0,
                     lease: Lease::default(),
                     leasing: false,
                     downscaling: false,
@@ -554,12 +580,15 @@ impl World {
                 self.api_reply(r, e, op, answer, attempt)
             }
             Action::Pod(t) => {
-                let c = self.cluster();
-                if let Some(what) = c.fire(t) {
+                let fired = self.cluster().fire(t);
+                if let Some(what) = fired.what {
                     self.note("cluster", format_args!("{what}"));
                 }
+                if let Some(addr) = fired.killed {
+                    self.killed(addr);
+                }
             }
-            Action::RequestDone(id) => self.request_done(id),
+            Action::RequestDone(id, attempt) => self.request_done(id, attempt),
             Action::HoldTimeout(id) => {
                 if self.requests[id].state == ReqState::Held {
                     let hold = self.sc.proxy.as_ref().map_or(0, |p| p.hold_timeout_ms);
@@ -618,6 +647,8 @@ impl World {
                 state: ReqState::Pending,
                 retried: false,
                 pod: None,
+                attempt: 0,
+                needs_publish: false,
                 exempt: false,
             });
             self.open.insert(id);
@@ -642,6 +673,8 @@ impl World {
         let now = self.now;
         let rep = &mut self.replicas[r];
         let local = rep.local(now);
+        let needs_publish =
+            shared::decide_touch(rep.known_used, local, 0, local, &self.opts).is_some();
         rep.in_flight += 1;
         rep.count += 1;
         rep.last_at = rep.last_at.max(local);
@@ -650,6 +683,7 @@ impl World {
         req.replica = r;
         req.epoch = epoch;
         req.arrived = now;
+        req.needs_publish = needs_publish;
         self.arrivals.push((now, id));
         let name = self.replicas[r].name.clone();
         self.note(&name, format_args!("request {id} arrives"));
@@ -658,7 +692,12 @@ impl World {
     }
 
     fn route(&mut self, id: usize, avoid: Option<SocketAddr>) {
-        let r = self.requests[id].replica;
+        let q = &self.requests[id];
+        let r = q.replica;
+        if !self.live(r, q.epoch) || !matches!(q.state, ReqState::Pending | ReqState::Held) {
+            // Its replica crashed meanwhile: the request went with it.
+            return;
+        }
         let choices: Vec<SocketAddr> = self.replicas[r]
             .view
             .iter()
@@ -681,9 +720,10 @@ impl World {
                 let req = &mut self.requests[id];
                 req.state = ReqState::Serving;
                 req.pod = Some(addr);
-                let serve = req.serve_ms;
+                req.attempt += 1;
+                let (serve, attempt) = (req.serve_ms, req.attempt);
                 self.note(&name, format_args!("request {id} -> {addr}"));
-                self.at(serve, Action::RequestDone(id));
+                self.at(serve, Action::RequestDone(id, attempt));
             }
             Err(state) => {
                 let retried = self.requests[id].retried;
@@ -694,11 +734,8 @@ impl World {
                         format_args!("request {id} refused by {addr} ({state}); retrying"),
                     );
                     self.requests[id].retried = true;
-                    self.observe(r);
-                    if self.requests[id].state == ReqState::Held {
-                        // The observation already routed it again.
-                        return;
-                    }
+                    // Another ready replica in this proxy's (possibly stale) view, or a hold
+                    // and a wake, as the proxy does.
                     self.route(id, Some(addr));
                 } else {
                     self.fail(
@@ -742,19 +779,22 @@ impl World {
         true
     }
 
+    /// As the proxy's wake: log the decision (once per wake), then make sure the deployment is
+    /// asked to run, as far as this replica's view of it tells.
     fn wake(&mut self, r: usize) {
-        let Some(event) = decide_wake(&self.replicas[r].log.state, ROUTE) else {
+        if let Some(event) = decide_wake(&self.replicas[r].log.state, ROUTE)
+            && !self.append(r, vec![event])
+        {
             return;
-        };
-        let Event::ScaleRequested { to, .. } = event else {
-            return;
-        };
-        self.stats.wakes += 1;
-        if self.append(r, vec![event]) {
+        }
+        let want = crate::scaler::awake_replicas(0);
+        if self.replicas[r].view_desired < want {
+            self.replicas[r].view_desired = want;
+            self.stats.wakes += 1;
             self.api(
                 r,
                 ApiOp::Scale {
-                    to,
+                    to: want,
                     if_version: None,
                     decision: None,
                 },
@@ -771,6 +811,7 @@ impl World {
         {
             let rep = &mut self.replicas[r];
             rep.view = observed.ready.clone();
+            rep.view_desired = observed.desired;
             rep.known_used = rep.known_used.max(shared.last_used_ms);
         }
         if let Some(peer) = shared::decide_peer(&self.replicas[r].log.state, DEPLOYMENT, &shared)
@@ -818,6 +859,7 @@ impl World {
             &self.opts,
         ) {
             self.replicas[r].touching = true;
+            self.replicas[r].touch_decided_at = now;
             self.api(r, ApiOp::Touch(v), 0, 0);
         }
     }
@@ -871,6 +913,9 @@ impl World {
 
     /// Sends an API request from replica `r` after `extra` ms (a pause) plus the network.
     fn api(&mut self, r: usize, op: ApiOp, attempt: u32, extra: u64) {
+        if !self.replicas[r].up {
+            return;
+        }
         let lat = self.latency();
         let e = self.replicas[r].epoch;
         self.at(extra + lat, Action::ApiArrive(r, e, op, attempt));
@@ -942,6 +987,7 @@ impl World {
                 let rep = &mut self.replicas[r];
                 rep.touching = false;
                 rep.known_used = rep.known_used.max(v);
+                rep.published_through = rep.published_through.max(rep.touch_decided_at);
                 // Uses since the bump was decided may need another.
                 self.touch_check(r);
             }
@@ -1099,7 +1145,11 @@ impl World {
         }
     }
 
-    fn request_done(&mut self, id: usize) {
+    fn request_done(&mut self, id: usize, attempt: u32) {
+        if self.requests[id].attempt != attempt {
+            // An earlier forward, ended by a kill and retried.
+            return;
+        }
         let c = self.cluster();
         if let Some(pod) = self.requests[id].pod.take() {
             c.done(pod);
@@ -1140,23 +1190,59 @@ impl World {
         );
     }
 
+    /// A pod was killed with requests in flight: each meets a connection closed before any
+    /// answer and is retried (they carry no body and are idempotent) or lost.
+    fn killed(&mut self, addr: SocketAddr) {
+        let ids: Vec<usize> = self
+            .open
+            .iter()
+            .copied()
+            .filter(|&id| {
+                let q = &self.requests[id];
+                q.state == ReqState::Serving && q.pod == Some(addr)
+            })
+            .collect();
+        for id in ids {
+            let q = &mut self.requests[id];
+            q.pod = None;
+            let (r, e, retried) = (q.replica, q.epoch, q.retried);
+            if !self.live(r, e) {
+                continue;
+            }
+            if retry_after_miss(BackendMiss::WentAway { replayable: true }, retried) {
+                self.stats.retried += 1;
+                let name = self.replicas[r].name.clone();
+                self.note(
+                    &name,
+                    format_args!("request {id} lost its connection to {addr}; retrying"),
+                );
+                let q = &mut self.requests[id];
+                q.retried = true;
+                q.state = ReqState::Pending;
+                self.route(id, Some(addr));
+            } else {
+                self.fail(
+                    id,
+                    format!("{addr} was killed while serving it, not retried: 502"),
+                );
+            }
+        }
+    }
+
     fn crash(&mut self, r: usize) {
         self.stats.crashes += 1;
         let name = self.replicas[r].name.clone();
         self.note(&name, format_args!("crashes"));
-        let window = self
-            .sc
-            .proxy
-            .as_ref()
-            .map_or(0, |p| p.idle_after_ms + p.sync_lag_ms);
-        let since = self.now.saturating_sub(window);
-        let now = self.now;
-        for q in self.requests.iter_mut() {
-            if q.replica == r
-                && q.arrived >= since
-                && q.arrived <= now
-                && q.state != ReqState::Pending
-            {
+        // Uses that needed a bump which had not landed die with the replica: nobody else can
+        // know of them. (Uses within the sync interval of the shared value are covered by the
+        // leader's margin; uses a landed bump covered are known.)
+        let (epoch, published) = (self.replicas[r].epoch, self.replicas[r].published_through);
+        for &(_, id) in self.arrivals.iter().rev() {
+            let q = &mut self.requests[id];
+            if q.arrived <= published {
+                break;
+            }
+            if q.replica == r && q.epoch == epoch && q.needs_publish {
                 q.exempt = true;
             }
         }
@@ -1166,7 +1252,13 @@ impl World {
             .copied()
             .filter(|&id| {
                 let q = &self.requests[id];
-                q.replica == r && matches!(q.state, ReqState::Held | ReqState::Serving)
+                q.replica == r
+                    && q.epoch == epoch
+                    && q.arrived > 0
+                    && matches!(
+                        q.state,
+                        ReqState::Pending | ReqState::Held | ReqState::Serving
+                    )
             })
             .collect();
         for id in lost {
@@ -1221,7 +1313,7 @@ impl World {
             }
         }
         if self.node.as_ref().is_some_and(|n| n.up) && self.strikes(p) {
-            self.crash_node();
+            self.crash_node(false);
         }
     }
 
@@ -1284,7 +1376,7 @@ impl World {
         node.log.append(events, now, torn);
         if torn {
             self.note("node", format_args!("torn write"));
-            self.crash_node();
+            self.crash_node(true);
             return false;
         }
         true
@@ -1315,6 +1407,10 @@ impl World {
         let queue = self.node.as_ref().expect("node").queue.clone();
         let now = self.now;
         let runner = self.runner_name(from);
+        if from != PRODUCER {
+            let node = self.node.as_mut().expect("node");
+            node.heard.insert(runner.clone(), now);
+        }
         match req {
             NodeReq::Enqueue(spec) => {
                 let message = Message::new(
@@ -1373,10 +1469,19 @@ impl World {
                 NodeAnswer::Jobs(jobs)
             }
             NodeReq::Start { ids, .. } => {
+                // Hold first (queued calls only), as the call service does.
                 let until = now + c.timeout_ms + c.hold_grace_ms;
-                let _ = queue
-                    .hold(ids.iter().map(|id| (id.clone(), until)).collect())
-                    .now_or_never();
+                let holds: Vec<(String, u64)> = ids
+                    .iter()
+                    .filter(|id| {
+                        self.node_state()
+                            .calls
+                            .get(id)
+                            .is_some_and(|c| c.status == CallStatus::Queued)
+                    })
+                    .map(|id| (id.clone(), until))
+                    .collect();
+                let _ = queue.hold(holds).now_or_never();
                 let mut verdicts = Vec::new();
                 let mut refused = Vec::new();
                 for id in ids {
@@ -1393,15 +1498,20 @@ impl World {
                 let _ = queue.delete(refused).now_or_never();
                 NodeAnswer::Started(verdicts)
             }
-            NodeReq::Finish { id, .. } => {
+            NodeReq::Finish { id, success, .. } => {
                 let before = self.node_state().calls.get(id).map(|c| c.status);
+                let outcome = if *success {
+                    crate::event::Outcome::Success
+                } else {
+                    crate::event::Outcome::Error
+                };
                 if let Some(event) = decide_finish(
                     &self.node_state().calls,
                     id,
                     &runner,
-                    crate::event::Outcome::Success,
+                    outcome,
                     None,
-                    format!("run by {runner}"),
+                    format!("run by {runner}: {outcome:?}"),
                 ) {
                     if before.is_some_and(CallStatus::is_final) {
                         self.violate(
@@ -1414,26 +1524,29 @@ impl World {
                     }
                 }
                 let _ = queue.delete(vec![id.clone()]).now_or_never();
-                let status = self
+                // The answer: the call as recorded (the first finish's outcome and log).
+                let answer = self
                     .node_state()
                     .calls
                     .get(id)
-                    .map_or(CallStatus::Error, |c| c.status);
+                    .map_or((CallStatus::Error, String::new()), |c| {
+                        (c.status, c.log.clone())
+                    });
                 let node = self.node.as_mut().expect("node");
                 match node.finish_answers.get(id) {
-                    Some(first) if *first != status => {
-                        let first = *first;
+                    Some(first) if *first != answer => {
+                        let first = first.clone();
                         self.violate(
                             "finish_idempotent",
-                            format!("finish of call {id} answered {status:?}, earlier {first:?}"),
+                            format!("finish of call {id} answered {answer:?}, earlier {first:?}"),
                         );
                     }
                     Some(_) => {}
                     None => {
-                        node.finish_answers.insert(id.clone(), status);
+                        node.finish_answers.insert(id.clone(), answer.clone());
                     }
                 }
-                NodeAnswer::Finished(status)
+                NodeAnswer::Finished(answer.0, answer.1)
             }
         }
     }
@@ -1573,17 +1686,21 @@ impl World {
                 },
                 _,
             ) => {}
-            (NodeReq::Finish { id, .. }, NodeAnswer::Finished(status)) if !lost => {
-                self.note(&name, format_args!("finished call {id}: {status:?}"));
+            (NodeReq::Finish { id, .. }, NodeAnswer::Finished(status, log)) if !lost => {
+                self.note(
+                    &name,
+                    format_args!("finished call {id}: {status:?} ({log})"),
+                );
                 self.runners[to].busy = self.runners[to].busy.saturating_sub(1);
                 self.maybe_poll(to);
             }
-            (NodeReq::Finish { id, .. }, _) => {
+            (NodeReq::Finish { id, success, .. }, _) => {
                 if attempt + 1 < RUNNER_ATTEMPTS {
                     self.send(
                         to,
                         NodeReq::Finish {
                             id,
+                            success,
                             duplicate: false,
                         },
                         attempt + 1,
@@ -1637,11 +1754,14 @@ impl World {
             self.crash_runner(i, c.restart_ms);
             return;
         }
+        // Most calls succeed; some fail (a finish records either, once).
+        let success = self.rng.random_bool(0.9);
         if self.strikes(self.faults.duplicate_chance) {
             self.send(
                 i,
                 NodeReq::Finish {
                     id: id.clone(),
+                    success,
                     duplicate: true,
                 },
                 0,
@@ -1652,6 +1772,7 @@ impl World {
             i,
             NodeReq::Finish {
                 id,
+                success,
                 duplicate: false,
             },
             0,
@@ -1670,12 +1791,25 @@ impl World {
         self.at(t.max(1), Action::RunnerRestart(i));
     }
 
-    fn crash_node(&mut self) {
+    /// The calls node crashes: a process crash keeps what the kernel had; a machine crash (a torn
+    /// write) also loses the queue's unsynced puts and delivery records.
+    fn crash_node(&mut self, machine: bool) {
         self.stats.crashes += 1;
-        self.note("node", format_args!("crashes"));
         let node = self.node.as_mut().expect("node");
         node.up = false;
         node.epoch += 1;
+        let lost = if machine {
+            node.queue.machine_crash()
+        } else {
+            0
+        };
+        self.note(
+            "node",
+            format_args!(
+                "crashes ({} crash; {lost} queue messages lost)",
+                if machine { "machine" } else { "process" }
+            ),
+        );
         let t = self.draw(self.faults.restart_ms);
         self.at(t.max(1), Action::NodeRestart);
     }
@@ -1690,8 +1824,44 @@ impl World {
             return;
         }
         node.up = true;
+        node.heard.clear();
         let seq = node.log.state.seq;
-        self.note("node", format_args!("restarted from its log (seq {seq})"));
+        // As `Calls::recover`: queued calls the queue lost go back on it from the log.
+        let queued: Vec<CallSpec> = node
+            .log
+            .state
+            .calls
+            .by_id
+            .values()
+            .filter(|c| c.status == CallStatus::Queued)
+            .map(|c| c.spec.clone())
+            .collect();
+        let ids: Vec<String> = queued.iter().map(|c| c.id.clone()).collect();
+        let missing: std::collections::HashSet<String> = node
+            .queue
+            .missing(&ids)
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        let back: Vec<Message> = queued
+            .iter()
+            .filter(|c| missing.contains(&c.id))
+            .map(|c| {
+                Message::new(
+                    c.id.clone(),
+                    c.partition.clone().unwrap_or_default(),
+                    rmp_serde::to_vec_named(c).expect("a call spec encodes"),
+                )
+            })
+            .collect();
+        let n = back.len();
+        let _ = node.queue.put(back).now_or_never();
+        self.note(
+            "node",
+            format_args!(
+                "restarted from its log (seq {seq}); {n} queued calls put back on the queue"
+            ),
+        );
     }
 
     fn expire(&mut self) {
@@ -1700,15 +1870,38 @@ impl World {
         }
         self.at(100, Action::Expire);
         if self.now >= T0 + self.sc.duration_ms
-            && let Some(n) = self.node.as_mut()
-            && let Some(q) = Arc::get_mut(&mut n.queue)
+            && let Some(n) = &self.node
         {
-            q.calm();
+            n.queue.calm();
         }
         if !self.node.as_ref().is_some_and(|n| n.up) {
             return;
         }
         let now = self.now;
+        // Runners not heard from for their lease are gone: their calls go to others.
+        let lease = self
+            .sc
+            .calls
+            .as_ref()
+            .map_or(u64::MAX, |c| c.runner_lease_ms);
+        let node = self.node.as_mut().expect("node");
+        let gone: Vec<String> = node
+            .heard
+            .iter()
+            .filter(|(_, at)| now.saturating_sub(**at) >= lease)
+            .map(|(r, _)| r.clone())
+            .collect();
+        for r in &gone {
+            node.heard.remove(r);
+        }
+        let queue = node.queue.clone();
+        for r in gone {
+            self.note(
+                "node",
+                format_args!("{r} not heard from; its calls go to others"),
+            );
+            let _ = queue.release(&r).now_or_never();
+        }
         let due: Vec<String> = self
             .node_state()
             .schedule
