@@ -2,7 +2,8 @@
 //! the HTTP runner API; runners (in process, or over HTTP) dequeue, start and finish them with a
 //! no-op target. Reports calls/s from the first enqueue until every call has finished, then the
 //! enqueue-to-start latency (from just before the enqueue request to the moment the runner holds
-//! the accepted start) at half that rate.
+//! the accepted start) at half that rate: the median of `--rounds` phases, each on a fresh log
+//! and queue.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -47,6 +48,10 @@ pub struct CallsBenchArgs {
     /// Calls/s of the latency phase (default: half the measured throughput).
     #[arg(long)]
     pub rate: Option<f64>,
+    /// Latency phases per row (each on a fresh log and queue); the row shows their medians and
+    /// the p99's range.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
     /// Also measure the Kafka queue, on this broker (`bootstrap.servers`).
     #[arg(long)]
     pub kafka: Option<String>,
@@ -325,10 +330,23 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             let rate = throughput(&args, &s).await?;
             teardown(s).await;
             let at = args.rate.unwrap_or(rate / 2.0);
-            let s = setup(&args, over_http, kafka).await?;
-            let (p50, p99) = latency(&args, &s, at).await?;
-            teardown(s).await;
-            println!("| {queue} | {name} | {rate:.0} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s) |");
+            let mut p50s = Vec::new();
+            let mut p99s = Vec::new();
+            for _ in 0..args.rounds.max(1) {
+                let s = setup(&args, over_http, kafka).await?;
+                let (p50, p99) = latency(&args, &s, at).await?;
+                teardown(s).await;
+                p50s.push(p50);
+                p99s.push(p99);
+            }
+            p50s.sort_by(f64::total_cmp);
+            p99s.sort_by(f64::total_cmp);
+            let (p50, p99) = (p50s[p50s.len() / 2], p99s[p99s.len() / 2]);
+            let (lo, hi) = (p99s[0], p99s[p99s.len() - 1]);
+            println!(
+                "| {queue} | {name} | {rate:.0} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {} rounds: {lo:.2}-{hi:.2}) |",
+                p99s.len()
+            );
         }
     }
     Ok(())

@@ -589,7 +589,19 @@ impl Calls {
                 .collect()
         });
         if !unknown.is_empty() {
-            self.record_queued(unknown).await?;
+            // Ordered in the log, not yet durable: the start that must come before any run is
+            // decided after it and acknowledged only once durable, which covers this too. A
+            // crash in between can only refuse that start, for a call never acknowledged.
+            self.log
+                .decide_ordered(move |s: &State, _| {
+                    let events = unknown
+                        .into_iter()
+                        .filter(|c| s.calls.get(&c.id).is_none())
+                        .map(|call| Event::CallQueued { call })
+                        .collect();
+                    (events, ())
+                })
+                .await?;
         }
         let grace = self.options.hold_grace_ms;
         let now = self.clock.now_ms();

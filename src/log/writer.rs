@@ -187,6 +187,26 @@ impl<P: Projection> Log<P> {
         Ok((answer, committed))
     }
 
+    /// Like [`Log::decide`], but returns the answer as soon as the decision has run and its events
+    /// are applied, in order, without waiting for them to be durable. For what may act on an
+    /// event's place in the log but not on its durability: anything decided after it comes after
+    /// it in the log, and its own acknowledgement covers it.
+    pub async fn decide_ordered<R, F>(&self, decide: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&P, u64) -> (Vec<Event>, R) + Send + 'static,
+    {
+        let (answer_tx, answer_rx) = oneshot::channel();
+        let decide: Decision<P> = Box::new(move |state, now| {
+            let (events, answer) = decide(state, now);
+            let _ = answer_tx.send(answer);
+            events
+        });
+        let (ack, _durable) = oneshot::channel();
+        self.request(Request::Decide { decide, ack }).await?;
+        answer_rx.await.map_err(|_| Error::Closed)
+    }
+
     /// Takes a snapshot of the projection now; returns the seq it covers.
     pub async fn snapshot(&self) -> Result<u64> {
         let (ack, rx) = oneshot::channel();
