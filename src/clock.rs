@@ -59,6 +59,26 @@ impl Clock for SimClock {
 }
 
 /// Measures elapsed wall time, for benchmarks and progress output only — never for decisions.
+/// One replica's clock in the simulator: a shared [`SimClock`] off by a fixed skew.
+#[derive(Debug, Clone)]
+pub struct SkewedClock {
+    base: SimClock,
+    skew_ms: i64,
+}
+
+impl SkewedClock {
+    /// `base` off by `skew_ms` (either way).
+    pub fn new(base: SimClock, skew_ms: i64) -> Self {
+        Self { base, skew_ms }
+    }
+}
+
+impl Clock for SkewedClock {
+    fn now_ms(&self) -> u64 {
+        self.base.now_ms().saturating_add_signed(self.skew_ms)
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct Stopwatch(Instant);
 

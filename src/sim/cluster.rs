@@ -10,6 +10,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tokio::sync::watch;
 
+use crate::clock::{Clock, SimClock};
 use crate::orchestrator::{self, Observed, Orchestrator, WorkloadSpec};
 use crate::scaler::shared::{CoordError, Coordinator, Lease, SharedDeployment};
 use crate::sim::scenario::Range;
@@ -75,6 +76,7 @@ struct Inner {
 /// The cluster.
 pub struct SimCluster {
     name: String,
+    clock: SimClock,
     inner: Mutex<Inner>,
     changes: watch::Sender<u64>,
 }
@@ -82,9 +84,17 @@ pub struct SimCluster {
 impl SimCluster {
     /// One deployment named `name` at zero replicas. A stopping pod exits `stop_ms` after its
     /// requests end, and is killed `grace_ms` after it was asked to stop.
-    pub fn new(name: &str, seed: u64, start_ms: Range, stop_ms: Range, grace_ms: u64) -> Self {
+    pub fn new(
+        name: &str,
+        clock: SimClock,
+        seed: u64,
+        start_ms: Range,
+        stop_ms: Range,
+        grace_ms: u64,
+    ) -> Self {
         Self {
             name: name.to_owned(),
+            clock,
             inner: Mutex::new(Inner {
                 now_ms: 0,
                 rng: ChaCha8Rng::seed_from_u64(seed),
@@ -109,13 +119,11 @@ impl SimCluster {
         }
     }
 
+    /// The state, with the time read from the simulated clock.
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().expect("sim cluster lock")
-    }
-
-    /// Sets the cluster's (true) time.
-    pub fn set_now(&self, now_ms: u64) {
-        self.lock().now_ms = now_ms;
+        let mut g = self.inner.lock().expect("sim cluster lock");
+        g.now_ms = self.clock.now_ms();
+        g
     }
 
     /// Timers the simulator must schedule (taken once).

@@ -9,6 +9,7 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::clock::{Clock, SimClock};
 use crate::queue::{Message, Queue, QueueError, QueueFuture, QueueStats};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,13 +37,15 @@ struct Inner {
 /// The queue.
 pub struct SimQueue {
     inner: Mutex<Inner>,
+    clock: SimClock,
     visibility_ms: u64,
 }
 
 impl SimQueue {
     /// An empty queue.
-    pub fn new(seed: u64, visibility_ms: u64, duplicate_chance: f64) -> Self {
+    pub fn new(clock: SimClock, seed: u64, visibility_ms: u64, duplicate_chance: f64) -> Self {
         Self {
+            clock,
             inner: Mutex::new(Inner {
                 now_ms: 0,
                 next: 0,
@@ -55,13 +58,11 @@ impl SimQueue {
         }
     }
 
+    /// The state, with the time read from the simulated clock.
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().expect("sim queue lock")
-    }
-
-    /// Sets the queue's time.
-    pub fn set_now(&self, now_ms: u64) {
-        self.lock().now_ms = now_ms;
+        let mut g = self.inner.lock().expect("sim queue lock");
+        g.now_ms = self.clock.now_ms();
+        g
     }
 
     /// Stops duplicate deliveries (faults are over).

@@ -13,6 +13,7 @@ use futures_util::FutureExt;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::clock::{Clock, SimClock, SkewedClock};
 use crate::event::{CallKind, CallSpec, Event, Payload, RouteSpec};
 use crate::orchestrator::Orchestrator;
 use crate::proxy::{BackendMiss, retry_after_miss};
@@ -202,7 +203,7 @@ struct Replica {
     name: String,
     up: bool,
     epoch: u32,
-    skew: i64,
+    clock: SkewedClock,
     log: SimLog,
     view: Vec<SocketAddr>,
     /// Replicas the deployment was asked for, as last observed.
@@ -223,8 +224,9 @@ struct Replica {
 }
 
 impl Replica {
-    fn local(&self, now: u64) -> u64 {
-        now.saturating_add_signed(self.skew)
+    /// This replica's time, by its own (skewed) clock.
+    fn local(&self) -> u64 {
+        self.clock.now_ms()
     }
 }
 
@@ -292,6 +294,8 @@ impl Trace {
 /// The simulated world of one run.
 pub struct World {
     sc: Scenario,
+    /// True simulated time, for the parts without a clock of their own.
+    clock: SimClock,
     faults: Faults,
     now: u64,
     end: u64,
@@ -319,6 +323,7 @@ impl World {
     /// A world for `scenario` (its faults already restricted) from `seed`.
     pub fn new(sc: &Scenario, seed: u64) -> Self {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let clock = SimClock::new(T0);
         let faults = sc.faults.clone();
         let end = T0 + sc.duration_ms + sc.settle_ms;
         let opts = match &sc.proxy {
@@ -338,6 +343,7 @@ impl World {
         let cluster = sc.proxy.as_ref().map(|p| {
             Arc::new(SimCluster::new(
                 DEPLOYMENT,
+                clock.clone(),
                 rng.random(),
                 p.start_ms,
                 p.stop_ms,
@@ -349,6 +355,7 @@ impl World {
             epoch: 0,
             log: SimLog::new(),
             queue: Arc::new(SimQueue::new(
+                clock.clone(),
                 rng.random(),
                 c.visibility_timeout_ms,
                 faults.duplicate_chance,
@@ -358,6 +365,7 @@ impl World {
         });
         let mut w = World {
             sc: sc.clone(),
+            clock,
             faults,
             now: T0,
             end,
@@ -406,19 +414,20 @@ impl World {
                 } else {
                     0
                 };
+                let clock = SkewedClock::new(self.clock.clone(), skew);
                 let mut log = SimLog::new();
                 log.append(
                     vec![Event::RouteUpserted {
                         route: route.clone(),
                     }],
-                    T0.saturating_add_signed(skew),
+                    clock.now_ms(),
                     false,
                 );
                 self.replicas.push(Replica {
                     name: format!("ebb-{i}"),
                     up: true,
                     epoch: 0,
-                    skew,
+                    clock,
                     log,
                     view: Vec::new(),
                     view_desired: 0,
@@ -528,12 +537,7 @@ impl World {
                 break;
             }
             self.now = item.at;
-            if let Some(c) = &self.cluster {
-                c.set_now(self.now);
-            }
-            if let Some(n) = &self.node {
-                n.queue.set_now(self.now);
-            }
+            self.clock.set(self.now);
             self.step(item.action);
             self.stats.steps += 1;
             if self.stats.steps.is_multiple_of(REPLAY_EVERY) {
@@ -672,7 +676,7 @@ impl World {
         self.stats.requests += 1;
         let now = self.now;
         let rep = &mut self.replicas[r];
-        let local = rep.local(now);
+        let local = rep.local();
         let needs_publish =
             shared::decide_touch(rep.known_used, local, 0, local, &self.opts).is_some();
         rep.in_flight += 1;
@@ -764,7 +768,7 @@ impl World {
             return true;
         }
         let torn = self.strikes(self.faults.torn_write_chance);
-        let local = self.replicas[r].local(self.now);
+        let local = self.replicas[r].local();
         for e in &events {
             let (name, what) = (self.replicas[r].name.clone(), e.name());
             self.note(&name, format_args!("logs {what} {}", describe(e)));
@@ -850,7 +854,7 @@ impl World {
         if rep.touching {
             return;
         }
-        let local = rep.local(now);
+        let local = rep.local();
         if let Some(v) = shared::decide_touch(
             rep.known_used,
             rep.last_at,
@@ -904,7 +908,7 @@ impl World {
             .map_or(1_000, |p| p.downscale_every_ms);
         self.at(every, Action::DownscaleTick(r, e));
         let rep = &self.replicas[r];
-        let local = rep.local(self.now);
+        let local = rep.local();
         if !rep.downscaling && shared::leads(&rep.lease, &rep.name, local, &self.opts) {
             self.replicas[r].downscaling = true;
             self.api(r, ApiOp::Read, 0, 0);
@@ -981,7 +985,7 @@ impl World {
         if !self.live(r, e) {
             return;
         }
-        let local = self.replicas[r].local(self.now);
+        let local = self.replicas[r].local();
         match (op, answer) {
             (ApiOp::Touch(v), Ok(_)) => {
                 let rep = &mut self.replicas[r];
@@ -1165,7 +1169,7 @@ impl World {
         if self.live(r, e) {
             let rep = &mut self.replicas[r];
             rep.in_flight = rep.in_flight.saturating_sub(1);
-            let local = rep.local(self.now);
+            let local = rep.local();
             rep.last_at = rep.last_at.max(local);
         }
     }
