@@ -764,13 +764,16 @@ fn tail(dir: &Path, from: Option<u64>, json: bool, poll_ms: u64) -> Result<()> {
         .enable_all()
         .build()?;
     let mut out = std::io::stdout().lock();
+    // Ends on Ctrl-C or SIGTERM, so the scratch directory is removed.
     rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         loop {
             next = print_range(&store, next, u64::MAX, json, &mut out)?;
             out.flush()?;
             tokio::select! {
                 _ = tokio::time::sleep(std::time::Duration::from_millis(poll_ms.max(1))) => {}
                 _ = tokio::signal::ctrl_c() => return Ok(()),
+                _ = term.recv() => return Ok(()),
             }
             store.catch_up()?;
         }

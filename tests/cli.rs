@@ -342,9 +342,18 @@ fn tail_follows_another_process_appending() {
             "10",
         ],
     ));
-    let mut tail = spawn(
-        &dir,
-        &["log", "tail", "--json", "--from", "1", "--poll-ms", "20"],
+    let scratch = tmp.path().join("scratch");
+    std::fs::create_dir(&scratch).unwrap();
+    let mut tail = KillOnDrop(
+        command(
+            &dir,
+            &["log", "tail", "--json", "--from", "1", "--poll-ms", "20"],
+        )
+        .env("TMPDIR", &scratch)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap(),
     );
     let rx = lines_of(&mut tail.0);
     let next_seq = |rx: &mpsc::Receiver<String>| -> u64 {
@@ -371,6 +380,14 @@ fn tail_follows_another_process_appending() {
     for want in 11..=35 {
         assert_eq!(next_seq(&rx), want);
     }
+    // SIGTERM ends it cleanly, its scratch directory gone.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(tail.0.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(tail.0.wait().unwrap().success());
+    assert_eq!(std::fs::read_dir(&scratch).unwrap().count(), 0);
 }
 
 #[test]
