@@ -199,6 +199,9 @@ pub struct TemplateSpec {
     /// How to run the function server.
     #[serde(default)]
     pub command: Vec<String>,
+    /// The container image of the function server (Kubernetes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
     /// An external address instead of a managed workload.
     #[serde(default)]
     pub service_address: Option<String>,
@@ -619,6 +622,7 @@ pub fn examples() -> Vec<Event> {
                 pre_run: Some("echo ready".into()),
                 function: "resize.handler".into(),
                 command: vec!["ebb".into(), "example-app".into()],
+                image: None,
                 service_address: None,
                 left: Some("thumbnail".into()),
                 right: Some("RETURN".into()),

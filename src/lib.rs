@@ -11,6 +11,7 @@ pub mod clock;
 pub mod config;
 pub mod event;
 pub mod example_app;
+pub mod functions;
 pub mod log;
 pub mod mutation;
 pub mod orchestrator;

@@ -77,6 +77,9 @@ enum Command {
         /// Bearer token for the runner API (`/runner/*`, `/v1/calls`); without one it is disabled.
         #[arg(long, env = "EBB_RUNNER_TOKEN", hide_env_values = true)]
         runner_token: Option<String>,
+        /// Bearer token for the functions API (`/api/funcs`); without one it is disabled.
+        #[arg(long, env = "EBB_API_TOKEN", hide_env_values = true)]
+        api_token: Option<String>,
         /// Calls the built-in runner runs at once (0: none; external runners only).
         #[arg(long, default_value_t = 64)]
         runner_capacity: usize,
@@ -309,6 +312,7 @@ fn run(cli: Cli) -> Result<()> {
             flush_interval_ms,
             proxy_threads,
             runner_token,
+            api_token,
             runner_capacity,
             visibility_timeout_ms,
             runner_lease_ms,
@@ -325,6 +329,7 @@ fn run(cli: Cli) -> Result<()> {
                 admin_listen,
                 admin_token,
                 runner_token,
+                api_token,
                 runner_capacity,
                 calls: ebb::calls::CallOptions {
                     runner_lease_ms,

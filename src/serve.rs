@@ -44,6 +44,8 @@ pub struct ServeOptions {
     pub runtime: RuntimeOptions,
     /// Bearer token of the runner API (`None`: the runner API is disabled).
     pub runner_token: Option<String>,
+    /// Bearer token of the functions API (`None`: the functions API is disabled).
+    pub api_token: Option<String>,
     /// Bounds of the call service.
     pub calls: CallOptions,
     /// The embedded queue's tuning.
@@ -232,6 +234,7 @@ pub async fn run(
         ebb_exe: exe.clone(),
         calls: Some(calls.clone()),
         runner_token: options.runner_token.clone(),
+        api_token: options.api_token.clone(),
     });
     let admin_stopped = {
         let mut rx = stop_rx.clone();

@@ -136,6 +136,7 @@ fn template() -> impl Strategy<Value = TemplateSpec> {
         .prop_map(
             |(name, pre_run, function, command, service_address, (left, right), nums, schedule)| {
                 TemplateSpec {
+                    image: service_address.as_ref().map(|a| format!("registry/{a}")),
                     name,
                     pre_run,
                     function,

@@ -8,6 +8,7 @@
 //! in `ebb.toml` (JSON); the route and how to run it go into the log, so they survive restarts.
 
 pub mod admin;
+pub mod funcs;
 pub mod runner;
 
 use std::sync::Arc;
@@ -37,6 +38,8 @@ pub struct AppState {
     pub calls: Option<Arc<crate::calls::Calls>>,
     /// The runner API's bearer token; `None` disables the runner API.
     pub runner_token: Option<String>,
+    /// The functions API's bearer token; `None` disables the functions API.
+    pub api_token: Option<String>,
 }
 
 /// Largest request body ebb's own endpoints read.
@@ -50,10 +53,10 @@ pub fn authorize_token(
     how: &str,
 ) -> Result<(), ApiError> {
     let Some(token) = token else {
-        let code = if what == "admin" {
-            "admin_disabled"
-        } else {
-            "runner_disabled"
+        let code = match what {
+            "admin" => "admin_disabled",
+            "functions" => "functions_disabled",
+            _ => "runner_disabled",
         };
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,
@@ -141,6 +144,7 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .merge(admin::router())
         .merge(runner::router())
+        .merge(funcs::router())
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)

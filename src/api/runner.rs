@@ -86,7 +86,7 @@ fn calls_of(app: &AppState) -> Result<&std::sync::Arc<Calls>, ApiError> {
 }
 
 /// Parses a JSON body, turning every failure into a JSON error.
-fn body<T: serde::de::DeserializeOwned>(
+pub(super) fn body<T: serde::de::DeserializeOwned>(
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<T, ApiError> {
     let bytes = bytes.map_err(|e| {

@@ -129,6 +129,7 @@ async fn setup(args: &CallsBenchArgs, over_http: bool, kafka: Option<&str>) -> R
         ebb_exe: std::env::current_exe()?,
         calls: Some(calls.clone()),
         runner_token: Some(TOKEN.into()),
+        api_token: None,
     });
     use axum::serve::ListenerExt;
     let listener = listener.tap_io(|tcp| {

@@ -54,6 +54,29 @@ pub struct Instance {
     pub finished_at_ms: Option<u64>,
 }
 
+/// How a template changed (a watch's event type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ChangeKind {
+    /// Created.
+    Added,
+    /// Replaced.
+    Modified,
+    /// Deleted.
+    Deleted,
+}
+
+/// One change of a template: what it became (or was, when deleted).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TemplateChange {
+    /// Added, modified or deleted.
+    pub kind: ChangeKind,
+    /// The template after the change (before it, for a deletion).
+    pub template: TemplateSpec,
+}
+
+/// Template changes kept for watches (resuming from a revision older than these is refused).
+pub const CHANGES_KEPT: usize = 4_096;
+
 /// Templates by name and instances by id.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Functions {
@@ -61,10 +84,37 @@ pub struct Functions {
     pub templates: BTreeMap<String, Template>,
     /// Instances by id.
     pub instances: BTreeMap<String, Instance>,
+    /// The latest template changes by the seq that made them: the watch cache.
+    #[serde(default)]
+    pub changes: BTreeMap<u64, TemplateChange>,
+    /// The newest seq of a change no longer kept (0: none dropped yet).
+    #[serde(default)]
+    pub changes_dropped_through: u64,
 }
 
 impl Functions {
+    fn record(&mut self, seq: u64, kind: ChangeKind, template: TemplateSpec) {
+        self.changes.insert(seq, TemplateChange { kind, template });
+        while self.changes.len() > CHANGES_KEPT {
+            if let Some((old, _)) = self.changes.pop_first() {
+                self.changes_dropped_through = old;
+            }
+        }
+    }
+
+    pub(crate) fn delete_template(&mut self, name: &str, seq: u64) {
+        if let Some(t) = self.templates.remove(name) {
+            self.record(seq, ChangeKind::Deleted, t.spec);
+        }
+    }
+
     pub(crate) fn upsert_template(&mut self, spec: &TemplateSpec, seq: u64) {
+        let kind = if self.templates.contains_key(&spec.name) {
+            ChangeKind::Modified
+        } else {
+            ChangeKind::Added
+        };
+        self.record(seq, kind, spec.clone());
         self.templates.insert(
             spec.name.clone(),
             Template {

@@ -137,7 +137,7 @@ impl State {
                 self.functions.upsert_template(template, env.seq);
             }
             Event::TemplateDeleted { name } => {
-                self.functions.templates.remove(name);
+                self.functions.delete_template(name, env.seq);
             }
             Event::InstanceCreated { id, template, args } => {
                 self.functions.create_instance(id, template, args, at);

@@ -1,0 +1,391 @@
+//! `/api/funcs/template`: function templates (bearer token, `ebb serve --api-token` /
+//! `EBB_API_TOKEN`; disabled without one).
+//!
+//! * `GET /api/funcs/template`: `{"items": [...], "revision": SEQ}`.
+//! * `GET /api/funcs/template?watch=true[&since=SEQ]`: newline-delimited JSON, as a Kubernetes
+//!   watch: `{"type": "ADDED" | "MODIFIED" | "DELETED", "object": {...}, "revision": SEQ}`.
+//!   Without `since` it starts with every template as `ADDED`; with it, with exactly the changes
+//!   after `SEQ`. Then a `BOOKMARK` line with the revision it has reached, then changes as they
+//!   become durable. A `since` older than the changes kept is `410` (`revision_compacted`): list
+//!   again and watch from the list's revision.
+//! * `POST /api/funcs/template` creates (`201`; `409` if it exists); `PUT
+//!   /api/funcs/template/{name}` creates (`201`) or replaces (`200`); `GET` and `DELETE` one.
+//!
+//! A template's revision is the seq of the event that last changed it.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::Json;
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State as Extract};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::{ApiError, AppState};
+use crate::event::{Event, TemplateSpec};
+use crate::functions::{self, Refused, TemplateJson};
+use crate::log::Log;
+use crate::state::State;
+use crate::state::functions::ChangeKind;
+
+pub(super) fn router() -> Router<AppState> {
+    Router::new()
+        .route("/api/funcs/template", get(list_or_watch).post(create))
+        .route(
+            "/api/funcs/template/{name}",
+            get(show).put(put).delete(delete),
+        )
+        .layer(DefaultBodyLimit::max(MAX_TEMPLATE_BYTES))
+}
+
+fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    super::authorize_token(
+        app.api_token.as_deref(),
+        headers,
+        "functions",
+        "--api-token or EBB_API_TOKEN",
+    )
+}
+
+/// A template as the API shows it: its fields and its revision.
+fn object(spec: &TemplateSpec, revision: u64) -> Value {
+    let mut v = serde_json::to_value(TemplateJson::from_spec(spec)).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut v {
+        m.insert("revision".into(), json!(revision));
+    }
+    v
+}
+
+fn refused(r: Refused) -> ApiError {
+    match r {
+        Refused::Exists(n) => ApiError::new(
+            StatusCode::CONFLICT,
+            "exists",
+            format!("a template named {n:?} exists; PUT /api/funcs/template/{n} replaces it"),
+        ),
+        Refused::Unknown(n) => ApiError::not_found(format!("no template named {n:?}")),
+    }
+}
+
+/// The most a template body may weigh.
+pub const MAX_TEMPLATE_BYTES: usize = 1 << 20;
+
+fn parse(body: Result<Bytes, BytesRejection>) -> Result<TemplateJson, ApiError> {
+    super::runner::body(body)
+}
+
+fn invalid(why: String) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "invalid_template", why)
+}
+
+#[derive(Debug, Deserialize)]
+struct WatchQuery {
+    #[serde(default)]
+    watch: Option<String>,
+    #[serde(default)]
+    since: Option<String>,
+}
+
+async fn list_or_watch(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Query(q): Query<WatchQuery>,
+) -> Result<Response, ApiError> {
+    authorize(&app, &headers)?;
+    let since = match q.since.as_deref() {
+        None => None,
+        Some(s) => Some(s.parse::<u64>().map_err(|_| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!("since={s:?} is not a revision (a non-negative integer)"),
+            )
+        })?),
+    };
+    let watch = match q.watch.as_deref() {
+        None | Some("false") | Some("0") => false,
+        Some("true") | Some("1") | Some("") => true,
+        Some(w) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!("watch={w:?}: use true or false"),
+            ));
+        }
+    };
+    if !watch {
+        if since.is_some() {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                "since is for watches (watch=true)",
+            ));
+        }
+        let body = app.log.read(|s| {
+            json!({
+                "items": s.functions.templates.values().map(|t| object(&t.spec, t.revision)).collect::<Vec<_>>(),
+                "revision": s.seq,
+            })
+        });
+        return Ok(Json(body).into_response());
+    }
+    if let Some(since) = since {
+        let (dropped, now) = app
+            .log
+            .read(|s| (s.functions.changes_dropped_through, s.seq));
+        if since < dropped {
+            return Err(ApiError::new(
+                StatusCode::GONE,
+                "revision_compacted",
+                format!(
+                    "changes before revision {dropped} are no longer kept; list the templates and watch from the list's revision"
+                ),
+            ));
+        }
+        if since > now {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!("since={since} is ahead of the log (at {now})"),
+            ));
+        }
+    }
+    let (tx, rx) = mpsc::channel::<Bytes>(64);
+    tokio::spawn(feed(app.log.clone(), since, tx));
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+    });
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(stream),
+    )
+        .into_response())
+}
+
+fn line(kind: &str, spec: &TemplateSpec, revision: u64) -> Bytes {
+    let mut s =
+        json!({ "type": kind, "object": object(spec, revision), "revision": revision }).to_string();
+    s.push('\n');
+    Bytes::from(s)
+}
+
+fn kind_name(k: ChangeKind) -> &'static str {
+    match k {
+        ChangeKind::Added => "ADDED",
+        ChangeKind::Modified => "MODIFIED",
+        ChangeKind::Deleted => "DELETED",
+    }
+}
+
+/// The changes with `from < seq <= to`, as lines.
+fn changes(s: &State, from: u64, to: u64) -> Vec<Bytes> {
+    if from >= to {
+        return Vec::new();
+    }
+    s.functions
+        .changes
+        .range(from + 1..=to)
+        .map(|(seq, c)| line(kind_name(c.kind), &c.template, *seq))
+        .collect()
+}
+
+/// The seq up to which the log is durable now (a decision with no events is acknowledged once
+/// everything before it is).
+async fn durable(log: &Log) -> Option<u64> {
+    log.decide(|s: &State, _| (Vec::new(), s.seq))
+        .await
+        .ok()
+        .map(|(seq, _)| seq)
+}
+
+async fn send_all(tx: &mpsc::Sender<Bytes>, lines: Vec<Bytes>) -> bool {
+    for l in lines {
+        if tx.send(l).await.is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+/// Feeds one watch until its client goes away.
+async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
+    // Subscribed first, so nothing falls between the backlog and the live changes.
+    let mut tail = log.subscribe();
+    let Some(mut last) = durable(&log).await else {
+        return;
+    };
+    let backlog = log.read(|s| match since {
+        None => s
+            .functions
+            .templates
+            .values()
+            .map(|t| line("ADDED", &t.spec, t.revision))
+            .collect(),
+        Some(since) => changes(s, since, last),
+    });
+    let mut bookmark = json!({ "type": "BOOKMARK", "revision": last }).to_string();
+    bookmark.push('\n');
+    if !send_all(&tx, backlog).await || tx.send(Bytes::from(bookmark)).await.is_err() {
+        return;
+    }
+    loop {
+        let batch = tokio::select! {
+            b = tail.recv() => b,
+            _ = tx.closed() => return,
+        };
+        let lines = match batch {
+            Ok(batch) => {
+                let seqs: Vec<u64> = batch
+                    .iter()
+                    .filter(|e| e.seq > last)
+                    .filter(|e| {
+                        matches!(
+                            e.event,
+                            Event::TemplateUpserted { .. } | Event::TemplateDeleted { .. }
+                        )
+                    })
+                    .map(|e| e.seq)
+                    .collect();
+                let top = batch.last().map_or(last, |e| e.seq.max(last));
+                let lines = log.read(|s| {
+                    seqs.iter()
+                        .filter_map(|q| {
+                            s.functions
+                                .changes
+                                .get(q)
+                                .map(|c| line(kind_name(c.kind), &c.template, *q))
+                        })
+                        .collect::<Vec<_>>()
+                });
+                last = top;
+                lines
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                // Fell behind the live tail: catch up from the projection's changes.
+                let Some(now) = durable(&log).await else {
+                    return;
+                };
+                let lines = log.read(|s| changes(s, last, now));
+                last = now;
+                lines
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+        };
+        if !send_all(&tx, lines).await {
+            return;
+        }
+    }
+}
+
+async fn create(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    authorize(&app, &headers)?;
+    let spec = parse(body)?.into_spec().map_err(invalid)?;
+    let (done, committed) = app
+        .log
+        .decide(
+            move |s: &State, _| match functions::decide_create(s, spec) {
+                Ok(e) => (vec![e], Ok(())),
+                Err(r) => (Vec::new(), Err(r)),
+            },
+        )
+        .await?;
+    done.map_err(refused)?;
+    let v = app.log.read(|s| {
+        s.functions
+            .changes
+            .get(&committed.last_seq)
+            .map(|c| object(&c.template, committed.last_seq))
+    });
+    Ok((StatusCode::CREATED, Json(v.unwrap_or(Value::Null))))
+}
+
+async fn show(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&app, &headers)?;
+    app.log
+        .read(|s| {
+            s.functions
+                .templates
+                .get(&name)
+                .map(|t| object(&t.spec, t.revision))
+        })
+        .map(Json)
+        .ok_or_else(|| refused(Refused::Unknown(name)))
+}
+
+async fn put(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    authorize(&app, &headers)?;
+    let mut j = parse(body)?;
+    if j.name.is_empty() {
+        j.name = name.clone();
+    } else if j.name != name {
+        return Err(invalid(format!(
+            "the body names {:?} but the path {name:?}",
+            j.name
+        )));
+    }
+    let spec = j.into_spec().map_err(invalid)?;
+    let (created, _) = app
+        .log
+        .decide(move |s: &State, _| {
+            let (event, created) = functions::decide_put(s, spec);
+            (event.into_iter().collect(), created)
+        })
+        .await?;
+    let v = app.log.read(|s| {
+        s.functions
+            .templates
+            .get(&name)
+            .map(|t| object(&t.spec, t.revision))
+    });
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(v.unwrap_or(Value::Null))))
+}
+
+async fn delete(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&app, &headers)?;
+    let (done, committed) = app
+        .log
+        .decide(
+            move |s: &State, _| match functions::decide_delete(s, &name) {
+                Ok(e) => (vec![e], Ok(())),
+                Err(r) => (Vec::new(), Err(r)),
+            },
+        )
+        .await?;
+    done.map_err(refused)?;
+    let v = app.log.read(|s| {
+        s.functions
+            .changes
+            .get(&committed.last_seq)
+            .map(|c| object(&c.template, committed.last_seq))
+    });
+    Ok(Json(v.unwrap_or(Value::Null)))
+}

@@ -1,0 +1,332 @@
+//! Functions: templates (how to run a function, what may run after it), their validation and
+//! the decisions that change them. The JSON shape of a template (`TemplateJson`) is the
+//! serverless seed's, camelCase: `name`, `preRun`, `function`, `command`, `image`,
+//! `serviceAddress`, `left`, `right`, `initInstanceNum`, `minInstanceNum`, `maxInstanceNum`,
+//! `timeoutMs`, `concurrency`, `schedule`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::event::{Event, TemplateSpec};
+use crate::state::State;
+
+/// Names no template may have: `template` is the collection's path, `RETURN` ends a chain.
+pub const RESERVED: [&str; 2] = ["template", "RETURN"];
+
+/// A step's timeout when the template names none.
+pub const DEFAULT_TIMEOUT_MS: u64 = 30_000;
+
+/// A template as the API reads and writes it.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TemplateJson {
+    /// Template name (absent in a PUT: the path's).
+    #[serde(default)]
+    pub name: String,
+    /// A setup command run once before the first instance starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pre_run: Option<String>,
+    /// The entry point or code handed to the runtime.
+    #[serde(default)]
+    pub function: String,
+    /// How to run the function server on one machine.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+    /// The function server's image (Kubernetes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// An external address (`host:port`) instead of a managed workload.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_address: Option<String>,
+    /// The function that runs next on the `left` branch (the default branch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub left: Option<String>,
+    /// The function that runs next on the `right` branch.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub right: Option<String>,
+    /// Instances started when the template is created.
+    #[serde(default)]
+    pub init_instance_num: u32,
+    /// Instances kept even when idle.
+    #[serde(default)]
+    pub min_instance_num: u32,
+    /// The most instances (default: the larger of 1, min and init).
+    #[serde(default)]
+    pub max_instance_num: Option<u32>,
+    /// A step's timeout.
+    #[serde(default, alias = "timeout")]
+    pub timeout_ms: Option<u64>,
+    /// Calls one instance serves at once (default 1).
+    #[serde(default)]
+    pub concurrency: Option<u32>,
+    /// A cron schedule that invokes the template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<String>,
+}
+
+impl TemplateJson {
+    /// The spec this describes, defaults filled in and every rule checked; `Err` says what is
+    /// wrong.
+    pub fn into_spec(self) -> Result<TemplateSpec, String> {
+        let max = match self.max_instance_num {
+            Some(0) => return Err("maxInstanceNum must be at least 1".into()),
+            Some(m) => m,
+            None => 1.max(self.min_instance_num).max(self.init_instance_num),
+        };
+        let spec = TemplateSpec {
+            name: self.name,
+            pre_run: self.pre_run,
+            function: self.function,
+            command: self.command,
+            image: self.image,
+            service_address: self.service_address,
+            left: self.left,
+            right: self.right,
+            init_instances: self.init_instance_num,
+            min_instances: self.min_instance_num,
+            max_instances: max,
+            timeout_ms: self.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS),
+            concurrency: self.concurrency.unwrap_or(1),
+            schedule: self.schedule,
+        };
+        validate(&spec)?;
+        Ok(spec)
+    }
+
+    /// The API's view of a spec.
+    pub fn from_spec(s: &TemplateSpec) -> Self {
+        Self {
+            name: s.name.clone(),
+            pre_run: s.pre_run.clone(),
+            function: s.function.clone(),
+            command: s.command.clone(),
+            image: s.image.clone(),
+            service_address: s.service_address.clone(),
+            left: s.left.clone(),
+            right: s.right.clone(),
+            init_instance_num: s.init_instances,
+            min_instance_num: s.min_instances,
+            max_instance_num: Some(s.max_instances),
+            timeout_ms: Some(s.timeout_ms),
+            concurrency: Some(s.concurrency),
+            schedule: s.schedule.clone(),
+        }
+    }
+}
+
+/// Whether `name` may name a function: 1 to 63 characters of `a-z`, `0-9` and `-`, starting and
+/// ending with a letter or digit (a DNS label, so it can name a workload and a host).
+pub fn check_name(what: &str, name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-');
+    if !ok {
+        return Err(format!(
+            "{what} {name:?} is not a valid name: 1 to 63 of a-z, 0-9 and '-', starting and ending with a letter or digit"
+        ));
+    }
+    Ok(())
+}
+
+/// Every rule a template must keep.
+pub fn validate(t: &TemplateSpec) -> Result<(), String> {
+    if RESERVED.contains(&t.name.as_str()) {
+        return Err(format!("{:?} is a reserved name", t.name));
+    }
+    check_name("template name", &t.name)?;
+    for (branch, next) in [("left", &t.left), ("right", &t.right)] {
+        if let Some(n) = next
+            && n != "RETURN"
+        {
+            check_name(branch, n)?;
+        }
+    }
+    if !(t.min_instances <= t.init_instances && t.init_instances <= t.max_instances) {
+        return Err(format!(
+            "instance numbers must keep min <= init <= max; got min {}, init {}, max {}",
+            t.min_instances, t.init_instances, t.max_instances
+        ));
+    }
+    let how = [
+        !t.command.is_empty(),
+        t.image.is_some(),
+        t.service_address.is_some(),
+    ];
+    if !how.contains(&true) {
+        return Err("a template needs command, image or serviceAddress".into());
+    }
+    if let Some(a) = &t.service_address
+        && a.parse::<std::net::SocketAddr>().is_err()
+        && !a
+            .rsplit_once(':')
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+    {
+        return Err(format!("serviceAddress {a:?} is not host:port"));
+    }
+    if t.command.first().is_some_and(|c| c.is_empty()) {
+        return Err("command's program is empty".into());
+    }
+    if t.timeout_ms == 0 {
+        return Err("timeoutMs must be above 0".into());
+    }
+    if t.concurrency == 0 {
+        return Err("concurrency must be at least 1".into());
+    }
+    Ok(())
+}
+
+/// Why a template decision was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// Creating one that exists.
+    Exists(String),
+    /// Deleting or reading one that does not.
+    Unknown(String),
+}
+
+/// Creating a template: refused if one has that name.
+pub fn decide_create(state: &State, spec: TemplateSpec) -> Result<Event, Refused> {
+    if state.functions.templates.contains_key(&spec.name) {
+        return Err(Refused::Exists(spec.name));
+    }
+    Ok(Event::TemplateUpserted { template: spec })
+}
+
+/// Creating or replacing a template: the event, and whether it is new. Replacing it with the
+/// same spec changes nothing and logs nothing.
+pub fn decide_put(state: &State, spec: TemplateSpec) -> (Option<Event>, bool) {
+    match state.functions.templates.get(&spec.name) {
+        Some(t) if t.spec == spec => (None, false),
+        Some(_) => (Some(Event::TemplateUpserted { template: spec }), false),
+        None => (Some(Event::TemplateUpserted { template: spec }), true),
+    }
+}
+
+/// Deleting a template: refused if there is none.
+pub fn decide_delete(state: &State, name: &str) -> Result<Event, Refused> {
+    if !state.functions.templates.contains_key(name) {
+        return Err(Refused::Unknown(name.to_owned()));
+    }
+    Ok(Event::TemplateDeleted {
+        name: name.to_owned(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn good() -> TemplateJson {
+        TemplateJson {
+            name: "resize".into(),
+            command: vec!["ebb".into(), "example-app".into()],
+            ..TemplateJson::default()
+        }
+    }
+
+    #[test]
+    fn defaults_fill_in_and_round_trip() {
+        let spec = good().into_spec().unwrap();
+        assert_eq!(
+            (spec.max_instances, spec.timeout_ms, spec.concurrency),
+            (1, DEFAULT_TIMEOUT_MS, 1)
+        );
+        let back = TemplateJson::from_spec(&spec).into_spec().unwrap();
+        assert_eq!(back, spec);
+        let mut j = good();
+        j.init_instance_num = 3;
+        assert_eq!(j.into_spec().unwrap().max_instances, 3);
+    }
+
+    #[test]
+    fn every_rule_has_a_clear_refusal() {
+        let cases: Vec<(TemplateJson, &str)> = vec![
+            (
+                TemplateJson {
+                    name: "Bad_Name".into(),
+                    ..good()
+                },
+                "not a valid name",
+            ),
+            (
+                TemplateJson {
+                    name: "template".into(),
+                    ..good()
+                },
+                "reserved",
+            ),
+            (
+                TemplateJson {
+                    name: "RETURN".into(),
+                    ..good()
+                },
+                "reserved",
+            ),
+            (
+                TemplateJson {
+                    min_instance_num: 2,
+                    init_instance_num: 1,
+                    max_instance_num: Some(3),
+                    ..good()
+                },
+                "min <= init <= max",
+            ),
+            (
+                TemplateJson {
+                    init_instance_num: 4,
+                    max_instance_num: Some(3),
+                    ..good()
+                },
+                "min <= init <= max",
+            ),
+            (
+                TemplateJson {
+                    max_instance_num: Some(0),
+                    ..good()
+                },
+                "at least 1",
+            ),
+            (
+                TemplateJson {
+                    command: vec![],
+                    ..good()
+                },
+                "command, image or serviceAddress",
+            ),
+            (
+                TemplateJson {
+                    left: Some("Not OK".into()),
+                    ..good()
+                },
+                "left",
+            ),
+            (
+                TemplateJson {
+                    service_address: Some("nowhere".into()),
+                    ..good()
+                },
+                "host:port",
+            ),
+            (
+                TemplateJson {
+                    concurrency: Some(0),
+                    ..good()
+                },
+                "concurrency",
+            ),
+        ];
+        for (j, want) in cases {
+            let err = j.clone().into_spec().unwrap_err();
+            assert!(err.contains(want), "{j:?}: {err:?} should say {want:?}");
+        }
+        let ok = TemplateJson {
+            right: Some("RETURN".into()),
+            service_address: Some("fn.example:8080".into()),
+            ..good()
+        };
+        assert!(ok.into_spec().is_ok());
+    }
+}

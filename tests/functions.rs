@@ -1,0 +1,381 @@
+//! The functions API over real HTTP against `ebb serve`: templates (create, read, replace,
+//! delete, every validation rule, tokens, limits, a restart) and their watch, resumed from a
+//! revision with exactly the changes missed.
+
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+
+mod common;
+
+use common::Ebb;
+
+const TOKEN: &str = "fn-token";
+
+fn start(data: &Path, token: Option<&str>) -> Ebb {
+    let mut args = Vec::new();
+    if let Some(t) = token {
+        args.extend(["--api-token", t]);
+    }
+    common::serve_with(data, None, None, &args)
+}
+
+fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+fn request(
+    ebb: &Ebb,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: impl Into<Bytes>,
+) -> hyper::Request<Full<Bytes>> {
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(format!("http://{}{path}", ebb.admin));
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    req.body(Full::new(body.into())).unwrap()
+}
+
+async fn call(
+    ebb: &Ebb,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: impl Into<Bytes>,
+) -> (u16, Value) {
+    let resp = client()
+        .request(request(ebb, method, path, token, body))
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let v = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    (status, v)
+}
+
+async fn api(ebb: &Ebb, method: &str, path: &str, body: Value) -> (u16, Value) {
+    let body = if body.is_null() {
+        String::new()
+    } else {
+        body.to_string()
+    };
+    call(ebb, method, path, Some(TOKEN), body).await
+}
+
+fn template(name: &str) -> Value {
+    json!({ "name": name, "function": "handler", "command": ["ebb", "example-app"] })
+}
+
+/// Asserts a JSON error with this status and code.
+fn refused(got: (u16, Value), status: u16, code: &str) {
+    assert_eq!(got.0, status, "{:?}", got.1);
+    assert_eq!(got.1["code"], code, "{:?}", got.1);
+    assert!(
+        got.1["error"].as_str().is_some_and(|e| !e.is_empty()),
+        "{:?}",
+        got.1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn templates_are_created_read_replaced_and_deleted_and_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut ebb = start(&data, Some(TOKEN));
+    let (status, created) = api(&ebb, "POST", "/api/funcs/template", template("resize")).await;
+    assert_eq!(status, 201, "{created:?}");
+    assert_eq!(created["name"], "resize");
+    assert_eq!(created["maxInstanceNum"], 1);
+    assert_eq!(created["concurrency"], 1);
+    let r1 = created["revision"].as_u64().unwrap();
+    assert!(r1 > 0);
+    refused(
+        api(&ebb, "POST", "/api/funcs/template", template("resize")).await,
+        409,
+        "exists",
+    );
+    let (status, got) = api(&ebb, "GET", "/api/funcs/template/resize", Value::Null).await;
+    assert_eq!((status, &got), (200, &created));
+
+    // Replace (the name may be left out of the body), then create by PUT.
+    let mut changed = template("resize");
+    changed.as_object_mut().unwrap().remove("name");
+    changed["right"] = json!("RETURN");
+    changed["maxInstanceNum"] = json!(4);
+    changed["initInstanceNum"] = json!(2);
+    let (status, replaced) = api(&ebb, "PUT", "/api/funcs/template/resize", changed.clone()).await;
+    assert_eq!(status, 200, "{replaced:?}");
+    assert_eq!(replaced["right"], "RETURN");
+    assert!(replaced["revision"].as_u64().unwrap() > r1);
+    // The same spec again changes nothing.
+    let (status, same) = api(&ebb, "PUT", "/api/funcs/template/resize", changed).await;
+    assert_eq!((status, &same["revision"]), (200, &replaced["revision"]));
+    let (status, _) = api(&ebb, "PUT", "/api/funcs/template/thumb", template("thumb")).await;
+    assert_eq!(status, 201);
+    let (status, list) = api(&ebb, "GET", "/api/funcs/template", Value::Null).await;
+    assert_eq!(status, 200);
+    let names: Vec<&str> = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["resize", "thumb"]);
+    assert!(list["revision"].as_u64().unwrap() >= replaced["revision"].as_u64().unwrap());
+
+    let (status, gone) = api(&ebb, "DELETE", "/api/funcs/template/thumb", Value::Null).await;
+    assert_eq!((status, gone["name"].as_str()), (200, Some("thumb")));
+    refused(
+        api(&ebb, "DELETE", "/api/funcs/template/thumb", Value::Null).await,
+        404,
+        "not_found",
+    );
+    refused(
+        api(&ebb, "GET", "/api/funcs/template/thumb", Value::Null).await,
+        404,
+        "not_found",
+    );
+
+    // The log has them: a restart serves the same templates.
+    ebb.child.kill().unwrap();
+    ebb.child.wait().unwrap();
+    drop(ebb);
+    let ebb = start(&data, Some(TOKEN));
+    let (status, after) = api(&ebb, "GET", "/api/funcs/template/resize", Value::Null).await;
+    assert_eq!((status, &after), (200, &replaced));
+    refused(
+        api(&ebb, "GET", "/api/funcs/template/thumb", Value::Null).await,
+        404,
+        "not_found",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_template_rule_and_bad_input_gets_a_clear_error_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let ebb = start(&data, Some(TOKEN));
+    let post = "/api/funcs/template";
+    let with = |patch: Value| {
+        let mut t = template("ok-name");
+        for (k, v) in patch.as_object().unwrap() {
+            t[k] = v.clone();
+        }
+        t
+    };
+    let invalid = [
+        with(json!({ "name": "Bad_Name" })),
+        with(json!({ "name": "-dash" })),
+        with(json!({ "name": "x".repeat(64) })),
+        with(json!({ "name": "template" })),
+        with(json!({ "name": "RETURN" })),
+        with(json!({ "minInstanceNum": 2, "initInstanceNum": 1, "maxInstanceNum": 3 })),
+        with(json!({ "initInstanceNum": 5, "maxInstanceNum": 3 })),
+        with(json!({ "maxInstanceNum": 0 })),
+        with(json!({ "command": [] })),
+        with(json!({ "left": "Not A Name" })),
+        with(json!({ "serviceAddress": "no-port" })),
+        with(json!({ "concurrency": 0 })),
+        with(json!({ "timeoutMs": 0 })),
+    ];
+    for body in invalid {
+        refused(
+            api(&ebb, "POST", post, body.clone()).await,
+            400,
+            "invalid_template",
+        );
+    }
+    refused(
+        call(&ebb, "POST", post, Some(TOKEN), "{not json").await,
+        400,
+        "bad_json",
+    );
+    refused(
+        api(&ebb, "POST", post, with(json!({ "colour": "blue" }))).await,
+        400,
+        "bad_json",
+    );
+    refused(
+        api(&ebb, "PUT", "/api/funcs/template/one", template("another")).await,
+        400,
+        "invalid_template",
+    );
+    let huge = json!({ "name": "big", "command": ["x"], "function": "y".repeat(2 << 20) });
+    refused(
+        api(&ebb, "POST", post, huge).await,
+        413,
+        "payload_too_large",
+    );
+    refused(call(&ebb, "GET", post, None, "").await, 401, "unauthorized");
+    refused(
+        call(&ebb, "GET", post, Some("wrong"), "").await,
+        401,
+        "unauthorized",
+    );
+    refused(
+        api(&ebb, "GET", "/api/funcs/template?watch=maybe", Value::Null).await,
+        400,
+        "bad_request",
+    );
+    refused(
+        api(
+            &ebb,
+            "GET",
+            "/api/funcs/template?watch=true&since=x",
+            Value::Null,
+        )
+        .await,
+        400,
+        "bad_request",
+    );
+    refused(
+        api(
+            &ebb,
+            "GET",
+            "/api/funcs/template?watch=true&since=999999",
+            Value::Null,
+        )
+        .await,
+        400,
+        "bad_request",
+    );
+    // Nothing of that reached the log.
+    let (_, list) = api(&ebb, "GET", post, Value::Null).await;
+    assert_eq!(list["items"], json!([]));
+    assert!(
+        common::events(&data)
+            .iter()
+            .all(|e| !e.to_string().contains("Template")),
+        "a refused template was logged"
+    );
+
+    // Without a token the functions API is off.
+    let other = tempfile::tempdir().unwrap();
+    let off = start(&other.path().join("data"), None);
+    refused(
+        call(&off, "GET", post, Some(TOKEN), "").await,
+        403,
+        "functions_disabled",
+    );
+}
+
+/// A watch's lines as they arrive.
+struct Watch {
+    body: hyper::body::Incoming,
+    buf: Vec<u8>,
+}
+
+impl Watch {
+    async fn open(ebb: &Ebb, since: Option<u64>) -> Watch {
+        let path = match since {
+            Some(s) => format!("/api/funcs/template?watch=true&since={s}"),
+            None => "/api/funcs/template?watch=true".to_owned(),
+        };
+        let resp = client()
+            .request(request(ebb, "GET", &path, Some(TOKEN), Bytes::new()))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["content-type"], "application/x-ndjson");
+        Watch {
+            body: resp.into_body(),
+            buf: Vec::new(),
+        }
+    }
+
+    /// The next line, within a deadline.
+    async fn next(&mut self) -> Value {
+        let read = async {
+            loop {
+                if let Some(i) = self.buf.iter().position(|b| *b == b'\n') {
+                    let line: Vec<u8> = self.buf.drain(..=i).collect();
+                    return serde_json::from_slice::<Value>(&line).unwrap();
+                }
+                let frame = self.body.frame().await.expect("the watch ended").unwrap();
+                if let Ok(data) = frame.into_data() {
+                    self.buf.extend_from_slice(&data);
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), read)
+            .await
+            .expect("no watch line within 30 s")
+    }
+
+    /// The next line's type, name and revision.
+    async fn event(&mut self) -> (String, String, u64) {
+        let v = self.next().await;
+        (
+            v["type"].as_str().unwrap().to_owned(),
+            v["object"]["name"].as_str().unwrap_or("").to_owned(),
+            v["revision"].as_u64().unwrap(),
+        )
+    }
+}
+
+fn ev(kind: &str, name: &str, rev: u64) -> (String, String, u64) {
+    (kind.to_owned(), name.to_owned(), rev)
+}
+
+fn rev(v: &Value) -> u64 {
+    v["revision"].as_u64().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_resumed_from_a_revision_gets_exactly_the_changes_it_missed() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(&dir.path().join("data"), Some(TOKEN));
+    let post = "/api/funcs/template";
+    let a = api(&ebb, "POST", post, template("a")).await.1;
+    let b = api(&ebb, "POST", post, template("b")).await.1;
+
+    let mut w = Watch::open(&ebb, None).await;
+    assert_eq!(w.event().await, ev("ADDED", "a", rev(&a)));
+    assert_eq!(w.event().await, ev("ADDED", "b", rev(&b)));
+    let bookmark = w.next().await;
+    assert_eq!(bookmark["type"], "BOOKMARK");
+    assert!(rev(&bookmark) >= rev(&b));
+    let mut a2 = template("a");
+    a2["left"] = json!("b");
+    let a2 = api(&ebb, "PUT", "/api/funcs/template/a", a2).await.1;
+    let seen = w.event().await;
+    assert_eq!(seen, ev("MODIFIED", "a", rev(&a2)));
+    drop(w);
+
+    // While nobody watches.
+    let b_gone = api(&ebb, "DELETE", "/api/funcs/template/b", Value::Null)
+        .await
+        .1;
+    let c = api(&ebb, "POST", post, template("c")).await.1;
+    let mut c2 = template("c");
+    c2["maxInstanceNum"] = json!(3);
+    let c2 = api(&ebb, "PUT", "/api/funcs/template/c", c2).await.1;
+
+    let mut w = Watch::open(&ebb, Some(seen.2)).await;
+    assert_eq!(w.event().await, ev("DELETED", "b", rev(&b_gone)));
+    assert_eq!(w.event().await, ev("ADDED", "c", rev(&c)));
+    assert_eq!(w.event().await, ev("MODIFIED", "c", rev(&c2)));
+    let bookmark = w.next().await;
+    assert_eq!(bookmark["type"], "BOOKMARK");
+    // Then live, with nothing repeated.
+    let d = api(&ebb, "POST", post, template("d")).await.1;
+    assert_eq!(w.event().await, ev("ADDED", "d", rev(&d)));
+
+    // Resuming from the very latest revision gets nothing old.
+    let mut w2 = Watch::open(&ebb, Some(rev(&d))).await;
+    assert_eq!(w2.next().await["type"], "BOOKMARK");
+    let e = api(&ebb, "POST", post, template("e")).await.1;
+    assert_eq!(w2.event().await, ev("ADDED", "e", rev(&e)));
+    assert_eq!(w.event().await, ev("ADDED", "e", rev(&e)));
+}
