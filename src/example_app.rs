@@ -11,7 +11,13 @@
 //! | `/count` | reads the whole request body, then answers how many bytes it had |
 //! | `/headers` | the request headers it received, a `name: value` line each |
 //! | `/crash` | exits the process with status 3 |
+//! | `POST /` with `--function F` | demo function F (below) |
 //! | anything else | echo: the request body streamed back, method and path in headers |
+//!
+//! Demo functions, for function templates (`--function`, or `$EBB_FUNCTION`, which ebb sets to
+//! the template's `function`): `upper`, `lower`, `reverse` and `exclaim` (appends `!`) transform
+//! the body; `classify` passes it on unchanged and answers `X-Ebb-Branch: right` when it is
+//! longer than 10 bytes, `left` otherwise; `fail` answers 500; anything else echoes.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -38,6 +44,9 @@ pub struct ExampleAppArgs {
     /// Answer `/health` with 503 forever: an app that never becomes ready.
     #[arg(long)]
     pub never_ready: bool,
+    /// Serve `POST /` as this demo function (see the module docs).
+    #[arg(long, env = "EBB_FUNCTION")]
+    pub function: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -55,9 +64,52 @@ const SLEEP_MAX_MS: u64 = 600_000;
 /// Chunk size of `/bytes`.
 const CHUNK_BYTES: usize = 64 * 1024;
 
+/// A demo function's answer to `body`: (status, branch, body).
+pub fn demo_function(name: &str, body: &[u8]) -> (StatusCode, &'static str, Vec<u8>) {
+    let text = String::from_utf8_lossy(body);
+    match name {
+        "upper" => (StatusCode::OK, "left", text.to_uppercase().into_bytes()),
+        "lower" => (StatusCode::OK, "left", text.to_lowercase().into_bytes()),
+        "reverse" => (
+            StatusCode::OK,
+            "left",
+            text.chars().rev().collect::<String>().into_bytes(),
+        ),
+        "exclaim" => (StatusCode::OK, "left", format!("{text}!").into_bytes()),
+        "classify" => {
+            let branch = if body.len() > 10 { "right" } else { "left" };
+            (StatusCode::OK, branch, body.to_vec())
+        }
+        "fail" => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "left",
+            b"failed".to_vec(),
+        ),
+        _ => (StatusCode::OK, "left", body.to_vec()),
+    }
+}
+
 /// The app's routes.
 pub fn router(never_ready: bool) -> Router {
-    Router::new()
+    router_with(never_ready, None)
+}
+
+/// The app's routes, `POST /` served by demo function `function` when given.
+pub fn router_with(never_ready: bool, function: Option<String>) -> Router {
+    let routes = match function {
+        Some(f) => Router::new().route(
+            "/",
+            axum::routing::post(move |body: axum::body::Bytes| {
+                let f = f.clone();
+                async move {
+                    let (status, branch, out) = demo_function(&f, &body);
+                    (status, [("x-ebb-branch", branch)], out)
+                }
+            }),
+        ),
+        None => Router::new(),
+    };
+    routes
         .route(
             "/health",
             get(move || async move {
@@ -180,6 +232,6 @@ pub async fn run(args: ExampleAppArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("example-app: listening on {addr}: {e}"))?;
-    axum::serve(listener, router(args.never_ready)).await?;
+    axum::serve(listener, router_with(args.never_ready, args.function)).await?;
     Ok(())
 }

@@ -205,6 +205,14 @@ pub async fn run(
         .recover()
         .await
         .context("putting queued calls back on the queue")?;
+    let functions = Arc::new(crate::functions::runtime::FunctionService::new(
+        log.clone(),
+        calls.clone(),
+    ));
+    let driver = tokio::spawn(crate::functions::runtime::run_driver(
+        functions.clone(),
+        stop_rx.clone(),
+    ));
     let expiry = tokio::spawn(crate::calls::run_expiry(
         calls.clone(),
         Duration::from_millis(100),
@@ -235,6 +243,7 @@ pub async fn run(
         calls: Some(calls.clone()),
         runner_token: options.runner_token.clone(),
         api_token: options.api_token.clone(),
+        functions: Some(functions.clone()),
     });
     let admin_stopped = {
         let mut rx = stop_rx.clone();
@@ -267,6 +276,7 @@ pub async fn run(
         tracing::warn!("calls still running at shutdown will time out");
     }
     let _ = expiry.await;
+    let _ = driver.await;
     let _ = tokio::task::spawn_blocking(move || {
         for t in proxy_threads {
             let _ = t.join();

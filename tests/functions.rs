@@ -19,10 +19,17 @@ use common::Ebb;
 const TOKEN: &str = "fn-token";
 
 fn start(data: &Path, token: Option<&str>) -> Ebb {
-    let mut args = Vec::new();
+    start_with(data, token, &[])
+}
+
+const RUNNER_TOKEN: &str = "runner-token";
+
+fn start_with(data: &Path, token: Option<&str>, extra: &[&str]) -> Ebb {
+    let mut args = vec!["--runner-token", RUNNER_TOKEN];
     if let Some(t) = token {
         args.extend(["--api-token", t]);
     }
+    args.extend_from_slice(extra);
     common::serve_with(data, None, None, &args)
 }
 
@@ -378,4 +385,332 @@ async fn a_watch_resumed_from_a_revision_gets_exactly_the_changes_it_missed() {
     let e = api(&ebb, "POST", post, template("e")).await.1;
     assert_eq!(w2.event().await, ev("ADDED", "e", rev(&e)));
     assert_eq!(w.event().await, ev("ADDED", "e", rev(&e)));
+}
+
+/// A template run by `ebb example-app` as demo function `function`, with its next functions.
+fn demo(name: &str, function: &str, left: Option<&str>, right: Option<&str>) -> Value {
+    let mut t = json!({ "name": name, "function": function, "command": ["ebb", "example-app"] });
+    if let Some(l) = left {
+        t["left"] = json!(l);
+    }
+    if let Some(r) = right {
+        t["right"] = json!(r);
+    }
+    t
+}
+
+/// classify -> (short) upper -> exclaim, or (long) reverse -> exclaim.
+async fn chain(ebb: &Ebb) {
+    for t in [
+        demo("classify", "classify", Some("upper"), Some("reverse")),
+        demo("upper", "upper", Some("exclaim"), None),
+        demo("reverse", "reverse", Some("exclaim"), None),
+        demo("exclaim", "exclaim", None, None),
+    ] {
+        let (status, v) = api(ebb, "POST", "/api/funcs/template", t).await;
+        assert_eq!(status, 201, "{v:?}");
+    }
+}
+
+async fn invoke(ebb: &Ebb, name: &str, args: &str) -> String {
+    let (status, v) = call(
+        ebb,
+        "POST",
+        &format!("/api/funcs/{name}"),
+        Some(TOKEN),
+        args.to_owned(),
+    )
+    .await;
+    assert_eq!(status, 202, "{v:?}");
+    v["instanceId"].as_str().unwrap().to_owned()
+}
+
+/// Polls an instance until it ended (bounded).
+async fn ended(ebb: &Ebb, id: &str) -> Value {
+    let poll = async {
+        loop {
+            let (status, v) = api(ebb, "GET", &format!("/api/funcs/{id}"), Value::Null).await;
+            assert_eq!(status, 200, "{v:?}");
+            if v["state"] != "running" {
+                return v;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), poll)
+        .await
+        .expect("the instance did not end within 60 s")
+}
+
+fn functions_of(v: &Value) -> Vec<String> {
+    v["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["function"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_of_three_functions_takes_the_branch_its_answer_names() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(&dir.path().join("data"), Some(TOKEN));
+    chain(&ebb).await;
+    let short = invoke(&ebb, "classify", "hi").await;
+    let long = invoke(&ebb, "classify", "hello world").await;
+    let s = ended(&ebb, &short).await;
+    assert_eq!(s["state"], "success", "{s:?}");
+    assert_eq!(s["result"], "HI!");
+    assert_eq!(functions_of(&s), ["classify", "upper", "exclaim"]);
+    for step in s["steps"].as_array().unwrap() {
+        assert_eq!(step["status"], "success", "{s:?}");
+        assert!(step["finishedAtMs"].as_u64().is_some());
+    }
+    let l = ended(&ebb, &long).await;
+    assert_eq!(l["result"], "dlrow olleh!");
+    assert_eq!(functions_of(&l), ["classify", "reverse", "exclaim"]);
+
+    // Waiting for the result in the same request.
+    let (status, v) = call(
+        &ebb,
+        "POST",
+        "/api/funcs/classify?wait=true",
+        Some(TOKEN),
+        "abc",
+    )
+    .await;
+    assert_eq!((status, &v["result"]), (200, &json!("ABC!")), "{v:?}");
+    let resp = client()
+        .request({
+            let mut r = request(&ebb, "POST", "/api/funcs/exclaim", Some(TOKEN), "x");
+            r.headers_mut().insert("prefer", "wait=20".parse().unwrap());
+            r
+        })
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let v: Value =
+        serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(v["result"], "x!");
+}
+
+async fn runner(ebb: &Ebb, path: &str, body: Value) -> (u16, Value) {
+    call(ebb, "POST", path, Some(RUNNER_TOKEN), body.to_string()).await
+}
+
+fn started_count(data: &Path, call_id: &str) -> usize {
+    common::events(data)
+        .iter()
+        .filter(|e| {
+            e["event"]
+                .get("CallStarted")
+                .is_some_and(|x| x["id"] == call_id)
+        })
+        .count()
+}
+
+/// ebb killed mid-chain: the instance resumes after the restart, and no step runs twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_resumes_after_ebb_is_killed_mid_chain_and_runs_no_step_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    // No built-in runner: the first step is run by hand, then ebb is killed.
+    let mut ebb = start_with(&data, Some(TOKEN), &["--runner-capacity", "0"]);
+    chain(&ebb).await;
+    let id = invoke(&ebb, "classify", "hey").await;
+    let (status, got) = runner(
+        &ebb,
+        "/runner/dequeue",
+        json!({ "runner": "r1", "wait_ms": 5000 }),
+    )
+    .await;
+    assert_eq!(status, 200, "{got:?}");
+    let first = got["calls"][0]["id"].as_str().unwrap().to_owned();
+    assert_eq!(got["calls"][0]["payload"]["body"], "hey");
+    let (status, _) = runner(
+        &ebb,
+        "/runner/start",
+        json!({ "runner": "r1", "id": first }),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (status, _) = runner(
+        &ebb,
+        "/runner/finish",
+        json!({ "runner": "r1", "id": first, "outcome": "success",
+                "result": { "status": 200, "headers": [["x-ebb-branch", "left"]], "body": "hey" } }),
+    )
+    .await;
+    assert_eq!(status, 200);
+    // The driver queues the second step; wait until it is recorded.
+    let wait = async {
+        loop {
+            let (_, v) = api(&ebb, "GET", &format!("/api/funcs/{id}"), Value::Null).await;
+            if v["steps"].as_array().map(Vec::len) == Some(2) {
+                return v;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let v = tokio::time::timeout(Duration::from_secs(30), wait)
+        .await
+        .unwrap();
+    assert_eq!(functions_of(&v), ["classify", "upper"]);
+    ebb.child.kill().unwrap();
+    ebb.child.wait().unwrap();
+    drop(ebb);
+
+    let ebb = start_with(&data, Some(TOKEN), &[]);
+    let done = ended(&ebb, &id).await;
+    assert_eq!(done["state"], "success", "{done:?}");
+    assert_eq!(done["result"], "HEY!");
+    assert_eq!(functions_of(&done), ["classify", "upper", "exclaim"]);
+    for step in done["steps"].as_array().unwrap() {
+        let call = step["callId"].as_str().unwrap();
+        assert_eq!(
+            started_count(&data, call),
+            1,
+            "step {step:?} started more than once"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explicit_steps_return_and_every_instance_error_is_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start_with(
+        &dir.path().join("data"),
+        Some(TOKEN),
+        &["--runner-capacity", "0"],
+    );
+    chain(&ebb).await;
+    refused(
+        call(&ebb, "POST", "/api/funcs/nope", Some(TOKEN), "x").await,
+        404,
+        "unknown_function",
+    );
+    refused(
+        api(
+            &ebb,
+            "GET",
+            "/api/funcs/0190f5a2-7c1e-7000-8000-0000000000aa",
+            Value::Null,
+        )
+        .await,
+        404,
+        "unknown_instance",
+    );
+    refused(
+        call(
+            &ebb,
+            "PUT",
+            "/api/funcs/upper/0190f5a2-7c1e-7000-8000-0000000000aa",
+            Some(TOKEN),
+            "x",
+        )
+        .await,
+        404,
+        "unknown_instance",
+    );
+    refused(
+        call(
+            &ebb,
+            "POST",
+            "/api/funcs/upper",
+            Some(TOKEN),
+            vec![b'a'; 5 << 20],
+        )
+        .await,
+        413,
+        "payload_too_large",
+    );
+    refused(
+        call(&ebb, "POST", "/api/funcs/upper?wait=soon", Some(TOKEN), "x").await,
+        400,
+        "bad_request",
+    );
+    refused(
+        call(&ebb, "POST", "/api/funcs/upper", None, "x").await,
+        401,
+        "unauthorized",
+    );
+
+    // A step added by hand, then RETURN ends the instance with its body.
+    let id = invoke(&ebb, "exclaim", "a").await;
+    let (status, v) = call(
+        &ebb,
+        "PUT",
+        &format!("/api/funcs/upper/{id}"),
+        Some(TOKEN),
+        "b",
+    )
+    .await;
+    assert_eq!((status, &v["step"]), (202, &json!(2)), "{v:?}");
+    refused(
+        call(
+            &ebb,
+            "PUT",
+            &format!("/api/funcs/nope/{id}"),
+            Some(TOKEN),
+            "b",
+        )
+        .await,
+        404,
+        "unknown_function",
+    );
+    let (status, v) = call(
+        &ebb,
+        "PUT",
+        &format!("/api/funcs/RETURN/{id}"),
+        Some(TOKEN),
+        "the end",
+    )
+    .await;
+    assert_eq!(status, 200, "{v:?}");
+    assert_eq!(
+        (v["state"].as_str(), v["result"].as_str()),
+        (Some("success"), Some("the end"))
+    );
+    assert_eq!(functions_of(&v), ["exclaim", "upper"]);
+    refused(
+        call(
+            &ebb,
+            "PUT",
+            &format!("/api/funcs/RETURN/{id}"),
+            Some(TOKEN),
+            "again",
+        )
+        .await,
+        409,
+        "instance_ended",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_to_a_missing_function_or_past_the_step_bound_ends_in_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(&dir.path().join("data"), Some(TOKEN));
+    for t in [
+        demo("dangling", "upper", Some("missing"), None),
+        demo("forever", "exclaim", Some("forever"), None),
+        demo("broken", "fail", Some("upper"), None),
+    ] {
+        assert_eq!(api(&ebb, "POST", "/api/funcs/template", t).await.0, 201);
+    }
+    let a = ended(&ebb, &invoke(&ebb, "dangling", "x").await).await;
+    assert_eq!(a["state"], "error");
+    assert!(
+        a["result"].as_str().unwrap().contains("\"missing\""),
+        "{a:?}"
+    );
+    let b = ended(&ebb, &invoke(&ebb, "forever", "").await).await;
+    assert_eq!(b["state"], "error");
+    assert!(b["result"].as_str().unwrap().contains("64 steps"), "{b:?}");
+    assert_eq!(b["steps"].as_array().unwrap().len(), 64);
+    let c = ended(&ebb, &invoke(&ebb, "broken", "x").await).await;
+    assert_eq!(
+        (c["state"].as_str(), c["result"].as_str()),
+        (Some("error"), Some("failed"))
+    );
+    assert_eq!(functions_of(&c), ["broken"]);
 }

@@ -30,6 +30,7 @@ use tokio::sync::mpsc;
 
 use super::{ApiError, AppState};
 use crate::event::{Event, TemplateSpec};
+use crate::functions::runtime::{FnError, FunctionService};
 use crate::functions::{self, Refused, TemplateJson};
 use crate::log::Log;
 use crate::state::State;
@@ -43,6 +44,218 @@ pub(super) fn router() -> Router<AppState> {
             get(show).put(put).delete(delete),
         )
         .layer(DefaultBodyLimit::max(MAX_TEMPLATE_BYTES))
+        .merge(
+            Router::new()
+                .route("/api/funcs/{name}", get(instance).post(invoke))
+                .route("/api/funcs/{name}/{id}", axum::routing::put(step))
+                .layer(DefaultBodyLimit::max(MAX_ARGS_BYTES)),
+        )
+}
+
+/// The most bytes of arguments (or a step's input) an invocation takes.
+pub const MAX_ARGS_BYTES: usize = 4 << 20;
+
+/// The longest an invocation waits for its result.
+pub const MAX_WAIT_S: u64 = 300;
+
+fn service(app: &AppState) -> Result<&Arc<FunctionService>, ApiError> {
+    app.functions.as_ref().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "functions_unavailable",
+            "this ebb runs no calls, so no functions",
+        )
+    })
+}
+
+impl From<FnError> for ApiError {
+    fn from(e: FnError) -> Self {
+        match e {
+            FnError::UnknownFunction(_) => {
+                ApiError::new(StatusCode::NOT_FOUND, "unknown_function", e.to_string())
+            }
+            FnError::UnknownInstance(_) => {
+                ApiError::new(StatusCode::NOT_FOUND, "unknown_instance", e.to_string())
+            }
+            FnError::Ended(_) => {
+                ApiError::new(StatusCode::CONFLICT, "instance_ended", e.to_string())
+            }
+            FnError::Moved(_) => {
+                ApiError::new(StatusCode::CONFLICT, "instance_moved", e.to_string())
+            }
+            FnError::Calls(c) => c.into(),
+        }
+    }
+}
+
+fn args(body: Result<Bytes, BytesRejection>) -> Result<Vec<u8>, ApiError> {
+    body.map(|b| b.to_vec()).map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "payload_too_large",
+                e.body_text(),
+            )
+        } else {
+            ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text())
+        }
+    })
+}
+
+/// An instance as the API shows it.
+fn instance_view(s: &State, id: &str) -> Option<Value> {
+    let i = s.functions.instances.get(id)?;
+    let steps: Vec<Value> = i
+        .steps
+        .iter()
+        .map(|st| {
+            let call = s.calls.get(&st.call_id);
+            json!({
+                "function": st.function,
+                "callId": st.call_id,
+                "status": call.map(|c| serde_json::to_value(c.status).unwrap_or(Value::Null)),
+                "queuedAtMs": st.at_ms,
+                "startedAtMs": call.and_then(|c| c.started_at_ms),
+                "finishedAtMs": call.and_then(|c| c.finished_at_ms),
+            })
+        })
+        .collect();
+    let mut v = json!({
+        "instanceId": id,
+        "template": i.template,
+        "state": i.status,
+        "createdAtMs": i.created_at_ms,
+        "finishedAtMs": i.finished_at_ms,
+        "steps": steps,
+    });
+    if let Some(r) = &i.result {
+        match std::str::from_utf8(r) {
+            Ok(text) => v["result"] = json!(text),
+            Err(_) => {
+                use base64::Engine;
+                v["resultBase64"] = json!(base64::engine::general_purpose::STANDARD.encode(r));
+            }
+        }
+    }
+    Some(v)
+}
+
+#[derive(Debug, Deserialize)]
+struct InvokeQuery {
+    #[serde(default)]
+    wait: Option<String>,
+}
+
+/// How long to wait for the result: `?wait=true` (30 s), `?wait=N`, or `Prefer: wait=N`.
+fn wait_of(q: &InvokeQuery, headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", m);
+    let from_query = match q.wait.as_deref() {
+        None | Some("false") | Some("0") => None,
+        Some("true") | Some("") => Some(30),
+        Some(n) => Some(
+            n.parse::<u64>()
+                .map_err(|_| bad(format!("wait={n:?}: use true, false or seconds")))?,
+        ),
+    };
+    let from_header = headers
+        .get_all("prefer")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split([',', ';']))
+        .find_map(|p| p.trim().strip_prefix("wait=").map(str::to_owned));
+    let from_header = match from_header {
+        None => None,
+        Some(n) => Some(
+            n.trim()
+                .parse::<u64>()
+                .map_err(|_| bad(format!("Prefer: wait={n:?} is not a number of seconds")))?,
+        ),
+    };
+    Ok(from_query.or(from_header).map(|s| s.min(MAX_WAIT_S)))
+}
+
+/// Waits until instance `id` has ended or `secs` have passed.
+async fn wait_until_done(log: &Log, id: &str, secs: u64) {
+    let ended = |log: &Log| {
+        log.read(|s| {
+            s.functions
+                .instances
+                .get(id)
+                .is_none_or(|i| i.status != crate::state::InstanceStatus::Running)
+        })
+    };
+    let mut tail = log.subscribe();
+    let deadline = tokio::time::sleep(std::time::Duration::from_secs(secs));
+    tokio::pin!(deadline);
+    while !ended(log) {
+        tokio::select! {
+            _ = &mut deadline => return,
+            r = tail.recv() => {
+                if matches!(r, Err(tokio::sync::broadcast::error::RecvError::Closed)) {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+async fn invoke(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path(name): Path<String>,
+    Query(q): Query<InvokeQuery>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    authorize(&app, &headers)?;
+    let wait = wait_of(&q, &headers)?;
+    let args = args(body)?;
+    let svc = service(&app)?;
+    let id = svc.invoke(&name, args).await?;
+    if let Some(secs) = wait {
+        wait_until_done(&app.log, &id, secs).await;
+        let v = app
+            .log
+            .read(|s| instance_view(s, &id))
+            .unwrap_or(Value::Null);
+        if v["state"] != "running" {
+            return Ok((StatusCode::OK, Json(v)).into_response());
+        }
+    }
+    Ok((StatusCode::ACCEPTED, Json(json!({ "instanceId": id }))).into_response())
+}
+
+async fn instance(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&app, &headers)?;
+    app.log
+        .read(|s| instance_view(s, &id))
+        .map(Json)
+        .ok_or_else(|| FnError::UnknownInstance(id).into())
+}
+
+async fn step(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    Path((name, id)): Path<(String, String)>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<Value>), ApiError> {
+    authorize(&app, &headers)?;
+    let input = args(body)?;
+    let number = service(&app)?.step(&name, &id, input).await?;
+    if number == 0 {
+        let v = app
+            .log
+            .read(|s| instance_view(s, &id))
+            .unwrap_or(Value::Null);
+        return Ok((StatusCode::OK, Json(v)));
+    }
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({ "instanceId": id, "step": number, "function": name })),
+    ))
 }
 
 fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -71,6 +284,7 @@ fn refused(r: Refused) -> ApiError {
             format!("a template named {n:?} exists; PUT /api/funcs/template/{n} replaces it"),
         ),
         Refused::Unknown(n) => ApiError::not_found(format!("no template named {n:?}")),
+        Refused::Taken(why) => ApiError::new(StatusCode::CONFLICT, "domain_conflict", why),
     }
 }
 
@@ -284,6 +498,28 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
     }
 }
 
+/// Makes the orchestrator able to run a template's workload (its route is in the log).
+fn register(app: &AppState, object: Option<&Value>) {
+    let (Some(o), Some(name)) = (&app.orchestrator, object.and_then(|v| v["name"].as_str())) else {
+        return;
+    };
+    let spec = app
+        .log
+        .read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()));
+    if let Some(route) = spec.as_ref().and_then(functions::route_of)
+        && let Some(process) = &route.process
+    {
+        let workload = crate::orchestrator::WorkloadSpec::from_process(
+            &route.deployment,
+            process,
+            &app.ebb_exe,
+        );
+        if let Err(e) = o.register(workload) {
+            tracing::warn!(template = name, error = %e, "registering the function's workload failed");
+        }
+    }
+}
+
 async fn create(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
@@ -295,7 +531,7 @@ async fn create(
         .log
         .decide(
             move |s: &State, _| match functions::decide_create(s, spec) {
-                Ok(e) => (vec![e], Ok(())),
+                Ok(e) => (e, Ok(())),
                 Err(r) => (Vec::new(), Err(r)),
             },
         )
@@ -304,9 +540,10 @@ async fn create(
     let v = app.log.read(|s| {
         s.functions
             .changes
-            .get(&committed.last_seq)
-            .map(|c| object(&c.template, committed.last_seq))
+            .get(&committed.first_seq)
+            .map(|c| object(&c.template, committed.first_seq))
     });
+    register(&app, v.as_ref());
     Ok((StatusCode::CREATED, Json(v.unwrap_or(Value::Null))))
 }
 
@@ -346,17 +583,19 @@ async fn put(
     let spec = j.into_spec().map_err(invalid)?;
     let (created, _) = app
         .log
-        .decide(move |s: &State, _| {
-            let (event, created) = functions::decide_put(s, spec);
-            (event.into_iter().collect(), created)
+        .decide(move |s: &State, _| match functions::decide_put(s, spec) {
+            Ok((events, created)) => (events, Ok(created)),
+            Err(r) => (Vec::new(), Err(r)),
         })
         .await?;
+    let created = created.map_err(refused)?;
     let v = app.log.read(|s| {
         s.functions
             .templates
             .get(&name)
             .map(|t| object(&t.spec, t.revision))
     });
+    register(&app, v.as_ref());
     let status = if created {
         StatusCode::CREATED
     } else {
@@ -375,7 +614,7 @@ async fn delete(
         .log
         .decide(
             move |s: &State, _| match functions::decide_delete(s, &name) {
-                Ok(e) => (vec![e], Ok(())),
+                Ok(e) => (e, Ok(())),
                 Err(r) => (Vec::new(), Err(r)),
             },
         )
@@ -384,8 +623,15 @@ async fn delete(
     let v = app.log.read(|s| {
         s.functions
             .changes
-            .get(&committed.last_seq)
-            .map(|c| object(&c.template, committed.last_seq))
+            .get(&committed.first_seq)
+            .map(|c| object(&c.template, committed.first_seq))
     });
+    // A deleted function's workload stops.
+    if let (Some(o), Some(name)) = (
+        &app.orchestrator,
+        v.as_ref().and_then(|v| v["name"].as_str()),
+    ) {
+        let _ = o.scale(&format!("fn-{name}"), 0);
+    }
     Ok(Json(v.unwrap_or(Value::Null)))
 }

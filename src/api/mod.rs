@@ -40,6 +40,8 @@ pub struct AppState {
     pub runner_token: Option<String>,
     /// The functions API's bearer token; `None` disables the functions API.
     pub api_token: Option<String>,
+    /// The functions runtime (instances), if this ebb runs calls.
+    pub functions: Option<Arc<crate::functions::runtime::FunctionService>>,
 }
 
 /// Largest request body ebb's own endpoints read.

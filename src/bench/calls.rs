@@ -130,6 +130,7 @@ async fn setup(args: &CallsBenchArgs, over_http: bool, kafka: Option<&str>) -> R
         calls: Some(calls.clone()),
         runner_token: Some(TOKEN.into()),
         api_token: None,
+        functions: None,
     });
     use axum::serve::ListenerExt;
     let listener = listener.tap_io(|tcp| {

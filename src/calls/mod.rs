@@ -442,8 +442,17 @@ impl Calls {
             spec.partition = partition;
             specs.push(spec);
         }
+        self.put_calls(&specs).await?;
+        let ids = specs.iter().map(|s| s.id.clone()).collect();
+        self.record_queued(specs).await?;
+        Ok(ids)
+    }
+
+    /// Puts calls on the queue (the first half of an enqueue): a failed put marks them aborted,
+    /// so a message that lands anyway is never handed out.
+    async fn put_calls(&self, specs: &[CallSpec]) -> Result<(), CallError> {
         let mut messages = Vec::with_capacity(specs.len());
-        for s in &specs {
+        for s in specs {
             let body = rmp_serde::to_vec_named(s).map_err(|e| CallError::Bad(e.to_string()))?;
             messages.push(Message::new(
                 s.id.clone(),
@@ -458,7 +467,7 @@ impl Calls {
                 return Err(e.into());
             }
             let mut aborted = self.aborted.lock().expect("aborted lock");
-            for s in &specs {
+            for s in specs {
                 if aborted.0.insert(s.id.clone()) {
                     aborted.1.push_back(s.id.clone());
                 }
@@ -470,9 +479,25 @@ impl Calls {
             }
             return Err(e.into());
         }
-        let ids = specs.iter().map(|s| s.id.clone()).collect();
-        self.record_queued(specs).await?;
-        Ok(ids)
+        Ok(())
+    }
+
+    /// Puts calls built elsewhere (function steps) on the queue, then runs `decide` on the log's
+    /// writer; `decide` returns the events to record, `CallQueued` for these calls among them
+    /// (or not: a call the log never records is recorded when delivered, or dropped if aborted).
+    /// The put comes first, as for every enqueue.
+    pub async fn put_and_decide<R, F>(
+        &self,
+        specs: Vec<CallSpec>,
+        decide: F,
+    ) -> Result<R, CallError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&State, u64) -> (Vec<Event>, R) + Send + 'static,
+    {
+        self.put_calls(&specs).await?;
+        let (r, _) = self.log.decide(decide).await?;
+        Ok(r)
     }
 
     /// Puts messages, skipping those whose id is on the queue already: an enqueue retried with

@@ -4,16 +4,213 @@
 //! `serviceAddress`, `left`, `right`, `initInstanceNum`, `minInstanceNum`, `maxInstanceNum`,
 //! `timeoutMs`, `concurrency`, `schedule`.
 
+pub mod runtime;
+
 use serde::{Deserialize, Serialize};
 
-use crate::event::{Event, TemplateSpec};
-use crate::state::State;
+use crate::event::{
+    CallKind, CallSpec, Event, Outcome, Payload, ProcessSpec, RouteSpec, TemplateSpec,
+};
+use crate::state::{CallStatus, InstanceStatus, State};
 
 /// Names no template may have: `template` is the collection's path, `RETURN` ends a chain.
 pub const RESERVED: [&str; 2] = ["template", "RETURN"];
 
 /// A step's timeout when the template names none.
 pub const DEFAULT_TIMEOUT_MS: u64 = 30_000;
+
+/// The most steps one instance runs; a chain that would run more ends in an error.
+pub const MAX_STEPS: usize = 64;
+
+/// The response header a function answers with to pick the next function.
+pub const BRANCH_HEADER: &str = "x-ebb-branch";
+
+/// How long a function's workload stays up without calls (until the autoscaler decides).
+pub const IDLE_AFTER_MS: u64 = 60_000;
+
+/// The route (and workload) that serves a template run by ebb: `fn-NAME`, reached as
+/// `NAME.fn.ebb.internal`. Templates served elsewhere (`serviceAddress`, `image` only) have none.
+pub fn route_of(t: &TemplateSpec) -> Option<RouteSpec> {
+    if t.command.is_empty() {
+        return None;
+    }
+    let name = format!("fn-{}", t.name);
+    Some(RouteSpec {
+        name: name.clone(),
+        domains: vec![host_of(&t.name)],
+        deployment: name,
+        idle_after_ms: IDLE_AFTER_MS,
+        min_replicas: t.min_instances,
+        max_replicas: t.max_instances,
+        hold_timeout_ms: t.timeout_ms,
+        hold_queue_max: 10_000,
+        process: Some(ProcessSpec {
+            command: t.command.clone(),
+            env: vec![
+                ("EBB_FUNCTION".into(), t.function.clone()),
+                ("EBB_TEMPLATE".into(), t.name.clone()),
+            ],
+            cwd: None,
+            readiness_path: None,
+            startup_timeout_ms: 30_000,
+            stop_grace_ms: 5_000,
+        }),
+    })
+}
+
+/// The host name a template's workload is reached by through ebb's proxy.
+pub fn host_of(template: &str) -> String {
+    format!("{template}.fn.ebb.internal")
+}
+
+/// The call id of an instance's `step`-th step (1-based): derived from the instance id, so a
+/// step decided again after a crash is the same call, never a second one.
+pub fn step_call_id(instance: &str, step: usize) -> String {
+    let mut b = uuid::Uuid::parse_str(instance)
+        .map(|u| *u.as_bytes())
+        .unwrap_or_default();
+    b[14..16].copy_from_slice(&(step as u16).to_be_bytes());
+    // A version 8 (custom) UUID, RFC 4122 variant.
+    b[6] = (b[6] & 0x0f) | 0x80;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    uuid::Uuid::from_bytes(b).hyphenated().to_string()
+}
+
+/// The call that runs `function` (template `t`) as step `step` of `instance` with `input`.
+pub fn step_call(instance: &str, step: usize, t: &TemplateSpec, input: Vec<u8>) -> CallSpec {
+    CallSpec {
+        id: step_call_id(instance, step),
+        target: format!("fn-{}", t.name),
+        kind: CallKind::Async,
+        timeout_ms: t.timeout_ms,
+        partition: None,
+        payload: Payload {
+            method: "POST".into(),
+            path: "/".into(),
+            headers: vec![
+                ("x-ebb-instance".into(), instance.to_owned()),
+                ("x-ebb-function".into(), t.name.clone()),
+                ("x-ebb-step".into(), step.to_string()),
+            ],
+            body: serde_bytes::ByteBuf::from(input),
+        },
+    }
+}
+
+/// What an instance does next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// Nothing now (its step runs, or it ended).
+    Wait,
+    /// Run `function` as the next step, with `input`.
+    Step { function: String, input: Vec<u8> },
+    /// End with this outcome and result.
+    Finish { outcome: Outcome, result: Vec<u8> },
+}
+
+/// The chain rule: once an instance's last step ended, it continues with the function on the
+/// branch its answer named (`X-Ebb-Branch: left | right`, default `left`) with the answer's
+/// body as input, or ends with that body when the branch names none (or `RETURN`). A failed
+/// step, an unknown next function or the step bound ends it in error.
+pub fn decide_next(state: &State, instance: &str) -> Next {
+    let Some(i) = state.functions.instances.get(instance) else {
+        return Next::Wait;
+    };
+    if i.status != InstanceStatus::Running {
+        return Next::Wait;
+    }
+    let Some(last) = i.steps.last() else {
+        return Next::Wait;
+    };
+    let Some(call) = state.calls.get(&last.call_id) else {
+        return Next::Wait;
+    };
+    if !call.status.is_final() {
+        return Next::Wait;
+    }
+    let body = call
+        .result
+        .as_ref()
+        .map(|r| r.body.to_vec())
+        .unwrap_or_default();
+    if call.status != CallStatus::Success {
+        let why = if body.is_empty() {
+            format!(
+                "step {} ({}) ended {:?}",
+                i.steps.len(),
+                last.function,
+                call.status
+            )
+            .into_bytes()
+        } else {
+            body
+        };
+        return Next::Finish {
+            outcome: Outcome::Error,
+            result: why,
+        };
+    }
+    let branch = call
+        .result
+        .as_ref()
+        .and_then(|r| {
+            r.headers
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(BRANCH_HEADER))
+                .map(|(_, v)| v.trim().to_ascii_lowercase())
+        })
+        .unwrap_or_else(|| "left".into());
+    let Some(t) = state.functions.templates.get(&last.function) else {
+        return Next::Finish {
+            outcome: Outcome::Error,
+            result: format!(
+                "template {:?} was deleted during the instance",
+                last.function
+            )
+            .into_bytes(),
+        };
+    };
+    let next = match branch.as_str() {
+        "right" => t.spec.right.clone(),
+        "left" => t.spec.left.clone(),
+        other => {
+            return Next::Finish {
+                outcome: Outcome::Error,
+                result: format!(
+                    "{} answered {BRANCH_HEADER}: {other:?}; use left or right",
+                    last.function
+                )
+                .into_bytes(),
+            };
+        }
+    };
+    match next {
+        None => Next::Finish {
+            outcome: Outcome::Success,
+            result: body,
+        },
+        Some(n) if n == "RETURN" => Next::Finish {
+            outcome: Outcome::Success,
+            result: body,
+        },
+        Some(_) if i.steps.len() >= MAX_STEPS => Next::Finish {
+            outcome: Outcome::Error,
+            result: format!("the instance reached the bound of {MAX_STEPS} steps").into_bytes(),
+        },
+        Some(n) if !state.functions.templates.contains_key(&n) => Next::Finish {
+            outcome: Outcome::Error,
+            result: format!(
+                "{} names {n:?} next, and there is no such function",
+                last.function
+            )
+            .into_bytes(),
+        },
+        Some(n) => Next::Step {
+            function: n,
+            input: body,
+        },
+    }
+}
 
 /// A template as the API reads and writes it.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -185,34 +382,70 @@ pub enum Refused {
     Exists(String),
     /// Deleting or reading one that does not.
     Unknown(String),
+    /// Its host belongs to another route.
+    Taken(String),
+}
+
+/// The events of upserting a template: the template, and its route (added, replaced, or
+/// removed when it no longer runs on ebb). Refused if its host belongs to another route.
+fn upsert(state: &State, spec: TemplateSpec) -> Result<Vec<Event>, Refused> {
+    let mut events = Vec::new();
+    let route_name = format!("fn-{}", spec.name);
+    match route_of(&spec) {
+        Some(route) => {
+            for d in &route.domains {
+                if let Some(owner) = state.routes.by_domain.get(d)
+                    && owner != &route.name
+                {
+                    return Err(Refused::Taken(format!(
+                        "host {d:?} belongs to route {owner:?}"
+                    )));
+                }
+            }
+            if state.routes.by_name.get(&route.name).map(|r| &r.spec) != Some(&route) {
+                events.push(Event::RouteUpserted { route });
+            }
+        }
+        None if state.routes.by_name.contains_key(&route_name) => {
+            events.push(Event::RouteRemoved { name: route_name });
+        }
+        None => {}
+    }
+    events.insert(0, Event::TemplateUpserted { template: spec });
+    Ok(events)
 }
 
 /// Creating a template: refused if one has that name.
-pub fn decide_create(state: &State, spec: TemplateSpec) -> Result<Event, Refused> {
+pub fn decide_create(state: &State, spec: TemplateSpec) -> Result<Vec<Event>, Refused> {
     if state.functions.templates.contains_key(&spec.name) {
         return Err(Refused::Exists(spec.name));
     }
-    Ok(Event::TemplateUpserted { template: spec })
+    upsert(state, spec)
 }
 
-/// Creating or replacing a template: the event, and whether it is new. Replacing it with the
+/// Creating or replacing a template: the events, and whether it is new. Replacing it with the
 /// same spec changes nothing and logs nothing.
-pub fn decide_put(state: &State, spec: TemplateSpec) -> (Option<Event>, bool) {
+pub fn decide_put(state: &State, spec: TemplateSpec) -> Result<(Vec<Event>, bool), Refused> {
     match state.functions.templates.get(&spec.name) {
-        Some(t) if t.spec == spec => (None, false),
-        Some(_) => (Some(Event::TemplateUpserted { template: spec }), false),
-        None => (Some(Event::TemplateUpserted { template: spec }), true),
+        Some(t) if t.spec == spec => Ok((Vec::new(), false)),
+        Some(_) => Ok((upsert(state, spec)?, false)),
+        None => Ok((upsert(state, spec)?, true)),
     }
 }
 
-/// Deleting a template: refused if there is none.
-pub fn decide_delete(state: &State, name: &str) -> Result<Event, Refused> {
+/// Deleting a template (and its route): refused if there is none.
+pub fn decide_delete(state: &State, name: &str) -> Result<Vec<Event>, Refused> {
     if !state.functions.templates.contains_key(name) {
         return Err(Refused::Unknown(name.to_owned()));
     }
-    Ok(Event::TemplateDeleted {
+    let mut events = vec![Event::TemplateDeleted {
         name: name.to_owned(),
-    })
+    }];
+    let route = format!("fn-{name}");
+    if state.routes.by_name.contains_key(&route) {
+        events.push(Event::RouteRemoved { name: route });
+    }
+    Ok(events)
 }
 
 #[cfg(test)]

@@ -1,0 +1,288 @@
+//! The functions runtime: invocations create instances, steps are calls through the call queue
+//! (the same durability and at-most-once start), and the driver moves every instance along its
+//! chain as its steps end. Every change is a decision on the log's writer, checked again there,
+//! so two drivers (or a driver and an explicit step) never add the same step twice; a step's call
+//! id is derived from the instance and the step's number, so a step decided again after a crash
+//! is the same call, not a second run.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_bytes::ByteBuf;
+use tokio::sync::watch;
+
+use super::{Next, decide_next, step_call};
+use crate::calls::{CallError, Calls};
+use crate::event::{Event, Outcome};
+use crate::log::Log;
+use crate::state::{InstanceStatus, State};
+
+/// The special function name that ends an instance with the body as its result.
+pub const RETURN: &str = "RETURN";
+
+/// How often the driver looks at every running instance even without a change (after a restart,
+/// or a change it missed).
+const SWEEP_EVERY: Duration = Duration::from_millis(500);
+
+/// Why a functions request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FnError {
+    /// No template has that name.
+    #[error("no function named {0:?}")]
+    UnknownFunction(String),
+    /// No instance has that id.
+    #[error("no instance {0:?}")]
+    UnknownInstance(String),
+    /// The instance has ended.
+    #[error("instance {0} has ended")]
+    Ended(String),
+    /// Another step was added at the same moment.
+    #[error("instance {0} moved on meanwhile; try again")]
+    Moved(String),
+    /// The call queue or the log failed.
+    #[error(transparent)]
+    Calls(#[from] CallError),
+}
+
+/// The functions service.
+pub struct FunctionService {
+    log: Arc<Log>,
+    calls: Arc<Calls>,
+}
+
+impl FunctionService {
+    /// A service putting steps on `calls`.
+    pub fn new(log: Arc<Log>, calls: Arc<Calls>) -> Self {
+        Self { log, calls }
+    }
+
+    /// The log.
+    pub fn log(&self) -> &Arc<Log> {
+        &self.log
+    }
+
+    /// Invokes template `name` with `args`: a new instance whose first step is queued. Returns
+    /// the instance id.
+    pub async fn invoke(&self, name: &str, args: Vec<u8>) -> Result<String, FnError> {
+        let template = self
+            .log
+            .read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()))
+            .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
+        let id = uuid::Uuid::now_v7().hyphenated().to_string();
+        let call = step_call(&id, 1, &template, args.clone());
+        let (iid, name) = (id.clone(), name.to_owned());
+        self.calls
+            .put_and_decide(vec![call.clone()], move |s: &State, _| {
+                if !s.functions.templates.contains_key(&name) {
+                    return (Vec::new(), Err(FnError::UnknownFunction(name)));
+                }
+                let events = vec![
+                    Event::InstanceCreated {
+                        id: iid.clone(),
+                        template: name.clone(),
+                        args: ByteBuf::from(args),
+                    },
+                    Event::InstanceStepped {
+                        id: iid,
+                        function: name,
+                        call_id: call.id.clone(),
+                    },
+                    Event::CallQueued { call },
+                ];
+                (events, Ok(()))
+            })
+            .await??;
+        Ok(id)
+    }
+
+    /// Runs `name` as the next step of instance `id` with `body` as its input (a function that
+    /// chains itself); `RETURN` ends the instance with `body` as its result. Returns the step's
+    /// number (0 for `RETURN`).
+    pub async fn step(&self, name: &str, id: &str, body: Vec<u8>) -> Result<usize, FnError> {
+        let (status, steps) = self
+            .log
+            .read(|s| {
+                s.functions
+                    .instances
+                    .get(id)
+                    .map(|i| (i.status, i.steps.len()))
+            })
+            .ok_or_else(|| FnError::UnknownInstance(id.to_owned()))?;
+        if status != InstanceStatus::Running {
+            return Err(FnError::Ended(id.to_owned()));
+        }
+        let iid = id.to_owned();
+        if name == RETURN {
+            let (r, _) = self
+                .log
+                .decide(move |s: &State, _| match s.functions.instances.get(&iid) {
+                    Some(i) if i.status == InstanceStatus::Running => (
+                        vec![Event::InstanceFinished {
+                            id: iid,
+                            outcome: Outcome::Success,
+                            result: ByteBuf::from(body),
+                        }],
+                        Ok(0),
+                    ),
+                    _ => (Vec::new(), Err(FnError::Ended(iid))),
+                })
+                .await
+                .map_err(CallError::from)?;
+            return r;
+        }
+        let template = self
+            .log
+            .read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()))
+            .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
+        let number = steps + 1;
+        let call = step_call(id, number, &template, body);
+        let function = name.to_owned();
+        self.calls
+            .put_and_decide(vec![call.clone()], move |s: &State, _| {
+                match s.functions.instances.get(&iid) {
+                    Some(i) if i.status != InstanceStatus::Running => {
+                        (Vec::new(), Err(FnError::Ended(iid)))
+                    }
+                    Some(i) if i.steps.len() != steps => (Vec::new(), Err(FnError::Moved(iid))),
+                    Some(_) => (
+                        vec![
+                            Event::InstanceStepped {
+                                id: iid,
+                                function,
+                                call_id: call.id.clone(),
+                            },
+                            Event::CallQueued { call },
+                        ],
+                        Ok(number),
+                    ),
+                    None => (Vec::new(), Err(FnError::UnknownInstance(iid))),
+                }
+            })
+            .await?
+    }
+
+    /// Moves instance `id` on if its last step ended: the next step, or its end. Returns
+    /// whether it changed.
+    pub async fn advance(&self, id: &str) -> Result<bool, FnError> {
+        let (next, steps) = self.log.read(|s| {
+            (
+                decide_next(s, id),
+                s.functions.instances.get(id).map_or(0, |i| i.steps.len()),
+            )
+        });
+        let iid = id.to_owned();
+        match next {
+            Next::Wait => Ok(false),
+            Next::Finish { .. } => {
+                let (changed, _) = self
+                    .log
+                    .decide(move |s: &State, _| match decide_next(s, &iid) {
+                        Next::Finish { outcome, result } => (
+                            vec![Event::InstanceFinished {
+                                id: iid,
+                                outcome,
+                                result: ByteBuf::from(result),
+                            }],
+                            true,
+                        ),
+                        _ => (Vec::new(), false),
+                    })
+                    .await
+                    .map_err(CallError::from)?;
+                Ok(changed)
+            }
+            Next::Step { function, input } => {
+                let Some(template) = self
+                    .log
+                    .read(|s| s.functions.templates.get(&function).map(|t| t.spec.clone()))
+                else {
+                    return Ok(false);
+                };
+                let call = step_call(id, steps + 1, &template, input);
+                let changed = self
+                    .calls
+                    .put_and_decide(vec![call.clone()], move |s: &State, _| {
+                        let still = matches!(decide_next(s, &iid), Next::Step { function: ref f, .. } if *f == function)
+                            && s.functions.instances.get(&iid).map(|i| i.steps.len()) == Some(steps);
+                        if !still {
+                            return (Vec::new(), false);
+                        }
+                        (
+                            vec![
+                                Event::InstanceStepped {
+                                    id: iid,
+                                    function,
+                                    call_id: call.id.clone(),
+                                },
+                                Event::CallQueued { call },
+                            ],
+                            true,
+                        )
+                    })
+                    .await?;
+                Ok(changed)
+            }
+        }
+    }
+
+    /// Moves on every running instance whose last step ended; returns how many changed.
+    pub async fn advance_all(&self) -> usize {
+        let ready: Vec<String> = self.log.read(|s| {
+            s.functions
+                .instances
+                .iter()
+                .filter(|(_, i)| i.status == InstanceStatus::Running)
+                .filter(|(_, i)| {
+                    i.steps
+                        .last()
+                        .and_then(|st| s.calls.get(&st.call_id))
+                        .is_some_and(|c| c.status.is_final())
+                })
+                .map(|(id, _)| id.clone())
+                .collect()
+        });
+        let mut changed = 0;
+        for id in ready {
+            match self.advance(&id).await {
+                Ok(true) => changed += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(instance = %id, error = %e, "moving an instance on failed")
+                }
+            }
+        }
+        changed
+    }
+}
+
+/// The driver: moves instances on whenever a call ends (or a step is added), and sweeps every
+/// running instance every half second, until `stop`.
+pub async fn run_driver(service: Arc<FunctionService>, mut stop: watch::Receiver<bool>) {
+    let mut tail = service.log.subscribe();
+    let mut sweep = tokio::time::interval(SWEEP_EVERY);
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = sweep.tick() => {}
+            batch = tail.recv() => match batch {
+                Ok(batch) => {
+                    let relevant = batch.iter().any(|e| matches!(
+                        e.event,
+                        Event::CallFinished { .. }
+                            | Event::CallTimedOut { .. }
+                            | Event::CallRejected { .. }
+                            | Event::CallCancelled { .. }
+                    ));
+                    if !relevant {
+                        continue;
+                    }
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            },
+        }
+        // An instance moved on may end at once (a step refused): go round until quiet.
+        while service.advance_all().await > 0 {}
+    }
+}
