@@ -95,6 +95,21 @@ enum Command {
         /// How long an ended call stays readable through the API, in ms (its events stay in the log).
         #[arg(long, default_value_t = 3_600_000)]
         call_retention_ms: u64,
+        /// The function autoscaler's period, in ms.
+        #[arg(long, default_value_t = 1_000)]
+        fn_period_ms: u64,
+        /// How much a function's call counter decays each period.
+        #[arg(long, default_value_t = 2)]
+        fn_counter_decay: u64,
+        /// The most a function's call counter holds.
+        #[arg(long, default_value_t = 1_000)]
+        fn_counter_cap: u64,
+        /// Counter units one function instance is for.
+        #[arg(long, default_value_t = 10)]
+        fn_target_per_instance: u64,
+        /// A function goes to zero instances only this long after its last call, in ms.
+        #[arg(long, default_value_t = 30_000)]
+        fn_zero_after_ms: u64,
         /// Put calls on Kafka (`bootstrap.servers`) instead of the embedded queue.
         #[arg(long, env = "EBB_KAFKA_BROKERS")]
         kafka_brokers: Option<String>,
@@ -318,6 +333,11 @@ fn run(cli: Cli) -> Result<()> {
             runner_lease_ms,
             max_queued,
             call_retention_ms,
+            fn_period_ms,
+            fn_counter_decay,
+            fn_counter_cap,
+            fn_target_per_instance,
+            fn_zero_after_ms,
             kafka_brokers,
             kafka_topic,
             kafka_partitions,
@@ -336,6 +356,13 @@ fn run(cli: Cli) -> Result<()> {
                     retention_ms: call_retention_ms,
                     forget_every_ms: call_retention_ms.clamp(1, 60_000),
                     ..ebb::calls::CallOptions::default()
+                },
+                functions: ebb::functions::Autoscale {
+                    period_ms: fn_period_ms,
+                    decay: fn_counter_decay,
+                    cap: fn_counter_cap,
+                    target_per_instance: fn_target_per_instance,
+                    zero_after_ms: fn_zero_after_ms,
                 },
                 queue: ebb::queue::embedded::EmbeddedOptions {
                     visibility_timeout_ms,

@@ -48,6 +48,8 @@ pub struct ServeOptions {
     pub api_token: Option<String>,
     /// Bounds of the call service.
     pub calls: CallOptions,
+    /// The function autoscaler.
+    pub functions: crate::functions::Autoscale,
     /// The embedded queue's tuning.
     pub queue: EmbeddedOptions,
     /// The Kafka queue instead of the embedded one.
@@ -208,6 +210,12 @@ pub async fn run(
     let functions = Arc::new(crate::functions::runtime::FunctionService::new(
         log.clone(),
         calls.clone(),
+        options.functions,
+    ));
+    let autoscaler = tokio::spawn(crate::functions::runtime::run_autoscaler(
+        functions.clone(),
+        dyn_orch.clone(),
+        stop_rx.clone(),
     ));
     let driver = tokio::spawn(crate::functions::runtime::run_driver(
         functions.clone(),
@@ -277,6 +285,7 @@ pub async fn run(
     }
     let _ = expiry.await;
     let _ = driver.await;
+    let _ = autoscaler.await;
     let _ = tokio::task::spawn_blocking(move || {
         for t in proxy_threads {
             let _ = t.join();

@@ -132,8 +132,11 @@ fn concerns(kind: ExplainKind, id: &str, deployments: &[String], event: &Event) 
         }
         ExplainKind::Cleaner => k == Kind::Cleaner && subject == id,
         ExplainKind::Function => {
+            // Its counter, its instances, and its workload's route and scaling (`fn-NAME`).
+            let workload = || subject.strip_prefix("fn-") == Some(id);
             (k == Kind::Template && subject == id)
                 || matches!(event, Event::InstanceCreated { template, .. } if template == id)
+                || (matches!(k, Kind::Deployment | Kind::Route) && workload())
         }
         ExplainKind::Instance => k == Kind::Instance && subject == id,
     }

@@ -714,3 +714,137 @@ async fn a_chain_to_a_missing_function_or_past_the_step_bound_ends_in_a_clear_er
     );
     assert_eq!(functions_of(&c), ["broken"]);
 }
+
+const ADMIN: &str = "admin-token";
+
+/// (desired, ready) of a function's workload, through the admin API.
+async fn replicas(ebb: &Ebb, function: &str) -> (u64, u64) {
+    let (status, v) = call(
+        ebb,
+        "GET",
+        &format!("/admin/routes/fn-{function}"),
+        Some(ADMIN),
+        "",
+    )
+    .await;
+    assert_eq!(status, 200, "{v:?}");
+    (
+        v["desired"].as_u64().unwrap(),
+        v["replicas"].as_u64().unwrap(),
+    )
+}
+
+async fn until_replicas(ebb: &Ebb, function: &str, want: (u64, u64)) {
+    let poll = async {
+        loop {
+            if replicas(ebb, function).await == want {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(60), poll)
+        .await
+        .is_err()
+    {
+        panic!(
+            "{function}: (desired, ready) never became {want:?}; it is {:?}",
+            replicas(ebb, function).await
+        );
+    }
+}
+
+/// A burst, a steady trickle, then silence: the function goes 0 -> max -> 0, never past its
+/// bounds, and `ebb explain function` lists the counter and scaling events behind each change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_autoscaler_follows_the_call_counter_from_zero_to_max_and_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let ebb = start_with(
+        &data,
+        Some(TOKEN),
+        &[
+            "--admin-token",
+            ADMIN,
+            "--fn-period-ms",
+            "100",
+            "--fn-counter-decay",
+            "4",
+            "--fn-counter-cap",
+            "40",
+            "--fn-target-per-instance",
+            "5",
+            "--fn-zero-after-ms",
+            "300",
+        ],
+    );
+    let mut t = demo("busy", "upper", None, None);
+    t["maxInstanceNum"] = json!(3);
+    assert_eq!(api(&ebb, "POST", "/api/funcs/template", t).await.0, 201);
+    assert_eq!(replicas(&ebb, "busy").await, (0, 0));
+    // Burst: the counter reaches its cap, which asks for 8 instances; the bound is 3.
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        ids.push(invoke(&ebb, "busy", &format!("b{i}")).await);
+    }
+    until_replicas(&ebb, "busy", (3, 3)).await;
+    // Steady: a trickle keeps it up.
+    for i in 0..5 {
+        ids.push(invoke(&ebb, "busy", &format!("s{i}")).await);
+    }
+    for id in &ids {
+        assert_eq!(ended(&ebb, id).await["state"], "success");
+    }
+    // Silence: the counter decays, and the function goes back to zero.
+    until_replicas(&ebb, "busy", (0, 0)).await;
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args(["explain", "function", "busy", "--json", "--data-dir"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let explained: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let events: Vec<&Value> = explained["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l.get("event"))
+        .collect();
+    let has = |name: &str| events.iter().any(|e| e.get(name).is_some());
+    assert!(
+        has("TemplateUpserted") && has("CounterAdded") && has("CounterDecayed"),
+        "{explained:?}"
+    );
+    assert_eq!(explained["current"]["counter"]["value"], 0);
+    let scales: Vec<(u64, String)> = events
+        .iter()
+        .filter_map(|e| e.get("ScaleRequested"))
+        .map(|s| {
+            (
+                s["to"].as_u64().unwrap(),
+                s["reason"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert!(scales.iter().all(|(to, _)| *to <= 3), "{scales:?}");
+    assert!(
+        scales.iter().any(|(to, r)| *to == 3 && r == "autoscale"),
+        "{scales:?}"
+    );
+    assert_eq!(
+        scales.last(),
+        Some(&(0, "autoscale".to_owned())),
+        "{scales:?}"
+    );
+    let most_ready = events
+        .iter()
+        .filter_map(|e| e.get("ScaledUp"))
+        .filter_map(|s| s["replicas"].as_u64())
+        .max();
+    assert_eq!(most_ready, Some(3));
+}

@@ -498,6 +498,13 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
     }
 }
 
+fn autoscale_of(app: &AppState) -> functions::Autoscale {
+    app.functions
+        .as_ref()
+        .map(|f| *f.autoscale())
+        .unwrap_or_default()
+}
+
 /// Makes the orchestrator able to run a template's workload (its route is in the log).
 fn register(app: &AppState, object: Option<&Value>) {
     let (Some(o), Some(name)) = (&app.orchestrator, object.and_then(|v| v["name"].as_str())) else {
@@ -527,10 +534,11 @@ async fn create(
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
     authorize(&app, &headers)?;
     let spec = parse(body)?.into_spec().map_err(invalid)?;
+    let autoscale = autoscale_of(&app);
     let (done, committed) = app
         .log
         .decide(
-            move |s: &State, _| match functions::decide_create(s, spec) {
+            move |s: &State, _| match functions::decide_create(s, spec, &autoscale) {
                 Ok(e) => (e, Ok(())),
                 Err(r) => (Vec::new(), Err(r)),
             },
@@ -581,12 +589,15 @@ async fn put(
         )));
     }
     let spec = j.into_spec().map_err(invalid)?;
+    let autoscale = autoscale_of(&app);
     let (created, _) = app
         .log
-        .decide(move |s: &State, _| match functions::decide_put(s, spec) {
-            Ok((events, created)) => (events, Ok(created)),
-            Err(r) => (Vec::new(), Err(r)),
-        })
+        .decide(
+            move |s: &State, _| match functions::decide_put(s, spec, &autoscale) {
+                Ok((events, created)) => (events, Ok(created)),
+                Err(r) => (Vec::new(), Err(r)),
+            },
+        )
         .await?;
     let created = created.map_err(refused)?;
     let v = app.log.read(|s| {

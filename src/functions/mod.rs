@@ -25,8 +25,121 @@ pub const MAX_STEPS: usize = 64;
 /// The response header a function answers with to pick the next function.
 pub const BRANCH_HEADER: &str = "x-ebb-branch";
 
-/// How long a function's workload stays up without calls (until the autoscaler decides).
-pub const IDLE_AFTER_MS: u64 = 60_000;
+/// The proxy's idle scale-down of a function's workload: a day. The function autoscaler scales
+/// functions (to zero too, when their counter has decayed).
+pub const IDLE_AFTER_MS: u64 = 86_400_000;
+
+/// The function autoscaler's settings (`ebb serve --fn-*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Autoscale {
+    /// How often counters decay and instances are decided.
+    pub period_ms: u64,
+    /// How much every counter decays each period.
+    pub decay: u64,
+    /// The most a counter holds.
+    pub cap: u64,
+    /// Counter units one instance is for.
+    pub target_per_instance: u64,
+    /// A function goes to zero instances only this long after its last call (and once its
+    /// counter is empty): no cold start for every call of a function called now and then.
+    pub zero_after_ms: u64,
+}
+
+impl Default for Autoscale {
+    fn default() -> Self {
+        Self {
+            period_ms: 1_000,
+            decay: 2,
+            cap: 1_000,
+            target_per_instance: 10,
+            zero_after_ms: 30_000,
+        }
+    }
+}
+
+/// One period of the function autoscaler, given the steps queued per template since the last
+/// one: each counter grows by them (capped), the function's instances follow
+/// `clamp(ceil(counter / target), min, max)`, never below what its in-flight steps need at its
+/// concurrency, nor below one within `zero_after_ms` of its last call; then the counter decays by
+/// `decay`. At most two aggregated counter events per function and period. Returns the events
+/// and the deployments to scale.
+pub fn decide_autoscale(
+    state: &State,
+    added: &std::collections::BTreeMap<String, u64>,
+    a: &Autoscale,
+    now_ms: u64,
+) -> (Vec<Event>, Vec<(String, u32)>) {
+    // Steps queued or running, by function.
+    let mut in_flight: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
+    for i in state.functions.instances.values() {
+        if i.status != InstanceStatus::Running {
+            continue;
+        }
+        if let Some(st) = i.steps.last()
+            && state
+                .calls
+                .get(&st.call_id)
+                .is_some_and(|c| !c.status.is_final())
+        {
+            *in_flight.entry(st.function.as_str()).or_default() += 1;
+        }
+    }
+    let mut events = Vec::new();
+    let mut scales = Vec::new();
+    for (name, t) in &state.functions.templates {
+        let Some(route) = route_of(&t.spec) else {
+            continue;
+        };
+        let mut value = state.counters.value(name);
+        let mut last_added = state
+            .counters
+            .by_function
+            .get(name)
+            .map_or(0, |c| c.last_added_at_ms);
+        let by = added.get(name).copied().unwrap_or(0);
+        if by > 0 {
+            events.push(Event::CounterAdded {
+                function: name.clone(),
+                by,
+                cap: a.cap,
+            });
+            value = value.saturating_add(by).min(a.cap);
+            last_added = now_ms;
+        }
+        let (min, max) = (t.spec.min_instances, t.spec.max_instances);
+        let wanted = value.div_ceil(a.target_per_instance.max(1));
+        let need = in_flight
+            .get(name.as_str())
+            .copied()
+            .unwrap_or(0)
+            .div_ceil(u64::from(t.spec.concurrency.max(1)));
+        let keep = u64::from(
+            value > 0 || (last_added > 0 && now_ms.saturating_sub(last_added) < a.zero_after_ms),
+        );
+        let desired = (wanted.max(need).max(keep).min(u64::from(u32::MAX)) as u32).clamp(min, max);
+        if value > 0 && a.decay > 0 {
+            events.push(Event::CounterDecayed {
+                function: name.clone(),
+                by: a.decay.min(value),
+            });
+        }
+        let current = state
+            .routes
+            .deployments
+            .get(&route.deployment)
+            .map_or(0, |d| d.desired);
+        if desired != current {
+            events.push(Event::ScaleRequested {
+                deployment: route.deployment.clone(),
+                from: current,
+                to: desired,
+                reason: crate::event::ScaleReason::Autoscale,
+            });
+            scales.push((route.deployment, desired));
+        }
+    }
+    (events, scales)
+}
 
 /// The route (and workload) that serves a template run by ebb: `fn-NAME`, reached as
 /// `NAME.fn.ebb.internal`. Templates served elsewhere (`serviceAddress`, `image` only) have none.
@@ -415,21 +528,45 @@ fn upsert(state: &State, spec: TemplateSpec) -> Result<Vec<Event>, Refused> {
     Ok(events)
 }
 
+/// A new template's counter starts at what its `initInstanceNum` instances are for, so they
+/// start with the autoscaler's next period and stay while the counter decays.
+fn seed(spec: &TemplateSpec, a: &Autoscale) -> Option<Event> {
+    let by = u64::from(spec.init_instances)
+        .saturating_mul(a.target_per_instance)
+        .min(a.cap);
+    (by > 0).then(|| Event::CounterAdded {
+        function: spec.name.clone(),
+        by,
+        cap: a.cap,
+    })
+}
+
 /// Creating a template: refused if one has that name.
-pub fn decide_create(state: &State, spec: TemplateSpec) -> Result<Vec<Event>, Refused> {
+pub fn decide_create(
+    state: &State,
+    spec: TemplateSpec,
+    a: &Autoscale,
+) -> Result<Vec<Event>, Refused> {
     if state.functions.templates.contains_key(&spec.name) {
         return Err(Refused::Exists(spec.name));
     }
-    upsert(state, spec)
+    let seed = seed(&spec, a);
+    let mut events = upsert(state, spec)?;
+    events.extend(seed);
+    Ok(events)
 }
 
 /// Creating or replacing a template: the events, and whether it is new. Replacing it with the
 /// same spec changes nothing and logs nothing.
-pub fn decide_put(state: &State, spec: TemplateSpec) -> Result<(Vec<Event>, bool), Refused> {
+pub fn decide_put(
+    state: &State,
+    spec: TemplateSpec,
+    a: &Autoscale,
+) -> Result<(Vec<Event>, bool), Refused> {
     match state.functions.templates.get(&spec.name) {
         Some(t) if t.spec == spec => Ok((Vec::new(), false)),
         Some(_) => Ok((upsert(state, spec)?, false)),
-        None => Ok((upsert(state, spec)?, true)),
+        None => Ok((decide_create(state, spec, a)?, true)),
     }
 }
 
@@ -458,6 +595,75 @@ mod tests {
             command: vec!["ebb".into(), "example-app".into()],
             ..TemplateJson::default()
         }
+    }
+
+    fn apply(state: &mut State, events: Vec<Event>, at_ms: u64) {
+        for event in events {
+            let seq = state.seq + 1;
+            state.apply(&crate::event::Envelope {
+                seq,
+                at_ms,
+                version: crate::event::SCHEMA_VERSION,
+                event,
+            });
+        }
+    }
+
+    #[test]
+    fn the_autoscaler_keeps_bounds_aggregates_and_goes_to_zero_after_silence() {
+        let a = Autoscale {
+            period_ms: 100,
+            decay: 3,
+            cap: 50,
+            target_per_instance: 5,
+            zero_after_ms: 1_000,
+        };
+        let mut state = State::default();
+        let spec = TemplateJson {
+            init_instance_num: 2,
+            max_instance_num: Some(4),
+            ..good()
+        }
+        .into_spec()
+        .unwrap();
+        let created = decide_create(&state, spec, &a).unwrap();
+        // The init instances' worth is seeded into the counter.
+        assert!(created.contains(&Event::CounterAdded {
+            function: "resize".into(),
+            by: 10,
+            cap: 50
+        }));
+        apply(&mut state, created, 0);
+        let mut now = 0;
+        let mut desired = Vec::new();
+        for by in [
+            0, 7, 200, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        ] {
+            now += a.period_ms;
+            let added = std::collections::BTreeMap::from([("resize".to_owned(), by)]);
+            let (events, scales) = decide_autoscale(&state, &added, &a, now);
+            let counter_events = events
+                .iter()
+                .filter(|e| matches!(e, Event::CounterAdded { .. } | Event::CounterDecayed { .. }))
+                .count();
+            assert!(counter_events <= 2, "{events:?}");
+            for (deployment, n) in &scales {
+                assert_eq!(deployment, "fn-resize");
+                assert!(*n <= 4, "{n} is past the max");
+            }
+            apply(&mut state, events, now);
+            desired.push(
+                state
+                    .routes
+                    .deployments
+                    .get("fn-resize")
+                    .map_or(0, |d| d.desired),
+            );
+            assert!(state.counters.value("resize") <= a.cap);
+        }
+        assert_eq!(desired[0], 2, "{desired:?}");
+        assert!(desired.contains(&4), "{desired:?}");
+        assert_eq!(*desired.last().unwrap(), 0, "{desired:?}");
     }
 
     #[test]

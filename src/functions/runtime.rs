@@ -11,10 +11,14 @@ use std::time::Duration;
 use serde_bytes::ByteBuf;
 use tokio::sync::watch;
 
-use super::{Next, decide_next, step_call};
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use super::{Autoscale, Next, decide_autoscale, decide_next, step_call};
 use crate::calls::{CallError, Calls};
 use crate::event::{Event, Outcome};
 use crate::log::Log;
+use crate::orchestrator::Orchestrator;
 use crate::state::{InstanceStatus, State};
 
 /// The special function name that ends an instance with the body as its result.
@@ -48,12 +52,32 @@ pub enum FnError {
 pub struct FunctionService {
     log: Arc<Log>,
     calls: Arc<Calls>,
+    autoscale: Autoscale,
+    /// Steps queued per function since the autoscaler's last period.
+    queued: Mutex<BTreeMap<String, u64>>,
 }
 
 impl FunctionService {
     /// A service putting steps on `calls`.
-    pub fn new(log: Arc<Log>, calls: Arc<Calls>) -> Self {
-        Self { log, calls }
+    pub fn new(log: Arc<Log>, calls: Arc<Calls>, autoscale: Autoscale) -> Self {
+        Self {
+            log,
+            calls,
+            autoscale,
+            queued: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The autoscaler's settings.
+    pub fn autoscale(&self) -> &Autoscale {
+        &self.autoscale
+    }
+
+    fn count(&self, function: &str) {
+        let mut q = self.queued.lock().expect("queued lock");
+        if q.len() < 100_000 || q.contains_key(function) {
+            *q.entry(function.to_owned()).or_default() += 1;
+        }
     }
 
     /// The log.
@@ -70,6 +94,7 @@ impl FunctionService {
             .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
         let id = uuid::Uuid::now_v7().hyphenated().to_string();
         let call = step_call(&id, 1, &template, args.clone());
+        let function = name;
         let (iid, name) = (id.clone(), name.to_owned());
         self.calls
             .put_and_decide(vec![call.clone()], move |s: &State, _| {
@@ -92,6 +117,7 @@ impl FunctionService {
                 (events, Ok(()))
             })
             .await??;
+        self.count(function);
         Ok(id)
     }
 
@@ -137,7 +163,8 @@ impl FunctionService {
         let number = steps + 1;
         let call = step_call(id, number, &template, body);
         let function = name.to_owned();
-        self.calls
+        let number = self
+            .calls
             .put_and_decide(vec![call.clone()], move |s: &State, _| {
                 match s.functions.instances.get(&iid) {
                     Some(i) if i.status != InstanceStatus::Running => {
@@ -158,7 +185,9 @@ impl FunctionService {
                     None => (Vec::new(), Err(FnError::UnknownInstance(iid))),
                 }
             })
-            .await?
+            .await??;
+        self.count(name);
+        Ok(number)
     }
 
     /// Moves instance `id` on if its last step ended: the next step, or its end. Returns
@@ -199,6 +228,7 @@ impl FunctionService {
                     return Ok(false);
                 };
                 let call = step_call(id, steps + 1, &template, input);
+                let counted = function.clone();
                 let changed = self
                     .calls
                     .put_and_decide(vec![call.clone()], move |s: &State, _| {
@@ -220,9 +250,30 @@ impl FunctionService {
                         )
                     })
                     .await?;
+                if changed {
+                    self.count(&counted);
+                }
                 Ok(changed)
             }
         }
+    }
+
+    /// One autoscaler period: counters and instance counts decided on the log, then the
+    /// workloads scaled.
+    pub async fn autoscale_once(&self, orchestrator: &dyn Orchestrator) -> Result<(), FnError> {
+        let added = std::mem::take(&mut *self.queued.lock().expect("queued lock"));
+        let a = self.autoscale;
+        let (scales, _) = self
+            .log
+            .decide(move |s: &State, now| decide_autoscale(s, &added, &a, now))
+            .await
+            .map_err(CallError::from)?;
+        for (deployment, n) in scales {
+            if let Err(e) = orchestrator.scale(&deployment, n) {
+                tracing::warn!(%deployment, error = %e, "scaling a function failed");
+            }
+        }
+        Ok(())
     }
 
     /// Moves on every running instance whose last step ended; returns how many changed.
@@ -252,6 +303,26 @@ impl FunctionService {
             }
         }
         changed
+    }
+}
+
+/// The function autoscaler: one period every `period_ms`, until `stop`.
+pub async fn run_autoscaler(
+    service: Arc<FunctionService>,
+    orchestrator: Arc<dyn Orchestrator>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut tick =
+        tokio::time::interval(Duration::from_millis(service.autoscale.period_ms.max(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
+        if let Err(e) = service.autoscale_once(orchestrator.as_ref()).await {
+            tracing::warn!(error = %e, "function autoscaler period failed");
+        }
     }
 }
 
