@@ -23,6 +23,10 @@ pub struct Config {
     /// The apps.
     #[serde(default, rename = "app")]
     pub apps: Vec<AppConfig>,
+    /// Function templates, with the functions API's fields (`name`, `function`, `command`,
+    /// `left`, `right`, `maxInstanceNum`, ...).
+    #[serde(default, rename = "function")]
+    pub functions: Vec<crate::functions::TemplateJson>,
 }
 
 /// One app: a route and the workload behind it.
@@ -113,6 +117,15 @@ impl Config {
             message,
         };
         let mut cfg: Config = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let mut fn_names = std::collections::BTreeSet::new();
+        for f in &cfg.functions {
+            if !fn_names.insert(f.name.clone()) {
+                return Err(invalid(format!("function {:?} is defined twice", f.name)));
+            }
+            f.clone()
+                .into_spec()
+                .map_err(|e| invalid(format!("function {:?}: {e}", f.name)))?;
+        }
         let base = path.parent().unwrap_or(Path::new("."));
         let mut names = std::collections::BTreeSet::new();
         let mut domains = std::collections::BTreeMap::new();

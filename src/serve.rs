@@ -111,6 +111,20 @@ pub async fn run(
     let routes: Vec<RouteSpec> = config.apps.iter().map(|a| a.route()).collect();
     log.decide(move |s: &State, _| (config_routes(s, &routes), ()))
         .await?;
+    // Function templates from the config: created or replaced like a PUT of the API.
+    for f in &config.functions {
+        let spec = f.clone().into_spec().map_err(anyhow::Error::msg)?;
+        let a = options.functions;
+        let (r, _) = log
+            .decide(
+                move |s: &State, _| match crate::functions::decide_put(s, spec, &a) {
+                    Ok((events, _)) => (events, Ok(())),
+                    Err(e) => (Vec::new(), Err(e)),
+                },
+            )
+            .await?;
+        r.map_err(|e| anyhow::anyhow!("function {:?} from the config: {e:?}", f.name))?;
+    }
     // Every route in the log that ebb runs as processes, whether from the config or the admin API.
     let workloads: Vec<(String, ProcessSpec)> = log.read(|s| {
         s.routes

@@ -848,3 +848,30 @@ async fn the_autoscaler_follows_the_call_counter_from_zero_to_max_and_back() {
         .max();
     assert_eq!(most_ready, Some(3));
 }
+
+/// The demo config's two functions, as the README shows them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_functions_chain_as_the_readme_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/demo.toml");
+    let ebb = common::serve_with(
+        &dir.path().join("data"),
+        Some(&config),
+        None,
+        &["--api-token", TOKEN],
+    );
+    let (status, short) = call(
+        &ebb,
+        "POST",
+        "/api/funcs/classify?wait=true",
+        Some(TOKEN),
+        "hi",
+    )
+    .await;
+    assert_eq!((status, &short["result"]), (200, &json!("HI")), "{short:?}");
+    assert_eq!(functions_of(&short), ["classify", "shout"]);
+    let id = invoke(&ebb, "classify", "a long sentence").await;
+    let long = ended(&ebb, &id).await;
+    assert_eq!(long["result"], "a long sentence");
+    assert_eq!(functions_of(&long), ["classify"]);
+}
