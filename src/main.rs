@@ -251,6 +251,8 @@ enum BenchCommand {
     ColdStart(ebb::bench::ColdStartArgs),
     /// Durable calls end to end: calls/s and enqueue-to-start latency through the runner API.
     Calls(ebb::bench::calls::CallsBenchArgs),
+    /// Function instances end to end: instances/s (one step, three-step chain), POST to result.
+    Functions(ebb::bench::functions::FunctionsBenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -392,6 +394,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Log(args)) => runtime()?.block_on(ebb::bench::log(args)),
         Command::Bench(BenchCommand::Calls(args)) => {
             runtime()?.block_on(ebb::bench::calls::run(args))
+        }
+        Command::Bench(BenchCommand::Functions(args)) => {
+            runtime()?.block_on(ebb::bench::functions::run(args))
         }
         Command::Bench(BenchCommand::ColdStart(args)) => {
             runtime()?.block_on(ebb::bench::cold_start(args))

@@ -2,6 +2,7 @@
 //! timings are taken; tests never assert on time.
 
 pub mod calls;
+pub mod functions;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -43,6 +43,7 @@ pub fn serve_with(data: &Path, config: Option<&Path>, token: Option<&str>, extra
     .args(extra)
     .env_remove("EBB_ADMIN_TOKEN")
     .env_remove("EBB_RUNNER_TOKEN")
+    .env_remove("EBB_API_TOKEN")
     .env_remove("EBB_CONFIG")
     .stdout(Stdio::piped())
     .stderr(Stdio::inherit());
