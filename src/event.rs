@@ -355,6 +355,9 @@ pub enum Event {
         outcome: Outcome,
         result: ByteBuf,
     },
+    /// A template's cron schedule fired for the occurrence at `scheduled_at_ms` (once per
+    /// occurrence: a restart never fires it again).
+    TemplateFired { name: String, scheduled_at_ms: u64 },
     /// A function's call counter grew by `by`, capped at `cap` (aggregated, not one per call).
     CounterAdded { function: String, by: u64, cap: u64 },
     /// A function's call counter decayed by `by` (saturating at zero).
@@ -418,6 +421,7 @@ impl Event {
             Event::CallCancelled { .. } => "CallCancelled",
             Event::TemplateUpserted { .. } => "TemplateUpserted",
             Event::TemplateDeleted { .. } => "TemplateDeleted",
+            Event::TemplateFired { .. } => "TemplateFired",
             Event::InstanceCreated { .. } => "InstanceCreated",
             Event::InstanceStepped { .. } => "InstanceStepped",
             Event::InstanceFinished { .. } => "InstanceFinished",
@@ -448,7 +452,9 @@ impl Event {
             | Event::CallCancelled { id } => (Kind::Call, id),
             Event::CallsForgotten { .. } => (Kind::Call, ""),
             Event::TemplateUpserted { template } => (Kind::Template, &template.name),
-            Event::TemplateDeleted { name } => (Kind::Template, name),
+            Event::TemplateDeleted { name } | Event::TemplateFired { name, .. } => {
+                (Kind::Template, name)
+            }
             Event::CounterAdded { function, .. } | Event::CounterDecayed { function, .. } => {
                 (Kind::Template, function)
             }
@@ -693,6 +699,10 @@ pub fn examples() -> Vec<Event> {
         },
         Event::CallCancelled {
             id: call.id.clone(),
+        },
+        Event::TemplateFired {
+            name: "resize".into(),
+            scheduled_at_ms: 1_767_225_300_000,
         },
     ]
 }

@@ -224,7 +224,12 @@ pub async fn run(
     let functions = Arc::new(crate::functions::runtime::FunctionService::new(
         log.clone(),
         calls.clone(),
+        clock.clone(),
         options.functions,
+    ));
+    let cron = tokio::spawn(crate::functions::runtime::run_cron(
+        functions.clone(),
+        stop_rx.clone(),
     ));
     let autoscaler = tokio::spawn(crate::functions::runtime::run_autoscaler(
         functions.clone(),
@@ -300,6 +305,7 @@ pub async fn run(
     let _ = expiry.await;
     let _ = driver.await;
     let _ = autoscaler.await;
+    let _ = cron.await;
     let _ = tokio::task::spawn_blocking(move || {
         for t in proxy_threads {
             let _ = t.join();

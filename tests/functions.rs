@@ -875,3 +875,82 @@ async fn the_demo_functions_chain_as_the_readme_says() {
     assert_eq!(long["result"], "a long sentence");
     assert_eq!(functions_of(&long), ["classify"]);
 }
+
+/// The occurrences a template fired for, in log order.
+fn firings(data: &Path, name: &str) -> Vec<u64> {
+    common::events(data)
+        .iter()
+        .filter_map(|e| e["event"].get("TemplateFired"))
+        .filter(|f| f["name"] == name)
+        .map(|f| f["scheduled_at_ms"].as_u64().unwrap())
+        .collect()
+}
+
+async fn until_firings(data: &Path, name: &str, at_least: usize) -> Vec<u64> {
+    let poll = async {
+        loop {
+            let f = firings(data, name);
+            if f.len() >= at_least {
+                return f;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), poll)
+        .await
+        .expect("the template did not fire in time")
+}
+
+/// A template with a schedule fires on it (every second here), each firing an instance like any
+/// other; after ebb is killed and restarted, no occurrence fires twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cron_template_fires_on_schedule_and_never_twice_for_an_occurrence_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut ebb = start(&data, Some(TOKEN));
+    let mut t = demo("tick", "exclaim", None, None);
+    t["schedule"] = json!("* * * * * *");
+    assert_eq!(api(&ebb, "POST", "/api/funcs/template", t).await.0, 201);
+    refused(
+        api(
+            &ebb,
+            "POST",
+            "/api/funcs/template",
+            json!({ "name": "bad-cron", "command": ["x"], "schedule": "sometimes" }),
+        )
+        .await,
+        400,
+        "invalid_template",
+    );
+    let before = until_firings(&data, "tick", 2).await;
+    ebb.child.kill().unwrap();
+    ebb.child.wait().unwrap();
+    drop(ebb);
+    let ebb = start(&data, Some(TOKEN));
+    let all = until_firings(&data, "tick", before.len() + 2).await;
+    let mut unique = all.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(
+        unique.len(),
+        all.len(),
+        "an occurrence fired twice: {all:?}"
+    );
+    assert!(all.windows(2).all(|w| w[0] < w[1]), "{all:?}");
+    assert!(all.iter().all(|t| t % 1_000 == 0), "{all:?}");
+    // Each firing is an instance that ran the function with an empty body.
+    let id = {
+        let events = common::events(&data);
+        events
+            .iter()
+            .filter_map(|e| e["event"].get("InstanceCreated"))
+            .find(|i| i["template"] == "tick")
+            .map(|i| i["id"].as_str().unwrap().to_owned())
+            .unwrap()
+    };
+    let done = ended(&ebb, &id).await;
+    assert_eq!(
+        (done["state"].as_str(), done["result"].as_str()),
+        (Some("success"), Some("!"))
+    );
+}

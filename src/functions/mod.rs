@@ -423,6 +423,61 @@ impl TemplateJson {
     }
 }
 
+/// Parses a cron schedule: 5 fields (minute hour day-of-month month day-of-week) or 6 with
+/// seconds first, as croner (the parser tokio-cron-scheduler uses) reads them, in UTC.
+pub fn parse_schedule(s: &str) -> Result<croner::Cron, String> {
+    croner::parser::CronParser::builder()
+        .seconds(croner::parser::Seconds::Optional)
+        .dom_and_dow(true)
+        .build()
+        .parse(s)
+        .map_err(|e| format!("schedule {s:?} is not a cron expression: {e}"))
+}
+
+/// The whole second `ms` falls in, as a UTC time (cron has no finer unit).
+fn utc(ms: u64) -> Option<chrono::DateTime<chrono::Utc>> {
+    chrono::DateTime::from_timestamp_millis(i64::try_from(ms / 1_000 * 1_000).ok()?)
+}
+
+/// The first occurrence of `schedule` strictly after `after_ms` (pure: same input, same answer).
+pub fn next_firing(schedule: &str, after_ms: u64) -> Option<u64> {
+    let cron = parse_schedule(schedule).ok()?;
+    let t = cron.find_next_occurrence(&utc(after_ms)?, false).ok()?;
+    u64::try_from(t.timestamp_millis()).ok()
+}
+
+/// The latest occurrence of `schedule` at or before `now_ms`.
+pub fn last_firing(schedule: &str, now_ms: u64) -> Option<u64> {
+    let cron = parse_schedule(schedule).ok()?;
+    let t = cron.find_previous_occurrence(&utc(now_ms)?, true).ok()?;
+    u64::try_from(t.timestamp_millis()).ok()
+}
+
+/// The occurrence template `name` should fire for at `now_ms`, if any: the latest one at or
+/// before now that is newer than what it last fired for (so a restart after missed occurrences
+/// fires once, for the latest, and never again for one already fired).
+pub fn decide_fire(state: &State, name: &str, now_ms: u64) -> Option<(TemplateSpec, u64)> {
+    let t = state.functions.templates.get(name)?;
+    let schedule = t.spec.schedule.as_deref()?;
+    let fired = state.functions.fired.get(name).copied().unwrap_or(u64::MAX);
+    let at = last_firing(schedule, now_ms)?;
+    (at > fired).then(|| (t.spec.clone(), at))
+}
+
+/// The instance a cron firing starts: its id is derived from the template and the occurrence,
+/// so deciding the same firing again is the same instance (and the same first call).
+pub fn firing_instance_id(name: &str, scheduled_at_ms: u64) -> String {
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    h.write(name.as_bytes());
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&h.finish().to_be_bytes());
+    b[8..].copy_from_slice(&scheduled_at_ms.to_be_bytes());
+    b[6] = (b[6] & 0x0f) | 0x80;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    uuid::Uuid::from_bytes(b).hyphenated().to_string()
+}
+
 /// Whether `name` may name a function: 1 to 63 characters of `a-z`, `0-9` and `-`, starting and
 /// ending with a letter or digit (a DNS label, so it can name a workload and a host).
 pub fn check_name(what: &str, name: &str) -> Result<(), String> {
@@ -484,6 +539,9 @@ pub fn validate(t: &TemplateSpec) -> Result<(), String> {
     }
     if t.concurrency == 0 {
         return Err("concurrency must be at least 1".into());
+    }
+    if let Some(s) = &t.schedule {
+        parse_schedule(s)?;
     }
     Ok(())
 }
@@ -664,6 +722,82 @@ mod tests {
         assert_eq!(desired[0], 2, "{desired:?}");
         assert!(desired.contains(&4), "{desired:?}");
         assert_eq!(*desired.last().unwrap(), 0, "{desired:?}");
+    }
+
+    /// Cron firings under a simulated clock: on schedule, once per occurrence, and after a
+    /// "restart" (a fresh projection from the same events) with missed occurrences, only the
+    /// latest fires, once.
+    #[test]
+    fn cron_fires_each_occurrence_once_and_only_the_latest_missed_one_after_a_restart() {
+        let t0: u64 = 1_767_225_600_000; // 2026-01-01T00:00:00Z
+        let spec = TemplateJson {
+            schedule: Some("*/10 * * * * *".into()),
+            ..good()
+        }
+        .into_spec()
+        .unwrap();
+        let mut state = State::default();
+        let mut log: Vec<(Vec<Event>, u64)> = Vec::new();
+        let mut step = |state: &mut State, events: Vec<Event>, at: u64| {
+            log.push((events.clone(), at));
+            apply(state, events, at);
+        };
+        step(
+            &mut state,
+            vec![Event::TemplateUpserted { template: spec }],
+            t0 + 1,
+        );
+        assert_eq!(
+            state
+                .schedule
+                .get(&crate::state::Due::TemplateFire("resize".into())),
+            Some(t0 + 10_000)
+        );
+        assert_eq!(decide_fire(&state, "resize", t0 + 5_000), None);
+        let (_, at) = decide_fire(&state, "resize", t0 + 10_200).unwrap();
+        assert_eq!(at, t0 + 10_000);
+        let fired = |at| Event::TemplateFired {
+            name: "resize".into(),
+            scheduled_at_ms: at,
+        };
+        step(&mut state, vec![fired(at)], t0 + 10_200);
+        assert_eq!(decide_fire(&state, "resize", t0 + 15_000), None);
+        assert_eq!(
+            state
+                .schedule
+                .get(&crate::state::Due::TemplateFire("resize".into())),
+            Some(t0 + 20_000)
+        );
+        // ebb is down from 12 s to 65 s: 20, 30, 40, 50 and 60 are missed.
+        let mut restarted = State::default();
+        for (events, at) in &log {
+            apply(&mut restarted, events.clone(), *at);
+        }
+        assert_eq!(restarted, state);
+        let (_, at) = decide_fire(&restarted, "resize", t0 + 65_000).unwrap();
+        assert_eq!(at, t0 + 60_000, "only the latest missed occurrence fires");
+        apply(&mut restarted, vec![fired(at)], t0 + 65_000);
+        assert_eq!(decide_fire(&restarted, "resize", t0 + 65_000), None);
+        assert_eq!(decide_fire(&restarted, "resize", t0 + 69_999), None);
+        assert_eq!(
+            decide_fire(&restarted, "resize", t0 + 70_000).map(|f| f.1),
+            Some(t0 + 70_000)
+        );
+        // The same firing always starts the same instance.
+        assert_eq!(
+            firing_instance_id("resize", at),
+            firing_instance_id("resize", at)
+        );
+        assert_ne!(
+            firing_instance_id("resize", at),
+            firing_instance_id("resize", at + 1)
+        );
+        // A bad schedule is refused.
+        let bad = TemplateJson {
+            schedule: Some("every tuesday".into()),
+            ..good()
+        };
+        assert!(bad.into_spec().unwrap_err().contains("cron"));
     }
 
     #[test]

@@ -15,10 +15,13 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use super::{Autoscale, Next, decide_autoscale, decide_next, step_call};
+use super::{decide_fire, firing_instance_id};
 use crate::calls::{CallError, Calls};
+use crate::clock::Clock;
 use crate::event::{Event, Outcome};
 use crate::log::Log;
 use crate::orchestrator::Orchestrator;
+use crate::state::Due;
 use crate::state::{InstanceStatus, State};
 
 /// The special function name that ends an instance with the body as its result.
@@ -52,6 +55,7 @@ pub enum FnError {
 pub struct FunctionService {
     log: Arc<Log>,
     calls: Arc<Calls>,
+    clock: Arc<dyn Clock>,
     autoscale: Autoscale,
     /// Steps queued per function since the autoscaler's last period.
     queued: Mutex<BTreeMap<String, u64>>,
@@ -59,10 +63,16 @@ pub struct FunctionService {
 
 impl FunctionService {
     /// A service putting steps on `calls`.
-    pub fn new(log: Arc<Log>, calls: Arc<Calls>, autoscale: Autoscale) -> Self {
+    pub fn new(
+        log: Arc<Log>,
+        calls: Arc<Calls>,
+        clock: Arc<dyn Clock>,
+        autoscale: Autoscale,
+    ) -> Self {
         Self {
             log,
             calls,
+            clock,
             autoscale,
             queued: Mutex::new(BTreeMap::new()),
         }
@@ -188,6 +198,72 @@ impl FunctionService {
             .await??;
         self.count(name);
         Ok(number)
+    }
+
+    /// Fires every template whose cron occurrence is due; returns how many fired.
+    pub async fn fire_due(&self) -> usize {
+        let now = self.clock.now_ms();
+        let due: Vec<String> = self.log.read(|s| {
+            s.schedule
+                .due(now)
+                .filter_map(|(_, d)| match d {
+                    Due::TemplateFire(name) => Some(name.clone()),
+                    _ => None,
+                })
+                .collect()
+        });
+        let mut fired = 0;
+        for name in due {
+            match self.fire(&name, now).await {
+                Ok(true) => fired += 1,
+                Ok(false) => {}
+                Err(e) => tracing::warn!(template = %name, error = %e, "a cron firing failed"),
+            }
+        }
+        fired
+    }
+
+    /// Fires template `name` for its latest occurrence at or before `now_ms`, if it has not
+    /// fired for it: an instance like any invocation's, with an empty body.
+    pub async fn fire(&self, name: &str, now_ms: u64) -> Result<bool, FnError> {
+        let Some((template, at)) = self.log.read(|s| decide_fire(s, name, now_ms)) else {
+            return Ok(false);
+        };
+        let id = firing_instance_id(name, at);
+        let call = step_call(&id, 1, &template, Vec::new());
+        let n = name.to_owned();
+        let fired = self
+            .calls
+            .put_and_decide(vec![call.clone()], move |s: &State, _| {
+                if decide_fire(s, &n, now_ms).map(|(_, a)| a) != Some(at) {
+                    return (Vec::new(), false);
+                }
+                (
+                    vec![
+                        Event::TemplateFired {
+                            name: n.clone(),
+                            scheduled_at_ms: at,
+                        },
+                        Event::InstanceCreated {
+                            id: id.clone(),
+                            template: n.clone(),
+                            args: ByteBuf::new(),
+                        },
+                        Event::InstanceStepped {
+                            id,
+                            function: n,
+                            call_id: call.id.clone(),
+                        },
+                        Event::CallQueued { call },
+                    ],
+                    true,
+                )
+            })
+            .await?;
+        if fired {
+            self.count(name);
+        }
+        Ok(fired)
     }
 
     /// Moves instance `id` on if its last step ended: the next step, or its end. Returns
@@ -323,6 +399,20 @@ pub async fn run_autoscaler(
         if let Err(e) = service.autoscale_once(orchestrator.as_ref()).await {
             tracing::warn!(error = %e, "function autoscaler period failed");
         }
+    }
+}
+
+/// Cron triggers: fires templates whose occurrence is due in the schedule heap, checking every
+/// quarter second, until `stop`.
+pub async fn run_cron(service: Arc<FunctionService>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
+        service.fire_due().await;
     }
 }
 

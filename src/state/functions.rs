@@ -90,6 +90,10 @@ pub struct Functions {
     /// The newest seq of a change no longer kept (0: none dropped yet).
     #[serde(default)]
     pub changes_dropped_through: u64,
+    /// For templates with a schedule: the occurrence they last fired for (or, before the first
+    /// firing, when the schedule was set: nothing earlier fires).
+    #[serde(default)]
+    pub fired: BTreeMap<String, u64>,
 }
 
 impl Functions {

@@ -134,10 +134,60 @@ impl State {
                 self.calls.forget(*finished_before_ms);
             }
             Event::TemplateUpserted { template } => {
+                let before = self
+                    .functions
+                    .templates
+                    .get(&template.name)
+                    .and_then(|t| t.spec.schedule.clone());
                 self.functions.upsert_template(template, env.seq);
+                let key = Due::TemplateFire(template.name.clone());
+                match &template.schedule {
+                    Some(s) => {
+                        // A new or changed schedule fires from now on, never for the past.
+                        let fired = self
+                            .functions
+                            .fired
+                            .entry(template.name.clone())
+                            .or_default();
+                        if before.as_ref() != Some(s) {
+                            *fired = (*fired).max(at);
+                        }
+                        let from = *fired;
+                        match crate::functions::next_firing(s, from) {
+                            Some(next) => self.schedule.set(key, next),
+                            None => self.schedule.clear(&key),
+                        }
+                    }
+                    None => {
+                        self.functions.fired.remove(&template.name);
+                        self.schedule.clear(&key);
+                    }
+                }
             }
             Event::TemplateDeleted { name } => {
                 self.functions.delete_template(name, env.seq);
+                self.functions.fired.remove(name);
+                self.schedule.clear(&Due::TemplateFire(name.clone()));
+            }
+            Event::TemplateFired {
+                name,
+                scheduled_at_ms,
+            } => {
+                let key = Due::TemplateFire(name.clone());
+                let schedule = self
+                    .functions
+                    .templates
+                    .get(name)
+                    .and_then(|t| t.spec.schedule.clone());
+                if let Some(s) = schedule {
+                    let fired = self.functions.fired.entry(name.clone()).or_default();
+                    *fired = (*fired).max(*scheduled_at_ms);
+                    let from = *fired;
+                    match crate::functions::next_firing(&s, from) {
+                        Some(next) => self.schedule.set(key, next),
+                        None => self.schedule.clear(&key),
+                    }
+                }
             }
             Event::InstanceCreated { id, template, args } => {
                 self.functions.create_instance(id, template, args, at);

@@ -17,6 +17,8 @@ pub enum Due {
     RouteIdle(String),
     /// A cleaner's next evaluation.
     CleanerEval(String),
+    /// A function template's next cron firing.
+    TemplateFire(String),
 }
 
 /// Deadlines ordered by time (then key, so ties are deterministic).
