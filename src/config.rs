@@ -210,6 +210,7 @@ impl AppConfig {
                 readiness_path: self.readiness_path.clone().filter(|p| !p.is_empty()),
                 startup_timeout_ms: self.startup_timeout_ms,
                 stop_grace_ms: self.stop_grace_ms,
+                pre_run: None,
             }),
         }
     }

@@ -179,6 +179,9 @@ pub struct ProcessSpec {
     /// Time between SIGTERM and SIGKILL.
     #[serde(default)]
     pub stop_grace_ms: u64,
+    /// A shell command run once (per ebb process) before the first replica starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pre_run: Option<String>,
 }
 
 fn one() -> u32 {

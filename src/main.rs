@@ -1002,6 +1002,7 @@ async fn run_workload(replicas: u32, log_dir: PathBuf, command: Vec<String>) -> 
         },
         startup_timeout_ms: 30_000,
         stop_grace_ms: 5_000,
+        pre_run: None,
     })?;
     orch.scale("workload", replicas)?;
     let mut changes = orch.changes();

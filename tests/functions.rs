@@ -629,6 +629,13 @@ async fn explicit_steps_return_and_every_instance_error_is_clear() {
         400,
         "bad_request",
     );
+    let image = json!({ "name": "boxed", "function": "f", "image": "registry/boxed:1" });
+    assert_eq!(api(&ebb, "POST", "/api/funcs/template", image).await.0, 201);
+    refused(
+        call(&ebb, "POST", "/api/funcs/boxed", Some(TOKEN), "x").await,
+        501,
+        "not_runnable",
+    );
     refused(
         call(&ebb, "POST", "/api/funcs/upper", None, "x").await,
         401,
@@ -953,4 +960,89 @@ async fn a_cron_template_fires_on_schedule_and_never_twice_for_an_occurrence_acr
         (done["state"].as_str(), done["result"].as_str()),
         (Some("success"), Some("!"))
     );
+}
+
+/// `preRun` runs once before the first instance of a function starts (not again for a warm
+/// one), and a failing one keeps the function from starting: its instance ends in error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pre_run_runs_once_before_the_first_instance_and_a_failing_one_fails_the_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("prerun.log");
+    let ebb = start(&dir.path().join("data"), Some(TOKEN));
+    let mut t = demo("prepared", "upper", None, None);
+    t["preRun"] = json!(format!("echo \"$EBB_TEMPLATE\" >> '{}'", marker.display()));
+    assert_eq!(api(&ebb, "POST", "/api/funcs/template", t).await.0, 201);
+    for arg in ["one", "two"] {
+        let (status, v) = call(
+            &ebb,
+            "POST",
+            "/api/funcs/prepared?wait=30",
+            Some(TOKEN),
+            arg,
+        )
+        .await;
+        assert_eq!(
+            (status, &v["result"]),
+            (200, &json!(arg.to_uppercase())),
+            "{v:?}"
+        );
+    }
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "prepared\n");
+
+    let mut broken = demo("unprepared", "upper", None, None);
+    broken["preRun"] = json!("exit 3");
+    broken["timeoutMs"] = json!(2000);
+    assert_eq!(
+        api(&ebb, "POST", "/api/funcs/template", broken).await.0,
+        201
+    );
+    let done = ended(&ebb, &invoke(&ebb, "unprepared", "x").await).await;
+    assert_eq!(done["state"], "error", "{done:?}");
+}
+
+/// A template with a `serviceAddress` and no command is served there, not by ebb.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_template_with_a_service_address_is_called_there() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut app = std::process::Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args([
+            "example-app",
+            "--port",
+            &port.to_string(),
+            "--function",
+            "reverse",
+        ])
+        .env_remove("EBB_FUNCTION")
+        .spawn()
+        .unwrap();
+    let up = async {
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), up)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(&dir.path().join("data"), Some(TOKEN));
+    let t = json!({ "name": "elsewhere", "function": "x", "serviceAddress": format!("127.0.0.1:{port}") });
+    assert_eq!(api(&ebb, "POST", "/api/funcs/template", t).await.0, 201);
+    let (status, v) = call(
+        &ebb,
+        "POST",
+        "/api/funcs/elsewhere?wait=30",
+        Some(TOKEN),
+        "abc",
+    )
+    .await;
+    app.kill().unwrap();
+    app.wait().unwrap();
+    assert_eq!((status, &v["result"]), (200, &json!("cba")), "{v:?}");
 }

@@ -29,6 +29,7 @@ fn app(name: &str, extra: &[&str]) -> WorkloadSpec {
         },
         startup_timeout_ms: 20_000,
         stop_grace_ms: 2_000,
+        pre_run: None,
     }
 }
 

@@ -63,6 +63,7 @@ fn route_spec() -> impl Strategy<Value = RouteSpec> {
                     ProcessSpec {
                         command,
                         env,
+                        pre_run: readiness_path.as_ref().map(|c| format!("setup {c}")),
                         cwd,
                         readiness_path,
                         startup_timeout_ms: startup,

@@ -83,6 +83,9 @@ impl From<FnError> for ApiError {
             FnError::Moved(_) => {
                 ApiError::new(StatusCode::CONFLICT, "instance_moved", e.to_string())
             }
+            FnError::NotRunnable(_) => {
+                ApiError::new(StatusCode::NOT_IMPLEMENTED, "not_runnable", e.to_string())
+            }
             FnError::Calls(c) => c.into(),
         }
     }

@@ -154,6 +154,9 @@ pub struct Job {
     pub call: CallSpec,
     /// The Host to send it with through the proxy (a domain of the target route).
     pub host: String,
+    /// An address (`host:port`) to send it to directly instead of through the proxy (a function
+    /// served elsewhere: its template's `serviceAddress`).
+    pub address: Option<String>,
     /// How many times it was handed to a runner.
     pub deliveries: u32,
 }
@@ -659,9 +662,15 @@ impl Calls {
                     .get(&spec.target)
                     .and_then(|r| r.spec.domains.first().cloned())
                     .unwrap_or_default();
+                let address = spec
+                    .target
+                    .strip_prefix("fn-")
+                    .and_then(|f| s.functions.templates.get(f))
+                    .and_then(|t| t.spec.service_address.clone());
                 jobs.push(Job {
                     call: spec,
                     host,
+                    address,
                     deliveries,
                 });
             }

@@ -270,10 +270,15 @@ impl Executor for ProxyExecutor {
         Box::pin(async move {
             let id = job.call.id.clone();
             let p = job.call.payload;
+            // Through ebb's proxy by Host, or straight to a function served elsewhere.
+            let (to, host) = match &job.address {
+                Some(a) => (a.clone(), a.clone()),
+                None => (proxy.to_string(), job.host.clone()),
+            };
             let mut req = hyper::Request::builder()
                 .method(p.method.as_str())
-                .uri(format!("http://{proxy}{}", p.path))
-                .header("host", &job.host)
+                .uri(format!("http://{to}{}", p.path))
+                .header("host", host)
                 .header("x-ebb-call-id", &id);
             for (k, v) in &p.headers {
                 req = req.header(k, v);

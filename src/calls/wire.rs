@@ -121,6 +121,8 @@ pub struct JobJson {
     pub id: String,
     pub target: String,
     pub host: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
     pub timeout_ms: u64,
     pub deliveries: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -134,6 +136,7 @@ impl JobJson {
             id: job.call.id.clone(),
             target: job.call.target.clone(),
             host: job.host.clone(),
+            address: job.address.clone(),
             timeout_ms: job.call.timeout_ms,
             deliveries: job.deliveries,
             partition: job.call.partition.clone(),
@@ -152,6 +155,7 @@ impl JobJson {
                 payload: self.payload.payload()?,
             },
             host: self.host.clone(),
+            address: self.address.clone(),
             deliveries: self.deliveries,
         })
     }

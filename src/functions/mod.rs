@@ -167,8 +167,21 @@ pub fn route_of(t: &TemplateSpec) -> Option<RouteSpec> {
             readiness_path: None,
             startup_timeout_ms: 30_000,
             stop_grace_ms: 5_000,
+            pre_run: t.pre_run.clone(),
         }),
     })
+}
+
+/// Whether this ebb can run a template's steps: it runs its command, or calls its
+/// `serviceAddress`. An image alone needs the Kubernetes backend.
+pub fn runnable(t: &TemplateSpec) -> Result<(), String> {
+    if t.command.is_empty() && t.service_address.is_none() {
+        return Err(format!(
+            "function {:?} runs from an image, and this ebb runs no Kubernetes backend; give it a command or a serviceAddress",
+            t.name
+        ));
+    }
+    Ok(())
 }
 
 /// The host name a template's workload is reached by through ebb's proxy.
@@ -317,6 +330,13 @@ pub fn decide_next(state: &State, instance: &str) -> Next {
                 last.function
             )
             .into_bytes(),
+        },
+        Some(n) if runnable(&state.functions.templates[&n].spec).is_err() => Next::Finish {
+            outcome: Outcome::Error,
+            result: runnable(&state.functions.templates[&n].spec)
+                .err()
+                .unwrap_or_default()
+                .into_bytes(),
         },
         Some(n) => Next::Step {
             function: n,

@@ -46,6 +46,9 @@ pub enum FnError {
     /// Another step was added at the same moment.
     #[error("instance {0} moved on meanwhile; try again")]
     Moved(String),
+    /// This ebb cannot run the function.
+    #[error("{0}")]
+    NotRunnable(String),
     /// The call queue or the log failed.
     #[error(transparent)]
     Calls(#[from] CallError),
@@ -102,6 +105,7 @@ impl FunctionService {
             .log
             .read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()))
             .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
+        super::runnable(&template).map_err(FnError::NotRunnable)?;
         let id = uuid::Uuid::now_v7().hyphenated().to_string();
         let call = step_call(&id, 1, &template, args.clone());
         let function = name;
@@ -170,6 +174,7 @@ impl FunctionService {
             .log
             .read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()))
             .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
+        super::runnable(&template).map_err(FnError::NotRunnable)?;
         let number = steps + 1;
         let call = step_call(id, number, &template, body);
         let function = name.to_owned();

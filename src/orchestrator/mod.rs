@@ -46,6 +46,10 @@ pub struct WorkloadSpec {
     pub startup_timeout_ms: u64,
     /// Time between SIGTERM and SIGKILL when stopping a replica.
     pub stop_grace_ms: u64,
+    /// A shell command (`sh -c`) run once before the first replica starts; a replica does not
+    /// start until it succeeded.
+    #[serde(default)]
+    pub pre_run: Option<String>,
 }
 
 impl WorkloadSpec {
@@ -71,6 +75,7 @@ impl WorkloadSpec {
             },
             startup_timeout_ms: p.startup_timeout_ms,
             stop_grace_ms: p.stop_grace_ms,
+            pre_run: p.pre_run.clone(),
         }
     }
 }

@@ -80,6 +80,8 @@ struct Workload {
     consecutive_failures: u32,
     last_failure: Option<String>,
     wake: Arc<Notify>,
+    /// The spec's `pre_run` ran and succeeded.
+    pre_ran: bool,
 }
 
 struct SpawnJob {
@@ -208,6 +210,10 @@ impl Orchestrator for ProcessOrchestrator {
         }
         let mut all = self.inner.lock();
         if let Some(w) = all.get_mut(&spec.name) {
+            // A changed setup runs again before the next replica.
+            if w.spec.pre_run != spec.pre_run {
+                w.pre_ran = false;
+            }
             w.spec = spec;
             w.wake.notify_one();
             return Ok(());
@@ -226,6 +232,7 @@ impl Orchestrator for ProcessOrchestrator {
                 consecutive_failures: 0,
                 last_failure: None,
                 wake: wake.clone(),
+                pre_ran: false,
             },
         );
         drop(all);
@@ -443,6 +450,46 @@ async fn spawn(
         .map_err(|_| std::io::Error::other("the spawner thread has stopped"))?
 }
 
+/// Runs a workload's `pre_run` (`sh -c`, its environment and directory, output to the replica's
+/// log) to its end, within the start-up timeout.
+async fn pre_run(
+    inner: &Inner,
+    spec: &WorkloadSpec,
+    script: &str,
+    log: &std::fs::File,
+) -> Result<(), String> {
+    let mut cmd = std::process::Command::new("sh");
+    cmd.arg("-c")
+        .arg(script)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null());
+    if let (Ok(out), Ok(err)) = (log.try_clone(), log.try_clone()) {
+        cmd.stdout(out).stderr(err);
+    }
+    if let Some(dir) = &spec.cwd {
+        cmd.current_dir(dir);
+    }
+    die_with_parent(&mut cmd);
+    let mut child = spawn(inner, cmd)
+        .await
+        .map_err(|e| format!("preRun: spawning sh: {e}"))?;
+    let limit = Duration::from_millis(spec.startup_timeout_ms);
+    match tokio::time::timeout(limit, child.wait()).await {
+        Ok(Ok(s)) if s.success() => Ok(()),
+        Ok(Ok(s)) => Err(format!("preRun {script:?} failed ({s})")),
+        Ok(Err(e)) => Err(format!("preRun {script:?}: {e}")),
+        Err(_) => {
+            if let Some(pid) = child.id() {
+                signal_group(pid, Signal::SIGKILL);
+            }
+            Err(format!(
+                "preRun {script:?} did not end within {} ms",
+                spec.startup_timeout_ms
+            ))
+        }
+    }
+}
+
 fn signal_group(pid: u32, sig: Signal) {
     let _ = killpg(Pid::from_raw(pid as i32), sig);
 }
@@ -468,6 +515,15 @@ async fn run_replica(inner: Arc<Inner>, name: String, id: u64, addr: SocketAddr)
             return replica_gone(&inner, &name, id, Some(format!("opening its log: {e}")));
         }
     };
+    let ran = inner.lock().get(&name).is_some_and(|w| w.pre_ran);
+    if let (Some(script), false) = (&spec.pre_run, ran) {
+        if let Err(why) = pre_run(&inner, &spec, script, &log).await {
+            return replica_gone(&inner, &name, id, Some(why));
+        }
+        if let Some(w) = inner.lock().get_mut(&name) {
+            w.pre_ran = true;
+        }
+    }
     let mut child = match spawn(&inner, command_for(&spec, addr, log)).await {
         Ok(c) => c,
         Err(e) => {
