@@ -691,6 +691,49 @@ async fn explicit_steps_return_and_every_instance_error_is_clear() {
         409,
         "instance_ended",
     );
+    refused(
+        call(&ebb, "DELETE", &format!("/api/funcs/{id}"), Some(TOKEN), "").await,
+        405,
+        "method_not_allowed",
+    );
+    refused(
+        call(
+            &ebb,
+            "POST",
+            "/api/funcs/upper?wait=1&wait=2",
+            Some(TOKEN),
+            "x",
+        )
+        .await,
+        400,
+        "bad_request",
+    );
+
+    // Explicit steps count against the bound too.
+    let id = invoke(&ebb, "exclaim", "a").await;
+    for n in 2..=64 {
+        let (status, v) = call(
+            &ebb,
+            "PUT",
+            &format!("/api/funcs/upper/{id}"),
+            Some(TOKEN),
+            "b",
+        )
+        .await;
+        assert_eq!((status, &v["step"]), (202, &json!(n)), "{v:?}");
+    }
+    refused(
+        call(
+            &ebb,
+            "PUT",
+            &format!("/api/funcs/upper/{id}"),
+            Some(TOKEN),
+            "b",
+        )
+        .await,
+        409,
+        "step_bound",
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -945,6 +988,22 @@ async fn a_cron_template_fires_on_schedule_and_never_twice_for_an_occurrence_acr
     );
     assert!(all.windows(2).all(|w| w[0] < w[1]), "{all:?}");
     assert!(all.iter().all(|t| t % 1_000 == 0), "{all:?}");
+    // Each firing is its own instance with its own first call.
+    let events = common::events(&data);
+    let calls: Vec<&str> = events
+        .iter()
+        .filter_map(|e| e["event"].get("InstanceStepped"))
+        .filter(|s| s["function"] == "tick")
+        .map(|s| s["call_id"].as_str().unwrap())
+        .collect();
+    let mut distinct = calls.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(
+        distinct.len(),
+        calls.len(),
+        "firings shared a call: {calls:?}"
+    );
     // Each firing is an instance that ran the function with an empty body.
     let id = {
         let events = common::events(&data);

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use axum::Json;
 use axum::Router;
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::BytesRejection;
+use axum::extract::rejection::{BytesRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, Path, Query, State as Extract};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -29,6 +29,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::{ApiError, AppState};
+use crate::calls::CallError;
 use crate::event::{Event, TemplateSpec};
 use crate::functions::runtime::{FnError, FunctionService};
 use crate::functions::{self, Refused, TemplateJson};
@@ -82,6 +83,14 @@ impl From<FnError> for ApiError {
             }
             FnError::Moved(_) => {
                 ApiError::new(StatusCode::CONFLICT, "instance_moved", e.to_string())
+            }
+            FnError::Bound(_) => ApiError::new(StatusCode::CONFLICT, "step_bound", e.to_string()),
+            FnError::Calls(CallError::Queue(crate::queue::QueueError::Duplicate(_))) => {
+                ApiError::new(
+                    StatusCode::CONFLICT,
+                    "instance_moved",
+                    "another step with this number was added at the same moment; try again",
+                )
             }
             FnError::NotRunnable(_) => {
                 ApiError::new(StatusCode::NOT_IMPLEMENTED, "not_runnable", e.to_string())
@@ -206,10 +215,11 @@ async fn invoke(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
     Path(name): Path<String>,
-    Query(q): Query<InvokeQuery>,
+    q: Result<Query<InvokeQuery>, QueryRejection>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     authorize(&app, &headers)?;
+    let Query(q) = q.map_err(bad_query)?;
     let wait = wait_of(&q, &headers)?;
     let args = args(body)?;
     let svc = service(&app)?;
@@ -298,6 +308,10 @@ fn parse(body: Result<Bytes, BytesRejection>) -> Result<TemplateJson, ApiError> 
     super::runner::body(body)
 }
 
+fn bad_query(e: QueryRejection) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text())
+}
+
 fn invalid(why: String) -> ApiError {
     ApiError::new(StatusCode::BAD_REQUEST, "invalid_template", why)
 }
@@ -313,9 +327,10 @@ struct WatchQuery {
 async fn list_or_watch(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
-    Query(q): Query<WatchQuery>,
+    q: Result<Query<WatchQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
     authorize(&app, &headers)?;
+    let Query(q) = q.map_err(bad_query)?;
     let since = match q.since.as_deref() {
         None => None,
         Some(s) => Some(s.parse::<u64>().map_err(|_| {
@@ -351,6 +366,8 @@ async fn list_or_watch(
                 "revision": s.seq,
             })
         });
+        // The revision handed out must be durable, or a watch from it could miss changes.
+        durable(&app.log).await;
         return Ok(Json(body).into_response());
     }
     if let Some(since) = since {
@@ -422,6 +439,18 @@ async fn durable(log: &Log) -> Option<u64> {
         .map(|(seq, _)| seq)
 }
 
+/// The line that ends a watch that fell behind the changes kept.
+fn compacted() -> Bytes {
+    let mut s = json!({
+        "type": "ERROR",
+        "code": "revision_compacted",
+        "error": "this watch fell behind the template changes kept; list the templates and watch from the list's revision",
+    })
+    .to_string();
+    s.push('\n');
+    Bytes::from(s)
+}
+
 async fn send_all(tx: &mpsc::Sender<Bytes>, lines: Vec<Bytes>) -> bool {
     for l in lines {
         if tx.send(l).await.is_err() {
@@ -435,18 +464,27 @@ async fn send_all(tx: &mpsc::Sender<Bytes>, lines: Vec<Bytes>) -> bool {
 async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
     // Subscribed first, so nothing falls between the backlog and the live changes.
     let mut tail = log.subscribe();
-    let Some(mut last) = durable(&log).await else {
-        return;
-    };
-    let backlog = log.read(|s| match since {
-        None => s
-            .functions
-            .templates
-            .values()
-            .map(|t| line("ADDED", &t.spec, t.revision))
-            .collect(),
-        Some(since) => changes(s, since, last),
+    // The backlog and its revision from one look at the projection; sent only once that
+    // revision is durable.
+    let (backlog, mut last, dropped) = log.read(|s| {
+        let lines = match since {
+            None => s
+                .functions
+                .templates
+                .values()
+                .map(|t| line("ADDED", &t.spec, t.revision))
+                .collect(),
+            Some(since) => changes(s, since, s.seq),
+        };
+        (lines, s.seq, s.functions.changes_dropped_through)
     });
+    if since.is_some_and(|x| x < dropped) {
+        let _ = tx.send(compacted()).await;
+        return;
+    }
+    if durable(&log).await.is_none() {
+        return;
+    }
     let mut bookmark = json!({ "type": "BOOKMARK", "revision": last }).to_string();
     bookmark.push('\n');
     if !send_all(&tx, backlog).await || tx.send(Bytes::from(bookmark)).await.is_err() {
@@ -473,14 +511,19 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
                 let top = batch.last().map_or(last, |e| e.seq.max(last));
                 let lines = log.read(|s| {
                     seqs.iter()
-                        .filter_map(|q| {
+                        .map(|q| {
                             s.functions
                                 .changes
                                 .get(q)
                                 .map(|c| line(kind_name(c.kind), &c.template, *q))
                         })
-                        .collect::<Vec<_>>()
+                        .collect::<Option<Vec<_>>>()
                 });
+                let Some(lines) = lines else {
+                    // A change already dropped from the kept ones: the client must list again.
+                    let _ = tx.send(compacted()).await;
+                    return;
+                };
                 last = top;
                 lines
             }
@@ -489,6 +532,10 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
                 let Some(now) = durable(&log).await else {
                     return;
                 };
+                if log.read(|s| last < s.functions.changes_dropped_through) {
+                    let _ = tx.send(compacted()).await;
+                    return;
+                }
                 let lines = log.read(|s| changes(s, last, now));
                 last = now;
                 lines

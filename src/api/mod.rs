@@ -148,6 +148,7 @@ pub fn router(state: AppState) -> Router {
         .merge(runner::router())
         .merge(funcs::router())
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
@@ -155,6 +156,14 @@ pub fn router(state: AppState) -> Router {
 async fn healthz(Extract(app): Extract<AppState>) -> Json<serde_json::Value> {
     let seq = app.log.read(|s| s.seq);
     Json(json!({ "status": "ok", "seq": seq }))
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this path does not take that method",
+    )
 }
 
 async fn not_found(uri: axum::http::Uri) -> ApiError {

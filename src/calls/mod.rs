@@ -229,6 +229,7 @@ pub struct Calls {
     owners_checked: std::sync::atomic::AtomicBool,
     /// When the retention was last applied.
     forgot_at_ms: std::sync::atomic::AtomicU64,
+    recovered_at_ms: std::sync::atomic::AtomicU64,
     /// Ids whose put failed (the caller got 500): never run if a queue delivers them anyway (a
     /// Kafka produce that timed out may still land). Bounded, oldest forgotten first.
     aborted: Mutex<(HashSet<String>, std::collections::VecDeque<String>)>,
@@ -271,6 +272,7 @@ impl Calls {
             started_at_ms,
             owners_checked: std::sync::atomic::AtomicBool::new(false),
             forgot_at_ms: std::sync::atomic::AtomicU64::new(started_at_ms),
+            recovered_at_ms: std::sync::atomic::AtomicU64::new(started_at_ms),
             aborted: Mutex::new((HashSet::new(), std::collections::VecDeque::new())),
         }
     }
@@ -498,8 +500,18 @@ impl Calls {
         R: Send + 'static,
         F: FnOnce(&State, u64) -> (Vec<Event>, R) + Send + 'static,
     {
+        let ids: Vec<String> = specs.iter().map(|s| s.id.clone()).collect();
         self.put_calls(&specs).await?;
         let (r, _) = self.log.decide(decide).await?;
+        // Messages of calls the decision did not record (it refused) must not run.
+        let unrecorded: Vec<String> = self.log.read(|s| {
+            ids.into_iter()
+                .filter(|id| s.calls.get(id).is_none())
+                .collect()
+        });
+        if !unrecorded.is_empty() {
+            self.queue.delete(unrecorded).await?;
+        }
         Ok(r)
     }
 
@@ -526,9 +538,9 @@ impl Calls {
     pub async fn recover(&self) -> Result<usize, CallError> {
         let queued: Vec<CallSpec> = self.log.read(|s| {
             s.calls
-                .by_id
-                .values()
-                .filter(|c| c.status == crate::state::calls::CallStatus::Queued)
+                .queued
+                .iter()
+                .filter_map(|id| s.calls.get(id))
                 .map(|c| c.spec.clone())
                 .collect()
         });
@@ -594,9 +606,16 @@ impl Calls {
         let mut specs = Vec::with_capacity(messages.len());
         let mut broken = Vec::new();
         for m in messages {
+            // An aborted put's message is dropped, unless the call was recorded after all (the
+            // same id enqueued again, or a step decided again): then it is that call's.
             if self.aborted.lock().expect("aborted lock").0.contains(&m.id) {
-                broken.push(m.id);
-                continue;
+                if self.log.read(|s| s.calls.get(&m.id).is_none()) {
+                    broken.push(m.id);
+                    continue;
+                }
+                let mut aborted = self.aborted.lock().expect("aborted lock");
+                aborted.0.remove(&m.id);
+                aborted.1.retain(|id| id != &m.id);
             }
             match rmp_serde::from_slice::<CallSpec>(&m.body) {
                 Ok(spec) if spec.id == m.id => specs.push((spec, m.deliveries)),
@@ -656,6 +675,9 @@ impl Calls {
                     }
                     _ => {}
                 }
+                // The log's record is the call (a message put by a decision that lost a race
+                // to another with the same id carries the loser's copy).
+                let spec = s.calls.get(&spec.id).map_or(spec, |c| c.spec.clone());
                 let host = s
                     .routes
                     .by_name
@@ -948,9 +970,22 @@ impl Calls {
                 })
                 .await?;
         }
+        // Every few seconds: queued calls whose message is gone (a put that lost a race to a
+        // refusal's clean-up, or a machine crash) go back on the queue.
+        let last = self
+            .recovered_at_ms
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if now.saturating_sub(last) >= RECOVER_EVERY_MS {
+            self.recovered_at_ms
+                .store(now, std::sync::atomic::Ordering::Relaxed);
+            self.recover().await?;
+        }
         Ok(timed_out)
     }
 }
+
+/// How often the expiry loop puts back queued calls whose message is gone.
+const RECOVER_EVERY_MS: u64 = 5_000;
 
 /// Counts a dequeue under way for its runner (and notes the runner when it ends).
 struct Polling<'a> {

@@ -71,7 +71,12 @@ pub fn decide_autoscale(
 ) -> (Vec<Event>, Vec<(String, u32)>) {
     // Steps queued or running, by function.
     let mut in_flight: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
-    for i in state.functions.instances.values() {
+    for i in state
+        .functions
+        .running
+        .iter()
+        .filter_map(|id| state.functions.instances.get(id))
+    {
         if i.status != InstanceStatus::Running {
             continue;
         }
@@ -490,11 +495,17 @@ pub fn firing_instance_id(name: &str, scheduled_at_ms: u64) -> String {
     use std::hash::Hasher;
     let mut h = fnv::FnvHasher::default();
     h.write(name.as_bytes());
+    // The occurrence's time in bytes 0-5 (48 bits of ms, as a v7 id) and the template's hash in
+    // 7-13, around the version and variant bits; bytes 14-15 stay free for the step's number
+    // (`step_call_id`), so no two firings' steps share a call id.
+    let at = scheduled_at_ms.to_be_bytes();
+    let hash = h.finish().to_be_bytes();
     let mut b = [0u8; 16];
-    b[..8].copy_from_slice(&h.finish().to_be_bytes());
-    b[8..].copy_from_slice(&scheduled_at_ms.to_be_bytes());
-    b[6] = (b[6] & 0x0f) | 0x80;
-    b[8] = (b[8] & 0x3f) | 0x80;
+    b[..6].copy_from_slice(&at[2..]);
+    b[6] = 0x80 | (hash[0] & 0x0f);
+    b[7] = hash[1];
+    b[8] = 0x80 | (hash[2] & 0x3f);
+    b[9..14].copy_from_slice(&hash[3..8]);
     uuid::Uuid::from_bytes(b).hyphenated().to_string()
 }
 
@@ -658,7 +669,31 @@ pub fn decide_delete(state: &State, name: &str) -> Result<Vec<Event>, Refused> {
     }];
     let route = format!("fn-{name}");
     if state.routes.by_name.contains_key(&route) {
-        events.push(Event::RouteRemoved { name: route });
+        events.push(Event::RouteRemoved {
+            name: route.clone(),
+        });
+    }
+    // Its workload stops and its counter empties, so a template created again with this name
+    // starts afresh.
+    let desired = state
+        .routes
+        .deployments
+        .get(&route)
+        .map_or(0, |d| d.desired);
+    if desired > 0 {
+        events.push(Event::ScaleRequested {
+            deployment: route,
+            from: desired,
+            to: 0,
+            reason: crate::event::ScaleReason::Manual,
+        });
+    }
+    let value = state.counters.value(name);
+    if value > 0 {
+        events.push(Event::CounterDecayed {
+            function: name.to_owned(),
+            by: value,
+        });
     }
     Ok(events)
 }
@@ -808,9 +843,16 @@ mod tests {
             firing_instance_id("resize", at),
             firing_instance_id("resize", at)
         );
+        let mut calls = std::collections::BTreeSet::new();
+        for k in 0..200u64 {
+            let id = firing_instance_id("resize", t0 + k * 1_000);
+            for step in 1..4 {
+                assert!(calls.insert(step_call_id(&id, step)), "{id} step {step}");
+            }
+        }
         assert_ne!(
             firing_instance_id("resize", at),
-            firing_instance_id("resize", at + 1)
+            firing_instance_id("other", at)
         );
         // A bad schedule is refused.
         let bad = TemplateJson {

@@ -46,6 +46,9 @@ pub enum FnError {
     /// Another step was added at the same moment.
     #[error("instance {0} moved on meanwhile; try again")]
     Moved(String),
+    /// The instance reached the step bound.
+    #[error("instance {0} has run {max} steps, the bound", max = super::MAX_STEPS)]
+    Bound(String),
     /// This ebb cannot run the function.
     #[error("{0}")]
     NotRunnable(String),
@@ -175,6 +178,9 @@ impl FunctionService {
             .read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()))
             .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
         super::runnable(&template).map_err(FnError::NotRunnable)?;
+        if steps >= super::MAX_STEPS {
+            return Err(FnError::Bound(id.to_owned()));
+        }
         let number = steps + 1;
         let call = step_call(id, number, &template, body);
         let function = name.to_owned();
@@ -349,6 +355,21 @@ impl FunctionService {
             .decide(move |s: &State, now| decide_autoscale(s, &added, &a, now))
             .await
             .map_err(CallError::from)?;
+        // Decided now, or decided before and not taken up (a scale that failed, a workload
+        // registered after the decision): the orchestrator follows the log.
+        let mut scales = scales;
+        scales.extend(self.log.read(|s| {
+            s.functions
+                .templates
+                .values()
+                .filter_map(|t| super::route_of(&t.spec))
+                .filter_map(|r| {
+                    let want = s.routes.deployments.get(&r.deployment)?.desired;
+                    let has = orchestrator.observe(&r.deployment).map(|o| o.desired);
+                    (has.is_some_and(|h| h != want)).then_some((r.deployment, want))
+                })
+                .collect::<Vec<_>>()
+        }));
         for (deployment, n) in scales {
             if let Err(e) = orchestrator.scale(&deployment, n) {
                 tracing::warn!(%deployment, error = %e, "scaling a function failed");
@@ -361,8 +382,9 @@ impl FunctionService {
     pub async fn advance_all(&self) -> usize {
         let ready: Vec<String> = self.log.read(|s| {
             s.functions
-                .instances
+                .running
                 .iter()
+                .filter_map(|id| s.functions.instances.get(id).map(|i| (id, i)))
                 .filter(|(_, i)| i.status == InstanceStatus::Running)
                 .filter(|(_, i)| {
                     i.steps

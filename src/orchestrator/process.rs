@@ -80,8 +80,9 @@ struct Workload {
     consecutive_failures: u32,
     last_failure: Option<String>,
     wake: Arc<Notify>,
-    /// The spec's `pre_run` ran and succeeded.
-    pre_ran: bool,
+    /// Whether the spec's `pre_run` ran and succeeded; replicas starting together wait on it, so
+    /// it runs once.
+    pre_ran: Arc<tokio::sync::Mutex<bool>>,
 }
 
 struct SpawnJob {
@@ -212,7 +213,7 @@ impl Orchestrator for ProcessOrchestrator {
         if let Some(w) = all.get_mut(&spec.name) {
             // A changed setup runs again before the next replica.
             if w.spec.pre_run != spec.pre_run {
-                w.pre_ran = false;
+                w.pre_ran = Arc::new(tokio::sync::Mutex::new(false));
             }
             w.spec = spec;
             w.wake.notify_one();
@@ -232,7 +233,7 @@ impl Orchestrator for ProcessOrchestrator {
                 consecutive_failures: 0,
                 last_failure: None,
                 wake: wake.clone(),
-                pre_ran: false,
+                pre_ran: Arc::new(tokio::sync::Mutex::new(false)),
             },
         );
         drop(all);
@@ -515,13 +516,15 @@ async fn run_replica(inner: Arc<Inner>, name: String, id: u64, addr: SocketAddr)
             return replica_gone(&inner, &name, id, Some(format!("opening its log: {e}")));
         }
     };
-    let ran = inner.lock().get(&name).is_some_and(|w| w.pre_ran);
-    if let (Some(script), false) = (&spec.pre_run, ran) {
-        if let Err(why) = pre_run(&inner, &spec, script, &log).await {
-            return replica_gone(&inner, &name, id, Some(why));
-        }
-        if let Some(w) = inner.lock().get_mut(&name) {
-            w.pre_ran = true;
+    let pre = inner.lock().get(&name).map(|w| w.pre_ran.clone());
+    if let (Some(script), Some(pre)) = (&spec.pre_run, pre) {
+        let mut ran = pre.lock().await;
+        if !*ran {
+            if let Err(why) = pre_run(&inner, &spec, script, &log).await {
+                drop(ran);
+                return replica_gone(&inner, &name, id, Some(why));
+            }
+            *ran = true;
         }
     }
     let mut child = match spawn(&inner, command_for(&spec, addr, log)).await {

@@ -116,6 +116,9 @@ pub struct Call {
 pub struct Calls {
     /// Calls by id.
     pub by_id: BTreeMap<String, Call>,
+    /// Ids of the calls still queued (an index of `by_id`).
+    #[serde(default)]
+    pub queued: std::collections::BTreeSet<String>,
 }
 
 /// What applying a call event did to the schedule.
@@ -146,6 +149,31 @@ impl Calls {
     }
 
     pub(crate) fn apply(&mut self, at_ms: u64, event: &Event) -> Timer {
+        let timer = self.apply_call(at_ms, event);
+        let id = match event {
+            Event::CallQueued { call } => Some(&call.id),
+            Event::CallStarted { id, .. }
+            | Event::CallRejected { id, .. }
+            | Event::CallFinished { id, .. }
+            | Event::CallTimedOut { id }
+            | Event::CallCancelled { id } => Some(id),
+            _ => None,
+        };
+        if let Some(id) = id {
+            if self
+                .by_id
+                .get(id)
+                .is_some_and(|c| c.status == CallStatus::Queued)
+            {
+                self.queued.insert(id.clone());
+            } else {
+                self.queued.remove(id);
+            }
+        }
+        timer
+    }
+
+    fn apply_call(&mut self, at_ms: u64, event: &Event) -> Timer {
         match event {
             Event::CallQueued { call } => {
                 self.by_id

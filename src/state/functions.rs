@@ -94,6 +94,9 @@ pub struct Functions {
     /// firing, when the schedule was set: nothing earlier fires).
     #[serde(default)]
     pub fired: BTreeMap<String, u64>,
+    /// Ids of the instances still running (an index of `instances`).
+    #[serde(default)]
+    pub running: std::collections::BTreeSet<String>,
 }
 
 impl Functions {
@@ -129,6 +132,9 @@ impl Functions {
     }
 
     pub(crate) fn create_instance(&mut self, id: &str, template: &str, args: &ByteBuf, at: u64) {
+        if !self.instances.contains_key(id) {
+            self.running.insert(id.to_owned());
+        }
         self.instances.entry(id.to_owned()).or_insert(Instance {
             template: template.to_owned(),
             args: args.clone(),
@@ -162,6 +168,7 @@ impl Functions {
             };
             i.result = Some(result.clone());
             i.finished_at_ms = Some(at_ms);
+            self.running.remove(id);
         }
     }
 }
