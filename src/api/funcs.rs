@@ -101,17 +101,7 @@ impl From<FnError> for ApiError {
 }
 
 fn args(body: Result<Bytes, BytesRejection>) -> Result<Vec<u8>, ApiError> {
-    body.map(|b| b.to_vec()).map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "payload_too_large",
-                e.body_text(),
-            )
-        } else {
-            ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text())
-        }
-    })
+    body.map(|b| b.to_vec()).map_err(super::runner::rejection)
 }
 
 /// An instance as the API shows it.
@@ -548,6 +538,16 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
     }
 }
 
+/// The template as the change at `seq` left it (as it was, for a deletion).
+fn change_object(app: &AppState, seq: u64) -> Option<Value> {
+    app.log.read(|s| {
+        s.functions
+            .changes
+            .get(&seq)
+            .map(|c| object(&c.template, seq))
+    })
+}
+
 fn autoscale_of(app: &AppState) -> functions::Autoscale {
     app.functions
         .as_ref()
@@ -595,12 +595,7 @@ async fn create(
         )
         .await?;
     done.map_err(refused)?;
-    let v = app.log.read(|s| {
-        s.functions
-            .changes
-            .get(&committed.first_seq)
-            .map(|c| object(&c.template, committed.first_seq))
-    });
+    let v = change_object(&app, committed.first_seq);
     register(&app, v.as_ref());
     Ok((StatusCode::CREATED, Json(v.unwrap_or(Value::Null))))
 }
@@ -681,12 +676,7 @@ async fn delete(
         )
         .await?;
     done.map_err(refused)?;
-    let v = app.log.read(|s| {
-        s.functions
-            .changes
-            .get(&committed.first_seq)
-            .map(|c| object(&c.template, committed.first_seq))
-    });
+    let v = change_object(&app, committed.first_seq);
     // A deleted function's workload stops.
     if let (Some(o), Some(name)) = (
         &app.orchestrator,

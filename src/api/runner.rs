@@ -85,21 +85,24 @@ fn calls_of(app: &AppState) -> Result<&std::sync::Arc<Calls>, ApiError> {
     })
 }
 
+/// A body that could not be read, as a JSON error (413 when too large).
+pub(super) fn rejection(e: BytesRejection) -> ApiError {
+    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            e.body_text(),
+        )
+    } else {
+        ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text())
+    }
+}
+
 /// Parses a JSON body, turning every failure into a JSON error.
 pub(super) fn body<T: serde::de::DeserializeOwned>(
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<T, ApiError> {
-    let bytes = bytes.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "payload_too_large",
-                e.body_text(),
-            )
-        } else {
-            ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text())
-        }
-    })?;
+    let bytes = bytes.map_err(rejection)?;
     serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_json", e.to_string()))
 }

@@ -84,6 +84,12 @@ impl FunctionService {
         }
     }
 
+    /// A template's spec.
+    fn template(&self, name: &str) -> Option<crate::event::TemplateSpec> {
+        self.log
+            .read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()))
+    }
+
     /// The autoscaler's settings.
     pub fn autoscale(&self) -> &Autoscale {
         &self.autoscale
@@ -105,8 +111,7 @@ impl FunctionService {
     /// the instance id.
     pub async fn invoke(&self, name: &str, args: Vec<u8>) -> Result<String, FnError> {
         let template = self
-            .log
-            .read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()))
+            .template(name)
             .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
         super::runnable(&template).map_err(FnError::NotRunnable)?;
         let id = uuid::Uuid::now_v7().hyphenated().to_string();
@@ -174,8 +179,7 @@ impl FunctionService {
             return r;
         }
         let template = self
-            .log
-            .read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()))
+            .template(name)
             .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
         super::runnable(&template).map_err(FnError::NotRunnable)?;
         if steps >= super::MAX_STEPS {
@@ -308,10 +312,7 @@ impl FunctionService {
                 Ok(changed)
             }
             Next::Step { function, input } => {
-                let Some(template) = self
-                    .log
-                    .read(|s| s.functions.templates.get(&function).map(|t| t.spec.clone()))
-                else {
+                let Some(template) = self.template(&function) else {
                     return Ok(false);
                 };
                 let call = step_call(id, steps + 1, &template, input);

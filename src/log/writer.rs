@@ -85,6 +85,23 @@ enum Request<P> {
     Snapshot { ack: oneshot::Sender<Result<u64>> },
 }
 
+/// A decision for the writer, and where its answer arrives (once it ran).
+#[allow(clippy::type_complexity)]
+fn boxed<P, R, F>(decide: F) -> (Decision<P>, oneshot::Receiver<R>)
+where
+    P: Projection,
+    R: Send + 'static,
+    F: FnOnce(&P, u64) -> (Vec<Event>, R) + Send + 'static,
+{
+    let (answer_tx, answer_rx) = oneshot::channel();
+    let decide: Decision<P> = Box::new(move |state, now| {
+        let (events, answer) = decide(state, now);
+        let _ = answer_tx.send(answer);
+        events
+    });
+    (decide, answer_rx)
+}
+
 /// A live tail of the log: batches of envelopes as they become durable.
 pub type Tail = broadcast::Receiver<Arc<[Envelope]>>;
 
@@ -174,12 +191,7 @@ impl<P: Projection> Log<P> {
         R: Send + 'static,
         F: FnOnce(&P, u64) -> (Vec<Event>, R) + Send + 'static,
     {
-        let (answer_tx, answer_rx) = oneshot::channel();
-        let decide: Decision<P> = Box::new(move |state, now| {
-            let (events, answer) = decide(state, now);
-            let _ = answer_tx.send(answer);
-            events
-        });
+        let (decide, answer_rx) = boxed(decide);
         let (ack, rx) = oneshot::channel();
         self.request(Request::Decide { decide, ack }).await?;
         let committed = rx.await.map_err(|_| Error::Closed)??;
@@ -196,12 +208,7 @@ impl<P: Projection> Log<P> {
         R: Send + 'static,
         F: FnOnce(&P, u64) -> (Vec<Event>, R) + Send + 'static,
     {
-        let (answer_tx, answer_rx) = oneshot::channel();
-        let decide: Decision<P> = Box::new(move |state, now| {
-            let (events, answer) = decide(state, now);
-            let _ = answer_tx.send(answer);
-            events
-        });
+        let (decide, answer_rx) = boxed(decide);
         let (ack, _durable) = oneshot::channel();
         self.request(Request::Decide { decide, ack }).await?;
         answer_rx.await.map_err(|_| Error::Closed)
