@@ -33,6 +33,26 @@ fn start_with(data: &Path, token: Option<&str>, extra: &[&str]) -> Ebb {
     common::serve_with(data, None, None, &args)
 }
 
+/// Checks `check` every `every` until it gives a value, for at most `within`.
+async fn poll<T, F, Fut>(what: &str, every: Duration, within: Duration, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let mut tick = tokio::time::interval(every);
+    let run = async {
+        loop {
+            tick.tick().await;
+            if let Some(v) = check().await {
+                return v;
+            }
+        }
+    };
+    tokio::time::timeout(within, run)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: not within {within:?}"))
+}
+
 fn client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build_http()
 }
@@ -427,19 +447,18 @@ async fn invoke(ebb: &Ebb, name: &str, args: &str) -> String {
 
 /// Polls an instance until it ended (bounded).
 async fn ended(ebb: &Ebb, id: &str) -> Value {
-    let poll = async {
-        loop {
-            let (status, v) = api(ebb, "GET", &format!("/api/funcs/{id}"), Value::Null).await;
+    let path = format!("/api/funcs/{id}");
+    poll(
+        "the instance ending",
+        Duration::from_millis(20),
+        Duration::from_secs(60),
+        || async {
+            let (status, v) = api(ebb, "GET", &path, Value::Null).await;
             assert_eq!(status, 200, "{v:?}");
-            if v["state"] != "running" {
-                return v;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(60), poll)
-        .await
-        .expect("the instance did not end within 60 s")
+            (v["state"] != "running").then_some(v)
+        },
+    )
+    .await
 }
 
 fn functions_of(v: &Value) -> Vec<String> {
@@ -543,18 +562,17 @@ async fn a_chain_resumes_after_ebb_is_killed_mid_chain_and_runs_no_step_twice() 
     .await;
     assert_eq!(status, 200);
     // The driver queues the second step; wait until it is recorded.
-    let wait = async {
-        loop {
-            let (_, v) = api(&ebb, "GET", &format!("/api/funcs/{id}"), Value::Null).await;
-            if v["steps"].as_array().map(Vec::len) == Some(2) {
-                return v;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    let v = tokio::time::timeout(Duration::from_secs(30), wait)
-        .await
-        .unwrap();
+    let path = format!("/api/funcs/{id}");
+    let v = poll(
+        "the second step",
+        Duration::from_millis(20),
+        Duration::from_secs(30),
+        || async {
+            let (_, v) = api(&ebb, "GET", &path, Value::Null).await;
+            (v["steps"].as_array().map(Vec::len) == Some(2)).then_some(v)
+        },
+    )
+    .await;
     assert_eq!(functions_of(&v), ["classify", "upper"]);
     ebb.child.kill().unwrap();
     ebb.child.wait().unwrap();
@@ -785,23 +803,14 @@ async fn replicas(ebb: &Ebb, function: &str) -> (u64, u64) {
 }
 
 async fn until_replicas(ebb: &Ebb, function: &str, want: (u64, u64)) {
-    let poll = async {
-        loop {
-            if replicas(ebb, function).await == want {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    if tokio::time::timeout(Duration::from_secs(60), poll)
-        .await
-        .is_err()
-    {
-        panic!(
-            "{function}: (desired, ready) never became {want:?}; it is {:?}",
-            replicas(ebb, function).await
-        );
-    }
+    let what = format!("{function} at (desired, ready) {want:?}");
+    poll(
+        &what,
+        Duration::from_millis(20),
+        Duration::from_secs(60),
+        || async { (replicas(ebb, function).await == want).then_some(()) },
+    )
+    .await
 }
 
 /// A burst, a steady trickle, then silence: the function goes 0 -> max -> 0, never past its
@@ -937,18 +946,16 @@ fn firings(data: &Path, name: &str) -> Vec<u64> {
 }
 
 async fn until_firings(data: &Path, name: &str, at_least: usize) -> Vec<u64> {
-    let poll = async {
-        loop {
+    poll(
+        "the template firing",
+        Duration::from_millis(100),
+        Duration::from_secs(60),
+        || async {
             let f = firings(data, name);
-            if f.len() >= at_least {
-                return f;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(60), poll)
-        .await
-        .expect("the template did not fire in time")
+            (f.len() >= at_least).then_some(f)
+        },
+    )
+    .await
 }
 
 /// A template with a schedule fires on it (every second here), each firing an instance like any
@@ -1078,17 +1085,17 @@ async fn a_template_with_a_service_address_is_called_there() {
         .env_remove("EBB_FUNCTION")
         .spawn()
         .unwrap();
-    let up = async {
-        while tokio::net::TcpStream::connect(("127.0.0.1", port))
-            .await
-            .is_err()
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(30), up)
-        .await
-        .unwrap();
+    poll(
+        "the app listening",
+        Duration::from_millis(20),
+        Duration::from_secs(30),
+        || async {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .ok()
+        },
+    )
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let ebb = start(&dir.path().join("data"), Some(TOKEN));
     let t = json!({ "name": "elsewhere", "function": "x", "serviceAddress": format!("127.0.0.1:{port}") });
