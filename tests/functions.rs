@@ -755,20 +755,21 @@ async fn explicit_steps_return_and_every_instance_error_is_clear() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_chain_to_a_missing_function_or_past_the_step_bound_ends_in_a_clear_error() {
+async fn a_chain_to_a_missing_function_is_refused_and_one_past_the_step_bound_ends_in_error() {
     let dir = tempfile::tempdir().unwrap();
     let ebb = start(&dir.path().join("data"), Some(TOKEN));
     for t in [
         demo("dangling", "upper", Some("missing"), None),
         demo("forever", "exclaim", Some("forever"), None),
-        demo("broken", "fail", Some("upper"), None),
+        demo("broken", "fail", Some("forever"), None),
     ] {
         assert_eq!(api(&ebb, "POST", "/api/funcs/template", t).await.0, 201);
     }
-    let a = ended(&ebb, &invoke(&ebb, "dangling", "x").await).await;
-    assert_eq!(a["state"], "error");
+    // A chain that reaches a function that does not exist is refused when invoked.
+    let (status, a) = call(&ebb, "POST", "/api/funcs/dangling", Some(TOKEN), "x").await;
+    refused((status, a.clone()), 400, "unknown_next_function");
     assert!(
-        a["result"].as_str().unwrap().contains("\"missing\""),
+        a["error"].as_str().unwrap().contains("\"missing\""),
         "{a:?}"
     );
     let b = ended(&ebb, &invoke(&ebb, "forever", "").await).await;

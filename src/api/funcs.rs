@@ -84,6 +84,11 @@ impl From<FnError> for ApiError {
             FnError::Moved(_) => {
                 ApiError::new(StatusCode::CONFLICT, "instance_moved", e.to_string())
             }
+            FnError::UnknownNext(_) => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "unknown_next_function",
+                e.to_string(),
+            ),
             FnError::Bound(_) => ApiError::new(StatusCode::CONFLICT, "step_bound", e.to_string()),
             FnError::Calls(CallError::Queue(crate::queue::QueueError::Duplicate(_))) => {
                 ApiError::new(

@@ -177,6 +177,29 @@ pub fn route_of(t: &TemplateSpec) -> Option<RouteSpec> {
     })
 }
 
+/// Every function an invocation of `name` may reach through `left` / `right` exists: checked
+/// when it is invoked (a template deleted later still ends its chains in a clear error).
+pub fn check_chain(state: &State, name: &str) -> Result<(), String> {
+    let mut seen = std::collections::BTreeSet::new();
+    let mut todo = vec![name.to_owned()];
+    while let Some(f) = todo.pop() {
+        if !seen.insert(f.clone()) {
+            continue;
+        }
+        let Some(t) = state.functions.templates.get(&f) else {
+            return Err(format!(
+                "{f:?} is reachable from {name:?} (left/right) and there is no such function"
+            ));
+        };
+        for next in [&t.spec.left, &t.spec.right].into_iter().flatten() {
+            if next != "RETURN" {
+                todo.push(next.clone());
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Whether this ebb can run a template's steps: it runs its command, or calls its
 /// `serviceAddress`. An image alone needs the Kubernetes backend.
 pub fn runnable(t: &TemplateSpec) -> Result<(), String> {

@@ -49,6 +49,9 @@ pub enum FnError {
     /// The instance reached the step bound.
     #[error("instance {0} has run {max} steps, the bound", max = super::MAX_STEPS)]
     Bound(String),
+    /// The chain names a function that does not exist.
+    #[error("{0}")]
+    UnknownNext(String),
     /// This ebb cannot run the function.
     #[error("{0}")]
     NotRunnable(String),
@@ -114,6 +117,9 @@ impl FunctionService {
             .template(name)
             .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
         super::runnable(&template).map_err(FnError::NotRunnable)?;
+        self.log
+            .read(|s| super::check_chain(s, name))
+            .map_err(FnError::UnknownNext)?;
         let id = uuid::Uuid::now_v7().hyphenated().to_string();
         let call = step_call(&id, 1, &template, args.clone());
         let function = name;
