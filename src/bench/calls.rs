@@ -81,6 +81,7 @@ struct Setup {
     stop: tokio::sync::watch::Sender<bool>,
     recorder: Arc<Recorder>,
     runners: Vec<tokio::task::JoinHandle<()>>,
+    server: tokio::task::JoinHandle<()>,
     _dir: tempfile::TempDir,
 }
 
@@ -136,8 +137,17 @@ async fn setup(args: &CallsBenchArgs, over_http: bool, kafka: Option<&str>) -> R
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    tokio::spawn(async move { axum::serve(listener, router).await });
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let server = {
+        let mut stopped = stop_rx.clone();
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.changed().await;
+                })
+                .await;
+        })
+    };
     let recorder = Arc::new(Recorder {
         clock: Stopwatch::start(),
         started: Mutex::new(HashMap::new()),
@@ -169,6 +179,7 @@ async fn setup(args: &CallsBenchArgs, over_http: bool, kafka: Option<&str>) -> R
         stop,
         recorder,
         runners,
+        server,
         _dir: dir,
     })
 }
@@ -305,10 +316,19 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
     Ok((pick(0.50), pick(0.99)))
 }
 
+/// Stops the runners and the API, so the phase's log and queue close (their RocksDB background
+/// work would otherwise go on under the next phase).
 async fn teardown(s: Setup) {
     let _ = s.stop.send(true);
     for r in s.runners {
         let _ = tokio::time::timeout(Duration::from_secs(10), r).await;
+    }
+    let mut server = s.server;
+    if tokio::time::timeout(Duration::from_secs(10), &mut server)
+        .await
+        .is_err()
+    {
+        server.abort();
     }
 }
 
