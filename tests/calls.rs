@@ -136,6 +136,16 @@ async fn enqueue(ebb: &Ebb, body: Value) -> String {
     a.json["id"].as_str().unwrap().to_owned()
 }
 
+/// Enqueues `n` calls to the app with bodies `n0`, `n1`, ...; returns their ids.
+async fn enqueue_bodies(ebb: &Ebb, n: usize) -> Vec<String> {
+    let mut ids = Vec::with_capacity(n);
+    for i in 0..n {
+        let body = json!({ "target": "work", "payload": { "body": format!("n{i}") } });
+        ids.push(enqueue(ebb, body).await);
+    }
+    ids
+}
+
 async fn state(ebb: &Ebb, id: &str) -> String {
     let a = get(ebb, &format!("/v1/calls/{id}")).await;
     assert_eq!(a.status, 200, "{}", a.json);
@@ -522,16 +532,7 @@ async fn a_runner_killed_after_start_ends_in_timeout_not_a_second_run() {
 async fn acknowledged_enqueues_survive_a_sigkill_of_ebb_and_complete() {
     let dir = tempfile::tempdir().unwrap();
     let mut ebb = start(dir.path(), &["--runner-capacity", "0"]);
-    let mut ids = Vec::new();
-    for i in 0..20 {
-        ids.push(
-            enqueue(
-                &ebb,
-                json!({ "target": "work", "payload": { "body": format!("n{i}") } }),
-            )
-            .await,
-        );
-    }
+    let mut ids = enqueue_bodies(&ebb, 20).await;
     let batch = post(
         &ebb,
         "/runner/enqueue",
@@ -565,16 +566,7 @@ async fn acknowledged_enqueues_survive_a_sigkill_of_ebb_and_complete() {
 async fn queued_calls_a_machine_crash_took_from_the_queue_are_put_back_from_the_log() {
     let dir = tempfile::tempdir().unwrap();
     let mut ebb = start(dir.path(), &["--runner-capacity", "0"]);
-    let mut ids = Vec::new();
-    for i in 0..10 {
-        ids.push(
-            enqueue(
-                &ebb,
-                json!({ "target": "work", "payload": { "body": format!("n{i}") } }),
-            )
-            .await,
-        );
-    }
+    let ids = enqueue_bodies(&ebb, 10).await;
     ebb.child.kill().unwrap();
     ebb.child.wait().unwrap();
     let queue = ebb.data.join("queue");

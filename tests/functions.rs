@@ -461,6 +461,12 @@ async fn ended(ebb: &Ebb, id: &str) -> Value {
     .await
 }
 
+/// `PUT /api/funcs/{function}/{id}` with `body`.
+async fn put_step(ebb: &Ebb, function: &str, id: &str, body: &'static str) -> (u16, Value) {
+    let path = format!("/api/funcs/{function}/{id}");
+    call(ebb, "PUT", &path, Some(TOKEN), body).await
+}
+
 fn functions_of(v: &Value) -> Vec<String> {
     v["steps"]
         .as_array()
@@ -662,14 +668,7 @@ async fn explicit_steps_return_and_every_instance_error_is_clear() {
 
     // A step added by hand, then RETURN ends the instance with its body.
     let id = invoke(&ebb, "exclaim", "a").await;
-    let (status, v) = call(
-        &ebb,
-        "PUT",
-        &format!("/api/funcs/upper/{id}"),
-        Some(TOKEN),
-        "b",
-    )
-    .await;
+    let (status, v) = put_step(&ebb, "upper", &id, "b").await;
     assert_eq!((status, &v["step"]), (202, &json!(2)), "{v:?}");
     refused(
         call(
@@ -730,28 +729,10 @@ async fn explicit_steps_return_and_every_instance_error_is_clear() {
     // Explicit steps count against the bound too.
     let id = invoke(&ebb, "exclaim", "a").await;
     for n in 2..=64 {
-        let (status, v) = call(
-            &ebb,
-            "PUT",
-            &format!("/api/funcs/upper/{id}"),
-            Some(TOKEN),
-            "b",
-        )
-        .await;
+        let (status, v) = put_step(&ebb, "upper", &id, "b").await;
         assert_eq!((status, &v["step"]), (202, &json!(n)), "{v:?}");
     }
-    refused(
-        call(
-            &ebb,
-            "PUT",
-            &format!("/api/funcs/upper/{id}"),
-            Some(TOKEN),
-            "b",
-        )
-        .await,
-        409,
-        "step_bound",
-    );
+    refused(put_step(&ebb, "upper", &id, "b").await, 409, "step_bound");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -858,17 +839,11 @@ async fn the_autoscaler_follows_the_call_counter_from_zero_to_max_and_back() {
     // Silence: the counter decays, and the function goes back to zero.
     until_replicas(&ebb, "busy", (0, 0)).await;
 
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ebb"))
-        .args(["explain", "function", "busy", "--json", "--data-dir"])
-        .arg(&data)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let explained: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let explained: Value = serde_json::from_str(&common::ebb_ok(
+        &data,
+        &["explain", "function", "busy", "--json"],
+    ))
+    .unwrap();
     let events: Vec<&Value> = explained["events"]
         .as_array()
         .unwrap()

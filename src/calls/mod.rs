@@ -456,15 +456,7 @@ impl Calls {
     /// Puts calls on the queue (the first half of an enqueue): a failed put marks them aborted,
     /// so a message that lands anyway is never handed out.
     async fn put_calls(&self, specs: &[CallSpec]) -> Result<(), CallError> {
-        let mut messages = Vec::with_capacity(specs.len());
-        for s in specs {
-            let body = rmp_serde::to_vec_named(s).map_err(|e| CallError::Bad(e.to_string()))?;
-            messages.push(Message::new(
-                s.id.clone(),
-                s.partition.clone().unwrap_or_default(),
-                body,
-            ));
-        }
+        let messages = specs.iter().map(message_of).collect();
         if let Err(e) = self.put_new(messages).await {
             if matches!(e, QueueError::Duplicate(_)) {
                 // The same ids enqueued at the same moment: those messages are the other
@@ -554,15 +546,11 @@ impl Calls {
                 continue;
             }
             let missing: HashSet<String> = missing.into_iter().collect();
-            let mut messages = Vec::with_capacity(missing.len());
-            for s in chunk.iter().filter(|c| missing.contains(&c.id)) {
-                let body = rmp_serde::to_vec_named(s).map_err(|e| CallError::Bad(e.to_string()))?;
-                messages.push(Message::new(
-                    s.id.clone(),
-                    s.partition.clone().unwrap_or_default(),
-                    body,
-                ));
-            }
+            let messages: Vec<Message> = chunk
+                .iter()
+                .filter(|c| missing.contains(&c.id))
+                .map(message_of)
+                .collect();
             restored += messages.len();
             self.queue.put(messages).await?;
         }
@@ -578,14 +566,7 @@ impl Calls {
     /// Records `CallQueued` for calls the log does not know yet.
     async fn record_queued(&self, specs: Vec<CallSpec>) -> Result<(), CallError> {
         self.log
-            .decide(move |s: &State, _| {
-                let events = specs
-                    .into_iter()
-                    .filter(|c| s.calls.get(&c.id).is_none())
-                    .map(|call| Event::CallQueued { call })
-                    .collect();
-                (events, ())
-            })
+            .decide(move |s: &State, _| (queued_unknown(s, specs), ()))
             .await?;
         Ok(())
     }
@@ -640,14 +621,7 @@ impl Calls {
             // decided after it and acknowledged only once durable, which covers this too. A
             // crash in between can only refuse that start, for a call never acknowledged.
             self.log
-                .decide_ordered(move |s: &State, _| {
-                    let events = unknown
-                        .into_iter()
-                        .filter(|c| s.calls.get(&c.id).is_none())
-                        .map(|call| Event::CallQueued { call })
-                        .collect();
-                    (events, ())
-                })
+                .decide_ordered(move |s: &State, _| (queued_unknown(s, unknown), ()))
                 .await?;
         }
         let grace = self.options.hold_grace_ms;
@@ -982,6 +956,24 @@ impl Calls {
         }
         Ok(timed_out)
     }
+}
+
+/// The queue message of a call: its spec, MessagePack with named fields, on its partition.
+pub fn message_of(spec: &CallSpec) -> Message {
+    Message::new(
+        spec.id.clone(),
+        spec.partition.clone().unwrap_or_default(),
+        rmp_serde::to_vec_named(spec).expect("a call spec always encodes"),
+    )
+}
+
+/// `CallQueued` for the calls the log does not know yet.
+fn queued_unknown(s: &State, specs: Vec<CallSpec>) -> Vec<Event> {
+    specs
+        .into_iter()
+        .filter(|c| s.calls.get(&c.id).is_none())
+        .map(|call| Event::CallQueued { call })
+        .collect()
 }
 
 /// How often the expiry loop puts back queued calls whose message is gone.

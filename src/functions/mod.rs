@@ -251,6 +251,18 @@ pub fn step_call(instance: &str, step: usize, t: &TemplateSpec, input: Vec<u8>) 
     }
 }
 
+/// The events of queuing `call` as the next step of `instance`, running `function`.
+pub fn step_events(instance: String, function: String, call: CallSpec) -> [Event; 2] {
+    [
+        Event::InstanceStepped {
+            id: instance,
+            function,
+            call_id: call.id.clone(),
+        },
+        Event::CallQueued { call },
+    ]
+}
+
 /// What an instance does next.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Next {

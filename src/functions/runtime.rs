@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use super::{Autoscale, Next, decide_autoscale, decide_next, step_call};
+use super::{Autoscale, Next, decide_autoscale, decide_next, step_call, step_events};
 use super::{decide_fire, firing_instance_id};
 use crate::calls::{CallError, Calls};
 use crate::clock::Clock;
@@ -129,19 +129,12 @@ impl FunctionService {
                 if !s.functions.templates.contains_key(&name) {
                     return (Vec::new(), Err(FnError::UnknownFunction(name)));
                 }
-                let events = vec![
-                    Event::InstanceCreated {
-                        id: iid.clone(),
-                        template: name.clone(),
-                        args: ByteBuf::from(args),
-                    },
-                    Event::InstanceStepped {
-                        id: iid,
-                        function: name,
-                        call_id: call.id.clone(),
-                    },
-                    Event::CallQueued { call },
-                ];
+                let mut events = vec![Event::InstanceCreated {
+                    id: iid.clone(),
+                    template: name.clone(),
+                    args: ByteBuf::from(args),
+                }];
+                events.extend(step_events(iid, name, call));
                 (events, Ok(()))
             })
             .await??;
@@ -202,17 +195,7 @@ impl FunctionService {
                         (Vec::new(), Err(FnError::Ended(iid)))
                     }
                     Some(i) if i.steps.len() != steps => (Vec::new(), Err(FnError::Moved(iid))),
-                    Some(_) => (
-                        vec![
-                            Event::InstanceStepped {
-                                id: iid,
-                                function,
-                                call_id: call.id.clone(),
-                            },
-                            Event::CallQueued { call },
-                        ],
-                        Ok(number),
-                    ),
+                    Some(_) => (step_events(iid, function, call).into(), Ok(number)),
                     None => (Vec::new(), Err(FnError::UnknownInstance(iid))),
                 }
             })
@@ -259,26 +242,19 @@ impl FunctionService {
                 if decide_fire(s, &n, now_ms).map(|(_, a)| a) != Some(at) {
                     return (Vec::new(), false);
                 }
-                (
-                    vec![
-                        Event::TemplateFired {
-                            name: n.clone(),
-                            scheduled_at_ms: at,
-                        },
-                        Event::InstanceCreated {
-                            id: id.clone(),
-                            template: n.clone(),
-                            args: ByteBuf::new(),
-                        },
-                        Event::InstanceStepped {
-                            id,
-                            function: n,
-                            call_id: call.id.clone(),
-                        },
-                        Event::CallQueued { call },
-                    ],
-                    true,
-                )
+                let mut events = vec![
+                    Event::TemplateFired {
+                        name: n.clone(),
+                        scheduled_at_ms: at,
+                    },
+                    Event::InstanceCreated {
+                        id: id.clone(),
+                        template: n.clone(),
+                        args: ByteBuf::new(),
+                    },
+                ];
+                events.extend(step_events(id, n, call));
+                (events, true)
             })
             .await?;
         if fired {
@@ -331,17 +307,7 @@ impl FunctionService {
                         if !still {
                             return (Vec::new(), false);
                         }
-                        (
-                            vec![
-                                Event::InstanceStepped {
-                                    id: iid,
-                                    function,
-                                    call_id: call.id.clone(),
-                                },
-                                Event::CallQueued { call },
-                            ],
-                            true,
-                        )
+                        (step_events(iid, function, call).into(), true)
                     })
                     .await?;
                 if changed {

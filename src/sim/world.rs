@@ -13,6 +13,7 @@ use futures_util::FutureExt;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::calls::message_of;
 use crate::clock::{Clock, SimClock, SkewedClock};
 use crate::event::{CallKind, CallSpec, Event, Payload, RouteSpec};
 use crate::orchestrator::Orchestrator;
@@ -1417,11 +1418,7 @@ impl World {
         }
         match req {
             NodeReq::Enqueue(spec) => {
-                let message = Message::new(
-                    spec.id.clone(),
-                    spec.partition.clone().unwrap_or_default(),
-                    rmp_serde::to_vec_named(spec).expect("a call spec encodes"),
-                );
+                let message = message_of(spec);
                 match queue.put(vec![message]).now_or_never() {
                     // A retried enqueue finds its message already there.
                     Some(Ok(())) | Some(Err(crate::queue::QueueError::Duplicate(_))) => {}
@@ -1850,13 +1847,7 @@ impl World {
         let back: Vec<Message> = queued
             .iter()
             .filter(|c| missing.contains(&c.id))
-            .map(|c| {
-                Message::new(
-                    c.id.clone(),
-                    c.partition.clone().unwrap_or_default(),
-                    rmp_serde::to_vec_named(c).expect("a call spec encodes"),
-                )
-            })
+            .map(message_of)
             .collect();
         let n = back.len();
         let _ = node.queue.put(back).now_or_never();

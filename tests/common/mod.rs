@@ -142,9 +142,11 @@ pub async fn broker() -> Broker {
 }
 
 /// Every event of the log in `data`, as `ebb log dump --json` prints them.
-pub fn events(data: &Path) -> Vec<serde_json::Value> {
+/// Runs `ebb ARGS --data-dir DATA`, which must succeed; returns what it printed.
+pub fn ebb_ok(data: &Path, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
-        .args(["log", "dump", "--json", "--data-dir"])
+        .args(args)
+        .arg("--data-dir")
         .arg(data)
         .output()
         .unwrap();
@@ -153,8 +155,11 @@ pub fn events(data: &Path) -> Vec<serde_json::Value> {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8(out.stdout)
-        .unwrap()
+    String::from_utf8(out.stdout).unwrap()
+}
+
+pub fn events(data: &Path) -> Vec<serde_json::Value> {
+    ebb_ok(data, &["log", "dump", "--json"])
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
