@@ -146,6 +146,16 @@ async fn enqueue_bodies(ebb: &Ebb, n: usize) -> Vec<String> {
     ids
 }
 
+/// Every call in `ids` succeeds, each started exactly once.
+async fn all_run_once(ebb: &Ebb, ids: &[String]) {
+    for id in ids {
+        wait_state(ebb, id, "success").await;
+    }
+    for id in ids {
+        assert_eq!(events_of(&ebb.data, id, "CallStarted"), 1);
+    }
+}
+
 async fn state(ebb: &Ebb, id: &str) -> String {
     let a = get(ebb, &format!("/v1/calls/{id}")).await;
     assert_eq!(a.status, 200, "{}", a.json);
@@ -551,12 +561,7 @@ async fn acknowledged_enqueues_survive_a_sigkill_of_ebb_and_complete() {
     ebb.child.wait().unwrap();
     drop(ebb);
     let ebb = start(dir.path(), &[]);
-    for id in &ids {
-        wait_state(&ebb, id, "success").await;
-    }
-    for id in &ids {
-        assert_eq!(events_of(&ebb.data, id, "CallStarted"), 1);
-    }
+    all_run_once(&ebb, &ids).await;
 }
 
 /// The embedded queue does not sync its puts (the log, synced before an enqueue is answered, is
@@ -573,12 +578,7 @@ async fn queued_calls_a_machine_crash_took_from_the_queue_are_put_back_from_the_
     drop(ebb);
     std::fs::remove_dir_all(&queue).unwrap();
     let ebb = start(dir.path(), &[]);
-    for id in &ids {
-        wait_state(&ebb, id, "success").await;
-    }
-    for id in &ids {
-        assert_eq!(events_of(&ebb.data, id, "CallStarted"), 1);
-    }
+    all_run_once(&ebb, &ids).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -876,13 +876,7 @@ impl Calls {
                 .decide(move |s: &State, now| {
                     let refs: Vec<&str> = due.iter().map(String::as_str).collect();
                     let events = decide_timeouts(&s.calls, &refs, now);
-                    let ids: Vec<String> = events
-                        .iter()
-                        .filter_map(|e| match e {
-                            Event::CallTimedOut { id } => Some(id.clone()),
-                            _ => None,
-                        })
-                        .collect();
+                    let ids = crate::state::calls::timed_out(&events);
                     (events, ids)
                 })
                 .await?;

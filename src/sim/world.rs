@@ -27,7 +27,7 @@ use crate::sim::cluster::{PodTimer, SimCluster};
 use crate::sim::log::SimLog;
 use crate::sim::queue::SimQueue;
 use crate::sim::scenario::{Faults, Range, Scenario};
-use crate::state::calls::{decide_finish, decide_start, decide_timeouts};
+use crate::state::calls::{decide_finish, decide_start, decide_timeouts, timed_out};
 use crate::state::{CallStatus, Due, StartVerdict};
 
 const DEPLOYMENT: &str = "app";
@@ -1912,13 +1912,7 @@ impl World {
         }
         let refs: Vec<&str> = due.iter().map(String::as_str).collect();
         let events = decide_timeouts(&self.node_state().calls, &refs, now);
-        let ids: Vec<String> = events
-            .iter()
-            .filter_map(|e| match e {
-                Event::CallTimedOut { id } => Some(id.clone()),
-                _ => None,
-            })
-            .collect();
+        let ids = timed_out(&events);
         if self.node_append(events) {
             let queue = self.node.as_ref().expect("node").queue.clone();
             let _ = queue.delete(ids).now_or_never();

@@ -366,6 +366,17 @@ pub fn decide_cancel(calls: &Calls, id: &str) -> Result<Event, Option<CallStatus
 }
 
 /// Decides which running calls have passed their deadline at `now_ms`.
+/// The ids of the calls a list of events times out.
+pub fn timed_out(events: &[Event]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            Event::CallTimedOut { id } => Some(id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
 pub fn decide_timeouts(calls: &Calls, due_ids: &[&str], now_ms: u64) -> Vec<Event> {
     due_ids
         .iter()
