@@ -438,9 +438,14 @@ impl Queue for EmbeddedQueue {
                 }
                 written
             };
-            // On a multi-threaded runtime the write runs right here (the runtime moves
-            // this worker's other tasks away meanwhile): no hand-off to another thread. It runs
-            // to the end either way, so no message is left pending if the caller goes away.
+            // An unsynced write only hands bytes to the kernel, like every other write of this
+            // queue: it runs right here. A synced one waits for the disk, so on a multi-threaded
+            // runtime it runs here while the runtime moves this worker's other tasks away;
+            // elsewhere on the blocking pool. It runs to the end either way, so no message is
+            // left pending if the caller goes away.
+            if !synced {
+                return write();
+            }
             match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
                 Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
                     tokio::task::block_in_place(write)
