@@ -240,6 +240,9 @@ async fn start(
                     "the call was already running: it must not run twice and is now error"
                 }
                 "already_final" => "the call has already ended",
+                crate::calls::STALE_COPY => {
+                    "the call was handed out as another copy than the one recorded; it comes back to be handed out again"
+                }
                 _ => "no such call was queued",
             };
             (

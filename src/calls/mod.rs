@@ -167,7 +167,8 @@ pub struct Started {
     pub id: String,
     /// Whether the runner may run the call.
     pub started: bool,
-    /// Why not (`already_running`, `already_final`, `unknown_call`).
+    /// Why not (`already_running`, `already_final`, `unknown_call`, or `stale_copy`: the
+    /// runner was handed another copy than the log's, which comes back to be handed out again).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code: Option<String>,
     /// The call's state after the start.
@@ -231,12 +232,64 @@ pub struct Calls {
     forgot_at_ms: std::sync::atomic::AtomicU64,
     recovered_at_ms: std::sync::atomic::AtomicU64,
     /// Ids whose put failed (the caller got 500): never run if a queue delivers them anyway (a
-    /// Kafka produce that timed out may still land). Bounded, oldest forgotten first.
-    aborted: Mutex<(HashSet<String>, std::collections::VecDeque<String>)>,
+    /// Kafka produce that timed out may still land).
+    aborted: Mutex<IdSet>,
+    /// Calls handed out with their message's copy before the log recorded them, whose record
+    /// turned out to be another copy (the same id enqueued again with other contents): their
+    /// start is refused and the message comes back with the log's copy. Shared with the writer.
+    stale: Arc<Mutex<IdSet>>,
 }
 
 /// Most failed-put ids remembered.
 const MAX_ABORTED: usize = 100_000;
+
+/// Most stale handed-out copies remembered (each is forgotten at its start).
+const MAX_STALE: usize = 10_000;
+
+/// A set of ids bounded to `max`: beyond it, the oldest are forgotten first.
+#[derive(Debug)]
+struct IdSet {
+    ids: HashSet<String>,
+    order: std::collections::VecDeque<String>,
+    max: usize,
+}
+
+impl IdSet {
+    fn new(max: usize) -> Self {
+        Self {
+            ids: HashSet::new(),
+            order: std::collections::VecDeque::new(),
+            max,
+        }
+    }
+
+    fn insert(&mut self, id: &str) {
+        if self.ids.insert(id.to_owned()) {
+            self.order.push_back(id.to_owned());
+        }
+        while self.order.len() > self.max {
+            if let Some(old) = self.order.pop_front() {
+                self.ids.remove(&old);
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    fn contains(&self, id: &str) -> bool {
+        self.ids.contains(id)
+    }
+
+    fn remove(&mut self, id: &str) -> bool {
+        let had = self.ids.remove(id);
+        if had {
+            self.order.retain(|o| o != id);
+        }
+        had
+    }
+}
 
 impl std::fmt::Debug for Calls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -245,6 +298,9 @@ impl std::fmt::Debug for Calls {
             .finish()
     }
 }
+
+/// The start code of a call handed out with another copy than the one the log recorded.
+pub const STALE_COPY: &str = "stale_copy";
 
 fn reject_code(r: RejectReason) -> &'static str {
     match r {
@@ -273,7 +329,8 @@ impl Calls {
             owners_checked: std::sync::atomic::AtomicBool::new(false),
             forgot_at_ms: std::sync::atomic::AtomicU64::new(started_at_ms),
             recovered_at_ms: std::sync::atomic::AtomicU64::new(started_at_ms),
-            aborted: Mutex::new((HashSet::new(), std::collections::VecDeque::new())),
+            aborted: Mutex::new(IdSet::new(MAX_ABORTED)),
+            stale: Arc::new(Mutex::new(IdSet::new(MAX_STALE))),
         }
     }
 
@@ -465,14 +522,7 @@ impl Calls {
             }
             let mut aborted = self.aborted.lock().expect("aborted lock");
             for s in specs {
-                if aborted.0.insert(s.id.clone()) {
-                    aborted.1.push_back(s.id.clone());
-                }
-            }
-            while aborted.1.len() > MAX_ABORTED {
-                if let Some(old) = aborted.1.pop_front() {
-                    aborted.0.remove(&old);
-                }
+                aborted.insert(&s.id);
             }
             return Err(e.into());
         }
@@ -589,14 +639,12 @@ impl Calls {
         for m in messages {
             // An aborted put's message is dropped, unless the call was recorded after all (the
             // same id enqueued again, or a step decided again): then it is that call's.
-            if self.aborted.lock().expect("aborted lock").0.contains(&m.id) {
+            if self.aborted.lock().expect("aborted lock").contains(&m.id) {
                 if self.log.read(|s| s.calls.get(&m.id).is_none()) {
                     broken.push(m.id);
                     continue;
                 }
-                let mut aborted = self.aborted.lock().expect("aborted lock");
-                aborted.0.remove(&m.id);
-                aborted.1.retain(|id| id != &m.id);
+                self.aborted.lock().expect("aborted lock").remove(&m.id);
             }
             match rmp_serde::from_slice::<CallSpec>(&m.body) {
                 Ok(spec) if spec.id == m.id => specs.push((spec, m.deliveries)),
@@ -606,32 +654,21 @@ impl Calls {
                 }
             }
         }
-        // Calls the log lost (ebb stopped between put and record), or has not recorded yet (the
-        // enqueue is still under way), are recorded now; calls that already ended (a
-        // redelivery) are deleted instead of handed out.
-        let unknown: Vec<CallSpec> = self.log.read(|s| {
-            specs
-                .iter()
-                .filter(|(c, _)| s.calls.get(&c.id).is_none())
-                .map(|(c, _)| c.clone())
-                .collect()
-        });
-        if !unknown.is_empty() {
-            // Ordered in the log, not yet durable: the start that must come before any run is
-            // decided after it and acknowledged only once durable, which covers this too. A
-            // crash in between can only refuse that start, for a call never acknowledged.
-            self.log
-                .decide_ordered(move |s: &State, _| (queued_unknown(s, unknown), ()))
-                .await?;
-        }
+        // A known call is handed out as the log records it (a message put by a decision that
+        // lost a race to another with the same id carries the loser's copy); one that already
+        // ended (a redelivery) is deleted instead, and a running one is held again. A call the
+        // log does not know yet (its enqueue is still under way, or ebb stopped between put and
+        // record) is handed out as its message says.
         let grace = self.options.hold_grace_ms;
         let now = self.clock.now_ms();
-        let (jobs, done, running) = self.log.read(|s| {
+        let (jobs, unknown, recorded, done, running) = self.log.read(|s| {
             let mut jobs = Vec::new();
+            let mut unknown = Vec::new();
+            let mut recorded = Vec::new();
             let mut done = Vec::new();
             let mut running = Vec::new();
             for (spec, deliveries) in specs {
-                match s.calls.get(&spec.id) {
+                let spec = match s.calls.get(&spec.id) {
                     Some(c) if c.status.is_final() => {
                         done.push(spec.id);
                         continue;
@@ -647,11 +684,15 @@ impl Calls {
                         running.push((spec.id, until));
                         continue;
                     }
-                    _ => {}
-                }
-                // The log's record is the call (a message put by a decision that lost a race
-                // to another with the same id carries the loser's copy).
-                let spec = s.calls.get(&spec.id).map_or(spec, |c| c.spec.clone());
+                    Some(c) => {
+                        recorded.push(spec.id);
+                        c.spec.clone()
+                    }
+                    None => {
+                        unknown.push(spec.clone());
+                        spec
+                    }
+                };
                 let host = s
                     .routes
                     .by_name
@@ -670,8 +711,37 @@ impl Calls {
                     deliveries,
                 });
             }
-            (jobs, done, running)
+            (jobs, unknown, recorded, done, running)
         });
+        {
+            // Handed out as the log's copy now: an earlier delivery's stale mark is void.
+            let mut stale = self.stale.lock().expect("stale lock");
+            if !stale.is_empty() {
+                for id in &recorded {
+                    stale.remove(id);
+                }
+            }
+        }
+        if !unknown.is_empty() {
+            // Recorded before the answer leaves, without waiting for the writer: the start that
+            // must come before any run is decided after this and acknowledged only once durable,
+            // which covers this too. A crash in between can only refuse that start, for a call
+            // never acknowledged. Should the log have recorded another copy meanwhile, the start
+            // is refused as stale and the message comes back with the log's copy.
+            let stale = self.stale.clone();
+            self.log
+                .submit(move |s: &State, _| {
+                    let (events, stale_ids) = record_handed_out(s, unknown);
+                    if !stale_ids.is_empty() {
+                        let mut stale = stale.lock().expect("stale lock");
+                        for id in stale_ids {
+                            stale.insert(&id);
+                        }
+                    }
+                    events
+                })
+                .await?;
+        }
         if !running.is_empty() {
             self.queue.hold(running).await?;
         }
@@ -715,32 +785,55 @@ impl Calls {
                 })
                 .collect()
         });
+        let held: HashSet<String> = holds.iter().map(|(id, _)| id.clone()).collect();
         if !holds.is_empty() {
             self.queue.hold(holds).await?;
         }
         let runner_owned = runner.to_owned();
+        let stale = self.stale.clone();
         let (verdicts, _) = self
             .log
             .decide(move |s: &State, now| {
                 let mut events = Vec::with_capacity(ids.len());
                 let mut verdicts = Vec::with_capacity(ids.len());
+                let mut stale = stale.lock().expect("stale lock");
                 for id in ids {
+                    if stale.remove(&id) {
+                        // The runner holds another copy than the log's: it must not run it.
+                        verdicts.push((id, None, None));
+                        continue;
+                    }
                     let (event, verdict) = decide_start(&s.calls, &id, &runner_owned, now);
                     let deadline = match &event {
                         Event::CallStarted { deadline_at_ms, .. } => Some(*deadline_at_ms),
                         _ => None,
                     };
                     events.push(event);
-                    verdicts.push((id, verdict, deadline));
+                    verdicts.push((id, Some(verdict), deadline));
                 }
                 (events, verdicts)
             })
             .await?;
-        let refused: Vec<String> = verdicts
-            .iter()
-            .filter(|(_, v, _)| *v != StartVerdict::Accepted)
-            .map(|(id, _, _)| id.clone())
-            .collect();
+        let grace = self.options.hold_grace_ms;
+        let (mut late_holds, mut refused, mut back) = (Vec::new(), Vec::new(), Vec::new());
+        for (id, verdict, deadline) in &verdicts {
+            match verdict {
+                // Accepted while the log did not know the call yet at the hold above.
+                Some(StartVerdict::Accepted) => {
+                    if !held.contains(id.as_str()) {
+                        let until = deadline.unwrap_or(now).saturating_add(grace);
+                        late_holds.push((id.clone(), until));
+                    }
+                }
+                Some(StartVerdict::Refused(_)) => refused.push(id.clone()),
+                // Back on the queue now, to be handed out with the log's copy.
+                None => back.push((id.clone(), self.clock.now_ms())),
+            }
+        }
+        late_holds.extend(back);
+        if !late_holds.is_empty() {
+            self.queue.hold(late_holds).await?;
+        }
         if !refused.is_empty()
             && let Err(e) = self.queue.delete(refused).await
         {
@@ -752,21 +845,25 @@ impl Calls {
                 .into_iter()
                 .map(|(id, verdict, deadline)| {
                     let state = s.calls.get(&id).map_or(CallStatus::Error, |c| c.status);
-                    match verdict {
-                        StartVerdict::Accepted => Started {
-                            id,
-                            started: true,
-                            code: None,
-                            state,
-                            deadline_at_ms: deadline,
-                        },
-                        StartVerdict::Refused(r) => Started {
-                            id,
-                            started: false,
-                            code: Some(reject_code(r).to_owned()),
-                            state,
-                            deadline_at_ms: None,
-                        },
+                    let code = match verdict {
+                        Some(StartVerdict::Accepted) => {
+                            return Started {
+                                id,
+                                started: true,
+                                code: None,
+                                state,
+                                deadline_at_ms: deadline,
+                            };
+                        }
+                        Some(StartVerdict::Refused(r)) => reject_code(r),
+                        None => STALE_COPY,
+                    };
+                    Started {
+                        id,
+                        started: false,
+                        code: Some(code.to_owned()),
+                        state,
+                        deadline_at_ms: None,
                     }
                 })
                 .collect()
@@ -962,6 +1059,21 @@ pub fn message_of(spec: &CallSpec) -> Message {
 }
 
 /// `CallQueued` for the calls the log does not know yet.
+/// Records calls handed out as their messages say: `CallQueued` for those the log still does not
+/// know; also returns the ids it recorded meanwhile as another copy (stale handed-out copies).
+fn record_handed_out(s: &State, specs: Vec<CallSpec>) -> (Vec<Event>, Vec<String>) {
+    let mut events = Vec::new();
+    let mut stale = Vec::new();
+    for spec in specs {
+        match s.calls.get(&spec.id) {
+            None => events.push(Event::CallQueued { call: spec }),
+            Some(c) if c.spec != spec => stale.push(spec.id),
+            Some(_) => {}
+        }
+    }
+    (events, stale)
+}
+
 fn queued_unknown(s: &State, specs: Vec<CallSpec>) -> Vec<Event> {
     specs
         .into_iter()
@@ -1022,5 +1134,120 @@ pub async fn run_expiry(
             }
             _ = stop.changed() => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::SimClock;
+    use crate::event::{CallKind, Payload};
+    use crate::log::MemStore;
+    use crate::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
+
+    fn spec(id: &str, body: &str) -> CallSpec {
+        CallSpec {
+            id: id.into(),
+            target: "t".into(),
+            kind: CallKind::Async,
+            timeout_ms: 1_000,
+            partition: None,
+            payload: Payload {
+                body: body.as_bytes().to_vec().into(),
+                ..Payload::default()
+            },
+        }
+    }
+
+    #[test]
+    fn a_handed_out_copy_is_recorded_if_unknown_and_stale_if_another_was_recorded() {
+        let mut state = State::default();
+        let id = |n: u128| uuid::Uuid::from_u128(n).to_string();
+        let env = crate::event::Envelope {
+            seq: 1,
+            at_ms: 0,
+            version: crate::event::SCHEMA_VERSION,
+            event: Event::CallQueued {
+                call: spec(&id(2), "recorded"),
+            },
+        };
+        crate::log::replay::Projection::apply(&mut state, &env);
+        let same = crate::event::Envelope {
+            seq: 2,
+            event: Event::CallQueued {
+                call: spec(&id(3), "same"),
+            },
+            ..env
+        };
+        crate::log::replay::Projection::apply(&mut state, &same);
+        let (events, stale) = record_handed_out(
+            &state,
+            vec![
+                spec(&id(1), "new"),
+                spec(&id(2), "other"),
+                spec(&id(3), "same"),
+            ],
+        );
+        assert_eq!(
+            events,
+            vec![Event::CallQueued {
+                call: spec(&id(1), "new")
+            }]
+        );
+        assert_eq!(stale, vec![id(2)]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stale_copy_is_not_started_and_comes_back_as_the_logs_copy() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = SimClock::new(1_000);
+        let log = Arc::new(
+            Log::open(
+                Arc::new(MemStore::new()),
+                crate::log::Options::default(),
+                Arc::new(clock.clone()),
+                &mut |_| {},
+            )
+            .unwrap(),
+        );
+        let queue = Arc::new(
+            EmbeddedQueue::open(
+                dir.path(),
+                Arc::new(clock.clone()),
+                EmbeddedOptions::default(),
+            )
+            .unwrap(),
+        );
+        let calls = Calls::new(
+            log.clone(),
+            queue.clone(),
+            Arc::new(clock),
+            CallOptions::default(),
+        );
+        let id = uuid::Uuid::now_v7().to_string();
+        // A message the log does not know: handed out as it is, and recorded so.
+        queue.put(vec![message_of(&spec(&id, "a"))]).await.unwrap();
+        let jobs = calls.dequeue("r", 10, 0).await.unwrap();
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(jobs[0].call.payload.body.as_ref(), b"a");
+        // Had the log recorded another copy in between, the writer marks the copy stale (see
+        // the test above); its start is refused without an event and the message comes back.
+        calls.stale.lock().unwrap().insert(&id);
+        // A decision decided after the dequeue: the record it submitted is in by then.
+        log.decide(|_: &State, _| (Vec::new(), ())).await.unwrap();
+        assert_eq!(
+            log.read(|s| s.calls.get(&id).map(|c| c.spec.payload.body.to_vec())),
+            Some(b"a".to_vec())
+        );
+        let seq = log.applied_seq();
+        let started = calls.start("r", vec![id.clone()]).await.unwrap();
+        assert!(!started[0].started);
+        assert_eq!(started[0].code.as_deref(), Some(STALE_COPY));
+        assert_eq!(started[0].state, CallStatus::Queued);
+        assert_eq!(log.applied_seq(), seq, "a stale start records nothing");
+        let again = calls.dequeue("r", 10, 1_000).await.unwrap();
+        assert_eq!(again.len(), 1, "the message comes back at once");
+        let started = calls.start("r", vec![id.clone()]).await.unwrap();
+        assert!(started[0].started, "{started:?}");
     }
 }

@@ -199,19 +199,21 @@ impl<P: Projection> Log<P> {
         Ok((answer, committed))
     }
 
-    /// Like [`Log::decide`], but returns the answer as soon as the decision has run and its events
-    /// are applied, in order, without waiting for them to be durable. For what may act on an
-    /// event's place in the log but not on its durability: anything decided after it comes after
-    /// it in the log, and its own acknowledgement covers it.
-    pub async fn decide_ordered<R, F>(&self, decide: F) -> Result<R>
+    /// Hands a decision to the writer and returns as soon as it is in line, without waiting for
+    /// it to run or for its events to be durable. Anything decided after this returns runs after
+    /// it and sees its events; its effects are durable once a later acknowledgement is. For what
+    /// must come before a later decision in the log but needs no answer of its own. A decision
+    /// that fails to write is lost, and so is every later one (the writer is fail-stop).
+    pub async fn submit<F>(&self, decide: F) -> Result<()>
     where
-        R: Send + 'static,
-        F: FnOnce(&P, u64) -> (Vec<Event>, R) + Send + 'static,
+        F: FnOnce(&P, u64) -> Vec<Event> + Send + 'static,
     {
-        let (decide, answer_rx) = boxed(decide);
         let (ack, _durable) = oneshot::channel();
-        self.request(Request::Decide { decide, ack }).await?;
-        answer_rx.await.map_err(|_| Error::Closed)
+        self.request(Request::Decide {
+            decide: Box::new(decide),
+            ack,
+        })
+        .await
     }
 
     /// Takes a snapshot of the projection now; returns the seq it covers.
@@ -602,6 +604,37 @@ mod tests {
             seqs.extend(batch.iter().map(|e| e.seq));
         }
         assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
+    }
+
+    #[tokio::test]
+    async fn a_submitted_decision_runs_before_any_decided_after_it() {
+        let clock = SimClock::new(0);
+        let store = Arc::new(MemStore::new());
+        let log = open(store.clone(), &clock);
+        let call = CallSpec {
+            id: "c".into(),
+            target: "t".into(),
+            kind: CallKind::Async,
+            timeout_ms: 1_000,
+            partition: None,
+            payload: Payload::default(),
+        };
+        // Submitted, not awaited: the start decided next still finds the call queued, and its
+        // acknowledgement covers both.
+        log.submit(move |_: &State, _| vec![Event::CallQueued { call }])
+            .await
+            .unwrap();
+        let (verdict, committed) = log
+            .decide(|s: &State, now| {
+                let (ev, v) = decide_start(&s.calls, "c", "r", now);
+                (vec![ev], v)
+            })
+            .await
+            .unwrap();
+        assert_eq!(verdict, StartVerdict::Accepted);
+        assert_eq!((committed.first_seq, committed.last_seq), (2, 2));
+        log.close();
+        assert_eq!(store.last_seq().unwrap(), 2);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
