@@ -317,8 +317,14 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
 }
 
 /// Stops the runners and the API, so the phase's log and queue close (their RocksDB background
-/// work would otherwise go on under the next phase).
+/// work would otherwise go on under the next phase), removes the phase's files, and syncs the
+/// file system, so the next phase does not measure this one's writeback.
 async fn teardown(s: Setup) {
+    teardown_services(s).await;
+    let _ = tokio::task::spawn_blocking(nix::unistd::sync).await;
+}
+
+async fn teardown_services(s: Setup) {
     let _ = s.stop.send(true);
     for r in s.runners {
         let _ = tokio::time::timeout(Duration::from_secs(10), r).await;
