@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Durable calls benchmark: `ebb bench calls` with the embedded queue and, against a tansu broker
-# started here on loopback, the Kafka queue. Usage: benches/calls.sh [SECONDS]
+# started here on loopback, the Kafka queue; then the embedded queue's latency at 10,000 calls/s.
+# Usage: benches/calls.sh [SECONDS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -15,3 +16,5 @@ broker=$!
 trap 'kill $broker 2>/dev/null || true; wait 2>/dev/null || true' EXIT
 for _ in $(seq 1 200); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.05; done
 "$ebb" bench calls --seconds "${1:-5}" --kafka "127.0.0.1:$port"
+# Latency at half the 20,000 calls/s target, five rounds.
+"$ebb" bench calls --seconds "${1:-5}" --rate 10000 --rounds 5

@@ -14,7 +14,7 @@ use axum::extract::{Path, Query, State as Extract};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use super::{ApiError, AppState, authorize_token};
@@ -158,12 +158,36 @@ async fn enqueue(
         EnqueueBody::One(c) => (false, vec![c]),
     };
     let ids = calls.enqueue(items).await?;
-    let answer = if batch {
-        json!({ "ids": ids, "state": "queued" })
+    let state = CallStatus::Queued;
+    Ok(if batch {
+        Json(IdsAnswer { ids: &ids, state }).into_response()
     } else {
-        json!({ "id": ids[0], "state": "queued" })
-    };
-    Ok((StatusCode::OK, Json(answer)).into_response())
+        Json(IdAnswer { id: &ids[0], state }).into_response()
+    })
+}
+
+// The answers of the hot paths, serialized straight from borrowed values.
+
+#[derive(Serialize)]
+struct IdsAnswer<'a> {
+    ids: &'a [String],
+    state: CallStatus,
+}
+
+#[derive(Serialize)]
+struct IdAnswer<'a> {
+    id: &'a str,
+    state: CallStatus,
+}
+
+#[derive(Serialize)]
+struct JobsAnswer<'a> {
+    calls: &'a [JobJson],
+}
+
+#[derive(Serialize)]
+struct ResultsAnswer<'a, T> {
+    results: &'a [T],
 }
 
 #[derive(Deserialize)]
@@ -192,7 +216,7 @@ async fn dequeue(
         StatusCode::NO_CONTENT.into_response()
     } else {
         let jobs: Vec<JobJson> = jobs.iter().map(JobJson::of).collect();
-        Json(json!({ "calls": jobs })).into_response()
+        Json(JobsAnswer { calls: &jobs }).into_response()
     };
     Ok(with_load(calls, runner, &headers, resp))
 }
@@ -228,11 +252,11 @@ async fn start(
     };
     let results = calls.start(runner, ids).await?;
     let resp = if batch {
-        Json(json!({ "results": results })).into_response()
+        Json(ResultsAnswer { results: &results }).into_response()
     } else {
         let r = &results[0];
         if r.started {
-            Json(json!(r)).into_response()
+            Json(r).into_response()
         } else {
             let code = r.code.clone().unwrap_or_default();
             let message = match code.as_str() {
@@ -286,14 +310,14 @@ async fn finish(
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e))?;
     let states = calls.finish(&runner, finishes).await?;
-    let results: Vec<Value> = states
+    let results: Vec<IdAnswer> = states
         .iter()
-        .map(|(id, state)| json!({ "id": id, "state": state }))
+        .map(|(id, state)| IdAnswer { id, state: *state })
         .collect();
     let resp = if batch {
-        Json(json!({ "results": results })).into_response()
+        Json(ResultsAnswer { results: &results }).into_response()
     } else {
-        Json(results[0].clone()).into_response()
+        Json(&results[0]).into_response()
     };
     Ok(with_load(calls, &runner, &headers, resp))
 }
