@@ -14,6 +14,8 @@ struct Inner {
     snapshots: BTreeMap<u64, Vec<u8>>,
     /// Records with seq <= this survive a crash.
     synced_through: u64,
+    /// Syncs so far.
+    syncs: u64,
 }
 
 /// An in-memory store for the simulator and unit tests.
@@ -35,6 +37,11 @@ impl MemStore {
         g.records.retain(|&seq, _| seq <= keep);
     }
 
+    /// How many times the store was synced (on its own or with a write).
+    pub fn syncs(&self) -> u64 {
+        self.lock().syncs
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().expect("mem store lock")
     }
@@ -48,6 +55,7 @@ impl LogStore for MemStore {
         }
         if sync {
             g.synced_through = g.records.last_key_value().map_or(0, |(k, _)| *k);
+            g.syncs += 1;
         }
         Ok(())
     }
@@ -55,6 +63,7 @@ impl LogStore for MemStore {
     fn sync(&self) -> Result<()> {
         let mut g = self.lock();
         g.synced_through = g.records.last_key_value().map_or(0, |(k, _)| *k);
+        g.syncs += 1;
         Ok(())
     }
 

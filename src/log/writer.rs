@@ -7,6 +7,8 @@
 //! written since its previous sync, and only then acknowledges each request with the seqs it got.
 //! While one sync runs, the next batch forms and is written, so a sync covers every appender that
 //! was waiting, however many there are, and no appender waits for a sync that started before it.
+//! A batch of submitted decisions (nobody waits for them) is always left to the syncer; a batch
+//! that wrote nothing since the last completed sync is acknowledged without another.
 //!
 //! A decision is a closure run on the writer thread against the projection as it is at that point
 //! in the log, so two decisions never see the same state: that is what makes "start a queued call"
@@ -80,9 +82,21 @@ type Decision<P> = Box<dyn FnOnce(&P, u64) -> Vec<Event> + Send>;
 type Ack = oneshot::Sender<Result<Committed>>;
 
 enum Request<P> {
-    Append { events: Vec<Event>, ack: Ack },
-    Decide { decide: Decision<P>, ack: Ack },
-    Snapshot { ack: oneshot::Sender<Result<u64>> },
+    Append {
+        events: Vec<Event>,
+        ack: Ack,
+    },
+    Decide {
+        decide: Decision<P>,
+        ack: Ack,
+    },
+    /// A decision nobody waits for: its batch is synced by the syncer or with a later one.
+    Submit {
+        decide: Decision<P>,
+    },
+    Snapshot {
+        ack: oneshot::Sender<Result<u64>>,
+    },
 }
 
 /// A decision for the writer, and where its answer arrives (once it ran).
@@ -208,10 +222,8 @@ impl<P: Projection> Log<P> {
     where
         F: FnOnce(&P, u64) -> Vec<Event> + Send + 'static,
     {
-        let (ack, _durable) = oneshot::channel();
-        self.request(Request::Decide {
+        self.request(Request::Submit {
             decide: Box::new(decide),
-            ack,
         })
         .await
     }
@@ -305,6 +317,8 @@ impl Failure {
 struct Unsynced {
     acks: Vec<(Ack, Committed)>,
     tail: Vec<Envelope>,
+    /// The log's last seq once this was written.
+    up_to: u64,
 }
 
 /// Batches written and waiting for the syncer at most; beyond it the writer waits.
@@ -323,6 +337,7 @@ impl<P: Projection> Request<P> {
             Request::Append { ack, .. } | Request::Decide { ack, .. } => {
                 let _ = ack.send(Err(err()));
             }
+            Request::Submit { .. } => {}
             Request::Snapshot { ack } => {
                 let _ = ack.send(Err(err()));
             }
@@ -350,17 +365,24 @@ fn run_syncer(
     tail: broadcast::Sender<Arc<[Envelope]>>,
     failed: Failure,
     in_flight: Arc<AtomicUsize>,
+    synced_seq: Arc<AtomicU64>,
 ) {
     while let Ok(first) = rx.recv() {
         let mut group = vec![first];
         group.extend(rx.try_iter());
         let n = group.len();
+        let up_to = group.iter().map(|u| u.up_to).max().unwrap_or(0);
         let synced = match failed.get() {
             Some(why) => Err(why),
+            // An earlier sync covered it all (a group that wrote nothing new).
+            None if synced_seq.load(Ordering::Acquire) >= up_to => Ok(()),
             None => store.sync().map_err(|e| e.to_string()),
         };
         match synced {
-            Ok(()) => publish(group, &tail),
+            Ok(()) => {
+                synced_seq.fetch_max(up_to, Ordering::AcqRel);
+                publish(group, &tail)
+            }
             Err(why) => {
                 failed.set(why.clone());
                 for u in group {
@@ -380,13 +402,16 @@ impl<P: Projection> Writer<P> {
         let (sync_tx, sync_rx) = std::sync::mpsc::sync_channel(SYNC_QUEUE_MAX_BATCHES);
         // Groups handed to the syncer and not yet acknowledged.
         let in_flight = Arc::new(AtomicUsize::new(0));
+        // The last seq a completed sync covers (0 until the first: what the log held at open
+        // counts as unsynced).
+        let synced_seq = Arc::new(AtomicU64::new(0));
         let syncer = syncing.then(|| {
             let (store, tail, failed) =
                 (self.store.clone(), self.tail.clone(), self.failed.clone());
-            let in_flight = in_flight.clone();
+            let (in_flight, synced_seq) = (in_flight.clone(), synced_seq.clone());
             std::thread::Builder::new()
                 .name("ebb-log-syncer".into())
-                .spawn(move || run_syncer(sync_rx, store, tail, failed, in_flight))
+                .spawn(move || run_syncer(sync_rx, store, tail, failed, in_flight, synced_seq))
                 .expect("starting the log syncer thread")
         });
         let mut batch = RecordBatch::default();
@@ -416,13 +441,15 @@ impl<P: Projection> Writer<P> {
             let mut unsynced = Unsynced {
                 acks: Vec::with_capacity(requests.len()),
                 tail: Vec::new(),
+                up_to: 0,
             };
             {
                 let mut state = self.state.write().expect("projection lock poisoned");
                 for r in requests.drain(..) {
                     let (events, ack) = match r {
-                        Request::Append { events, ack } => (events, ack),
-                        Request::Decide { decide, ack } => (decide(&state, at_ms), ack),
+                        Request::Append { events, ack } => (events, Some(ack)),
+                        Request::Decide { decide, ack } => (decide(&state, at_ms), Some(ack)),
+                        Request::Submit { decide } => (decide(&state, at_ms), None),
                         Request::Snapshot { ack } => {
                             snapshot_acks.push(ack);
                             continue;
@@ -445,17 +472,21 @@ impl<P: Projection> Writer<P> {
                             unsynced.tail.push(env);
                         }
                     }
-                    unsynced.acks.push((
-                        ack,
-                        Committed {
-                            first_seq,
-                            last_seq: self.seq,
-                        },
-                    ));
+                    if let Some(ack) = ack {
+                        unsynced.acks.push((
+                            ack,
+                            Committed {
+                                first_seq,
+                                last_seq: self.seq,
+                            },
+                        ));
+                    }
                 }
             }
+            unsynced.up_to = self.seq;
             self.applied.store(self.seq, Ordering::Release);
             // Written without a sync: the syncer makes it durable while the next batch forms.
+            let written_nothing = batch.is_empty();
             let written = if batch.is_empty() {
                 Ok(())
             } else {
@@ -470,11 +501,25 @@ impl<P: Projection> Writer<P> {
                 }
                 continue;
             }
-            if syncing && in_flight.load(Ordering::Acquire) == 0 && self.rx.is_empty() {
-                // Nothing to overlap the sync with: sync here and save a thread hop. Every earlier
-                // group is acknowledged already, so acknowledgements stay in log order.
+            let idle_syncer = in_flight.load(Ordering::Acquire) == 0;
+            if !syncing {
+                publish(vec![unsynced], &self.tail);
+            } else if unsynced.acks.is_empty() && unsynced.tail.is_empty() && written_nothing {
+                // Submitted decisions that decided nothing: nothing to make durable or publish.
+            } else if idle_syncer && synced_seq.load(Ordering::Acquire) >= self.seq {
+                // Nothing written since the last sync, which every earlier group's
+                // acknowledgement has already waited for: acknowledge at once, in log order.
+                publish(vec![unsynced], &self.tail);
+            } else if idle_syncer && self.rx.is_empty() && !unsynced.acks.is_empty() {
+                // Somebody waits and there is nothing to overlap the sync with: sync here and
+                // save a thread hop. Every earlier group is acknowledged already, so
+                // acknowledgements stay in log order. (A batch nobody waits for goes to the
+                // syncer instead, so the writer is free for the decision likely to follow.)
                 match self.store.sync() {
-                    Ok(()) => publish(vec![unsynced], &self.tail),
+                    Ok(()) => {
+                        synced_seq.fetch_max(self.seq, Ordering::AcqRel);
+                        publish(vec![unsynced], &self.tail)
+                    }
                     Err(e) => {
                         let why = e.to_string();
                         self.failed.set(why.clone());
@@ -483,7 +528,7 @@ impl<P: Projection> Writer<P> {
                         }
                     }
                 }
-            } else if syncing {
+            } else {
                 in_flight.fetch_add(1, Ordering::AcqRel);
                 // Blocks when the syncer is SYNC_QUEUE_MAX_BATCHES behind: backpressure.
                 if let Err(unsent) = sync_tx.send(unsynced) {
@@ -491,8 +536,6 @@ impl<P: Projection> Writer<P> {
                         let _ = ack.send(Err(Error::Closed));
                     }
                 }
-            } else {
-                publish(vec![unsynced], &self.tail);
             }
             let every = self.options.snapshot_every_events;
             let due = every > 0 && self.seq - self.last_snapshot_seq >= every;
@@ -635,6 +678,41 @@ mod tests {
         assert_eq!((committed.first_seq, committed.last_seq), (2, 2));
         log.close();
         assert_eq!(store.last_seq().unwrap(), 2);
+    }
+
+    #[tokio::test]
+    async fn only_what_is_written_since_the_last_sync_costs_a_sync() {
+        let clock = SimClock::new(0);
+        let store = Arc::new(MemStore::new());
+        let log = open(store.clone(), &clock);
+        log.append(seen("a", 1)).await.unwrap();
+        let after_first = store.syncs();
+        assert!(after_first >= 1);
+        // A decision that writes nothing, after everything was synced: acknowledged at once.
+        log.decide(|_: &State, _| (Vec::new(), ())).await.unwrap();
+        assert_eq!(store.syncs(), after_first);
+        // After a submitted decision, one that writes nothing still waits for that one's sync.
+        log.submit(|_: &State, _| vec![seen("a", 2)]).await.unwrap();
+        log.decide(|_: &State, _| (Vec::new(), ())).await.unwrap();
+        store.crash();
+        assert_eq!(
+            store.last_seq().unwrap(),
+            2,
+            "the submitted event was durable"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_submitted_decision_reaches_the_live_tail_with_nothing_after_it() {
+        let clock = SimClock::new(0);
+        let log = open(Arc::new(MemStore::new()), &clock);
+        let mut tail = log.subscribe();
+        log.submit(|_: &State, _| vec![seen("a", 1)]).await.unwrap();
+        let batch = tokio::time::timeout(std::time::Duration::from_secs(10), tail.recv())
+            .await
+            .expect("published within the deadline")
+            .unwrap();
+        assert_eq!(batch.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![1]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
