@@ -117,6 +117,21 @@ pub struct CallSpec {
     pub payload: Payload,
 }
 
+#[cfg(test)]
+impl CallSpec {
+    /// An async call of target `t` with an empty payload, for unit tests.
+    pub(crate) fn for_test(id: &str) -> Self {
+        Self {
+            id: id.into(),
+            target: "t".into(),
+            kind: CallKind::Async,
+            timeout_ms: 1_000,
+            partition: None,
+            payload: Payload::default(),
+        }
+    }
+}
+
 /// The answer a call's target gave.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct CallResult {

@@ -1141,22 +1141,13 @@ pub async fn run_expiry(
 mod tests {
     use super::*;
     use crate::clock::SimClock;
-    use crate::event::{CallKind, Payload};
     use crate::log::MemStore;
     use crate::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
 
     fn spec(id: &str, body: &str) -> CallSpec {
-        CallSpec {
-            id: id.into(),
-            target: "t".into(),
-            kind: CallKind::Async,
-            timeout_ms: 1_000,
-            partition: None,
-            payload: Payload {
-                body: body.as_bytes().to_vec().into(),
-                ..Payload::default()
-            },
-        }
+        let mut spec = CallSpec::for_test(id);
+        spec.payload.body = body.as_bytes().to_vec().into();
+        spec
     }
 
     #[test]

@@ -579,7 +579,7 @@ mod tests {
 
     use super::*;
     use crate::clock::SimClock;
-    use crate::event::{CallKind, CallSpec, Payload};
+    use crate::event::CallSpec;
     use crate::log::MemStore;
     use crate::state::StartVerdict;
     use crate::state::calls::decide_start;
@@ -590,6 +590,10 @@ mod tests {
             count: n,
             last_at_ms: n,
         }
+    }
+
+    fn call(id: &str) -> CallSpec {
+        CallSpec::for_test(id)
     }
 
     fn open(store: Arc<dyn LogStore>, clock: &SimClock) -> Log {
@@ -654,14 +658,7 @@ mod tests {
         let clock = SimClock::new(0);
         let store = Arc::new(MemStore::new());
         let log = open(store.clone(), &clock);
-        let call = CallSpec {
-            id: "c".into(),
-            target: "t".into(),
-            kind: CallKind::Async,
-            timeout_ms: 1_000,
-            partition: None,
-            payload: Payload::default(),
-        };
+        let call = call("c");
         // Submitted, not awaited: the start decided next still finds the call queued, and its
         // acknowledgement covers both.
         log.submit(move |_: &State, _| vec![Event::CallQueued { call }])
@@ -719,18 +716,9 @@ mod tests {
     async fn concurrent_starts_of_one_call_accept_exactly_one() {
         let clock = SimClock::new(0);
         let log = Arc::new(open(Arc::new(MemStore::new()), &clock));
-        log.append(Event::CallQueued {
-            call: CallSpec {
-                id: "c".into(),
-                target: "t".into(),
-                kind: CallKind::Async,
-                timeout_ms: 1_000,
-                partition: None,
-                payload: Payload::default(),
-            },
-        })
-        .await
-        .unwrap();
+        log.append(Event::CallQueued { call: call("c") })
+            .await
+            .unwrap();
         let mut tasks = Vec::new();
         for r in 0..64 {
             let log = log.clone();
