@@ -376,6 +376,9 @@ pub enum Event {
     /// A template's cron schedule fired for the occurrence at `scheduled_at_ms` (once per
     /// occurrence: a restart never fires it again).
     TemplateFired { name: String, scheduled_at_ms: u64 },
+    /// Instances that ended before this time leave the projection (their events stay in the
+    /// log): the instance retention, decided with the call retention.
+    InstancesForgotten { finished_before_ms: u64 },
     /// A function's call counter grew by `by`, capped at `cap` (aggregated, not one per call).
     CounterAdded { function: String, by: u64, cap: u64 },
     /// A function's call counter decayed by `by` (saturating at zero).
@@ -440,6 +443,7 @@ impl Event {
             Event::TemplateUpserted { .. } => "TemplateUpserted",
             Event::TemplateDeleted { .. } => "TemplateDeleted",
             Event::TemplateFired { .. } => "TemplateFired",
+            Event::InstancesForgotten { .. } => "InstancesForgotten",
             Event::InstanceCreated { .. } => "InstanceCreated",
             Event::InstanceStepped { .. } => "InstanceStepped",
             Event::InstanceFinished { .. } => "InstanceFinished",
@@ -469,6 +473,7 @@ impl Event {
             | Event::CallTimedOut { id }
             | Event::CallCancelled { id } => (Kind::Call, id),
             Event::CallsForgotten { .. } => (Kind::Call, ""),
+            Event::InstancesForgotten { .. } => (Kind::Instance, ""),
             Event::TemplateUpserted { template } => (Kind::Template, &template.name),
             Event::TemplateDeleted { name } | Event::TemplateFired { name, .. } => {
                 (Kind::Template, name)
@@ -721,6 +726,9 @@ pub fn examples() -> Vec<Event> {
         Event::TemplateFired {
             name: "resize".into(),
             scheduled_at_ms: 1_767_225_300_000,
+        },
+        Event::InstancesForgotten {
+            finished_before_ms: 1_767_225_000_000,
         },
     ]
 }

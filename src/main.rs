@@ -92,7 +92,8 @@ enum Command {
         /// The most calls the queue holds.
         #[arg(long, default_value_t = 1_000_000)]
         max_queued: usize,
-        /// How long an ended call stays readable through the API, in ms (its events stay in the log).
+        /// How long an ended call or function instance stays readable through the API, in ms (its
+        /// events stay in the log).
         #[arg(long, default_value_t = 3_600_000)]
         call_retention_ms: u64,
         /// The function autoscaler's period, in ms.

@@ -477,6 +477,40 @@ fn functions_of(v: &Value) -> Vec<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ended_instances_leave_the_api_after_the_retention_but_stay_in_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start_with(
+        &dir.path().join("data"),
+        Some(TOKEN),
+        &["--call-retention-ms", "300"],
+    );
+    chain(&ebb).await;
+    let id = invoke(&ebb, "classify", "hi").await;
+    assert_eq!(ended(&ebb, &id).await["result"], "HI!");
+    let path = format!("/api/funcs/{id}");
+    poll(
+        "the instance being forgotten",
+        Duration::from_millis(20),
+        Duration::from_secs(60),
+        || async { (api(&ebb, "GET", &path, Value::Null).await.0 == 404).then_some(()) },
+    )
+    .await;
+    let events = common::events(&ebb.data);
+    let of = |kind: &str| {
+        events
+            .iter()
+            .filter(|e| e["event"].get(kind).is_some())
+            .count()
+    };
+    assert_eq!(
+        of("InstanceFinished"),
+        1,
+        "the instance's events stay in the log"
+    );
+    assert!(of("InstancesForgotten") >= 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_of_three_functions_takes_the_branch_its_answer_names() {
     let dir = tempfile::tempdir().unwrap();
     let ebb = start(&dir.path().join("data"), Some(TOKEN));

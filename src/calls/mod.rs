@@ -1015,7 +1015,8 @@ impl Calls {
             tracing::info!(%runner, "runner not heard from; its reserved calls go to others");
             self.queue.release(&runner).await?;
         }
-        // The retention: ended calls older than it leave the projection.
+        // The retention: ended calls and instances older than it leave the projection (a
+        // running instance's current step call stays, for the instance to read).
         let last = self.forgot_at_ms.load(std::sync::atomic::Ordering::Relaxed);
         if now.saturating_sub(last) >= self.options.forget_every_ms {
             self.forgot_at_ms
@@ -1024,13 +1025,19 @@ impl Calls {
             self.log
                 .decide(move |s: &State, now| {
                     let before = now.saturating_sub(retention);
-                    let events = if s.calls.any_finished_before(before) {
-                        vec![Event::CallsForgotten {
+                    let mut events = Vec::new();
+                    if s.calls
+                        .any_finished_before(before, &s.functions.current_step_calls())
+                    {
+                        events.push(Event::CallsForgotten {
                             finished_before_ms: before,
-                        }]
-                    } else {
-                        Vec::new()
-                    };
+                        });
+                    }
+                    if s.functions.any_finished_before(before) {
+                        events.push(Event::InstancesForgotten {
+                            finished_before_ms: before,
+                        });
+                    }
                     (events, ())
                 })
                 .await?;

@@ -12,7 +12,7 @@
 //! leads back to `queued`. The decisions (`decide_*`) and the projection (`apply`) step the same
 //! machine, so replaying the log reproduces exactly what was decided.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -118,7 +118,7 @@ pub struct Calls {
     pub by_id: BTreeMap<String, Call>,
     /// Ids of the calls still queued (an index of `by_id`).
     #[serde(default)]
-    pub queued: std::collections::BTreeSet<String>,
+    pub queued: BTreeSet<String>,
 }
 
 /// What applying a call event did to the schedule.
@@ -128,24 +128,29 @@ pub(crate) enum Timer {
     Keep,
 }
 
+/// Whether `c` reached a final state before `before_ms`.
+fn ended_before(c: &Call, before_ms: u64) -> bool {
+    c.status.is_final() && c.finished_at_ms.is_some_and(|f| f < before_ms)
+}
+
 impl Calls {
     /// A call by id.
     pub fn get(&self, id: &str) -> Option<&Call> {
         self.by_id.get(id)
     }
 
-    /// Drops calls that ended before `finished_before_ms`.
-    pub(crate) fn forget(&mut self, finished_before_ms: u64) {
-        self.by_id.retain(|_, c| {
-            !(c.status.is_final() && c.finished_at_ms.is_some_and(|f| f < finished_before_ms))
-        });
+    /// Drops calls that ended before `finished_before_ms`, except those in `keep` (the current
+    /// step of a running instance, which the instance still has to read).
+    pub(crate) fn forget(&mut self, finished_before_ms: u64, keep: &BTreeSet<&str>) {
+        self.by_id
+            .retain(|id, c| !ended_before(c, finished_before_ms) || keep.contains(id.as_str()));
     }
 
-    /// Whether any call ended before `finished_before_ms`.
-    pub fn any_finished_before(&self, finished_before_ms: u64) -> bool {
-        self.by_id.values().any(|c| {
-            c.status.is_final() && c.finished_at_ms.is_some_and(|f| f < finished_before_ms)
-        })
+    /// Whether any call but those in `keep` ended before `finished_before_ms`.
+    pub fn any_finished_before(&self, finished_before_ms: u64, keep: &BTreeSet<&str>) -> bool {
+        self.by_id
+            .iter()
+            .any(|(id, c)| ended_before(c, finished_before_ms) && !keep.contains(id.as_str()))
     }
 
     pub(crate) fn apply(&mut self, at_ms: u64, event: &Event) -> Timer {

@@ -109,6 +109,29 @@ impl Functions {
         }
     }
 
+    /// The calls of running instances' current steps.
+    pub fn current_step_calls(&self) -> std::collections::BTreeSet<&str> {
+        self.running
+            .iter()
+            .filter_map(|id| self.instances.get(id))
+            .filter_map(|i| i.steps.last())
+            .map(|s| s.call_id.as_str())
+            .collect()
+    }
+
+    /// Whether any instance ended before `finished_before_ms`.
+    pub fn any_finished_before(&self, finished_before_ms: u64) -> bool {
+        self.instances
+            .values()
+            .any(|i| i.finished_at_ms.is_some_and(|f| f < finished_before_ms))
+    }
+
+    /// Drops instances that ended before `finished_before_ms`.
+    pub(crate) fn forget(&mut self, finished_before_ms: u64) {
+        self.instances
+            .retain(|_, i| i.finished_at_ms.is_none_or(|f| f >= finished_before_ms));
+    }
+
     pub(crate) fn delete_template(&mut self, name: &str, seq: u64) {
         if let Some(t) = self.templates.remove(name) {
             self.record(seq, ChangeKind::Deleted, t.spec);
@@ -170,5 +193,111 @@ impl Functions {
             i.finished_at_ms = Some(at_ms);
             self.running.remove(id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::event::{CallSpec, Envelope, Event, Outcome, SCHEMA_VERSION};
+    use crate::log::Projection;
+    use crate::state::State;
+
+    fn apply(s: &mut State, at_ms: u64, event: Event) {
+        let seq = s.seq() + 1;
+        s.apply(&Envelope {
+            seq,
+            at_ms,
+            version: SCHEMA_VERSION,
+            event,
+        });
+    }
+
+    #[test]
+    fn the_retention_keeps_a_running_instances_current_step_and_forgets_ended_instances() {
+        let mut s = State::default();
+        let call = CallSpec::for_test("c1");
+        apply(
+            &mut s,
+            0,
+            Event::InstanceCreated {
+                id: "i".into(),
+                template: "f".into(),
+                args: Default::default(),
+            },
+        );
+        apply(
+            &mut s,
+            0,
+            Event::InstanceStepped {
+                id: "i".into(),
+                function: "f".into(),
+                call_id: "c1".into(),
+            },
+        );
+        apply(&mut s, 0, Event::CallQueued { call });
+        apply(
+            &mut s,
+            1,
+            Event::CallStarted {
+                id: "c1".into(),
+                runner: "r".into(),
+                deadline_at_ms: 1_000,
+            },
+        );
+        apply(
+            &mut s,
+            2,
+            Event::CallFinished {
+                id: "c1".into(),
+                runner: "r".into(),
+                outcome: Outcome::Success,
+                result: None,
+                log: String::new(),
+            },
+        );
+        // The instance has not read its step's answer yet: the call stays.
+        let current = s.functions.current_step_calls();
+        assert!(!s.calls.any_finished_before(100, &current));
+        apply(
+            &mut s,
+            50,
+            Event::CallsForgotten {
+                finished_before_ms: 100,
+            },
+        );
+        assert!(s.calls.get("c1").is_some());
+        assert!(!s.functions.any_finished_before(100));
+        // Once the instance ended, both go.
+        apply(
+            &mut s,
+            60,
+            Event::InstanceFinished {
+                id: "i".into(),
+                outcome: Outcome::Success,
+                result: Default::default(),
+            },
+        );
+        assert!(
+            s.calls
+                .any_finished_before(100, &s.functions.current_step_calls())
+        );
+        assert!(s.functions.any_finished_before(100));
+        apply(
+            &mut s,
+            200,
+            Event::CallsForgotten {
+                finished_before_ms: 100,
+            },
+        );
+        apply(
+            &mut s,
+            200,
+            Event::InstancesForgotten {
+                finished_before_ms: 100,
+            },
+        );
+        assert!(s.calls.get("c1").is_none());
+        assert!(!s.functions.instances.contains_key("i"));
+        assert!(s.functions.running.is_empty());
     }
 }

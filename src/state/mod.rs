@@ -131,7 +131,11 @@ impl State {
                 }
             }
             Event::CallsForgotten { finished_before_ms } => {
-                self.calls.forget(*finished_before_ms);
+                let current = self.functions.current_step_calls();
+                self.calls.forget(*finished_before_ms, &current);
+            }
+            Event::InstancesForgotten { finished_before_ms } => {
+                self.functions.forget(*finished_before_ms);
             }
             Event::TemplateUpserted { template } => {
                 let before = self
