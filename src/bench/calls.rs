@@ -324,6 +324,8 @@ async fn teardown(s: Setup) {
     let _ = tokio::task::spawn_blocking(nix::unistd::sync).await;
 }
 
+/// The stopping half of [`teardown`]; the whole `Setup` (its log, queue and files) is gone when it
+/// returns.
 async fn teardown_services(s: Setup) {
     let _ = s.stop.send(true);
     for r in s.runners {

@@ -616,7 +616,7 @@ impl Calls {
     /// Records `CallQueued` for calls the log does not know yet.
     async fn record_queued(&self, specs: Vec<CallSpec>) -> Result<(), CallError> {
         self.log
-            .decide(move |s: &State, _| (queued_unknown(s, specs), ()))
+            .decide(move |s: &State, _| (record_handed_out(s, specs).0, ()))
             .await?;
         Ok(())
     }
@@ -815,22 +815,20 @@ impl Calls {
             })
             .await?;
         let grace = self.options.hold_grace_ms;
-        let (mut late_holds, mut refused, mut back) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut late_holds, mut refused) = (Vec::new(), Vec::new());
         for (id, verdict, deadline) in &verdicts {
             match verdict {
                 // Accepted while the log did not know the call yet at the hold above.
-                Some(StartVerdict::Accepted) => {
-                    if !held.contains(id.as_str()) {
-                        let until = deadline.unwrap_or(now).saturating_add(grace);
-                        late_holds.push((id.clone(), until));
-                    }
+                Some(StartVerdict::Accepted) if !held.contains(id.as_str()) => {
+                    let until = deadline.unwrap_or(now).saturating_add(grace);
+                    late_holds.push((id.clone(), until));
                 }
+                Some(StartVerdict::Accepted) => {}
                 Some(StartVerdict::Refused(_)) => refused.push(id.clone()),
                 // Back on the queue now, to be handed out with the log's copy.
-                None => back.push((id.clone(), self.clock.now_ms())),
+                None => late_holds.push((id.clone(), now)),
             }
         }
-        late_holds.extend(back);
         if !late_holds.is_empty() {
             self.queue.hold(late_holds).await?;
         }
@@ -1065,9 +1063,8 @@ pub fn message_of(spec: &CallSpec) -> Message {
     )
 }
 
-/// `CallQueued` for the calls the log does not know yet.
-/// Records calls handed out as their messages say: `CallQueued` for those the log still does not
-/// know; also returns the ids it recorded meanwhile as another copy (stale handed-out copies).
+/// `CallQueued` for the calls the log does not know yet; also the ids it knows as another copy
+/// (for calls handed out as their messages say: stale handed-out copies).
 fn record_handed_out(s: &State, specs: Vec<CallSpec>) -> (Vec<Event>, Vec<String>) {
     let mut events = Vec::new();
     let mut stale = Vec::new();
@@ -1079,14 +1076,6 @@ fn record_handed_out(s: &State, specs: Vec<CallSpec>) -> (Vec<Event>, Vec<String
         }
     }
     (events, stale)
-}
-
-fn queued_unknown(s: &State, specs: Vec<CallSpec>) -> Vec<Event> {
-    specs
-        .into_iter()
-        .filter(|c| s.calls.get(&c.id).is_none())
-        .map(|call| Event::CallQueued { call })
-        .collect()
 }
 
 /// How often the expiry loop puts back queued calls whose message is gone.

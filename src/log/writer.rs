@@ -504,7 +504,7 @@ impl<P: Projection> Writer<P> {
             let idle_syncer = in_flight.load(Ordering::Acquire) == 0;
             if !syncing {
                 publish(vec![unsynced], &self.tail);
-            } else if unsynced.acks.is_empty() && unsynced.tail.is_empty() && written_nothing {
+            } else if unsynced.acks.is_empty() && written_nothing {
                 // Submitted decisions that decided nothing: nothing to make durable or publish.
             } else if idle_syncer && synced_seq.load(Ordering::Acquire) >= self.seq {
                 // Nothing written since the last sync, which every earlier group's
@@ -592,10 +592,6 @@ mod tests {
         }
     }
 
-    fn call(id: &str) -> CallSpec {
-        CallSpec::for_test(id)
-    }
-
     fn open(store: Arc<dyn LogStore>, clock: &SimClock) -> Log {
         Log::open(
             store,
@@ -658,7 +654,7 @@ mod tests {
         let clock = SimClock::new(0);
         let store = Arc::new(MemStore::new());
         let log = open(store.clone(), &clock);
-        let call = call("c");
+        let call = CallSpec::for_test("c");
         // Submitted, not awaited: the start decided next still finds the call queued, and its
         // acknowledgement covers both.
         log.submit(move |_: &State, _| vec![Event::CallQueued { call }])
@@ -716,9 +712,11 @@ mod tests {
     async fn concurrent_starts_of_one_call_accept_exactly_one() {
         let clock = SimClock::new(0);
         let log = Arc::new(open(Arc::new(MemStore::new()), &clock));
-        log.append(Event::CallQueued { call: call("c") })
-            .await
-            .unwrap();
+        log.append(Event::CallQueued {
+            call: CallSpec::for_test("c"),
+        })
+        .await
+        .unwrap();
         let mut tasks = Vec::new();
         for r in 0..64 {
             let log = log.clone();

@@ -54,6 +54,13 @@ pub struct Instance {
     pub finished_at_ms: Option<u64>,
 }
 
+impl Instance {
+    /// Whether it ended before `before_ms`.
+    fn ended_before(&self, before_ms: u64) -> bool {
+        self.finished_at_ms.is_some_and(|f| f < before_ms)
+    }
+}
+
 /// How a template changed (a watch's event type).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ChangeKind {
@@ -123,13 +130,13 @@ impl Functions {
     pub fn any_finished_before(&self, finished_before_ms: u64) -> bool {
         self.instances
             .values()
-            .any(|i| i.finished_at_ms.is_some_and(|f| f < finished_before_ms))
+            .any(|i| i.ended_before(finished_before_ms))
     }
 
     /// Drops instances that ended before `finished_before_ms`.
     pub(crate) fn forget(&mut self, finished_before_ms: u64) {
         self.instances
-            .retain(|_, i| i.finished_at_ms.is_none_or(|f| f >= finished_before_ms));
+            .retain(|_, i| !i.ended_before(finished_before_ms));
     }
 
     pub(crate) fn delete_template(&mut self, name: &str, seq: u64) {
