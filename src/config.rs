@@ -69,6 +69,14 @@ pub struct AppConfig {
     /// Time between SIGTERM and SIGKILL.
     #[serde(default = "default_grace")]
     pub stop_grace_ms: u64,
+    /// Requests one replica serves at once (0: no bound), like Knative's
+    /// `containerConcurrency`; more wait in the hold queue for a slot.
+    #[serde(default)]
+    pub concurrency: u32,
+    /// Connections ebb opens to one replica at once (default 4): an app with a small accept
+    /// backlog is never sent more connection attempts than this at a time.
+    #[serde(default)]
+    pub max_connecting: u32,
 }
 
 fn default_health() -> Option<String> {
@@ -212,6 +220,8 @@ impl AppConfig {
                 stop_grace_ms: self.stop_grace_ms,
                 pre_run: None,
             }),
+            concurrency: self.concurrency,
+            max_connecting: self.max_connecting,
         }
     }
 }

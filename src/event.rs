@@ -171,6 +171,30 @@ pub struct RouteSpec {
     /// How to run the deployment as local processes (absent: something else runs it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub process: Option<ProcessSpec>,
+    /// Requests one replica serves at once (0: no bound); more wait for a slot.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub concurrency: u32,
+    /// Connections being opened to one replica at once (0: [`DEFAULT_MAX_CONNECTING`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub max_connecting: u32,
+}
+
+/// Connections being opened to one replica at once when a route does not say.
+pub const DEFAULT_MAX_CONNECTING: u32 = 4;
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+impl RouteSpec {
+    /// Connections being opened to one replica at once.
+    pub fn max_connecting(&self) -> u32 {
+        if self.max_connecting == 0 {
+            DEFAULT_MAX_CONNECTING
+        } else {
+            self.max_connecting
+        }
+    }
 }
 
 /// How to run a deployment as local processes, one per replica, each listening on
@@ -591,6 +615,8 @@ pub fn examples() -> Vec<Event> {
                 hold_timeout_ms: 30_000,
                 hold_queue_max: 1_000,
                 process: None,
+                concurrency: 0,
+                max_connecting: 0,
             },
         },
         Event::RouteRemoved {

@@ -47,6 +47,14 @@ pub struct ExampleAppArgs {
     /// Serve `POST /` as this demo function (see the module docs).
     #[arg(long, env = "EBB_FUNCTION")]
     pub function: Option<String>,
+    /// Listen with this accept backlog (the kernel's default bound otherwise), like a dev server
+    /// with a small one (Python's `http.server` has 5).
+    #[arg(long)]
+    pub backlog: Option<u32>,
+    /// Wait this long before accepting each connection: a slow accept loop, which with a small
+    /// backlog drops the connection attempts that a burst brings beyond it.
+    #[arg(long, default_value_t = 0)]
+    pub accept_delay_ms: u64,
 }
 
 #[derive(Deserialize)]
@@ -229,9 +237,48 @@ pub async fn run(args: ExampleAppArgs) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(args.startup_delay_ms)).await;
     }
     let addr = SocketAddr::from(([127, 0, 0, 1], args.port));
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| anyhow::anyhow!("example-app: listening on {addr}: {e}"))?;
-    axum::serve(listener, router_with(args.never_ready, args.function)).await?;
+    let listen = || -> std::io::Result<tokio::net::TcpListener> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(args.backlog.unwrap_or(1024))
+    };
+    let listener =
+        listen().map_err(|e| anyhow::anyhow!("example-app: listening on {addr}: {e}"))?;
+    let app = router_with(args.never_ready, args.function);
+    if args.accept_delay_ms > 0 {
+        let slow = SlowAccept {
+            inner: listener,
+            delay: Duration::from_millis(args.accept_delay_ms),
+        };
+        axum::serve(slow, app).await?;
+    } else {
+        axum::serve(listener, app).await?;
+    }
     Ok(())
+}
+
+/// A listener that waits before each accept.
+struct SlowAccept {
+    inner: tokio::net::TcpListener,
+    delay: Duration,
+}
+
+impl axum::serve::Listener for SlowAccept {
+    type Io = tokio::net::TcpStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            tokio::time::sleep(self.delay).await;
+            match self.inner.accept().await {
+                Ok(pair) => return pair,
+                Err(e) => tracing::debug!(error = %e, "accept failed"),
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
 }

@@ -76,6 +76,8 @@ fn route() -> RouteSpec {
         hold_timeout_ms: 30_000,
         hold_queue_max: 100,
         process: None,
+        concurrency: 0,
+        max_connecting: 0,
     }
 }
 

@@ -71,18 +71,23 @@ fn route_spec() -> impl Strategy<Value = RouteSpec> {
                     }
                 }),
         ),
+        (0u32..3, 0u32..3),
     )
         .prop_map(
-            |(n, domains, dep, idle, min, max, hold, q, process)| RouteSpec {
-                name: n,
-                domains: domains.into_iter().map(String::from).collect(),
-                deployment: dep,
-                idle_after_ms: idle,
-                min_replicas: min,
-                max_replicas: max,
-                hold_timeout_ms: hold,
-                hold_queue_max: q,
-                process,
+            |(n, domains, dep, idle, min, max, hold, q, process, (concurrency, max_connecting))| {
+                RouteSpec {
+                    name: n,
+                    domains: domains.into_iter().map(String::from).collect(),
+                    deployment: dep,
+                    idle_after_ms: idle,
+                    min_replicas: min,
+                    max_replicas: max,
+                    hold_timeout_ms: hold,
+                    hold_queue_max: q,
+                    process,
+                    concurrency,
+                    max_connecting,
+                }
             },
         )
 }

@@ -393,19 +393,36 @@ async fn a_hundred_megabytes_stream_both_ways_in_bounded_memory() {
 async fn h2c_clients_are_served() {
     let dir = tempfile::tempdir().unwrap();
     let ebb = start(dir.path(), &write_config(dir.path(), &app("h2", "")));
-    let c: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
-        .http2_only(true)
-        .build_http();
-    let req = hyper::Request::post(format!("http://{}/over/h2", ebb.proxy))
-        .header("host", "h2.localhost")
-        .body(Full::new(Bytes::from_static(b"ping")))
-        .unwrap();
-    let resp = c.request(req).await.unwrap();
+    // HTTP/2 with prior knowledge, the host in :authority as h2 clients send it.
+    let tcp = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let mut send = |uri: &str, host: Option<&str>| {
+        let mut req = hyper::Request::post(uri);
+        if let Some(h) = host {
+            req = req.header("host", h);
+        }
+        sender.send_request(req.body(Full::new(Bytes::from_static(b"ping"))).unwrap())
+    };
+    let resp = send("http://h2.localhost/over/h2", None).await.unwrap();
     assert_eq!(resp.version(), hyper::Version::HTTP_2);
     assert_eq!(resp.status(), 200);
     assert_eq!(resp.headers()["x-echo-path"], "/over/h2");
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(&body[..], b"ping");
+    // A Host header that names another host than :authority is refused (RFC 9113 section 8.3.1).
+    let resp = send("http://h2.localhost/", Some("other.localhost"))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["code"], "bad_host");
 }
 
 /// Requests paced just slower than `idle_after`, so the downscaler keeps stopping the app between
@@ -707,4 +724,390 @@ async fn an_early_answer_to_an_unread_upload_reaches_the_client() {
         assert!(text.starts_with("HTTP/1.1 405"), "{text}");
         sender.abort();
     }
+}
+
+/// Sends `head` on a fresh connection and reads one answer.
+async fn raw_exchange(proxy: SocketAddr, head: &[u8]) -> (tokio::net::TcpStream, Vec<u8>, Raw) {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    s.write_all(head).await.unwrap();
+    let mut buf = Vec::new();
+    let raw = read_raw(&mut s, &mut buf, false).await;
+    (s, buf, raw)
+}
+
+/// Whether the proxy closes `s` (after any bytes still in flight) within the deadline.
+async fn closed(s: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut rest = Vec::new();
+    matches!(
+        tokio::time::timeout(DEADLINE, s.read_to_end(&mut rest)).await,
+        Ok(Ok(_)) | Ok(Err(_))
+    )
+}
+
+fn code(raw: &Raw) -> String {
+    let v: serde_json::Value = serde_json::from_slice(&raw.body)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", raw.text()));
+    v["code"].as_str().unwrap_or_default().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ambiguous_heads_are_refused_and_absolute_targets_win_on_both_paths() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let apps = format!("{}{}", app("edge", ""), app("other", ""));
+    let ebb = start(dir.path(), &write_config(dir.path(), &apps));
+    // HTTP/1.1 takes the raw-socket path, HTTP/1.0 the general path on hyper.
+    for version in ["HTTP/1.1", "HTTP/1.0"] {
+        let keep = if version == "HTTP/1.0" {
+            "Connection: keep-alive\r\n"
+        } else {
+            ""
+        };
+        for (head, status, want) in [
+            (
+                "GET /headers {v}\r\nHost: edge.localhost\r\nHost: other.localhost\r\n{k}\r\n",
+                400,
+                "bad_host",
+            ),
+            (
+                "GET /headers {v}\r\nHost: edge.localhost\r\nhost: edge.localhost\r\n{k}\r\n",
+                400,
+                "bad_host",
+            ),
+            (
+                "GET / {v}\r\nHost: edge.localhost, other.localhost\r\n{k}\r\n",
+                400,
+                "bad_host",
+            ),
+            (
+                "GET / {v}\r\nHost: edge localhost\r\n{k}\r\n",
+                400,
+                "bad_host",
+            ),
+            (
+                "GET / {v}\r\nHost: edge.localhost:80:80\r\n{k}\r\n",
+                400,
+                "bad_host",
+            ),
+            (
+                "GET / {v}\r\nHost: user@edge.localhost\r\n{k}\r\n",
+                400,
+                "bad_host",
+            ),
+            ("GET / {v}\r\n{k}\r\n", 400, "bad_host"),
+            (
+                "GET http://u@edge.localhost/ {v}\r\nHost: edge.localhost\r\n{k}\r\n",
+                400,
+                "bad_host",
+            ),
+            (
+                "GET ftp://edge.localhost/ {v}\r\nHost: edge.localhost\r\n{k}\r\n",
+                400,
+                "bad_target",
+            ),
+            (
+                "CONNECT edge.localhost:443 {v}\r\nHost: edge.localhost:443\r\n{k}\r\n",
+                405,
+                "method_not_allowed",
+            ),
+            // The target's authority wins over Host: no route has it.
+            (
+                "GET http://nobody.example/ {v}\r\nHost: edge.localhost\r\n{k}\r\n",
+                404,
+                "unknown_host",
+            ),
+        ] {
+            let head = head.replace("{v}", version).replace("{k}", keep);
+            let (mut s, mut buf, raw) = raw_exchange(ebb.proxy, head.as_bytes()).await;
+            assert_eq!(raw.status, status, "{head:?}: {}", raw.text());
+            assert_eq!(code(&raw), want, "{head:?}");
+            if status == 405 {
+                assert!(closed(&mut s).await, "{head:?}: a refused CONNECT closes");
+                continue;
+            }
+            // A refused head without a body leaves the connection usable.
+            s.write_all(
+                format!("GET /pid {version}\r\nHost: edge.localhost\r\n{keep}\r\n").as_bytes(),
+            )
+            .await
+            .unwrap();
+            let next = read_raw(&mut s, &mut buf, false).await;
+            assert_eq!(next.status, 200, "{head:?} then /pid: {}", next.text());
+        }
+
+        // Absolute form: routed by the target's authority, forwarded in origin form with that
+        // authority as Host, whatever Host line came with it.
+        let head = format!(
+            "GET http://Edge.localhost:8080/headers?x=1 {version}\r\nHost: other.localhost\r\n{keep}\r\n"
+        );
+        let (_s, _, raw) = raw_exchange(ebb.proxy, head.as_bytes()).await;
+        assert_eq!(raw.status, 200, "{}", raw.text());
+        let seen = raw.text();
+        for line in [
+            "host: Edge.localhost:8080",
+            "x-forwarded-host: Edge.localhost:8080",
+        ] {
+            assert!(
+                seen.lines().any(|l| l == line),
+                "{version}: {line:?} not in\n{seen}"
+            );
+        }
+        assert!(
+            !seen.contains("other.localhost"),
+            "{version}: the Host line leaked:\n{seen}"
+        );
+        let head =
+            format!("GET http://edge.localhost?q=1 {version}\r\nHost: x.example\r\n{keep}\r\n");
+        let (_s, _, raw) = raw_exchange(ebb.proxy, head.as_bytes()).await;
+        assert_eq!(raw.status, 200, "{}", raw.text());
+        assert_eq!(raw.header("x-echo-path"), Some("/?q=1"), "{version}");
+    }
+
+    // Content-Length with Transfer-Encoding (HTTP/1.1): forwarded with the transfer coding alone,
+    // and the connection closed after the answer (RFC 9112 section 6.1).
+    let (mut s, _, raw) = raw_exchange(
+        ebb.proxy,
+        b"GET /headers HTTP/1.1\r\nHost: edge.localhost\r\nContent-Length: 3\r\n\
+          Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    assert_eq!(raw.status, 200, "{}", raw.text());
+    let seen = raw.text().to_ascii_lowercase();
+    assert!(seen.contains("transfer-encoding: chunked"), "{seen}");
+    assert!(!seen.contains("content-length"), "{seen}");
+    assert!(
+        closed(&mut s).await,
+        "the connection is closed after the answer"
+    );
+    // The same body reaches the app whole.
+    let (_s, _, raw) = raw_exchange(
+        ebb.proxy,
+        b"POST /count HTTP/1.1\r\nHost: edge.localhost\r\nContent-Length: 3\r\n\
+          Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await;
+    assert_eq!((raw.status, raw.text().as_str()), (200, "5 bytes\n"));
+
+    // Framing that cannot be trusted is refused, and the connection closed.
+    for head in [
+        &b"POST / HTTP/1.1\r\nHost: edge.localhost\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd"[..],
+        b"POST / HTTP/1.1\r\nHost: edge.localhost\r\nTransfer-Encoding: gzip\r\n\r\nabc",
+        b"POST / HTTP/1.1\r\nHost : edge.localhost\r\nContent-Length: 1\r\n\r\na",
+        b"POST / HTTP/1.0\r\nHost: edge.localhost\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n0\r\n\r\n",
+    ] {
+        let (mut s, _, raw) = raw_exchange(ebb.proxy, head).await;
+        assert_eq!(raw.status, 400, "{:?}: {}", String::from_utf8_lossy(head), raw.text());
+        assert!(closed(&mut s).await, "{:?}", String::from_utf8_lossy(head));
+    }
+}
+
+/// `n` concurrent GETs of `path`, each on a connection of its own; every answer's status and body.
+async fn burst(proxy: SocketAddr, host: &str, path: &str, n: usize) -> Vec<Answer> {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let host = host.to_owned();
+            let path = path.to_owned();
+            tokio::spawn(async move {
+                // A client per request: one connection each, as a burst of browsers would.
+                let c = client();
+                tokio::time::timeout(DEADLINE, get(&c, proxy, &host, &path))
+                    .await
+                    .expect("an answer within the deadline")
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await.unwrap());
+    }
+    answers
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_burst_reaches_an_app_with_a_tiny_accept_backlog_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let fragile = ["--backlog", "2", "--accept-delay-ms", "5"];
+    let apps = format!(
+        "{}{}",
+        app_with("tiny", &fragile, ""),
+        app_with("tiny4", &fragile, "min_replicas = 4\nmax_replicas = 4"),
+    );
+    let ebb = start(dir.path(), &write_config(dir.path(), &apps));
+    for (name, replicas) in [("tiny", 1), ("tiny4", 4)] {
+        let answers = burst(ebb.proxy, &format!("{name}.localhost"), "/pid", 500).await;
+        let mut pids = BTreeSet::new();
+        for a in &answers {
+            assert_eq!(a.status, 200, "{name}: {}", a.body);
+            pids.insert(a.body.trim().parse::<u32>().unwrap());
+        }
+        assert!(pids.len() <= replicas, "{name}: {pids:?}");
+        assert_eq!(spawns(&ebb.data, name), replicas, "{name}: one wake");
+    }
+    let ev = events(&ebb.data);
+    assert_eq!(
+        count(&ev, "ScaleRequested", |e| e["reason"] == "wake"),
+        2,
+        "one wake per app"
+    );
+}
+
+/// The processes `ebb` runs whose command line contains `needle`.
+fn children_with(ebb: u32, needle: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // The fields after the command name (which may hold spaces): state, ppid, ...
+        let after = stat.rsplit_once(')').map_or("", |(_, a)| a);
+        let ppid: u32 = after
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if ppid == ebb && cmdline.contains(needle) && alive(pid) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+fn now_ms() -> u64 {
+    use ebb::clock::Clock;
+    ebb::clock::SystemClock.now_ms()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_abandons_its_request_and_the_app_still_goes_idle() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let idle = "idle_after_ms = 1000\nhold_timeout_ms = 600000";
+    // held: the request waits for an app that takes long to start.
+    // connecting: the app never accepts and its one-place backlog holds the readiness check's
+    // connection, so ebb's connection attempts go unanswered.
+    // answering: the app takes ten minutes to answer, on both forwarding paths.
+    // Each app's arguments tell its process apart.
+    let args: [(&str, &[&str]); 4] = [
+        ("held", &["--startup-delay-ms", "1500"]),
+        (
+            "connecting",
+            &["--backlog", "0", "--accept-delay-ms", "600000"],
+        ),
+        ("answering", &["--startup-delay-ms", "1"]),
+        ("answering10", &["--startup-delay-ms", "2"]),
+    ];
+    let apps: String = args
+        .iter()
+        .map(|(name, a)| {
+            let extra = if *name == "connecting" {
+                format!("{idle}\nreadiness_path = \"\"")
+            } else {
+                idle.to_owned()
+            };
+            app_with(name, a, &extra)
+        })
+        .collect();
+    let needle = |name: &str| {
+        let (_, a) = args.iter().find(|(n, _)| *n == name).unwrap();
+        format!("{} ", a.join(" "))
+    };
+    let ebb = start(dir.path(), &write_config(dir.path(), &apps));
+    let c = client();
+    let ebb_pid = ebb.child.id();
+    let wake_logged = |deployment: &str| {
+        count(&events(&ebb.data), "ScaleRequested", |e| {
+            e["reason"] == "wake" && e["deployment"] == deployment
+        }) == 1
+    };
+    let ready_logged = |deployment: &str| {
+        count(&events(&ebb.data), "ScaledUp", |e| {
+            e["deployment"] == deployment
+        }) == 1
+    };
+    let seen = |route: &str| {
+        events(&ebb.data)
+            .iter()
+            .filter_map(|e| e["event"].get("RequestsSeen"))
+            .filter(|e| e["route"] == route)
+            .map(|e| {
+                (
+                    e["count"].as_u64().unwrap(),
+                    e["last_at_ms"].as_u64().unwrap(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let send = |path: &str, host: &str, version: &str| {
+        let head = format!("GET {path} {version}\r\nHost: {host}\r\n\r\n");
+        let proxy = ebb.proxy;
+        async move {
+            let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+            s.write_all(head.as_bytes()).await.unwrap();
+            s
+        }
+    };
+
+    let s = send("/pid", "held.localhost", "HTTP/1.1").await;
+    eventually("the held request wakes its app", || wake_logged("held")).await;
+    drop(s);
+    let held_left = now_ms();
+
+    let s = send("/pid", "connecting.localhost", "HTTP/1.1").await;
+    eventually("the app that never accepts is ready", || {
+        ready_logged("connecting")
+    })
+    .await;
+    eventually("the request is counted", || !seen("connecting").is_empty()).await;
+    drop(s);
+    let connecting_left = now_ms();
+
+    // Warm the answering apps first, so the long request is under way at the app.
+    let mut answering_left = Vec::new();
+    for (name, version) in [("answering", "HTTP/1.1"), ("answering10", "HTTP/1.0")] {
+        let host = format!("{name}.localhost");
+        assert_eq!(get(&c, ebb.proxy, &host, "/pid").await.status, 200);
+        let s = send("/sleep?ms=600000", &host, version).await;
+        eventually("the long request is counted", || {
+            seen(name).iter().map(|(n, _)| n).sum::<u64>() == 2
+        })
+        .await;
+        drop(s);
+        answering_left.push((name, now_ms()));
+    }
+
+    for (name, left) in [("held", held_left), ("connecting", connecting_left)]
+        .into_iter()
+        .chain(answering_left)
+    {
+        let what = format!("{name}: the app stops once idle");
+        eventually(&what, || {
+            count(&events(&ebb.data), "ScaleRequested", |e| {
+                e["reason"] == "idle" && e["deployment"] == name
+            }) == 1
+        })
+        .await;
+        eventually(&format!("{name}: its process is gone"), || {
+            children_with(ebb_pid, &needle(name)).is_empty()
+        })
+        .await;
+        assert_eq!(spawns(&ebb.data, name), 1, "{name}");
+        // No traffic was counted for the request after its client left.
+        for (_, last_at_ms) in seen(name) {
+            assert!(
+                last_at_ms <= left,
+                "{name}: traffic at {last_at_ms}, after {left}"
+            );
+        }
+    }
+    assert!(
+        children_with(ebb_pid, "example-app").is_empty(),
+        "every app stopped"
+    );
 }

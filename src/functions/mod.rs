@@ -174,6 +174,8 @@ pub fn route_of(t: &TemplateSpec) -> Option<RouteSpec> {
             stop_grace_ms: 5_000,
             pre_run: t.pre_run.clone(),
         }),
+        concurrency: 0,
+        max_connecting: 0,
     })
 }
 

@@ -1,19 +1,28 @@
-//! The HTTP/1.1 forwarding path: the common case (an HTTP/1.1 request in origin form, no
-//! upgrade) handled on the raw connections, the way nginx does it, without building request and
-//! response objects.
+//! The HTTP/1.1 forwarding path: the common case (an HTTP/1.1 request without upgrade) handled
+//! on the raw connections, the way nginx does it, without building request and response objects.
 //!
 //! * The request head is parsed with `httparse` and rewritten once into the backend's head:
-//!   hop-by-hop headers (and those named in `Connection`) dropped, `X-Forwarded-For`, `-Proto`,
-//!   `-Host` and `Forwarded` added. The response head is rewritten the same way.
+//!   routed by [`head::target`](super::head::target) (one valid `Host`, or 400; an absolute-form
+//!   target's authority wins and the backend gets the origin form with it as `Host`), hop-by-hop
+//!   headers (and those named in `Connection`) dropped, `X-Forwarded-For`, `-Proto`, `-Host` and
+//!   `Forwarded` added. The response head is rewritten the same way. A head that does not parse,
+//!   or whose body cannot be delimited (conflicting `Content-Length`s, a last transfer coding
+//!   other than chunked), gets a JSON 400 and the connection is closed; with both
+//!   `Transfer-Encoding: chunked` and `Content-Length`, the coding frames the body, the length
+//!   is not forwarded and the connection ends after the answer (RFC 9112 section 6.1).
 //! * Bodies stream through byte for byte in bounded buffers: `Content-Length` bodies by count,
 //!   chunked ones passed through as they are, with [`Chunked`] finding where they end. A response
 //!   without framing is read to the backend's close and ends the client connection too.
 //! * Backend connections are kept per thread in a bounded pool of idle keep-alive connections.
 //!   A request meets a backend connection in one task: small responses cost one read and one
-//!   write on each side.
-//! * Everything else (h2c, HTTP/1.0, upgrades such as WebSocket, absolute-form targets, unusual
-//!   framing, malformed heads) is handed, with the bytes read so far, to the general path on
-//!   hyper ([`Proxy::serve_hyper`]), which serves the rest of that connection.
+//!   write on each side. A request that finds no idle connection opens one within the replica's
+//!   bound on openings, or waits for an idle one to come back ([`backends`]).
+//! * A client that leaves (its connection reaches its end or fails) while its request is held,
+//!   waits for a connection or waits for the answer abandons the request at once: the backend
+//!   connection is closed and the request no longer counts as in flight.
+//! * Everything else (h2c, HTTP/1.0, upgrades such as WebSocket, transfer codings besides
+//!   chunked) is handed, with the bytes read so far, to the general path on hyper
+//!   ([`Proxy::serve_hyper`]), which serves the rest of that connection.
 //!
 //! The retry rules are the general path's: a request meeting a backend that refuses the
 //! connection, or resets or closes it before answering, is retried once on another replica (waking
@@ -34,7 +43,9 @@ use bytes::{Buf, Bytes, BytesMut};
 use hyper::StatusCode;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::sync::Notify;
 
+use super::backends::{self, Replica};
 use super::chunked::Chunked;
 use super::table::Entry;
 use super::{Proxy, Refusal};
@@ -264,6 +275,8 @@ struct RelayError {
     got_any: bool,
     /// The client broke the request (its body ended early or was malformed).
     client_fault: bool,
+    /// The client left before the answer was done.
+    client_gone: bool,
     message: String,
 }
 
@@ -272,7 +285,17 @@ impl RelayError {
         Self {
             got_any,
             client_fault: false,
+            client_gone: false,
             message,
+        }
+    }
+
+    fn gone() -> Self {
+        Self {
+            got_any: true,
+            client_fault: false,
+            client_gone: true,
+            message: "the client left".into(),
         }
     }
 }
@@ -286,8 +309,30 @@ struct Relayed {
     client_close: bool,
 }
 
+/// How much a client may send (a pipelined request, the request's body) while its request waits
+/// for a replica, a connection or the answer: read ahead to notice the client leaving, no more.
+const READ_AHEAD: usize = 64 * 1024;
+
+/// Resolves when the client has gone: its connection reached its end or failed. Bytes that arrive
+/// meanwhile are kept in `buf`, up to [`READ_AHEAD`]; past that it stops reading (and so never
+/// resolves).
+async fn client_gone<R: AsyncRead + Unpin>(cr: &mut R, buf: &mut BytesMut) {
+    loop {
+        if buf.len() >= READ_AHEAD {
+            return std::future::pending().await;
+        }
+        buf.reserve(READ_AHEAD - buf.len());
+        match cr.read_buf(buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
+}
+
 /// Forwards one request and relays its response. Returns whether the client connection can carry
-/// another request.
+/// another request. A client that leaves before its answer is complete abandons the request at
+/// once, wherever it is (held, waiting for a connection, waiting for the answer): its backend
+/// connection is closed and it no longer counts as in flight.
 #[allow(clippy::too_many_arguments)]
 async fn exchange(
     proxy: &Proxy,
@@ -301,67 +346,84 @@ async fn exchange(
 ) -> bool {
     let _in_flight = entry.traffic.begin(proxy.clock.now_ms());
     let has_body = req.body != Framing::Empty;
+    let (mut cr, mut cw) = client.split();
     let mut avoid: Option<SocketAddr> = None;
     let mut pooled_allowed = true;
     loop {
-        let addr = match proxy.endpoint(entry, avoid).await {
-            Ok(a) => a,
-            Err(refusal) => {
-                return write_refusal(client, out, proxy, &refusal, has_body)
-                    .await
-                    .is_ok()
-                    && !has_body;
-            }
+        let ready = async {
+            let slot = proxy.endpoint(entry, avoid).await?;
+            let conn = backend_conn(proxy, slot.replica(), pooled_allowed, has_body).await;
+            Ok::<_, Refusal>((slot, conn))
         };
-        progress.mark();
-        let pooled = if pooled_allowed {
-            pool_take(
-                addr,
-                proxy.clock.now_ms(),
-                proxy.options.pool_idle_timeout_ms,
-            )
-        } else {
-            None
-        };
-        let reused = pooled.is_some();
-        let mut backend = match pooled {
-            Some(b) => b,
-            None => match connect(addr, proxy.options.connect_timeout_ms).await {
-                Ok(b) => b,
-                Err(e) if super::retry_after_miss(super::BackendMiss::Refused, avoid.is_some()) => {
-                    // Refused: the replica is stopping or gone. The request is untouched.
-                    tracing::debug!(route = %entry.spec.name, %addr, error = %e, "backend refused; retrying");
-                    avoid = Some(addr);
-                    continue;
-                }
-                Err(e) => {
-                    let refusal = Refusal::bad_gateway(format!("backend {addr}: {e}"));
-                    return write_refusal(client, out, proxy, &refusal, has_body)
+        let (slot, conn) = tokio::select! {
+            r = ready => match r {
+                Ok(got) => got,
+                Err(refusal) => {
+                    return write_refusal(&mut cw, out, proxy, &refusal, has_body)
                         .await
                         .is_ok()
                         && !has_body;
                 }
             },
+            () = client_gone(&mut cr, buf) => {
+                tracing::debug!(route = %entry.spec.name, "the client left while its request waited");
+                return false;
+            }
+        };
+        let addr = slot.addr();
+        progress.mark();
+        let (mut backend, reused) = match conn {
+            Ok(c) => c,
+            Err(e)
+                if e.kind() == io::ErrorKind::ConnectionRefused
+                    && super::retry_after_miss(super::BackendMiss::Refused, avoid.is_some()) =>
+            {
+                // Refused: the replica is stopping or gone. The request is untouched.
+                tracing::debug!(route = %entry.spec.name, %addr, error = %e, "backend refused; retrying");
+                avoid = Some(addr);
+                continue;
+            }
+            Err(e) => {
+                let refusal = Refusal::bad_gateway(format!("backend {addr}: {e}"));
+                return write_refusal(&mut cw, out, proxy, &refusal, has_body)
+                    .await
+                    .is_ok()
+                    && !has_body;
+            }
         };
         let wrote = AtomicBool::new(false);
         let result = if has_body {
-            relay_with_body(client, buf, &mut backend, head, req, out, &wrote, progress).await
+            relay_with_body(
+                &mut cr,
+                &mut cw,
+                buf,
+                &mut backend,
+                head,
+                req,
+                out,
+                &wrote,
+                progress,
+            )
+            .await
         } else {
             let Backend { stream, buf: bbuf } = &mut backend;
             let (mut br, mut bw) = stream.split();
-            match bw.write_all(head).await {
-                Ok(()) => {
-                    let (_, mut cw) = client.split();
-                    let to = Relay {
-                        out,
-                        wrote: &wrote,
-                        progress,
-                        is_head: req.is_head,
-                        client_wants_close: req.close,
-                    };
-                    relay_response(&mut br, bbuf, &mut cw, to).await
-                }
-                Err(e) => Err(RelayError::backend(false, e.to_string())),
+            let relay = async {
+                bw.write_all(head)
+                    .await
+                    .map_err(|e| RelayError::backend(false, e.to_string()))?;
+                let to = Relay {
+                    out: &mut *out,
+                    wrote: &wrote,
+                    progress,
+                    is_head: req.is_head,
+                    client_wants_close: req.close,
+                };
+                relay_response(&mut br, bbuf, &mut cw, to).await
+            };
+            tokio::select! {
+                r = relay => r,
+                () = client_gone(&mut cr, buf) => Err(RelayError::gone()),
             }
         };
         let wrote = wrote.load(Ordering::Relaxed);
@@ -371,6 +433,10 @@ async fn exchange(
                     pool_put(addr, backend, proxy.clock.now_ms(), &proxy.options);
                 }
                 return !r.client_close;
+            }
+            Err(e) if e.client_gone => {
+                tracing::debug!(route = %entry.spec.name, %addr, "the client left before its answer was done");
+                return false;
             }
             Err(e) if !wrote && !e.got_any && !has_body && reused && pooled_allowed => {
                 // A pooled connection the backend closed while it sat idle: the request did not
@@ -399,12 +465,66 @@ async fn exchange(
                 } else {
                     Refusal::bad_gateway(format!("backend {addr}: {}", e.message))
                 };
-                let _ = write_refusal(client, out, proxy, &refusal, true).await;
+                let _ = write_refusal(&mut cw, out, proxy, &refusal, true).await;
                 return false;
             }
             Err(_) => return false,
         }
     }
+}
+
+/// A connection to `replica`: an idle pooled one of this thread (unless `pooled_allowed` is
+/// false), or a new one opened within the replica's bound on openings. While neither can be had
+/// the request waits for whichever comes first, an idle connection coming back or an opening
+/// ending; `connect_timeout_ms` bounds it all. Whether the connection was pooled comes with it.
+/// `check`: make sure a pooled connection is still open first (for a request with a body, which
+/// cannot be sent again; a body-less one meeting a closed pooled connection is retried instead,
+/// which saves a system call per request).
+async fn backend_conn(
+    proxy: &Proxy,
+    replica: &Replica,
+    pooled_allowed: bool,
+    check: bool,
+) -> io::Result<(Backend, bool)> {
+    let addr = replica.addr;
+    let idle_ms = proxy.options.pool_idle_timeout_ms;
+    let now = proxy.clock.now_ms();
+    if pooled_allowed && let Some(b) = pool_take(addr, now, idle_ms, check) {
+        return Ok((b, true));
+    }
+    let timeout_ms = proxy.options.connect_timeout_ms;
+    let get = async {
+        let returned = pool_waiter(addr);
+        loop {
+            let came_back = returned.notified();
+            let ended = replica.opening_ended();
+            tokio::pin!(came_back, ended);
+            came_back.as_mut().enable();
+            ended.as_mut().enable();
+            if pooled_allowed && let Some(b) = pool_take(addr, proxy.clock.now_ms(), idle_ms, check)
+            {
+                return Ok((b, true));
+            }
+            if let Some(opening) = replica.try_open() {
+                let stream =
+                    backends::connect(addr, proxy.options.connect_attempt_ms, timeout_ms).await;
+                drop(opening);
+                return stream.map(|stream| (Backend::new(stream), false));
+            }
+            tokio::select! {
+                () = came_back => {}
+                () = ended => {}
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_millis(timeout_ms), get)
+        .await
+        .unwrap_or_else(|_| {
+            Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no connection within {timeout_ms} ms"),
+            ))
+        })
 }
 
 /// A request body failed to go through.
@@ -417,10 +537,11 @@ enum SendError {
 
 /// Sends a request body while relaying the response, as a backend may answer before the body is
 /// done (or answer `100 Continue` first). A response that ends before the body was sent ends both
-/// connections.
+/// connections. Once the body is sent, a client that leaves abandons the request.
 #[allow(clippy::too_many_arguments)]
-async fn relay_with_body(
-    client: &mut TcpStream,
+async fn relay_with_body<R, W>(
+    cr: &mut R,
+    cw: &mut W,
     buf: &mut BytesMut,
     backend: &mut Backend,
     head: &[u8],
@@ -428,14 +549,13 @@ async fn relay_with_body(
     out: &mut Vec<u8>,
     wrote: &AtomicBool,
     progress: &Progress<'_>,
-) -> Result<Relayed, RelayError> {
+) -> Result<Relayed, RelayError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
     let Backend { stream, buf: bbuf } = backend;
-    let (mut cr, mut cw) = client.split();
     let (mut br, mut bw) = stream.split();
-    let send = async {
-        bw.write_all(head).await.map_err(SendError::Backend)?;
-        send_body(&mut cr, buf, &mut bw, req.body, progress).await
-    };
     let to = Relay {
         out,
         wrote,
@@ -443,34 +563,51 @@ async fn relay_with_body(
         is_head: req.is_head,
         client_wants_close: req.close,
     };
-    let recv = relay_response(&mut br, bbuf, &mut cw, to);
-    tokio::pin!(send, recv);
-    // `None` while the body is being sent; then whether it all went.
-    let mut sent: Option<bool> = None;
-    loop {
+    let recv = relay_response(&mut br, bbuf, cw, to);
+    tokio::pin!(recv);
+    // Whether all of the body went.
+    let sent = {
+        let send = async {
+            bw.write_all(head).await.map_err(SendError::Backend)?;
+            send_body(cr, buf, &mut bw, req.body, progress).await
+        };
+        tokio::pin!(send);
         tokio::select! {
-            r = &mut send, if sent.is_none() => match r {
-                Ok(()) => sent = Some(true),
+            r = &mut send => match r {
+                Ok(()) => true,
                 Err(SendError::Client(e)) => {
-                    return Err(RelayError { got_any: true, client_fault: true, message: e.to_string() });
+                    return Err(RelayError { got_any: true, client_fault: true, client_gone: false, message: e.to_string() });
                 }
                 // The backend stopped reading: it may have answered already (413, say).
                 Err(SendError::Backend(e)) => {
                     tracing::debug!(error = %e, "the backend stopped reading the request body");
-                    sent = Some(false);
+                    false
                 }
             },
             r = &mut recv => {
                 return r.map(|mut r| {
-                    if sent != Some(true) {
-                        r.backend_reusable = false;
-                        r.client_close = true;
-                    }
+                    r.backend_reusable = false;
+                    r.client_close = true;
                     r
                 });
             }
         }
-    }
+    };
+    let r = if sent {
+        tokio::select! {
+            r = &mut recv => r,
+            () = client_gone(cr, buf) => Err(RelayError::gone()),
+        }
+    } else {
+        recv.await
+    };
+    r.map(|mut r| {
+        if !sent {
+            r.backend_reusable = false;
+            r.client_close = true;
+        }
+        r
+    })
 }
 
 /// Copies a request body from the client (bytes already read first) to the backend.
@@ -732,6 +869,36 @@ fn hop_by_hop(name: &str) -> bool {
     NAMES.iter().any(|n| n.eq_ignore_ascii_case(name))
 }
 
+/// A request whose body cannot be delimited: 400, and the connection closed.
+fn bad_framing(head_len: usize, message: &str) -> Parsed {
+    Parsed::Refuse {
+        head_len,
+        refusal: Refusal::new(StatusCode::BAD_REQUEST, "bad_framing", message.to_owned()),
+        close: true,
+    }
+}
+
+/// Whether a `Transfer-Encoding` list ends with `chunked`.
+fn last_coding_is_chunked(te: &[u8]) -> bool {
+    te.rsplit(|b| *b == b',')
+        .next()
+        .is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+}
+
+/// A `Content-Length` field value: one length, or a list of the same one (RFC 9112 section 6.3
+/// lets a recipient take `5, 5` as 5).
+fn content_lengths(value: &[u8]) -> Option<u64> {
+    let mut n = None;
+    for v in value.split(|b| *b == b',') {
+        let v = content_length(v)?;
+        if n.is_some_and(|n| n != v) {
+            return None;
+        }
+        n = Some(v);
+    }
+    n
+}
+
 /// A `Content-Length` value: digits only.
 fn content_length(value: &[u8]) -> Option<u64> {
     let v = value.trim_ascii();
@@ -739,14 +906,6 @@ fn content_length(value: &[u8]) -> Option<u64> {
         return None;
     }
     std::str::from_utf8(v).ok()?.parse().ok()
-}
-
-/// A host name as routes know them: letters, digits, `.-_`, and a port or IPv6 brackets.
-fn plain_host(host: &[u8]) -> bool {
-    !host.is_empty()
-        && host
-            .iter()
-            .all(|b| b.is_ascii_alphanumeric() || b".-_:[]".contains(b))
 }
 
 /// The client's address as the forwarding headers write it, formatted once per connection.
@@ -776,61 +935,90 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
     let head_len = match req.parse(buf) {
         Ok(httparse::Status::Complete(n)) => n,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
-        Err(_) => return Parsed::Elsewhere,
+        // Another version: HTTP/2's preface (h2c), or one the general path refuses.
+        Err(httparse::Error::Version) => return Parsed::Elsewhere,
+        Err(e) => {
+            let (status, code) = if e == httparse::Error::TooManyHeaders {
+                (
+                    StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                    "too_many_headers",
+                )
+            } else {
+                (StatusCode::BAD_REQUEST, "bad_request")
+            };
+            // Where the head ends is unknown: answer and close.
+            return Parsed::Refuse {
+                head_len: buf.len(),
+                refusal: Refusal::new(status, code, format!("malformed request head: {e}")),
+                close: true,
+            };
+        }
     };
     let (Some(method), Some(path), Some(1)) = (req.method, req.path, req.version) else {
         return Parsed::Elsewhere;
     };
-    if !path.starts_with('/') || method == "CONNECT" {
-        return Parsed::Elsewhere;
-    }
     let headers = &*req.headers;
     let conn = ConnectionTokens::read(headers);
     if conn.upgrade || conn.overflow {
         return Parsed::Elsewhere;
     }
-    let mut host: Option<&[u8]> = None;
+    // Every Host line, to refuse a second one (two are enough to tell).
+    let mut hosts: [&[u8]; 2] = [&[]; 2];
+    let mut host_lines = 0;
     let mut length: Option<u64> = None;
-    let mut chunked = false;
+    let mut transfer: Option<&[u8]> = None;
     for h in headers {
         if h.name.eq_ignore_ascii_case("host") {
-            if host.is_some() {
-                return Parsed::Elsewhere;
+            if host_lines < hosts.len() {
+                hosts[host_lines] = h.value;
+                host_lines += 1;
             }
-            host = Some(h.value.trim_ascii());
         } else if h.name.eq_ignore_ascii_case("content-length") {
-            match (content_length(h.value), length) {
+            match (content_lengths(h.value), length) {
                 (Some(n), None) => length = Some(n),
                 (Some(n), Some(m)) if n == m => {}
-                _ => return Parsed::Elsewhere,
+                // The body's length cannot be told (RFC 9112 section 6.3): refuse, and close.
+                _ => return bad_framing(head_len, "invalid or conflicting Content-Length"),
             }
         } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
-            if chunked || !h.value.trim_ascii().eq_ignore_ascii_case(b"chunked") {
+            if transfer.is_some() {
                 return Parsed::Elsewhere;
             }
-            chunked = true;
+            transfer = Some(h.value.trim_ascii());
         } else if h.name.eq_ignore_ascii_case("upgrade") {
             return Parsed::Elsewhere;
         }
     }
+    let chunked = match transfer {
+        None => false,
+        Some(te) if te.eq_ignore_ascii_case(b"chunked") => true,
+        // Other codings before chunked: the general path passes them on.
+        Some(te) if last_coding_is_chunked(te) => return Parsed::Elsewhere,
+        Some(_) => return bad_framing(head_len, "the last transfer coding is not chunked"),
+    };
+    // With both, the transfer coding frames the body and the connection ends after the answer
+    // (RFC 9112 section 6.1): Content-Length is not forwarded.
+    let smuggled_length = chunked && length.is_some();
     let body = match (chunked, length) {
-        (true, Some(_)) => return Parsed::Elsewhere,
-        (true, None) => Framing::Chunked,
+        (true, _) => Framing::Chunked,
         (false, Some(0) | None) => Framing::Empty,
         (false, Some(n)) => Framing::Length(n),
     };
+    if smuggled_length {
+        length = None;
+    }
     let close = conn.close || body != Framing::Empty;
-    let host = match host {
-        Some(h) if plain_host(h) => std::str::from_utf8(h).expect("ASCII"),
-        _ => {
-            let message = "the Host header is missing or not a host name".to_owned();
+    let target = match super::head::target(method, path, &hosts[..host_lines], true) {
+        Ok(t) => t,
+        Err(e) => {
             return Parsed::Refuse {
                 head_len,
-                refusal: Refusal::new(StatusCode::BAD_REQUEST, "bad_host", message),
-                close,
+                refusal: Refusal::new(e.status(), e.code(), e.message().to_owned()),
+                close: close || e == super::head::HeadError::Connect,
             };
         }
     };
+    let host = target.host;
     let Some(entry) = proxy.route(host) else {
         let message = format!("no route for host {host:?}");
         return Parsed::Refuse {
@@ -842,15 +1030,18 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
 
     out.extend_from_slice(method.as_bytes());
     out.push(b' ');
-    out.extend_from_slice(path.as_bytes());
-    out.extend_from_slice(b" HTTP/1.1\r\n");
+    out.extend_from_slice(super::head::origin(target.path).as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(b"\r\n");
     for h in headers {
         let name = h.name;
         // The framing is written below from what was parsed, so `Connection` naming
-        // Content-Length cannot take a body's framing away; Host always goes.
-        let host = name.eq_ignore_ascii_case("host");
+        // Content-Length cannot take a body's framing away; Host was written above, from the
+        // target's authority when it had one.
         if hop_by_hop(name)
-            || (conn.names(name) && !host)
+            || conn.names(name)
+            || name.eq_ignore_ascii_case("host")
             || name.eq_ignore_ascii_case("content-length")
             || name.eq_ignore_ascii_case("x-forwarded-for")
             || name.eq_ignore_ascii_case("x-forwarded-proto")
@@ -898,7 +1089,7 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
             method,
             "GET" | "HEAD" | "OPTIONS" | "TRACE" | "PUT" | "DELETE"
         ),
-        close: conn.close,
+        close: conn.close || smuggled_length,
     })
 }
 
@@ -1027,8 +1218,8 @@ fn push_display(out: &mut Vec<u8>, v: &impl std::fmt::Display) {
 }
 
 /// Writes a refusal (404, 502, 503 ...) as a JSON error.
-async fn write_refusal(
-    client: &mut TcpStream,
+async fn write_refusal<W: AsyncWrite + Unpin>(
+    client: &mut W,
     out: &mut Vec<u8>,
     proxy: &Proxy,
     refusal: &Refusal,
@@ -1062,46 +1253,65 @@ async fn write_refusal(
     client.write_all(out).await
 }
 
-async fn connect(addr: SocketAddr, timeout_ms: u64) -> io::Result<Backend> {
-    let stream = tokio::time::timeout(Duration::from_millis(timeout_ms), TcpStream::connect(addr))
-        .await
-        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "connect timed out"))??;
-    stream.set_nodelay(true)?;
-    Ok(Backend {
-        stream,
-        buf: BytesMut::with_capacity(8 * 1024),
-    })
+impl Backend {
+    fn new(stream: TcpStream) -> Self {
+        Self {
+            stream,
+            buf: BytesMut::with_capacity(8 * 1024),
+        }
+    }
 }
 
-/// Idle keep-alive backend connections of this thread, newest last.
+/// Idle keep-alive backend connections of this thread, newest last, per backend, with the
+/// signal that one came back for requests of this thread waiting for one.
 #[derive(Default)]
 struct Pool {
-    idle: HashMap<SocketAddr, Vec<(Backend, u64)>>,
+    idle: HashMap<SocketAddr, Idle>,
     swept_at_ms: u64,
+}
+
+#[derive(Default)]
+struct Idle {
+    conns: Vec<(Backend, u64)>,
+    /// Told when a connection comes back; present while a request may wait on it.
+    returned: Option<Arc<Notify>>,
 }
 
 thread_local! {
     static POOL: RefCell<Pool> = RefCell::new(Pool::default());
 }
 
-/// The newest idle connection to `addr` that has not timed out; one the backend has closed (or
-/// written to out of turn) is dropped instead of returned.
-fn pool_take(addr: SocketAddr, now_ms: u64, idle_timeout_ms: u64) -> Option<Backend> {
+/// The newest idle connection to `addr` that has not timed out; with `check`, one the backend has
+/// closed (or written to out of turn) is dropped instead of returned.
+fn pool_take(addr: SocketAddr, now_ms: u64, idle_timeout_ms: u64, check: bool) -> Option<Backend> {
     POOL.with(|p| {
         let mut p = p.borrow_mut();
-        let conns = p.idle.get_mut(&addr)?;
+        let conns = &mut p.idle.get_mut(&addr)?.conns;
         while let Some((b, since)) = conns.pop() {
             if now_ms.saturating_sub(since) >= idle_timeout_ms {
                 // The rest are older still.
                 conns.clear();
                 break;
             }
-            if !alive(&b.stream) {
+            if check && !alive(&b.stream) {
                 continue;
             }
             return Some(b);
         }
         None
+    })
+}
+
+/// What tells this thread's requests waiting for a connection to `addr` that one came back.
+fn pool_waiter(addr: SocketAddr) -> Arc<Notify> {
+    POOL.with(|p| {
+        p.borrow_mut()
+            .idle
+            .entry(addr)
+            .or_default()
+            .returned
+            .get_or_insert_with(Default::default)
+            .clone()
     })
 }
 
@@ -1120,16 +1330,28 @@ fn pool_put(addr: SocketAddr, b: Backend, now_ms: u64, options: &super::ProxyOpt
         if now_ms.saturating_sub(p.swept_at_ms) >= 1_000 {
             p.swept_at_ms = now_ms;
             let timeout = options.pool_idle_timeout_ms;
-            p.idle.retain(|_, conns| {
-                conns.retain(|(_, since)| now_ms.saturating_sub(*since) < timeout);
-                !conns.is_empty()
+            p.idle.retain(|_, idle| {
+                idle.conns
+                    .retain(|(_, since)| now_ms.saturating_sub(*since) < timeout);
+                // Nobody waits on a signal only the pool still holds.
+                if idle
+                    .returned
+                    .as_ref()
+                    .is_some_and(|n| Arc::strong_count(n) == 1)
+                {
+                    idle.returned = None;
+                }
+                !idle.conns.is_empty() || idle.returned.is_some()
             });
         }
-        let conns = p.idle.entry(addr).or_default();
-        if conns.len() >= options.pool_max_idle_per_host {
-            conns.remove(0);
+        let idle = p.idle.entry(addr).or_default();
+        if idle.conns.len() >= options.pool_max_idle_per_host {
+            idle.conns.remove(0);
         }
-        conns.push((b, now_ms));
+        idle.conns.push((b, now_ms));
+        if let Some(n) = &idle.returned {
+            n.notify_one();
+        }
     })
 }
 
@@ -1285,14 +1507,5 @@ mod tests {
         for bad in [&b""[..], b"+1", b"1 2", b"0x10", b"99999999999999999999"] {
             assert_eq!(content_length(bad), None, "{bad:?}");
         }
-    }
-
-    #[test]
-    fn hosts_are_plain_names() {
-        assert!(plain_host(b"demo.localhost:8080"));
-        assert!(plain_host(b"[::1]:80"));
-        assert!(!plain_host(b""));
-        assert!(!plain_host(b"a\"b.localhost"));
-        assert!(!plain_host(b"a b"));
     }
 }

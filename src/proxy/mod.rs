@@ -1,14 +1,21 @@
 //! The proxy: routes HTTP requests by Host to a ready replica of the route's workload, holding
 //! and waking when there is none.
 //!
-//! * **Routing** looks the Host up in the routing table ([`table`], a snapshot of the route store
-//!   matched with `state::routes::match_host`: port and case ignored, exact names before
-//!   `*.suffix` wildcards); an unknown Host gets 404 with a JSON error.
+//! * **Routing** reads where a request goes with [`head::target`] (exactly one valid `Host`, or
+//!   400; an absolute-form target's authority wins over `Host`), then looks the host up in the
+//!   routing table ([`table`], a snapshot of the route store matched with
+//!   `state::routes::match_host`: port and case ignored, exact names before `*.suffix`
+//!   wildcards); an unknown host gets 404 with a JSON error.
 //! * **Hold-and-wake**: a request for a workload with no ready replica waits in a bounded per-route
 //!   hold (beyond `hold_queue_max`: 503 at once). The first waiter's wake decision is logged once
-//!   (single flight, decided on the log's writer) before the orchestrator is asked to scale; every
-//!   waiter goes out the moment a replica is ready; past `hold_timeout_ms` it gets 503 with
-//!   `Retry-After`.
+//!   (single flight, decided on the log's writer, in a task of its own so an abandoned request
+//!   cannot cut it short) before the orchestrator is asked to scale; every waiter goes out the
+//!   moment a replica is ready; past `hold_timeout_ms` it gets 503 with `Retry-After`.
+//! * **Pacing** ([`backends`]): a request takes a slot on the least busy ready replica (at most
+//!   the route's `concurrency` each; the others wait in the hold), and connections to a replica
+//!   are opened at most `max_connecting` at a time, an unanswered connect attempt being made
+//!   again within `connect_attempt_ms`, so a burst released by a wake never floods an app with a
+//!   small accept backlog.
 //! * **Forwarding**: HTTP/1.1 requests take the raw-socket path in [`h1`] (per-thread pools of
 //!   keep-alive backend connections, bodies streamed byte for byte); h2c, HTTP/1.0 and upgrades
 //!   (WebSocket) take the general path on hyper ([`Proxy::handle`]). Both add `X-Forwarded-For`,
@@ -16,12 +23,15 @@
 //!   a body-less one whose connection is reset before an answer (the replica is stopping), wakes
 //!   the workload again and is retried once on another replica.
 //! * **Traffic** is counted in memory ([`Traffic`]): in-flight requests per route (held ones
-//!   included; a response counts until its body is done) and requests since the last flush. The
-//!   runtime loops in [`runtime`] flush it as `RequestsSeen` aggregates and scale idle workloads down.
-//!   The proxy never writes the log per request.
+//!   included; a response counts until its body is done, a request whose client left stops
+//!   counting at once) and requests since the last flush. The runtime loops in [`runtime`] flush
+//!   it as `RequestsSeen` aggregates and scale idle workloads down. The proxy never writes the log
+//!   per request.
 
+pub mod backends;
 pub mod chunked;
 mod h1;
+pub mod head;
 pub mod runtime;
 pub mod table;
 pub mod traffic;
@@ -40,7 +50,6 @@ use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Request, Response, StatusCode, Uri};
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 use crate::clock::Clock;
@@ -49,6 +58,7 @@ use crate::log::Log;
 use crate::orchestrator::Orchestrator;
 use crate::scaler::{awake_replicas, decide_wake};
 use crate::state::State;
+use backends::{Backends, Slot};
 use table::{Entry, Table};
 pub use traffic::{InFlight, RouteTraffic, Traffic};
 
@@ -69,8 +79,13 @@ pub struct ProxyOptions {
     /// How long a request under way may go without a byte moving either way (the backend
     /// thinking included) before both connections are closed.
     pub request_stall_timeout_ms: u64,
-    /// How long connecting to a backend may take.
+    /// How long getting a connection to a backend may take in all (waiting for a free opening
+    /// and every attempt).
     pub connect_timeout_ms: u64,
+    /// How long one connect attempt may go unanswered before it is made again (doubling up to a
+    /// second): a SYN dropped by a full accept queue is sent again now, not after the kernel's
+    /// back-off.
+    pub connect_attempt_ms: u64,
 }
 
 impl Default for ProxyOptions {
@@ -82,6 +97,7 @@ impl Default for ProxyOptions {
             client_idle_timeout_ms: 75_000,
             request_stall_timeout_ms: 300_000,
             connect_timeout_ms: 5_000,
+            connect_attempt_ms: 100,
         }
     }
 }
@@ -89,16 +105,19 @@ impl Default for ProxyOptions {
 thread_local! {
     /// Each proxy thread keeps its own pool of backend connections, so a request and the
     /// connection task that carries it stay on one thread (no cross-thread wake-ups).
-    static CLIENT: std::cell::RefCell<Option<Client<HttpConnector, Body>>> =
+    static CLIENT: std::cell::RefCell<Option<Client<PacedConnector, Body>>> =
         const { std::cell::RefCell::new(None) };
 }
 
-fn client(options: &ProxyOptions) -> Client<HttpConnector, Body> {
+fn client(options: &ProxyOptions, backends: &Arc<Backends>) -> Client<PacedConnector, Body> {
     CLIENT.with(|c| {
         c.borrow_mut()
             .get_or_insert_with(|| {
-                let mut connector = HttpConnector::new();
-                connector.set_nodelay(true);
+                let connector = PacedConnector {
+                    backends: backends.clone(),
+                    attempt_ms: options.connect_attempt_ms,
+                    timeout_ms: options.connect_timeout_ms,
+                };
                 Client::builder(TokioExecutor::new())
                     .pool_max_idle_per_host(options.pool_max_idle_per_host)
                     .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
@@ -108,6 +127,47 @@ fn client(options: &ProxyOptions) -> Client<HttpConnector, Body> {
     })
 }
 
+/// The general path's connector: connections to a replica are opened within its bound on
+/// openings, and an unanswered attempt is made again ([`backends`]).
+#[derive(Clone)]
+struct PacedConnector {
+    backends: Arc<Backends>,
+    attempt_ms: u64,
+    timeout_ms: u64,
+}
+
+impl tower_service::Service<Uri> for PacedConnector {
+    type Response = TokioIo<tokio::net::TcpStream>;
+    type Error = std::io::Error;
+    type Future = Pin<
+        Box<dyn std::future::Future<Output = std::io::Result<Self::Response>> + Send + 'static>,
+    >;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move {
+            let addr: SocketAddr = uri
+                .authority()
+                .and_then(|a| a.as_str().parse().ok())
+                .ok_or_else(|| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        format!("not a backend address: {uri}"),
+                    )
+                })?;
+            let stream = match this.backends.find(addr) {
+                Some(r) => r.open(this.attempt_ms, this.timeout_ms).await?,
+                None => backends::connect(addr, this.attempt_ms, this.timeout_ms).await?,
+            };
+            Ok(TokioIo::new(stream))
+        })
+    }
+}
+
 /// The proxy's shared state.
 pub struct Proxy {
     log: Arc<Log>,
@@ -115,6 +175,7 @@ pub struct Proxy {
     clock: Arc<dyn Clock>,
     traffic: Arc<Traffic>,
     table: std::sync::RwLock<Arc<Table>>,
+    backends: Arc<Backends>,
     orch_version: tokio::sync::watch::Receiver<u64>,
     next: AtomicUsize,
     options: ProxyOptions,
@@ -237,10 +298,12 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// A response body that keeps its request counted as in flight until it is done.
+/// A response body that keeps its request counted as in flight, and its slot on the replica,
+/// until it is done.
 struct Counted {
     inner: Body,
     _in_flight: InFlight,
+    _slot: Slot,
 }
 
 impl HttpBody for Counted {
@@ -279,6 +342,7 @@ impl Proxy {
             clock,
             traffic,
             table: std::sync::RwLock::new(Arc::new(Table::default())),
+            backends: Arc::new(Backends::default()),
             orch_version,
             next: AtomicUsize::new(0),
             options,
@@ -307,7 +371,10 @@ impl Proxy {
                 let seq = self.log.read(|s| s.routes.changed_at_seq);
                 let mut table = self.table.read().expect("table lock").clone();
                 if table.seq != seq {
-                    let fresh = Arc::new(self.log.read(|s| Table::build(s, &self.traffic)));
+                    let fresh = Arc::new(
+                        self.log
+                            .read(|s| Table::build(s, &self.traffic, &self.backends)),
+                    );
                     *self.table.write().expect("table lock") = fresh.clone();
                     table = fresh;
                 }
@@ -409,13 +476,18 @@ impl Proxy {
 
     /// Answers one request.
     pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
-        let host = req
-            .headers()
-            .get(header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .or_else(|| req.uri().host())
-            .unwrap_or("")
-            .to_owned();
+        let (host, path) = match routed_by(&req) {
+            Ok(t) => t,
+            Err(e) => {
+                let mut r = json_error(e.status(), e.code(), e.message());
+                if e == head::HeadError::Connect {
+                    // What a refused CONNECT was to carry next is unknown: close.
+                    r.headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                return r;
+            }
+        };
         let Some(entry) = self.route(&host) else {
             return json_error(
                 StatusCode::NOT_FOUND,
@@ -437,10 +509,12 @@ impl Proxy {
         strip_hop_by_hop(&mut parts.headers);
         // Backends speak HTTP/1.1 whatever the client spoke (h2c included), with the client's Host.
         parts.version = hyper::Version::HTTP_11;
-        if !parts.headers.contains_key(header::HOST)
-            && let Ok(h) = HeaderValue::from_str(&host)
-        {
-            parts.headers.insert(header::HOST, h);
+        // The Host the request was routed by (the target's authority, when it had one).
+        match HeaderValue::from_str(&host) {
+            Ok(h) => {
+                parts.headers.insert(header::HOST, h);
+            }
+            Err(_) => return json_error(StatusCode::BAD_REQUEST, "bad_host", "invalid Host"),
         }
         if let Some(proto) = &upgrade_to {
             parts
@@ -449,19 +523,19 @@ impl Proxy {
             parts.headers.insert(header::UPGRADE, proto.clone());
         }
         add_forwarded(&mut parts.headers, peer, &host);
-        let path = parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| hyper::http::uri::PathAndQuery::from_static("/"));
+        let path = match hyper::http::uri::PathAndQuery::try_from(path.as_str()) {
+            Ok(p) => p,
+            Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_target", &e.to_string()),
+        };
         let mut body = Some(body.boxed());
         // A replica that refused or reset the connection is avoided on the retry.
         let mut failed: Option<SocketAddr> = None;
         loop {
-            let addr = match self.endpoint(&entry, failed).await {
-                Ok(a) => a,
+            let slot = match self.endpoint(&entry, failed).await {
+                Ok(s) => s,
                 Err(refusal) => return refusal.into_response(self.options.retry_after_s),
             };
+            let addr = slot.addr();
             let mut out = Request::from_parts(parts.clone(), body.take().unwrap_or_else(empty));
             let mut uri = hyper::http::uri::Parts::default();
             uri.scheme = Some(hyper::http::uri::Scheme::HTTP);
@@ -473,13 +547,13 @@ impl Proxy {
                     return json_error(StatusCode::BAD_REQUEST, "bad_request", &e.to_string());
                 }
             };
-            match client(&self.options).request(out).await {
+            match client(&self.options, &self.backends).request(out).await {
                 Ok(mut resp) => {
                     if resp.status() == StatusCode::SWITCHING_PROTOCOLS
                         && let Some(client_upgrade) = client_upgrade
                     {
                         let backend_upgrade = hyper::upgrade::on(&mut resp);
-                        tokio::spawn(tunnel(client_upgrade, backend_upgrade, in_flight));
+                        tokio::spawn(tunnel(client_upgrade, backend_upgrade, (in_flight, slot)));
                         let (parts, _) = resp.into_parts();
                         return Response::from_parts(parts, empty());
                     }
@@ -488,6 +562,7 @@ impl Proxy {
                     let body = Counted {
                         inner: body.boxed(),
                         _in_flight: in_flight,
+                        _slot: slot,
                     };
                     return Response::from_parts(parts, body.boxed());
                 }
@@ -515,16 +590,13 @@ impl Proxy {
         }
     }
 
-    /// A ready replica's address other than `avoid`, holding the request (and waking the workload)
-    /// while there is none.
-    async fn endpoint(
-        &self,
-        entry: &Entry,
-        avoid: Option<SocketAddr>,
-    ) -> Result<SocketAddr, Refusal> {
+    /// A slot on a ready replica other than `avoid` ([`backends::take_slot`]). While there is
+    /// none the request is held: the workload is woken when no replica is ready, and the request
+    /// takes the first slot that a replica becoming ready or a request ending frees.
+    async fn endpoint(&self, entry: &Entry, avoid: Option<SocketAddr>) -> Result<Slot, Refusal> {
         let route = &entry.spec;
-        if let Some(addr) = self.pick(entry, avoid) {
-            return Ok(addr);
+        if let Some(slot) = self.pick(entry, avoid) {
+            return Ok(slot);
         }
         let Some(_held) = entry.traffic.hold(route.hold_queue_max) else {
             return Err(Refusal::unavailable(
@@ -536,24 +608,57 @@ impl Proxy {
             ));
         };
         let mut changes = self.orch.changes();
-        // Single flight: while one held request wakes the workload, the others only wait.
-        if let Some(_waking) = entry.traffic.begin_wake()
-            && let Err(e) = self.wake(route).await
-        {
-            return Err(Refusal::unavailable("wake_failed", e));
-        }
         let wait = async {
+            // The wake runs as a task of its own, so that it completes even when the request that
+            // started it is abandoned; the requests held meanwhile only wait for it.
+            let mut waking: Option<tokio::task::JoinHandle<Result<(), String>>> = None;
+            let mut woke = false;
             loop {
-                if let Some(addr) = self.pick(entry, avoid) {
-                    return Some(addr);
+                let freed = entry.group.slot_freed();
+                tokio::pin!(freed);
+                freed.as_mut().enable();
+                if let Some(slot) = self.pick(entry, avoid) {
+                    return Ok(slot);
                 }
-                if changes.changed().await.is_err() {
-                    return None;
+                if !woke && !self.has_ready(entry, avoid) {
+                    woke = true;
+                    // Single flight: while one held request wakes the workload, the others wait.
+                    if let Some(guard) = entry.traffic.begin_wake() {
+                        let (log, orch, route) =
+                            (self.log.clone(), self.orch.clone(), route.clone());
+                        waking = Some(tokio::spawn(async move {
+                            let r = wake(&log, &*orch, &route).await;
+                            drop(guard);
+                            r
+                        }));
+                    }
+                }
+                tokio::select! {
+                    r = changes.changed() => if r.is_err() {
+                        return Err(None);
+                    },
+                    () = &mut freed => {}
+                    r = async { waking.as_mut().expect("guarded").await }, if waking.is_some() => {
+                        waking = None;
+                        match r {
+                            Ok(Ok(())) => {}
+                            Ok(Err(e)) => return Err(Some(e)),
+                            Err(e) => return Err(Some(e.to_string())),
+                        }
+                    }
                 }
             }
         };
         match tokio::time::timeout(Duration::from_millis(route.hold_timeout_ms), wait).await {
-            Ok(Some(addr)) => Ok(addr),
+            Ok(Ok(slot)) => Ok(slot),
+            Ok(Err(Some(e))) => Err(Refusal::unavailable("wake_failed", e)),
+            _ if self.has_ready(entry, avoid) => Err(Refusal::unavailable(
+                "replicas_busy",
+                format!(
+                    "every replica of {} serves {} requests already; none was free within {} ms",
+                    route.name, route.concurrency, route.hold_timeout_ms
+                ),
+            )),
             _ => Err(Refusal::unavailable(
                 "wake_timeout",
                 format!(
@@ -565,50 +670,75 @@ impl Proxy {
     }
 
     /// The route's ready replicas, read from the orchestrator only when it reported a change.
-    fn ready(&self, entry: &Entry) -> Arc<[SocketAddr]> {
+    fn ready(&self, entry: &Entry) -> Arc<[Arc<backends::Replica>]> {
         let version = *self.orch_version.borrow();
         if let Some(ready) = entry.ready_at(version) {
             return ready;
         }
-        let ready: Arc<[SocketAddr]> = self
+        let addrs = self
             .orch
             .observe(&entry.spec.deployment)
-            .map_or_else(|| Arc::from([]), |o| Arc::from(o.ready));
-        entry.set_ready(version, ready.clone());
-        ready
+            .map(|o| o.ready)
+            .unwrap_or_default();
+        entry.set_ready(version, &addrs, &self.backends)
     }
 
-    /// Round-robin over the ready replicas, skipping `avoid`.
-    fn pick(&self, entry: &Entry, avoid: Option<SocketAddr>) -> Option<SocketAddr> {
+    /// Whether a replica other than `avoid` is ready.
+    fn has_ready(&self, entry: &Entry, avoid: Option<SocketAddr>) -> bool {
+        self.ready(entry).iter().any(|r| Some(r.addr) != avoid)
+    }
+
+    /// A slot on the least busy ready replica other than `avoid`, equal ones taking turns.
+    fn pick(&self, entry: &Entry, avoid: Option<SocketAddr>) -> Option<Slot> {
         let ready = self.ready(entry);
-        let usable = ready.iter().filter(|a| Some(**a) != avoid).count();
-        if usable == 0 {
-            return None;
-        }
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % usable;
-        ready.iter().filter(|a| Some(**a) != avoid).nth(i).copied()
+        let start = if ready.len() > 1 {
+            self.next.fetch_add(1, Ordering::Relaxed)
+        } else {
+            0
+        };
+        backends::take_slot(&ready, avoid, entry.spec.concurrency, start, &entry.group)
     }
+}
 
-    /// Logs the wake decision (once per wake, whoever asks) and makes sure the orchestrator runs
-    /// the workload.
-    async fn wake(&self, route: &RouteSpec) -> Result<(), String> {
-        let name = route.name.clone();
-        self.log
-            .decide(move |s: &State, _| (decide_wake(s, &name).into_iter().collect(), ()))
-            .await
+/// Logs the wake decision (once per wake, whoever asks) and makes sure the orchestrator runs the
+/// workload.
+async fn wake(log: &Log, orch: &dyn Orchestrator, route: &RouteSpec) -> Result<(), String> {
+    let name = route.name.clone();
+    log.decide(move |s: &State, _| (decide_wake(s, &name).into_iter().collect(), ()))
+        .await
+        .map_err(|e| e.to_string())?;
+    let want = awake_replicas(route.min_replicas);
+    let desired = orch.observe(&route.deployment).map_or(0, |o| o.desired);
+    if desired < want {
+        orch.scale(&route.deployment, want)
             .map_err(|e| e.to_string())?;
-        let want = awake_replicas(route.min_replicas);
-        let desired = self
-            .orch
-            .observe(&route.deployment)
-            .map_or(0, |o| o.desired);
-        if desired < want {
-            self.orch
-                .scale(&route.deployment, want)
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(())
     }
+    Ok(())
+}
+
+/// The host a request on the general path is routed by and the origin-form target its backend
+/// gets ([`head::target`]); on HTTP/2 the `:authority`, which a `Host` header must not contradict.
+fn routed_by<B>(req: &Request<B>) -> Result<(String, String), head::HeadError> {
+    let hosts: Vec<&[u8]> = req
+        .headers()
+        .get_all(header::HOST)
+        .iter()
+        .map(HeaderValue::as_bytes)
+        .collect();
+    let target = req.uri().to_string();
+    let h2 = req.version() == hyper::Version::HTTP_2;
+    if h2
+        && let (Some(authority), [host]) = (req.uri().authority(), hosts.as_slice())
+        && !authority
+            .as_str()
+            .as_bytes()
+            .eq_ignore_ascii_case(host.trim_ascii())
+    {
+        return Err(head::HeadError::HostConflict);
+    }
+    let http11 = req.version() == hyper::Version::HTTP_11;
+    let t = head::target(req.method().as_str(), &target, &hosts, http11)?;
+    Ok((t.host.to_owned(), head::origin(t.path).into_owned()))
 }
 
 /// The URI authority of a backend, built once per address and thread.
@@ -648,7 +778,7 @@ fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
 async fn tunnel(
     client: hyper::upgrade::OnUpgrade,
     backend: hyper::upgrade::OnUpgrade,
-    in_flight: InFlight,
+    in_flight: (InFlight, Slot),
 ) {
     let (client, backend) = match tokio::try_join!(client, backend) {
         Ok(pair) => pair,

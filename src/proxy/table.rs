@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 
+use super::backends::{Backends, Group, Replica};
 use super::traffic::{RouteTraffic, Traffic};
 use crate::event::RouteSpec;
 use crate::state::State;
@@ -22,20 +23,30 @@ pub struct Entry {
     pub spec: RouteSpec,
     /// Its traffic counters.
     pub traffic: Arc<RouteTraffic>,
+    /// Its deployment's replicas as a whole (slots freed on any of them).
+    pub group: Arc<Group>,
     /// Ready replicas, with the orchestrator version they were read at.
-    ready: RwLock<(u64, Arc<[SocketAddr]>)>,
+    ready: RwLock<(u64, Arc<[Arc<Replica>]>)>,
 }
 
 impl Entry {
     /// The cached ready list if it was read at `version`.
-    pub fn ready_at(&self, version: u64) -> Option<Arc<[SocketAddr]>> {
+    pub fn ready_at(&self, version: u64) -> Option<Arc<[Arc<Replica>]>> {
         let g = self.ready.read().expect("ready lock");
         (g.0 == version).then(|| g.1.clone())
     }
 
     /// Caches the ready list read at `version`.
-    pub fn set_ready(&self, version: u64, ready: Arc<[SocketAddr]>) {
-        *self.ready.write().expect("ready lock") = (version, ready);
+    pub fn set_ready(
+        &self,
+        version: u64,
+        ready: &[SocketAddr],
+        backends: &Backends,
+    ) -> Arc<[Arc<Replica>]> {
+        let max = self.spec.max_connecting();
+        let ready: Arc<[Arc<Replica>]> = ready.iter().map(|a| backends.replica(*a, max)).collect();
+        *self.ready.write().expect("ready lock") = (version, ready.clone());
+        ready
     }
 }
 
@@ -49,12 +60,13 @@ pub struct Table {
 
 impl Table {
     /// Builds the table from the route store.
-    pub fn build(state: &State, traffic: &Traffic) -> Table {
+    pub fn build(state: &State, traffic: &Traffic, backends: &Backends) -> Table {
         let mut domains = HashMap::new();
         for r in state.routes.by_name.values() {
             let entry = Arc::new(Entry {
                 spec: r.spec.clone(),
                 traffic: traffic.route(&r.spec.name),
+                group: backends.group(&r.spec.deployment),
                 // u64::MAX never matches an orchestrator version: read on first use.
                 ready: RwLock::new((u64::MAX, Arc::from([]))),
             });

@@ -183,6 +183,8 @@ mod tests {
                 hold_timeout_ms: 1_000,
                 hold_queue_max: 10,
                 process: None,
+                concurrency: 0,
+                max_connecting: 0,
             },
         }
     }

@@ -407,6 +407,8 @@ impl World {
                 hold_timeout_ms: p.hold_timeout_ms,
                 hold_queue_max: 10_000,
                 process: None,
+                concurrency: 0,
+                max_connecting: 0,
             };
             for i in 0..p.replicas {
                 let skew = if self.faults.skew && p.max_skew_ms > 0 {

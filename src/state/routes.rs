@@ -188,6 +188,8 @@ mod tests {
             hold_timeout_ms: 0,
             hold_queue_max: 0,
             process: None,
+            concurrency: 0,
+            max_connecting: 0,
         }
     }
 

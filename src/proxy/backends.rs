@@ -1,0 +1,334 @@
+//! Pacing of the proxy's work on each replica, shared by every proxy thread and both forwarding
+//! paths, so that a burst (a cold start releasing every held request at once) never floods an app
+//! with more than it can take:
+//!
+//! * **Requests per replica** (a route's `concurrency`, like Knative's `containerConcurrency`;
+//!   0 means no bound): a request takes a slot on the replica with the fewest requests under way
+//!   and holds it until its response is done. When every replica is full the request waits, held
+//!   like a request for a sleeping workload (the route's hold queue and hold timeout), and takes
+//!   the first slot freed.
+//! * **Connections being opened per replica** (`max_connecting`): a request that finds no idle
+//!   keep-alive connection opens one only while fewer than this many are being opened to that
+//!   replica; otherwise it waits for whichever comes first, an idle connection coming back to its
+//!   thread's pool or a free opening. An app with a small accept backlog never sees more
+//!   connection attempts at once than this.
+//! * **Connects are retried quickly** ([`connect`]): an attempt that gets no answer within
+//!   `connect_attempt_ms` (the SYN was dropped, typically by a full accept queue) is abandoned and
+//!   made again, the bound doubling up to a second, within `connect_timeout_ms` in all; nothing
+//!   was sent, so the retry is safe, and the kernel's SYN back-off (1 s, 3 s, 7 s ...) never
+//!   applies.
+//!
+//! Replicas are known by address, deployments by name; both are looked up when a route's ready
+//! list changes, never per request, and dropped when no ready list names them.
+
+use std::collections::HashMap;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+
+/// The longest single connect attempt.
+const ATTEMPT_MAX_MS: u64 = 1_000;
+
+/// One replica as every proxy thread sees it.
+#[derive(Debug)]
+pub struct Replica {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Requests holding a slot on it.
+    active: AtomicU32,
+    /// Connections being opened to it.
+    connecting: AtomicU32,
+    /// How many may be opened at once (the `max_connecting` of the route that last listed it).
+    max_connecting: AtomicU32,
+    /// An opening ended.
+    opening_ended: Notify,
+}
+
+/// One deployment's replicas as a whole: a slot freed on any of them.
+#[derive(Debug, Default)]
+pub struct Group {
+    slot_freed: Notify,
+}
+
+impl Group {
+    /// Resolves when a slot on one of the deployment's replicas is freed (or was freed since the
+    /// last waiter was woken).
+    pub fn slot_freed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.slot_freed.notified()
+    }
+}
+
+/// Every replica and deployment the proxy paces.
+#[derive(Debug, Default)]
+pub struct Backends {
+    replicas: Mutex<HashMap<SocketAddr, Weak<Replica>>>,
+    groups: Mutex<HashMap<String, Weak<Group>>>,
+}
+
+impl Backends {
+    /// The replica at `addr`, created on first use, opened at most `max_connecting` at a time.
+    pub fn replica(&self, addr: SocketAddr, max_connecting: u32) -> Arc<Replica> {
+        let mut map = self.replicas.lock().expect("replicas lock");
+        if let Some(r) = map.get(&addr).and_then(Weak::upgrade) {
+            r.max_connecting.store(max_connecting, Ordering::Relaxed);
+            return r;
+        }
+        map.retain(|_, r| r.strong_count() > 0);
+        let r = Arc::new(Replica {
+            addr,
+            active: AtomicU32::new(0),
+            connecting: AtomicU32::new(0),
+            max_connecting: AtomicU32::new(max_connecting),
+            opening_ended: Notify::new(),
+        });
+        map.insert(addr, Arc::downgrade(&r));
+        r
+    }
+
+    /// The replica at `addr` if a ready list names it.
+    pub fn find(&self, addr: SocketAddr) -> Option<Arc<Replica>> {
+        self.replicas
+            .lock()
+            .expect("replicas lock")
+            .get(&addr)
+            .and_then(Weak::upgrade)
+    }
+
+    /// The deployment's group, created on first use.
+    pub fn group(&self, deployment: &str) -> Arc<Group> {
+        let mut map = self.groups.lock().expect("groups lock");
+        if let Some(g) = map.get(deployment).and_then(Weak::upgrade) {
+            return g;
+        }
+        map.retain(|_, g| g.strong_count() > 0);
+        let g = Arc::new(Group::default());
+        map.insert(deployment.to_owned(), Arc::downgrade(&g));
+        g
+    }
+}
+
+/// A request's place on a replica, held until its response is done.
+#[derive(Debug)]
+pub struct Slot {
+    replica: Arc<Replica>,
+    /// Told when the slot is freed (only when the route bounds its requests per replica: nobody
+    /// waits otherwise).
+    group: Option<Arc<Group>>,
+}
+
+impl Slot {
+    /// The replica's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.replica.addr
+    }
+
+    /// The replica.
+    pub fn replica(&self) -> &Arc<Replica> {
+        &self.replica
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.replica.active.fetch_sub(1, Ordering::AcqRel);
+        if let Some(g) = &self.group {
+            g.slot_freed.notify_one();
+        }
+    }
+}
+
+/// Takes a slot on the replica with the fewest requests under way, among those in `ready` other
+/// than `avoid` that are below `limit` (0: no bound), starting the scan at `start` so that equal
+/// replicas take turns.
+pub fn take_slot(
+    ready: &[Arc<Replica>],
+    avoid: Option<SocketAddr>,
+    limit: u32,
+    start: usize,
+    group: &Arc<Group>,
+) -> Option<Slot> {
+    // A slot is taken with a compare-and-swap; a race lost to another thread scans again.
+    for _ in 0..8 {
+        let n = ready.len();
+        let mut best: Option<(u32, &Arc<Replica>)> = None;
+        for i in 0..n {
+            let r = &ready[(start + i) % n];
+            if Some(r.addr) == avoid {
+                continue;
+            }
+            let active = r.active.load(Ordering::Acquire);
+            if limit > 0 && active >= limit {
+                continue;
+            }
+            if best.is_none_or(|(b, _)| active < b) {
+                best = Some((active, r));
+            }
+        }
+        let (active, r) = best?;
+        if r.active
+            .compare_exchange(active, active + 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            return Some(Slot {
+                replica: r.clone(),
+                group: (limit > 0).then(|| group.clone()),
+            });
+        }
+    }
+    None
+}
+
+/// A connection being opened to a replica; the opening ends when dropped.
+#[derive(Debug)]
+pub struct Opening<'a>(&'a Replica);
+
+impl Drop for Opening<'_> {
+    fn drop(&mut self) {
+        self.0.connecting.fetch_sub(1, Ordering::AcqRel);
+        self.0.opening_ended.notify_one();
+    }
+}
+
+impl Replica {
+    /// Requests holding a slot now.
+    pub fn active(&self) -> u32 {
+        self.active.load(Ordering::Acquire)
+    }
+
+    /// Starts opening a connection unless as many as allowed are being opened already.
+    pub fn try_open(&self) -> Option<Opening<'_>> {
+        let max = self.max_connecting.load(Ordering::Relaxed);
+        let mut cur = self.connecting.load(Ordering::Acquire);
+        loop {
+            if max > 0 && cur >= max {
+                return None;
+            }
+            match self.connecting.compare_exchange(
+                cur,
+                cur + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(Opening(self)),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
+    /// Resolves when an opening to this replica ends (or ended since the last waiter woke).
+    pub fn opening_ended(&self) -> tokio::sync::futures::Notified<'_> {
+        self.opening_ended.notified()
+    }
+
+    /// Opens a connection, waiting while as many as allowed are being opened already
+    /// ([`connect`] inside).
+    pub async fn open(&self, attempt_ms: u64, timeout_ms: u64) -> io::Result<TcpStream> {
+        let opening = loop {
+            let ended = self.opening_ended();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            if let Some(o) = self.try_open() {
+                break o;
+            }
+            ended.await;
+        };
+        let stream = connect(self.addr, attempt_ms, timeout_ms).await;
+        drop(opening);
+        stream
+    }
+}
+
+/// Connects to `addr`, abandoning an attempt that gets no answer within `attempt_ms` (doubling up
+/// to a second) and trying again, for at most `timeout_ms` in all. A refusal ends it at once.
+pub async fn connect(addr: SocketAddr, attempt_ms: u64, timeout_ms: u64) -> io::Result<TcpStream> {
+    let attempts = async {
+        let mut attempt = Duration::from_millis(attempt_ms.max(1));
+        loop {
+            if let Ok(r) = tokio::time::timeout(attempt, TcpStream::connect(addr)).await {
+                let stream = r?;
+                stream.set_nodelay(true)?;
+                return Ok(stream);
+            }
+            tracing::debug!(%addr, attempt_ms = attempt.as_millis() as u64, "connect got no answer; trying again");
+            attempt = (attempt * 2).min(Duration::from_millis(ATTEMPT_MAX_MS));
+        }
+    };
+    tokio::time::timeout(Duration::from_millis(timeout_ms), attempts)
+        .await
+        .unwrap_or_else(|_| {
+            Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("connecting timed out after {timeout_ms} ms"),
+            ))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replicas(b: &Backends, n: u16) -> Vec<Arc<Replica>> {
+        (0..n)
+            .map(|i| b.replica(SocketAddr::from(([127, 0, 0, 1], 1000 + i)), 4))
+            .collect()
+    }
+
+    #[test]
+    fn slots_go_to_the_least_busy_replica_within_the_bound() {
+        let b = Backends::default();
+        let g = b.group("d");
+        let ready = replicas(&b, 3);
+        let s0 = take_slot(&ready, None, 2, 0, &g).unwrap();
+        let s1 = take_slot(&ready, None, 2, 0, &g).unwrap();
+        let s2 = take_slot(&ready, None, 2, 0, &g).unwrap();
+        let mut addrs = vec![s0.addr(), s1.addr(), s2.addr()];
+        addrs.sort();
+        addrs.dedup();
+        assert_eq!(addrs.len(), 3, "one each before any gets a second");
+        let more: Vec<Slot> = (0..3)
+            .map(|i| take_slot(&ready, None, 2, i, &g).unwrap())
+            .collect();
+        assert!(take_slot(&ready, None, 2, 0, &g).is_none(), "all full");
+        assert!(take_slot(&ready, None, 0, 0, &g).is_some(), "no bound");
+        let freed = s1.addr();
+        drop(s1);
+        assert_eq!(take_slot(&ready, None, 2, 0, &g).unwrap().addr(), freed);
+        assert!(
+            take_slot(&ready, Some(ready[0].addr), 0, 0, &g)
+                .is_some_and(|s| s.addr() != ready[0].addr)
+        );
+        drop(more);
+        assert!(take_slot(&[], None, 0, 0, &g).is_none());
+    }
+
+    #[test]
+    fn openings_are_bounded_and_replicas_forgotten_when_unused() {
+        let b = Backends::default();
+        let r = b.replica(SocketAddr::from(([127, 0, 0, 1], 9)), 2);
+        let first = r.try_open().unwrap();
+        let second = r.try_open().unwrap();
+        assert!(r.try_open().is_none());
+        drop(first);
+        assert!(r.try_open().is_some());
+        assert!(Arc::ptr_eq(&b.replica(r.addr, 2), &r));
+        let addr = r.addr;
+        drop(second);
+        drop(r);
+        assert!(b.find(addr).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_refused_connect_fails_at_once_and_a_listening_one_succeeds() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        assert!(connect(addr, 50, 5_000).await.is_ok());
+        drop(l);
+        let e = connect(addr, 50, 5_000).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
+    }
+}
