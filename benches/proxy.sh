@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Proxy benchmark, in one go on this machine:
 #   1. warm throughput and latency (wrk) of the example app directly, of ebb in front of it, and of
-#      nginx as a keep-alive reverse proxy in front of it, with the ratios ebb/nginx;
+#      nginx and HAProxy as keep-alive reverse proxies in front of it (each reusing its backend
+#      connections), in alternating rounds, with the ratios ebb/nginx and ebb/HAProxy;
 #   2. cold-start overhead (`ebb bench cold-start`): first byte through ebb for a workload at zero
-#      minus the app's own start-to-ready time.
-# Installs wrk and nginx (Debian packages) when missing. Usage: benches/proxy.sh [SECONDS] [CONNS]
+#      minus the app's own start-to-ready time, and a cold burst of 200 requests against an app
+#      with a tiny accept backlog, through ebb against the same burst sent to the app directly.
+# Installs wrk, nginx and haproxy (Debian packages) when missing.
+# Usage: benches/proxy.sh [SECONDS] [CONNS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -12,7 +15,7 @@ source scripts/env.sh
 seconds="${1:-10}"
 conns="${2:-64}"
 need=()
-for pkg in wrk nginx curl; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
+for pkg in wrk nginx haproxy curl; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi
   $sudo apt-get update -qq
@@ -32,6 +35,7 @@ trap cleanup EXIT
 
 base="${BENCH_PORT_BASE:-18000}"
 app_port=$((base + 1)); ebb_port=$((base + 2)); admin_port=$((base + 3)); nginx_port=$((base + 4))
+haproxy_port=$((base + 5))
 
 wait_http() { # URL HOST
   for _ in $(seq 1 600); do
@@ -90,9 +94,32 @@ NGINX
 nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" &
 pids+=($!)
 
+# HAProxy with two threads (one per core, like ebb and nginx), keep-alive and connection reuse.
+cat >"$work/haproxy.cfg" <<HAPROXY
+global
+  nbthread 2
+  maxconn 4096
+defaults
+  mode http
+  option http-keep-alive
+  option forwardfor
+  http-reuse always
+  timeout connect 5s
+  timeout client 60s
+  timeout server 60s
+frontend proxy
+  bind 127.0.0.1:$haproxy_port
+  default_backend app
+backend app
+  server app 127.0.0.1:$app_port maxconn 1000
+HAPROXY
+haproxy -db -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
+pids+=($!)
+
 wait_http "http://127.0.0.1:$app_port/health" x
 wait_http "http://127.0.0.1:$ebb_port/health" bench.localhost
 wait_http "http://127.0.0.1:$nginx_port/health" x
+wait_http "http://127.0.0.1:$haproxy_port/health" x
 
 run() { # NAME PORT
   local out
@@ -114,13 +141,15 @@ to_us() {
 
 rounds="${BENCH_ROUNDS:-3}"
 echo "warm: wrk -t2 -c$conns -d${seconds}s, GET / (echo), 2 cores shared by wrk, proxy and app;"
-echo "ebb and nginx measured in $rounds alternating rounds, each figure the median of its rounds"
+echo "ebb, nginx and HAProxy measured in $rounds alternating rounds, each figure the median of its rounds"
 results=("$(run direct "$app_port")")
 ebb_runs=()
 ngx_runs=()
+hap_runs=()
 for _ in $(seq 1 "$rounds"); do
   ebb_runs+=("$(run ebb "$ebb_port")")
   ngx_runs+=("$(run nginx "$nginx_port")")
+  hap_runs+=("$(run haproxy "$haproxy_port")")
 done
 # The median of each column over the rounds, latencies in microseconds.
 median() { # NAME RUNS...
@@ -135,7 +164,7 @@ median() { # NAME RUNS...
     }
     END { printf "%s %.2f %.0fus %.0fus\n", name, med(r, NR), med(a, NR), med(b, NR) }'
 }
-results+=("$(median ebb "${ebb_runs[@]}")" "$(median nginx "${ngx_runs[@]}")")
+results+=("$(median ebb "${ebb_runs[@]}")" "$(median nginx "${ngx_runs[@]}")" "$(median haproxy "${hap_runs[@]}")")
 echo
 echo "| target | requests/s | p50 | p99 |"
 echo "|---|---|---|---|"
@@ -144,11 +173,13 @@ for r in "${results[@]}"; do
   echo "| $name | $rps | $p50 | $p99 |"
 done
 read -r _ ebb_rps ebb_p50 ebb_p99 <<<"${results[1]}"
-read -r _ ngx_rps ngx_p50 ngx_p99 <<<"${results[2]}"
-awk -v a="$ebb_rps" -v b="$ngx_rps" -v c="$(to_us "$ebb_p99")" -v d="$(to_us "$ngx_p99")" \
-    -v e="$(to_us "$ebb_p50")" -v f="$(to_us "$ngx_p50")" 'BEGIN {
-  printf "| ebb / nginx | %.2f x throughput | %.2f x p50 | %.2f x p99 |\n", a / b, e / f, c / d
-}'
+for i in 2 3; do
+  read -r other o_rps o_p50 o_p99 <<<"${results[$i]}"
+  awk -v n="$other" -v a="$ebb_rps" -v b="$o_rps" -v c="$(to_us "$ebb_p99")" -v d="$(to_us "$o_p99")" \
+      -v e="$(to_us "$ebb_p50")" -v f="$(to_us "$o_p50")" 'BEGIN {
+    printf "| ebb / %s | %.2f x throughput | %.2f x p50 | %.2f x p99 |\n", n, a / b, e / f, c / d
+  }'
+done
 echo
 echo "cold start:"
 "$ebb" bench cold-start

@@ -68,7 +68,10 @@ fn config_routes(state: &State, routes: &[RouteSpec]) -> Vec<Event> {
 }
 
 /// `n` listeners on one address with `SO_REUSEPORT`; the first one picks the port when it is 0.
-fn reuseport_listeners(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
+pub fn reuseport_listeners(
+    addr: SocketAddr,
+    n: usize,
+) -> std::io::Result<Vec<std::net::TcpListener>> {
     let mut addr = addr;
     let mut out = Vec::new();
     for i in 0..n.max(1) {

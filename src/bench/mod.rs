@@ -13,7 +13,9 @@ use anyhow::{Context, Result};
 use serde_bytes::ByteBuf;
 
 use crate::clock::{Stopwatch, SystemClock};
-use crate::event::{CallKind, CallSpec, Event, Outcome, Payload, RouteSpec};
+use crate::event::{
+    CallKind, CallSpec, DEFAULT_MAX_CONNECTING, Event, Outcome, Payload, RouteSpec,
+};
 use crate::log::rocks::OpenMode;
 use crate::log::{Durability, Log, Options, RocksStore};
 
@@ -95,6 +97,8 @@ fn route_events() -> Vec<Event> {
                 hold_timeout_ms: 30_000,
                 hold_queue_max: 1_000,
                 process: None,
+                concurrency: 0,
+                max_connecting: 0,
             },
         })
         .collect()
@@ -112,6 +116,8 @@ pub(crate) fn bench_route(name: &str, process: Option<crate::event::ProcessSpec>
         hold_timeout_ms: 30_000,
         hold_queue_max: 100,
         process,
+        concurrency: 0,
+        max_connecting: 0,
     }
 }
 
@@ -293,6 +299,175 @@ pub struct ColdStartArgs {
     /// Cold starts to measure.
     #[arg(long, default_value_t = 20)]
     pub rounds: u32,
+    /// Requests in each cold burst (0: no burst measurement).
+    #[arg(long, default_value_t = 200)]
+    pub burst: usize,
+    /// Cold bursts to measure (each against the app direct and through ebb, alternating).
+    #[arg(long, default_value_t = 3)]
+    pub burst_rounds: u32,
+    /// The fragile app of the burst: `ebb example-app` with these arguments (a small accept
+    /// backlog, a slow accept loop).
+    #[arg(
+        long,
+        default_value = "--backlog 2 --accept-delay-ms 5",
+        allow_hyphen_values = true
+    )]
+    pub burst_app: String,
+}
+
+/// Sends `n` requests for `/pid` at once to `addr`, each on a connection of its own; returns the
+/// time until the last answer was complete and how many were 200. A request gets no answer after
+/// `limit` at most.
+async fn burst_once(
+    addr: std::net::SocketAddr,
+    host: &str,
+    n: usize,
+    limit: Duration,
+) -> (Duration, usize) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let head = format!("GET /pid HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    let sw = Stopwatch::start();
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let head = head.clone();
+        set.spawn(async move {
+            let one = async {
+                let mut s = tokio::net::TcpStream::connect(addr).await?;
+                s.write_all(head.as_bytes()).await?;
+                let mut answer = Vec::new();
+                s.read_to_end(&mut answer).await?;
+                Ok::<bool, std::io::Error>(answer.starts_with(b"HTTP/1.1 200"))
+            };
+            matches!(tokio::time::timeout(limit, one).await, Ok(Ok(true)))
+        });
+    }
+    let mut ok = 0;
+    while let Some(r) = set.join_next().await {
+        ok += usize::from(matches!(r, Ok(true)));
+    }
+    (sw.elapsed(), ok)
+}
+
+/// One request for `/pid` on a keep-alive connection and its answer (bytes past it stay in
+/// `buf`); whether it was 200.
+async fn keep_alive_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Result<bool> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(b"GET /pid HTTP/1.1\r\nHost: x\r\n\r\n").await?;
+    let mut chunk = [0u8; 4096];
+    let (head_len, len, status) = loop {
+        let mut hs = [httparse::EMPTY_HEADER; 16];
+        let mut r = httparse::Response::new(&mut hs);
+        if let Ok(httparse::Status::Complete(h)) = r.parse(buf) {
+            let len = r
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                .and_then(|h| std::str::from_utf8(h.value).ok()?.trim().parse().ok())
+                .unwrap_or(0usize);
+            break (h, len, r.code);
+        }
+        let got = s.read(&mut chunk).await?;
+        anyhow::ensure!(got > 0, "the app closed the connection");
+        buf.extend_from_slice(&chunk[..got]);
+    };
+    while buf.len() < head_len + len {
+        let got = s.read(&mut chunk).await?;
+        anyhow::ensure!(got > 0, "the app closed the connection");
+        buf.extend_from_slice(&chunk[..got]);
+    }
+    buf.drain(..head_len + len);
+    Ok(status == Some(200))
+}
+
+/// Sends `n` requests for `/pid` to `addr` over `conns` keep-alive connections, each opened once
+/// the one before has been answered (the app's own pace: what a client with a small connection
+/// pool gets); returns the time until the last answer and how many were 200.
+async fn paced_once(
+    addr: std::net::SocketAddr,
+    n: usize,
+    conns: usize,
+) -> Result<(Duration, usize)> {
+    let sw = Stopwatch::start();
+    let mut set = tokio::task::JoinSet::new();
+    let mut ok = 0;
+    for i in 0..conns {
+        let share = n / conns + usize::from(i < n % conns);
+        if share == 0 {
+            continue;
+        }
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        let mut buf = Vec::new();
+        ok += usize::from(keep_alive_request(&mut s, &mut buf).await?);
+        set.spawn(async move {
+            let mut ok = 0;
+            for _ in 1..share {
+                ok += usize::from(keep_alive_request(&mut s, &mut buf).await?);
+            }
+            Ok::<usize, anyhow::Error>(ok)
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        ok += r??;
+    }
+    Ok((sw.elapsed(), ok))
+}
+
+/// A running copy of the fragile app, started directly and ready.
+async fn fragile_direct(
+    exe: &std::path::Path,
+    fragile: &[&str],
+) -> Result<(tokio::process::Child, std::net::SocketAddr)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let child = tokio::process::Command::new(exe)
+        .args(["example-app", "--port", &port.to_string()])
+        .args(fragile)
+        .kill_on_drop(true)
+        .spawn()?;
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let sw = Stopwatch::start();
+    loop {
+        if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await?;
+            let mut head = [0u8; 12];
+            if s.read_exact(&mut head).await.is_ok() && head.starts_with(b"HTTP/1.1 200") {
+                return Ok((child, addr));
+            }
+        }
+        anyhow::ensure!(
+            sw.elapsed() < Duration::from_secs(30),
+            "the fragile app did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Takes a workload back to zero (logged as a manual scale-down) and waits until nothing runs.
+async fn back_to_zero(
+    log: &Log,
+    orch: &crate::orchestrator::ProcessOrchestrator,
+    name: &str,
+) -> Result<()> {
+    use crate::orchestrator::Orchestrator;
+    log.append(Event::ScaleRequested {
+        deployment: name.into(),
+        from: 1,
+        to: 0,
+        reason: crate::event::ScaleReason::Manual,
+    })
+    .await?;
+    orch.scale(name, 0)?;
+    let mut changes = orch.changes();
+    while orch
+        .observe(name)
+        .is_some_and(|o| !o.ready.is_empty() || o.stopping > 0 || o.starting > 0)
+    {
+        changes.changed().await?;
+    }
+    Ok(())
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -361,7 +536,7 @@ pub async fn cold_start(args: ColdStartArgs) -> Result<()> {
     };
     orch.register(WorkloadSpec::from_process("cold", &process, &exe))?;
     log.append(Event::RouteUpserted {
-        route: bench_route("cold", Some(process)),
+        route: bench_route("cold", Some(process.clone())),
     })
     .await?;
     let dyn_orch: Arc<dyn Orchestrator> = orch.clone();
@@ -372,9 +547,12 @@ pub async fn cold_start(args: ColdStartArgs) -> Result<()> {
         Arc::new(Traffic::default()),
         ProxyOptions::default(),
     ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(proxy.clone().serve(listener, std::future::pending()));
+    // Proxy threads as `ebb serve` runs them: one per core, each with its own runtime.
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let listeners = crate::serve::reuseport_listeners(([127, 0, 0, 1], 0).into(), threads)?;
+    let addr = listeners[0].local_addr()?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let workers = proxy.spawn_workers(listeners, stop_rx)?;
     let mut through = Vec::new();
     for _ in 0..args.rounds {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -385,22 +563,50 @@ pub async fn cold_start(args: ColdStartArgs) -> Result<()> {
         let mut first = [0u8; 1];
         s.read_exact(&mut first).await?;
         through.push(sw.elapsed().as_secs_f64() * 1e3);
-        // Back to zero for the next round: the wake decision is undone by an idle one.
-        log.append(Event::ScaleRequested {
-            deployment: "cold".into(),
-            from: 1,
-            to: 0,
-            reason: crate::event::ScaleReason::Manual,
-        })
-        .await?;
-        orch.scale("cold", 0)?;
-        let mut changes = orch.changes();
-        while orch
-            .observe("cold")
-            .is_some_and(|o| !o.ready.is_empty() || o.stopping > 0 || o.starting > 0)
-        {
-            changes.changed().await?;
-        }
+        // Back to zero for the next round: the wake decision is undone by a manual one.
+        back_to_zero(&log, &orch, "cold").await?;
+    }
+
+    // A cold burst against an app with a tiny accept backlog: through ebb from zero, and sent
+    // directly to a running copy of the same app, in alternating rounds.
+    let fragile_args: Vec<&str> = args.burst_app.split_whitespace().collect();
+    let fragile = crate::event::ProcessSpec {
+        command: ["ebb", "example-app"]
+            .iter()
+            .chain(fragile_args.iter())
+            .map(|a| (*a).to_owned())
+            .collect(),
+        ..process.clone()
+    };
+    orch.register(WorkloadSpec::from_process("burst", &fragile, &exe))?;
+    log.append(Event::RouteUpserted {
+        route: RouteSpec {
+            // The whole burst waits for the wake.
+            hold_queue_max: u32::try_from(args.burst).unwrap_or(u32::MAX),
+            ..bench_route("burst", Some(fragile))
+        },
+    })
+    .await?;
+    let limit = Duration::from_secs(60);
+    let mut burst_direct = Vec::new();
+    let mut burst_paced = Vec::new();
+    let mut burst_through = Vec::new();
+    let burst_rounds = if args.burst == 0 {
+        0
+    } else {
+        args.burst_rounds
+    };
+    for _ in 0..burst_rounds {
+        let (child, app) = fragile_direct(&exe, &fragile_args).await?;
+        burst_paced.push(paced_once(app, args.burst, DEFAULT_MAX_CONNECTING as usize).await?);
+        burst_direct.push(burst_once(app, "x", args.burst, limit).await);
+        drop(child);
+        burst_through.push(burst_once(addr, "burst.localhost", args.burst, limit).await);
+        back_to_zero(&log, &orch, "burst").await?;
+    }
+    let _ = stop_tx.send(true);
+    for w in workers {
+        let _ = w.join();
     }
     orch.shutdown(Duration::from_secs(1)).await;
     direct.sort_by(f64::total_cmp);
@@ -422,6 +628,45 @@ pub async fn cold_start(args: ColdStartArgs) -> Result<()> {
         "| cold-start overhead (difference) | {:.2} ms | {:.2} ms |",
         percentile(&through, 0.5) - percentile(&direct, 0.5),
         percentile(&through, 0.9) - percentile(&direct, 0.9)
+    );
+    if burst_direct.is_empty() {
+        return Ok(());
+    }
+    let median = |runs: &[(Duration, usize)]| {
+        let mut ms: Vec<f64> = runs.iter().map(|(d, _)| d.as_secs_f64() * 1e3).collect();
+        ms.sort_by(f64::total_cmp);
+        percentile(&ms, 0.5)
+    };
+    let answered = |runs: &[(Duration, usize)]| runs.iter().map(|(_, ok)| ok).min().copied();
+    let (d, p, t) = (
+        median(&burst_direct),
+        median(&burst_paced),
+        median(&burst_through),
+    );
+    println!();
+    println!(
+        "| cold burst: {} requests at once, app with {} ({} rounds) | median time to the last answer | fewest 200s in a round |",
+        args.burst,
+        args.burst_app,
+        burst_direct.len()
+    );
+    println!("|---|---|---|");
+    println!(
+        "| sent directly to a running copy | {d:.1} ms | {} |",
+        answered(&burst_direct).unwrap_or(0)
+    );
+    println!(
+        "| sent directly over {DEFAULT_MAX_CONNECTING} keep-alive connections, each opened once the one before was answered (the app's own pace) | {p:.1} ms | {} |",
+        answered(&burst_paced).unwrap_or(0)
+    );
+    println!(
+        "| through ebb, workload at zero (wake included) | {t:.1} ms | {} |",
+        answered(&burst_through).unwrap_or(0)
+    );
+    println!("| through ebb / direct at once | {:.2} x | |", t / d);
+    println!(
+        "| through ebb / direct at the app's pace | {:.2} x | |",
+        t / p
     );
     Ok(())
 }

@@ -8,10 +8,13 @@
 //!   like a request for a sleeping workload (the route's hold queue and hold timeout), and takes
 //!   the first slot freed.
 //! * **Connections being opened per replica** (`max_connecting`): a request that finds no idle
-//!   keep-alive connection opens one only while fewer than this many are being opened to that
-//!   replica; otherwise it waits for whichever comes first, an idle connection coming back to its
-//!   thread's pool or a free opening. An app with a small accept backlog never sees more
-//!   connection attempts at once than this.
+//!   keep-alive connection opens one only while fewer than the replica's window of openings are
+//!   being opened; otherwise it waits for whichever comes first, an idle connection coming back
+//!   to its thread's pool or a free opening. A connection is being opened from its connect until
+//!   it answers (or [`OPEN_SETTLE_MS`] pass), so connections the app has not accepted never
+//!   outnumber the window; the window starts at one, grows by one with each connection that
+//!   answered up to `max_connecting`, and halves when an attempt goes unanswered. An app with a
+//!   small accept backlog is never sent more connections than it takes.
 //! * **Connects are retried quickly** ([`connect`]): an attempt that gets no answer within
 //!   `connect_attempt_ms` (the SYN was dropped, typically by a full accept queue) is abandoned and
 //!   made again, the bound doubling up to a second, within `connect_timeout_ms` in all; nothing
@@ -45,6 +48,10 @@ pub struct Replica {
     connecting: AtomicU32,
     /// How many may be opened at once (the `max_connecting` of the route that last listed it).
     max_connecting: AtomicU32,
+    /// How many may be opened at once now, at most `max_connecting`: it starts at one, grows by
+    /// one with each new connection that answered, and halves when a connect attempt goes
+    /// unanswered (a full accept queue), the way TCP paces a path it does not know.
+    window: AtomicU32,
     /// An opening ended.
     opening_ended: Notify,
 }
@@ -84,6 +91,7 @@ impl Backends {
             active: AtomicU32::new(0),
             connecting: AtomicU32::new(0),
             max_connecting: AtomicU32::new(max_connecting),
+            window: AtomicU32::new(1),
             opening_ended: Notify::new(),
         });
         map.insert(addr, Arc::downgrade(&r));
@@ -183,11 +191,30 @@ pub fn take_slot(
     None
 }
 
-/// A connection being opened to a replica; the opening ends when dropped.
+/// A connection being opened to a replica: from its connect until it answers (its first
+/// response byte) or [`OPEN_SETTLE_MS`] pass, so that connections the app has not accepted yet
+/// never outnumber the openings allowed. The opening ends when dropped.
 #[derive(Debug)]
-pub struct Opening<'a>(&'a Replica);
+pub struct Opening(Arc<Replica>);
 
-impl Drop for Opening<'_> {
+/// How long a new connection that has not answered yet keeps its opening: an app busy with a
+/// long first request should not hold back the next connections for long.
+pub const OPEN_SETTLE_MS: u64 = 100;
+
+impl Opening {
+    /// The connection answered (or settled): the replica takes one more opening at a time.
+    pub fn answered(self) {
+        let r = &self.0;
+        let max = r.max_connecting.load(Ordering::Relaxed).max(1);
+        let _ = r
+            .window
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                Some((w + 1).min(max))
+            });
+    }
+}
+
+impl Drop for Opening {
     fn drop(&mut self) {
         self.0.connecting.fetch_sub(1, Ordering::AcqRel);
         self.0.opening_ended.notify_one();
@@ -200,12 +227,30 @@ impl Replica {
         self.active.load(Ordering::Acquire)
     }
 
+    /// Openings allowed at once now.
+    pub fn window(&self) -> u32 {
+        self.window.load(Ordering::Acquire)
+    }
+
+    /// A connect attempt went unanswered: half as many openings at a time (at least one).
+    pub fn unanswered(&self) {
+        let _ = self
+            .window
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                Some((w / 2).max(1))
+            });
+    }
+
     /// Starts opening a connection unless as many as allowed are being opened already.
-    pub fn try_open(&self) -> Option<Opening<'_>> {
-        let max = self.max_connecting.load(Ordering::Relaxed);
+    pub fn try_open(self: &Arc<Self>) -> Option<Opening> {
+        let max = self
+            .max_connecting
+            .load(Ordering::Relaxed)
+            .min(self.window.load(Ordering::Acquire))
+            .max(1);
         let mut cur = self.connecting.load(Ordering::Acquire);
         loop {
-            if max > 0 && cur >= max {
+            if cur >= max {
                 return None;
             }
             match self.connecting.compare_exchange(
@@ -214,10 +259,16 @@ impl Replica {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => return Some(Opening(self)),
+                Ok(_) => return Some(Opening(self.clone())),
                 Err(now) => cur = now,
             }
         }
+    }
+
+    /// Tells the next request waiting for an opening that one is free: for a request woken by an
+    /// opening's end that did not take it (an idle connection came back first).
+    pub fn pass_on_opening(&self) {
+        self.opening_ended.notify_one();
     }
 
     /// Resolves when an opening to this replica ends (or ended since the last waiter woke).
@@ -226,8 +277,9 @@ impl Replica {
     }
 
     /// Opens a connection, waiting while as many as allowed are being opened already
-    /// ([`connect`] inside).
-    pub async fn open(&self, attempt_ms: u64, timeout_ms: u64) -> io::Result<TcpStream> {
+    /// ([`connect`] inside); the opening is held until the connection settles (the general path
+    /// cannot see its first answer).
+    pub async fn open(self: &Arc<Self>, attempt_ms: u64, timeout_ms: u64) -> io::Result<TcpStream> {
         let opening = loop {
             let ended = self.opening_ended();
             tokio::pin!(ended);
@@ -237,15 +289,26 @@ impl Replica {
             }
             ended.await;
         };
-        let stream = connect(self.addr, attempt_ms, timeout_ms).await;
-        drop(opening);
+        let stream = connect(self.addr, attempt_ms, timeout_ms, Some(self)).await;
+        if stream.is_ok() {
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(OPEN_SETTLE_MS)).await;
+                opening.answered();
+            });
+        }
         stream
     }
 }
 
 /// Connects to `addr`, abandoning an attempt that gets no answer within `attempt_ms` (doubling up
 /// to a second) and trying again, for at most `timeout_ms` in all. A refusal ends it at once.
-pub async fn connect(addr: SocketAddr, attempt_ms: u64, timeout_ms: u64) -> io::Result<TcpStream> {
+/// An unanswered attempt narrows `replica`'s window of openings.
+pub async fn connect(
+    addr: SocketAddr,
+    attempt_ms: u64,
+    timeout_ms: u64,
+    replica: Option<&Replica>,
+) -> io::Result<TcpStream> {
     let attempts = async {
         let mut attempt = Duration::from_millis(attempt_ms.max(1));
         loop {
@@ -255,6 +318,9 @@ pub async fn connect(addr: SocketAddr, attempt_ms: u64, timeout_ms: u64) -> io::
                 return Ok(stream);
             }
             tracing::debug!(%addr, attempt_ms = attempt.as_millis() as u64, "connect got no answer; trying again");
+            if let Some(r) = replica {
+                r.unanswered();
+            }
             attempt = (attempt * 2).min(Duration::from_millis(ATTEMPT_MAX_MS));
         }
     };
@@ -309,13 +375,26 @@ mod tests {
     #[test]
     fn openings_are_bounded_and_replicas_forgotten_when_unused() {
         let b = Backends::default();
-        let r = b.replica(SocketAddr::from(([127, 0, 0, 1], 9)), 2);
+        let r = b.replica(SocketAddr::from(([127, 0, 0, 1], 9)), 3);
+        // One at a time until a connection answers; then one more each, up to the bound.
+        let first = r.try_open().unwrap();
+        assert!(r.try_open().is_none());
+        first.answered();
         let first = r.try_open().unwrap();
         let second = r.try_open().unwrap();
         assert!(r.try_open().is_none());
+        second.answered();
+        let second = r.try_open().unwrap();
+        let third = r.try_open().unwrap();
+        assert!(r.try_open().is_none());
+        third.answered();
+        assert_eq!(r.window(), 3, "never beyond max_connecting");
+        // An unanswered attempt halves the window.
+        r.unanswered();
+        assert_eq!(r.window(), 1);
         drop(first);
-        assert!(r.try_open().is_some());
-        assert!(Arc::ptr_eq(&b.replica(r.addr, 2), &r));
+        assert!(r.try_open().is_none(), "one is still being opened");
+        assert!(Arc::ptr_eq(&b.replica(r.addr, 3), &r));
         let addr = r.addr;
         drop(second);
         drop(r);
@@ -326,9 +405,9 @@ mod tests {
     async fn a_refused_connect_fails_at_once_and_a_listening_one_succeeds() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
-        assert!(connect(addr, 50, 5_000).await.is_ok());
+        assert!(connect(addr, 50, 5_000, None).await.is_ok());
         drop(l);
-        let e = connect(addr, 50, 5_000).await.unwrap_err();
+        let e = connect(addr, 50, 5_000, None).await.unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::ConnectionRefused);
     }
 }

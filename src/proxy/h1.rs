@@ -45,7 +45,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
-use super::backends::{self, Replica};
+use super::backends::{self, Opening, Replica};
 use super::chunked::Chunked;
 use super::table::Entry;
 use super::{Proxy, Refusal};
@@ -309,6 +309,9 @@ struct Relayed {
     client_close: bool,
 }
 
+/// How often a request waiting for a connection looks at the pool again, whatever it was told.
+const RECHECK_MS: u64 = 50;
+
 /// How much a client may send (a pipelined request, the request's body) while its request waits
 /// for a replica, a connection or the answer: read ahead to notice the client leaving, no more.
 const READ_AHEAD: usize = 64 * 1024;
@@ -372,7 +375,7 @@ async fn exchange(
         };
         let addr = slot.addr();
         progress.mark();
-        let (mut backend, reused) = match conn {
+        let (mut backend, reused, opening) = match conn {
             Ok(c) => c,
             Err(e)
                 if e.kind() == io::ErrorKind::ConnectionRefused
@@ -392,40 +395,51 @@ async fn exchange(
             }
         };
         let wrote = AtomicBool::new(false);
-        let result = if has_body {
-            relay_with_body(
-                &mut cr,
-                &mut cw,
-                buf,
-                &mut backend,
-                head,
-                req,
-                out,
-                &wrote,
-                progress,
-            )
-            .await
-        } else {
-            let Backend { stream, buf: bbuf } = &mut backend;
-            let (mut br, mut bw) = stream.split();
-            let relay = async {
-                bw.write_all(head)
-                    .await
-                    .map_err(|e| RelayError::backend(false, e.to_string()))?;
-                let to = Relay {
-                    out: &mut *out,
-                    wrote: &wrote,
+        // A new connection holds its opening until it answers or settles.
+        let opening = std::sync::Mutex::new(opening);
+        let relay = async {
+            if has_body {
+                relay_with_body(
+                    &mut cr,
+                    &mut cw,
+                    buf,
+                    &mut backend,
+                    head,
+                    req,
+                    out,
+                    &wrote,
                     progress,
-                    is_head: req.is_head,
-                    client_wants_close: req.close,
+                    &opening,
+                )
+                .await
+            } else {
+                let Backend { stream, buf: bbuf } = &mut backend;
+                let (mut br, mut bw) = stream.split();
+                let relay = async {
+                    bw.write_all(head)
+                        .await
+                        .map_err(|e| RelayError::backend(false, e.to_string()))?;
+                    let to = Relay {
+                        out: &mut *out,
+                        wrote: &wrote,
+                        progress,
+                        is_head: req.is_head,
+                        client_wants_close: req.close,
+                        opening: &opening,
+                    };
+                    relay_response(&mut br, bbuf, &mut cw, to).await
                 };
-                relay_response(&mut br, bbuf, &mut cw, to).await
-            };
-            tokio::select! {
-                r = relay => r,
-                () = client_gone(&mut cr, buf) => Err(RelayError::gone()),
+                tokio::select! {
+                    r = relay => r,
+                    () = client_gone(&mut cr, buf) => Err(RelayError::gone()),
+                }
             }
         };
+        let result = tokio::select! {
+            r = relay => r,
+            r = settle(&opening) => r,
+        };
+        drop(opening);
         let wrote = wrote.load(Ordering::Relaxed);
         match result {
             Ok(r) => {
@@ -473,6 +487,25 @@ async fn exchange(
     }
 }
 
+/// Ends a new connection's opening once [`backends::OPEN_SETTLE_MS`] pass without an answer
+/// (counted as answered: the app took it, it is only slow to answer); never resolves.
+async fn settle(opening: &std::sync::Mutex<Option<Opening>>) -> Result<Relayed, RelayError> {
+    if opening.lock().expect("opening lock").is_some() {
+        tokio::time::sleep(Duration::from_millis(backends::OPEN_SETTLE_MS)).await;
+        if let Some(o) = opening.lock().expect("opening lock").take() {
+            o.answered();
+        }
+    }
+    std::future::pending().await
+}
+
+/// The backend answered: a new connection's opening ends.
+fn answered(opening: &std::sync::Mutex<Option<Opening>>) {
+    if let Some(o) = opening.lock().expect("opening lock").take() {
+        o.answered();
+    }
+}
+
 /// A connection to `replica`: an idle pooled one of this thread (unless `pooled_allowed` is
 /// false), or a new one opened within the replica's bound on openings. While neither can be had
 /// the request waits for whichever comes first, an idle connection coming back or an opening
@@ -482,19 +515,22 @@ async fn exchange(
 /// which saves a system call per request).
 async fn backend_conn(
     proxy: &Proxy,
-    replica: &Replica,
+    replica: &Arc<Replica>,
     pooled_allowed: bool,
     check: bool,
-) -> io::Result<(Backend, bool)> {
+) -> io::Result<(Backend, bool, Option<Opening>)> {
     let addr = replica.addr;
     let idle_ms = proxy.options.pool_idle_timeout_ms;
     let now = proxy.clock.now_ms();
     if pooled_allowed && let Some(b) = pool_take(addr, now, idle_ms, check) {
-        return Ok((b, true));
+        return Ok((b, true, None));
     }
     let timeout_ms = proxy.options.connect_timeout_ms;
     let get = async {
         let returned = pool_waiter(addr);
+        // Woken by an opening that ended: a request that does not take the free opening passes
+        // the news on to the next one waiting for an opening.
+        let mut told_opening = false;
         loop {
             let came_back = returned.notified();
             let ended = replica.opening_ended();
@@ -503,18 +539,23 @@ async fn backend_conn(
             ended.as_mut().enable();
             if pooled_allowed && let Some(b) = pool_take(addr, proxy.clock.now_ms(), idle_ms, check)
             {
-                return Ok((b, true));
+                if told_opening {
+                    replica.pass_on_opening();
+                }
+                return Ok((b, true, None));
             }
             if let Some(opening) = replica.try_open() {
-                let stream =
-                    backends::connect(addr, proxy.options.connect_attempt_ms, timeout_ms).await;
-                drop(opening);
-                return stream.map(|stream| (Backend::new(stream), false));
+                let attempt_ms = proxy.options.connect_attempt_ms;
+                let stream = backends::connect(addr, attempt_ms, timeout_ms, Some(replica)).await;
+                return stream.map(|stream| (Backend::new(stream), false, Some(opening)));
             }
-            tokio::select! {
-                () = came_back => {}
-                () = ended => {}
-            }
+            told_opening = tokio::select! {
+                () = came_back => false,
+                () = ended => true,
+                // A safety net: connections come back to the pool of the thread that used them,
+                // and a task that moved to another thread would only hear of openings.
+                () = tokio::time::sleep(Duration::from_millis(RECHECK_MS)) => false,
+            };
         }
     };
     tokio::time::timeout(Duration::from_millis(timeout_ms), get)
@@ -549,6 +590,7 @@ async fn relay_with_body<R, W>(
     out: &mut Vec<u8>,
     wrote: &AtomicBool,
     progress: &Progress<'_>,
+    opening: &std::sync::Mutex<Option<Opening>>,
 ) -> Result<Relayed, RelayError>
 where
     R: AsyncRead + Unpin,
@@ -562,6 +604,7 @@ where
         progress,
         is_head: req.is_head,
         client_wants_close: req.close,
+        opening,
     };
     let recv = relay_response(&mut br, bbuf, cw, to);
     tokio::pin!(recv);
@@ -670,6 +713,8 @@ struct Relay<'a, 'c> {
     progress: &'a Progress<'c>,
     is_head: bool,
     client_wants_close: bool,
+    /// A new connection's opening, ended by the first byte of its answer.
+    opening: &'a std::sync::Mutex<Option<Opening>>,
 }
 
 /// Reads the backend's response and writes it to the client.
@@ -689,6 +734,7 @@ where
         progress,
         is_head,
         client_wants_close,
+        opening,
     } = to;
     let mut got_any = false;
     loop {
@@ -714,6 +760,9 @@ where
                     return Err(RelayError::backend(got_any, message));
                 }
                 Ok(_) => {
+                    if !got_any {
+                        answered(opening);
+                    }
                     got_any = true;
                     progress.mark();
                 }

@@ -62,6 +62,9 @@ use backends::{Backends, Slot};
 use table::{Entry, Table};
 pub use traffic::{InFlight, RouteTraffic, Traffic};
 
+/// How often a request waiting for a slot looks at the replicas again, whatever it was told.
+const SLOT_RECHECK_MS: u64 = 50;
+
 /// Bodies the proxy sends and answers with.
 pub type Body = BoxBody<Bytes, hyper::Error>;
 
@@ -97,7 +100,7 @@ impl Default for ProxyOptions {
             client_idle_timeout_ms: 75_000,
             request_stall_timeout_ms: 300_000,
             connect_timeout_ms: 5_000,
-            connect_attempt_ms: 100,
+            connect_attempt_ms: 50,
         }
     }
 }
@@ -161,7 +164,7 @@ impl tower_service::Service<Uri> for PacedConnector {
                 })?;
             let stream = match this.backends.find(addr) {
                 Some(r) => r.open(this.attempt_ms, this.timeout_ms).await?,
-                None => backends::connect(addr, this.attempt_ms, this.timeout_ms).await?,
+                None => backends::connect(addr, this.attempt_ms, this.timeout_ms, None).await?,
             };
             Ok(TokioIo::new(stream))
         })
@@ -638,6 +641,9 @@ impl Proxy {
                         return Err(None);
                     },
                     () = &mut freed => {}
+                    // A safety net: a freed slot is told to one waiter, which may not be able to
+                    // use it (it avoids that replica).
+                    () = tokio::time::sleep(Duration::from_millis(SLOT_RECHECK_MS)) => {}
                     r = async { waking.as_mut().expect("guarded").await }, if waking.is_some() => {
                         waking = None;
                         match r {
