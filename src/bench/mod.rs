@@ -412,36 +412,39 @@ async fn paced_once(
     Ok((sw.elapsed(), ok))
 }
 
-/// A running copy of the fragile app, started directly and ready.
-async fn fragile_direct(
+/// Starts `ebb example-app` with `args` directly on a free port and polls `/health` every `poll`
+/// until it answers 200 (for at most 30 s); returns the child, its address and the time from
+/// spawn to ready.
+async fn spawn_app(
     exe: &std::path::Path,
-    fragile: &[&str],
-) -> Result<(tokio::process::Child, std::net::SocketAddr)> {
+    args: &[&str],
+    poll: Duration,
+) -> Result<(tokio::process::Child, std::net::SocketAddr, Duration)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
+    let sw = Stopwatch::start();
     let child = tokio::process::Command::new(exe)
         .args(["example-app", "--port", &port.to_string()])
-        .args(fragile)
+        .args(args)
         .kill_on_drop(true)
         .spawn()?;
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let sw = Stopwatch::start();
     loop {
         if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
             s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 .await?;
             let mut head = [0u8; 12];
             if s.read_exact(&mut head).await.is_ok() && head.starts_with(b"HTTP/1.1 200") {
-                return Ok((child, addr));
+                return Ok((child, addr, sw.elapsed()));
             }
         }
         anyhow::ensure!(
             sw.elapsed() < Duration::from_secs(30),
-            "the fragile app did not start"
+            "the example app did not start"
         );
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(poll).await;
     }
 }
 
@@ -478,28 +481,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// Starts `ebb example-app` directly and polls `/health` every `poll` until it answers 200;
 /// returns the time from spawn to ready.
 async fn direct_start_to_ready(exe: &std::path::Path, poll: Duration) -> Result<Duration> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let sw = Stopwatch::start();
-    let mut child = tokio::process::Command::new(exe)
-        .args(["example-app", "--port", &port.to_string()])
-        .kill_on_drop(true)
-        .spawn()?;
-    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    loop {
-        if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
-            use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                .await?;
-            let mut head = [0u8; 12];
-            if s.read_exact(&mut head).await.is_ok() && head.starts_with(b"HTTP/1.1 200") {
-                break;
-            }
-        }
-        tokio::time::sleep(poll).await;
-    }
-    let took = sw.elapsed();
+    let (mut child, _, took) = spawn_app(exe, &[], poll).await?;
     child.kill().await?;
     Ok(took)
 }
@@ -597,7 +579,7 @@ pub async fn cold_start(args: ColdStartArgs) -> Result<()> {
         args.burst_rounds
     };
     for _ in 0..burst_rounds {
-        let (child, app) = fragile_direct(&exe, &fragile_args).await?;
+        let (child, app, _) = spawn_app(&exe, &fragile_args, Duration::from_millis(10)).await?;
         burst_paced.push(paced_once(app, args.burst, DEFAULT_MAX_CONNECTING as usize).await?);
         burst_direct.push(burst_once(app, "x", args.burst, limit).await);
         drop(child);

@@ -324,12 +324,21 @@ pub async fn connect(
             attempt = (attempt * 2).min(Duration::from_millis(ATTEMPT_MAX_MS));
         }
     };
-    tokio::time::timeout(Duration::from_millis(timeout_ms), attempts)
+    within(timeout_ms, "connecting", attempts).await
+}
+
+/// `work`, or a `TimedOut` error naming `what` once `timeout_ms` pass.
+pub async fn within<T>(
+    timeout_ms: u64,
+    what: &str,
+    work: impl std::future::Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    tokio::time::timeout(Duration::from_millis(timeout_ms), work)
         .await
         .unwrap_or_else(|_| {
             Err(io::Error::new(
                 io::ErrorKind::TimedOut,
-                format!("connecting timed out after {timeout_ms} ms"),
+                format!("{what} timed out after {timeout_ms} ms"),
             ))
         })
 }

@@ -558,14 +558,7 @@ async fn backend_conn(
             };
         }
     };
-    tokio::time::timeout(Duration::from_millis(timeout_ms), get)
-        .await
-        .unwrap_or_else(|_| {
-            Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("no connection within {timeout_ms} ms"),
-            ))
-        })
+    backends::within(timeout_ms, "getting a connection", get).await
 }
 
 /// A request body failed to go through.
