@@ -348,37 +348,6 @@ async fn burst_once(
     (sw.elapsed(), ok)
 }
 
-/// One request for `/pid` on a keep-alive connection and its answer (bytes past it stay in
-/// `buf`); whether it was 200.
-async fn keep_alive_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Result<bool> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    s.write_all(b"GET /pid HTTP/1.1\r\nHost: x\r\n\r\n").await?;
-    let mut chunk = [0u8; 4096];
-    let (head_len, len, status) = loop {
-        let mut hs = [httparse::EMPTY_HEADER; 16];
-        let mut r = httparse::Response::new(&mut hs);
-        if let Ok(httparse::Status::Complete(h)) = r.parse(buf) {
-            let len = r
-                .headers
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case("content-length"))
-                .and_then(|h| std::str::from_utf8(h.value).ok()?.trim().parse().ok())
-                .unwrap_or(0usize);
-            break (h, len, r.code);
-        }
-        let got = s.read(&mut chunk).await?;
-        anyhow::ensure!(got > 0, "the app closed the connection");
-        buf.extend_from_slice(&chunk[..got]);
-    };
-    while buf.len() < head_len + len {
-        let got = s.read(&mut chunk).await?;
-        anyhow::ensure!(got > 0, "the app closed the connection");
-        buf.extend_from_slice(&chunk[..got]);
-    }
-    buf.drain(..head_len + len);
-    Ok(status == Some(200))
-}
-
 /// Sends `n` requests for `/pid` to `addr` over `conns` keep-alive connections, each opened once
 /// the one before has been answered (the app's own pace: what a client with a small connection
 /// pool gets); returns the time until the last answer and how many were 200.
@@ -387,6 +356,17 @@ async fn paced_once(
     n: usize,
     conns: usize,
 ) -> Result<(Duration, usize)> {
+    use http_body_util::{BodyExt, Empty};
+    type Sender = hyper::client::conn::http1::SendRequest<Empty<bytes::Bytes>>;
+    async fn get(sender: &mut Sender) -> Result<bool> {
+        let req = hyper::Request::get("/pid")
+            .header("host", "x")
+            .body(Empty::new())?;
+        let resp = sender.send_request(req).await?;
+        let ok = resp.status() == 200;
+        resp.into_body().collect().await?;
+        Ok(ok)
+    }
     let sw = Stopwatch::start();
     let mut set = tokio::task::JoinSet::new();
     let mut ok = 0;
@@ -395,13 +375,16 @@ async fn paced_once(
         if share == 0 {
             continue;
         }
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        let mut buf = Vec::new();
-        ok += usize::from(keep_alive_request(&mut s, &mut buf).await?);
+        let tcp = tokio::net::TcpStream::connect(addr).await?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp)).await?;
+        // The connection's task ends once its sender is dropped.
+        tokio::spawn(conn);
+        ok += usize::from(get(&mut sender).await?);
         set.spawn(async move {
             let mut ok = 0;
             for _ in 1..share {
-                ok += usize::from(keep_alive_request(&mut s, &mut buf).await?);
+                ok += usize::from(get(&mut sender).await?);
             }
             Ok::<usize, anyhow::Error>(ok)
         });

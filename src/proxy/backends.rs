@@ -34,6 +34,11 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
+/// How often a request waiting for a slot or a connection looks again, whatever it was told: a
+/// safety net for a freed slot told to a waiter that avoids that replica, and for a task that
+/// moved threads, whose thread's pool tells it nothing.
+pub const RECHECK_MS: u64 = 50;
+
 /// The longest single connect attempt.
 const ATTEMPT_MAX_MS: u64 = 1_000;
 
@@ -214,6 +219,57 @@ impl Opening {
     }
 }
 
+/// A new connection's opening, ended by whichever comes first: [`Settling::answered`] (its first
+/// response byte), or a timer after [`OPEN_SETTLE_MS`] (the app took the connection and is only
+/// slow to answer); both widen the replica's window. Dropped before either (the exchange failed),
+/// it ends the opening without widening the window.
+#[derive(Debug)]
+pub struct Settling(Option<Arc<Mutex<Option<Opening>>>>);
+
+impl Opening {
+    /// Starts the settle timer; see [`Settling`].
+    pub fn settling(self) -> Settling {
+        let cell = Arc::new(Mutex::new(Some(self)));
+        let timer = cell.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(OPEN_SETTLE_MS)).await;
+            Settling::end(&timer, true);
+        });
+        Settling(Some(cell))
+    }
+}
+
+impl Settling {
+    fn end(cell: &Mutex<Option<Opening>>, answered: bool) {
+        let opening = cell.lock().expect("opening lock").take();
+        if let Some(o) = opening
+            && answered
+        {
+            o.answered();
+        }
+    }
+
+    /// The connection answered.
+    pub fn answered(&self) {
+        if let Some(cell) = &self.0 {
+            Self::end(cell, true);
+        }
+    }
+
+    /// Leaves the opening to the timer alone (for a path that cannot see the first answer).
+    pub fn detach(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Settling {
+    fn drop(&mut self) {
+        if let Some(cell) = self.0.take() {
+            Self::end(&cell, false);
+        }
+    }
+}
+
 impl Drop for Opening {
     fn drop(&mut self) {
         self.0.connecting.fetch_sub(1, Ordering::AcqRel);
@@ -222,11 +278,6 @@ impl Drop for Opening {
 }
 
 impl Replica {
-    /// Requests holding a slot now.
-    pub fn active(&self) -> u32 {
-        self.active.load(Ordering::Acquire)
-    }
-
     /// Openings allowed at once now.
     pub fn window(&self) -> u32 {
         self.window.load(Ordering::Acquire)
@@ -291,10 +342,7 @@ impl Replica {
         };
         let stream = connect(self.addr, attempt_ms, timeout_ms, Some(self)).await;
         if stream.is_ok() {
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(OPEN_SETTLE_MS)).await;
-                opening.answered();
-            });
+            opening.settling().detach();
         }
         stream
     }

@@ -45,7 +45,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
-use super::backends::{self, Opening, Replica};
+use super::backends::{self, Opening, Replica, Settling};
 use super::chunked::Chunked;
 use super::table::Entry;
 use super::{Proxy, Refusal};
@@ -309,8 +309,16 @@ struct Relayed {
     client_close: bool,
 }
 
-/// How often a request waiting for a connection looks at the pool again, whatever it was told.
-const RECHECK_MS: u64 = 50;
+impl Relayed {
+    /// A response relayed while the request body was not all sent: neither connection can carry
+    /// another request.
+    fn before_the_body_ended(self) -> Self {
+        Self {
+            backend_reusable: false,
+            client_close: true,
+        }
+    }
+}
 
 /// How much a client may send (a pipelined request, the request's body) while its request waits
 /// for a replica, a connection or the answer: read ahead to notice the client leaving, no more.
@@ -396,8 +404,9 @@ async fn exchange(
         };
         let wrote = AtomicBool::new(false);
         // A new connection holds its opening until it answers or settles.
-        let opening = std::sync::Mutex::new(opening);
-        let relay = async {
+        let opening = opening.map(Opening::settling);
+        let opening = opening.as_ref();
+        let result = {
             if has_body {
                 relay_with_body(
                     &mut cr,
@@ -409,7 +418,7 @@ async fn exchange(
                     out,
                     &wrote,
                     progress,
-                    &opening,
+                    opening,
                 )
                 .await
             } else {
@@ -425,7 +434,7 @@ async fn exchange(
                         progress,
                         is_head: req.is_head,
                         client_wants_close: req.close,
-                        opening: &opening,
+                        opening,
                     };
                     relay_response(&mut br, bbuf, &mut cw, to).await
                 };
@@ -435,11 +444,6 @@ async fn exchange(
                 }
             }
         };
-        let result = tokio::select! {
-            r = relay => r,
-            r = settle(&opening) => r,
-        };
-        drop(opening);
         let wrote = wrote.load(Ordering::Relaxed);
         match result {
             Ok(r) => {
@@ -484,25 +488,6 @@ async fn exchange(
             }
             Err(_) => return false,
         }
-    }
-}
-
-/// Ends a new connection's opening once [`backends::OPEN_SETTLE_MS`] pass without an answer
-/// (counted as answered: the app took it, it is only slow to answer); never resolves.
-async fn settle(opening: &std::sync::Mutex<Option<Opening>>) -> Result<Relayed, RelayError> {
-    if opening.lock().expect("opening lock").is_some() {
-        tokio::time::sleep(Duration::from_millis(backends::OPEN_SETTLE_MS)).await;
-        if let Some(o) = opening.lock().expect("opening lock").take() {
-            o.answered();
-        }
-    }
-    std::future::pending().await
-}
-
-/// The backend answered: a new connection's opening ends.
-fn answered(opening: &std::sync::Mutex<Option<Opening>>) {
-    if let Some(o) = opening.lock().expect("opening lock").take() {
-        o.answered();
     }
 }
 
@@ -552,9 +537,7 @@ async fn backend_conn(
             told_opening = tokio::select! {
                 () = came_back => false,
                 () = ended => true,
-                // A safety net: connections come back to the pool of the thread that used them,
-                // and a task that moved to another thread would only hear of openings.
-                () = tokio::time::sleep(Duration::from_millis(RECHECK_MS)) => false,
+                () = tokio::time::sleep(Duration::from_millis(backends::RECHECK_MS)) => false,
             };
         }
     };
@@ -583,7 +566,7 @@ async fn relay_with_body<R, W>(
     out: &mut Vec<u8>,
     wrote: &AtomicBool,
     progress: &Progress<'_>,
-    opening: &std::sync::Mutex<Option<Opening>>,
+    opening: Option<&Settling>,
 ) -> Result<Relayed, RelayError>
 where
     R: AsyncRead + Unpin,
@@ -620,30 +603,16 @@ where
                     false
                 }
             },
-            r = &mut recv => {
-                return r.map(|mut r| {
-                    r.backend_reusable = false;
-                    r.client_close = true;
-                    r
-                });
-            }
+            r = &mut recv => return r.map(Relayed::before_the_body_ended),
         }
     };
-    let r = if sent {
-        tokio::select! {
-            r = &mut recv => r,
-            () = client_gone(cr, buf) => Err(RelayError::gone()),
-        }
-    } else {
-        recv.await
-    };
-    r.map(|mut r| {
-        if !sent {
-            r.backend_reusable = false;
-            r.client_close = true;
-        }
-        r
-    })
+    if !sent {
+        return recv.await.map(Relayed::before_the_body_ended);
+    }
+    tokio::select! {
+        r = &mut recv => r,
+        () = client_gone(cr, buf) => Err(RelayError::gone()),
+    }
 }
 
 /// Copies a request body from the client (bytes already read first) to the backend.
@@ -707,7 +676,7 @@ struct Relay<'a, 'c> {
     is_head: bool,
     client_wants_close: bool,
     /// A new connection's opening, ended by the first byte of its answer.
-    opening: &'a std::sync::Mutex<Option<Opening>>,
+    opening: Option<&'a Settling>,
 }
 
 /// Reads the backend's response and writes it to the client.
@@ -753,8 +722,8 @@ where
                     return Err(RelayError::backend(got_any, message));
                 }
                 Ok(_) => {
-                    if !got_any {
-                        answered(opening);
+                    if !got_any && let Some(o) = opening {
+                        o.answered();
                     }
                     got_any = true;
                     progress.mark();
@@ -1038,17 +1007,11 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
         Some(te) if last_coding_is_chunked(te) => return Parsed::Elsewhere,
         Some(_) => return bad_framing(head_len, "the last transfer coding is not chunked"),
     };
-    // With both, the transfer coding frames the body and the connection ends after the answer
-    // (RFC 9112 section 6.1): Content-Length is not forwarded.
-    let smuggled_length = chunked && length.is_some();
     let body = match (chunked, length) {
         (true, _) => Framing::Chunked,
         (false, Some(0) | None) => Framing::Empty,
         (false, Some(n)) => Framing::Length(n),
     };
-    if smuggled_length {
-        length = None;
-    }
     let close = conn.close || body != Framing::Empty;
     let target = match super::head::target(method, path, &hosts[..host_lines], true) {
         Ok(t) => t,
@@ -1056,7 +1019,7 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
             return Parsed::Refuse {
                 head_len,
                 refusal: Refusal::new(e.status(), e.code(), e.message().to_owned()),
-                close: close || e == super::head::HeadError::Connect,
+                close: close || e.closes(),
             };
         }
     };
@@ -1072,7 +1035,7 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
 
     out.extend_from_slice(method.as_bytes());
     out.push(b' ');
-    out.extend_from_slice(super::head::origin(target.path).as_bytes());
+    out.extend_from_slice(target.path.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(host.as_bytes());
     out.extend_from_slice(b"\r\n");
@@ -1094,7 +1057,13 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
         }
         push_header(out, name.as_bytes(), h.value);
     }
-    push_framing(out, chunked.then_some(b"chunked".as_slice()), length);
+    // With both, the transfer coding frames the body and the connection ends after the answer
+    // (RFC 9112 section 6.1): Content-Length is not forwarded.
+    push_framing(
+        out,
+        chunked.then_some(b"chunked".as_slice()),
+        if chunked { None } else { length },
+    );
     // X-Forwarded-For and Forwarded extend what earlier proxies said.
     out.extend_from_slice(b"x-forwarded-for: ");
     for h in headers
@@ -1131,7 +1100,7 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
             method,
             "GET" | "HEAD" | "OPTIONS" | "TRACE" | "PUT" | "DELETE"
         ),
-        close: conn.close || smuggled_length,
+        close: conn.close || (chunked && length.is_some()),
     })
 }
 
@@ -1180,8 +1149,7 @@ fn parse_response(
     let body = if interim || is_head || code == 204 || code == 304 {
         Framing::Empty
     } else if let Some(te) = transfer {
-        let last = te.rsplit(|b| *b == b',').next().unwrap_or(te).trim_ascii();
-        if last.eq_ignore_ascii_case(b"chunked") {
+        if last_coding_is_chunked(te) {
             Framing::Chunked
         } else {
             Framing::Close

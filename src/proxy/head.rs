@@ -9,13 +9,15 @@
 //!   line the client sent;
 //! * `OPTIONS *` is forwarded as it is; `CONNECT` is refused (405): ebb is no tunnel.
 
+use std::borrow::Cow;
+
 /// What a request head says about where it goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Target<'a> {
     /// The host the request is routed by and the backend's `Host`.
     pub host: &'a str,
     /// The request target the backend gets (origin form, or `*`).
-    pub path: &'a str,
+    pub path: Cow<'a, str>,
     /// The target was in absolute form: the authority replaced the `Host` line.
     pub absolute: bool,
 }
@@ -58,6 +60,12 @@ impl HeadError {
         }
     }
 
+    /// Whether the connection is closed after the answer: what a refused `CONNECT` was to carry
+    /// next is unknown.
+    pub fn closes(self) -> bool {
+        self == HeadError::Connect
+    }
+
     /// The error message of the JSON answer.
     pub fn message(self) -> &'static str {
         match self {
@@ -98,22 +106,10 @@ pub fn target<'a>(
     if host.is_none() && http11 {
         return Err(HeadError::HostMissing);
     }
-    if target.starts_with('/') {
-        let host = host.ok_or(HeadError::HostMissing)?;
+    if target.starts_with('/') || (target == "*" && method.eq_ignore_ascii_case("OPTIONS")) {
         return Ok(Target {
-            host,
-            path: target,
-            absolute: false,
-        });
-    }
-    if target == "*" {
-        if !method.eq_ignore_ascii_case("OPTIONS") {
-            return Err(HeadError::TargetInvalid);
-        }
-        let host = host.ok_or(HeadError::HostMissing)?;
-        return Ok(Target {
-            host,
-            path: target,
+            host: host.ok_or(HeadError::HostMissing)?,
+            path: target.into(),
             absolute: false,
         });
     }
@@ -125,9 +121,9 @@ pub fn target<'a>(
     })
 }
 
-/// Splits an absolute-form target into its authority and origin-form path (`/` when empty; a
-/// target of only a query gets `/` before it: the query stays with the path).
-fn absolute_form(target: &str) -> Result<(&str, &str), HeadError> {
+/// Splits an absolute-form target into its authority and origin-form path: `/` when empty, and a
+/// target of only a query gets `/` before it (`http://name?q` is `/?q`).
+fn absolute_form(target: &str) -> Result<(&str, Cow<'_, str>), HeadError> {
     let (scheme, rest) = target.split_once("://").ok_or(HeadError::TargetInvalid)?;
     if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
         return Err(HeadError::TargetInvalid);
@@ -137,24 +133,13 @@ fn absolute_form(target: &str) -> Result<(&str, &str), HeadError> {
     if authority.contains('@') || !valid_host(authority.as_bytes()) {
         return Err(HeadError::HostInvalid);
     }
-    if path.starts_with('#') {
-        return Err(HeadError::TargetInvalid);
-    }
-    // `http://name?q` has an empty path: the backend gets `/?q`, which the caller builds; here
-    // the path is returned as it is and `origin` makes it whole.
+    let path = match path.as_bytes().first() {
+        None => "/".into(),
+        Some(b'?') => format!("/{path}").into(),
+        Some(b'#') => return Err(HeadError::TargetInvalid),
+        Some(_) => path.into(),
+    };
     Ok((authority, path))
-}
-
-/// The origin-form target to send for `path` as returned by [`target`]: an empty path is `/`,
-/// a query alone gets `/` before it.
-pub fn origin(path: &str) -> std::borrow::Cow<'_, str> {
-    if path.is_empty() {
-        "/".into()
-    } else if path.starts_with('?') {
-        format!("/{path}").into()
-    } else {
-        path.into()
-    }
 }
 
 /// A `Host` value (or a target's authority): `name[:port]` or `[ipv6][:port]`, where a name is
@@ -228,16 +213,19 @@ mod tests {
     #[test]
     fn the_target_decides_over_the_host_line() {
         let t = target("GET", "/x", &[b"a.localhost"], true).unwrap();
-        assert_eq!((t.host, t.path, t.absolute), ("a.localhost", "/x", false));
+        assert_eq!(
+            (t.host, t.path.as_ref(), t.absolute),
+            ("a.localhost", "/x", false)
+        );
         let t = target("GET", "http://b.localhost:81/y?z", &[b"a.localhost"], true).unwrap();
         assert_eq!(
-            (t.host, t.path, t.absolute),
+            (t.host, t.path.as_ref(), t.absolute),
             ("b.localhost:81", "/y?z", true)
         );
         let t = target("GET", "HTTP://b.localhost", &[b"a"], true).unwrap();
-        assert_eq!((t.host, origin(t.path).as_ref()), ("b.localhost", "/"));
+        assert_eq!((t.host, t.path.as_ref()), ("b.localhost", "/"));
         let t = target("GET", "http://b.localhost?q=1", &[b"a"], true).unwrap();
-        assert_eq!(origin(t.path), "/?q=1");
+        assert_eq!(t.path, "/?q=1");
         // HTTP/1.0 may leave Host out when the target names the host.
         assert_eq!(target("GET", "http://b/", &[], false).unwrap().host, "b");
         assert_eq!(target("OPTIONS", "*", &[b"a"], true).unwrap().path, "*");

@@ -62,9 +62,6 @@ use backends::{Backends, Slot};
 use table::{Entry, Table};
 pub use traffic::{InFlight, RouteTraffic, Traffic};
 
-/// How often a request waiting for a slot looks at the replicas again, whatever it was told.
-const SLOT_RECHECK_MS: u64 = 50;
-
 /// Bodies the proxy sends and answers with.
 pub type Body = BoxBody<Bytes, hyper::Error>;
 
@@ -483,8 +480,7 @@ impl Proxy {
             Ok(t) => t,
             Err(e) => {
                 let mut r = json_error(e.status(), e.code(), e.message());
-                if e == head::HeadError::Connect {
-                    // What a refused CONNECT was to carry next is unknown: close.
+                if e.closes() {
                     r.headers_mut()
                         .insert(header::CONNECTION, HeaderValue::from_static("close"));
                 }
@@ -641,9 +637,7 @@ impl Proxy {
                         return Err(None);
                     },
                     () = &mut freed => {}
-                    // A safety net: a freed slot is told to one waiter, which may not be able to
-                    // use it (it avoids that replica).
-                    () = tokio::time::sleep(Duration::from_millis(SLOT_RECHECK_MS)) => {}
+                    () = tokio::time::sleep(Duration::from_millis(backends::RECHECK_MS)) => {}
                     r = async { waking.as_mut().expect("guarded").await }, if waking.is_some() => {
                         waking = None;
                         match r {
@@ -744,7 +738,7 @@ fn routed_by<B>(req: &Request<B>) -> Result<(String, String), head::HeadError> {
     }
     let http11 = req.version() == hyper::Version::HTTP_11;
     let t = head::target(req.method().as_str(), &target, &hosts, http11)?;
-    Ok((t.host.to_owned(), head::origin(t.path).into_owned()))
+    Ok((t.host.to_owned(), t.path.into_owned()))
 }
 
 /// The URI authority of a backend, built once per address and thread.
@@ -784,7 +778,7 @@ fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
 async fn tunnel(
     client: hyper::upgrade::OnUpgrade,
     backend: hyper::upgrade::OnUpgrade,
-    in_flight: (InFlight, Slot),
+    guards: (InFlight, Slot),
 ) {
     let (client, backend) = match tokio::try_join!(client, backend) {
         Ok(pair) => pair,
@@ -798,7 +792,7 @@ async fn tunnel(
     if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut backend).await {
         tracing::debug!(error = %e, "upgraded connection ended with an error");
     }
-    drop(in_flight);
+    drop(guards);
 }
 
 /// A pooled connection the backend closed or reset: it is going away.
