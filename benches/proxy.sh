@@ -2,7 +2,9 @@
 # Proxy benchmark, in one go on this machine:
 #   1. warm throughput and latency (wrk) of the example app directly, of ebb in front of it, and of
 #      nginx and HAProxy as keep-alive reverse proxies in front of it (each reusing its backend
-#      connections), in alternating rounds, with the ratios ebb/nginx and ebb/HAProxy;
+#      connections), in alternating rounds, with the ratios ebb/nginx and ebb/HAProxy, and the CPU
+#      time each proxy spent per request (wrk, the proxy and the app share the cores, so throughput
+#      also moves with how the scheduler interleaves them; CPU per request does not);
 #   2. cold-start overhead (`ebb bench cold-start`): first byte through ebb for a workload at zero
 #      minus the app's own start-to-ready time, and a cold burst of 200 requests against an app
 #      with a tiny accept backlog, through ebb against the same burst sent to the app directly.
@@ -62,6 +64,7 @@ TOML
 EBB_LOG=warn "$ebb" serve --config "$work/ebb.toml" --data-dir "$work/data" \
   --listen "127.0.0.1:$ebb_port" --admin-listen "127.0.0.1:$admin_port" >/dev/null &
 pids+=($!)
+ebb_pid=$!
 
 # nginx as a keep-alive reverse proxy in front of the app.
 mkdir -p "$work/nginx"
@@ -93,6 +96,7 @@ http {
 NGINX
 nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" &
 pids+=($!)
+nginx_pid=$!
 
 # HAProxy with two threads (one per core, like ebb and nginx), keep-alive and connection reuse.
 cat >"$work/haproxy.cfg" <<HAPROXY
@@ -115,20 +119,37 @@ backend app
 HAPROXY
 haproxy -db -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
 pids+=($!)
+haproxy_pid=$!
 
 wait_http "http://127.0.0.1:$app_port/health" x
 wait_http "http://127.0.0.1:$ebb_port/health" bench.localhost
 wait_http "http://127.0.0.1:$nginx_port/health" x
 wait_http "http://127.0.0.1:$haproxy_port/health" x
 
-run() { # NAME PORT
-  local out
-  out="$(wrk -t2 -c"$conns" -d"${seconds}s" --latency -H 'Host: bench.localhost' "http://127.0.0.1:$2/")"
-  local rps p50 p99
+# CPU time (clock ticks) of the processes given, and of their worker children when asked: nginx
+# serves from its workers; ebb's child is the app, which is not counted.
+ticks() { # [--children] PID...
+  local kids=0 t=0 p
+  if [ "$1" = --children ]; then kids=1; shift; fi
+  for p in "$@" $([ $kids = 1 ] && pgrep -P "$1" | tr '\n' ' '); do
+    t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)))
+  done
+  echo "$t"
+}
+
+run() { # NAME PORT [--children] PID...
+  local name="$1" port="$2" out t0 t1
+  shift 2
+  t0="$( [ $# -gt 0 ] && ticks "$@" || echo 0)"
+  out="$(wrk -t2 -c"$conns" -d"${seconds}s" --latency -H 'Host: bench.localhost' "http://127.0.0.1:$port/")"
+  t1="$( [ $# -gt 0 ] && ticks "$@" || echo 0)"
+  local rps p50 p99 cpu
   rps="$(awk '/^Requests\/sec:/ {print $2}' <<<"$out")"
   p50="$(awk '$1 == "50%" {print $2}' <<<"$out")"
   p99="$(awk '$1 == "99%" {print $2}' <<<"$out")"
-  echo "$1 $rps $p50 $p99"
+  # The proxy's CPU per request in microseconds (a tick is 1/100 s).
+  cpu="$(awk -v t=$((t1 - t0)) -v r="$rps" -v s="$seconds" 'BEGIN { printf "%.2f", t * 10000 / (r * s) }')"
+  echo "$name $rps $p50 $p99 $cpu"
 }
 
 # wrk prints latencies with units (us, ms, s); normalise to microseconds.
@@ -147,37 +168,38 @@ ebb_runs=()
 ngx_runs=()
 hap_runs=()
 for _ in $(seq 1 "$rounds"); do
-  ebb_runs+=("$(run ebb "$ebb_port")")
-  ngx_runs+=("$(run nginx "$nginx_port")")
-  hap_runs+=("$(run haproxy "$haproxy_port")")
+  ebb_runs+=("$(run ebb "$ebb_port" "$ebb_pid")")
+  ngx_runs+=("$(run nginx "$nginx_port" --children "$nginx_pid")")
+  hap_runs+=("$(run haproxy "$haproxy_port" "$haproxy_pid")")
 done
 # The median of each column over the rounds, latencies in microseconds.
 median() { # NAME RUNS...
   local name="$1"; shift
-  printf '%s\n' "$@" | while read -r _ rps p50 p99; do
-    echo "$rps $(to_us "$p50") $(to_us "$p99")"
+  printf '%s\n' "$@" | while read -r _ rps p50 p99 cpu; do
+    echo "$rps $(to_us "$p50") $(to_us "$p99") $cpu"
   done | awk -v name="$name" '
-    { r[NR] = $1; a[NR] = $2; b[NR] = $3 }
+    { r[NR] = $1; a[NR] = $2; b[NR] = $3; c[NR] = $4 }
     function med(x, n,   i, j, t) {
       for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (x[j] < x[i]) { t = x[i]; x[i] = x[j]; x[j] = t }
       return x[int((n + 1) / 2)]
     }
-    END { printf "%s %.2f %.0fus %.0fus\n", name, med(r, NR), med(a, NR), med(b, NR) }'
+    END { printf "%s %.2f %.0fus %.0fus %.2f\n", name, med(r, NR), med(a, NR), med(b, NR), med(c, NR) }'
 }
 results+=("$(median ebb "${ebb_runs[@]}")" "$(median nginx "${ngx_runs[@]}")" "$(median haproxy "${hap_runs[@]}")")
 echo
-echo "| target | requests/s | p50 | p99 |"
-echo "|---|---|---|---|"
+echo "| target | requests/s | p50 | p99 | proxy CPU per request |"
+echo "|---|---|---|---|---|"
 for r in "${results[@]}"; do
-  read -r name rps p50 p99 <<<"$r"
-  echo "| $name | $rps | $p50 | $p99 |"
+  read -r name rps p50 p99 cpu <<<"$r"
+  if [ "$name" = direct ]; then cpu=-; else cpu="${cpu}us"; fi
+  echo "| $name | $rps | $p50 | $p99 | $cpu |"
 done
-read -r _ ebb_rps ebb_p50 ebb_p99 <<<"${results[1]}"
+read -r _ ebb_rps ebb_p50 ebb_p99 ebb_cpu <<<"${results[1]}"
 for i in 2 3; do
-  read -r other o_rps o_p50 o_p99 <<<"${results[$i]}"
+  read -r other o_rps o_p50 o_p99 o_cpu <<<"${results[$i]}"
   awk -v n="$other" -v a="$ebb_rps" -v b="$o_rps" -v c="$(to_us "$ebb_p99")" -v d="$(to_us "$o_p99")" \
-      -v e="$(to_us "$ebb_p50")" -v f="$(to_us "$o_p50")" 'BEGIN {
-    printf "| ebb / %s | %.2f x throughput | %.2f x p50 | %.2f x p99 |\n", n, a / b, e / f, c / d
+      -v e="$(to_us "$ebb_p50")" -v f="$(to_us "$o_p50")" -v g="$ebb_cpu" -v h="$o_cpu" 'BEGIN {
+    printf "| ebb / %s | %.2f x throughput | %.2f x p50 | %.2f x p99 | %.2f x CPU per request |\n", n, a / b, e / f, c / d, g / h
   }'
 done
 echo

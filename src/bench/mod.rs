@@ -313,6 +313,9 @@ pub struct ColdStartArgs {
         allow_hyphen_values = true
     )]
     pub burst_app: String,
+    /// The burst route's `concurrency` (requests per replica at once; 0: no bound).
+    #[arg(long, default_value_t = 0)]
+    pub burst_concurrency: u32,
 }
 
 /// Sends `n` requests for `/pid` at once to `addr`, each on a connection of its own; returns the
@@ -362,6 +365,8 @@ async fn paced_once(
         let req = hyper::Request::get("/pid")
             .header("host", "x")
             .body(Empty::new())?;
+        // The connection takes the next request once it has finished the one before.
+        sender.ready().await?;
         let resp = sender.send_request(req).await?;
         let ok = resp.status() == 200;
         resp.into_body().collect().await?;
@@ -548,6 +553,7 @@ pub async fn cold_start(args: ColdStartArgs) -> Result<()> {
         route: RouteSpec {
             // The whole burst waits for the wake.
             hold_queue_max: u32::try_from(args.burst).unwrap_or(u32::MAX),
+            concurrency: args.burst_concurrency,
             ..bench_route("burst", Some(fragile))
         },
     })

@@ -155,7 +155,6 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
             }
         };
         buf.advance(req.head_len);
-        progress.mark();
         let keep = tokio::select! {
             biased;
             keep = exchange(
@@ -224,6 +223,12 @@ impl<'a> Progress<'a> {
 
     fn mark(&self) {
         self.at_ms.store(self.clock.now_ms(), Ordering::Relaxed);
+    }
+
+    /// The time of the last progress: a request reads it rather than the clock, as it was
+    /// marked a moment ago (when its head or its answer arrived).
+    fn at(&self) -> u64 {
+        self.at_ms.load(Ordering::Relaxed)
     }
 }
 
@@ -355,7 +360,7 @@ async fn exchange(
     out: &mut Vec<u8>,
     progress: &Progress<'_>,
 ) -> bool {
-    let _in_flight = entry.traffic.begin(proxy.clock.now_ms());
+    let _in_flight = entry.traffic.begin(progress.at());
     let has_body = req.body != Framing::Empty;
     let (mut cr, mut cw) = client.split();
     let mut avoid: Option<SocketAddr> = None;
@@ -363,7 +368,8 @@ async fn exchange(
     loop {
         let ready = async {
             let slot = proxy.endpoint(entry, avoid).await?;
-            let conn = backend_conn(proxy, slot.replica(), pooled_allowed, has_body).await;
+            let conn =
+                backend_conn(proxy, slot.replica(), pooled_allowed, has_body, progress).await;
             Ok::<_, Refusal>((slot, conn))
         };
         let (slot, conn) = tokio::select! {
@@ -382,9 +388,14 @@ async fn exchange(
             }
         };
         let addr = slot.addr();
-        progress.mark();
         let (mut backend, reused, opening) = match conn {
-            Ok(c) => c,
+            Ok(c) => {
+                if !c.1 {
+                    // A new connection may have taken a while.
+                    progress.mark();
+                }
+                c
+            }
             Err(e)
                 if e.kind() == io::ErrorKind::ConnectionRefused
                     && super::retry_after_miss(super::BackendMiss::Refused, avoid.is_some()) =>
@@ -448,7 +459,7 @@ async fn exchange(
         match result {
             Ok(r) => {
                 if r.backend_reusable {
-                    pool_put(addr, backend, proxy.clock.now_ms(), &proxy.options);
+                    pool_put(addr, backend, progress.at(), &proxy.options);
                 }
                 return !r.client_close;
             }
@@ -503,10 +514,11 @@ async fn backend_conn(
     replica: &Arc<Replica>,
     pooled_allowed: bool,
     check: bool,
+    progress: &Progress<'_>,
 ) -> io::Result<(Backend, bool, Option<Opening>)> {
     let addr = replica.addr;
     let idle_ms = proxy.options.pool_idle_timeout_ms;
-    let now = proxy.clock.now_ms();
+    let now = progress.at();
     if pooled_allowed && let Some(b) = pool_take(addr, now, idle_ms, check) {
         return Ok((b, true, None));
     }
