@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests that run `ebb serve` as a real process.
 #![allow(dead_code)]
 
+pub mod controlplane;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

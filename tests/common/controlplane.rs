@@ -1,0 +1,427 @@
+//! The real Kubernetes control plane for the kube tests: etcd, kube-apiserver,
+//! kube-controller-manager and kube-scheduler, built from their Go modules by
+//! `scripts/controlplane build` (its directory in `$EBB_CONTROLPLANE`, which `scripts/test` sets),
+//! each a process of its own on loopback ports of its choosing, stopped when dropped (also when a
+//! test fails).
+//!
+//! The API server has its own CA (made with openssl), users from a token file, RBAC on and an
+//! audit log (every request at the Metadata level, one JSON line each). The control-plane
+//! components act as `system:masters`; a test user gets only the roles it is given.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use ebb::clock::Stopwatch;
+
+/// The cluster's service addresses, apart from any address a pod gets.
+const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// The token of the administrator the tests act as.
+pub const ADMIN_TOKEN: &str = "ebb-test-admin";
+/// The token of a user with no roles at all.
+pub const NOBODY_TOKEN: &str = "ebb-test-nobody";
+
+/// A running control plane.
+pub struct ControlPlane {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    /// Components in start order; stopped in reverse.
+    children: Vec<(&'static str, Child)>,
+    /// `https://127.0.0.1:PORT`.
+    pub server: String,
+    /// A kubeconfig for the administrator.
+    pub kubeconfig: PathBuf,
+    /// The CA that signed the API server's certificate.
+    pub ca: PathBuf,
+    /// One JSON line per request the API server served.
+    pub audit_log: PathBuf,
+}
+
+/// The directory of the control plane's binaries.
+pub fn binaries() -> PathBuf {
+    match std::env::var_os("EBB_CONTROLPLANE") {
+        Some(p) => PathBuf::from(p),
+        None => panic!(
+            "EBB_CONTROLPLANE is not set: the kube tests need the control plane that \
+             `scripts/controlplane build` builds (scripts/test sets it)"
+        ),
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+fn run(cmd: &mut Command) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Polls `check` every 50 ms until it holds or `limit` passes.
+pub fn wait_until(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
+    let sw = Stopwatch::start();
+    while !check() {
+        assert!(sw.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl ControlPlane {
+    /// Starts etcd, the API server, the controller manager and the scheduler, and returns once
+    /// the API server's `/readyz` answers 200 and the controllers run.
+    pub fn start() -> Self {
+        let bin = binaries();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        let mut cp = Self {
+            server: String::new(),
+            kubeconfig: d.join("admin.kubeconfig"),
+            ca: d.join("ca.crt"),
+            audit_log: d.join("audit.log"),
+            bin,
+            children: Vec::new(),
+            dir,
+        };
+        cp.make_credentials();
+        let etcd = cp.start_etcd();
+        cp.start_apiserver(&etcd);
+        cp.start_controllers();
+        cp
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// A CA, the API server's serving certificate, the service-account signing key, the token
+    /// users and the audit policy.
+    fn make_credentials(&self) {
+        let d = self.dir.path();
+        let openssl = |args: &[&str]| run(Command::new("openssl").args(args).current_dir(d));
+        openssl(&["genrsa", "-out", "ca.key", "2048"]);
+        openssl(&[
+            "req",
+            "-x509",
+            "-new",
+            "-key",
+            "ca.key",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=ebb-test-ca",
+            "-out",
+            "ca.crt",
+        ]);
+        openssl(&["genrsa", "-out", "apiserver.key", "2048"]);
+        openssl(&[
+            "req",
+            "-new",
+            "-key",
+            "apiserver.key",
+            "-subj",
+            "/CN=kube-apiserver",
+            "-out",
+            "apiserver.csr",
+        ]);
+        std::fs::write(
+            d.join("apiserver.ext"),
+            "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,\
+             DNS:kubernetes.default,DNS:kubernetes.default.svc\n",
+        )
+        .expect("write ext");
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "apiserver.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "apiserver.ext",
+            "-out",
+            "apiserver.crt",
+        ]);
+        openssl(&["genrsa", "-out", "sa.key", "2048"]);
+        openssl(&["rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub"]);
+        // token,user,uid,"groups"
+        std::fs::write(
+            d.join("tokens.csv"),
+            format!(
+                "{ADMIN_TOKEN},ebb-test-admin,1,\"system:masters\"\n\
+                 ebb-test-controllers,system:kube-controller-manager,2,\"system:masters\"\n\
+                 ebb-test-scheduler,system:kube-scheduler,3,\"system:masters\"\n\
+                 {NOBODY_TOKEN},nobody,4,\"\"\n"
+            ),
+        )
+        .expect("write tokens");
+        std::fs::write(
+            d.join("audit-policy.yaml"),
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\n\
+             rules:\n- level: Metadata\n",
+        )
+        .expect("write audit policy");
+    }
+
+    fn spawn(&mut self, name: &'static str, cmd: &mut Command) {
+        let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log file");
+        let err = log.try_clone().expect("log file");
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        self.children.push((name, child));
+    }
+
+    /// Fails with the component's log when it has exited.
+    fn assert_running(&mut self) {
+        for (name, child) in &mut self.children {
+            if let Ok(Some(status)) = child.try_wait() {
+                let log = std::fs::read_to_string(self.dir.path().join(format!("{name}.log")))
+                    .unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(30).collect();
+                panic!(
+                    "{name} exited ({status}):\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                );
+            }
+        }
+    }
+
+    /// etcd with a throwaway data dir and no fsync; returns its client URL once it is healthy.
+    fn start_etcd(&mut self) -> String {
+        let (client, peer) = (free_port(), free_port());
+        let client_url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let data = self.path("etcd");
+        let mut cmd = Command::new(self.bin.join("etcd"));
+        cmd.arg("--name=test")
+            .arg(format!("--data-dir={}", data.display()))
+            .arg(format!("--listen-client-urls={client_url}"))
+            .arg(format!("--advertise-client-urls={client_url}"))
+            .arg(format!("--listen-peer-urls={peer_url}"))
+            .arg(format!("--initial-advertise-peer-urls={peer_url}"))
+            .arg(format!("--initial-cluster=test={peer_url}"))
+            .arg("--unsafe-no-fsync")
+            .arg("--log-level=warn");
+        self.spawn("etcd", &mut cmd);
+        wait_until("etcd healthy", Duration::from_secs(30), || {
+            self.assert_running();
+            http_get_ok(client, "/health")
+        });
+        client_url
+    }
+
+    fn start_apiserver(&mut self, etcd: &str) {
+        let port = free_port();
+        self.server = format!("https://127.0.0.1:{port}");
+        let dir = self.dir.path().to_path_buf();
+        let p = |n: &str| dir.join(n).display().to_string();
+        let mut cmd = Command::new(self.bin.join("kube-apiserver"));
+        cmd.arg(format!("--etcd-servers={etcd}"))
+            .arg("--bind-address=127.0.0.1")
+            .arg("--advertise-address=127.0.0.1")
+            .arg(format!("--secure-port={port}"))
+            .arg(format!("--tls-cert-file={}", p("apiserver.crt")))
+            .arg(format!("--tls-private-key-file={}", p("apiserver.key")))
+            .arg(format!("--client-ca-file={}", p("ca.crt")))
+            .arg(format!("--token-auth-file={}", p("tokens.csv")))
+            .arg("--authorization-mode=RBAC")
+            .arg("--service-account-issuer=https://kubernetes.default.svc")
+            .arg(format!("--service-account-key-file={}", p("sa.pub")))
+            .arg(format!(
+                "--service-account-signing-key-file={}",
+                p("sa.key")
+            ))
+            .arg(format!("--service-cluster-ip-range={SERVICE_CIDR}"))
+            .arg("--endpoint-reconciler-type=none")
+            .arg(format!("--audit-policy-file={}", p("audit-policy.yaml")))
+            .arg(format!("--audit-log-path={}", p("audit.log")))
+            .arg("--audit-log-format=json");
+        self.spawn("kube-apiserver", &mut cmd);
+        let kubeconfig = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {}\n    \
+             certificate-authority: {}\nusers:\n- name: admin\n  user:\n    token: {ADMIN_TOKEN}\n\
+             contexts:\n- name: test\n  context:\n    cluster: test\n    user: admin\n\
+             current-context: test\n",
+            self.server,
+            self.ca.display()
+        );
+        std::fs::write(&self.kubeconfig, kubeconfig).expect("write kubeconfig");
+        for (user, token) in [
+            ("controllers", "ebb-test-controllers"),
+            ("scheduler", "ebb-test-scheduler"),
+        ] {
+            let text = std::fs::read_to_string(&self.kubeconfig)
+                .expect("kubeconfig")
+                .replace(ADMIN_TOKEN, token);
+            std::fs::write(self.path(&format!("{user}.kubeconfig")), text).expect("kubeconfig");
+        }
+        wait_until("kube-apiserver /readyz", Duration::from_secs(90), || {
+            self.assert_running();
+            self.try_kubectl(&["get", "--raw", "/readyz"])
+                .is_ok_and(|out| out.trim() == "ok")
+        });
+    }
+
+    fn start_controllers(&mut self) {
+        let dir = self.dir.path().to_path_buf();
+        let p = |n: &str| dir.join(n).display().to_string();
+        let mut cm = Command::new(self.bin.join("kube-controller-manager"));
+        cm.arg(format!("--kubeconfig={}", p("controllers.kubeconfig")))
+            .arg("--leader-elect=false")
+            .arg(
+                "--controllers=deployment-controller,replicaset-controller,\
+                 endpointslice-controller,garbage-collector-controller,namespace-controller,\
+                 serviceaccount-controller,serviceaccount-token-controller",
+            )
+            .arg(format!("--root-ca-file={}", p("ca.crt")))
+            .arg(format!(
+                "--service-account-private-key-file={}",
+                p("sa.key")
+            ))
+            .arg("--bind-address=127.0.0.1")
+            .arg(format!("--secure-port={}", free_port()))
+            .arg(format!("--cert-dir={}", p("controller-manager-certs")));
+        self.spawn("kube-controller-manager", &mut cm);
+        let mut sched = Command::new(self.bin.join("kube-scheduler"));
+        sched
+            .arg(format!("--kubeconfig={}", p("scheduler.kubeconfig")))
+            .arg("--leader-elect=false")
+            .arg("--bind-address=127.0.0.1")
+            .arg(format!("--secure-port={}", free_port()))
+            .arg(format!("--cert-dir={}", p("scheduler-certs")));
+        self.spawn("kube-scheduler", &mut sched);
+        // The service-account controller makes every namespace's `default` account: the
+        // controller manager is at work once `default` has one.
+        wait_until(
+            "the default service account",
+            Duration::from_secs(60),
+            || {
+                self.assert_running();
+                self.try_kubectl(&["get", "serviceaccount", "default", "-o", "name"])
+                    .is_ok()
+            },
+        );
+    }
+
+    /// Runs kubectl as the administrator; its stdout, or its stderr as the error.
+    pub fn try_kubectl(&self, args: &[&str]) -> Result<String, String> {
+        let out = Command::new(self.bin.join("kubectl"))
+            .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
+            .args(args)
+            .output()
+            .map_err(|e| e.to_string())?;
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+
+    /// [`Self::try_kubectl`], failing the test on an error.
+    pub fn kubectl(&self, args: &[&str]) -> String {
+        self.try_kubectl(args)
+            .unwrap_or_else(|e| panic!("kubectl {}: {e}", args.join(" ")))
+    }
+
+    /// Runs kubectl with `input` on its stdin (for `apply -f -`).
+    pub fn kubectl_stdin(&self, args: &[&str], input: &str) -> String {
+        use std::io::Write;
+        let mut child = Command::new(self.bin.join("kubectl"))
+            .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("kubectl");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(input.as_bytes())
+            .expect("write stdin");
+        let out = child.wait_with_output().expect("kubectl");
+        assert!(
+            out.status.success(),
+            "kubectl {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The audit log's events (one JSON object per request served).
+    pub fn audit_events(&self) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&self.audit_log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// The directory of the logs and credentials.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        for (_, child) in self.children.iter_mut().rev() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        let sw = Stopwatch::start();
+        for (_, child) in self.children.iter_mut().rev() {
+            loop {
+                match child.try_wait() {
+                    Ok(Some(_)) | Err(_) => break,
+                    Ok(None) if sw.elapsed() >= Duration::from_secs(10) => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        break;
+                    }
+                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        }
+    }
+}
+
+/// Whether `GET path` on a plain-HTTP server on loopback answers 200.
+fn http_get_ok(port: u16, path: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .is_err()
+    {
+        return false;
+    }
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    answer.starts_with("HTTP/1.1 200")
+}
