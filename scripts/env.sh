@@ -15,8 +15,8 @@ need_apt=()
 # rust-rocksdb builds RocksDB's C++ itself (Debian's librocksdb is too old) and runs bindgen,
 # which needs libclang; sccache caches both the Rust and the C++ compilation.
 # rdkafka builds its bundled librdkafka with make and links zlib.
-# openssl makes the kube tests' certificates.
-for pkg in libclang-dev clang sccache make pkg-config zlib1g-dev openssl; do
+# openssl makes the kube tests' certificates; iproute2's ip sets up their network namespace.
+for pkg in libclang-dev clang sccache make pkg-config zlib1g-dev openssl iproute2; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then

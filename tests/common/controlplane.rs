@@ -1,8 +1,14 @@
 //! The real Kubernetes control plane for the kube tests: etcd, kube-apiserver,
 //! kube-controller-manager and kube-scheduler, built from their Go modules by
 //! `scripts/controlplane build` (its directory in `$EBB_CONTROLPLANE`, which `scripts/test` sets),
-//! each a process of its own on loopback ports of its choosing, stopped when dropped (also when a
-//! test fails).
+//! each a process of its own, stopped when dropped (also when a test fails).
+//!
+//! Each test runs in a network namespace of its own ([`private_network`]): the API server refuses
+//! loopback addresses in EndpointSlices, so the node and its pods need other addresses, and those
+//! must never reach beyond this machine. The namespace has only `lo`, carrying 127.0.0.1, the
+//! node's [`NODE_IP`] and the pods' addresses. It belongs to the test's thread: a kube test is a
+//! plain `#[test]` or a current-thread `#[tokio::test]`, and everything it starts (the
+//! components, the pods, the threads it spawns) is inside the namespace with it.
 //!
 //! The API server has its own CA (made with openssl), users from a token file, RBAC on and an
 //! audit log (every request at the Metadata level, one JSON line each). The control-plane
@@ -17,6 +23,8 @@ use ebb::clock::Stopwatch;
 
 /// The cluster's service addresses, apart from any address a pod gets.
 const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// The node's address in the test's network namespace; the API server listens on it.
+pub const NODE_IP: &str = "10.244.0.1";
 /// The token of the administrator the tests act as.
 pub const ADMIN_TOKEN: &str = "ebb-test-admin";
 /// The token of a user with no roles at all.
@@ -28,7 +36,7 @@ pub struct ControlPlane {
     bin: PathBuf,
     /// Components in start order; stopped in reverse.
     children: Vec<(&'static str, Child)>,
-    /// `https://127.0.0.1:PORT`.
+    /// `https://NODE_IP:PORT`.
     pub server: String,
     /// A kubeconfig for the administrator.
     pub kubeconfig: PathBuf,
@@ -75,10 +83,26 @@ pub fn wait_until(what: &str, limit: Duration, mut check: impl FnMut() -> bool) 
     }
 }
 
+/// Moves the calling thread into a network namespace of its own (so every process and thread it
+/// starts from now on is in it too), with `lo` up carrying 127.0.0.1 and [`NODE_IP`]. Needs root
+/// (CAP_SYS_ADMIN), as `scripts/test` runs.
+pub fn private_network() {
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET).unwrap_or_else(|e| {
+        panic!(
+            "the kube tests run in a network namespace of their own and need root \
+             (CAP_SYS_ADMIN) to make it: unshare: {e}"
+        )
+    });
+    run(Command::new("ip").args(["link", "set", "lo", "up"]));
+    run(Command::new("ip").args(["addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"]));
+}
+
 impl ControlPlane {
-    /// Starts etcd, the API server, the controller manager and the scheduler, and returns once
-    /// the API server's `/readyz` answers 200 and the controllers run.
+    /// Moves the calling thread into a network namespace of its own ([`private_network`]),
+    /// starts etcd, the API server, the controller manager and the scheduler in it, and returns
+    /// once the API server's `/readyz` answers 200 and the controllers run.
     pub fn start() -> Self {
+        private_network();
         let bin = binaries();
         let dir = tempfile::tempdir().expect("tempdir");
         let d = dir.path();
@@ -134,8 +158,10 @@ impl ControlPlane {
         ]);
         std::fs::write(
             d.join("apiserver.ext"),
-            "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,\
-             DNS:kubernetes.default,DNS:kubernetes.default.svc\n",
+            format!(
+                "subjectAltName=IP:{NODE_IP},IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,\
+                 DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\n"
+            ),
         )
         .expect("write ext");
         openssl(&[
@@ -229,13 +255,13 @@ impl ControlPlane {
 
     fn start_apiserver(&mut self, etcd: &str) {
         let port = free_port();
-        self.server = format!("https://127.0.0.1:{port}");
+        self.server = format!("https://{NODE_IP}:{port}");
         let dir = self.dir.path().to_path_buf();
         let p = |n: &str| dir.join(n).display().to_string();
         let mut cmd = Command::new(self.bin.join("kube-apiserver"));
         cmd.arg(format!("--etcd-servers={etcd}"))
-            .arg("--bind-address=127.0.0.1")
-            .arg("--advertise-address=127.0.0.1")
+            .arg(format!("--bind-address={NODE_IP}"))
+            .arg(format!("--advertise-address={NODE_IP}"))
             .arg(format!("--secure-port={port}"))
             .arg(format!("--tls-cert-file={}", p("apiserver.crt")))
             .arg(format!("--tls-private-key-file={}", p("apiserver.key")))
