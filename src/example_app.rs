@@ -35,9 +35,12 @@ use serde::Deserialize;
 /// Arguments of `ebb example-app`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ExampleAppArgs {
-    /// Port to listen on, on 127.0.0.1.
+    /// Port to listen on.
     #[arg(long, env = "PORT")]
     pub port: u16,
+    /// Address to listen on (a pod's IP on Kubernetes).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
     /// Wait this long before listening, like an app with a slow start.
     #[arg(long, default_value_t = 0)]
     pub startup_delay_ms: u64,
@@ -236,9 +239,13 @@ pub async fn run(args: ExampleAppArgs) -> anyhow::Result<()> {
     if args.startup_delay_ms > 0 {
         tokio::time::sleep(Duration::from_millis(args.startup_delay_ms)).await;
     }
-    let addr = SocketAddr::from(([127, 0, 0, 1], args.port));
+    let addr = SocketAddr::new(args.host, args.port);
     let listen = || -> std::io::Result<tokio::net::TcpListener> {
-        let socket = tokio::net::TcpSocket::new_v4()?;
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
         socket.set_reuseaddr(true)?;
         socket.bind(addr)?;
         socket.listen(args.backlog.unwrap_or(1024))

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::controlplane::{ControlPlane, NOBODY_TOKEN, wait_until};
+use common::controlplane::{ControlPlane, NOBODY_TOKEN, wait_for, wait_until};
 
 const DEPLOYMENT: &str = r#"
 apiVersion: apps/v1
@@ -119,4 +119,135 @@ async fn the_real_control_plane_turns_a_deployment_into_pods_and_audits_every_wr
             })
         },
     );
+}
+
+const HELLO: &str = r#"
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: hello
+  namespace: default
+spec:
+  replicas: 1
+  selector:
+    matchLabels: {app: hello}
+  template:
+    metadata:
+      labels: {app: hello}
+    spec:
+      terminationGracePeriodSeconds: 5
+      containers:
+      - name: app
+        image: ebb
+        command: [ebb, example-app]
+        args: [--host, $(POD_IP), --port, "8080"]
+        env:
+        - name: POD_IP
+          valueFrom: {fieldRef: {fieldPath: status.podIP}}
+        readinessProbe:
+          httpGet: {path: /health, port: 8080}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: hello
+  namespace: default
+spec:
+  selector: {app: hello}
+  ports:
+  - {port: 80, targetPort: 8080}
+"#;
+
+/// The ready endpoint addresses of the Service's EndpointSlices.
+fn ready_endpoints(cp: &ControlPlane, service: &str) -> Vec<String> {
+    let slices = json(&cp.kubectl(&[
+        "get",
+        "endpointslices",
+        "-l",
+        &format!("kubernetes.io/service-name={service}"),
+        "-o",
+        "json",
+    ]));
+    let mut out = Vec::new();
+    for slice in slices["items"].as_array().into_iter().flatten() {
+        for e in slice["endpoints"].as_array().into_iter().flatten() {
+            if e["conditions"]["ready"] == true {
+                for a in e["addresses"].as_array().into_iter().flatten() {
+                    out.push(a.as_str().unwrap_or_default().to_owned());
+                }
+            }
+        }
+    }
+    out
+}
+
+fn get(addr: &str, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: hello\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .ok()?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).ok()?;
+    Some(answer)
+}
+
+/// Pods run for real: the node agent runs the Deployment's pod as a process on its own address,
+/// reports it ready once its probe passes, the real EndpointSlice controller publishes that
+/// address, the pod's process answers on it; scaled to zero, the process is stopped and the
+/// endpoint goes away.
+#[tokio::test]
+async fn pods_run_as_processes_and_their_endpoints_are_published() {
+    let cp = ControlPlane::start();
+    let kube = client(&cp).await;
+    let images = [(
+        "ebb".to_owned(),
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
+    )]
+    .into();
+    let _agent = common::node::start(kube.clone(), images).await;
+    cp.kubectl_stdin(&["apply", "--server-side", "-f", "-"], HELLO);
+
+    let mut endpoints = Vec::new();
+    wait_for("a ready endpoint", Duration::from_secs(60), || {
+        endpoints = ready_endpoints(&cp, "hello");
+        !endpoints.is_empty()
+    })
+    .await;
+    assert_eq!(endpoints.len(), 1, "{endpoints:?}");
+    let addr = &endpoints[0];
+    assert!(addr.starts_with("10.244.0."), "{addr}");
+    let answer = get(&format!("{addr}:8080"), "/pid").expect("the pod answers");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let pid: i32 = answer
+        .rsplit("\r\n\r\n")
+        .next()
+        .and_then(|b| b.trim().parse().ok())
+        .unwrap_or_else(|| panic!("a pid: {answer}"));
+    assert!(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok());
+
+    let deployments: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
+        kube::Api::namespaced(kube, "default");
+    deployments
+        .patch_scale(
+            "hello",
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"replicas": 0}})),
+        )
+        .await
+        .expect("patch scale");
+    wait_for("the pod gone", Duration::from_secs(60), || {
+        let pods = json(&cp.kubectl(&["get", "pods", "-l", "app=hello", "-o", "json"]));
+        pods["items"].as_array().is_some_and(Vec::is_empty)
+    })
+    .await;
+    assert!(
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_err(),
+        "the pod's process {pid} still runs"
+    );
+    wait_for("no ready endpoint", Duration::from_secs(60), || {
+        ready_endpoints(&cp, "hello").is_empty()
+    })
+    .await;
 }

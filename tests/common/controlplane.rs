@@ -97,6 +97,16 @@ pub fn private_network() {
     run(Command::new("ip").args(["addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"]));
 }
 
+/// [`wait_until`] for async tests: the tasks of the test's runtime (the node agent) run while it
+/// waits.
+pub async fn wait_for(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
+    let sw = Stopwatch::start();
+    while !check() {
+        assert!(sw.elapsed() < limit, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 impl ControlPlane {
     /// Moves the calling thread into a network namespace of its own ([`private_network`]),
     /// starts etcd, the API server, the controller manager and the scheduler in it, and returns

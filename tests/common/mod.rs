@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod controlplane;
+pub mod node;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
