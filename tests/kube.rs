@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use common::controlplane::{ControlPlane, NOBODY_TOKEN, wait_for, wait_until};
 
-const DEPLOYMENT: &str = r#"
+/// A Deployment of the example app (listening on its pod's address, probed on `/health`) and a
+/// Service in front of it.
+const HELLO: &str = r#"
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -22,14 +24,45 @@ spec:
     metadata:
       labels: {app: hello}
     spec:
+      terminationGracePeriodSeconds: 5
       containers:
       - name: app
         image: ebb
         command: [ebb, example-app]
+        args: [--host, $(POD_IP), --port, "8080"]
+        env:
+        - name: POD_IP
+          valueFrom: {fieldRef: {fieldPath: status.podIP}}
+        readinessProbe:
+          httpGet: {path: /health, port: 8080}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: hello
+  namespace: default
+spec:
+  selector: {app: hello}
+  ports:
+  - {port: 80, targetPort: 8080}
 "#;
 
 fn json(text: &str) -> serde_json::Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+/// Sets the Deployment's replicas through the scale subresource with kube-rs, as ebb scales.
+async fn scale(client: kube::Client, deployment: &str, replicas: i32) {
+    let deployments: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
+        kube::Api::namespaced(client, "default");
+    deployments
+        .patch_scale(
+            deployment,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"spec": {"replicas": replicas}})),
+        )
+        .await
+        .expect("patch scale");
 }
 
 /// A kube-rs client for the administrator, trusting the control plane's CA.
@@ -67,7 +100,7 @@ async fn the_real_control_plane_turns_a_deployment_into_pods_and_audits_every_wr
         "{denied}"
     );
 
-    cp.kubectl_stdin(&["apply", "--server-side", "-f", "-"], DEPLOYMENT);
+    cp.kubectl_stdin(&["apply", "--server-side", "-f", "-"], HELLO);
     wait_until("the deployment's pod", Duration::from_secs(60), || {
         let pods = json(&cp.kubectl(&["get", "pods", "-l", "app=hello", "-o", "json"]));
         pods["items"]
@@ -89,18 +122,12 @@ async fn the_real_control_plane_turns_a_deployment_into_pods_and_audits_every_wr
     });
 
     // Through the scale subresource with kube-rs, as ebb scales.
+    let kube = client(&cp).await;
     let deployments: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
-        kube::Api::namespaced(client(&cp).await, "default");
-    let scale = deployments.get_scale("hello").await.expect("get scale");
-    assert_eq!(scale.spec.and_then(|s| s.replicas), Some(1));
-    deployments
-        .patch_scale(
-            "hello",
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(serde_json::json!({"spec": {"replicas": 0}})),
-        )
-        .await
-        .expect("patch scale");
+        kube::Api::namespaced(kube.clone(), "default");
+    let current = deployments.get_scale("hello").await.expect("get scale");
+    assert_eq!(current.spec.and_then(|s| s.replicas), Some(1));
+    scale(kube, "hello", 0).await;
     wait_until("no pods left", Duration::from_secs(60), || {
         let pods = json(&cp.kubectl(&["get", "pods", "-l", "app=hello", "-o", "json"]));
         pods["items"].as_array().is_some_and(Vec::is_empty)
@@ -120,43 +147,6 @@ async fn the_real_control_plane_turns_a_deployment_into_pods_and_audits_every_wr
         },
     );
 }
-
-const HELLO: &str = r#"
-apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: hello
-  namespace: default
-spec:
-  replicas: 1
-  selector:
-    matchLabels: {app: hello}
-  template:
-    metadata:
-      labels: {app: hello}
-    spec:
-      terminationGracePeriodSeconds: 5
-      containers:
-      - name: app
-        image: ebb
-        command: [ebb, example-app]
-        args: [--host, $(POD_IP), --port, "8080"]
-        env:
-        - name: POD_IP
-          valueFrom: {fieldRef: {fieldPath: status.podIP}}
-        readinessProbe:
-          httpGet: {path: /health, port: 8080}
----
-apiVersion: v1
-kind: Service
-metadata:
-  name: hello
-  namespace: default
-spec:
-  selector: {app: hello}
-  ports:
-  - {port: 80, targetPort: 8080}
-"#;
 
 /// The ready endpoint addresses of the Service's EndpointSlices.
 fn ready_endpoints(cp: &ControlPlane, service: &str) -> Vec<String> {
@@ -227,16 +217,7 @@ async fn pods_run_as_processes_and_their_endpoints_are_published() {
         .unwrap_or_else(|| panic!("a pid: {answer}"));
     assert!(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok());
 
-    let deployments: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
-        kube::Api::namespaced(kube, "default");
-    deployments
-        .patch_scale(
-            "hello",
-            &kube::api::PatchParams::default(),
-            &kube::api::Patch::Merge(serde_json::json!({"spec": {"replicas": 0}})),
-        )
-        .await
-        .expect("patch scale");
+    scale(kube, "hello", 0).await;
     wait_for("the pod gone", Duration::from_secs(60), || {
         let pods = json(&cp.kubectl(&["get", "pods", "-l", "app=hello", "-o", "json"]));
         pods["items"].as_array().is_some_and(Vec::is_empty)
