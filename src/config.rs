@@ -188,12 +188,7 @@ impl AppConfig {
         }
         for d in &mut self.domains {
             *d = d.to_ascii_lowercase();
-            let bare = d.strip_prefix("*.").unwrap_or(d);
-            let ok = !bare.is_empty()
-                && bare
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
-            if !ok {
+            if !crate::state::routes::valid_domain(d) {
                 return Err(format!("app {:?}: {d:?} is not a host name", self.name));
             }
         }

@@ -7,6 +7,7 @@
 //! trait against Deployments. Decisions about *when* to scale are not made here: they are pure
 //! functions in the core; this module only carries them out.
 
+pub mod annotations;
 pub mod process;
 
 use std::net::SocketAddr;

@@ -132,6 +132,16 @@ impl Routes {
     }
 }
 
+/// Whether `domain` is a route's host name: letters, digits, '-' and '.', optionally after a
+/// leading `*.` (a wildcard for the names under it).
+pub fn valid_domain(domain: &str) -> bool {
+    let bare = domain.strip_prefix("*.").unwrap_or(domain);
+    !bare.is_empty()
+        && bare
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+}
+
 /// Looks a `Host` up in a table of domains: the port and case are ignored; an exact domain wins
 /// over a wildcard (`*.suffix`), and a longer wildcard suffix over a shorter one.
 pub fn match_host<T>(host: &str, mut get: impl FnMut(&str) -> Option<T>) -> Option<T> {
