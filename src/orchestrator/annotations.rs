@@ -10,8 +10,8 @@
 //!
 //! A Service with none of the route annotations is not ebb's ([`Ok(None)`]); one with some but
 //! not all, or with a malformed value, is an [`AnnotationError`] that names the annotation, for
-//! a Warning Event on the Service. Conflicts between Services (a domain claimed twice) are found
-//! where all routes are known, not here.
+//! a Warning Event on the Service. A domain claimed by two Services ([`resolve`]) stays with the
+//! older one; the newer gets no route and an error naming the domain and the older Service.
 
 use std::collections::BTreeMap;
 
@@ -211,6 +211,41 @@ fn workload(
         namespace: namespace.to_owned(),
         name: name.to_owned(),
     })
+}
+
+/// A Service's route with the Service's creation time, for [`resolve`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub route: RouteSpec,
+    /// When the Service was created (Unix ms); the older claim keeps a contested domain.
+    pub created_ms: u64,
+}
+
+/// The routes of all annotated Services, with a domain claimed twice left to the older Service
+/// (ties: the smaller name): a newer Service that claims a taken domain gets no route at all
+/// (none of its domains, so that it never half-serves), and an error for its Warning Event.
+pub fn resolve(mut claims: Vec<Claim>) -> (Vec<RouteSpec>, Vec<(String, AnnotationError)>) {
+    claims.sort_by(|a, b| (a.created_ms, &a.route.name).cmp(&(b.created_ms, &b.route.name)));
+    let mut owner: BTreeMap<String, String> = BTreeMap::new();
+    let mut routes = Vec::new();
+    let mut refused = Vec::new();
+    for claim in claims {
+        let taken = claim
+            .route
+            .domains
+            .iter()
+            .find_map(|d| owner.get(d).map(|o| (d.clone(), o.clone())));
+        if let Some((domain, other)) = taken {
+            let message = format!("{domain:?} is served by Service {other} already");
+            refused.push((claim.route.name.clone(), bad(DOMAINS, message)));
+            continue;
+        }
+        for d in &claim.route.domains {
+            owner.insert(d.clone(), claim.route.name.clone());
+        }
+        routes.push(claim.route);
+    }
+    (routes, refused)
 }
 
 /// Milliseconds in a duration written as whole numbers with units, Go's way: `500ms`, `90s`,
@@ -430,6 +465,43 @@ mod tests {
                 "{text:?} read as a duration"
             );
         }
+    }
+
+    #[test]
+    fn a_domain_claimed_twice_stays_with_the_older_service() {
+        let claim = |service: &str, domains: &str, created_ms: u64| {
+            let a = annotations(&[(DOMAINS, domains), (DEPLOYMENT, service)]);
+            let (route, _) = route("shop", service, &a, &RouteDefaults::default())
+                .unwrap()
+                .unwrap();
+            Claim { route, created_ms }
+        };
+        let (routes, refused) = resolve(vec![
+            claim("newer", "b.example.com,a.example.com", 20),
+            claim("older", "a.example.com", 10),
+            claim("other", "c.example.com", 30),
+            claim("tie-b", "d.example.com", 40),
+            claim("tie-a", "d.example.com", 40),
+        ]);
+        let names: Vec<&str> = routes.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["shop/older", "shop/other", "shop/tie-a"]);
+        let refused: Vec<(&str, &str)> = refused
+            .iter()
+            .map(|(n, e)| (n.as_str(), e.message.as_str()))
+            .collect();
+        assert_eq!(
+            refused,
+            [
+                (
+                    "shop/newer",
+                    "\"a.example.com\" is served by Service shop/older already"
+                ),
+                (
+                    "shop/tie-b",
+                    "\"d.example.com\" is served by Service shop/tie-a already"
+                ),
+            ]
+        );
     }
 
     #[test]
