@@ -82,16 +82,16 @@ pub struct AppConfig {
 fn default_health() -> Option<String> {
     Some("/health".into())
 }
-fn default_idle() -> u64 {
+pub(crate) fn default_idle() -> u64 {
     300_000
 }
-fn default_max() -> u32 {
+pub(crate) fn default_max() -> u32 {
     1
 }
-fn default_hold_timeout() -> u64 {
+pub(crate) fn default_hold_timeout() -> u64 {
     30_000
 }
-fn default_hold_queue() -> u32 {
+pub(crate) fn default_hold_queue() -> u32 {
     1_000
 }
 fn default_startup_timeout() -> u64 {

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::controlplane::{ControlPlane, NOBODY_TOKEN, wait_for, wait_until};
+use common::controlplane::{ControlPlane, NOBODY_TOKEN, http_get, wait_for};
 
 /// A Deployment of the example app (listening on its pod's address, probed on `/health`) and a
 /// Service in front of it.
@@ -80,7 +80,7 @@ async fn client(cp: &ControlPlane) -> kube::Client {
 /// subresource, written through kube-rs as ebb scales, taking it back to zero.
 #[tokio::test]
 async fn the_real_control_plane_turns_a_deployment_into_pods_and_audits_every_write() {
-    let cp = ControlPlane::start();
+    let cp = ControlPlane::start().await;
     let version = json(&cp.kubectl(&["version", "-o", "json"]));
     assert_eq!(
         version["serverVersion"]["gitVersion"], "v1.36.3",
@@ -101,14 +101,15 @@ async fn the_real_control_plane_turns_a_deployment_into_pods_and_audits_every_wr
     );
 
     cp.kubectl_stdin(&["apply", "--server-side", "-f", "-"], HELLO);
-    wait_until("the deployment's pod", Duration::from_secs(60), || {
+    wait_for("the deployment's pod", Duration::from_secs(60), || {
         let pods = json(&cp.kubectl(&["get", "pods", "-l", "app=hello", "-o", "json"]));
         pods["items"]
             .as_array()
             .is_some_and(|items| items.len() == 1)
-    });
+    })
+    .await;
     // The scheduler ran and found no node for it.
-    wait_until("the scheduler's verdict", Duration::from_secs(60), || {
+    wait_for("the scheduler's verdict", Duration::from_secs(60), || {
         let pods = json(&cp.kubectl(&["get", "pods", "-l", "app=hello", "-o", "json"]));
         pods["items"][0]["status"]["conditions"]
             .as_array()
@@ -119,7 +120,8 @@ async fn the_real_control_plane_turns_a_deployment_into_pods_and_audits_every_wr
                         && c["reason"] == "Unschedulable"
                 })
             })
-    });
+    })
+    .await;
 
     // Through the scale subresource with kube-rs, as ebb scales.
     let kube = client(&cp).await;
@@ -128,13 +130,14 @@ async fn the_real_control_plane_turns_a_deployment_into_pods_and_audits_every_wr
     let current = deployments.get_scale("hello").await.expect("get scale");
     assert_eq!(current.spec.and_then(|s| s.replicas), Some(1));
     scale(kube, "hello", 0).await;
-    wait_until("no pods left", Duration::from_secs(60), || {
+    wait_for("no pods left", Duration::from_secs(60), || {
         let pods = json(&cp.kubectl(&["get", "pods", "-l", "app=hello", "-o", "json"]));
         pods["items"].as_array().is_some_and(Vec::is_empty)
-    });
+    })
+    .await;
 
     // The audit log saw the write to the scale subresource, by the administrator.
-    wait_until(
+    wait_for(
         "the scale write in the audit log",
         Duration::from_secs(30),
         || {
@@ -145,7 +148,8 @@ async fn the_real_control_plane_turns_a_deployment_into_pods_and_audits_every_wr
                     && e["user"]["username"] == "ebb-test-admin"
             })
         },
-    );
+    )
+    .await;
 }
 
 /// The ready endpoint addresses of the Service's EndpointSlices.
@@ -171,25 +175,13 @@ fn ready_endpoints(cp: &ControlPlane, service: &str) -> Vec<String> {
     out
 }
 
-fn get(addr: &str, path: &str) -> Option<String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).ok()?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: hello\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .ok()?;
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).ok()?;
-    Some(answer)
-}
-
 /// Pods run for real: the node agent runs the Deployment's pod as a process on its own address,
 /// reports it ready once its probe passes, the real EndpointSlice controller publishes that
 /// address, the pod's process answers on it; scaled to zero, the process is stopped and the
 /// endpoint goes away.
 #[tokio::test]
 async fn pods_run_as_processes_and_their_endpoints_are_published() {
-    let cp = ControlPlane::start();
+    let cp = ControlPlane::start().await;
     let kube = client(&cp).await;
     let images = [(
         "ebb".to_owned(),
@@ -208,7 +200,7 @@ async fn pods_run_as_processes_and_their_endpoints_are_published() {
     assert_eq!(endpoints.len(), 1, "{endpoints:?}");
     let addr = &endpoints[0];
     assert!(addr.starts_with("10.244.0."), "{addr}");
-    let answer = get(&format!("{addr}:8080"), "/pid").expect("the pod answers");
+    let answer = http_get(&format!("{addr}:8080"), "/pid").expect("the pod answers");
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     let pid: i32 = answer
         .rsplit("\r\n\r\n")

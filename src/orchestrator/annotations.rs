@@ -37,12 +37,13 @@ pub struct RouteDefaults {
 }
 
 impl Default for RouteDefaults {
+    /// The defaults of an app in `ebb.toml`.
     fn default() -> Self {
         Self {
-            idle_after_ms: 300_000,
-            hold_timeout_ms: 30_000,
-            hold_queue_max: 1_000,
-            max_replicas: 1,
+            idle_after_ms: crate::config::default_idle(),
+            hold_timeout_ms: crate::config::default_hold_timeout(),
+            hold_queue_max: crate::config::default_hold_queue(),
+            max_replicas: crate::config::default_max(),
         }
     }
 }

@@ -389,12 +389,12 @@ async fn exchange(
         };
         let addr = slot.addr();
         let (mut backend, reused, opening) = match conn {
-            Ok(c) => {
-                if !c.1 {
+            Ok((backend, reused, opening)) => {
+                if !reused {
                     // A new connection may have taken a while.
                     progress.mark();
                 }
-                c
+                (backend, reused, opening)
             }
             Err(e)
                 if e.kind() == io::ErrorKind::ConnectionRefused

@@ -15,7 +15,7 @@
 //! components act as `system:masters`; a test user gets only the roles it is given.
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -74,15 +74,6 @@ fn run(cmd: &mut Command) {
     );
 }
 
-/// Polls `check` every 50 ms until it holds or `limit` passes.
-pub fn wait_until(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
-    let sw = Stopwatch::start();
-    while !check() {
-        assert!(sw.elapsed() < limit, "{what}: not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// Moves the calling thread into a network namespace of its own (so every process and thread it
 /// starts from now on is in it too), with `lo` up carrying 127.0.0.1 and [`NODE_IP`]. Needs root
 /// (CAP_SYS_ADMIN), as `scripts/test` runs.
@@ -97,21 +88,26 @@ pub fn private_network() {
     run(Command::new("ip").args(["addr", "add", &format!("{NODE_IP}/32"), "dev", "lo"]));
 }
 
-/// [`wait_until`] for async tests: the tasks of the test's runtime (the node agent) run while it
-/// waits.
+/// Checks `check` until it holds, failing the test if `limit` passes first. Between checks it
+/// gives the thread to the test runtime's other tasks (the node agent) for 50 ms: a check runs
+/// kubectl and blocks the thread meanwhile, so an interval, already due again when a check
+/// returns, would never let them run.
 pub async fn wait_for(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
-    let sw = Stopwatch::start();
-    while !check() {
-        assert!(sw.elapsed() < limit, "{what}: not within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let wait = async {
+        while !check() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(limit, wait)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: not within {limit:?}"));
 }
 
 impl ControlPlane {
     /// Moves the calling thread into a network namespace of its own ([`private_network`]),
     /// starts etcd, the API server, the controller manager and the scheduler in it, and returns
     /// once the API server's `/readyz` answers 200 and the controllers run.
-    pub fn start() -> Self {
+    pub async fn start() -> Self {
         private_network();
         let bin = binaries();
         let dir = tempfile::tempdir().expect("tempdir");
@@ -126,9 +122,9 @@ impl ControlPlane {
             dir,
         };
         cp.make_credentials();
-        let etcd = cp.start_etcd();
-        cp.start_apiserver(&etcd);
-        cp.start_controllers();
+        let etcd = cp.start_etcd().await;
+        cp.start_apiserver(&etcd).await;
+        cp.start_controllers().await;
         cp
     }
 
@@ -240,7 +236,7 @@ impl ControlPlane {
     }
 
     /// etcd with a throwaway data dir and no fsync; returns its client URL once it is healthy.
-    fn start_etcd(&mut self) -> String {
+    async fn start_etcd(&mut self) -> String {
         let (client, peer) = (free_port(), free_port());
         let client_url = format!("http://127.0.0.1:{client}");
         let peer_url = format!("http://127.0.0.1:{peer}");
@@ -256,14 +252,16 @@ impl ControlPlane {
             .arg("--unsafe-no-fsync")
             .arg("--log-level=warn");
         self.spawn("etcd", &mut cmd);
-        wait_until("etcd healthy", Duration::from_secs(30), || {
+        wait_for("etcd healthy", Duration::from_secs(30), || {
             self.assert_running();
-            http_get_ok(client, "/health")
-        });
+            http_get(&format!("127.0.0.1:{client}"), "/health")
+                .is_some_and(|a| a.starts_with("HTTP/1.1 200"))
+        })
+        .await;
         client_url
     }
 
-    fn start_apiserver(&mut self, etcd: &str) {
+    async fn start_apiserver(&mut self, etcd: &str) {
         let port = free_port();
         self.server = format!("https://{NODE_IP}:{port}");
         let dir = self.dir.path().to_path_buf();
@@ -308,14 +306,15 @@ impl ControlPlane {
                 .replace(ADMIN_TOKEN, token);
             std::fs::write(self.path(&format!("{user}.kubeconfig")), text).expect("kubeconfig");
         }
-        wait_until("kube-apiserver /readyz", Duration::from_secs(90), || {
+        wait_for("kube-apiserver /readyz", Duration::from_secs(90), || {
             self.assert_running();
             self.try_kubectl(&["get", "--raw", "/readyz"])
                 .is_ok_and(|out| out.trim() == "ok")
-        });
+        })
+        .await;
     }
 
-    fn start_controllers(&mut self) {
+    async fn start_controllers(&mut self) {
         let dir = self.dir.path().to_path_buf();
         let p = |n: &str| dir.join(n).display().to_string();
         let mut cm = Command::new(self.bin.join("kube-controller-manager"));
@@ -345,7 +344,7 @@ impl ControlPlane {
         self.spawn("kube-scheduler", &mut sched);
         // The service-account controller makes every namespace's `default` account: the
         // controller manager is at work once `default` has one.
-        wait_until(
+        wait_for(
             "the default service account",
             Duration::from_secs(60),
             || {
@@ -353,14 +352,22 @@ impl ControlPlane {
                 self.try_kubectl(&["get", "serviceaccount", "default", "-o", "name"])
                     .is_ok()
             },
-        );
+        )
+        .await;
+    }
+
+    /// kubectl as the administrator, with `args`.
+    fn kubectl_command(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new(self.bin.join("kubectl"));
+        cmd.arg(format!("--kubeconfig={}", self.kubeconfig.display()))
+            .args(args);
+        cmd
     }
 
     /// Runs kubectl as the administrator; its stdout, or its stderr as the error.
     pub fn try_kubectl(&self, args: &[&str]) -> Result<String, String> {
-        let out = Command::new(self.bin.join("kubectl"))
-            .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
-            .args(args)
+        let out = self
+            .kubectl_command(args)
             .output()
             .map_err(|e| e.to_string())?;
         if out.status.success() {
@@ -379,9 +386,8 @@ impl ControlPlane {
     /// Runs kubectl with `input` on its stdin (for `apply -f -`).
     pub fn kubectl_stdin(&self, args: &[&str], input: &str) -> String {
         use std::io::Write;
-        let mut child = Command::new(self.bin.join("kubectl"))
-            .arg(format!("--kubeconfig={}", self.kubeconfig.display()))
-            .args(args)
+        let mut child = self
+            .kubectl_command(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -411,53 +417,50 @@ impl ControlPlane {
             .filter_map(|l| serde_json::from_str(l).ok())
             .collect()
     }
-
-    /// The directory of the logs and credentials.
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
-    }
 }
 
 impl Drop for ControlPlane {
+    /// SIGTERM to every component, then SIGKILL to those still running after 10 s.
     fn drop(&mut self) {
-        for (_, child) in self.children.iter_mut().rev() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(child.id() as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            );
+        let (exited, gone) = std::sync::mpsc::channel();
+        let mut pids = Vec::new();
+        for (_, mut child) in self.children.drain(..).rev() {
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            pids.push(pid);
+            let exited = exited.clone();
+            std::thread::spawn(move || {
+                let _ = child.wait();
+                let _ = exited.send(());
+            });
         }
         let sw = Stopwatch::start();
-        for (_, child) in self.children.iter_mut().rev() {
-            loop {
-                match child.try_wait() {
-                    Ok(Some(_)) | Err(_) => break,
-                    Ok(None) if sw.elapsed() >= Duration::from_secs(10) => {
-                        let _ = child.kill();
-                        let _ = child.wait();
-                        break;
-                    }
-                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+        let limit = Duration::from_secs(10);
+        for _ in 0..pids.len() {
+            if gone
+                .recv_timeout(limit.saturating_sub(sw.elapsed()))
+                .is_err()
+            {
+                for pid in &pids {
+                    let _ = nix::sys::signal::kill(*pid, nix::sys::signal::Signal::SIGKILL);
                 }
+                break;
             }
         }
     }
 }
 
-/// Whether `GET path` on a plain-HTTP server on loopback answers 200.
-fn http_get_ok(port: u16, path: &str) -> bool {
+/// `GET path` on a plain-HTTP server at `addr`, with `Connection: close`: the whole answer, or
+/// `None` when it cannot be had.
+pub fn http_get(addr: &str, path: &str) -> Option<String> {
     use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    if s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
     )
-    .is_err()
-    {
-        return false;
-    }
+    .ok()?;
     let mut answer = String::new();
-    let _ = s.read_to_string(&mut answer);
-    answer.starts_with("HTTP/1.1 200")
+    s.read_to_string(&mut answer).ok()?;
+    Some(answer)
 }

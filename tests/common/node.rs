@@ -46,8 +46,13 @@ impl Drop for NodeAgent {
 struct Running {
     uid: String,
     ip: String,
+    /// Its container's name and image, as its status names them.
+    container: String,
+    image: String,
     child: tokio::process::Child,
     ready: bool,
+    /// The process's exit code, once it has exited.
+    exited: Option<i32>,
     probe: Option<(String, u16)>,
 }
 
@@ -108,7 +113,10 @@ async fn run(client: Client, images: HashMap<String, PathBuf>) {
     let mut running: HashMap<String, Running> = HashMap::new();
     let mut next_ip = 10u8;
     let by_node = ListParams::default().fields(&format!("spec.nodeName={NODE}"));
+    // The kubelet's relist, every POLL_MS: new pods, exits, probes and deletions in one pass.
+    let mut relist = tokio::time::interval(Duration::from_millis(POLL_MS));
     loop {
+        relist.tick().await;
         if let Ok(list) = pods.list(&by_node).await {
             for pod in list.items {
                 let ns = pod.metadata.namespace.clone().unwrap_or_default();
@@ -146,16 +154,18 @@ async fn run(client: Client, images: HashMap<String, PathBuf>) {
                     if r.uid != uid {
                         continue;
                     }
+                    if r.exited.is_some() {
+                        continue;
+                    }
                     if let Ok(Some(status)) = r.child.try_wait() {
-                        let _ =
-                            report(&api, &name, &r.ip, false, Some(status.code().unwrap_or(-1)))
-                                .await;
+                        r.exited = Some(status.code().unwrap_or(-1));
                         r.ready = false;
+                        let _ = report(&api, &name, r).await;
                         continue;
                     }
                     if !r.ready && probe(&r.ip, r.probe.as_ref()).await {
                         r.ready = true;
-                        let _ = report(&api, &name, &r.ip, true, None).await;
+                        let _ = report(&api, &name, r).await;
                     }
                     continue;
                 }
@@ -185,20 +195,20 @@ async fn run(client: Client, images: HashMap<String, PathBuf>) {
                     };
                     Some((http.path.clone().unwrap_or_else(|| "/".into()), port))
                 });
-                let _ = report(&api, &name, &addr, false, None).await;
-                running.insert(
-                    key,
-                    Running {
-                        uid,
-                        ip: addr,
-                        child,
-                        ready: false,
-                        probe,
-                    },
-                );
+                let r = Running {
+                    uid,
+                    ip: addr,
+                    container: container.name.clone(),
+                    image: container.image.clone().unwrap_or_default(),
+                    child,
+                    ready: false,
+                    exited: None,
+                    probe,
+                };
+                let _ = report(&api, &name, &r).await;
+                running.insert(key, r);
             }
         }
-        tokio::time::sleep(Duration::from_millis(POLL_MS)).await;
     }
 }
 
@@ -316,14 +326,9 @@ async fn probe(ip: &str, probe: Option<&(String, u16)>) -> bool {
     )
 }
 
-/// Reports the pod running at `ip`, ready or not, or its container exited with `exit`.
-async fn report(
-    api: &Api<Pod>,
-    name: &str,
-    ip: &str,
-    ready: bool,
-    exit: Option<i32>,
-) -> kube::Result<Pod> {
+/// Reports pod `name` as `r` runs it: running, ready or not, or exited.
+async fn report(api: &Api<Pod>, name: &str, r: &Running) -> kube::Result<Pod> {
+    let (ip, ready, exit) = (r.ip.as_str(), r.ready, r.exited);
     let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
     let flag = if ready { "True" } else { "False" };
     let state = match exit {
@@ -344,7 +349,7 @@ async fn report(
             {"type": "Ready", "status": flag, "lastTransitionTime": now},
         ],
         "containerStatuses": [{
-            "name": "app", "image": "ebb", "imageID": "", "ready": ready, "restartCount": 0,
+            "name": r.container, "image": r.image, "imageID": "", "ready": ready, "restartCount": 0,
             "started": exit.is_none(), "state": state,
         }],
     }});
