@@ -48,6 +48,8 @@ struct DataDir {
     data_dir: PathBuf,
 }
 
+// Parsed once per run: the size of `serve`'s flags does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Run ebb: open (or create) the log, start the apps' workloads on demand, and proxy HTTP to
@@ -120,6 +122,23 @@ enum Command {
         /// Partitions of the Kafka topic when ebb creates it.
         #[arg(long, default_value_t = 8)]
         kafka_partitions: i32,
+        /// What runs the workloads: local processes, or Kubernetes (routes from annotated
+        /// Services, replicas through `/scale`, addresses from EndpointSlices; the client is
+        /// configured from `KUBECONFIG` or the pod's service account).
+        #[arg(long, value_enum, default_value_t = Backend::Process, env = "EBB_ORCHESTRATOR")]
+        orchestrator: Backend,
+        /// On Kubernetes: watch this namespace only (default: all namespaces).
+        #[arg(long, env = "NAMESPACE")]
+        namespace: Option<String>,
+        /// On Kubernetes: how often each workload's replicas are read back, in ms.
+        #[arg(long, default_value_t = 10_000)]
+        kube_sync_ms: u64,
+        /// On Kubernetes: API requests per second at most (watches excepted).
+        #[arg(long, default_value_t = 20)]
+        kube_qps: u32,
+        /// On Kubernetes: the name ebb's Events are reported by (the pod's name).
+        #[arg(long, env = "POD_NAME", default_value = "ebb")]
+        pod_name: String,
     },
     /// Run calls from a remote ebb: dequeue, start, execute through ebb's proxy, finish.
     Runner {
@@ -204,6 +223,15 @@ enum Command {
     /// Test helpers.
     #[command(subcommand, hide = true)]
     Debug(DebugCommand),
+}
+
+/// What runs the workloads of `ebb serve`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Backend {
+    /// Local processes, started from `ebb.toml` and the admin API.
+    Process,
+    /// Kubernetes Deployments and StatefulSets behind annotated Services.
+    Kubernetes,
 }
 
 #[derive(Subcommand)]
@@ -344,6 +372,11 @@ fn run(cli: Cli) -> Result<()> {
             kafka_brokers,
             kafka_topic,
             kafka_partitions,
+            orchestrator,
+            namespace,
+            kube_sync_ms,
+            kube_qps,
+            pod_name,
         } => serve(
             ebb::serve::ServeOptions {
                 data_dir: dir.clone(),
@@ -379,6 +412,16 @@ fn run(cli: Cli) -> Result<()> {
                     visibility_timeout_ms,
                     max_out: max_queued,
                     ..ebb::queue::kafka::KafkaOptions::default()
+                }),
+                kubernetes: (orchestrator == Backend::Kubernetes).then(|| {
+                    ebb::orchestrator::kube::KubeOptions {
+                        namespace,
+                        sync_interval_ms: kube_sync_ms,
+                        instance: pod_name,
+                        api_qps: kube_qps,
+                        api_burst: kube_qps.saturating_mul(2),
+                        ..Default::default()
+                    }
                 }),
                 proxy_threads: proxy_threads
                     .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),

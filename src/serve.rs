@@ -16,6 +16,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::Config;
 use crate::event::{Event, ProcessSpec, RouteSpec};
 use crate::log::Log;
+use crate::orchestrator::kube::{KubeOptions, KubeOrchestrator};
 use crate::orchestrator::{Orchestrator, ProcessOptions, ProcessOrchestrator, WorkloadSpec};
 use crate::proxy::runtime::{self, RuntimeOptions};
 use crate::proxy::{Proxy, ProxyOptions, Traffic};
@@ -56,6 +57,8 @@ pub struct ServeOptions {
     pub kafka: Option<KafkaOptions>,
     /// Calls the built-in runner runs at once (0: no built-in runner).
     pub runner_capacity: usize,
+    /// Run workloads on Kubernetes instead of as local processes.
+    pub kubernetes: Option<KubeOptions>,
 }
 
 /// Routes from the config file that differ from the log's, as events.
@@ -103,14 +106,38 @@ pub async fn run(
         Some(path) => Config::load(path)?,
         None => Config::default(),
     };
-    let orch = Arc::new(
-        ProcessOrchestrator::new(ProcessOptions {
-            log_dir: options.data_dir.join("workloads"),
-            ..ProcessOptions::default()
-        })
-        .context("starting the process orchestrator")?,
-    );
     let exe = std::env::current_exe().context("finding the ebb executable")?;
+    let (process, kube) = match &options.kubernetes {
+        None => (
+            Some(Arc::new(
+                ProcessOrchestrator::new(ProcessOptions {
+                    log_dir: options.data_dir.join("workloads"),
+                    ..ProcessOptions::default()
+                })
+                .context("starting the process orchestrator")?,
+            )),
+            None,
+        ),
+        Some(k) => {
+            if let Some(app) = config.apps.first() {
+                anyhow::bail!(
+                    "app {:?} in the config runs as a local process, but this ebb runs \
+                     workloads on Kubernetes: annotate a Service with ebb.dev/domains and \
+                     ebb.dev/deployment instead",
+                    app.name
+                );
+            }
+            let client = ::kube::Client::try_default().await.context(
+                "configuring the Kubernetes client (KUBECONFIG or the pod's service account)",
+            )?;
+            (None, Some(KubeOrchestrator::new(client, k.clone())))
+        }
+    };
+    let dyn_orch: Arc<dyn Orchestrator> = match (&process, &kube) {
+        (Some(p), _) => p.clone(),
+        (None, Some(k)) => k.clone(),
+        (None, None) => unreachable!("one orchestrator"),
+    };
     let routes: Vec<RouteSpec> = config.apps.iter().map(|a| a.route()).collect();
     log.decide(move |s: &State, _| (config_routes(s, &routes), ()))
         .await?;
@@ -128,35 +155,37 @@ pub async fn run(
             .await?;
         r.map_err(|e| anyhow::anyhow!("function {:?} from the config: {e:?}", f.name))?;
     }
-    // Every route in the log that ebb runs as processes, whether from the config or the admin API.
-    let workloads: Vec<(String, ProcessSpec)> = log.read(|s| {
-        s.routes
-            .by_name
-            .values()
-            .filter_map(|r| Some((r.spec.deployment.clone(), r.spec.process.clone()?)))
-            .collect()
-    });
-    for (deployment, process) in &workloads {
-        orch.register(WorkloadSpec::from_process(deployment, process, &exe))?;
-    }
-    log.decide(|s: &State, _| (decide_restart(s), ())).await?;
-    // Deployments with a minimum run it from the start.
-    let minimums: Vec<(String, u32)> = log.read(|s| {
-        s.routes
-            .deployments
-            .iter()
-            .filter(|(_, d)| d.desired > 0)
-            .map(|(n, d)| (n.clone(), d.desired))
-            .collect()
-    });
-    for (deployment, n) in minimums {
-        if let Err(e) = orch.scale(&deployment, n) {
-            tracing::warn!(%deployment, error = %e, "cannot start minimum replicas");
+    if let Some(orch) = &process {
+        // Every route in the log that ebb runs as processes, whether from the config or the
+        // admin API.
+        let workloads: Vec<(String, ProcessSpec)> = log.read(|s| {
+            s.routes
+                .by_name
+                .values()
+                .filter_map(|r| Some((r.spec.deployment.clone(), r.spec.process.clone()?)))
+                .collect()
+        });
+        for (deployment, process) in &workloads {
+            orch.register(WorkloadSpec::from_process(deployment, process, &exe))?;
+        }
+        log.decide(|s: &State, _| (decide_restart(s), ())).await?;
+        // Deployments with a minimum run it from the start.
+        let minimums: Vec<(String, u32)> = log.read(|s| {
+            s.routes
+                .deployments
+                .iter()
+                .filter(|(_, d)| d.desired > 0)
+                .map(|(n, d)| (n.clone(), d.desired))
+                .collect()
+        });
+        for (deployment, n) in minimums {
+            if let Err(e) = orch.scale(&deployment, n) {
+                tracing::warn!(%deployment, error = %e, "cannot start minimum replicas");
+            }
         }
     }
 
     let traffic = Arc::new(Traffic::default());
-    let dyn_orch: Arc<dyn Orchestrator> = orch.clone();
     let proxy = Arc::new(Proxy::new(
         log.clone(),
         dyn_orch.clone(),
@@ -165,6 +194,14 @@ pub async fn run(
         ProxyOptions::default(),
     ));
     let (stop_tx, stop_rx) = watch::channel(false);
+    // On Kubernetes: the Service, EndpointSlice, scale and sync loops.
+    let kube_task = kube.clone().map(|k| {
+        tokio::spawn(crate::orchestrator::kube::run(
+            log.clone(),
+            k,
+            stop_rx.clone(),
+        ))
+    });
     let flusher = tokio::spawn(runtime::run_flusher(
         log.clone(),
         traffic.clone(),
@@ -316,11 +353,17 @@ pub async fn run(
     })
     .await;
     let _ = flusher.await;
-    // Stopping every replica is a decision like any other: logged first, then carried out.
-    if let Err(e) = log.decide(|s: &State, _| (decide_shutdown(s), ())).await {
-        tracing::warn!(error = %e, "recording the shutdown failed");
+    if let Some(task) = kube_task {
+        let _ = task.await;
     }
-    orch.shutdown(Duration::from_secs(1)).await;
+    // Stopping every replica is a decision like any other: logged first, then carried out.
+    // Workloads on Kubernetes are not ebb's to stop: they keep running for the next ebb.
+    if let Some(orch) = &process {
+        if let Err(e) = log.decide(|s: &State, _| (decide_shutdown(s), ())).await {
+            tracing::warn!(error = %e, "recording the shutdown failed");
+        }
+        orch.shutdown(Duration::from_secs(1)).await;
+    }
     let _ = observer_stop_tx.send(true);
     let _ = observer.await;
     let _ = admin_task.await;

@@ -224,3 +224,320 @@ async fn pods_run_as_processes_and_their_endpoints_are_published() {
     })
     .await;
 }
+
+/// The example app as a Deployment at zero replicas, to be woken by ebb, and the Services in
+/// front of it: `hello` with ebb's annotations, `legacy` with proxless', `bad` with a host name
+/// that is not one.
+fn serverless_hello(idle_after: &str) -> String {
+    format!(
+        r#"
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: hello
+  namespace: default
+spec:
+  replicas: 0
+  selector:
+    matchLabels: {{app: hello}}
+  template:
+    metadata:
+      labels: {{app: hello}}
+    spec:
+      terminationGracePeriodSeconds: 5
+      containers:
+      - name: app
+        image: ebb
+        command: [ebb, example-app]
+        args: [--host, $(POD_IP), --port, "8080"]
+        env:
+        - name: POD_IP
+          valueFrom: {{fieldRef: {{fieldPath: status.podIP}}}}
+        readinessProbe:
+          httpGet: {{path: /health, port: 8080}}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: hello
+  namespace: default
+  annotations:
+    ebb.dev/domains: hello.test
+    ebb.dev/deployment: hello
+    ebb.dev/idle-after: {idle_after}
+    ebb.dev/hold-timeout: 60s
+spec:
+  selector: {{app: hello}}
+  ports:
+  - {{port: 80, targetPort: 8080}}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: legacy
+  namespace: default
+  annotations:
+    proxless/domains: legacy.test
+    proxless/deployment: hello
+spec:
+  selector: {{app: hello}}
+  ports:
+  - {{port: 80, targetPort: 8080}}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: bad
+  namespace: default
+  annotations:
+    ebb.dev/domains: "not a host!"
+    ebb.dev/deployment: hello
+spec:
+  selector: {{app: hello}}
+  ports:
+  - {{port: 80, targetPort: 8080}}
+"#
+    )
+}
+
+/// `GET path` through ebb's proxy for `host`: the status and the body (`Connection: close`).
+async fn get(proxy: std::net::SocketAddr, host: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(proxy).await?;
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?;
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).await?;
+        std::io::Result::Ok(String::from_utf8_lossy(&answer).into_owned())
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(90), exchange)
+        .await
+        .unwrap_or_else(|_| panic!("no answer for {host}{path} within 90 s"))
+        .unwrap_or_else(|e| panic!("GET {host}{path}: {e}"));
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP answer: {answer:?}"));
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// `ebb serve` on Kubernetes: the administrator's kubeconfig, the `default` namespace.
+fn serve_on(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> common::Ebb {
+    let mut args = vec![
+        "--orchestrator",
+        "kubernetes",
+        "--namespace",
+        "default",
+        "--kube-sync-ms",
+        "1000",
+    ];
+    args.extend_from_slice(extra);
+    common::serve_env(
+        data,
+        None,
+        None,
+        &args,
+        &[("KUBECONFIG", cp.kubeconfig.as_os_str())],
+    )
+}
+
+/// The names of the routes in ebb's log now (replayed from its events).
+fn routes(data: &std::path::Path) -> std::collections::BTreeSet<String> {
+    let mut routes = std::collections::BTreeSet::new();
+    for e in common::events(data) {
+        let e = &e["event"];
+        if let Some(r) = e.get("RouteUpserted") {
+            routes.insert(r["route"]["name"].as_str().unwrap_or_default().to_owned());
+        }
+        if let Some(r) = e.get("RouteRemoved") {
+            routes.remove(r["name"].as_str().unwrap_or_default());
+        }
+    }
+    routes
+}
+
+/// Scale writes to the Deployment `name` in the audit log.
+fn scale_writes(cp: &ControlPlane, name: &str) -> usize {
+    cp.audit_events()
+        .iter()
+        .filter(|e| {
+            matches!(e["verb"].as_str(), Some("patch" | "update"))
+                && e["objectRef"]["resource"] == "deployments"
+                && e["objectRef"]["subresource"] == "scale"
+                && e["objectRef"]["name"] == name
+        })
+        .count()
+}
+
+fn pid_of(body: &str) -> i32 {
+    body.trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("a pid: {body:?}"))
+}
+
+fn alive(pid: i32) -> bool {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+}
+
+/// Annotated Services become routes (ebb's annotations and proxless'), their Deployment is
+/// labelled as ebb's, a malformed one gets a Warning Event and no route; 100 concurrent requests
+/// to the Deployment at zero make exactly one scale write and are all answered by the pod's
+/// process once its EndpointSlice lists it ready; removing the annotations removes the route.
+#[tokio::test]
+async fn annotated_services_are_routes_and_a_cold_burst_is_one_scale_write() {
+    let cp = ControlPlane::start().await;
+    let kube = client(&cp).await;
+    let images = [(
+        "ebb".to_owned(),
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
+    )]
+    .into();
+    let _agent = common::node::start(kube.clone(), images).await;
+    cp.kubectl_stdin(
+        &["apply", "--server-side", "-f", "-"],
+        &serverless_hello("1h"),
+    );
+    let data = tempfile::tempdir().unwrap();
+    let ebb = serve_on(&cp, data.path(), &[]);
+
+    wait_for("both routes in the log", Duration::from_secs(30), || {
+        let r = routes(data.path());
+        r.contains("default/hello") && r.contains("default/legacy")
+    })
+    .await;
+    assert!(!routes(data.path()).contains("default/bad"));
+    wait_for("the Deployment labelled", Duration::from_secs(30), || {
+        json(&cp.kubectl(&["get", "deployment", "hello", "-o", "json"]))["metadata"]["labels"]
+            ["ebb.dev/managed"]
+            == "true"
+    })
+    .await;
+    wait_for(
+        "a Warning Event on the bad Service",
+        Duration::from_secs(30),
+        || {
+            let events = json(&cp.kubectl(&["get", "events", "-o", "json"]));
+            events["items"].as_array().is_some_and(|items| {
+                items.iter().any(|e| {
+                    e["type"] == "Warning"
+                        && e["reason"] == "InvalidRoute"
+                        && e["involvedObject"]["name"] == "bad"
+                        && e["message"]
+                            .as_str()
+                            .is_some_and(|m| m.contains("ebb.dev/domains"))
+                })
+            })
+        },
+    )
+    .await;
+    assert_eq!(scale_writes(&cp, "hello"), 0, "nothing woke it yet");
+
+    // 100 at once, over both routes, while nothing runs.
+    let burst = (0..100).map(|i| {
+        let host = if i % 2 == 0 {
+            "hello.test"
+        } else {
+            "legacy.test"
+        };
+        get(ebb.proxy, host, "/pid")
+    });
+    let answers = futures_util::future::join_all(burst).await;
+    let pids: std::collections::BTreeSet<i32> = answers
+        .iter()
+        .map(|(status, body)| {
+            assert_eq!(*status, 200, "{body}");
+            pid_of(body)
+        })
+        .collect();
+    assert_eq!(pids.len(), 1, "one pod answered them all: {pids:?}");
+    assert!(alive(*pids.first().unwrap()));
+    assert_eq!(
+        scale_writes(&cp, "hello"),
+        1,
+        "exactly one scale write woke the Deployment"
+    );
+
+    // The proxless annotations removed: the route goes, the other stays.
+    cp.kubectl(&[
+        "annotate",
+        "service",
+        "legacy",
+        "proxless/domains-",
+        "proxless/deployment-",
+    ]);
+    wait_for("the legacy route removed", Duration::from_secs(30), || {
+        !routes(data.path()).contains("default/legacy")
+    })
+    .await;
+    assert_eq!(get(ebb.proxy, "legacy.test", "/pid").await.0, 404);
+    assert_eq!(get(ebb.proxy, "hello.test", "/pid").await.0, 200);
+}
+
+/// Idle, the Deployment is scaled to zero and its pod's process is gone; requests sent in a loop,
+/// each as soon as the previous scale-down is written (while the pod is still stopping), are all
+/// answered.
+#[tokio::test]
+async fn an_idle_deployment_goes_to_zero_and_no_request_across_the_scale_down_is_lost() {
+    let cp = ControlPlane::start().await;
+    let kube = client(&cp).await;
+    let images = [(
+        "ebb".to_owned(),
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
+    )]
+    .into();
+    let _agent = common::node::start(kube.clone(), images).await;
+    cp.kubectl_stdin(
+        &["apply", "--server-side", "-f", "-"],
+        &serverless_hello("1s"),
+    );
+    // Only ebb's route leads to the Deployment (proxless' has the default idle time).
+    cp.kubectl(&["delete", "service", "legacy"]);
+    let data = tempfile::tempdir().unwrap();
+    let ebb = serve_on(&cp, data.path(), &[]);
+    wait_for("the route in the log", Duration::from_secs(30), || {
+        routes(data.path()).contains("default/hello")
+    })
+    .await;
+    let replicas = || {
+        json(&cp.kubectl(&["get", "deployment", "hello", "-o", "json"]))["spec"]["replicas"].clone()
+    };
+    let mut pids = Vec::new();
+    for round in 0..3 {
+        let (status, body) = get(ebb.proxy, "hello.test", "/pid").await;
+        assert_eq!(status, 200, "round {round}: {body}");
+        pids.push(pid_of(&body));
+        wait_for("the idle scale-down", Duration::from_secs(60), || {
+            replicas() == 0
+        })
+        .await;
+    }
+    wait_for("no pods left", Duration::from_secs(60), || {
+        let pods = json(&cp.kubectl(&["get", "pods", "-l", "app=hello", "-o", "json"]));
+        pods["items"].as_array().is_some_and(Vec::is_empty)
+    })
+    .await;
+    for pid in pids {
+        assert!(!alive(pid), "the pod's process {pid} still runs");
+    }
+    let reasons: Vec<String> = common::events(data.path())
+        .iter()
+        .filter_map(|e| e["event"].get("ScaleRequested"))
+        .map(|s| s["reason"].as_str().unwrap_or_default().to_owned())
+        .collect();
+    assert!(
+        reasons.iter().filter(|r| *r == "idle").count() >= 3,
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().filter(|r| *r == "wake").count() >= 3,
+        "{reasons:?}"
+    );
+}

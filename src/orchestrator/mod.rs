@@ -8,6 +8,7 @@
 //! functions in the core; this module only carries them out.
 
 pub mod annotations;
+pub mod kube;
 pub mod process;
 
 use std::net::SocketAddr;

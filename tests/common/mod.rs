@@ -32,6 +32,17 @@ pub fn serve(data: &Path, config: Option<&Path>, token: Option<&str>) -> Ebb {
 
 /// [`serve`] with more arguments for `ebb serve`.
 pub fn serve_with(data: &Path, config: Option<&Path>, token: Option<&str>, extra: &[&str]) -> Ebb {
+    serve_env(data, config, token, extra, &[])
+}
+
+/// [`serve_with`] with more environment variables.
+pub fn serve_env(
+    data: &Path,
+    config: Option<&Path>,
+    token: Option<&str>,
+    extra: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+) -> Ebb {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ebb"));
     cmd.args([
         "serve",
@@ -56,6 +67,7 @@ pub fn serve_with(data: &Path, config: Option<&Path>, token: Option<&str>, extra
     if let Some(t) = token {
         cmd.env("EBB_ADMIN_TOKEN", t);
     }
+    cmd.envs(env.iter().copied());
     let mut child = cmd.spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut addr = |what: &str| -> SocketAddr {

@@ -1,0 +1,1071 @@
+//! The Kubernetes backend: routes from annotated Services, replicas through the `/scale`
+//! subresource of Deployments and StatefulSets, ready addresses from EndpointSlices.
+//!
+//! Three loops and one orchestrator, all driven by [`run`]:
+//!
+//! * **Routes.** A watcher on Services (one namespace or all) keeps every Service's annotations;
+//!   once the first list is complete and after every change, the annotated ones
+//!   ([`super::annotations`]) become the routes named `NAMESPACE/SERVICE`, decided on the log
+//!   against its routes: `RouteUpserted` for a new or changed one, `RouteRemoved` for a Service
+//!   gone or no longer annotated. A Service whose annotations make no route gets one Warning Event
+//!   per distinct problem, and no route.
+//! * **Endpoints.** A watcher on EndpointSlices keeps the slices of the Services behind routes; a
+//!   route's ready replicas are the addresses of the endpoints that are ready (KEP-1669: `ready`,
+//!   absent meaning ready, and not `terminating`) on the Service's first port, the moment a slice
+//!   lists them. The watchers resume from their resourceVersion, relist after a 410 and back off
+//!   on errors (kube-runtime's watcher).
+//! * **Scale writes.** [`KubeOrchestrator::scale`] records the replicas wanted and returns; one
+//!   writer patches `/scale` with the newest value per workload (so a burst of asks is one
+//!   write), rate limited, retried with backoff a bounded number of times.
+//! * **Sync.** Every `sync_interval_ms` each workload's `/scale` is read: replicas changed by
+//!   someone else (an operator, another ebb) are recorded as `ScaleRequested { reason: peer }`,
+//!   and the workload is labelled `ebb.dev/managed=true` once. A read that overlaps one of ebb's
+//!   own writes is discarded, so it never undoes a wake.
+//!
+//! ebb does not own annotated workloads: it never scales one at its own shutdown or restart, and a
+//! route removed leaves its workload as it is.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::{ObjectReference, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::sync::{Notify, watch};
+
+use super::annotations::{self, Claim, RouteDefaults, Workload, WorkloadKind};
+use super::{Error, Observed, Orchestrator, Result, WorkloadSpec};
+use crate::event::{Event, RouteSpec};
+use crate::log::Log;
+use crate::state::State;
+
+/// The label ebb puts on the workloads it scales.
+pub const MANAGED_LABEL: &str = "ebb.dev/managed";
+/// proxless' label, understood as the same.
+pub const PROXLESS_LABEL: &str = "proxless";
+/// The controller name on ebb's Kubernetes Events.
+pub const CONTROLLER: &str = "ebb.dev/ebb";
+
+/// How the Kubernetes backend runs.
+#[derive(Debug, Clone)]
+pub struct KubeOptions {
+    /// Watch this namespace only (`None`: all namespaces).
+    pub namespace: Option<String>,
+    /// Settings of routes whose Service does not say.
+    pub defaults: RouteDefaults,
+    /// How often each workload's replicas are read back.
+    pub sync_interval_ms: u64,
+    /// Who reports ebb's Kubernetes Events (the pod's name).
+    pub instance: String,
+    /// API requests ebb makes per second at most (reads and writes; watches excepted), and the
+    /// burst it may make at once.
+    pub api_qps: u32,
+    pub api_burst: u32,
+    /// Attempts at one scale write before it counts as a failure.
+    pub scale_attempts: u32,
+}
+
+impl Default for KubeOptions {
+    fn default() -> Self {
+        Self {
+            namespace: None,
+            defaults: RouteDefaults::default(),
+            sync_interval_ms: 10_000,
+            instance: "ebb".to_owned(),
+            api_qps: 20,
+            api_burst: 40,
+            scale_attempts: 8,
+        }
+    }
+}
+
+/// The Service behind a route: where its ready addresses come from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct ServiceKey {
+    namespace: String,
+    name: String,
+}
+
+/// A workload ebb scales for a route.
+#[derive(Debug)]
+struct Tracked {
+    workload: Workload,
+    service: ServiceKey,
+    /// The Service port whose target the proxy forwards to (`None`: the slice's first port).
+    port: Option<String>,
+    /// Replicas asked for: ebb's last ask, or what the cluster said at the last sync.
+    desired: Option<u32>,
+    /// An ask not yet written.
+    pending: Option<u32>,
+    /// Writes begun and finished; a read is current only if none began or ran meanwhile.
+    writes_begun: u64,
+    writes_done: u64,
+    labelled: bool,
+    failures: u64,
+    last_failure: Option<String>,
+}
+
+/// Requests per second with a burst: a request takes a permit; [`Limiter::refill`] puts one back
+/// every `interval`, up to `burst`.
+struct Limiter {
+    interval: Duration,
+    burst: usize,
+    permits: tokio::sync::Semaphore,
+}
+
+impl Limiter {
+    fn new(qps: u32, burst: u32) -> Self {
+        let burst = burst.max(1) as usize;
+        Self {
+            interval: Duration::from_secs(1) / qps.max(1),
+            burst,
+            permits: tokio::sync::Semaphore::new(burst),
+        }
+    }
+
+    async fn acquire(&self) {
+        if let Ok(p) = self.permits.acquire().await {
+            p.forget();
+        }
+    }
+
+    async fn refill(&self, mut stop: watch::Receiver<bool>) {
+        let mut tick = tokio::time::interval(self.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = stop.changed() => return,
+            }
+            if self.permits.available_permits() < self.burst {
+                self.permits.add_permits(1);
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct Inner {
+    workloads: HashMap<String, Tracked>,
+    /// Slices by Service, then by slice name.
+    slices: HashMap<ServiceKey, BTreeMap<String, EndpointSlice>>,
+}
+
+/// Runs workloads on Kubernetes: the [`Orchestrator`] for routes of annotated Services.
+pub struct KubeOrchestrator {
+    client: kube::Client,
+    options: KubeOptions,
+    inner: Mutex<Inner>,
+    changes: watch::Sender<u64>,
+    /// Wakes the scale writer.
+    scale_asked: Notify,
+    /// Wakes the sync loop (a workload newly tracked).
+    sync_asked: Notify,
+    limiter: Limiter,
+    recorder: Recorder,
+}
+
+impl KubeOrchestrator {
+    /// An orchestrator on `client`; [`run`] drives it.
+    pub fn new(client: kube::Client, options: KubeOptions) -> Arc<Self> {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: CONTROLLER.to_owned(),
+                instance: Some(options.instance.clone()),
+            },
+        );
+        Arc::new(Self {
+            limiter: Limiter::new(options.api_qps, options.api_burst),
+            client,
+            options,
+            inner: Mutex::default(),
+            changes: watch::channel(0).0,
+            scale_asked: Notify::new(),
+            sync_asked: Notify::new(),
+            recorder,
+        })
+    }
+
+    fn changed(&self) {
+        self.changes.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().expect("kube orchestrator lock")
+    }
+
+    /// Tracks the workload of a route: `key` is the route's `deployment`.
+    fn track(&self, key: &str, workload: &Workload, service: ServiceKey, port: Option<String>) {
+        let mut inner = self.lock();
+        match inner.workloads.get_mut(key) {
+            Some(t) => {
+                t.service = service;
+                t.port = port;
+            }
+            None => {
+                inner.workloads.insert(
+                    key.to_owned(),
+                    Tracked {
+                        workload: workload.clone(),
+                        service,
+                        port,
+                        desired: None,
+                        pending: None,
+                        writes_begun: 0,
+                        writes_done: 0,
+                        labelled: false,
+                        failures: 0,
+                        last_failure: None,
+                    },
+                );
+                drop(inner);
+                self.sync_asked.notify_one();
+            }
+        }
+        self.changed();
+    }
+
+    /// Stops tracking workloads that no route leads to any more.
+    fn retain(&self, keep: &HashSet<String>) {
+        let mut inner = self.lock();
+        let before = inner.workloads.len();
+        inner.workloads.retain(|k, _| keep.contains(k));
+        if inner.workloads.len() != before {
+            drop(inner);
+            self.changed();
+        }
+    }
+
+    fn fail(&self, key: &str, why: String) {
+        if let Some(t) = self.lock().workloads.get_mut(key) {
+            t.failures += 1;
+            t.last_failure = Some(why);
+        }
+        self.changed();
+    }
+
+    async fn publish(
+        &self,
+        reference: &ObjectReference,
+        kind: EventType,
+        reason: &str,
+        note: String,
+    ) {
+        let event = KubeEvent {
+            type_: kind,
+            reason: reason.to_owned(),
+            note: Some(note.chars().take(1000).collect()),
+            action: "Route".to_owned(),
+            secondary: None,
+        };
+        self.limiter.acquire().await;
+        if let Err(e) = self.recorder.publish(&event, reference).await {
+            tracing::warn!(error = %e, object = ?reference.name, reason, "cannot publish a Kubernetes Event");
+        }
+    }
+
+    /// Writes `/scale` for one workload.
+    async fn write_scale(&self, w: &Workload, replicas: u32) -> kube::Result<()> {
+        let patch = Patch::Merge(serde_json::json!({ "spec": { "replicas": replicas } }));
+        let pp = PatchParams::default();
+        self.limiter.acquire().await;
+        match w.kind {
+            WorkloadKind::Deployment => {
+                Api::<Deployment>::namespaced(self.client.clone(), &w.namespace)
+                    .patch_scale(&w.name, &pp, &patch)
+                    .await?;
+            }
+            WorkloadKind::StatefulSet => {
+                Api::<StatefulSet>::namespaced(self.client.clone(), &w.namespace)
+                    .patch_scale(&w.name, &pp, &patch)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a workload's replicas from `/scale`.
+    async fn read_scale(&self, w: &Workload) -> kube::Result<u32> {
+        self.limiter.acquire().await;
+        let scale = match w.kind {
+            WorkloadKind::Deployment => {
+                Api::<Deployment>::namespaced(self.client.clone(), &w.namespace)
+                    .get_scale(&w.name)
+                    .await?
+            }
+            WorkloadKind::StatefulSet => {
+                Api::<StatefulSet>::namespaced(self.client.clone(), &w.namespace)
+                    .get_scale(&w.name)
+                    .await?
+            }
+        };
+        Ok(scale.spec.and_then(|s| s.replicas).unwrap_or(0).max(0) as u32)
+    }
+
+    /// Labels a workload as ebb's.
+    async fn label(&self, w: &Workload) -> kube::Result<()> {
+        let patch = Patch::Merge(
+            serde_json::json!({ "metadata": { "labels": { MANAGED_LABEL: "true" } } }),
+        );
+        let pp = PatchParams::default();
+        self.limiter.acquire().await;
+        match w.kind {
+            WorkloadKind::Deployment => {
+                Api::<Deployment>::namespaced(self.client.clone(), &w.namespace)
+                    .patch(&w.name, &pp, &patch)
+                    .await?;
+            }
+            WorkloadKind::StatefulSet => {
+                Api::<StatefulSet>::namespaced(self.client.clone(), &w.namespace)
+                    .patch(&w.name, &pp, &patch)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    fn workload_reference(w: &Workload) -> ObjectReference {
+        let (api_version, kind) = match w.kind {
+            WorkloadKind::Deployment => ("apps/v1", "Deployment"),
+            WorkloadKind::StatefulSet => ("apps/v1", "StatefulSet"),
+        };
+        ObjectReference {
+            api_version: Some(api_version.to_owned()),
+            kind: Some(kind.to_owned()),
+            name: Some(w.name.clone()),
+            namespace: Some(w.namespace.clone()),
+            ..ObjectReference::default()
+        }
+    }
+}
+
+/// Whether an API error is worth another attempt (the server or the network, not the request).
+fn retryable(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(s) => s.code == 429 || s.code == 409 || s.code >= 500,
+        _ => true,
+    }
+}
+
+/// The ready addresses of a Service's slices on `port` (by name; `None`: each slice's first
+/// port), each once, and how many endpoints are terminating.
+fn ready_addresses<'a>(
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    port: Option<&str>,
+) -> (Vec<SocketAddr>, u32) {
+    let mut ready = Vec::new();
+    let mut terminating = 0;
+    for slice in slices {
+        if slice.address_type != "IPv4" && slice.address_type != "IPv6" {
+            continue;
+        }
+        let ports = slice.ports.as_deref().unwrap_or_default();
+        let number = match port {
+            Some(name) => ports
+                .iter()
+                .find(|p| p.name.as_deref().unwrap_or("") == name)
+                .and_then(|p| p.port),
+            None => ports.first().and_then(|p| p.port),
+        };
+        let Some(number) = number.and_then(|n| u16::try_from(n).ok()) else {
+            continue;
+        };
+        for e in slice.endpoints.as_deref().unwrap_or_default() {
+            let c = e.conditions.clone().unwrap_or_default();
+            if c.terminating == Some(true) {
+                terminating += 1;
+                continue;
+            }
+            if c.ready == Some(false) {
+                continue;
+            }
+            for a in &e.addresses {
+                if let Ok(ip) = a.parse::<IpAddr>() {
+                    let addr = SocketAddr::new(ip, number);
+                    if !ready.contains(&addr) {
+                        ready.push(addr);
+                    }
+                }
+            }
+        }
+    }
+    ready.sort();
+    (ready, terminating)
+}
+
+impl Orchestrator for KubeOrchestrator {
+    fn register(&self, spec: WorkloadSpec) -> Result<()> {
+        Err(Error::InvalidSpec {
+            name: spec.name,
+            why: "this ebb runs workloads on Kubernetes, not as local processes: annotate a \
+                  Service with ebb.dev/domains and ebb.dev/deployment instead"
+                .to_owned(),
+        })
+    }
+
+    fn scale(&self, name: &str, replicas: u32) -> Result<()> {
+        {
+            let mut inner = self.lock();
+            let t = inner
+                .workloads
+                .get_mut(name)
+                .ok_or_else(|| Error::UnknownWorkload(name.to_owned()))?;
+            t.desired = Some(replicas);
+            t.pending = Some(replicas);
+        }
+        self.scale_asked.notify_one();
+        self.changed();
+        Ok(())
+    }
+
+    fn observe(&self, name: &str) -> Option<Observed> {
+        let inner = self.lock();
+        let t = inner.workloads.get(name)?;
+        let (ready, stopping) = inner
+            .slices
+            .get(&t.service)
+            .map(|s| ready_addresses(s.values(), t.port.as_deref()))
+            .unwrap_or_default();
+        let desired = t.desired.unwrap_or(ready.len() as u32);
+        Some(Observed {
+            desired,
+            starting: desired.saturating_sub(ready.len() as u32),
+            ready,
+            stopping,
+            spawns: 0,
+            failures: t.failures,
+            last_failure: t.last_failure.clone(),
+        })
+    }
+
+    fn changes(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+}
+
+/// A Service as the route loop keeps it.
+#[derive(Debug, Clone)]
+struct ServiceInfo {
+    created_ms: u64,
+    annotations: BTreeMap<String, String>,
+    port: Option<String>,
+    reference: ObjectReference,
+}
+
+fn service_info(s: &Service) -> Option<(ServiceKey, ServiceInfo)> {
+    let namespace = s.metadata.namespace.clone()?;
+    let name = s.metadata.name.clone()?;
+    let port = s
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.ports.as_ref())
+        .and_then(|p| p.first())
+        .and_then(|p| p.name.clone())
+        .filter(|n| !n.is_empty());
+    let reference = ObjectReference {
+        api_version: Some("v1".to_owned()),
+        kind: Some("Service".to_owned()),
+        name: Some(name.clone()),
+        namespace: Some(namespace.clone()),
+        uid: s.metadata.uid.clone(),
+        ..ObjectReference::default()
+    };
+    let created_ms = s
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map_or(0, |t| t.0.as_millisecond().max(0) as u64);
+    Some((
+        ServiceKey { namespace, name },
+        ServiceInfo {
+            created_ms,
+            annotations: s.metadata.annotations.clone().unwrap_or_default(),
+            port,
+            reference,
+        },
+    ))
+}
+
+/// Whether a route in the log is one of a Service (named `NAMESPACE/SERVICE`; routes of
+/// `ebb.toml` and the admin API have no `/`).
+pub fn is_service_route(name: &str) -> bool {
+    name.contains('/')
+}
+
+/// The events that make the log's Service routes `routes`, and the routes refused because a
+/// route that is not a Service's has one of their domains (with why).
+pub fn decide_routes(state: &State, routes: &[RouteSpec]) -> (Vec<Event>, Vec<(String, String)>) {
+    let mut events = Vec::new();
+    let mut refused = Vec::new();
+    let wanted: HashSet<&str> = routes.iter().map(|r| r.name.as_str()).collect();
+    for name in state.routes.by_name.keys() {
+        if is_service_route(name) && !wanted.contains(name.as_str()) {
+            events.push(Event::RouteRemoved { name: name.clone() });
+        }
+    }
+    for r in routes {
+        let taken = r.domains.iter().find_map(|d| {
+            state
+                .routes
+                .by_domain
+                .get(d)
+                .filter(|owner| !is_service_route(owner))
+                .map(|owner| (d, owner))
+        });
+        if let Some((d, owner)) = taken {
+            refused.push((
+                r.name.clone(),
+                format!("{d:?} is served by route {owner:?} of ebb's own configuration"),
+            ));
+            if state.routes.by_name.contains_key(&r.name) {
+                events.push(Event::RouteRemoved {
+                    name: r.name.clone(),
+                });
+            }
+            continue;
+        }
+        if state.routes.by_name.get(&r.name).map(|x| &x.spec) != Some(r) {
+            events.push(Event::RouteUpserted { route: r.clone() });
+        }
+    }
+    (events, refused)
+}
+
+/// What the route loop decided last, to publish each problem once.
+#[derive(Default)]
+struct RouteLoop {
+    services: BTreeMap<ServiceKey, ServiceInfo>,
+    /// Services being listed after an (re)initialisation.
+    listing: Option<BTreeMap<ServiceKey, ServiceInfo>>,
+    listed: bool,
+    /// The problem last published per Service.
+    warned: HashMap<ServiceKey, String>,
+}
+
+impl RouteLoop {
+    async fn reconcile(&mut self, log: &Log, orch: &KubeOrchestrator) {
+        let mut claims = Vec::new();
+        let mut problems: BTreeMap<String, String> = BTreeMap::new();
+        let mut targets: HashMap<String, (Workload, ServiceKey, Option<String>)> = HashMap::new();
+        for (key, info) in &self.services {
+            match annotations::route(
+                &key.namespace,
+                &key.name,
+                &info.annotations,
+                &orch.options.defaults,
+            ) {
+                Ok(None) => {}
+                Ok(Some((route, workload))) => {
+                    targets.insert(
+                        route.name.clone(),
+                        (workload, key.clone(), info.port.clone()),
+                    );
+                    claims.push(Claim {
+                        route,
+                        created_ms: info.created_ms,
+                    });
+                }
+                Err(e) => {
+                    problems.insert(format!("{}/{}", key.namespace, key.name), e.to_string());
+                }
+            }
+        }
+        let (routes, refused) = annotations::resolve(claims);
+        for (name, e) in refused {
+            problems.insert(name, e.to_string());
+        }
+        let decided = routes.clone();
+        let outcome = log
+            .decide(move |s: &State, _| {
+                let (events, refused) = decide_routes(s, &decided);
+                (events, refused)
+            })
+            .await;
+        let refused = match outcome {
+            Ok((refused, _)) => refused,
+            Err(e) => {
+                tracing::warn!(error = %e, "recording routes failed");
+                return;
+            }
+        };
+        for (name, why) in refused {
+            problems.insert(name, why);
+        }
+        let mut keep = HashSet::new();
+        for r in &routes {
+            if problems.contains_key(&r.name) {
+                continue;
+            }
+            if let Some((workload, service, port)) = targets.get(&r.name) {
+                orch.track(&r.deployment, workload, service.clone(), port.clone());
+                keep.insert(r.deployment.clone());
+            }
+        }
+        orch.retain(&keep);
+
+        // One Warning Event per distinct problem of a Service.
+        self.warned
+            .retain(|k, _| problems.contains_key(&format!("{}/{}", k.namespace, k.name)));
+        for (key, info) in &self.services {
+            let name = format!("{}/{}", key.namespace, key.name);
+            let Some(problem) = problems.get(&name) else {
+                continue;
+            };
+            if self.warned.get(key) == Some(problem) {
+                continue;
+            }
+            tracing::warn!(service = %name, %problem, "the Service's annotations make no route");
+            orch.publish(
+                &info.reference,
+                EventType::Warning,
+                "InvalidRoute",
+                format!("no route: {problem}"),
+            )
+            .await;
+            self.warned.insert(key.clone(), problem.clone());
+        }
+    }
+
+    /// Takes one watcher event; whether the routes need deciding again.
+    fn take(&mut self, event: watcher::Event<Service>) -> bool {
+        match event {
+            watcher::Event::Init => {
+                self.listing = Some(BTreeMap::new());
+                false
+            }
+            watcher::Event::InitApply(s) => {
+                if let (Some(listing), Some((k, v))) = (self.listing.as_mut(), service_info(&s)) {
+                    listing.insert(k, v);
+                }
+                false
+            }
+            watcher::Event::InitDone => {
+                self.services = self.listing.take().unwrap_or_default();
+                self.listed = true;
+                true
+            }
+            watcher::Event::Apply(s) => {
+                let Some((k, v)) = service_info(&s) else {
+                    return false;
+                };
+                let same = self.services.get(&k).is_some_and(|o| {
+                    o.annotations == v.annotations
+                        && o.port == v.port
+                        && o.created_ms == v.created_ms
+                });
+                self.services.insert(k, v);
+                self.listed && !same
+            }
+            watcher::Event::Delete(s) => {
+                let Some((k, _)) = service_info(&s) else {
+                    return false;
+                };
+                self.services.remove(&k).is_some() && self.listed
+            }
+        }
+    }
+}
+
+fn watcher_config() -> watcher::Config {
+    watcher::Config::default()
+}
+
+fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    <K as kube::Resource>::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
+    let services = api::<Service>(&orch.client, orch.options.namespace.as_deref());
+    let stream = watcher(services, watcher_config()).default_backoff();
+    tokio::pin!(stream);
+    let mut routes = RouteLoop::default();
+    loop {
+        let event = tokio::select! {
+            e = stream.next() => e,
+            _ = stop.changed() => return,
+        };
+        match event {
+            None => return,
+            Some(Err(e)) => tracing::warn!(error = %e, "watching Services"),
+            Some(Ok(event)) => {
+                if routes.take(event) {
+                    routes.reconcile(&log, &orch).await;
+                }
+            }
+        }
+    }
+}
+
+async fn run_endpoints(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
+    let slices = api::<EndpointSlice>(&orch.client, orch.options.namespace.as_deref());
+    let stream = watcher(slices, watcher_config()).default_backoff();
+    tokio::pin!(stream);
+    let mut listing: Option<HashMap<ServiceKey, BTreeMap<String, EndpointSlice>>> = None;
+    let key = |s: &EndpointSlice| -> Option<(ServiceKey, String)> {
+        let namespace = s.metadata.namespace.clone()?;
+        let service = s
+            .metadata
+            .labels
+            .as_ref()?
+            .get("kubernetes.io/service-name")?
+            .clone();
+        Some((
+            ServiceKey {
+                namespace,
+                name: service,
+            },
+            s.metadata.name.clone()?,
+        ))
+    };
+    loop {
+        let event = tokio::select! {
+            e = stream.next() => e,
+            _ = stop.changed() => return,
+        };
+        let event = match event {
+            None => return,
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "watching EndpointSlices");
+                continue;
+            }
+            Some(Ok(e)) => e,
+        };
+        match event {
+            watcher::Event::Init => listing = Some(HashMap::new()),
+            watcher::Event::InitApply(s) => {
+                if let (Some(l), Some((k, n))) = (listing.as_mut(), key(&s)) {
+                    l.entry(k).or_default().insert(n, s);
+                }
+            }
+            watcher::Event::InitDone => {
+                orch.lock().slices = listing.take().unwrap_or_default();
+                orch.changed();
+            }
+            watcher::Event::Apply(s) => {
+                if let Some((k, n)) = key(&s) {
+                    orch.lock().slices.entry(k).or_default().insert(n, s);
+                    orch.changed();
+                }
+            }
+            watcher::Event::Delete(s) => {
+                if let Some((k, n)) = key(&s) {
+                    let mut inner = orch.lock();
+                    if let Some(m) = inner.slices.get_mut(&k) {
+                        m.remove(&n);
+                        if m.is_empty() {
+                            inner.slices.remove(&k);
+                        }
+                    }
+                    drop(inner);
+                    orch.changed();
+                }
+            }
+        }
+    }
+}
+
+/// Writes asked replicas, the newest per workload, until `stop`.
+async fn run_scaler(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
+    loop {
+        let next = {
+            let mut inner = orch.lock();
+            inner.workloads.iter_mut().find_map(|(k, t)| {
+                let n = t.pending.take()?;
+                t.writes_begun += 1;
+                Some((k.clone(), t.workload.clone(), n))
+            })
+        };
+        let Some((key, workload, replicas)) = next else {
+            tokio::select! {
+                _ = orch.scale_asked.notified() => continue,
+                _ = stop.changed() => return,
+            }
+        };
+        let mut delay = Duration::from_millis(100);
+        let mut attempt = 1;
+        let outcome = loop {
+            match orch.write_scale(&workload, replicas).await {
+                Ok(()) => break Ok(()),
+                Err(e) if attempt < orch.options.scale_attempts && retryable(&e) => {
+                    tracing::warn!(deployment = %key, replicas, attempt, error = %e, "scale write failed; retrying");
+                    // A newer ask replaces this one.
+                    let newer = orch
+                        .lock()
+                        .workloads
+                        .get(&key)
+                        .is_none_or(|t| t.pending.is_some());
+                    if newer {
+                        break Ok(());
+                    }
+                    tokio::select! {
+                        () = tokio::time::sleep(delay) => {}
+                        _ = stop.changed() => return,
+                    }
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                    attempt += 1;
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        if let Some(t) = orch.lock().workloads.get_mut(&key) {
+            t.writes_done += 1;
+        }
+        match outcome {
+            Ok(()) => tracing::info!(deployment = %key, replicas, "scaled"),
+            Err(e) => {
+                let why = format!("scaling {} to {replicas}: {e}", key);
+                tracing::warn!(deployment = %key, error = %e, "scale write failed");
+                orch.publish(
+                    &KubeOrchestrator::workload_reference(&workload),
+                    EventType::Warning,
+                    "ScaleFailed",
+                    why.clone(),
+                )
+                .await;
+                orch.fail(&key, why);
+            }
+        }
+    }
+}
+
+/// Reads every workload's replicas back each `sync_interval_ms` (and a new one at once),
+/// labels it once, and records changes made by others.
+async fn run_sync(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
+    let interval = Duration::from_millis(orch.options.sync_interval_ms.max(100));
+    // The first read of a workload also labels it; later ones only read.
+    let mut missing: HashSet<String> = HashSet::new();
+    loop {
+        let due: Vec<(String, Workload, bool, u64)> = {
+            let inner = orch.lock();
+            inner
+                .workloads
+                .iter()
+                .filter(|(_, t)| t.pending.is_none() && t.writes_begun == t.writes_done)
+                .map(|(k, t)| (k.clone(), t.workload.clone(), t.labelled, t.writes_begun))
+                .collect()
+        };
+        for (key, workload, labelled, writes) in due {
+            if !labelled {
+                match orch.label(&workload).await {
+                    Ok(()) => {
+                        if let Some(t) = orch.lock().workloads.get_mut(&key) {
+                            t.labelled = true;
+                        }
+                    }
+                    Err(e) => {
+                        if missing.insert(key.clone()) {
+                            tracing::warn!(deployment = %key, error = %e, "cannot label the workload");
+                        }
+                    }
+                }
+            }
+            let replicas = match orch.read_scale(&workload).await {
+                Ok(n) => {
+                    missing.remove(&key);
+                    n
+                }
+                Err(e) => {
+                    if missing.insert(key.clone()) {
+                        tracing::warn!(deployment = %key, error = %e, "cannot read the workload's replicas");
+                    }
+                    continue;
+                }
+            };
+            let current = {
+                let mut inner = orch.lock();
+                match inner.workloads.get_mut(&key) {
+                    Some(t)
+                        if t.pending.is_none()
+                            && t.writes_begun == writes
+                            && t.writes_done == writes =>
+                    {
+                        let moved = t.desired != Some(replicas);
+                        t.desired = Some(replicas);
+                        Some(moved)
+                    }
+                    _ => None,
+                }
+            };
+            let Some(moved) = current else { continue };
+            if moved {
+                orch.changed();
+            }
+            let d = key.clone();
+            let decided = log
+                .decide(move |s: &State, _| {
+                    let shared = crate::scaler::shared::SharedDeployment {
+                        replicas,
+                        ..Default::default()
+                    };
+                    let ev = s
+                        .routes
+                        .deployments
+                        .contains_key(&d)
+                        .then(|| crate::scaler::shared::decide_peer(s, &d, &shared))
+                        .flatten();
+                    (ev.into_iter().collect(), ())
+                })
+                .await;
+            if let Err(e) = decided {
+                tracing::warn!(error = %e, "recording replicas changed by others failed");
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            _ = orch.sync_asked.notified() => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// Runs the backend's loops until `stop` turns true.
+pub async fn run(log: Arc<Log>, orch: Arc<KubeOrchestrator>, stop: watch::Receiver<bool>) {
+    tokio::join!(
+        orch.limiter.refill(stop.clone()),
+        run_routes(log.clone(), orch.clone(), stop.clone()),
+        run_endpoints(orch.clone(), stop.clone()),
+        run_scaler(orch.clone(), stop.clone()),
+        run_sync(log, orch.clone(), stop.clone()),
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
+
+    fn endpoint(ip: &str, ready: Option<bool>, terminating: Option<bool>) -> Endpoint {
+        Endpoint {
+            addresses: vec![ip.to_owned()],
+            conditions: Some(EndpointConditions {
+                ready,
+                serving: ready,
+                terminating,
+            }),
+            ..Endpoint::default()
+        }
+    }
+
+    fn slice(ports: &[(&str, i32)], endpoints: Vec<Endpoint>) -> EndpointSlice {
+        EndpointSlice {
+            address_type: "IPv4".to_owned(),
+            endpoints: Some(endpoints),
+            ports: Some(
+                ports
+                    .iter()
+                    .map(|(n, p)| EndpointPort {
+                        name: Some((*n).to_owned()),
+                        port: Some(*p),
+                        ..EndpointPort::default()
+                    })
+                    .collect(),
+            ),
+            ..EndpointSlice::default()
+        }
+    }
+
+    #[test]
+    fn ready_endpoints_are_the_ready_ones_not_terminating_on_the_services_port() {
+        let a = slice(
+            &[("", 8080)],
+            vec![
+                endpoint("10.0.0.2", Some(true), Some(false)),
+                endpoint("10.0.0.3", Some(false), Some(false)),
+                endpoint("10.0.0.4", None, None),
+                endpoint("10.0.0.5", Some(false), Some(true)),
+            ],
+        );
+        // The same endpoint in two slices (a slice being replaced) counts once.
+        let b = slice(&[("", 8080)], vec![endpoint("10.0.0.2", Some(true), None)]);
+        let (ready, terminating) = ready_addresses([&a, &b], None);
+        assert_eq!(
+            ready,
+            vec![
+                "10.0.0.2:8080".parse().unwrap(),
+                "10.0.0.4:8080".parse().unwrap()
+            ]
+        );
+        assert_eq!(terminating, 1);
+
+        let named = slice(
+            &[("metrics", 9090), ("http", 8080)],
+            vec![endpoint("10.0.0.7", Some(true), None)],
+        );
+        let (ready, _) = ready_addresses([&named], Some("http"));
+        assert_eq!(ready, vec!["10.0.0.7:8080".parse().unwrap()]);
+        let (ready, _) = ready_addresses([&named], Some("grpc"));
+        assert!(ready.is_empty());
+    }
+
+    fn route(name: &str, domain: &str) -> RouteSpec {
+        RouteSpec {
+            name: name.to_owned(),
+            domains: vec![domain.to_owned()],
+            deployment: name.to_owned(),
+            idle_after_ms: 1_000,
+            min_replicas: 0,
+            max_replicas: 1,
+            hold_timeout_ms: 1_000,
+            hold_queue_max: 10,
+            process: None,
+            concurrency: 0,
+            max_connecting: 0,
+        }
+    }
+
+    #[test]
+    fn service_routes_follow_the_services_and_never_take_a_configured_domain() {
+        let mut state = State::default();
+        let mut seq = 0;
+        let mut apply = |state: &mut State, events: Vec<Event>| {
+            for event in events {
+                seq += 1;
+                state.apply(&crate::event::Envelope {
+                    seq,
+                    at_ms: seq,
+                    version: crate::event::SCHEMA_VERSION,
+                    event,
+                });
+            }
+        };
+        apply(
+            &mut state,
+            vec![Event::RouteUpserted {
+                route: route("local", "local.test"),
+            }],
+        );
+        let a = route("default/a", "a.test");
+        let (events, refused) = decide_routes(&state, std::slice::from_ref(&a));
+        assert_eq!(events, vec![Event::RouteUpserted { route: a.clone() }]);
+        assert!(refused.is_empty());
+        apply(&mut state, events);
+        // Unchanged: nothing to do.
+        assert_eq!(decide_routes(&state, std::slice::from_ref(&a)).0, vec![]);
+        // A Service that claims a configured route's domain is refused; the Service route gone
+        // from the list is removed; the configured route stays.
+        let thief = route("default/b", "local.test");
+        let (events, refused) = decide_routes(&state, &[thief]);
+        assert_eq!(
+            events,
+            vec![Event::RouteRemoved {
+                name: "default/a".to_owned()
+            }]
+        );
+        assert_eq!(refused.len(), 1);
+        assert!(refused[0].1.contains("local.test"), "{refused:?}");
+    }
+}
