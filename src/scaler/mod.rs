@@ -3,6 +3,7 @@
 //! runtime in `proxy` runs them on the log's writer (so they are serialized) and performs the
 //! scaling only after the events are durable.
 
+pub mod member;
 pub mod shared;
 
 use crate::event::{Event, ScaleReason};

@@ -19,9 +19,8 @@ use crate::event::{CallKind, CallSpec, Event, Payload, RouteSpec};
 use crate::orchestrator::Orchestrator;
 use crate::proxy::{BackendMiss, retry_after_miss};
 use crate::queue::{Message, Queue};
-use crate::scaler::shared::{
-    self, CoordError, Coordinator, Lease, SharedDeployment, SharedOptions,
-};
+use crate::scaler::member::{Answer, Member, Next, Request};
+use crate::scaler::shared::{self, CoordError, Coordinator, SharedOptions};
 use crate::scaler::{Live, Report, decide_observed, decide_wake};
 use crate::sim::cluster::{PodTimer, SimCluster};
 use crate::sim::log::SimLog;
@@ -35,7 +34,7 @@ const ROUTE: &str = "app";
 /// Simulated time starts here, so skewed clocks never go below zero.
 const T0: u64 = 1_000_000;
 /// Attempts at an API request that keeps failing (wake, last-used bump).
-const API_ATTEMPTS: u32 = 8;
+const API_ATTEMPTS: u32 = crate::scaler::member::TOUCH_ATTEMPTS;
 /// Attempts at a runner request while the node is down or its answer is lost.
 const RUNNER_ATTEMPTS: u32 = 50;
 /// Replays of every log are compared with the live state this often (in steps), and at the end.
@@ -95,28 +94,12 @@ pub struct Outcome {
 // ---------------------------------------------------------------------------------------------
 // The action queue.
 
+/// A request of a replica to the cluster's API: the protocol's ([`Member`]), or a wake's
+/// scale-up.
 #[derive(Debug, Clone)]
 enum ApiOp {
-    Read,
-    Scale {
-        to: u32,
-        if_version: Option<u64>,
-        /// The leader's decision, logged once it took effect.
-        decision: Option<Box<Event>>,
-    },
-    Touch(u64),
-    ReadLease,
-    TakeLease {
-        until: u64,
-        if_version: u64,
-    },
-}
-
-#[derive(Debug, Clone)]
-enum ApiAnswer {
-    Deployment(SharedDeployment),
-    Version(u64),
-    Lease(Lease),
+    Member(Request),
+    Wake { to: u32 },
 }
 
 #[derive(Debug, Clone)]
@@ -158,7 +141,7 @@ enum Action {
     LeaseTick(usize, u32),
     DownscaleTick(usize, u32),
     ApiArrive(usize, u32, ApiOp, u32),
-    ApiReply(usize, u32, ApiOp, Result<ApiAnswer, CoordError>, u32),
+    ApiReply(usize, u32, ApiOp, Result<Answer, CoordError>, u32),
     Pod(PodTimer),
     RequestDone(usize, u32),
     HoldTimeout(usize),
@@ -212,15 +195,12 @@ struct Replica {
     in_flight: u64,
     last_at: u64,
     count: u64,
-    known_used: u64,
-    touching: bool,
+    /// The protocol, as the production code runs it.
+    member: Member,
     /// When (true time) the bump under way was decided, and the latest such time whose bump
     /// landed: uses up to it are published.
     touch_decided_at: u64,
     published_through: u64,
-    lease: Lease,
-    leasing: bool,
-    downscaling: bool,
     held: Vec<usize>,
 }
 
@@ -437,13 +417,9 @@ impl World {
                     in_flight: 0,
                     last_at: 0,
                     count: 0,
-                    known_used: 0,
-                    touching: false,
+                    member: Member::new(&format!("ebb-{i}"), self.opts),
                     touch_decided_at: 0,
                     published_through: 0,
-                    lease: Lease::default(),
-                    leasing: false,
-                    downscaling: false,
                     held: Vec::new(),
                 });
                 self.start_replica_loops(i);
@@ -680,8 +656,14 @@ impl World {
         let now = self.now;
         let rep = &mut self.replicas[r];
         let local = rep.local();
-        let needs_publish =
-            shared::decide_touch(rep.known_used, local, 0, local, &self.opts).is_some();
+        let needs_publish = shared::decide_touch(
+            rep.member.known_used(DEPLOYMENT),
+            local,
+            0,
+            local,
+            &self.opts,
+        )
+        .is_some();
         rep.in_flight += 1;
         rep.count += 1;
         rep.last_at = rep.last_at.max(local);
@@ -798,16 +780,7 @@ impl World {
         if self.replicas[r].view_desired < want {
             self.replicas[r].view_desired = want;
             self.stats.wakes += 1;
-            self.api(
-                r,
-                ApiOp::Scale {
-                    to: want,
-                    if_version: None,
-                    decision: None,
-                },
-                0,
-                0,
-            );
+            self.api(r, ApiOp::Wake { to: want }, 0, 0);
         }
     }
 
@@ -819,7 +792,7 @@ impl World {
             let rep = &mut self.replicas[r];
             rep.view = observed.ready.clone();
             rep.view_desired = observed.desired;
-            rep.known_used = rep.known_used.max(shared.last_used_ms);
+            rep.member.saw(DEPLOYMENT, shared.last_used_ms);
         }
         if let Some(peer) = shared::decide_peer(&self.replicas[r].log.state, DEPLOYMENT, &shared)
             && !self.append(r, vec![peer])
@@ -853,21 +826,14 @@ impl World {
 
     fn touch_check(&mut self, r: usize) {
         let now = self.now;
-        let rep = &self.replicas[r];
-        if rep.touching {
-            return;
-        }
+        let rep = &mut self.replicas[r];
         let local = rep.local();
-        if let Some(v) = shared::decide_touch(
-            rep.known_used,
-            rep.last_at,
-            rep.in_flight,
-            local,
-            &self.opts,
-        ) {
-            self.replicas[r].touching = true;
-            self.replicas[r].touch_decided_at = now;
-            self.api(r, ApiOp::Touch(v), 0, 0);
+        if let Some(request) = rep
+            .member
+            .touch_check(DEPLOYMENT, rep.last_at, rep.in_flight, local)
+        {
+            rep.touch_decided_at = now;
+            self.api(r, ApiOp::Member(request), 0, 0);
         }
     }
 
@@ -894,9 +860,8 @@ impl World {
             return;
         }
         self.at(self.opts.lease_ms / 3 + 1, Action::LeaseTick(r, e));
-        if !self.replicas[r].leasing {
-            self.replicas[r].leasing = true;
-            self.api(r, ApiOp::ReadLease, 0, 0);
+        if let Some(request) = self.replicas[r].member.lease_tick() {
+            self.api(r, ApiOp::Member(request), 0, 0);
         }
     }
 
@@ -910,11 +875,10 @@ impl World {
             .as_ref()
             .map_or(1_000, |p| p.downscale_every_ms);
         self.at(every, Action::DownscaleTick(r, e));
-        let rep = &self.replicas[r];
+        let rep = &mut self.replicas[r];
         let local = rep.local();
-        if !rep.downscaling && shared::leads(&rep.lease, &rep.name, local, &self.opts) {
-            self.replicas[r].downscaling = true;
-            self.api(r, ApiOp::Read, 0, 0);
+        if let Some(request) = rep.member.downscale_tick(DEPLOYMENT, local) {
+            self.api(r, ApiOp::Member(request), 0, 0);
         }
     }
 
@@ -935,41 +899,32 @@ impl World {
         } else {
             let c = self.cluster();
             match &op {
-                ApiOp::Read => {
-                    Coordinator::deployment(c.as_ref(), DEPLOYMENT).map(ApiAnswer::Deployment)
+                ApiOp::Member(Request::Read { deployment }) => {
+                    Coordinator::deployment(c.as_ref(), deployment).map(Answer::Deployment)
                 }
-                ApiOp::Scale { to, if_version, .. } => {
-                    let before = Coordinator::deployment(c.as_ref(), DEPLOYMENT)
-                        .map(|d| d.replicas)
-                        .unwrap_or(0);
-                    let done = Coordinator::scale(c.as_ref(), DEPLOYMENT, *to, *if_version);
-                    if done.is_ok() {
-                        let name = self.replicas[r].name.clone();
-                        self.note(
-                            &name,
-                            format_args!("scaled the deployment {before} -> {to}"),
-                        );
-                        if *to < before {
-                            self.stats.scale_downs += 1;
-                            self.check_downscale();
-                        }
-                    }
-                    self.sync_pods();
-                    done.map(ApiAnswer::Version)
+                ApiOp::Wake { to } => self.scale(r, *to, None),
+                ApiOp::Member(Request::ScaleDown { to, if_version, .. }) => {
+                    self.scale(r, *to, *if_version)
                 }
-                ApiOp::Touch(v) => {
+                ApiOp::Member(Request::Touch {
+                    deployment,
+                    last_used_ms,
+                }) => {
                     let name = self.replicas[r].name.clone();
                     self.note(
                         &name,
-                        format_args!("publishes last use {}", v.saturating_sub(T0)),
+                        format_args!("publishes last use {}", last_used_ms.saturating_sub(T0)),
                     );
-                    Coordinator::touch(c.as_ref(), DEPLOYMENT, *v).map(ApiAnswer::Version)
+                    Coordinator::touch(c.as_ref(), deployment, *last_used_ms).map(Answer::Version)
                 }
-                ApiOp::ReadLease => c.lease().map(ApiAnswer::Lease),
-                ApiOp::TakeLease { until, if_version } => {
+                ApiOp::Member(Request::ReadLease) => c.lease().map(Answer::Lease),
+                ApiOp::Member(Request::TakeLease {
+                    until_ms,
+                    if_version,
+                }) => {
                     let name = self.replicas[r].name.clone();
-                    c.take_lease(&name, *until, *if_version)
-                        .map(ApiAnswer::Version)
+                    c.take_lease(&name, *until_ms, *if_version)
+                        .map(Answer::Version)
                 }
             }
         };
@@ -977,132 +932,95 @@ impl World {
         self.at(lat, Action::ApiReply(r, e, op, answer, attempt));
     }
 
+    /// A scale write reaching the cluster.
+    fn scale(&mut self, r: usize, to: u32, if_version: Option<u64>) -> Result<Answer, CoordError> {
+        let c = self.cluster();
+        let before = Coordinator::deployment(c.as_ref(), DEPLOYMENT)
+            .map(|d| d.replicas)
+            .unwrap_or(0);
+        let done = Coordinator::scale(c.as_ref(), DEPLOYMENT, to, if_version);
+        if done.is_ok() {
+            let name = self.replicas[r].name.clone();
+            self.note(
+                &name,
+                format_args!("scaled the deployment {before} -> {to}"),
+            );
+            if to < before {
+                self.stats.scale_downs += 1;
+                self.check_downscale();
+            }
+        }
+        self.sync_pods();
+        done.map(Answer::Version)
+    }
+
     fn api_reply(
         &mut self,
         r: usize,
         e: u32,
         op: ApiOp,
-        answer: Result<ApiAnswer, CoordError>,
+        answer: Result<Answer, CoordError>,
         attempt: u32,
     ) {
         if !self.live(r, e) {
             return;
         }
-        let local = self.replicas[r].local();
-        match (op, answer) {
-            (ApiOp::Touch(v), Ok(_)) => {
-                let rep = &mut self.replicas[r];
-                rep.touching = false;
-                rep.known_used = rep.known_used.max(v);
-                rep.published_through = rep.published_through.max(rep.touch_decided_at);
-                // Uses since the bump was decided may need another.
-                self.touch_check(r);
+        let request = match op {
+            ApiOp::Wake { to } => {
+                if answer.is_err() && attempt + 1 < API_ATTEMPTS {
+                    self.api(r, ApiOp::Wake { to }, attempt + 1, 0);
+                }
+                return;
             }
-            (ApiOp::Touch(v), Err(_)) => {
-                if attempt + 1 < API_ATTEMPTS {
-                    self.api(r, ApiOp::Touch(v), attempt + 1, 0);
+            ApiOp::Member(request) => request,
+        };
+        let touched = matches!(request, Request::Touch { .. }) && answer.is_ok();
+        let rep = &mut self.replicas[r];
+        let local = rep.local();
+        let live = Live {
+            in_flight: rep.in_flight,
+            last_at_ms: rep.last_at,
+        };
+        let next = rep
+            .member
+            .answer(request, answer, attempt, &rep.log.state, live, local);
+        if touched {
+            let rep = &mut self.replicas[r];
+            rep.published_through = rep.published_through.max(rep.touch_decided_at);
+        }
+        match next {
+            Next::Done => {}
+            Next::Send {
+                request: request @ Request::ScaleDown { .. },
+                attempt,
+            } => {
+                let pause = if self.strikes(self.faults.pause_chance) {
+                    self.draw(self.faults.pause_ms)
                 } else {
-                    self.replicas[r].touching = false;
+                    0
+                };
+                if pause > 0 {
+                    let name = self.replicas[r].name.clone();
+                    self.note(&name, format_args!("pauses {pause} ms before scaling down"));
                 }
+                self.api(r, ApiOp::Member(request), attempt, pause);
             }
-            (ApiOp::ReadLease, Ok(ApiAnswer::Lease(l))) => {
+            Next::Send { request, attempt } => self.api(r, ApiOp::Member(request), attempt, 0),
+            Next::Record(decision) => {
+                self.append(r, vec![decision]);
+            }
+            Next::Refused => {
+                self.stats.conflicts += 1;
                 let name = self.replicas[r].name.clone();
-                match shared::decide_lease(&l, &name, local, &self.opts) {
-                    Some(until) => {
-                        let if_version = l.version;
-                        self.replicas[r].lease = l;
-                        self.api(r, ApiOp::TakeLease { until, if_version }, 0, 0);
-                    }
-                    None => {
-                        self.replicas[r].lease = l;
-                        self.replicas[r].leasing = false;
-                    }
-                }
+                self.note(
+                    &name,
+                    format_args!("scale-down refused: the deployment changed"),
+                );
             }
-            (ApiOp::TakeLease { until, .. }, Ok(ApiAnswer::Version(v))) => {
-                let rep = &mut self.replicas[r];
-                rep.lease = Lease {
-                    holder: Some(rep.name.clone()),
-                    until_ms: until,
-                    version: v,
-                };
-                rep.leasing = false;
-            }
-            (ApiOp::ReadLease | ApiOp::TakeLease { .. }, _) => {
-                self.replicas[r].leasing = false;
-            }
-            (ApiOp::Read, Ok(ApiAnswer::Deployment(d))) => {
-                let rep = &self.replicas[r];
-                let live = Live {
-                    in_flight: rep.in_flight,
-                    last_at_ms: rep.last_at,
-                };
-                match shared::decide_downscale(
-                    &rep.log.state,
-                    DEPLOYMENT,
-                    &d,
-                    live,
-                    local,
-                    &self.opts,
-                ) {
-                    Some((decision, if_version)) => {
-                        let Event::ScaleRequested { to, .. } = decision else {
-                            self.replicas[r].downscaling = false;
-                            return;
-                        };
-                        let pause = if self.strikes(self.faults.pause_chance) {
-                            self.draw(self.faults.pause_ms)
-                        } else {
-                            0
-                        };
-                        if pause > 0 {
-                            let name = self.replicas[r].name.clone();
-                            self.note(&name, format_args!("pauses {pause} ms before scaling down"));
-                        }
-                        self.api(
-                            r,
-                            ApiOp::Scale {
-                                to,
-                                if_version,
-                                decision: Some(Box::new(decision)),
-                            },
-                            0,
-                            pause,
-                        );
-                    }
-                    None => self.replicas[r].downscaling = false,
-                }
-            }
-            (ApiOp::Read, _) => self.replicas[r].downscaling = false,
-            (
-                ApiOp::Scale {
-                    decision: Some(decision),
-                    ..
-                },
-                answer,
-            ) => {
-                self.replicas[r].downscaling = false;
-                match answer {
-                    Ok(_) => {
-                        self.append(r, vec![*decision]);
-                    }
-                    Err(CoordError::Conflict) => {
-                        self.stats.conflicts += 1;
-                        let name = self.replicas[r].name.clone();
-                        self.note(
-                            &name,
-                            format_args!("scale-down refused: the deployment changed"),
-                        );
-                    }
-                    Err(_) => {}
-                }
-            }
-            (op @ ApiOp::Scale { decision: None, .. }, Err(_)) => {
-                if attempt + 1 < API_ATTEMPTS {
-                    self.api(r, op, attempt + 1, 0);
-                }
-            }
-            (ApiOp::Scale { decision: None, .. }, Ok(_)) => {}
+        }
+        if touched {
+            // Uses since the bump was decided may need another.
+            self.touch_check(r);
         }
     }
 
@@ -1295,11 +1213,7 @@ impl World {
         let rep = &mut self.replicas[r];
         rep.up = true;
         rep.last_at = 0;
-        rep.known_used = 0;
-        rep.touching = false;
-        rep.lease = Lease::default();
-        rep.leasing = false;
-        rep.downscaling = false;
+        rep.member.reset();
         let seq = self.replicas[r].log.state.seq;
         self.note(&name, format_args!("restarted from its log (seq {seq})"));
         self.start_replica_loops(r);
