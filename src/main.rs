@@ -136,9 +136,26 @@ enum Command {
         /// On Kubernetes: API requests per second at most (watches excepted).
         #[arg(long, default_value_t = 20)]
         kube_qps: u32,
-        /// On Kubernetes: the name ebb's Events are reported by (the pod's name).
+        /// On Kubernetes: this replica's name, for the lease and ebb's Events (the pod's name).
         #[arg(long, env = "POD_NAME", default_value = "ebb")]
         pod_name: String,
+        /// On Kubernetes: the namespace of ebb's own Lease (the pod's namespace).
+        #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+        pod_namespace: String,
+        /// On Kubernetes: how long the scale-down lease lasts, in ms.
+        #[arg(long, default_value_t = 15_000)]
+        kube_lease_ms: u64,
+        /// On Kubernetes: a replica keeps a workload's last-used annotation this close to its
+        /// own traffic, in ms.
+        #[arg(long, default_value_t = 5_000)]
+        kube_touch_ms: u64,
+        /// On Kubernetes: the most two ebb replicas' clocks differ by, in ms.
+        #[arg(long, default_value_t = 500)]
+        kube_max_skew_ms: u64,
+        /// Test hook: before each scale-down write, create `held` in this directory and wait
+        /// for `release` there.
+        #[arg(long, hide = true, env = "EBB_TEST_DOWNSCALE_GATE")]
+        downscale_gate: Option<PathBuf>,
     },
     /// Run calls from a remote ebb: dequeue, start, execute through ebb's proxy, finish.
     Runner {
@@ -377,6 +394,11 @@ fn run(cli: Cli) -> Result<()> {
             kube_sync_ms,
             kube_qps,
             pod_name,
+            pod_namespace,
+            kube_lease_ms,
+            kube_touch_ms,
+            kube_max_skew_ms,
+            downscale_gate,
         } => serve(
             ebb::serve::ServeOptions {
                 data_dir: dir.clone(),
@@ -420,6 +442,16 @@ fn run(cli: Cli) -> Result<()> {
                         instance: pod_name,
                         api_qps: kube_qps,
                         api_burst: kube_qps.saturating_mul(2),
+                        shared: ebb::orchestrator::kube::SharedScaling {
+                            options: ebb::orchestrator::kube::SharedScaling::timing(
+                                kube_touch_ms,
+                                kube_lease_ms,
+                                kube_max_skew_ms,
+                            ),
+                            lease_namespace: pod_namespace,
+                            gate: downscale_gate,
+                            ..Default::default()
+                        },
                         ..Default::default()
                     }
                 }),

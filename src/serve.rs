@@ -215,14 +215,30 @@ pub async fn run(
         dyn_orch.clone(),
         observer_stop_rx,
     ));
-    tokio::spawn(runtime::run_downscaler(
-        log.clone(),
-        dyn_orch.clone(),
-        traffic.clone(),
-        clock.clone(),
-        options.runtime.clone(),
-        stop_rx.clone(),
-    ));
+    match (&kube, &options.kubernetes) {
+        // On Kubernetes, several ebb replicas may serve the same workloads: only the holder of
+        // the lease scales down, conditioned on what it read.
+        (Some(k), Some(ko)) => {
+            tokio::spawn(crate::orchestrator::kube::run_shared(
+                log.clone(),
+                k.clone(),
+                traffic.clone(),
+                clock.clone(),
+                ko.shared.clone(),
+                stop_rx.clone(),
+            ));
+        }
+        _ => {
+            tokio::spawn(runtime::run_downscaler(
+                log.clone(),
+                dyn_orch.clone(),
+                traffic.clone(),
+                clock.clone(),
+                options.runtime.clone(),
+                stop_rx.clone(),
+            ));
+        }
+    }
 
     let proxy_listeners = reuseport_listeners(options.listen, options.proxy_threads)
         .with_context(|| format!("listening on {}", options.listen))?;

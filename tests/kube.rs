@@ -338,6 +338,12 @@ fn serve_on(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> common
         "default",
         "--kube-sync-ms",
         "1000",
+        "--kube-touch-ms",
+        "500",
+        "--kube-lease-ms",
+        "3000",
+        "--kube-max-skew-ms",
+        "50",
     ];
     args.extend_from_slice(extra);
     common::serve_env(

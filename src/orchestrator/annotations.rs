@@ -64,6 +64,24 @@ pub struct Workload {
 }
 
 impl Workload {
+    /// The workload of a route's `deployment` key ([`Workload::key`]).
+    pub fn from_key(key: &str) -> Option<Self> {
+        let mut parts = key.split('/');
+        let (kind, namespace, name) = match (parts.next(), parts.next(), parts.next(), parts.next())
+        {
+            (Some(ns), Some(name), None, None) => (WorkloadKind::Deployment, ns, name),
+            (Some(ns), Some("statefulset"), Some(name), None) => {
+                (WorkloadKind::StatefulSet, ns, name)
+            }
+            _ => return None,
+        };
+        Some(Self {
+            kind,
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+
     /// The workload's key, the `deployment` of its route: `NAMESPACE/NAME` for a Deployment,
     /// `NAMESPACE/statefulset/NAME` for a StatefulSet.
     pub fn key(&self) -> String {

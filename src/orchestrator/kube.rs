@@ -27,6 +27,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -40,6 +41,12 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Notify, watch};
 
 use super::annotations::{self, Claim, RouteDefaults, Workload, WorkloadKind};
+use super::kube_coordinator::KubeCoordinator;
+use crate::clock::Clock;
+use crate::proxy::Traffic;
+use crate::scaler::Live;
+use crate::scaler::member::{self, Member, Next, Request};
+use crate::scaler::shared::SharedOptions;
 use super::{Error, Observed, Orchestrator, Result, WorkloadSpec};
 use crate::event::{Event, RouteSpec};
 use crate::log::Log;
@@ -69,6 +76,8 @@ pub struct KubeOptions {
     pub api_burst: u32,
     /// Attempts at one scale write before it counts as a failure.
     pub scale_attempts: u32,
+    /// How ebb's replicas share scaling.
+    pub shared: SharedScaling,
 }
 
 impl Default for KubeOptions {
@@ -81,6 +90,7 @@ impl Default for KubeOptions {
             api_qps: 20,
             api_burst: 40,
             scale_attempts: 8,
+            shared: SharedScaling::default(),
         }
     }
 }
@@ -241,6 +251,14 @@ impl KubeOrchestrator {
             drop(inner);
             self.changed();
         }
+    }
+
+    /// Records replicas written by the shared protocol's scale-down (not by [`Orchestrator::scale`]).
+    fn scaled(&self, key: &str, replicas: u32) {
+        if let Some(t) = self.lock().workloads.get_mut(key) {
+            t.desired = Some(replicas);
+        }
+        self.changed();
     }
 
     fn fail(&self, key: &str, why: String) {
@@ -825,7 +843,18 @@ async fn run_scaler(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>
             t.writes_done += 1;
         }
         match outcome {
-            Ok(()) => tracing::info!(deployment = %key, replicas, "scaled"),
+            Ok(()) => {
+                tracing::info!(deployment = %key, replicas, "scaled");
+                orch.publish(
+                    &KubeOrchestrator::workload_reference(&workload),
+                    EventType::Normal,
+                    "Scaled",
+                    format!(
+                        "ebb set replicas to {replicas} (why: `ebb explain deployment {key}`)"
+                    ),
+                )
+                .await;
+            }
             Err(e) => {
                 let why = format!("scaling {} to {replicas}: {e}", key);
                 tracing::warn!(deployment = %key, error = %e, "scale write failed");
@@ -928,6 +957,265 @@ async fn run_sync(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch::R
             () = tokio::time::sleep(interval) => {}
             _ = orch.sync_asked.notified() => {}
             _ = stop.changed() => return,
+        }
+    }
+}
+
+/// How the replicas of ebb share scaling ([`crate::scaler::member`] driven against the API
+/// server).
+#[derive(Debug, Clone)]
+pub struct SharedScaling {
+    /// The protocol's timing.
+    pub options: SharedOptions,
+    /// The namespace and name of the leadership Lease.
+    pub lease_namespace: String,
+    pub lease_name: String,
+    /// How often the leader looks for idle workloads.
+    pub downscale_every_ms: u64,
+    /// A test hook: before each scale-down write, create `held` in this directory and wait until
+    /// `release` appears there (at most a minute), so a test can race a bump against it.
+    pub gate: Option<PathBuf>,
+}
+
+impl SharedScaling {
+    /// The protocol's timing from the bump interval, the lease and the clock skew allowed:
+    /// the lag the leader adds to the annotation covers a bump interval, twice the skew and a
+    /// bump's retries landing (two seconds).
+    pub fn timing(sync_ms: u64, lease_ms: u64, max_skew_ms: u64) -> SharedOptions {
+        SharedOptions {
+            sync_ms,
+            sync_lag_ms: sync_ms + 2 * max_skew_ms + 2_000,
+            lease_ms,
+            max_skew_ms,
+        }
+    }
+}
+
+impl Default for SharedScaling {
+    fn default() -> Self {
+        Self {
+            options: Self::timing(5_000, 15_000, 500),
+            lease_namespace: "default".to_owned(),
+            lease_name: "ebb-scaler".to_owned(),
+            downscale_every_ms: 1_000,
+            gate: None,
+        }
+    }
+}
+
+/// What the protocol's request chains share.
+struct Driver {
+    log: Arc<Log>,
+    orch: Arc<KubeOrchestrator>,
+    store: KubeCoordinator,
+    member: Mutex<Member>,
+    traffic: Arc<Traffic>,
+    clock: Arc<dyn Clock>,
+    gate: Option<PathBuf>,
+}
+
+impl Driver {
+    /// The unflushed traffic of a deployment's routes.
+    fn live(&self, deployment: &str) -> Live {
+        let routes: Vec<String> = self.log.read(|s| {
+            s.routes
+                .routes_of(deployment)
+                .map(|r| r.spec.name.clone())
+                .collect()
+        });
+        let mut live = Live::default();
+        for r in &routes {
+            let t = self.traffic.route(r);
+            live.in_flight += t.in_flight();
+            live.last_at_ms = live.last_at_ms.max(t.last_at_ms());
+        }
+        live
+    }
+
+    /// Sends `request` and whatever the protocol asks next, until it is done.
+    async fn chain(self: Arc<Self>, mut request: Request, mut attempt: u32) {
+        let name = self.member.lock().expect("member lock").name().to_owned();
+        loop {
+            if let (Request::ScaleDown { deployment, .. }, Some(gate)) = (&request, &self.gate) {
+                hold(gate, deployment).await;
+            }
+            let answer = member::send(&self.store, &name, &request).await;
+            if let Err(e) = &answer {
+                tracing::debug!(?request, error = %e, "coordination request failed");
+            }
+            let live = match &request {
+                Request::Read { deployment } => self.live(deployment),
+                _ => Live::default(),
+            };
+            let now = self.clock.now_ms();
+            let next = self.log.read(|s| {
+                self.member
+                    .lock()
+                    .expect("member lock")
+                    .answer(request, answer, attempt, s, live, now)
+            });
+            match next {
+                Next::Done => return,
+                Next::Send {
+                    request: r,
+                    attempt: a,
+                } => {
+                    if a > 0 {
+                        let backoff = Duration::from_millis(100 << a.min(6));
+                        tokio::time::sleep(backoff).await;
+                    }
+                    request = r;
+                    attempt = a;
+                }
+                Next::Record(decision) => {
+                    let (deployment, to) = match &decision {
+                        Event::ScaleRequested { deployment, to, .. } => (deployment.clone(), *to),
+                        _ => return,
+                    };
+                    tracing::info!(%deployment, to, "idle: scaled down");
+                    if let Err(e) = self.log.append(decision).await {
+                        tracing::warn!(error = %e, "recording a scale-down failed");
+                    }
+                    self.orch.scaled(&deployment, to);
+                    if let Some(w) = Workload::from_key(&deployment) {
+                        self.orch
+                            .publish(
+                                &KubeOrchestrator::workload_reference(&w),
+                                EventType::Normal,
+                                "Idle",
+                                format!(
+                                    "ebb scaled it to {to}: no request for its idle time on any \
+                                     ebb replica (`ebb explain deployment {deployment}`)"
+                                ),
+                            )
+                            .await;
+                    }
+                    return;
+                }
+                Next::Refused => {
+                    tracing::info!(
+                        "scale-down refused with 409 Conflict: the workload changed (used) since \
+                         it was read"
+                    );
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// The test gate before a scale-down write ([`SharedScaling::gate`]).
+async fn hold(gate: &std::path::Path, deployment: &str) {
+    let _ = std::fs::write(gate.join("held"), deployment);
+    let released = async {
+        while !gate.join("release").exists() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(60), released).await;
+}
+
+/// Drives the shared-scaling protocol for this replica of ebb until `stop`: the lease, the bumps
+/// of the last-used annotation, and (while leading) the conditioned scale-downs of idle
+/// workloads. Replaces the single-machine downscaler when ebb runs on Kubernetes.
+pub async fn run_shared(
+    log: Arc<Log>,
+    orch: Arc<KubeOrchestrator>,
+    traffic: Arc<Traffic>,
+    clock: Arc<dyn Clock>,
+    shared: SharedScaling,
+    mut stop: watch::Receiver<bool>,
+) {
+    let o = shared.options;
+    let driver = Arc::new(Driver {
+        store: KubeCoordinator::new(
+            orch.client.clone(),
+            &shared.lease_namespace,
+            &shared.lease_name,
+            o.lease_ms,
+        ),
+        member: Mutex::new(Member::new(&orch.options.instance, o)),
+        log,
+        orch,
+        traffic,
+        clock,
+        gate: shared.gate,
+    });
+    let every = |ms: u64| {
+        let mut t = tokio::time::interval(Duration::from_millis(ms.max(1)));
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    };
+    let mut lease = every(o.lease_ms / 3 + 1);
+    let mut sync = every(o.sync_ms / 2 + 1);
+    let mut down = every(shared.downscale_every_ms);
+    let mut was_leading = false;
+    loop {
+        let which = tokio::select! {
+            _ = lease.tick() => 0,
+            _ = sync.tick() => 1,
+            _ = down.tick() => 2,
+            _ = stop.changed() => return,
+        };
+        let now = driver.clock.now_ms();
+        // The deployments of Service routes this replica tracks, with what the log asks.
+        let deployments: Vec<(String, u32)> = driver.log.read(|s| {
+            s.routes
+                .by_deployment
+                .keys()
+                .filter(|d| Workload::from_key(d).is_some())
+                .map(|d| {
+                    let desired = s.routes.deployments.get(d).map_or(0, |x| x.desired);
+                    (d.clone(), desired)
+                })
+                .collect()
+        });
+        let mut requests = Vec::new();
+        {
+            let mut m = driver.member.lock().expect("member lock");
+            m.retain(|d| deployments.iter().any(|(x, _)| x == d));
+            match which {
+                0 => requests.extend(m.lease_tick()),
+                1 => {
+                    for (d, _) in &deployments {
+                        let live = driver.live(d);
+                        requests.extend(m.touch_check(d, live.last_at_ms, live.in_flight, now));
+                    }
+                }
+                _ => {
+                    let leading = m.leads(now);
+                    if leading != was_leading {
+                        tracing::info!(replica = m.name(), leading, "scale-down leadership");
+                        was_leading = leading;
+                    }
+                    for (d, desired) in &deployments {
+                        if *desired == 0 {
+                            continue;
+                        }
+                        let live = driver.live(d);
+                        if live.in_flight > 0 {
+                            continue;
+                        }
+                        // Only read the workload when the replica's own view already says idle:
+                        // the annotation only grows, so a read could only make it less idle.
+                        let known = crate::scaler::shared::SharedDeployment {
+                            replicas: *desired,
+                            last_used_ms: m.known_used(d),
+                            version: 0,
+                        };
+                        let idle = driver.log.read(|s| {
+                            crate::scaler::shared::decide_downscale(s, d, &known, live, now, m.options())
+                                .is_some()
+                        });
+                        if idle {
+                            requests.extend(m.downscale_tick(d, now));
+                        }
+                    }
+                }
+            }
+        }
+        for r in requests {
+            tokio::spawn(driver.clone().chain(r, 0));
         }
     }
 }

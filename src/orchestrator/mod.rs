@@ -9,6 +9,7 @@
 
 pub mod annotations;
 pub mod kube;
+pub mod kube_coordinator;
 pub mod process;
 
 use std::net::SocketAddr;

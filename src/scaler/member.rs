@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 
 use super::Live;
-use super::shared::{self, CoordError, Lease, SharedDeployment, SharedOptions};
+use super::shared::{self, CoordError, Coordinator, Lease, SharedDeployment, SharedOptions};
 use crate::event::Event;
 use crate::state::State;
 
@@ -306,6 +306,41 @@ impl Member {
                 }
             }
         }
+    }
+}
+
+/// Sends `request` to `store` as replica `holder`.
+pub async fn send<C: Coordinator>(
+    store: &C,
+    holder: &str,
+    request: &Request,
+) -> Result<Answer, CoordError> {
+    match request {
+        Request::ReadLease => store.lease().await.map(Answer::Lease),
+        Request::TakeLease {
+            until_ms,
+            if_version,
+        } => store
+            .take_lease(holder, *until_ms, *if_version)
+            .await
+            .map(Answer::Version),
+        Request::Touch {
+            deployment,
+            last_used_ms,
+        } => store
+            .touch(deployment, *last_used_ms)
+            .await
+            .map(Answer::Version),
+        Request::Read { deployment } => store.deployment(deployment).await.map(Answer::Deployment),
+        Request::ScaleDown {
+            deployment,
+            to,
+            if_version,
+            ..
+        } => store
+            .scale(deployment, *to, *if_version)
+            .await
+            .map(Answer::Version),
     }
 }
 

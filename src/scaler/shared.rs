@@ -62,21 +62,39 @@ pub enum CoordError {
 }
 
 /// What the replicas share: Kubernetes (a Deployment's replicas and annotation, a Lease), or the
-/// simulator's model of it. Every method is one atomic request to the store.
+/// simulator's model of it. Every method is one atomic request to the store (the simulator's
+/// answers at once; its driver adds latency and errors around them).
 pub trait Coordinator {
     /// Reads a deployment.
-    fn deployment(&self, name: &str) -> Result<SharedDeployment, CoordError>;
+    fn deployment(
+        &self,
+        name: &str,
+    ) -> impl Future<Output = Result<SharedDeployment, CoordError>> + Send;
     /// Sets a deployment's replicas; with `if_version`, only if it is still at that version.
     /// Returns the new version.
-    fn scale(&self, name: &str, replicas: u32, if_version: Option<u64>) -> Result<u64, CoordError>;
+    fn scale(
+        &self,
+        name: &str,
+        replicas: u32,
+        if_version: Option<u64>,
+    ) -> impl Future<Output = Result<u64, CoordError>> + Send;
     /// Raises the `last-used` annotation to `last_used_ms`; never lowers it (against the API
     /// server: read, then write conditioned on the version read, until it holds). Returns the
     /// version.
-    fn touch(&self, name: &str, last_used_ms: u64) -> Result<u64, CoordError>;
+    fn touch(
+        &self,
+        name: &str,
+        last_used_ms: u64,
+    ) -> impl Future<Output = Result<u64, CoordError>> + Send;
     /// Reads the lease.
-    fn lease(&self) -> Result<Lease, CoordError>;
+    fn lease(&self) -> impl Future<Output = Result<Lease, CoordError>> + Send;
     /// Takes or renews the lease if it is still at `if_version`. Returns the new version.
-    fn take_lease(&self, holder: &str, until_ms: u64, if_version: u64) -> Result<u64, CoordError>;
+    fn take_lease(
+        &self,
+        holder: &str,
+        until_ms: u64,
+        if_version: u64,
+    ) -> impl Future<Output = Result<u64, CoordError>> + Send;
 }
 
 /// The protocol's timing.

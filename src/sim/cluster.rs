@@ -274,15 +274,15 @@ fn reconcile(g: &mut Inner) {
     g.changes += 1;
 }
 
-impl Coordinator for SimCluster {
-    fn deployment(&self, name: &str) -> Result<SharedDeployment, CoordError> {
+impl SimCluster {
+    pub(crate) fn deployment_now(&self, name: &str) -> Result<SharedDeployment, CoordError> {
         if name != self.name {
             return Err(CoordError::NotFound(name.to_owned()));
         }
         Ok(self.lock().deployment.clone())
     }
 
-    fn scale(&self, name: &str, replicas: u32, if_version: Option<u64>) -> Result<u64, CoordError> {
+    pub(crate) fn scale_now(&self, name: &str, replicas: u32, if_version: Option<u64>) -> Result<u64, CoordError> {
         if name != self.name {
             return Err(CoordError::NotFound(name.to_owned()));
         }
@@ -296,7 +296,7 @@ impl Coordinator for SimCluster {
         Ok(g.deployment.version)
     }
 
-    fn touch(&self, name: &str, last_used_ms: u64) -> Result<u64, CoordError> {
+    pub(crate) fn touch_now(&self, name: &str, last_used_ms: u64) -> Result<u64, CoordError> {
         if name != self.name {
             return Err(CoordError::NotFound(name.to_owned()));
         }
@@ -308,11 +308,11 @@ impl Coordinator for SimCluster {
         Ok(g.deployment.version)
     }
 
-    fn lease(&self) -> Result<Lease, CoordError> {
+    pub(crate) fn lease_now(&self) -> Result<Lease, CoordError> {
         Ok(self.lock().lease.clone())
     }
 
-    fn take_lease(&self, holder: &str, until_ms: u64, if_version: u64) -> Result<u64, CoordError> {
+    pub(crate) fn take_lease_now(&self, holder: &str, until_ms: u64, if_version: u64) -> Result<u64, CoordError> {
         let mut g = self.lock();
         if g.lease.version != if_version {
             return Err(CoordError::Conflict);
@@ -323,6 +323,46 @@ impl Coordinator for SimCluster {
             version: if_version + 1,
         };
         Ok(g.lease.version)
+    }
+}
+
+/// The simulated cluster answers every request at once.
+impl Coordinator for SimCluster {
+    fn deployment(
+        &self,
+        name: &str,
+    ) -> impl Future<Output = Result<SharedDeployment, CoordError>> + Send {
+        std::future::ready(self.deployment_now(name))
+    }
+
+    fn scale(
+        &self,
+        name: &str,
+        replicas: u32,
+        if_version: Option<u64>,
+    ) -> impl Future<Output = Result<u64, CoordError>> + Send {
+        std::future::ready(self.scale_now(name, replicas, if_version))
+    }
+
+    fn touch(
+        &self,
+        name: &str,
+        last_used_ms: u64,
+    ) -> impl Future<Output = Result<u64, CoordError>> + Send {
+        std::future::ready(self.touch_now(name, last_used_ms))
+    }
+
+    fn lease(&self) -> impl Future<Output = Result<Lease, CoordError>> + Send {
+        std::future::ready(self.lease_now())
+    }
+
+    fn take_lease(
+        &self,
+        holder: &str,
+        until_ms: u64,
+        if_version: u64,
+    ) -> impl Future<Output = Result<u64, CoordError>> + Send {
+        std::future::ready(self.take_lease_now(holder, until_ms, if_version))
     }
 }
 
@@ -338,7 +378,7 @@ impl Orchestrator for SimCluster {
     }
 
     fn scale(&self, name: &str, replicas: u32) -> orchestrator::Result<()> {
-        Coordinator::scale(self, name, replicas, None)
+        self.scale_now(name, replicas, None)
             .map(|_| ())
             .map_err(|_| orchestrator::Error::UnknownWorkload(name.to_owned()))
     }

@@ -20,7 +20,7 @@ use crate::orchestrator::Orchestrator;
 use crate::proxy::{BackendMiss, retry_after_miss};
 use crate::queue::{Message, Queue};
 use crate::scaler::member::{Answer, Member, Next, Request};
-use crate::scaler::shared::{self, CoordError, Coordinator, SharedOptions};
+use crate::scaler::shared::{self, CoordError, SharedOptions};
 use crate::scaler::{Live, Report, decide_observed, decide_wake};
 use crate::sim::cluster::{PodTimer, SimCluster};
 use crate::sim::log::SimLog;
@@ -787,7 +787,7 @@ impl World {
     fn observe(&mut self, r: usize) {
         let c = self.cluster();
         let observed = c.observe(DEPLOYMENT).unwrap_or_default();
-        let shared = Coordinator::deployment(c.as_ref(), DEPLOYMENT).unwrap_or_default();
+        let shared = c.deployment_now(DEPLOYMENT).unwrap_or_default();
         {
             let rep = &mut self.replicas[r];
             rep.view = observed.ready.clone();
@@ -900,7 +900,7 @@ impl World {
             let c = self.cluster();
             match &op {
                 ApiOp::Member(Request::Read { deployment }) => {
-                    Coordinator::deployment(c.as_ref(), deployment).map(Answer::Deployment)
+                    c.deployment_now(deployment).map(Answer::Deployment)
                 }
                 ApiOp::Wake { to } => self.scale(r, *to, None),
                 ApiOp::Member(Request::ScaleDown { to, if_version, .. }) => {
@@ -915,15 +915,15 @@ impl World {
                         &name,
                         format_args!("publishes last use {}", last_used_ms.saturating_sub(T0)),
                     );
-                    Coordinator::touch(c.as_ref(), deployment, *last_used_ms).map(Answer::Version)
+                    c.touch_now(deployment, *last_used_ms).map(Answer::Version)
                 }
-                ApiOp::Member(Request::ReadLease) => c.lease().map(Answer::Lease),
+                ApiOp::Member(Request::ReadLease) => c.lease_now().map(Answer::Lease),
                 ApiOp::Member(Request::TakeLease {
                     until_ms,
                     if_version,
                 }) => {
                     let name = self.replicas[r].name.clone();
-                    c.take_lease(&name, *until_ms, *if_version)
+                    c.take_lease_now(&name, *until_ms, *if_version)
                         .map(Answer::Version)
                 }
             }
@@ -935,10 +935,10 @@ impl World {
     /// A scale write reaching the cluster.
     fn scale(&mut self, r: usize, to: u32, if_version: Option<u64>) -> Result<Answer, CoordError> {
         let c = self.cluster();
-        let before = Coordinator::deployment(c.as_ref(), DEPLOYMENT)
+        let before = c.deployment_now(DEPLOYMENT)
             .map(|d| d.replicas)
             .unwrap_or(0);
-        let done = Coordinator::scale(c.as_ref(), DEPLOYMENT, to, if_version);
+        let done = c.scale_now(DEPLOYMENT, to, if_version);
         if done.is_ok() {
             let name = self.replicas[r].name.clone();
             self.note(
