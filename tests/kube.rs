@@ -329,13 +329,27 @@ async fn get(proxy: std::net::SocketAddr, host: &str, path: &str) -> (u16, Strin
     (status, body)
 }
 
-/// `ebb serve` on Kubernetes: the administrator's kubeconfig, the `default` namespace.
+/// `deploy/`, applied as it is (its StatefulSet stays at rest: the harness runs no StatefulSet
+/// controller), and a kubeconfig with a token of its ServiceAccount `ebb/ebb` from the
+/// TokenRequest API: ebb runs with the RBAC of `deploy/` and nothing more.
+fn deployed_service_account(cp: &ControlPlane) -> std::path::PathBuf {
+    let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy");
+    cp.kubectl(&["apply", "--server-side", "-k", deploy]);
+    let token = cp.kubectl(&["create", "token", "ebb", "-n", "ebb", "--duration", "1h"]);
+    cp.kubeconfig_with_token("ebb", token.trim())
+}
+
+/// `ebb serve` on Kubernetes as `deploy/`'s ServiceAccount, serving the `default` namespace, its
+/// Lease in `ebb`.
 fn serve_on(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> common::Ebb {
+    let kubeconfig = deployed_service_account(cp);
     let mut args = vec![
         "--orchestrator",
         "kubernetes",
         "--namespace",
         "default",
+        "--pod-namespace",
+        "ebb",
         "--kube-sync-ms",
         "1000",
         "--kube-touch-ms",
@@ -351,7 +365,7 @@ fn serve_on(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> common
         None,
         None,
         &args,
-        &[("KUBECONFIG", cp.kubeconfig.as_os_str())],
+        &[("KUBECONFIG", kubeconfig.as_os_str())],
     )
 }
 
@@ -470,6 +484,18 @@ async fn annotated_services_are_routes_and_a_cold_burst_is_one_scale_write() {
         1,
         "exactly one scale write woke the Deployment"
     );
+    // Written as deploy/'s ServiceAccount, with its RBAC only.
+    let writer: Vec<serde_json::Value> = cp
+        .audit_events()
+        .into_iter()
+        .filter(|e| {
+            e["verb"] == "patch"
+                && e["objectRef"]["subresource"] == "scale"
+                && e["objectRef"]["name"] == "hello"
+        })
+        .map(|e| e["user"]["username"].clone())
+        .collect();
+    assert_eq!(writer, vec!["system:serviceaccount:ebb:ebb"]);
 
     // The proxless annotations removed: the route goes, the other stays.
     cp.kubectl(&[
@@ -546,4 +572,145 @@ async fn an_idle_deployment_goes_to_zero_and_no_request_across_the_scale_down_is
         reasons.iter().filter(|r| *r == "wake").count() >= 3,
         "{reasons:?}"
     );
+}
+
+/// The holder of the scale-down Lease, if any.
+fn lease_holder(cp: &ControlPlane) -> Option<String> {
+    let lease = cp
+        .try_kubectl(&["get", "lease", "ebb-scaler", "-n", "ebb", "-o", "json"])
+        .ok()?;
+    json(&lease)["spec"]["holderIdentity"]
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// The reasons of the scale requests in an ebb's log.
+fn scale_reasons(data: &std::path::Path) -> Vec<String> {
+    common::events(data)
+        .iter()
+        .filter_map(|e| e["event"].get("ScaleRequested"))
+        .map(|s| s["reason"].as_str().unwrap_or_default().to_owned())
+        .collect()
+}
+
+/// Two ebb processes in front of one Deployment: the first to take the Lease is the only one
+/// that scales down; a bump by the other, landing between the leader's read and its write (held
+/// open at a gate), makes the write fail with 409 Conflict and the Deployment stays up; SIGKILLed,
+/// the leader's Lease runs out and the other takes it and scales the idle Deployment down.
+#[tokio::test]
+async fn two_ebbs_share_scaling_through_a_lease_and_a_conditioned_scale_down() {
+    let cp = ControlPlane::start().await;
+    let kube = client(&cp).await;
+    let images = [(
+        "ebb".to_owned(),
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
+    )]
+    .into();
+    let _agent = common::node::start(kube.clone(), images).await;
+    cp.kubectl_stdin(
+        &["apply", "--server-side", "-f", "-"],
+        &serverless_hello("1s"),
+    );
+    cp.kubectl(&["delete", "service", "legacy"]);
+    let gate = tempfile::tempdir().unwrap();
+    let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let gate_arg = gate.path().to_str().unwrap();
+    let mut a = serve_on(
+        &cp,
+        data_a.path(),
+        &["--pod-name", "ebb-a", "--downscale-gate", gate_arg],
+    );
+    wait_for("ebb-a holding the Lease", Duration::from_secs(30), || {
+        lease_holder(&cp).as_deref() == Some("ebb-a")
+    })
+    .await;
+    let b = serve_on(&cp, data_b.path(), &["--pod-name", "ebb-b"]);
+    wait_for("the route in both logs", Duration::from_secs(30), || {
+        routes(data_a.path()).contains("default/hello")
+            && routes(data_b.path()).contains("default/hello")
+    })
+    .await;
+
+    // Woken through the replica that does not lead.
+    let (status, body) = get(b.proxy, "hello.test", "/pid").await;
+    assert_eq!(status, 200, "{body}");
+    // Idle: the leader reads the Deployment, decides, and is held before its write.
+    wait_for("the leader at the gate", Duration::from_secs(60), || {
+        gate.path().join("held").exists()
+    })
+    .await;
+    // A use on the other replica: it bumps the last-used annotation, moving the Deployment's
+    // resourceVersion past the one the leader read.
+    let used_at = ebb::clock::Clock::now_ms(&ebb::clock::SystemClock);
+    let (status, body) = get(b.proxy, "hello.test", "/pid").await;
+    assert_eq!(status, 200, "{body}");
+    wait_for("the bump landed", Duration::from_secs(30), || {
+        json(&cp.kubectl(&["get", "deployment", "hello", "-o", "json"]))["metadata"]["annotations"]
+            ["ebb.dev/last-used"]
+            .as_str()
+            .and_then(|v| v.parse::<u64>().ok())
+            .is_some_and(|v| v >= used_at)
+    })
+    .await;
+    std::fs::write(gate.path().join("release"), "").unwrap();
+    let conflicted = |cp: &ControlPlane| {
+        cp.audit_events().iter().any(|e| {
+            e["verb"] == "patch"
+                && e["objectRef"]["subresource"] == "scale"
+                && e["objectRef"]["name"] == "hello"
+                && e["responseStatus"]["code"] == 409
+        })
+    };
+    wait_for(
+        "the scale-down refused with 409",
+        Duration::from_secs(30),
+        || conflicted(&cp),
+    )
+    .await;
+    // The leader goes before its next try; the scale-down did not happen.
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    let replicas = || {
+        json(&cp.kubectl(&["get", "deployment", "hello", "-o", "json"]))["spec"]["replicas"].clone()
+    };
+    assert_eq!(replicas(), 1);
+    assert!(
+        !scale_reasons(data_a.path()).iter().any(|r| r == "idle"),
+        "the refused scale-down was recorded"
+    );
+    assert!(
+        !scale_reasons(data_b.path()).iter().any(|r| r == "idle"),
+        "a replica without the Lease scaled down"
+    );
+
+    // The other takes the Lease once it runs out, and scales the idle Deployment down.
+    wait_for("ebb-b holding the Lease", Duration::from_secs(30), || {
+        lease_holder(&cp).as_deref() == Some("ebb-b")
+    })
+    .await;
+    wait_for(
+        "the idle scale-down by ebb-b",
+        Duration::from_secs(60),
+        || replicas() == 0,
+    )
+    .await;
+    wait_for(
+        "the scale-down in ebb-b's log",
+        Duration::from_secs(30),
+        || scale_reasons(data_b.path()).iter().any(|r| r == "idle"),
+    )
+    .await;
+    // Every scaling decision on Kubernetes is also an Event on the Deployment.
+    let events = json(&cp.kubectl(&["get", "events", "-o", "json"]));
+    let on_hello: Vec<&str> = events["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| {
+            e["involvedObject"]["name"] == "hello" && e["involvedObject"]["kind"] == "Deployment"
+        })
+        .filter_map(|e| e["reason"].as_str())
+        .collect();
+    assert!(on_hello.contains(&"Scaled"), "{on_hello:?}");
+    assert!(on_hello.contains(&"Idle"), "{on_hello:?}");
 }

@@ -42,14 +42,14 @@ use tokio::sync::{Notify, watch};
 
 use super::annotations::{self, Claim, RouteDefaults, Workload, WorkloadKind};
 use super::kube_coordinator::KubeCoordinator;
+use super::{Error, Observed, Orchestrator, Result, WorkloadSpec};
 use crate::clock::Clock;
+use crate::event::{Event, RouteSpec};
+use crate::log::Log;
 use crate::proxy::Traffic;
 use crate::scaler::Live;
 use crate::scaler::member::{self, Member, Next, Request};
 use crate::scaler::shared::SharedOptions;
-use super::{Error, Observed, Orchestrator, Result, WorkloadSpec};
-use crate::event::{Event, RouteSpec};
-use crate::log::Log;
 use crate::state::State;
 
 /// The label ebb puts on the workloads it scales.
@@ -849,9 +849,7 @@ async fn run_scaler(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>
                     &KubeOrchestrator::workload_reference(&workload),
                     EventType::Normal,
                     "Scaled",
-                    format!(
-                        "ebb set replicas to {replicas} (why: `ebb explain deployment {key}`)"
-                    ),
+                    format!("ebb set replicas to {replicas} (why: `ebb explain deployment {key}`)"),
                 )
                 .await;
             }
@@ -1204,8 +1202,15 @@ pub async fn run_shared(
                             version: 0,
                         };
                         let idle = driver.log.read(|s| {
-                            crate::scaler::shared::decide_downscale(s, d, &known, live, now, m.options())
-                                .is_some()
+                            crate::scaler::shared::decide_downscale(
+                                s,
+                                d,
+                                &known,
+                                live,
+                                now,
+                                m.options(),
+                            )
+                            .is_some()
                         });
                         if idle {
                             requests.extend(m.downscale_tick(d, now));

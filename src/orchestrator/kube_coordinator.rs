@@ -43,7 +43,12 @@ pub struct KubeCoordinator {
 
 impl KubeCoordinator {
     /// A store on `client` with the lease `lease_namespace/lease_name`, held `lease_ms` at a time.
-    pub fn new(client: kube::Client, lease_namespace: &str, lease_name: &str, lease_ms: u64) -> Self {
+    pub fn new(
+        client: kube::Client,
+        lease_namespace: &str,
+        lease_name: &str,
+        lease_ms: u64,
+    ) -> Self {
         Self {
             client,
             lease_namespace: lease_namespace.to_owned(),
@@ -70,9 +75,8 @@ fn workload(key: &str) -> Result<Workload, CoordError> {
 
 fn version(meta: &ObjectMeta) -> Result<u64, CoordError> {
     let rv = meta.resource_version.as_deref().unwrap_or("0");
-    rv.parse().map_err(|_| {
-        CoordError::Unavailable(format!("resourceVersion {rv:?} is not a number"))
-    })
+    rv.parse()
+        .map_err(|_| CoordError::Unavailable(format!("resourceVersion {rv:?} is not a number")))
 }
 
 fn not_found(key: &str, e: kube::Error) -> CoordError {
@@ -166,20 +170,18 @@ impl Coordinator for KubeCoordinator {
             }));
             let pp = PatchParams::default();
             let written = match w.kind {
-                WorkloadKind::Deployment => Api::<Deployment>::namespaced(
-                    self.client.clone(),
-                    &w.namespace,
-                )
-                .patch(&w.name, &pp, &patch)
-                .await
-                .map(|d| d.metadata),
-                WorkloadKind::StatefulSet => Api::<StatefulSet>::namespaced(
-                    self.client.clone(),
-                    &w.namespace,
-                )
-                .patch(&w.name, &pp, &patch)
-                .await
-                .map(|d| d.metadata),
+                WorkloadKind::Deployment => {
+                    Api::<Deployment>::namespaced(self.client.clone(), &w.namespace)
+                        .patch(&w.name, &pp, &patch)
+                        .await
+                        .map(|d| d.metadata)
+                }
+                WorkloadKind::StatefulSet => {
+                    Api::<StatefulSet>::namespaced(self.client.clone(), &w.namespace)
+                        .patch(&w.name, &pp, &patch)
+                        .await
+                        .map(|d| d.metadata)
+                }
             };
             match written {
                 Ok(meta) => return version(&meta),

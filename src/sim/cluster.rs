@@ -282,7 +282,12 @@ impl SimCluster {
         Ok(self.lock().deployment.clone())
     }
 
-    pub(crate) fn scale_now(&self, name: &str, replicas: u32, if_version: Option<u64>) -> Result<u64, CoordError> {
+    pub(crate) fn scale_now(
+        &self,
+        name: &str,
+        replicas: u32,
+        if_version: Option<u64>,
+    ) -> Result<u64, CoordError> {
         if name != self.name {
             return Err(CoordError::NotFound(name.to_owned()));
         }
@@ -312,7 +317,12 @@ impl SimCluster {
         Ok(self.lock().lease.clone())
     }
 
-    pub(crate) fn take_lease_now(&self, holder: &str, until_ms: u64, if_version: u64) -> Result<u64, CoordError> {
+    pub(crate) fn take_lease_now(
+        &self,
+        holder: &str,
+        until_ms: u64,
+        if_version: u64,
+    ) -> Result<u64, CoordError> {
         let mut g = self.lock();
         if g.lease.version != if_version {
             return Err(CoordError::Conflict);

@@ -935,7 +935,8 @@ impl World {
     /// A scale write reaching the cluster.
     fn scale(&mut self, r: usize, to: u32, if_version: Option<u64>) -> Result<Answer, CoordError> {
         let c = self.cluster();
-        let before = c.deployment_now(DEPLOYMENT)
+        let before = c
+            .deployment_now(DEPLOYMENT)
             .map(|d| d.replicas)
             .unwrap_or(0);
         let done = c.scale_now(DEPLOYMENT, to, if_version);

@@ -409,6 +409,16 @@ impl ControlPlane {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// A kubeconfig for a user with `token`, written beside the administrator's.
+    pub fn kubeconfig_with_token(&self, user: &str, token: &str) -> PathBuf {
+        let text = std::fs::read_to_string(&self.kubeconfig)
+            .expect("kubeconfig")
+            .replace(ADMIN_TOKEN, token);
+        let path = self.path(&format!("{user}.kubeconfig"));
+        std::fs::write(&path, text).expect("kubeconfig");
+        path
+    }
+
     /// The audit log's events (one JSON object per request served).
     pub fn audit_events(&self) -> Vec<serde_json::Value> {
         std::fs::read_to_string(&self.audit_log)
