@@ -714,3 +714,65 @@ async fn two_ebbs_share_scaling_through_a_lease_and_a_conditioned_scale_down() {
     assert!(on_hello.contains(&"Scaled"), "{on_hello:?}");
     assert!(on_hello.contains(&"Idle"), "{on_hello:?}");
 }
+
+/// With the API server gone, a warm route keeps serving from what ebb already knows; back, ebb's
+/// watches resume and a Service annotated right after is a route.
+#[tokio::test]
+async fn warm_routes_serve_while_the_api_server_is_away_and_watches_resume() {
+    let mut cp = ControlPlane::start().await;
+    let kube = client(&cp).await;
+    let images = [(
+        "ebb".to_owned(),
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
+    )]
+    .into();
+    let _agent = common::node::start(kube.clone(), images).await;
+    cp.kubectl_stdin(
+        &["apply", "--server-side", "-f", "-"],
+        &serverless_hello("1h"),
+    );
+    let data = tempfile::tempdir().unwrap();
+    let ebb = serve_on(&cp, data.path(), &[]);
+    wait_for("the route in the log", Duration::from_secs(30), || {
+        routes(data.path()).contains("default/hello")
+    })
+    .await;
+    let (status, body) = get(ebb.proxy, "hello.test", "/pid").await;
+    assert_eq!(status, 200, "{body}");
+    let pid = pid_of(&body);
+
+    cp.stop_apiserver();
+    assert!(cp.try_kubectl(&["get", "--raw", "/readyz"]).is_err());
+    let answers =
+        futures_util::future::join_all((0..20).map(|_| get(ebb.proxy, "hello.test", "/pid"))).await;
+    for (status, body) in answers {
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(pid_of(&body), pid);
+    }
+
+    cp.restart_apiserver().await;
+    cp.kubectl_stdin(
+        &["apply", "--server-side", "-f", "-"],
+        r#"
+apiVersion: v1
+kind: Service
+metadata:
+  name: late
+  namespace: default
+  annotations:
+    ebb.dev/domains: late.test
+    ebb.dev/deployment: hello
+spec:
+  selector: {app: hello}
+  ports:
+  - {port: 80, targetPort: 8080}
+"#,
+    );
+    wait_for("the new route in the log", Duration::from_secs(60), || {
+        routes(data.path()).contains("default/late")
+    })
+    .await;
+    let (status, body) = get(ebb.proxy, "late.test", "/pid").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(pid_of(&body), pid);
+}

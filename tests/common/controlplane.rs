@@ -36,6 +36,9 @@ pub struct ControlPlane {
     bin: PathBuf,
     /// Components in start order; stopped in reverse.
     children: Vec<(&'static str, Child)>,
+    /// etcd's client URL, and the API server's port (0 until it first starts).
+    etcd: String,
+    port: u16,
     /// `https://NODE_IP:PORT`.
     pub server: String,
     /// A kubeconfig for the administrator.
@@ -119,11 +122,14 @@ impl ControlPlane {
             audit_log: d.join("audit.log"),
             bin,
             children: Vec::new(),
+            etcd: String::new(),
+            port: 0,
             dir,
         };
         cp.make_credentials();
         let etcd = cp.start_etcd().await;
-        cp.start_apiserver(&etcd).await;
+        cp.etcd = etcd;
+        cp.start_apiserver().await;
         cp.start_controllers().await;
         cp
     }
@@ -209,7 +215,11 @@ impl ControlPlane {
     }
 
     fn spawn(&mut self, name: &'static str, cmd: &mut Command) {
-        let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log file");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.path(&format!("{name}.log")))
+            .expect("log file");
         let err = log.try_clone().expect("log file");
         let child = cmd
             .stdin(Stdio::null())
@@ -261,8 +271,39 @@ impl ControlPlane {
         client_url
     }
 
-    async fn start_apiserver(&mut self, etcd: &str) {
-        let port = free_port();
+    /// Stops the API server (SIGTERM, SIGKILL after 10 s); etcd, the controllers and the
+    /// scheduler keep running.
+    pub fn stop_apiserver(&mut self) {
+        let i = self
+            .children
+            .iter()
+            .position(|(n, _)| *n == "kube-apiserver")
+            .expect("the API server runs");
+        let (_, mut child) = self.children.remove(i);
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let (exited, gone) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = child.wait();
+            let _ = exited.send(());
+        });
+        if gone.recv_timeout(Duration::from_secs(10)).is_err() {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            let _ = gone.recv();
+        }
+    }
+
+    /// Starts the API server again, on the same address and etcd, after [`Self::stop_apiserver`].
+    pub async fn restart_apiserver(&mut self) {
+        self.start_apiserver().await;
+    }
+
+    async fn start_apiserver(&mut self) {
+        if self.port == 0 {
+            self.port = free_port();
+        }
+        let port = self.port;
+        let etcd = self.etcd.clone();
         self.server = format!("https://{NODE_IP}:{port}");
         let dir = self.dir.path().to_path_buf();
         let p = |n: &str| dir.join(n).display().to_string();
