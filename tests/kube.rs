@@ -776,3 +776,162 @@ spec:
     assert_eq!(status, 200, "{body}");
     assert_eq!(pid_of(&body), pid);
 }
+
+/// Copies a directory tree.
+fn copy_tree(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_tree(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// `kubectl apply -k` of `deploy/` under a test overlay (ebb from the image map, listening on its
+/// pod's address, with a data directory per pod, the ServiceAccount's token as its kubeconfig; a
+/// hostPath PersistentVolume per replica) brings up two ebb pods through the real StatefulSet
+/// controller, volume binding and scheduler; each serves an annotated Service, waking its
+/// Deployment.
+#[tokio::test]
+async fn kubectl_apply_k_deploy_brings_up_two_ebbs_that_serve_annotated_services() {
+    let cp = ControlPlane::start().await;
+    let kube = client(&cp).await;
+    let images = [(
+        "ebb".to_owned(),
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
+    )]
+    .into();
+    let _agent = common::node::start(kube.clone(), images).await;
+    // The ServiceAccount first, for its token from the TokenRequest API, which the pods' kubeconfig
+    // carries; `apply` then takes the account over as deploy/ defines it.
+    cp.kubectl(&["create", "namespace", "ebb"]);
+    cp.kubectl(&["create", "serviceaccount", "ebb", "-n", "ebb"]);
+    let token = cp.kubectl(&["create", "token", "ebb", "-n", "ebb", "--duration", "1h"]);
+    let kubeconfig = cp.kubeconfig_with_token("ebb", token.trim());
+    let work = tempfile::tempdir().unwrap();
+    let w = work.path();
+    copy_tree(
+        std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy")),
+        &w.join("deploy"),
+    );
+    let mut pvs = String::new();
+    for i in 0..2 {
+        let dir = w.join(format!("pv-{i}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        pvs.push_str(&format!(
+            "---\napiVersion: v1\nkind: PersistentVolume\nmetadata:\n  name: ebb-test-{i}\n\
+             spec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadWriteOnce]\n  \
+             hostPath: {{path: {}}}\n",
+            dir.display()
+        ));
+    }
+    std::fs::create_dir_all(w.join("overlay")).unwrap();
+    std::fs::write(w.join("overlay/pvs.yaml"), pvs).unwrap();
+    let data = w.join("data");
+    std::fs::write(
+        w.join("overlay/kustomization.yaml"),
+        format!(
+            r#"apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources:
+- ../deploy
+- pvs.yaml
+patches:
+- target: {{kind: StatefulSet, name: ebb}}
+  patch: |
+    - op: replace
+      path: /spec/template/spec/containers/0/args
+      value:
+      - serve
+      - --orchestrator=kubernetes
+      - --namespace=default
+      - --listen=$(POD_IP):8080
+      - --admin-listen=$(POD_IP):8081
+      - --data-dir={data}/$(POD_NAME)
+      - --kube-sync-ms=1000
+      - --kube-lease-ms=3000
+      - --kube-touch-ms=500
+      - --kube-max-skew-ms=50
+    - op: add
+      path: /spec/template/spec/containers/0/env/-
+      value: {{name: POD_IP, valueFrom: {{fieldRef: {{fieldPath: status.podIP}}}}}}
+    - op: add
+      path: /spec/template/spec/containers/0/env/-
+      value: {{name: KUBECONFIG, value: {kubeconfig}}}
+    - op: add
+      path: /spec/template/spec/containers/0/env/-
+      value: {{name: EBB_LOG, value: warn}}
+"#,
+            data = data.display(),
+            kubeconfig = kubeconfig.display(),
+        ),
+    )
+    .unwrap();
+    cp.kubectl(&[
+        "apply",
+        "--server-side",
+        "-k",
+        w.join("overlay").to_str().unwrap(),
+    ]);
+
+    let ready_ebbs = || -> Vec<String> {
+        let pods = json(&cp.kubectl(&["get", "pods", "-n", "ebb", "-o", "json"]));
+        pods["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| {
+                p["status"]["conditions"].as_array().is_some_and(|c| {
+                    c.iter()
+                        .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                })
+            })
+            .filter_map(|p| p["status"]["podIP"].as_str().map(str::to_owned))
+            .collect()
+    };
+    let mut ips = Vec::new();
+    wait_for("two ready ebb pods", Duration::from_secs(120), || {
+        ips = ready_ebbs();
+        ips.len() == 2
+    })
+    .await;
+    // Each replica's volume claim was bound to one of the PersistentVolumes.
+    let claims = json(&cp.kubectl(&["get", "pvc", "-n", "ebb", "-o", "json"]));
+    let bound = claims["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| c["status"]["phase"] == "Bound")
+        .count();
+    assert_eq!(bound, 2, "{claims}");
+
+    cp.kubectl_stdin(
+        &["apply", "--server-side", "-f", "-"],
+        &serverless_hello("1h"),
+    );
+    for ip in &ips {
+        let proxy: std::net::SocketAddr = format!("{ip}:8080").parse().unwrap();
+        // 404 until the replica's Service watch has delivered the route.
+        let poll = async {
+            loop {
+                let answer = get(proxy, "hello.test", "/pid").await;
+                if answer.0 != 404 {
+                    return answer;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        };
+        let answer = tokio::time::timeout(Duration::from_secs(60), poll)
+            .await
+            .unwrap_or_else(|_| panic!("{ip}: no route for hello.test within 60 s"));
+        assert_eq!(answer.0, 200, "{ip}: {}", answer.1);
+    }
+    wait_for("a Lease held by a replica", Duration::from_secs(30), || {
+        lease_holder(&cp).is_some_and(|h| h == "ebb-0" || h == "ebb-1")
+    })
+    .await;
+}

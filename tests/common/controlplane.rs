@@ -363,6 +363,7 @@ impl ControlPlane {
             .arg("--leader-elect=false")
             .arg(
                 "--controllers=deployment-controller,replicaset-controller,\
+                 statefulset-controller,persistentvolume-binder-controller,\
                  endpointslice-controller,garbage-collector-controller,namespace-controller,\
                  serviceaccount-controller,serviceaccount-token-controller",
             )

@@ -150,10 +150,15 @@ async fn run(client: Client, images: HashMap<String, PathBuf>) {
                         .await;
                     continue;
                 }
+                // A pod of the same name but another UID replaced the one that ran (deleted
+                // without the agent seeing it go): stop the old process, start the new pod.
+                if running.get(&key).is_some_and(|r| r.uid != uid)
+                    && let Some(r) = running.remove(&key)
+                {
+                    stop(r.child, 0).await;
+                    let _ = ip(&["addr", "del", &format!("{}/32", r.ip), "dev", "lo"]);
+                }
                 if let Some(r) = running.get_mut(&key) {
-                    if r.uid != uid {
-                        continue;
-                    }
                     if r.exited.is_some() {
                         continue;
                     }
@@ -189,8 +194,13 @@ async fn run(client: Client, images: HashMap<String, PathBuf>) {
                         k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(p) => {
                             u16::try_from(*p).ok()?
                         }
-                        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(_) => {
-                            return None;
+                        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(name) => {
+                            container
+                                .ports
+                                .iter()
+                                .flatten()
+                                .find(|p| p.name.as_deref() == Some(name.as_str()))
+                                .and_then(|p| u16::try_from(p.container_port).ok())?
                         }
                     };
                     Some((http.path.clone().unwrap_or_else(|| "/".into()), port))
