@@ -935,3 +935,108 @@ patches:
     })
     .await;
 }
+
+/// ebb with deploy/'s permissions less one (patching `deployments/scale`): a request to the
+/// Deployment at zero is refused after its hold time instead of hanging, ebb keeps serving, the
+/// forbidden write is one clear line in its log however often it is tried, and a Warning Event on
+/// the Deployment says what failed.
+#[tokio::test]
+async fn a_missing_permission_is_one_log_line_and_a_warning_event_not_a_crash() {
+    let cp = ControlPlane::start().await;
+    cp.kubectl_stdin(
+        &["apply", "--server-side", "-f", "-"],
+        &serverless_hello("1h").replace("ebb.dev/hold-timeout: 60s", "ebb.dev/hold-timeout: 2s"),
+    );
+    deployed_service_account(&cp);
+    // The ServiceAccount `weak`: deploy/'s rules without the scale write.
+    let rules = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/base/rbac-cluster.yaml"
+    ))
+    .unwrap();
+    let role = rules
+        .split("---")
+        .next()
+        .unwrap()
+        .replace("name: ebb\n", "name: ebb-weak\n")
+        .replace(
+            "  resources: [deployments/scale, statefulsets/scale]\n  verbs: [get, patch]",
+            "  resources: [deployments/scale, statefulsets/scale]\n  verbs: [get]",
+        );
+    assert!(role.contains("verbs: [get]\n"), "{role}");
+    cp.kubectl_stdin(&["apply", "--server-side", "-f", "-"], &role);
+    cp.kubectl(&["create", "serviceaccount", "weak", "-n", "ebb"]);
+    cp.kubectl(&[
+        "create",
+        "clusterrolebinding",
+        "ebb-weak",
+        "--clusterrole=ebb-weak",
+        "--serviceaccount=ebb:weak",
+    ]);
+    cp.kubectl(&[
+        "create",
+        "rolebinding",
+        "ebb-weak-lease",
+        "-n",
+        "ebb",
+        "--role=ebb-lease",
+        "--serviceaccount=ebb:weak",
+    ]);
+    let token = cp.kubectl(&["create", "token", "weak", "-n", "ebb", "--duration", "1h"]);
+    let kubeconfig = cp.kubeconfig_with_token("weak", token.trim());
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("ebb.log");
+    let ebb = common::serve_logged(
+        data.path(),
+        None,
+        None,
+        &[
+            "--orchestrator",
+            "kubernetes",
+            "--namespace",
+            "default",
+            "--pod-namespace",
+            "ebb",
+            "--pod-name",
+            "ebb-weak",
+        ],
+        &[("KUBECONFIG", kubeconfig.as_os_str())],
+        Some(&log),
+    );
+    wait_for("the route in the log", Duration::from_secs(30), || {
+        routes(data.path()).contains("default/hello")
+    })
+    .await;
+    for _ in 0..3 {
+        let (status, body) = get(ebb.proxy, "hello.test", "/pid").await;
+        assert_eq!(status, 503, "{body}");
+    }
+    let health = http_get(&ebb.admin.to_string(), "/healthz").expect("ebb answers");
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    wait_for(
+        "a Warning Event on the Deployment",
+        Duration::from_secs(30),
+        || {
+            let events = json(&cp.kubectl(&["get", "events", "-o", "json"]));
+            events["items"].as_array().is_some_and(|items| {
+                items.iter().any(|e| {
+                    e["type"] == "Warning"
+                        && e["reason"] == "ScaleFailed"
+                        && e["involvedObject"]["name"] == "hello"
+                        && e["message"]
+                            .as_str()
+                            .is_some_and(|m| m.contains("forbidden"))
+                })
+            })
+        },
+    )
+    .await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("scaling default/hello failed"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{text}");
+    assert!(lines[0].contains("forbidden"), "{}", lines[0]);
+}

@@ -364,6 +364,28 @@ impl KubeOrchestrator {
     }
 }
 
+/// Problems reported once each: a failure logs one line (a warning) the first time it happens
+/// and whenever its text changes, and one line when it stops; the same failure repeating (a
+/// missing permission, an API server away) does not flood the log.
+#[derive(Default)]
+struct Complaints(HashMap<String, String>);
+
+impl Complaints {
+    fn failed(&mut self, what: &str, error: &dyn std::fmt::Display) {
+        let text = error.to_string();
+        if self.0.get(what) != Some(&text) {
+            tracing::warn!(error = %text, "{what} failed (reported again only if it changes)");
+            self.0.insert(what.to_owned(), text);
+        }
+    }
+
+    fn worked(&mut self, what: &str) {
+        if self.0.remove(what).is_some() {
+            tracing::info!("{what} works again");
+        }
+    }
+}
+
 /// Whether an API error is worth another attempt (the server or the network, not the request).
 fn retryable(e: &kube::Error) -> bool {
     match e {
@@ -711,6 +733,7 @@ async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch:
     let stream = watcher(services, watcher_config()).default_backoff();
     tokio::pin!(stream);
     let mut routes = RouteLoop::default();
+    let mut complaints = Complaints::default();
     loop {
         let event = tokio::select! {
             e = stream.next() => e,
@@ -718,8 +741,9 @@ async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch:
         };
         match event {
             None => return,
-            Some(Err(e)) => tracing::warn!(error = %e, "watching Services"),
+            Some(Err(e)) => complaints.failed("watching Services", &e),
             Some(Ok(event)) => {
+                complaints.worked("watching Services");
                 if routes.take(event) {
                     routes.reconcile(&log, &orch).await;
                 }
@@ -749,6 +773,7 @@ async fn run_endpoints(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bo
             s.metadata.name.clone()?,
         ))
     };
+    let mut complaints = Complaints::default();
     loop {
         let event = tokio::select! {
             e = stream.next() => e,
@@ -757,10 +782,13 @@ async fn run_endpoints(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bo
         let event = match event {
             None => return,
             Some(Err(e)) => {
-                tracing::warn!(error = %e, "watching EndpointSlices");
+                complaints.failed("watching EndpointSlices", &e);
                 continue;
             }
-            Some(Ok(e)) => e,
+            Some(Ok(e)) => {
+                complaints.worked("watching EndpointSlices");
+                e
+            }
         };
         match event {
             watcher::Event::Init => listing = Some(HashMap::new()),
@@ -798,6 +826,7 @@ async fn run_endpoints(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bo
 
 /// Writes asked replicas, the newest per workload, until `stop`.
 async fn run_scaler(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
+    let mut complaints = Complaints::default();
     loop {
         let next = {
             let mut inner = orch.lock();
@@ -844,6 +873,7 @@ async fn run_scaler(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>
         }
         match outcome {
             Ok(()) => {
+                complaints.worked(&format!("scaling {key}"));
                 tracing::info!(deployment = %key, replicas, "scaled");
                 orch.publish(
                     &KubeOrchestrator::workload_reference(&workload),
@@ -855,7 +885,7 @@ async fn run_scaler(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>
             }
             Err(e) => {
                 let why = format!("scaling {} to {replicas}: {e}", key);
-                tracing::warn!(deployment = %key, error = %e, "scale write failed");
+                complaints.failed(&format!("scaling {key}"), &e);
                 orch.publish(
                     &KubeOrchestrator::workload_reference(&workload),
                     EventType::Warning,
@@ -1010,6 +1040,7 @@ struct Driver {
     traffic: Arc<Traffic>,
     clock: Arc<dyn Clock>,
     gate: Option<PathBuf>,
+    complaints: Mutex<Complaints>,
 }
 
 impl Driver {
@@ -1038,8 +1069,20 @@ impl Driver {
                 hold(gate, deployment).await;
             }
             let answer = member::send(&self.store, &name, &request).await;
-            if let Err(e) = &answer {
-                tracing::debug!(?request, error = %e, "coordination request failed");
+            let what = match &request {
+                Request::ReadLease | Request::TakeLease { .. } => "the scale-down Lease",
+                Request::Touch { .. } => "publishing a workload's last use",
+                Request::Read { .. } | Request::ScaleDown { .. } => "a scale-down",
+            };
+            {
+                let mut complaints = self.complaints.lock().expect("complaints lock");
+                match &answer {
+                    // A conflict is the protocol working, not a failure.
+                    Err(crate::scaler::shared::CoordError::Conflict) | Ok(_) => {
+                        complaints.worked(what)
+                    }
+                    Err(e) => complaints.failed(what, e),
+                }
             }
             let live = match &request {
                 Request::Read { deployment } => self.live(deployment),
@@ -1138,6 +1181,7 @@ pub async fn run_shared(
         traffic,
         clock,
         gate: shared.gate,
+        complaints: Mutex::default(),
     });
     let every = |ms: u64| {
         let mut t = tokio::time::interval(Duration::from_millis(ms.max(1)));

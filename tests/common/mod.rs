@@ -43,6 +43,18 @@ pub fn serve_env(
     extra: &[&str],
     env: &[(&str, &std::ffi::OsStr)],
 ) -> Ebb {
+    serve_logged(data, config, token, extra, env, None)
+}
+
+/// [`serve_env`] with ebb's log (its stderr) written to `log` instead of the test's.
+pub fn serve_logged(
+    data: &Path,
+    config: Option<&Path>,
+    token: Option<&str>,
+    extra: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+    log: Option<&Path>,
+) -> Ebb {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ebb"));
     cmd.args([
         "serve",
@@ -60,7 +72,10 @@ pub fn serve_env(
     .env_remove("EBB_API_TOKEN")
     .env_remove("EBB_CONFIG")
     .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
+    .stderr(match log {
+        Some(path) => Stdio::from(std::fs::File::create(path).unwrap()),
+        None => Stdio::inherit(),
+    });
     if let Some(c) = config {
         cmd.arg("--config").arg(c);
     }
