@@ -1,6 +1,6 @@
 //! The deterministic simulator: determinism, a sweep of every scenario, proof that it finds each
 //! deliberately broken decision, and `ebb simulate` on the command line. The long sweep (2,000+
-//! seeds) runs in `scripts/test` on the release binary.
+//! seeds) runs in `scripts/test` on the `ci` profile's binary.
 
 use std::path::PathBuf;
 use std::process::Command;
