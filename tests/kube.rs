@@ -7,6 +7,9 @@ mod common;
 use std::time::Duration;
 
 use common::controlplane::{ControlPlane, NOBODY_TOKEN, http_get, wait_for};
+use common::ebbkube::{
+    client, deployed_service_account, get, json, pid_of, routes, serve_on, serverless_hello,
+};
 
 /// A Deployment of the example app (listening on its pod's address, probed on `/health`) and a
 /// Service in front of it.
@@ -47,10 +50,6 @@ spec:
   - {port: 80, targetPort: 8080}
 "#;
 
-fn json(text: &str) -> serde_json::Value {
-    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
-}
-
 /// Sets the Deployment's replicas through the scale subresource with kube-rs, as ebb scales.
 async fn scale(client: kube::Client, deployment: &str, replicas: i32) {
     let deployments: kube::Api<k8s_openapi::api::apps::v1::Deployment> =
@@ -63,15 +62,6 @@ async fn scale(client: kube::Client, deployment: &str, replicas: i32) {
         )
         .await
         .expect("patch scale");
-}
-
-/// A kube-rs client for the administrator, trusting the control plane's CA.
-async fn client(cp: &ControlPlane) -> kube::Client {
-    let kubeconfig = kube::config::Kubeconfig::read_from(&cp.kubeconfig).expect("kubeconfig");
-    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
-        .await
-        .expect("client config");
-    kube::Client::try_from(config).expect("client")
 }
 
 /// The harness brings up the real control plane: the API server at the pinned release with RBAC
@@ -225,165 +215,6 @@ async fn pods_run_as_processes_and_their_endpoints_are_published() {
     .await;
 }
 
-/// The example app as a Deployment at zero replicas, to be woken by ebb, and the Services in
-/// front of it: `hello` with ebb's annotations, `legacy` with proxless', `bad` with a host name
-/// that is not one.
-fn serverless_hello(idle_after: &str) -> String {
-    format!(
-        r#"
-apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: hello
-  namespace: default
-spec:
-  replicas: 0
-  selector:
-    matchLabels: {{app: hello}}
-  template:
-    metadata:
-      labels: {{app: hello}}
-    spec:
-      terminationGracePeriodSeconds: 5
-      containers:
-      - name: app
-        image: ebb
-        command: [ebb, example-app]
-        args: [--host, $(POD_IP), --port, "8080"]
-        env:
-        - name: POD_IP
-          valueFrom: {{fieldRef: {{fieldPath: status.podIP}}}}
-        readinessProbe:
-          httpGet: {{path: /health, port: 8080}}
----
-apiVersion: v1
-kind: Service
-metadata:
-  name: hello
-  namespace: default
-  annotations:
-    ebb.dev/domains: hello.test
-    ebb.dev/deployment: hello
-    ebb.dev/idle-after: {idle_after}
-    ebb.dev/hold-timeout: 60s
-spec:
-  selector: {{app: hello}}
-  ports:
-  - {{port: 80, targetPort: 8080}}
----
-apiVersion: v1
-kind: Service
-metadata:
-  name: legacy
-  namespace: default
-  annotations:
-    proxless/domains: legacy.test
-    proxless/deployment: hello
-spec:
-  selector: {{app: hello}}
-  ports:
-  - {{port: 80, targetPort: 8080}}
----
-apiVersion: v1
-kind: Service
-metadata:
-  name: bad
-  namespace: default
-  annotations:
-    ebb.dev/domains: "not a host!"
-    ebb.dev/deployment: hello
-spec:
-  selector: {{app: hello}}
-  ports:
-  - {{port: 80, targetPort: 8080}}
-"#
-    )
-}
-
-/// `GET path` through ebb's proxy for `host`: the status and the body (`Connection: close`).
-async fn get(proxy: std::net::SocketAddr, host: &str, path: &str) -> (u16, String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(proxy).await?;
-        s.write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
-        .await?;
-        let mut answer = Vec::new();
-        s.read_to_end(&mut answer).await?;
-        std::io::Result::Ok(String::from_utf8_lossy(&answer).into_owned())
-    };
-    let answer = tokio::time::timeout(Duration::from_secs(90), exchange)
-        .await
-        .unwrap_or_else(|_| panic!("no answer for {host}{path} within 90 s"))
-        .unwrap_or_else(|e| panic!("GET {host}{path}: {e}"));
-    let status = answer
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("not an HTTP answer: {answer:?}"));
-    let body = answer
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
-}
-
-/// `deploy/`, applied as it is (its StatefulSet stays at rest: the harness runs no StatefulSet
-/// controller), and a kubeconfig with a token of its ServiceAccount `ebb/ebb` from the
-/// TokenRequest API: ebb runs with the RBAC of `deploy/` and nothing more.
-fn deployed_service_account(cp: &ControlPlane) -> std::path::PathBuf {
-    let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy");
-    cp.kubectl(&["apply", "--server-side", "-k", deploy]);
-    let token = cp.kubectl(&["create", "token", "ebb", "-n", "ebb", "--duration", "1h"]);
-    cp.kubeconfig_with_token("ebb", token.trim())
-}
-
-/// `ebb serve` on Kubernetes as `deploy/`'s ServiceAccount, serving the `default` namespace, its
-/// Lease in `ebb`.
-fn serve_on(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> common::Ebb {
-    let kubeconfig = deployed_service_account(cp);
-    let mut args = vec![
-        "--orchestrator",
-        "kubernetes",
-        "--namespace",
-        "default",
-        "--pod-namespace",
-        "ebb",
-        "--kube-sync-ms",
-        "1000",
-        "--kube-touch-ms",
-        "500",
-        "--kube-lease-ms",
-        "3000",
-        "--kube-max-skew-ms",
-        "50",
-    ];
-    args.extend_from_slice(extra);
-    common::serve_env(
-        data,
-        None,
-        None,
-        &args,
-        &[("KUBECONFIG", kubeconfig.as_os_str())],
-    )
-}
-
-/// The names of the routes in ebb's log now (replayed from its events).
-fn routes(data: &std::path::Path) -> std::collections::BTreeSet<String> {
-    let mut routes = std::collections::BTreeSet::new();
-    for e in common::events(data) {
-        let e = &e["event"];
-        if let Some(r) = e.get("RouteUpserted") {
-            routes.insert(r["route"]["name"].as_str().unwrap_or_default().to_owned());
-        }
-        if let Some(r) = e.get("RouteRemoved") {
-            routes.remove(r["name"].as_str().unwrap_or_default());
-        }
-    }
-    routes
-}
-
 /// Scale writes to the Deployment `name` in the audit log.
 fn scale_writes(cp: &ControlPlane, name: &str) -> usize {
     cp.audit_events()
@@ -395,12 +226,6 @@ fn scale_writes(cp: &ControlPlane, name: &str) -> usize {
                 && e["objectRef"]["name"] == name
         })
         .count()
-}
-
-fn pid_of(body: &str) -> i32 {
-    body.trim()
-        .parse()
-        .unwrap_or_else(|_| panic!("a pid: {body:?}"))
 }
 
 fn alive(pid: i32) -> bool {

@@ -257,6 +257,9 @@ impl KubeOrchestrator {
     fn scaled(&self, key: &str, replicas: u32) {
         if let Some(t) = self.lock().workloads.get_mut(key) {
             t.desired = Some(replicas);
+            // A write happened: a sync read begun before it is stale.
+            t.writes_begun += 1;
+            t.writes_done += 1;
         }
         self.changed();
     }
@@ -1090,10 +1093,16 @@ impl Driver {
             };
             let now = self.clock.now_ms();
             let next = self.log.read(|s| {
-                self.member
-                    .lock()
-                    .expect("member lock")
-                    .answer(request, answer, attempt, s, live, now)
+                let mut member = self.member.lock().expect("member lock");
+                // What the others published is known from now on, as the simulator's replicas
+                // learn it: the leader reads a workload used elsewhere again only once that use
+                // may have gone idle.
+                if let (Request::Read { deployment }, Ok(member::Answer::Deployment(d))) =
+                    (&request, &answer)
+                {
+                    member.saw(deployment, d.last_used_ms);
+                }
+                member.answer(request, answer, attempt, s, live, now)
             });
             match next {
                 Next::Done => return,

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod controlplane;
+pub mod ebbkube;
 pub mod node;
 
 use std::io::{BufRead, BufReader};

@@ -1,0 +1,320 @@
+//! The Kubernetes benchmark (`benches/kube.sh`), against the real control plane the kube tests
+//! start, in a network namespace of its own, with ebb running as `deploy/`'s ServiceAccount:
+//!
+//! 1. **Wake to scale write**: from a request reaching ebb for a Deployment at zero to the API
+//!    server receiving the `/scale` write (its audit log's `requestReceivedTimestamp`); anchor: a
+//!    `/scale` patch round trip from a bare kube-rs client.
+//! 2. **ebb's share of a cold start**: the first byte back through ebb minus the moment an
+//!    EndpointSlice watch (the benchmark's own, beside ebb's) saw the pod ready; anchor: the
+//!    app's own first byte, asked directly on the pod's address.
+//! 3. **API requests per minute** that ebb makes (watches excepted) for an idle route and for a
+//!    busy one, at ebb's default intervals, from the audit log; anchor: the bound the intervals
+//!    set.
+//!
+//! Not a test (`test = false`): `benches/kube.sh` runs it on the `ci` profile.
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::controlplane::{ControlPlane, wait_for};
+use common::ebbkube::{client, deployed_service_account, get, json, serverless_hello};
+use ebb::clock::{Clock, Stopwatch, SystemClock};
+use futures_util::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+
+const ROUNDS: usize = 5;
+const WINDOW_S: u64 = 30;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Unix ms (with fractions) of an RFC 3339 timestamp of the audit log.
+fn audit_ms(t: &serde_json::Value) -> f64 {
+    let ts: k8s_openapi::jiff::Timestamp = t.as_str().unwrap_or_default().parse().expect("a time");
+    ts.as_microsecond() as f64 / 1_000.0
+}
+
+/// Sends `GET /pid` with `Host: host` and returns when the first byte of the answer is back.
+async fn first_byte(addr: SocketAddr, host: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.set_nodelay(true).unwrap();
+    s.write_all(
+        format!("GET /pid HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut b = [0u8; 1];
+    s.read_exact(&mut b).await.expect("an answer");
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest).await;
+}
+
+fn replicas(cp: &ControlPlane) -> serde_json::Value {
+    json(&cp.kubectl(&["get", "deployment", "hello", "-o", "json"]))["spec"]["replicas"].clone()
+}
+
+fn no_pods(cp: &ControlPlane) -> bool {
+    json(&cp.kubectl(&["get", "pods", "-l", "app=hello", "-o", "json"]))["items"]
+        .as_array()
+        .is_some_and(Vec::is_empty)
+}
+
+/// ebb on Kubernetes with `extra` flags.
+fn ebb(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> common::Ebb {
+    let kubeconfig = deployed_service_account(cp);
+    let mut args = vec![
+        "--orchestrator",
+        "kubernetes",
+        "--namespace",
+        "default",
+        "--pod-namespace",
+        "ebb",
+    ];
+    args.extend_from_slice(extra);
+    common::serve_env(
+        data,
+        None,
+        None,
+        &args,
+        &[("KUBECONFIG", kubeconfig.as_os_str())],
+    )
+}
+
+/// ebb's API requests (watches excepted) in the audit log between two Unix ms, by kind.
+fn ebb_requests(cp: &ControlPlane, from: f64, to: f64) -> std::collections::BTreeMap<String, u64> {
+    let mut by = std::collections::BTreeMap::new();
+    for e in cp.audit_events() {
+        if e["user"]["username"] != "system:serviceaccount:ebb:ebb" || e["verb"] == "watch" {
+            continue;
+        }
+        let at = audit_ms(&e["requestReceivedTimestamp"]);
+        if at < from || at >= to {
+            continue;
+        }
+        let r = &e["objectRef"];
+        let kind = format!(
+            "{} {}{}",
+            e["verb"].as_str().unwrap_or_default(),
+            r["resource"].as_str().unwrap_or_default(),
+            r["subresource"]
+                .as_str()
+                .map(|s| format!("/{s}"))
+                .unwrap_or_default()
+        );
+        *by.entry(kind).or_default() += 1;
+    }
+    by
+}
+
+async fn run() {
+    let cp = ControlPlane::start().await;
+    let kube = client(&cp).await;
+    let images = [(
+        "ebb".to_owned(),
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
+    )]
+    .into();
+    let _agent = common::node::start(kube.clone(), images).await;
+    cp.kubectl_stdin(
+        &["apply", "--server-side", "-f", "-"],
+        &serverless_hello("2s"),
+    );
+    cp.kubectl(&["delete", "service", "legacy", "bad"]);
+    let clock = SystemClock;
+    let sw = std::sync::Arc::new(Stopwatch::start());
+
+    // The benchmark's own watch on the Service's slices: when (on `sw`) a ready endpoint was
+    // first seen, and its address.
+    let (seen_tx, seen_rx) = tokio::sync::watch::channel(None::<(Duration, String)>);
+    {
+        let slices: Api<EndpointSlice> = Api::namespaced(kube.clone(), "default");
+        let cfg = watcher::Config::default().labels("kubernetes.io/service-name=hello");
+        let sw = sw.clone();
+        tokio::spawn(async move {
+            let stream = watcher(slices, cfg).default_backoff().applied_objects();
+            tokio::pin!(stream);
+            while let Some(Ok(s)) = stream.next().await {
+                let ready = s.endpoints.iter().flatten().find(|e| {
+                    e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(false)
+                        && !e
+                            .conditions
+                            .as_ref()
+                            .and_then(|c| c.terminating)
+                            .unwrap_or(false)
+                });
+                match ready {
+                    Some(e) => {
+                        let addr = e.addresses.first().cloned().unwrap_or_default();
+                        seen_tx.send_if_modified(|v| {
+                            if v.is_none() {
+                                *v = Some((sw.elapsed(), addr));
+                                true
+                            } else {
+                                false
+                            }
+                        });
+                    }
+                    None => {
+                        seen_tx.send_replace(None);
+                    }
+                }
+            }
+        });
+    }
+
+    let data = tempfile::tempdir().unwrap();
+    let e = ebb(
+        &cp,
+        data.path(),
+        &[
+            "--kube-sync-ms",
+            "1000",
+            "--kube-touch-ms",
+            "500",
+            "--kube-lease-ms",
+            "3000",
+            "--kube-max-skew-ms",
+            "50",
+        ],
+    );
+    wait_for("the route", Duration::from_secs(60), || {
+        common::ebbkube::routes(data.path()).contains("default/hello")
+    })
+    .await;
+
+    // The anchor of 1: a bare /scale patch round trip (to the value it has: no pod moves).
+    let deployments: Api<Deployment> = Api::namespaced(kube.clone(), "default");
+    let mut bare = Vec::new();
+    for _ in 0..ROUNDS {
+        let t = Stopwatch::start();
+        deployments
+            .patch_scale(
+                "hello",
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(serde_json::json!({"spec": {"replicas": 0}})),
+            )
+            .await
+            .expect("patch scale");
+        bare.push(t.elapsed().as_secs_f64() * 1_000.0);
+    }
+
+    let scale_patches = |cp: &ControlPlane| -> Vec<serde_json::Value> {
+        cp.audit_events()
+            .into_iter()
+            .filter(|e| {
+                e["objectRef"]["subresource"] == "scale"
+                    && e["verb"] == "patch"
+                    && e["user"]["username"] == "system:serviceaccount:ebb:ebb"
+            })
+            .collect()
+    };
+    let (mut to_write, mut share, mut direct) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..ROUNDS {
+        let before = scale_patches(&cp).len();
+        let sent_ms = clock.now_ms() as f64;
+        first_byte(e.proxy, "hello.test").await;
+        let byte_at = sw.elapsed();
+        let (ready_at, addr) = seen_rx
+            .borrow()
+            .clone()
+            .unwrap_or_else(|| panic!("round {round}: answered before any slice was ready"));
+        share.push((byte_at.saturating_sub(ready_at)).as_secs_f64() * 1_000.0);
+        // The anchor of 2: the app's own first byte, asked directly.
+        let pod: SocketAddr = format!("{addr}:8080").parse().expect("a pod address");
+        let t = Stopwatch::start();
+        first_byte(pod, "hello.test").await;
+        direct.push(t.elapsed().as_secs_f64() * 1_000.0);
+        let mut writes = Vec::new();
+        wait_for(
+            "the scale write in the audit log",
+            Duration::from_secs(30),
+            || {
+                writes = scale_patches(&cp);
+                writes.len() > before
+            },
+        )
+        .await;
+        to_write.push(audit_ms(&writes[before]["requestReceivedTimestamp"]) - sent_ms);
+        // Back to zero before the next round.
+        wait_for("idle at zero", Duration::from_secs(60), || {
+            replicas(&cp) == 0
+        })
+        .await;
+        wait_for("no pods", Duration::from_secs(60), || no_pods(&cp)).await;
+        wait_for("no ready slice", Duration::from_secs(60), || {
+            seen_rx.borrow().is_none()
+        })
+        .await;
+    }
+    println!("ebb on the real Kubernetes control plane, {ROUNDS} cold starts (medians):");
+    println!(
+        "  first request to scale write: {:.1} ms; anchor: bare /scale patch round trip {:.1} ms; ratio {:.2}x",
+        median(to_write.clone()),
+        median(bare.clone()),
+        median(to_write) / median(bare)
+    );
+    println!(
+        "  ebb's share of a cold start (first byte through ebb - slice seen ready): {:.2} ms (target < 5 ms); anchor: the app's first byte asked directly {:.2} ms; ratio {:.2}x",
+        median(share.clone()),
+        median(direct.clone()),
+        median(share) / median(direct)
+    );
+    drop(e);
+
+    // 3: API requests per minute at ebb's default intervals.
+    let data = tempfile::tempdir().unwrap();
+    let e = ebb(&cp, data.path(), &[]);
+    wait_for("the route", Duration::from_secs(60), || {
+        common::ebbkube::routes(data.path()).contains("default/hello")
+    })
+    .await;
+    let window = Duration::from_secs(WINDOW_S);
+    let per_minute = 60.0 / WINDOW_S as f64;
+    // Idle: at zero, no traffic.
+    let from = clock.now_ms() as f64;
+    tokio::time::sleep(window).await;
+    let idle = ebb_requests(&cp, from, clock.now_ms() as f64);
+    // Busy: a request every 100 ms.
+    let from = clock.now_ms() as f64;
+    let busy_until = Stopwatch::start();
+    while busy_until.elapsed() < window {
+        let (status, body) = get(e.proxy, "hello.test", "/pid").await;
+        assert_eq!(status, 200, "{body}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let busy = ebb_requests(&cp, from, clock.now_ms() as f64);
+    let total = |m: &std::collections::BTreeMap<String, u64>| m.values().sum::<u64>() as f64;
+    println!(
+        "API requests per minute, watches excepted (defaults: replicas read every 10 s, last use published every 5 s, lease 15 s):"
+    );
+    println!(
+        "  idle route: {:.0}/min {:?}",
+        total(&idle) * per_minute,
+        idle
+    );
+    println!(
+        "  busy route: {:.0}/min {:?}",
+        total(&busy) * per_minute,
+        busy
+    );
+    println!(
+        "  anchor, the bound the intervals set: idle 6 replica reads + 12 lease reads + 6 renewals = 24/min; busy adds 12 bumps of 2 requests = 48/min"
+    );
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    rt.block_on(run());
+}
