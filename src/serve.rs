@@ -327,6 +327,10 @@ pub async fn run(
         runner_token: options.runner_token.clone(),
         api_token: options.api_token.clone(),
         functions: Some(functions.clone()),
+        ready: kube.clone().map(|k| {
+            let ready: Arc<dyn Fn() -> bool + Send + Sync> = Arc::new(move || k.synced());
+            ready
+        }),
     });
     let admin_stopped = {
         let mut rx = stop_rx.clone();

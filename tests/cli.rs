@@ -431,6 +431,8 @@ fn serve_answers_healthz_and_unknown_paths_with_json() {
     let health = get("/healthz");
     assert!(health.starts_with("HTTP/1.1 200"), "{health}");
     assert!(health.contains(r#""status":"ok""#), "{health}");
+    let ready = get("/readyz");
+    assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
     let missing = get("/nope");
     assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
     assert!(missing.contains(r#""code":"not_found""#), "{missing}");

@@ -259,6 +259,9 @@ async fn annotated_services_are_routes_and_a_cold_burst_is_one_scale_write() {
     })
     .await;
     assert!(!routes(data.path()).contains("default/bad"));
+    // Listed the cluster: ready for traffic.
+    let ready = http_get(&ebb.admin.to_string(), "/readyz").expect("ebb answers");
+    assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
     wait_for("the Deployment labelled", Duration::from_secs(30), || {
         json(&cp.kubectl(&["get", "deployment", "hello", "-o", "json"]))["metadata"]["labels"]
             ["ebb.dev/managed"]
@@ -864,4 +867,23 @@ async fn a_missing_permission_is_one_log_line_and_a_warning_event_not_a_crash() 
         .collect();
     assert_eq!(lines.len(), 1, "{text}");
     assert!(lines[0].contains("forbidden"), "{}", lines[0]);
+
+    // With no permission to list Services at all, ebb runs but is not ready for traffic.
+    cp.kubectl(&["create", "serviceaccount", "blind", "-n", "ebb"]);
+    let token = cp.kubectl(&["create", "token", "blind", "-n", "ebb", "--duration", "1h"]);
+    let kubeconfig = cp.kubeconfig_with_token("blind", token.trim());
+    let data = tempfile::tempdir().unwrap();
+    let blind = common::serve_logged(
+        data.path(),
+        None,
+        None,
+        &["--orchestrator", "kubernetes", "--pod-namespace", "ebb"],
+        &[("KUBECONFIG", kubeconfig.as_os_str())],
+        Some(&logs.path().join("blind.log")),
+    );
+    let ready = http_get(&blind.admin.to_string(), "/readyz").expect("ebb answers");
+    assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
+    assert!(ready.contains(r#""code":"not_ready""#), "{ready}");
+    let health = http_get(&blind.admin.to_string(), "/healthz").expect("ebb answers");
+    assert!(health.starts_with("HTTP/1.1 200"), "{health}");
 }

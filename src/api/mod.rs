@@ -42,6 +42,9 @@ pub struct AppState {
     pub api_token: Option<String>,
     /// The functions runtime (instances), if this ebb runs calls.
     pub functions: Option<Arc<crate::functions::runtime::FunctionService>>,
+    /// Whether ebb is ready for traffic (`/readyz`): on Kubernetes, once it has listed the
+    /// cluster's Services and EndpointSlices. `None`: ready once it answers.
+    pub ready: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
 }
 
 /// Largest request body ebb's own endpoints read.
@@ -144,6 +147,7 @@ impl IntoResponse for ApiError {
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .merge(admin::router())
         .merge(runner::router())
         .merge(funcs::router())
@@ -151,6 +155,18 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
+}
+
+/// Ready for traffic: the readiness probe of ebb's pods.
+async fn readyz(Extract(app): Extract<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
+    match &app.ready {
+        Some(ready) if !ready() => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            "ebb has not yet listed the cluster's Services and EndpointSlices",
+        )),
+        _ => Ok(Json(json!({ "status": "ready" }))),
+    }
 }
 
 async fn healthz(Extract(app): Extract<AppState>) -> Json<serde_json::Value> {

@@ -132,6 +132,7 @@ async fn setup(args: &CallsBenchArgs, over_http: bool, kafka: Option<&str>) -> R
         runner_token: Some(TOKEN.into()),
         api_token: None,
         functions: None,
+        ready: None,
     });
     use axum::serve::ListenerExt;
     let listener = listener.tap_io(|tcp| {

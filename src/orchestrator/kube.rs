@@ -179,6 +179,9 @@ pub struct KubeOrchestrator {
     sync_asked: Notify,
     limiter: Limiter,
     recorder: Recorder,
+    /// Whether the Services (routes decided) and the EndpointSlices have been listed.
+    services_listed: std::sync::atomic::AtomicBool,
+    slices_listed: std::sync::atomic::AtomicBool,
 }
 
 impl KubeOrchestrator {
@@ -200,7 +203,16 @@ impl KubeOrchestrator {
             scale_asked: Notify::new(),
             sync_asked: Notify::new(),
             recorder,
+            services_listed: Default::default(),
+            slices_listed: Default::default(),
         })
+    }
+
+    /// Whether ebb knows the cluster: its routes decided from a complete list of Services, and
+    /// the EndpointSlices listed (`/readyz`). A watch failing later keeps what was listed.
+    pub fn synced(&self) -> bool {
+        use std::sync::atomic::Ordering::Acquire;
+        self.services_listed.load(Acquire) && self.slices_listed.load(Acquire)
     }
 
     fn changed(&self) {
@@ -749,6 +761,8 @@ async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch:
                 complaints.worked("watching Services");
                 if routes.take(event) {
                     routes.reconcile(&log, &orch).await;
+                    orch.services_listed
+                        .store(true, std::sync::atomic::Ordering::Release);
                 }
             }
         }
@@ -802,6 +816,8 @@ async fn run_endpoints(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bo
             }
             watcher::Event::InitDone => {
                 orch.lock().slices = listing.take().unwrap_or_default();
+                orch.slices_listed
+                    .store(true, std::sync::atomic::Ordering::Release);
                 orch.changed();
             }
             watcher::Event::Apply(s) => {
