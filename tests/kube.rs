@@ -539,7 +539,7 @@ async fn two_ebbs_share_scaling_through_a_lease_and_a_conditioned_scale_down() {
         })
         .filter_map(|e| e["reason"].as_str())
         .collect();
-    assert!(on_hello.contains(&"Scaled"), "{on_hello:?}");
+    assert!(on_hello.contains(&"Wake"), "{on_hello:?}");
     assert!(on_hello.contains(&"Idle"), "{on_hello:?}");
 }
 

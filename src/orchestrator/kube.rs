@@ -844,7 +844,22 @@ async fn run_endpoints(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bo
 }
 
 /// Writes asked replicas, the newest per workload, until `stop`.
-async fn run_scaler(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
+/// A scaling reason as a Kubernetes Event's reason and note.
+fn explain(reason: Option<crate::event::ScaleReason>) -> (&'static str, &'static str) {
+    use crate::event::ScaleReason::*;
+    match reason {
+        Some(Wake) => ("Wake", "a request arrived and no replica was ready"),
+        Some(Idle) => ("Idle", "no request for its idle time on any ebb replica"),
+        Some(Autoscale) => ("Autoscale", "the function autoscaler's call counter"),
+        Some(Manual) => ("Manual", "an operator asked"),
+        Some(Restart) => ("Restart", "ebb restarted"),
+        Some(Shutdown) => ("Shutdown", "ebb is shutting down"),
+        Some(Peer) => ("Peer", "another ebb replica or an operator changed it"),
+        None => ("Scaled", "asked by ebb"),
+    }
+}
+
+async fn run_scaler(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
     let mut complaints = Complaints::default();
     loop {
         let next = {
@@ -893,12 +908,16 @@ async fn run_scaler(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>
         match outcome {
             Ok(()) => {
                 complaints.worked(&format!("scaling {key}"));
-                tracing::info!(deployment = %key, replicas, "scaled");
+                let reason = log.read(|s| s.routes.deployments.get(&key).and_then(|d| d.reason));
+                tracing::info!(deployment = %key, replicas, ?reason, "scaled");
+                let (name, why) = explain(reason);
                 orch.publish(
                     &KubeOrchestrator::workload_reference(&workload),
                     EventType::Normal,
-                    "Scaled",
-                    format!("ebb set replicas to {replicas} (why: `ebb explain deployment {key}`)"),
+                    name,
+                    format!(
+                        "ebb set replicas to {replicas}: {why} (`ebb explain deployment {key}`)"
+                    ),
                 )
                 .await;
             }
@@ -1144,14 +1163,15 @@ impl Driver {
                     }
                     self.orch.scaled(&deployment, to);
                     if let Some(w) = Workload::from_key(&deployment) {
+                        let (name, why) = explain(Some(crate::event::ScaleReason::Idle));
                         self.orch
                             .publish(
                                 &KubeOrchestrator::workload_reference(&w),
                                 EventType::Normal,
-                                "Idle",
+                                name,
                                 format!(
-                                    "ebb scaled it to {to}: no request for its idle time on any \
-                                     ebb replica (`ebb explain deployment {deployment}`)"
+                                    "ebb scaled it to {to}: {why} \
+                                     (`ebb explain deployment {deployment}`)"
                                 ),
                             )
                             .await;
@@ -1300,7 +1320,7 @@ pub async fn run(log: Arc<Log>, orch: Arc<KubeOrchestrator>, stop: watch::Receiv
         orch.limiter.refill(stop.clone()),
         run_routes(log.clone(), orch.clone(), stop.clone()),
         run_endpoints(orch.clone(), stop.clone()),
-        run_scaler(orch.clone(), stop.clone()),
+        run_scaler(log.clone(), orch.clone(), stop.clone()),
         run_sync(log, orch.clone(), stop.clone()),
     );
 }

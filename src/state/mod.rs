@@ -74,7 +74,12 @@ impl State {
                     self.schedule_idle(route);
                 }
             }
-            Event::ScaleRequested { deployment, to, .. } => {
+            Event::ScaleRequested {
+                deployment,
+                to,
+                reason,
+                ..
+            } => {
                 let d = self
                     .routes
                     .deployments
@@ -82,6 +87,7 @@ impl State {
                     .or_default();
                 d.desired = *to;
                 d.desired_at_ms = at;
+                d.reason = Some(*reason);
             }
             Event::ScaledUp {
                 deployment,

@@ -26,6 +26,9 @@ pub struct Deployment {
     /// When the last `ScaleRequested` was decided.
     #[serde(default)]
     pub desired_at_ms: u64,
+    /// Why the last `ScaleRequested` asked for it.
+    #[serde(default)]
+    pub reason: Option<crate::event::ScaleReason>,
     /// Replicas reported by the last `ScaledUp` / `ScaledDown`.
     pub replicas: u32,
     /// When the replica count last changed.
