@@ -387,19 +387,23 @@ async fn an_idle_deployment_goes_to_zero_and_no_request_across_the_scale_down_is
     for pid in pids {
         assert!(!alive(pid), "the pod's process {pid} still runs");
     }
-    let reasons: Vec<String> = common::events(data.path())
-        .iter()
-        .filter_map(|e| e["event"].get("ScaleRequested"))
-        .map(|s| s["reason"].as_str().unwrap_or_default().to_owned())
-        .collect();
-    assert!(
-        reasons.iter().filter(|r| *r == "idle").count() >= 3,
-        "{reasons:?}"
-    );
-    assert!(
-        reasons.iter().filter(|r| *r == "wake").count() >= 3,
-        "{reasons:?}"
-    );
+    // A request that met the stopping pod while it still served needed no wake, so the number of
+    // wakes and scale-downs varies; each was decided with its reason.
+    let reasons = || -> Vec<String> {
+        common::events(data.path())
+            .iter()
+            .filter_map(|e| e["event"].get("ScaleRequested"))
+            .map(|s| s["reason"].as_str().unwrap_or_default().to_owned())
+            .collect()
+    };
+    wait_for(
+        "the last scale-down in the log",
+        Duration::from_secs(30),
+        || reasons().last().is_some_and(|r| r == "idle"),
+    )
+    .await;
+    let reasons = reasons();
+    assert!(reasons.iter().any(|r| r == "wake"), "{reasons:?}");
 }
 
 /// The holder of the scale-down Lease, if any.

@@ -619,7 +619,16 @@ impl Proxy {
                 if let Some(slot) = self.pick(entry, avoid) {
                     return Ok(slot);
                 }
-                if !woke && !self.has_ready(entry, avoid) {
+                // Wake once; again if the workload was asked down since (a scale-down by another
+                // ebb replica, or this one's, recorded only after its write took effect), so a
+                // held request never waits for replicas nobody asked for.
+                let asked_down = woke
+                    && waking.is_none()
+                    && self
+                        .orch
+                        .observe(&route.deployment)
+                        .is_some_and(|o| o.desired == 0);
+                if (!woke || asked_down) && !self.has_ready(entry, avoid) {
                     woke = true;
                     // Single flight: while one held request wakes the workload, the others wait.
                     if let Some(guard) = entry.traffic.begin_wake() {
