@@ -20,7 +20,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::controlplane::{ControlPlane, wait_for};
-use common::ebbkube::{client, deployed_service_account, get, json, serverless_hello};
+use common::ebbkube::{TEST_TIMING, apply, cluster, get, json, serve_kube, serverless_hello};
 use ebb::clock::{Clock, Stopwatch, SystemClock};
 use futures_util::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -68,27 +68,6 @@ fn no_pods(cp: &ControlPlane) -> bool {
         .is_some_and(Vec::is_empty)
 }
 
-/// ebb on Kubernetes with `extra` flags.
-fn ebb(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> common::Ebb {
-    let kubeconfig = deployed_service_account(cp);
-    let mut args = vec![
-        "--orchestrator",
-        "kubernetes",
-        "--namespace",
-        "default",
-        "--pod-namespace",
-        "ebb",
-    ];
-    args.extend_from_slice(extra);
-    common::serve_env(
-        data,
-        None,
-        None,
-        &args,
-        &[("KUBECONFIG", kubeconfig.as_os_str())],
-    )
-}
-
 /// ebb's API requests (watches excepted) in the audit log between two Unix ms, by kind.
 fn ebb_requests(cp: &ControlPlane, from: f64, to: f64) -> std::collections::BTreeMap<String, u64> {
     let mut by = std::collections::BTreeMap::new();
@@ -116,18 +95,8 @@ fn ebb_requests(cp: &ControlPlane, from: f64, to: f64) -> std::collections::BTre
 }
 
 async fn run() {
-    let cp = ControlPlane::start().await;
-    let kube = client(&cp).await;
-    let images = [(
-        "ebb".to_owned(),
-        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
-    )]
-    .into();
-    let _agent = common::node::start(kube.clone(), images).await;
-    cp.kubectl_stdin(
-        &["apply", "--server-side", "-f", "-"],
-        &serverless_hello("2s"),
-    );
+    let (cp, kube, _agent) = cluster().await;
+    apply(&cp, &serverless_hello("2s"));
     cp.kubectl(&["delete", "service", "legacy", "bad"]);
     let clock = SystemClock;
     let sw = std::sync::Arc::new(Stopwatch::start());
@@ -172,20 +141,7 @@ async fn run() {
     }
 
     let data = tempfile::tempdir().unwrap();
-    let e = ebb(
-        &cp,
-        data.path(),
-        &[
-            "--kube-sync-ms",
-            "1000",
-            "--kube-touch-ms",
-            "500",
-            "--kube-lease-ms",
-            "3000",
-            "--kube-max-skew-ms",
-            "50",
-        ],
-    );
+    let e = serve_kube(&cp, data.path(), &TEST_TIMING);
     wait_for("the route", Duration::from_secs(60), || {
         common::ebbkube::routes(data.path()).contains("default/hello")
     })
@@ -272,7 +228,7 @@ async fn run() {
 
     // 3: API requests per minute at ebb's default intervals.
     let data = tempfile::tempdir().unwrap();
-    let e = ebb(&cp, data.path(), &[]);
+    let e = serve_kube(&cp, data.path(), &[]);
     wait_for("the route", Duration::from_secs(60), || {
         common::ebbkube::routes(data.path()).contains("default/hello")
     })

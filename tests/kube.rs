@@ -6,49 +6,16 @@ mod common;
 
 use std::time::Duration;
 
-use common::controlplane::{ControlPlane, NOBODY_TOKEN, http_get, wait_for};
+use common::controlplane::{ControlPlane, NOBODY_TOKEN, http_get, wait_for, wait_until};
 use common::ebbkube::{
-    client, deployed_service_account, get, json, pid_of, routes, serve_on, serverless_hello,
+    TEST_TIMING, apply, client, cluster, deployed_service_account, get, hello_deployment,
+    hello_service, json, pid_of, routes, serve_on, serverless_hello,
 };
 
-/// A Deployment of the example app (listening on its pod's address, probed on `/health`) and a
-/// Service in front of it.
-const HELLO: &str = r#"
-apiVersion: apps/v1
-kind: Deployment
-metadata:
-  name: hello
-  namespace: default
-spec:
-  replicas: 1
-  selector:
-    matchLabels: {app: hello}
-  template:
-    metadata:
-      labels: {app: hello}
-    spec:
-      terminationGracePeriodSeconds: 5
-      containers:
-      - name: app
-        image: ebb
-        command: [ebb, example-app]
-        args: [--host, $(POD_IP), --port, "8080"]
-        env:
-        - name: POD_IP
-          valueFrom: {fieldRef: {fieldPath: status.podIP}}
-        readinessProbe:
-          httpGet: {path: /health, port: 8080}
----
-apiVersion: v1
-kind: Service
-metadata:
-  name: hello
-  namespace: default
-spec:
-  selector: {app: hello}
-  ports:
-  - {port: 80, targetPort: 8080}
-"#;
+/// A Deployment of the example app at one replica and a plain Service in front of it.
+fn hello() -> String {
+    hello_deployment(1) + &hello_service("hello", &[])
+}
 
 /// Sets the Deployment's replicas through the scale subresource with kube-rs, as ebb scales.
 async fn scale(client: kube::Client, deployment: &str, replicas: i32) {
@@ -90,7 +57,7 @@ async fn the_real_control_plane_turns_a_deployment_into_pods_and_audits_every_wr
         "{denied}"
     );
 
-    cp.kubectl_stdin(&["apply", "--server-side", "-f", "-"], HELLO);
+    apply(&cp, &hello());
     wait_for("the deployment's pod", Duration::from_secs(60), || {
         let pods = json(&cp.kubectl(&["get", "pods", "-l", "app=hello", "-o", "json"]));
         pods["items"]
@@ -171,15 +138,8 @@ fn ready_endpoints(cp: &ControlPlane, service: &str) -> Vec<String> {
 /// endpoint goes away.
 #[tokio::test]
 async fn pods_run_as_processes_and_their_endpoints_are_published() {
-    let cp = ControlPlane::start().await;
-    let kube = client(&cp).await;
-    let images = [(
-        "ebb".to_owned(),
-        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
-    )]
-    .into();
-    let _agent = common::node::start(kube.clone(), images).await;
-    cp.kubectl_stdin(&["apply", "--server-side", "-f", "-"], HELLO);
+    let (cp, kube, _agent) = cluster().await;
+    apply(&cp, &hello());
 
     let mut endpoints = Vec::new();
     wait_for("a ready endpoint", Duration::from_secs(60), || {
@@ -238,18 +198,8 @@ fn alive(pid: i32) -> bool {
 /// process once its EndpointSlice lists it ready; removing the annotations removes the route.
 #[tokio::test]
 async fn annotated_services_are_routes_and_a_cold_burst_is_one_scale_write() {
-    let cp = ControlPlane::start().await;
-    let kube = client(&cp).await;
-    let images = [(
-        "ebb".to_owned(),
-        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
-    )]
-    .into();
-    let _agent = common::node::start(kube.clone(), images).await;
-    cp.kubectl_stdin(
-        &["apply", "--server-side", "-f", "-"],
-        &serverless_hello("1h"),
-    );
+    let (cp, _, _agent) = cluster().await;
+    apply(&cp, &serverless_hello("1h"));
     let data = tempfile::tempdir().unwrap();
     let ebb = serve_on(&cp, data.path(), &[]);
 
@@ -346,18 +296,8 @@ async fn annotated_services_are_routes_and_a_cold_burst_is_one_scale_write() {
 /// answered.
 #[tokio::test]
 async fn an_idle_deployment_goes_to_zero_and_no_request_across_the_scale_down_is_lost() {
-    let cp = ControlPlane::start().await;
-    let kube = client(&cp).await;
-    let images = [(
-        "ebb".to_owned(),
-        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
-    )]
-    .into();
-    let _agent = common::node::start(kube.clone(), images).await;
-    cp.kubectl_stdin(
-        &["apply", "--server-side", "-f", "-"],
-        &serverless_hello("1s"),
-    );
+    let (cp, _, _agent) = cluster().await;
+    apply(&cp, &serverless_hello("1s"));
     // Only ebb's route leads to the Deployment (proxless' has the default idle time).
     cp.kubectl(&["delete", "service", "legacy"]);
     let data = tempfile::tempdir().unwrap();
@@ -431,18 +371,8 @@ fn scale_reasons(data: &std::path::Path) -> Vec<String> {
 /// the leader's Lease runs out and the other takes it and scales the idle Deployment down.
 #[tokio::test]
 async fn two_ebbs_share_scaling_through_a_lease_and_a_conditioned_scale_down() {
-    let cp = ControlPlane::start().await;
-    let kube = client(&cp).await;
-    let images = [(
-        "ebb".to_owned(),
-        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
-    )]
-    .into();
-    let _agent = common::node::start(kube.clone(), images).await;
-    cp.kubectl_stdin(
-        &["apply", "--server-side", "-f", "-"],
-        &serverless_hello("1s"),
-    );
+    let (cp, _, _agent) = cluster().await;
+    apply(&cp, &serverless_hello("1s"));
     cp.kubectl(&["delete", "service", "legacy"]);
     let gate = tempfile::tempdir().unwrap();
     let (data_a, data_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
@@ -551,18 +481,8 @@ async fn two_ebbs_share_scaling_through_a_lease_and_a_conditioned_scale_down() {
 /// watches resume and a Service annotated right after is a route.
 #[tokio::test]
 async fn warm_routes_serve_while_the_api_server_is_away_and_watches_resume() {
-    let mut cp = ControlPlane::start().await;
-    let kube = client(&cp).await;
-    let images = [(
-        "ebb".to_owned(),
-        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
-    )]
-    .into();
-    let _agent = common::node::start(kube.clone(), images).await;
-    cp.kubectl_stdin(
-        &["apply", "--server-side", "-f", "-"],
-        &serverless_hello("1h"),
-    );
+    let (mut cp, _, _agent) = cluster().await;
+    apply(&cp, &serverless_hello("1h"));
     let data = tempfile::tempdir().unwrap();
     let ebb = serve_on(&cp, data.path(), &[]);
     wait_for("the route in the log", Duration::from_secs(30), || {
@@ -583,22 +503,15 @@ async fn warm_routes_serve_while_the_api_server_is_away_and_watches_resume() {
     }
 
     cp.restart_apiserver().await;
-    cp.kubectl_stdin(
-        &["apply", "--server-side", "-f", "-"],
-        r#"
-apiVersion: v1
-kind: Service
-metadata:
-  name: late
-  namespace: default
-  annotations:
-    ebb.dev/domains: late.test
-    ebb.dev/deployment: hello
-spec:
-  selector: {app: hello}
-  ports:
-  - {port: 80, targetPort: 8080}
-"#,
+    apply(
+        &cp,
+        &hello_service(
+            "late",
+            &[
+                ("ebb.dev/domains", "late.test"),
+                ("ebb.dev/deployment", "hello"),
+            ],
+        ),
     );
     wait_for("the new route in the log", Duration::from_secs(60), || {
         routes(data.path()).contains("default/late")
@@ -630,14 +543,7 @@ fn copy_tree(from: &std::path::Path, to: &std::path::Path) {
 /// Deployment.
 #[tokio::test]
 async fn kubectl_apply_k_deploy_brings_up_two_ebbs_that_serve_annotated_services() {
-    let cp = ControlPlane::start().await;
-    let kube = client(&cp).await;
-    let images = [(
-        "ebb".to_owned(),
-        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
-    )]
-    .into();
-    let _agent = common::node::start(kube.clone(), images).await;
+    let (cp, _, _agent) = cluster().await;
     // The ServiceAccount first, for its token from the TokenRequest API, which the pods' kubeconfig
     // carries; `apply` then takes the account over as deploy/ defines it.
     cp.kubectl(&["create", "namespace", "ebb"]);
@@ -684,10 +590,7 @@ patches:
       - --listen=$(POD_IP):8080
       - --admin-listen=$(POD_IP):8081
       - --data-dir={data}/$(POD_NAME)
-      - --kube-sync-ms=1000
-      - --kube-lease-ms=3000
-      - --kube-touch-ms=500
-      - --kube-max-skew-ms=50
+      - {timing}
     - op: add
       path: /spec/template/spec/containers/0/env/-
       value: {{name: POD_IP, valueFrom: {{fieldRef: {{fieldPath: status.podIP}}}}}}
@@ -700,6 +603,7 @@ patches:
 "#,
             data = data.display(),
             kubeconfig = kubeconfig.display(),
+            timing = TEST_TIMING.join("\n      - "),
         ),
     )
     .unwrap();
@@ -741,25 +645,19 @@ patches:
         .count();
     assert_eq!(bound, 2, "{claims}");
 
-    cp.kubectl_stdin(
-        &["apply", "--server-side", "-f", "-"],
-        &serverless_hello("1h"),
-    );
+    apply(&cp, &serverless_hello("1h"));
     for ip in &ips {
         let proxy: std::net::SocketAddr = format!("{ip}:8080").parse().unwrap();
         // 404 until the replica's Service watch has delivered the route.
-        let poll = async {
-            loop {
+        let answer = wait_until(
+            "a route for hello.test",
+            Duration::from_secs(60),
+            || async {
                 let answer = get(proxy, "hello.test", "/pid").await;
-                if answer.0 != 404 {
-                    return answer;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        };
-        let answer = tokio::time::timeout(Duration::from_secs(60), poll)
-            .await
-            .unwrap_or_else(|_| panic!("{ip}: no route for hello.test within 60 s"));
+                (answer.0 != 404).then_some(answer)
+            },
+        )
+        .await;
         assert_eq!(answer.0, 200, "{ip}: {}", answer.1);
     }
     wait_for("a Lease held by a replica", Duration::from_secs(30), || {
@@ -775,8 +673,8 @@ patches:
 #[tokio::test]
 async fn a_missing_permission_is_one_log_line_and_a_warning_event_not_a_crash() {
     let cp = ControlPlane::start().await;
-    cp.kubectl_stdin(
-        &["apply", "--server-side", "-f", "-"],
+    apply(
+        &cp,
         &serverless_hello("1h").replace("ebb.dev/hold-timeout: 60s", "ebb.dev/hold-timeout: 2s"),
     );
     deployed_service_account(&cp);
@@ -796,7 +694,7 @@ async fn a_missing_permission_is_one_log_line_and_a_warning_event_not_a_crash() 
             "  resources: [deployments/scale, statefulsets/scale]\n  verbs: [get]",
         );
     assert!(role.contains("verbs: [get]\n"), "{role}");
-    cp.kubectl_stdin(&["apply", "--server-side", "-f", "-"], &role);
+    apply(&cp, &role);
     cp.kubectl(&["create", "serviceaccount", "weak", "-n", "ebb"]);
     cp.kubectl(&[
         "create",

@@ -32,7 +32,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{ObjectReference, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, Patch, PatchParams};
@@ -40,8 +39,8 @@ use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Notify, watch};
 
-use super::annotations::{self, Claim, RouteDefaults, Workload, WorkloadKind};
-use super::kube_coordinator::KubeCoordinator;
+use super::annotations::{self, Claim, RouteDefaults, Workload};
+use super::kube_coordinator::{KubeCoordinator, patch_replicas, workload_api, workload_reference};
 use super::{Error, Observed, Orchestrator, Result, WorkloadSpec};
 use crate::clock::Clock;
 use crate::event::{Event, RouteSpec};
@@ -306,39 +305,15 @@ impl KubeOrchestrator {
 
     /// Writes `/scale` for one workload.
     async fn write_scale(&self, w: &Workload, replicas: u32) -> kube::Result<()> {
-        let patch = Patch::Merge(serde_json::json!({ "spec": { "replicas": replicas } }));
-        let pp = PatchParams::default();
         self.limiter.acquire().await;
-        match w.kind {
-            WorkloadKind::Deployment => {
-                Api::<Deployment>::namespaced(self.client.clone(), &w.namespace)
-                    .patch_scale(&w.name, &pp, &patch)
-                    .await?;
-            }
-            WorkloadKind::StatefulSet => {
-                Api::<StatefulSet>::namespaced(self.client.clone(), &w.namespace)
-                    .patch_scale(&w.name, &pp, &patch)
-                    .await?;
-            }
-        }
+        patch_replicas(&self.client, w, replicas, None).await?;
         Ok(())
     }
 
     /// Reads a workload's replicas from `/scale`.
     async fn read_scale(&self, w: &Workload) -> kube::Result<u32> {
         self.limiter.acquire().await;
-        let scale = match w.kind {
-            WorkloadKind::Deployment => {
-                Api::<Deployment>::namespaced(self.client.clone(), &w.namespace)
-                    .get_scale(&w.name)
-                    .await?
-            }
-            WorkloadKind::StatefulSet => {
-                Api::<StatefulSet>::namespaced(self.client.clone(), &w.namespace)
-                    .get_scale(&w.name)
-                    .await?
-            }
-        };
+        let scale = workload_api(&self.client, w).get_scale(&w.name).await?;
         Ok(scale.spec.and_then(|s| s.replicas).unwrap_or(0).max(0) as u32)
     }
 
@@ -347,35 +322,11 @@ impl KubeOrchestrator {
         let patch = Patch::Merge(
             serde_json::json!({ "metadata": { "labels": { MANAGED_LABEL: "true" } } }),
         );
-        let pp = PatchParams::default();
         self.limiter.acquire().await;
-        match w.kind {
-            WorkloadKind::Deployment => {
-                Api::<Deployment>::namespaced(self.client.clone(), &w.namespace)
-                    .patch(&w.name, &pp, &patch)
-                    .await?;
-            }
-            WorkloadKind::StatefulSet => {
-                Api::<StatefulSet>::namespaced(self.client.clone(), &w.namespace)
-                    .patch(&w.name, &pp, &patch)
-                    .await?;
-            }
-        }
+        workload_api(&self.client, w)
+            .patch(&w.name, &PatchParams::default(), &patch)
+            .await?;
         Ok(())
-    }
-
-    fn workload_reference(w: &Workload) -> ObjectReference {
-        let (api_version, kind) = match w.kind {
-            WorkloadKind::Deployment => ("apps/v1", "Deployment"),
-            WorkloadKind::StatefulSet => ("apps/v1", "StatefulSet"),
-        };
-        ObjectReference {
-            api_version: Some(api_version.to_owned()),
-            kind: Some(kind.to_owned()),
-            name: Some(w.name.clone()),
-            namespace: Some(w.namespace.clone()),
-            ..ObjectReference::default()
-        }
     }
 }
 
@@ -728,10 +679,6 @@ impl RouteLoop {
     }
 }
 
-fn watcher_config() -> watcher::Config {
-    watcher::Config::default()
-}
-
 fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
 where
     K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
@@ -745,7 +692,7 @@ where
 
 async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
     let services = api::<Service>(&orch.client, orch.options.namespace.as_deref());
-    let stream = watcher(services, watcher_config()).default_backoff();
+    let stream = watcher(services, watcher::Config::default()).default_backoff();
     tokio::pin!(stream);
     let mut routes = RouteLoop::default();
     let mut complaints = Complaints::default();
@@ -771,7 +718,7 @@ async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch:
 
 async fn run_endpoints(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
     let slices = api::<EndpointSlice>(&orch.client, orch.options.namespace.as_deref());
-    let stream = watcher(slices, watcher_config()).default_backoff();
+    let stream = watcher(slices, watcher::Config::default()).default_backoff();
     tokio::pin!(stream);
     let mut listing: Option<HashMap<ServiceKey, BTreeMap<String, EndpointSlice>>> = None;
     let key = |s: &EndpointSlice| -> Option<(ServiceKey, String)> {
@@ -912,7 +859,7 @@ async fn run_scaler(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch:
                 tracing::info!(deployment = %key, replicas, ?reason, "scaled");
                 let (name, why) = explain(reason);
                 orch.publish(
-                    &KubeOrchestrator::workload_reference(&workload),
+                    &workload_reference(&workload),
                     EventType::Normal,
                     name,
                     format!(
@@ -925,7 +872,7 @@ async fn run_scaler(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch:
                 let why = format!("scaling {} to {replicas}: {e}", key);
                 complaints.failed(&format!("scaling {key}"), &e);
                 orch.publish(
-                    &KubeOrchestrator::workload_reference(&workload),
+                    &workload_reference(&workload),
                     EventType::Warning,
                     "ScaleFailed",
                     why.clone(),
@@ -1090,13 +1037,7 @@ impl Driver {
                 .map(|r| r.spec.name.clone())
                 .collect()
         });
-        let mut live = Live::default();
-        for r in &routes {
-            let t = self.traffic.route(r);
-            live.in_flight += t.in_flight();
-            live.last_at_ms = live.last_at_ms.max(t.last_at_ms());
-        }
-        live
+        crate::proxy::runtime::live_of(&self.traffic, &routes)
     }
 
     /// Sends `request` and whatever the protocol asks next, until it is done.
@@ -1166,7 +1107,7 @@ impl Driver {
                         let (name, why) = explain(Some(crate::event::ScaleReason::Idle));
                         self.orch
                             .publish(
-                                &KubeOrchestrator::workload_reference(&w),
+                                &workload_reference(&w),
                                 EventType::Normal,
                                 name,
                                 format!(

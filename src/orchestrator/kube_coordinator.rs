@@ -17,9 +17,11 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::autoscaling::v1::Scale;
 use k8s_openapi::api::coordination::v1::{Lease as KubeLease, LeaseSpec};
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 
 use super::annotations::{Workload, WorkloadKind};
 use crate::scaler::shared::{CoordError, Coordinator, Lease, SharedDeployment};
@@ -86,26 +88,56 @@ fn not_found(key: &str, e: kube::Error) -> CoordError {
     }
 }
 
+/// The API of a workload's kind: Deployments and StatefulSets alike (both have `/scale`).
+pub fn workload_api(client: &kube::Client, w: &Workload) -> Api<DynamicObject> {
+    let resource = match w.kind {
+        WorkloadKind::Deployment => ApiResource::erase::<Deployment>(&()),
+        WorkloadKind::StatefulSet => ApiResource::erase::<StatefulSet>(&()),
+    };
+    Api::namespaced_with(client.clone(), &w.namespace, &resource)
+}
+
+/// A workload as the object of a Kubernetes Event.
+pub fn workload_reference(w: &Workload) -> ObjectReference {
+    let kind = match w.kind {
+        WorkloadKind::Deployment => "Deployment",
+        WorkloadKind::StatefulSet => "StatefulSet",
+    };
+    ObjectReference {
+        api_version: Some("apps/v1".to_owned()),
+        kind: Some(kind.to_owned()),
+        name: Some(w.name.clone()),
+        namespace: Some(w.namespace.clone()),
+        ..ObjectReference::default()
+    }
+}
+
+/// Sets a workload's replicas through `/scale`; with `if_version`, only if the workload is still
+/// at that `resourceVersion` (else 409 Conflict).
+pub async fn patch_replicas(
+    client: &kube::Client,
+    w: &Workload,
+    replicas: u32,
+    if_version: Option<u64>,
+) -> kube::Result<Scale> {
+    let mut body = serde_json::json!({ "spec": { "replicas": replicas } });
+    if let Some(v) = if_version {
+        body["metadata"] = serde_json::json!({ "resourceVersion": v.to_string() });
+    }
+    workload_api(client, w)
+        .patch_scale(&w.name, &PatchParams::default(), &Patch::Merge(body))
+        .await
+}
+
 /// A workload's metadata and replicas.
 async fn read(client: &kube::Client, key: &str) -> Result<(ObjectMeta, u32), CoordError> {
     let w = workload(key)?;
-    let (meta, replicas) = match w.kind {
-        WorkloadKind::Deployment => {
-            let d = Api::<Deployment>::namespaced(client.clone(), &w.namespace)
-                .get(&w.name)
-                .await
-                .map_err(|e| not_found(key, e))?;
-            (d.metadata, d.spec.and_then(|s| s.replicas))
-        }
-        WorkloadKind::StatefulSet => {
-            let d = Api::<StatefulSet>::namespaced(client.clone(), &w.namespace)
-                .get(&w.name)
-                .await
-                .map_err(|e| not_found(key, e))?;
-            (d.metadata, d.spec.and_then(|s| s.replicas))
-        }
-    };
-    Ok((meta, replicas.unwrap_or(1).max(0) as u32))
+    let object = workload_api(client, &w)
+        .get(&w.name)
+        .await
+        .map_err(|e| not_found(key, e))?;
+    let replicas = object.data["spec"]["replicas"].as_u64().unwrap_or(1);
+    Ok((object.metadata, replicas.min(u64::from(u32::MAX)) as u32))
 }
 
 fn last_used(meta: &ObjectMeta) -> u64 {
@@ -133,25 +165,9 @@ impl Coordinator for KubeCoordinator {
         if_version: Option<u64>,
     ) -> Result<u64, CoordError> {
         let w = workload(name)?;
-        let mut body = serde_json::json!({ "spec": { "replicas": replicas } });
-        if let Some(v) = if_version {
-            body["metadata"] = serde_json::json!({ "resourceVersion": v.to_string() });
-        }
-        let patch = Patch::Merge(body);
-        let pp = PatchParams::default();
-        let scale = match w.kind {
-            WorkloadKind::Deployment => {
-                Api::<Deployment>::namespaced(self.client.clone(), &w.namespace)
-                    .patch_scale(&w.name, &pp, &patch)
-                    .await
-            }
-            WorkloadKind::StatefulSet => {
-                Api::<StatefulSet>::namespaced(self.client.clone(), &w.namespace)
-                    .patch_scale(&w.name, &pp, &patch)
-                    .await
-            }
-        }
-        .map_err(|e| not_found(name, e))?;
+        let scale = patch_replicas(&self.client, &w, replicas, if_version)
+            .await
+            .map_err(|e| not_found(name, e))?;
         version(&scale.metadata)
     }
 
@@ -168,21 +184,10 @@ impl Coordinator for KubeCoordinator {
                     "annotations": { LAST_USED: last_used_ms.to_string() },
                 }
             }));
-            let pp = PatchParams::default();
-            let written = match w.kind {
-                WorkloadKind::Deployment => {
-                    Api::<Deployment>::namespaced(self.client.clone(), &w.namespace)
-                        .patch(&w.name, &pp, &patch)
-                        .await
-                        .map(|d| d.metadata)
-                }
-                WorkloadKind::StatefulSet => {
-                    Api::<StatefulSet>::namespaced(self.client.clone(), &w.namespace)
-                        .patch(&w.name, &pp, &patch)
-                        .await
-                        .map(|d| d.metadata)
-                }
-            };
+            let written = workload_api(&self.client, &w)
+                .patch(&w.name, &PatchParams::default(), &patch)
+                .await
+                .map(|d| d.metadata);
             match written {
                 Ok(meta) => return version(&meta),
                 Err(kube::Error::Api(s)) if s.code == 409 => continue,

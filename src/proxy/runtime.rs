@@ -126,6 +126,18 @@ async fn observe_once(
     }
 }
 
+/// What the proxy knows of `routes`' traffic that the log may not have yet: requests in flight
+/// and the newest request time.
+pub fn live_of<'a>(traffic: &Traffic, routes: impl IntoIterator<Item = &'a String>) -> Live {
+    let mut live = Live::default();
+    for r in routes {
+        let t = traffic.route(r);
+        live.in_flight += t.in_flight();
+        live.last_at_ms = live.last_at_ms.max(t.last_at_ms());
+    }
+    live
+}
+
 /// Scales idle workloads down to their minimum.
 pub async fn run_downscaler(
     log: Arc<Log>,
@@ -161,12 +173,7 @@ pub async fn run_downscaler(
                 .collect()
         });
         for (deployment, routes) in candidates {
-            let mut live = Live::default();
-            for r in &routes {
-                let t = traffic.route(r);
-                live.in_flight += t.in_flight();
-                live.last_at_ms = live.last_at_ms.max(t.last_at_ms());
-            }
+            let live = live_of(&traffic, &routes);
             if live.in_flight > 0 {
                 continue;
             }

@@ -96,14 +96,26 @@ pub fn private_network() {
 /// kubectl and blocks the thread meanwhile, so an interval, already due again when a check
 /// returns, would never let them run.
 pub async fn wait_for(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
+    wait_until(what, limit, || std::future::ready(check().then_some(()))).await
+}
+
+/// [`wait_for`] with an asynchronous check that gives a value once the condition holds.
+pub async fn wait_until<T, F: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    limit: Duration,
+    mut check: impl FnMut() -> F,
+) -> T {
     let wait = async {
-        while !check() {
+        loop {
+            if let Some(v) = check().await {
+                return v;
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
     tokio::time::timeout(limit, wait)
         .await
-        .unwrap_or_else(|_| panic!("{what}: not within {limit:?}"));
+        .unwrap_or_else(|_| panic!("{what}: not within {limit:?}"))
 }
 
 impl ControlPlane {

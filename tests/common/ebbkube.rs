@@ -19,10 +19,9 @@ pub async fn client(cp: &ControlPlane) -> kube::Client {
     kube::Client::try_from(config).expect("client")
 }
 
-/// The example app as a Deployment at zero replicas, to be woken by ebb, and the Services in
-/// front of it: `hello` with ebb's annotations, `legacy` with proxless', `bad` with a host name
-/// that is not one.
-pub fn serverless_hello(idle_after: &str) -> String {
+/// The example app as the Deployment `hello` at `replicas` (listening on its pod's address,
+/// probed on `/health`).
+pub fn hello_deployment(replicas: u32) -> String {
     format!(
         r#"
 apiVersion: apps/v1
@@ -31,7 +30,7 @@ metadata:
   name: hello
   namespace: default
 spec:
-  replicas: 0
+  replicas: {replicas}
   selector:
     matchLabels: {{app: hello}}
   template:
@@ -49,49 +48,63 @@ spec:
           valueFrom: {{fieldRef: {{fieldPath: status.podIP}}}}
         readinessProbe:
           httpGet: {{path: /health, port: 8080}}
+"#
+    )
+}
+
+/// The Service `name` in front of `hello`, with `annotations` (YAML values as written).
+pub fn hello_service(name: &str, annotations: &[(&str, &str)]) -> String {
+    let mut meta = String::new();
+    if !annotations.is_empty() {
+        meta.push_str("  annotations:\n");
+        for (k, v) in annotations {
+            meta.push_str(&format!("    {k}: {v}\n"));
+        }
+    }
+    format!(
+        r#"
 ---
 apiVersion: v1
 kind: Service
 metadata:
-  name: hello
+  name: {name}
   namespace: default
-  annotations:
-    ebb.dev/domains: hello.test
-    ebb.dev/deployment: hello
-    ebb.dev/idle-after: {idle_after}
-    ebb.dev/hold-timeout: 60s
-spec:
-  selector: {{app: hello}}
-  ports:
-  - {{port: 80, targetPort: 8080}}
----
-apiVersion: v1
-kind: Service
-metadata:
-  name: legacy
-  namespace: default
-  annotations:
-    proxless/domains: legacy.test
-    proxless/deployment: hello
-spec:
-  selector: {{app: hello}}
-  ports:
-  - {{port: 80, targetPort: 8080}}
----
-apiVersion: v1
-kind: Service
-metadata:
-  name: bad
-  namespace: default
-  annotations:
-    ebb.dev/domains: "not a host!"
-    ebb.dev/deployment: hello
-spec:
+{meta}spec:
   selector: {{app: hello}}
   ports:
   - {{port: 80, targetPort: 8080}}
 "#
     )
+}
+
+/// The example app as a Deployment at zero replicas, to be woken by ebb, and the Services in
+/// front of it: `hello` with ebb's annotations, `legacy` with proxless', `bad` with a host name
+/// that is not one.
+pub fn serverless_hello(idle_after: &str) -> String {
+    hello_deployment(0)
+        + &hello_service(
+            "hello",
+            &[
+                ("ebb.dev/domains", "hello.test"),
+                ("ebb.dev/deployment", "hello"),
+                ("ebb.dev/idle-after", idle_after),
+                ("ebb.dev/hold-timeout", "60s"),
+            ],
+        )
+        + &hello_service(
+            "legacy",
+            &[
+                ("proxless/domains", "legacy.test"),
+                ("proxless/deployment", "hello"),
+            ],
+        )
+        + &hello_service(
+            "bad",
+            &[
+                ("ebb.dev/domains", "\"not a host!\""),
+                ("ebb.dev/deployment", "hello"),
+            ],
+        )
 }
 
 /// `GET path` through ebb's proxy for `host`: the status and the body (`Connection: close`).
@@ -123,8 +136,8 @@ pub async fn get(proxy: std::net::SocketAddr, host: &str, path: &str) -> (u16, S
     (status, body)
 }
 
-/// `deploy/`, applied as it is (its StatefulSet stays at rest: the harness runs no StatefulSet
-/// controller), and a kubeconfig with a token of its ServiceAccount `ebb/ebb` from the
+/// `deploy/`, applied as it is (its StatefulSet's pods stay Pending: no PersistentVolume is there
+/// for their claims), and a kubeconfig with a token of its ServiceAccount `ebb/ebb` from the
 /// TokenRequest API: ebb runs with the RBAC of `deploy/` and nothing more.
 pub fn deployed_service_account(cp: &ControlPlane) -> std::path::PathBuf {
     let deploy = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy");
@@ -133,9 +146,18 @@ pub fn deployed_service_account(cp: &ControlPlane) -> std::path::PathBuf {
     cp.kubeconfig_with_token("ebb", token.trim())
 }
 
+/// The intervals the tests run ebb on Kubernetes with: replicas read back every second, last use
+/// published every half second, a 3-second Lease.
+pub const TEST_TIMING: [&str; 4] = [
+    "--kube-sync-ms=1000",
+    "--kube-touch-ms=500",
+    "--kube-lease-ms=3000",
+    "--kube-max-skew-ms=50",
+];
+
 /// `ebb serve` on Kubernetes as `deploy/`'s ServiceAccount, serving the `default` namespace, its
-/// Lease in `ebb`.
-pub fn serve_on(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> super::Ebb {
+/// Lease in `ebb`, with `extra` flags.
+pub fn serve_kube(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> super::Ebb {
     let kubeconfig = deployed_service_account(cp);
     let mut args = vec![
         "--orchestrator",
@@ -144,14 +166,6 @@ pub fn serve_on(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> su
         "default",
         "--pod-namespace",
         "ebb",
-        "--kube-sync-ms",
-        "1000",
-        "--kube-touch-ms",
-        "500",
-        "--kube-lease-ms",
-        "3000",
-        "--kube-max-skew-ms",
-        "50",
     ];
     args.extend_from_slice(extra);
     super::serve_env(
@@ -161,6 +175,32 @@ pub fn serve_on(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> su
         &args,
         &[("KUBECONFIG", kubeconfig.as_os_str())],
     )
+}
+
+/// [`serve_kube`] at the tests' intervals ([`TEST_TIMING`]).
+pub fn serve_on(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> super::Ebb {
+    let mut args = TEST_TIMING.to_vec();
+    args.extend_from_slice(extra);
+    serve_kube(cp, data, &args)
+}
+
+/// The control plane, a client for its administrator, and the test node agent running `ebb`
+/// images as the built binary.
+pub async fn cluster() -> (ControlPlane, kube::Client, super::node::NodeAgent) {
+    let cp = ControlPlane::start().await;
+    let kube = client(&cp).await;
+    let images = [(
+        "ebb".to_owned(),
+        std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
+    )]
+    .into();
+    let agent = super::node::start(kube.clone(), images).await;
+    (cp, kube, agent)
+}
+
+/// `kubectl apply --server-side` of a manifest.
+pub fn apply(cp: &ControlPlane, manifest: &str) {
+    cp.kubectl_stdin(&["apply", "--server-side", "-f", "-"], manifest);
 }
 
 /// The names of the routes in ebb's log now (replayed from its events).
