@@ -130,6 +130,10 @@ enum Command {
         /// On Kubernetes: watch this namespace only (default: all namespaces).
         #[arg(long, env = "NAMESPACE")]
         namespace: Option<String>,
+        /// On Kubernetes: where function templates with an image get their Deployment and
+        /// Service (default: the watched namespace, else ebb's own).
+        #[arg(long, env = "EBB_FUNCTIONS_NAMESPACE")]
+        functions_namespace: Option<String>,
         /// On Kubernetes: how often each workload's replicas are read back, in ms.
         #[arg(long, default_value_t = 10_000)]
         kube_sync_ms: u64,
@@ -391,6 +395,7 @@ fn run(cli: Cli) -> Result<()> {
             kafka_partitions,
             orchestrator,
             namespace,
+            functions_namespace,
             kube_sync_ms,
             kube_qps,
             pod_name,
@@ -437,6 +442,9 @@ fn run(cli: Cli) -> Result<()> {
                 }),
                 kubernetes: (orchestrator == Backend::Kubernetes).then(|| {
                     ebb::orchestrator::kube::KubeOptions {
+                        functions_namespace: functions_namespace
+                            .or_else(|| namespace.clone())
+                            .unwrap_or_else(|| pod_namespace.clone()),
                         namespace,
                         sync_interval_ms: kube_sync_ms,
                         instance: pod_name,

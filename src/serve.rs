@@ -127,6 +127,15 @@ pub async fn run(
                     app.name
                 );
             }
+            if let Some(ns) = &k.namespace
+                && ns != &k.functions_namespace
+            {
+                anyhow::bail!(
+                    "image functions go to namespace {:?}, but this ebb watches {ns:?} only: \
+                     it would not see their endpoints (give --functions-namespace {ns})",
+                    k.functions_namespace
+                );
+            }
             let client = ::kube::Client::try_default().await.context(
                 "configuring the Kubernetes client (KUBECONFIG or the pod's service account)",
             )?;
@@ -277,12 +286,16 @@ pub async fn run(
         .recover()
         .await
         .context("putting queued calls back on the queue")?;
-    let functions = Arc::new(crate::functions::runtime::FunctionService::new(
+    let functions = crate::functions::runtime::FunctionService::new(
         log.clone(),
         calls.clone(),
         clock.clone(),
         options.functions,
-    ));
+    );
+    let functions = Arc::new(match &kube {
+        Some(_) => functions.on_kubernetes(),
+        None => functions,
+    });
     let cron = tokio::spawn(crate::functions::runtime::run_cron(
         functions.clone(),
         stop_rx.clone(),

@@ -251,6 +251,26 @@ fn bad_input_gets_one_clear_line_and_a_non_zero_exit() {
         &ebb(&not_log, &["serve", "--listen", "127.0.0.1:0"]),
         "is not an ebb log",
     );
+    // Image functions where this ebb would not see their endpoints.
+    fails(
+        &ebb(
+            &tmp.path().join("fresh"),
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--orchestrator",
+                "kubernetes",
+                "--namespace",
+                "apps",
+                "--functions-namespace",
+                "fns",
+            ],
+        ),
+        "watches \"apps\" only",
+    );
 
     // A truncated record names its seq, in every tool that reads it.
     let good = encode(&ebb::event::Envelope {

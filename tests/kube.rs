@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::controlplane::{ControlPlane, NOBODY_TOKEN, http_get, wait_for, wait_until};
 use common::ebbkube::{
     TEST_TIMING, apply, client, cluster, deployed_service_account, get, hello_deployment,
-    hello_service, json, pid_of, routes, serve_on, serverless_hello,
+    hello_service, json, pid_of, routes, send, serve_deployed, serve_on, serverless_hello,
 };
 
 /// A Deployment of the example app at one replica and a plain Service in front of it.
@@ -540,7 +540,8 @@ fn copy_tree(from: &std::path::Path, to: &std::path::Path) {
 /// pod's address, with a data directory per pod, the ServiceAccount's token as its kubeconfig; a
 /// hostPath PersistentVolume per replica) brings up two ebb pods through the real StatefulSet
 /// controller, volume binding and scheduler; each serves an annotated Service, waking its
-/// Deployment.
+/// Deployment; an image function made through one of them is owned by ebb's StatefulSet (the
+/// garbage collector removes it with ebb) and answers.
 #[tokio::test]
 async fn kubectl_apply_k_deploy_brings_up_two_ebbs_that_serve_annotated_services() {
     let (cp, _, _agent) = cluster().await;
@@ -586,7 +587,7 @@ patches:
       value:
       - serve
       - --orchestrator=kubernetes
-      - --namespace=default
+      - --api-token={FN_TOKEN}
       - --listen=$(POD_IP):8080
       - --admin-listen=$(POD_IP):8081
       - --data-dir={data}/$(POD_NAME)
@@ -664,6 +665,39 @@ patches:
         lease_holder(&cp).is_some_and(|h| h == "ebb-0" || h == "ebb-1")
     })
     .await;
+
+    // An image function made by a replica is owned by ebb's StatefulSet, and runs.
+    let admin: std::net::SocketAddr = format!("{}:8081", ips[0]).parse().unwrap();
+    let (status, body) = send(
+        admin,
+        "POST",
+        "ebb",
+        "/api/funcs/template",
+        Some(FN_TOKEN),
+        &image_template("owned", "upper"),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    let d = wait_until(
+        "the function's Deployment",
+        Duration::from_secs(30),
+        || async { function_deployment(&cp, "fn-owned") },
+    )
+    .await;
+    let owners = &d["metadata"]["ownerReferences"];
+    assert_eq!(owners[0]["kind"], "StatefulSet", "{d}");
+    assert_eq!(owners[0]["name"], "ebb", "{d}");
+    let (status, body) = send(
+        admin,
+        "POST",
+        "ebb",
+        "/api/funcs/owned?wait=60",
+        Some(FN_TOKEN),
+        "abc",
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"ABC\""), "{body}");
 }
 
 /// ebb with deploy/'s permissions less one (patching `deployments/scale`): a request to the
@@ -709,7 +743,7 @@ async fn a_missing_permission_is_one_log_line_and_a_warning_event_not_a_crash() 
         "ebb-weak-lease",
         "-n",
         "ebb",
-        "--role=ebb-lease",
+        "--role=ebb-own",
         "--serviceaccount=ebb:weak",
     ]);
     let token = cp.kubectl(&["create", "token", "weak", "-n", "ebb", "--duration", "1h"]);
@@ -788,4 +822,281 @@ async fn a_missing_permission_is_one_log_line_and_a_warning_event_not_a_crash() 
     assert!(ready.contains(r#""code":"not_ready""#), "{ready}");
     let health = http_get(&blind.admin.to_string(), "/healthz").expect("ebb answers");
     assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+}
+
+/// The functions API's bearer token in the function tests.
+const FN_TOKEN: &str = "fn-token";
+
+/// The JSON of a functions API call's answer.
+async fn fn_api(
+    ebb: &common::Ebb,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (u16, serde_json::Value) {
+    let (status, body) = send(ebb.admin, method, "ebb", path, Some(FN_TOKEN), body).await;
+    let v = serde_json::from_str(&body).unwrap_or(serde_json::Value::String(body));
+    (status, v)
+}
+
+/// The function's Deployment in ebb's namespace, if there is one.
+fn function_deployment(cp: &ControlPlane, name: &str) -> Option<serde_json::Value> {
+    cp.try_kubectl(&["get", "deployment", name, "-n", "ebb", "-o", "json"])
+        .ok()
+        .map(|s| json(&s))
+}
+
+/// An image template: the example app from the `ebb` image, listening on its pod's address.
+fn image_template(name: &str, function: &str) -> String {
+    serde_json::json!({
+        "name": name,
+        "function": function,
+        "image": "ebb",
+        "command": ["ebb", "example-app", "--host", "$(POD_IP)"],
+    })
+    .to_string()
+}
+
+/// A function template with an image becomes a Deployment and a Service that ebb makes in its
+/// namespace (labelled as the function's, applied by ebb's field manager with deploy/'s RBAC), at
+/// the replicas the log asks (none); an invocation wakes it through `/scale` and is answered by
+/// the pod's process; a changed template rolls the pods; a name someone else's object has is
+/// never taken over (a Warning Event says why); deleting the template deletes both objects, and
+/// a replica of ebb that no longer has a function deletes what it made for it when it starts.
+#[tokio::test]
+async fn image_functions_run_as_deployments_and_services_that_ebb_makes() {
+    let (cp, _, _agent) = cluster().await;
+    let data = tempfile::tempdir().unwrap();
+    let mut args = TEST_TIMING.to_vec();
+    args.extend(["--api-token", FN_TOKEN]);
+    let ebb = serve_deployed(&cp, data.path(), &args);
+
+    let (status, v) = fn_api(
+        &ebb,
+        "POST",
+        "/api/funcs/template",
+        &image_template("shout", "upper"),
+    )
+    .await;
+    assert_eq!(status, 201, "{v}");
+    let d = wait_until(
+        "the function's Deployment",
+        Duration::from_secs(30),
+        || async { function_deployment(&cp, "fn-shout") },
+    )
+    .await;
+    assert_eq!(d["metadata"]["labels"]["ebb.dev/function"], "shout");
+    assert_eq!(
+        d["metadata"]["labels"]["app.kubernetes.io/managed-by"],
+        "ebb"
+    );
+    assert_eq!(d["metadata"]["annotations"]["ebb.dev/owner"], "ebb");
+    assert_eq!(d["spec"]["replicas"], 0, "no instance asked for yet");
+    let fields = json(&cp.kubectl(&[
+        "get",
+        "deployment",
+        "fn-shout",
+        "-n",
+        "ebb",
+        "--show-managed-fields",
+        "-o",
+        "json",
+    ]));
+    let managers: Vec<&str> = fields["metadata"]["managedFields"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| m["manager"].as_str())
+        .collect();
+    assert!(managers.contains(&"ebb"), "{managers:?}");
+    let service = json(&cp.kubectl(&["get", "service", "fn-shout", "-n", "ebb", "-o", "json"]));
+    assert_eq!(service["spec"]["selector"]["ebb.dev/function"], "shout");
+
+    // Invoked and waited for: woken through /scale, answered by the pod's process.
+    let (status, v) = fn_api(&ebb, "POST", "/api/funcs/shout?wait=60", "abc").await;
+    assert_eq!(
+        (status, &v["result"]),
+        (200, &serde_json::json!("ABC")),
+        "{v}"
+    );
+    let pods = json(&cp.kubectl(&[
+        "get",
+        "pods",
+        "-n",
+        "ebb",
+        "-l",
+        "ebb.dev/function=shout",
+        "-o",
+        "json",
+    ]));
+    assert!(
+        pods["items"].as_array().is_some_and(|p| !p.is_empty()),
+        "{pods}"
+    );
+    assert!(
+        cp.audit_events().iter().any(|e| e["verb"] == "patch"
+            && e["objectRef"]["subresource"] == "scale"
+            && e["objectRef"]["name"] == "fn-shout"
+            && e["user"]["username"] == "system:serviceaccount:ebb:ebb"),
+        "woken through /scale as deploy/'s ServiceAccount"
+    );
+
+    // Changed: the Deployment follows, its pods roll, the new function answers.
+    let (status, v) = fn_api(
+        &ebb,
+        "PUT",
+        "/api/funcs/template/shout",
+        &image_template("shout", "reverse"),
+    )
+    .await;
+    assert_eq!(status, 200, "{v}");
+    wait_for("the Deployment changed", Duration::from_secs(30), || {
+        function_deployment(&cp, "fn-shout").is_some_and(|d| {
+            d["spec"]["template"]["spec"]["containers"][0]["env"]
+                .as_array()
+                .is_some_and(|env| {
+                    env.iter()
+                        .any(|e| e["name"] == "EBB_FUNCTION" && e["value"] == "reverse")
+                })
+        })
+    })
+    .await;
+    wait_until(
+        "the new function answering",
+        Duration::from_secs(60),
+        || async {
+            let (status, v) = fn_api(&ebb, "POST", "/api/funcs/shout?wait=60", "abc").await;
+            assert_eq!(status, 200, "{v}");
+            (v["result"] == "cba").then_some(())
+        },
+    )
+    .await;
+
+    // On Kubernetes a template needs an image: one with a command only does not run here.
+    let command_only = serde_json::json!({
+        "name": "local", "function": "upper", "command": ["ebb", "example-app"],
+    });
+    assert_eq!(
+        fn_api(
+            &ebb,
+            "POST",
+            "/api/funcs/template",
+            &command_only.to_string()
+        )
+        .await
+        .0,
+        201
+    );
+    let (status, v) = fn_api(&ebb, "POST", "/api/funcs/local", "x").await;
+    assert_eq!(
+        (status, &v["code"]),
+        (501, &serde_json::json!("not_runnable")),
+        "{v}"
+    );
+    assert!(
+        v["error"].as_str().is_some_and(|e| e.contains("image")),
+        "{v}"
+    );
+
+    // Someone else's Deployment has the name: left alone, a Warning Event on it says why.
+    apply(
+        &cp,
+        &hello_deployment(0).replace(
+            "name: hello\n  namespace: default",
+            "name: fn-taken\n  namespace: ebb",
+        ),
+    );
+    assert_eq!(
+        fn_api(
+            &ebb,
+            "POST",
+            "/api/funcs/template",
+            &image_template("taken", "upper")
+        )
+        .await
+        .0,
+        201
+    );
+    wait_for(
+        "a Warning Event on the user's Deployment",
+        Duration::from_secs(30),
+        || {
+            let events = json(&cp.kubectl(&["get", "events", "-n", "ebb", "-o", "json"]));
+            events["items"].as_array().is_some_and(|items| {
+                items.iter().any(|e| {
+                    e["type"] == "Warning"
+                        && e["reason"] == "FunctionConflict"
+                        && e["involvedObject"]["name"] == "fn-taken"
+                })
+            })
+        },
+    )
+    .await;
+    let theirs = function_deployment(&cp, "fn-taken").expect("still there");
+    assert!(
+        theirs["metadata"]["labels"]
+            .get("ebb.dev/function")
+            .is_none(),
+        "{theirs}"
+    );
+    assert!(
+        cp.try_kubectl(&["get", "service", "fn-taken", "-n", "ebb"])
+            .is_err()
+    );
+
+    // Deleted: both objects go, and the pods with them.
+    assert_eq!(
+        fn_api(&ebb, "DELETE", "/api/funcs/template/shout", "")
+            .await
+            .0,
+        200
+    );
+    wait_for(
+        "the function's objects deleted",
+        Duration::from_secs(60),
+        || {
+            function_deployment(&cp, "fn-shout").is_none()
+                && cp
+                    .try_kubectl(&["get", "service", "fn-shout", "-n", "ebb"])
+                    .is_err()
+        },
+    )
+    .await;
+
+    // A function this replica made, unknown to it after a restart with an empty log: deleted.
+    assert_eq!(
+        fn_api(
+            &ebb,
+            "POST",
+            "/api/funcs/template",
+            &image_template("stale", "upper")
+        )
+        .await
+        .0,
+        201
+    );
+    wait_for(
+        "the stale function's Deployment",
+        Duration::from_secs(30),
+        || function_deployment(&cp, "fn-stale").is_some(),
+    )
+    .await;
+    drop(ebb);
+    let fresh = tempfile::tempdir().unwrap();
+    let _ebb = serve_deployed(&cp, fresh.path(), &args);
+    wait_for(
+        "the stale function's objects deleted",
+        Duration::from_secs(30),
+        || {
+            function_deployment(&cp, "fn-stale").is_none()
+                && cp
+                    .try_kubectl(&["get", "service", "fn-stale", "-n", "ebb"])
+                    .is_err()
+        },
+    )
+    .await;
+    assert!(
+        function_deployment(&cp, "fn-taken").is_some(),
+        "someone else's stays"
+    );
 }

@@ -565,6 +565,10 @@ fn register(app: &AppState, object: Option<&Value>) {
     let (Some(o), Some(name)) = (&app.orchestrator, object.and_then(|v| v["name"].as_str())) else {
         return;
     };
+    // On Kubernetes the backend makes a function's workload from the log's template itself.
+    if app.functions.as_ref().is_some_and(|f| f.kubernetes()) {
+        return;
+    }
     let spec = app
         .log
         .read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()));

@@ -147,9 +147,12 @@ pub fn decide_autoscale(
 }
 
 /// The route (and workload) that serves a template run by ebb: `fn-NAME`, reached as
-/// `NAME.fn.ebb.internal`. Templates served elsewhere (`serviceAddress`, `image` only) have none.
+/// `NAME.fn.ebb.internal`. A template with a `command` runs it as a local process; one with an
+/// `image` runs on Kubernetes as the Deployment `fn-NAME` behind the Service `fn-NAME`
+/// ([`crate::orchestrator::kube_functions`]). Templates served elsewhere (`serviceAddress` only)
+/// have none.
 pub fn route_of(t: &TemplateSpec) -> Option<RouteSpec> {
-    if t.command.is_empty() {
+    if t.command.is_empty() && t.image.is_none() {
         return None;
     }
     let name = format!("fn-{}", t.name);
@@ -162,7 +165,7 @@ pub fn route_of(t: &TemplateSpec) -> Option<RouteSpec> {
         max_replicas: t.max_instances,
         hold_timeout_ms: t.timeout_ms,
         hold_queue_max: 10_000,
-        process: Some(ProcessSpec {
+        process: (!t.command.is_empty()).then(|| ProcessSpec {
             command: t.command.clone(),
             env: vec![
                 ("EBB_FUNCTION".into(), t.function.clone()),
@@ -202,16 +205,24 @@ pub fn check_chain(state: &State, name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Whether this ebb can run a template's steps: it runs its command, or calls its
-/// `serviceAddress`. An image alone needs the Kubernetes backend.
-pub fn runnable(t: &TemplateSpec) -> Result<(), String> {
-    if t.command.is_empty() && t.service_address.is_none() {
-        return Err(format!(
+/// Whether this ebb can run a template's steps: it calls its `serviceAddress`, or runs its
+/// server: from its `command` as a local process, or from its `image` on Kubernetes
+/// (`kubernetes`: the backend this ebb runs workloads on).
+pub fn runnable(t: &TemplateSpec, kubernetes: bool) -> Result<(), String> {
+    if t.service_address.is_some() {
+        return Ok(());
+    }
+    match (kubernetes, t.image.is_some(), t.command.is_empty()) {
+        (true, true, _) | (false, _, false) => Ok(()),
+        (true, false, _) => Err(format!(
+            "function {:?} has no image, and this ebb runs workloads on Kubernetes; give it an image or a serviceAddress",
+            t.name
+        )),
+        (false, _, true) => Err(format!(
             "function {:?} runs from an image, and this ebb runs no Kubernetes backend; give it a command or a serviceAddress",
             t.name
-        ));
+        )),
     }
-    Ok(())
 }
 
 /// The host name a template's workload is reached by through ebb's proxy.
@@ -279,8 +290,9 @@ pub enum Next {
 /// The chain rule: once an instance's last step ended, it continues with the function on the
 /// branch its answer named (`X-Ebb-Branch: left | right`, default `left`) with the answer's
 /// body as input, or ends with that body when the branch names none (or `RETURN`). A failed
-/// step, an unknown next function or the step bound ends it in error.
-pub fn decide_next(state: &State, instance: &str) -> Next {
+/// step, an unknown next function, one this ebb cannot run (`kubernetes`: its backend) or the
+/// step bound ends it in error.
+pub fn decide_next(state: &State, instance: &str, kubernetes: bool) -> Next {
     let Some(i) = state.functions.instances.get(instance) else {
         return Next::Wait;
     };
@@ -373,13 +385,15 @@ pub fn decide_next(state: &State, instance: &str) -> Next {
             )
             .into_bytes(),
         },
-        Some(n) if runnable(&state.functions.templates[&n].spec).is_err() => Next::Finish {
-            outcome: Outcome::Error,
-            result: runnable(&state.functions.templates[&n].spec)
-                .err()
-                .unwrap_or_default()
-                .into_bytes(),
-        },
+        Some(n) if runnable(&state.functions.templates[&n].spec, kubernetes).is_err() => {
+            Next::Finish {
+                outcome: Outcome::Error,
+                result: runnable(&state.functions.templates[&n].spec, kubernetes)
+                    .err()
+                    .unwrap_or_default()
+                    .into_bytes(),
+            }
+        }
         Some(n) => Next::Step {
             function: n,
             input: body,
@@ -598,6 +612,15 @@ pub fn validate(t: &TemplateSpec) -> Result<(), String> {
             .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
     {
         return Err(format!("serviceAddress {a:?} is not host:port"));
+    }
+    if let Some(i) = &t.image
+        && (i.is_empty()
+            || i.len() > 1_024
+            || i.chars().any(|c| c.is_whitespace() || c.is_control()))
+    {
+        return Err(format!(
+            "image {i:?} is not an image reference (1 to 1024 characters, no spaces)"
+        ));
     }
     if t.command.first().is_some_and(|c| c.is_empty()) {
         return Err("command's program is empty".into());

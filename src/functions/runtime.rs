@@ -66,6 +66,8 @@ pub struct FunctionService {
     calls: Arc<Calls>,
     clock: Arc<dyn Clock>,
     autoscale: Autoscale,
+    /// Whether workloads run on Kubernetes (image templates run; command ones do not).
+    kubernetes: bool,
     /// Steps queued per function since the autoscaler's last period.
     queued: Mutex<BTreeMap<String, u64>>,
 }
@@ -83,8 +85,21 @@ impl FunctionService {
             calls,
             clock,
             autoscale,
+            kubernetes: false,
             queued: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// The service for an ebb whose workloads run on Kubernetes: templates run from their
+    /// `image`.
+    pub fn on_kubernetes(mut self) -> Self {
+        self.kubernetes = true;
+        self
+    }
+
+    /// Whether templates run from their image on Kubernetes (else from their command).
+    pub fn kubernetes(&self) -> bool {
+        self.kubernetes
     }
 
     /// A template's spec.
@@ -116,7 +131,7 @@ impl FunctionService {
         let template = self
             .template(name)
             .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
-        super::runnable(&template).map_err(FnError::NotRunnable)?;
+        super::runnable(&template, self.kubernetes).map_err(FnError::NotRunnable)?;
         self.log
             .read(|s| super::check_chain(s, name))
             .map_err(FnError::UnknownNext)?;
@@ -180,7 +195,7 @@ impl FunctionService {
         let template = self
             .template(name)
             .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
-        super::runnable(&template).map_err(FnError::NotRunnable)?;
+        super::runnable(&template, self.kubernetes).map_err(FnError::NotRunnable)?;
         if steps >= super::MAX_STEPS {
             return Err(FnError::Bound(id.to_owned()));
         }
@@ -266,9 +281,10 @@ impl FunctionService {
     /// Moves instance `id` on if its last step ended: the next step, or its end. Returns
     /// whether it changed.
     pub async fn advance(&self, id: &str) -> Result<bool, FnError> {
+        let kubernetes = self.kubernetes;
         let (next, steps) = self.log.read(|s| {
             (
-                decide_next(s, id),
+                decide_next(s, id, kubernetes),
                 s.functions.instances.get(id).map_or(0, |i| i.steps.len()),
             )
         });
@@ -278,7 +294,7 @@ impl FunctionService {
             Next::Finish { .. } => {
                 let (changed, _) = self
                     .log
-                    .decide(move |s: &State, _| match decide_next(s, &iid) {
+                    .decide(move |s: &State, _| match decide_next(s, &iid, kubernetes) {
                         Next::Finish { outcome, result } => (
                             vec![Event::InstanceFinished {
                                 id: iid,
@@ -302,7 +318,7 @@ impl FunctionService {
                 let changed = self
                     .calls
                     .put_and_decide(vec![call.clone()], move |s: &State, _| {
-                        let still = matches!(decide_next(s, &iid), Next::Step { function: ref f, .. } if *f == function)
+                        let still = matches!(decide_next(s, &iid, kubernetes), Next::Step { function: ref f, .. } if *f == function)
                             && s.functions.instances.get(&iid).map(|i| i.steps.len()) == Some(steps);
                         if !still {
                             return (Vec::new(), false);
@@ -344,6 +360,11 @@ impl FunctionService {
                 .collect::<Vec<_>>()
         }));
         for (deployment, n) in scales {
+            // A workload the backend does not run (yet: an image function's Deployment being
+            // made; or ever: an image template on one machine) is scaled once it does.
+            if orchestrator.observe(&deployment).is_none() {
+                continue;
+            }
             if let Err(e) = orchestrator.scale(&deployment, n) {
                 tracing::warn!(%deployment, error = %e, "scaling a function failed");
             }

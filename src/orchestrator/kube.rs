@@ -63,6 +63,8 @@ pub const CONTROLLER: &str = "ebb.dev/ebb";
 pub struct KubeOptions {
     /// Watch this namespace only (`None`: all namespaces).
     pub namespace: Option<String>,
+    /// Where image functions' Deployments and Services are made.
+    pub functions_namespace: String,
     /// Settings of routes whose Service does not say.
     pub defaults: RouteDefaults,
     /// How often each workload's replicas are read back.
@@ -83,6 +85,7 @@ impl Default for KubeOptions {
     fn default() -> Self {
         Self {
             namespace: None,
+            functions_namespace: "default".to_owned(),
             defaults: RouteDefaults::default(),
             sync_interval_ms: 10_000,
             instance: "ebb".to_owned(),
@@ -116,13 +119,15 @@ struct Tracked {
     writes_begun: u64,
     writes_done: u64,
     labelled: bool,
+    /// The workload of an image function (made by ebb), not of an annotated Service.
+    function: bool,
     failures: u64,
     last_failure: Option<String>,
 }
 
 /// Requests per second with a burst: a request takes a permit; [`Limiter::refill`] puts one back
 /// every `interval`, up to `burst`.
-struct Limiter {
+pub(super) struct Limiter {
     interval: Duration,
     burst: usize,
     permits: tokio::sync::Semaphore,
@@ -138,7 +143,7 @@ impl Limiter {
         }
     }
 
-    async fn acquire(&self) {
+    pub(super) async fn acquire(&self) {
         if let Ok(p) = self.permits.acquire().await {
             p.forget();
         }
@@ -168,15 +173,15 @@ struct Inner {
 
 /// Runs workloads on Kubernetes: the [`Orchestrator`] for routes of annotated Services.
 pub struct KubeOrchestrator {
-    client: kube::Client,
-    options: KubeOptions,
+    pub(super) client: kube::Client,
+    pub(super) options: KubeOptions,
     inner: Mutex<Inner>,
     changes: watch::Sender<u64>,
     /// Wakes the scale writer.
     scale_asked: Notify,
     /// Wakes the sync loop (a workload newly tracked).
     sync_asked: Notify,
-    limiter: Limiter,
+    pub(super) limiter: Limiter,
     recorder: Recorder,
     /// Whether the Services (routes decided) and the EndpointSlices have been listed.
     services_listed: std::sync::atomic::AtomicBool,
@@ -224,6 +229,27 @@ impl KubeOrchestrator {
 
     /// Tracks the workload of a route: `key` is the route's `deployment`.
     fn track(&self, key: &str, workload: &Workload, service: ServiceKey, port: Option<String>) {
+        self.track_as(key, workload, service, port, false);
+    }
+
+    /// Tracks the workload of an image function.
+    pub(super) fn track_function(&self, key: &str, workload: &Workload, service: &str) {
+        let service = ServiceKey {
+            namespace: workload.namespace.clone(),
+            name: service.to_owned(),
+        };
+        let port = Some(super::kube_functions::PORT_NAME.to_owned());
+        self.track_as(key, workload, service, port, true);
+    }
+
+    fn track_as(
+        &self,
+        key: &str,
+        workload: &Workload,
+        service: ServiceKey,
+        port: Option<String>,
+        function: bool,
+    ) {
         let mut inner = self.lock();
         match inner.workloads.get_mut(key) {
             Some(t) => {
@@ -242,6 +268,7 @@ impl KubeOrchestrator {
                         writes_begun: 0,
                         writes_done: 0,
                         labelled: false,
+                        function,
                         failures: 0,
                         last_failure: None,
                     },
@@ -253,11 +280,13 @@ impl KubeOrchestrator {
         self.changed();
     }
 
-    /// Stops tracking workloads that no route leads to any more.
-    fn retain(&self, keep: &HashSet<String>) {
+    /// Stops tracking the workloads of Services (`function`: of image functions) not in `keep`.
+    pub(super) fn retain(&self, keep: &HashSet<String>, function: bool) {
         let mut inner = self.lock();
         let before = inner.workloads.len();
-        inner.workloads.retain(|k, _| keep.contains(k));
+        inner
+            .workloads
+            .retain(|k, t| t.function != function || keep.contains(k));
         if inner.workloads.len() != before {
             drop(inner);
             self.changed();
@@ -283,7 +312,7 @@ impl KubeOrchestrator {
         self.changed();
     }
 
-    async fn publish(
+    pub(super) async fn publish(
         &self,
         reference: &ObjectReference,
         kind: EventType,
@@ -334,10 +363,10 @@ impl KubeOrchestrator {
 /// and whenever its text changes, and one line when it stops; the same failure repeating (a
 /// missing permission, an API server away) does not flood the log.
 #[derive(Default)]
-struct Complaints(HashMap<String, String>);
+pub(super) struct Complaints(HashMap<String, String>);
 
 impl Complaints {
-    fn failed(&mut self, what: &str, error: &dyn std::fmt::Display) {
+    pub(super) fn failed(&mut self, what: &str, error: &dyn std::fmt::Display) {
         let text = error.to_string();
         if self.0.get(what) != Some(&text) {
             tracing::warn!(error = %text, "{what} failed (reported again only if it changes)");
@@ -345,7 +374,7 @@ impl Complaints {
         }
     }
 
-    fn worked(&mut self, what: &str) {
+    pub(super) fn worked(&mut self, what: &str) {
         if self.0.remove(what).is_some() {
             tracing::info!("{what} works again");
         }
@@ -614,7 +643,7 @@ impl RouteLoop {
                 keep.insert(r.deployment.clone());
             }
         }
-        orch.retain(&keep);
+        orch.retain(&keep, false);
 
         // One Warning Event per distinct problem of a Service.
         self.warned
@@ -1262,7 +1291,8 @@ pub async fn run(log: Arc<Log>, orch: Arc<KubeOrchestrator>, stop: watch::Receiv
         run_routes(log.clone(), orch.clone(), stop.clone()),
         run_endpoints(orch.clone(), stop.clone()),
         run_scaler(log.clone(), orch.clone(), stop.clone()),
-        run_sync(log, orch.clone(), stop.clone()),
+        run_sync(log.clone(), orch.clone(), stop.clone()),
+        super::kube_functions::run(log, orch.clone(), stop.clone()),
     );
 }
 

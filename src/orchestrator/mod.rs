@@ -10,6 +10,7 @@
 pub mod annotations;
 pub mod kube;
 pub mod kube_coordinator;
+pub mod kube_functions;
 pub mod process;
 
 use std::net::SocketAddr;

@@ -109,11 +109,32 @@ pub fn serverless_hello(idle_after: &str) -> String {
 
 /// `GET path` through ebb's proxy for `host`: the status and the body (`Connection: close`).
 pub async fn get(proxy: std::net::SocketAddr, host: &str, path: &str) -> (u16, String) {
+    send(proxy, "GET", host, path, None, "").await
+}
+
+/// `METHOD path` to `addr` for `host` with an optional bearer token and a body: the status and
+/// the body (`Connection: close`, within 90 s).
+pub async fn send(
+    addr: std::net::SocketAddr,
+    method: &str,
+    host: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
     let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(proxy).await?;
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
         s.write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes(),
+            format!(
+                "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: {}\r\n\
+                 Connection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
         )
         .await?;
         let mut answer = Vec::new();
@@ -123,7 +144,7 @@ pub async fn get(proxy: std::net::SocketAddr, host: &str, path: &str) -> (u16, S
     let answer = tokio::time::timeout(Duration::from_secs(90), exchange)
         .await
         .unwrap_or_else(|_| panic!("no answer for {host}{path} within 90 s"))
-        .unwrap_or_else(|e| panic!("GET {host}{path}: {e}"));
+        .unwrap_or_else(|e| panic!("{method} {host}{path}: {e}"));
     let status = answer
         .split(' ')
         .nth(1)
@@ -158,15 +179,16 @@ pub const TEST_TIMING: [&str; 4] = [
 /// `ebb serve` on Kubernetes as `deploy/`'s ServiceAccount, serving the `default` namespace, its
 /// Lease in `ebb`, with `extra` flags.
 pub fn serve_kube(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> super::Ebb {
+    let mut args = vec!["--namespace", "default"];
+    args.extend_from_slice(extra);
+    serve_deployed(cp, data, &args)
+}
+
+/// `ebb serve` on Kubernetes as `deploy/`'s ServiceAccount, as the pod `ebb` of the namespace
+/// `ebb` (its Lease and its image functions there), with `extra` flags.
+pub fn serve_deployed(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> super::Ebb {
     let kubeconfig = deployed_service_account(cp);
-    let mut args = vec![
-        "--orchestrator",
-        "kubernetes",
-        "--namespace",
-        "default",
-        "--pod-namespace",
-        "ebb",
-    ];
+    let mut args = vec!["--orchestrator", "kubernetes", "--pod-namespace", "ebb"];
     args.extend_from_slice(extra);
     super::serve_env(
         data,

@@ -6,7 +6,8 @@
 //! `lo` and its first container's command and args run as a process (`$(VAR)` expanded from the
 //! container's env, `fieldRef`s to `status.podIP`, `metadata.name` and `metadata.namespace`
 //! resolved; a command named in the image map runs that binary); its status is reported through
-//! `pods/status`, `Ready` once its HTTP readiness probe answers 2xx (at once without a probe). A
+//! `pods/status`, `Ready` once its readiness probe passes (an HTTP GET answered 2xx, or a TCP
+//! connection accepted; at once without a probe). Init containers are not run. A
 //! pod being deleted has its process stopped (SIGTERM, its grace period, SIGKILL), its address
 //! released, and is then deleted for good with a UID precondition.
 #![allow(dead_code)]
@@ -53,7 +54,8 @@ struct Running {
     ready: bool,
     /// The process's exit code, once it has exited.
     exited: Option<i32>,
-    probe: Option<(String, u16)>,
+    /// The readiness probe's HTTP path (`None`: a TCP probe) and port.
+    probe: Option<(Option<String>, u16)>,
 }
 
 /// Registers the node and starts the agent as a task of the current (test) thread's runtime.
@@ -189,21 +191,25 @@ async fn run(client: Client, images: HashMap<String, PathBuf>) {
                     continue;
                 };
                 let probe = container.readiness_probe.as_ref().and_then(|p| {
-                    let http = p.http_get.as_ref()?;
-                    let port = match &http.port {
-                        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(p) => {
-                            u16::try_from(*p).ok()?
-                        }
-                        k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(name) => {
-                            container
-                                .ports
-                                .iter()
-                                .flatten()
-                                .find(|p| p.name.as_deref() == Some(name.as_str()))
-                                .and_then(|p| u16::try_from(p.container_port).ok())?
-                        }
+                    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+                    let (path, port) = match (&p.http_get, &p.tcp_socket) {
+                        (Some(http), _) => (
+                            Some(http.path.clone().unwrap_or_else(|| "/".into())),
+                            &http.port,
+                        ),
+                        (None, Some(tcp)) => (None, &tcp.port),
+                        (None, None) => return None,
                     };
-                    Some((http.path.clone().unwrap_or_else(|| "/".into()), port))
+                    let port = match port {
+                        IntOrString::Int(p) => u16::try_from(*p).ok()?,
+                        IntOrString::String(name) => container
+                            .ports
+                            .iter()
+                            .flatten()
+                            .find(|p| p.name.as_deref() == Some(name.as_str()))
+                            .and_then(|p| u16::try_from(p.container_port).ok())?,
+                    };
+                    Some((path, port))
                 });
                 let r = Running {
                     uid,
@@ -314,13 +320,17 @@ async fn stop(mut child: tokio::process::Child, grace_s: i64) {
 }
 
 /// Whether the readiness probe passes (no probe: ready once running).
-async fn probe(ip: &str, probe: Option<&(String, u16)>) -> bool {
+async fn probe(ip: &str, probe: Option<&(Option<String>, u16)>) -> bool {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let Some((path, port)) = probe else {
         return true;
     };
     let attempt = async {
         let mut s = tokio::net::TcpStream::connect((ip, *port)).await.ok()?;
+        let Some(path) = path else {
+            // A TCP probe: the connection was accepted.
+            return Some(true);
+        };
         s.write_all(
             format!("GET {path} HTTP/1.1\r\nHost: {ip}\r\nConnection: close\r\n\r\n").as_bytes(),
         )
