@@ -10,6 +10,7 @@ use common::controlplane::{ControlPlane, NOBODY_TOKEN, http_get, wait_for, wait_
 use common::ebbkube::{
     TEST_TIMING, apply, client, cluster, deployed_service_account, get, hello_deployment,
     hello_service, json, pid_of, routes, send, serve_deployed, serve_on, serverless_hello,
+    test_image,
 };
 
 /// A Deployment of the example app at one replica and a plain Service in front of it.
@@ -38,6 +39,14 @@ async fn scale(client: kube::Client, deployment: &str, replicas: i32) {
 #[tokio::test]
 async fn the_real_control_plane_turns_a_deployment_into_pods_and_audits_every_write() {
     let cp = ControlPlane::start().await;
+    if cp
+        .needs_harness(
+            "checks the harness's own control plane: its release, a cluster without nodes",
+        )
+        .is_some()
+    {
+        return;
+    }
     let version = json(&cp.kubectl(&["version", "-o", "json"]));
     assert_eq!(
         version["serverVersion"]["gitVersion"], "v1.36.3",
@@ -139,6 +148,9 @@ fn ready_endpoints(cp: &ControlPlane, service: &str) -> Vec<String> {
 #[tokio::test]
 async fn pods_run_as_processes_and_their_endpoints_are_published() {
     let (cp, kube, _agent) = cluster().await;
+    if cp.needs_harness("checks the test node agent").is_some() {
+        return;
+    }
     apply(&cp, &hello());
 
     let mut endpoints = Vec::new();
@@ -256,7 +268,9 @@ async fn annotated_services_are_routes_and_a_cold_burst_is_one_scale_write() {
         })
         .collect();
     assert_eq!(pids.len(), 1, "one pod answered them all: {pids:?}");
-    assert!(alive(*pids.first().unwrap()));
+    if !cp.is_external() {
+        assert!(alive(*pids.first().unwrap()));
+    }
     assert_eq!(
         scale_writes(&cp, "hello"),
         1,
@@ -324,8 +338,10 @@ async fn an_idle_deployment_goes_to_zero_and_no_request_across_the_scale_down_is
         pods["items"].as_array().is_some_and(Vec::is_empty)
     })
     .await;
-    for pid in pids {
-        assert!(!alive(pid), "the pod's process {pid} still runs");
+    if !cp.is_external() {
+        for pid in pids {
+            assert!(!alive(pid), "the pod's process {pid} still runs");
+        }
     }
     // A request that met the stopping pod while it still served needed no wake, so the number of
     // wakes and scale-downs varies; each was decided with its reason.
@@ -482,6 +498,12 @@ async fn two_ebbs_share_scaling_through_a_lease_and_a_conditioned_scale_down() {
 #[tokio::test]
 async fn warm_routes_serve_while_the_api_server_is_away_and_watches_resume() {
     let (mut cp, _, _agent) = cluster().await;
+    if cp
+        .needs_harness("stops and restarts the API server")
+        .is_some()
+    {
+        return;
+    }
     apply(&cp, &serverless_hello("1h"));
     let data = tempfile::tempdir().unwrap();
     let ebb = serve_on(&cp, data.path(), &[]);
@@ -536,6 +558,15 @@ fn copy_tree(from: &std::path::Path, to: &std::path::Path) {
     }
 }
 
+/// The test image's name and tag (`latest` if it names none).
+fn image_and_tag() -> (String, String) {
+    let image = test_image();
+    match image.rsplit_once(':') {
+        Some((name, tag)) if !tag.contains('/') => (name.to_owned(), tag.to_owned()),
+        _ => (image, "latest".to_owned()),
+    }
+}
+
 /// `kubectl apply -k` of `deploy/` under a test overlay (ebb from the image map, listening on its
 /// pod's address, with a data directory per pod, the ServiceAccount's token as its kubeconfig; a
 /// hostPath PersistentVolume per replica) brings up two ebb pods through the real StatefulSet
@@ -557,6 +588,10 @@ async fn kubectl_apply_k_deploy_brings_up_two_ebbs_that_serve_annotated_services
         std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy")),
         &w.join("deploy"),
     );
+    // The harness's node agent mounts no volumes and gives pods no service-account token: each
+    // pod gets a data directory of its own and the token's kubeconfig, and a hostPath volume per
+    // replica stands in for a provisioner. A real cluster's nodes do all of that themselves.
+    let harness = !cp.is_external();
     let mut pvs = String::new();
     for i in 0..2 {
         let dir = w.join(format!("pv-{i}"));
@@ -571,6 +606,19 @@ async fn kubectl_apply_k_deploy_brings_up_two_ebbs_that_serve_annotated_services
     std::fs::create_dir_all(w.join("overlay")).unwrap();
     std::fs::write(w.join("overlay/pvs.yaml"), pvs).unwrap();
     let data = w.join("data");
+    let (pv_resource, data_dir, kubeconfig_env) = if harness {
+        (
+            "- pvs.yaml\n".to_owned(),
+            format!("\n      - --data-dir={}/$(POD_NAME)", data.display()),
+            format!(
+                "    - op: add\n      path: /spec/template/spec/containers/0/env/-\n      \
+                 value: {{name: KUBECONFIG, value: {}}}\n",
+                kubeconfig.display()
+            ),
+        )
+    } else {
+        Default::default()
+    };
     std::fs::write(
         w.join("overlay/kustomization.yaml"),
         format!(
@@ -578,7 +626,8 @@ async fn kubectl_apply_k_deploy_brings_up_two_ebbs_that_serve_annotated_services
 kind: Kustomization
 resources:
 - ../deploy
-- pvs.yaml
+{pv_resource}images:
+- {{name: ghcr.io/ebb-dev/ebb, newName: {image}, newTag: "{tag}"}}
 patches:
 - target: {{kind: StatefulSet, name: ebb}}
   patch: |
@@ -589,21 +638,17 @@ patches:
       - --orchestrator=kubernetes
       - --api-token={FN_TOKEN}
       - --listen=$(POD_IP):8080
-      - --admin-listen=$(POD_IP):8081
-      - --data-dir={data}/$(POD_NAME)
+      - --admin-listen=$(POD_IP):8081{data_dir}
       - {timing}
     - op: add
       path: /spec/template/spec/containers/0/env/-
       value: {{name: POD_IP, valueFrom: {{fieldRef: {{fieldPath: status.podIP}}}}}}
-    - op: add
-      path: /spec/template/spec/containers/0/env/-
-      value: {{name: KUBECONFIG, value: {kubeconfig}}}
-    - op: add
+{kubeconfig_env}    - op: add
       path: /spec/template/spec/containers/0/env/-
       value: {{name: EBB_LOG, value: warn}}
 "#,
-            data = data.display(),
-            kubeconfig = kubeconfig.display(),
+            image = image_and_tag().0,
+            tag = image_and_tag().1,
             timing = TEST_TIMING.join("\n      - "),
         ),
     )
@@ -851,7 +896,7 @@ fn image_template(name: &str, function: &str) -> String {
     serde_json::json!({
         "name": name,
         "function": function,
-        "image": "ebb",
+        "image": test_image(),
         "command": ["ebb", "example-app", "--host", "$(POD_IP)"],
     })
     .to_string()
@@ -1098,5 +1143,40 @@ async fn image_functions_run_as_deployments_and_services_that_ebb_makes() {
     assert!(
         function_deployment(&cp, "fn-taken").is_some(),
         "someone else's stays"
+    );
+}
+
+/// `EBB_TEST_KUBECONFIG` runs the tests against a cluster they did not start: here the harness's
+/// own, as if it were someone else's (the tests in a second process of this test binary start
+/// nothing, make no network namespace, run no node agent, read the audit log the variable
+/// `EBB_TEST_AUDIT_LOG` names, take the cluster one at a time and clear what the one before left).
+#[tokio::test]
+async fn the_same_tests_run_against_a_cluster_named_by_ebb_test_kubeconfig() {
+    let (cp, _, _agent) = cluster().await;
+    if cp
+        .needs_harness("is the harness's check of the external mode")
+        .is_some()
+    {
+        return;
+    }
+    let tests = [
+        "annotated_services_are_routes_and_a_cold_burst_is_one_scale_write",
+        "image_functions_run_as_deployments_and_services_that_ebb_makes",
+    ];
+    let out = tokio::process::Command::new(std::env::current_exe().unwrap())
+        .args(tests)
+        .args(["--exact", "--test-threads=2", "--nocapture"])
+        .env("EBB_TEST_KUBECONFIG", &cp.kubeconfig)
+        .env("EBB_TEST_AUDIT_LOG", &cp.audit_log)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("test result: ok. 2 passed"),
+        "{stdout}\n{stderr}"
     );
 }

@@ -13,6 +13,14 @@
 //! The API server has its own CA (made with openssl), users from a token file, RBAC on and an
 //! audit log (every request at the Metadata level, one JSON line each). The control-plane
 //! components act as `system:masters`; a test user gets only the roles it is given.
+//!
+//! With `EBB_TEST_KUBECONFIG` naming a kubeconfig, the tests run against that cluster instead
+//! ([`ControlPlane::external`]): nothing is started, no network namespace is made, the cluster's
+//! own nodes run the pods, and `EBB_TEST_AUDIT_LOG` names its API server's audit log (JSON lines)
+//! for the tests that count API writes. The tests then take the cluster one at a time (a lock
+//! beside the kubeconfig) and each first deletes what an earlier one left in the namespaces
+//! `default` (workloads, Services, Leases, Events; never the Service `kubernetes`) and `ebb`:
+//! give them a cluster made for them.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
@@ -32,6 +40,10 @@ pub const NOBODY_TOKEN: &str = "ebb-test-nobody";
 
 /// A running control plane.
 pub struct ControlPlane {
+    /// The cluster of `EBB_TEST_KUBECONFIG`, held for this test alone.
+    external: Option<std::fs::File>,
+    /// The audit log's length when the test began (earlier tests' requests are not this one's).
+    audit_from: usize,
     dir: tempfile::TempDir,
     bin: PathBuf,
     /// Components in start order; stopped in reverse.
@@ -123,11 +135,16 @@ impl ControlPlane {
     /// starts etcd, the API server, the controller manager and the scheduler in it, and returns
     /// once the API server's `/readyz` answers 200 and the controllers run.
     pub async fn start() -> Self {
+        if let Some(kubeconfig) = std::env::var_os("EBB_TEST_KUBECONFIG") {
+            return Self::external(PathBuf::from(kubeconfig)).await;
+        }
         private_network();
         let bin = binaries();
         let dir = tempfile::tempdir().expect("tempdir");
         let d = dir.path();
         let mut cp = Self {
+            external: None,
+            audit_from: 0,
             server: String::new(),
             kubeconfig: d.join("admin.kubeconfig"),
             ca: d.join("ca.crt"),
@@ -144,6 +161,95 @@ impl ControlPlane {
         cp.start_apiserver().await;
         cp.start_controllers().await;
         cp
+    }
+
+    /// The cluster of `kubeconfig`, taken for this test alone and cleared of what earlier tests
+    /// left.
+    async fn external(kubeconfig: PathBuf) -> Self {
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(kubeconfig.with_extension("ebb-test.lock"))
+            .expect("the lock beside EBB_TEST_KUBECONFIG");
+        lock.lock().expect("taking the test cluster");
+        let audit_log = std::env::var_os("EBB_TEST_AUDIT_LOG")
+            .map(PathBuf::from)
+            .unwrap_or_default();
+        let mut cp = Self {
+            external: Some(lock),
+            audit_from: 0,
+            server: String::new(),
+            ca: PathBuf::new(),
+            audit_log,
+            bin: binaries(),
+            children: Vec::new(),
+            etcd: String::new(),
+            port: 0,
+            dir: tempfile::tempdir().expect("tempdir"),
+            kubeconfig,
+        };
+        cp.audit_from = cp.audit_lines().len();
+        let view = cp.kubectl(&["config", "view", "--raw", "--minify", "-o", "json"]);
+        let view: serde_json::Value = serde_json::from_str(&view).expect("kubectl config view");
+        cp.server = view["clusters"][0]["cluster"]["server"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        cp.clear().await;
+        cp
+    }
+
+    /// Whether the tests run against a cluster of `EBB_TEST_KUBECONFIG`.
+    pub fn is_external(&self) -> bool {
+        self.external.is_some()
+    }
+
+    /// Deletes what earlier tests left in an external cluster, and waits until it is gone.
+    async fn clear(&self) {
+        self.kubectl(&[
+            "delete",
+            "namespace",
+            "ebb",
+            "--ignore-not-found",
+            "--wait=true",
+            "--timeout=180s",
+        ]);
+        self.kubectl(&[
+            "delete",
+            "deployments,statefulsets,services,leases.coordination.k8s.io,events",
+            "-n",
+            "default",
+            "--field-selector",
+            "metadata.name!=kubernetes",
+            "--ignore-not-found",
+            "--wait=true",
+            "--timeout=180s",
+        ]);
+        self.kubectl(&[
+            "delete",
+            "clusterrole,clusterrolebinding",
+            "ebb",
+            "ebb-weak",
+            "--ignore-not-found",
+        ]);
+        wait_for(
+            "the earlier tests' pods gone",
+            Duration::from_secs(180),
+            || {
+                self.try_kubectl(&["get", "pods", "-n", "default", "-o", "name"])
+                    .is_ok_and(|out| out.trim().is_empty())
+            },
+        )
+        .await;
+    }
+
+    /// Why this test needs the harness's own control plane, printed and returned when it runs
+    /// against an external cluster (the test then ends there); `None` on the harness's.
+    pub fn needs_harness(&self, why: &str) -> Option<()> {
+        self.is_external().then(|| {
+            eprintln!("not run against EBB_TEST_KUBECONFIG's cluster: this test {why}");
+        })
     }
 
     fn path(&self, name: &str) -> PathBuf {
@@ -376,6 +482,8 @@ impl ControlPlane {
             .arg(
                 "--controllers=deployment-controller,replicaset-controller,\
                  statefulset-controller,persistentvolume-binder-controller,\
+                 persistentvolumeclaim-protection-controller,\
+                 persistentvolume-protection-controller,\
                  endpointslice-controller,garbage-collector-controller,namespace-controller,\
                  serviceaccount-controller,serviceaccount-token-controller",
             )
@@ -463,21 +571,45 @@ impl ControlPlane {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
-    /// A kubeconfig for a user with `token`, written beside the administrator's.
+    /// A kubeconfig for a user with `token` on the administrator's cluster (its server and CA as
+    /// the administrator's kubeconfig has them), written in the test's directory.
     pub fn kubeconfig_with_token(&self, user: &str, token: &str) -> PathBuf {
-        let text = std::fs::read_to_string(&self.kubeconfig)
-            .expect("kubeconfig")
-            .replace(ADMIN_TOKEN, token);
+        let view = self.kubectl(&[
+            "config",
+            "view",
+            "--raw",
+            "--minify",
+            "--flatten",
+            "-o",
+            "json",
+        ]);
+        let mut config: serde_json::Value =
+            serde_json::from_str(&view).expect("kubectl config view");
+        config["users"] = serde_json::json!([{ "name": user, "user": { "token": token } }]);
+        config["contexts"][0]["context"]["user"] = serde_json::json!(user);
         let path = self.path(&format!("{user}.kubeconfig"));
-        std::fs::write(&path, text).expect("kubeconfig");
+        std::fs::write(&path, config.to_string()).expect("kubeconfig");
         path
     }
 
-    /// The audit log's events (one JSON object per request served).
-    pub fn audit_events(&self) -> Vec<serde_json::Value> {
+    fn audit_lines(&self) -> Vec<String> {
         std::fs::read_to_string(&self.audit_log)
             .unwrap_or_default()
             .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// The audit log's events since the test began (one JSON object per request served).
+    pub fn audit_events(&self) -> Vec<serde_json::Value> {
+        assert!(
+            !self.audit_log.as_os_str().is_empty(),
+            "this test counts the API server's requests in its audit log: set EBB_TEST_AUDIT_LOG \
+             to the cluster's audit log (JSON lines)"
+        );
+        self.audit_lines()
+            .iter()
+            .skip(self.audit_from)
             .filter_map(|l| serde_json::from_str(l).ok())
             .collect()
     }

@@ -40,7 +40,7 @@ spec:
       terminationGracePeriodSeconds: 5
       containers:
       - name: app
-        image: ebb
+        image: {image}
         command: [ebb, example-app]
         args: [--host, $(POD_IP), --port, "8080"]
         env:
@@ -48,7 +48,8 @@ spec:
           valueFrom: {{fieldRef: {{fieldPath: status.podIP}}}}
         readinessProbe:
           httpGet: {{path: /health, port: 8080}}
-"#
+"#,
+        image = test_image(),
     )
 }
 
@@ -206,18 +207,28 @@ pub fn serve_on(cp: &ControlPlane, data: &std::path::Path, extra: &[&str]) -> su
     serve_kube(cp, data, &args)
 }
 
-/// The control plane, a client for its administrator, and the test node agent running `ebb`
-/// images as the built binary.
-pub async fn cluster() -> (ControlPlane, kube::Client, super::node::NodeAgent) {
+/// The control plane, a client for its administrator, and the test node agent running the
+/// command `ebb` as the built binary (none on an external cluster: its nodes run the pods).
+pub async fn cluster() -> (ControlPlane, kube::Client, Option<super::node::NodeAgent>) {
     let cp = ControlPlane::start().await;
     let kube = client(&cp).await;
+    if cp.is_external() {
+        return (cp, kube, None);
+    }
     let images = [(
         "ebb".to_owned(),
         std::path::PathBuf::from(env!("CARGO_BIN_EXE_ebb")),
     )]
     .into();
     let agent = super::node::start(kube.clone(), images).await;
-    (cp, kube, agent)
+    (cp, kube, Some(agent))
+}
+
+/// The image of ebb the tests' pods run: `EBB_TEST_IMAGE` on an external cluster (an image of
+/// the built binary with `ebb` on its PATH), else `ebb` (the node agent runs the built binary
+/// for the command `ebb` whatever the image).
+pub fn test_image() -> String {
+    std::env::var("EBB_TEST_IMAGE").unwrap_or_else(|_| "ebb".to_owned())
 }
 
 /// `kubectl apply --server-side` of a manifest.
