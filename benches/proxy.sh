@@ -2,7 +2,8 @@
 # Proxy benchmark, in one go on this machine:
 #   1. warm throughput and latency (wrk) of the example app directly, of ebb in front of it, and of
 #      nginx and HAProxy as keep-alive reverse proxies in front of it (each reusing its backend
-#      connections), in alternating rounds, with the ratios ebb/nginx and ebb/HAProxy, and the CPU
+#      connections, and each adding the forwarding headers ebb adds: X-Forwarded-For, -Proto,
+#      -Host and Forwarded, so the app does the same work behind each), in alternating rounds, with the ratios ebb/nginx and ebb/HAProxy, and the CPU
 #      time each proxy spent per request (wrk, the proxy and the app share the cores, so throughput
 #      also moves with how the scheduler interleaves them; CPU per request does not);
 #   2. cold-start overhead (`ebb bench cold-start`): first byte through ebb for a workload at zero
@@ -90,6 +91,9 @@ http {
       proxy_set_header Connection "";
       proxy_set_header Host \$host;
       proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+      proxy_set_header X-Forwarded-Proto \$scheme;
+      proxy_set_header X-Forwarded-Host \$host;
+      proxy_set_header Forwarded "for=\$remote_addr;host=\"\$host\";proto=\$scheme";
     }
   }
 }
@@ -113,6 +117,9 @@ defaults
   timeout server 60s
 frontend proxy
   bind 127.0.0.1:$haproxy_port
+  http-request set-header X-Forwarded-Proto http
+  http-request set-header X-Forwarded-Host %[req.hdr(host)]
+  http-request set-header Forwarded "for=%[src];host=\"%[req.hdr(host)]\";proto=http"
   default_backend app
 backend app
   server app 127.0.0.1:$app_port maxconn 1000
@@ -160,7 +167,7 @@ to_us() {
   }'
 }
 
-rounds="${BENCH_ROUNDS:-3}"
+rounds="${BENCH_ROUNDS:-5}"
 echo "warm: wrk -t2 -c$conns -d${seconds}s, GET / (echo), 2 cores shared by wrk, proxy and app;"
 echo "ebb, nginx and HAProxy measured in $rounds alternating rounds, each figure the median of its rounds"
 results=("$(run direct "$app_port")")
