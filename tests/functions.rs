@@ -122,10 +122,16 @@ async fn templates_are_created_read_replaced_and_deleted_and_survive_a_restart()
     let mut ebb = start(&data, Some(TOKEN));
     let (status, created) = api(&ebb, "POST", "/api/funcs/template", template("resize")).await;
     assert_eq!(status, 201, "{created:?}");
-    assert_eq!(created["name"], "resize");
-    assert_eq!(created["maxInstanceNum"], 1);
-    assert_eq!(created["concurrency"], 1);
-    let r1 = created["revision"].as_u64().unwrap();
+    // The serverless seed's object: kind, metadata, spec and status.
+    assert_eq!(created["apiVersion"], "ebb.dev/v1alpha1");
+    assert_eq!(created["kind"], "Func");
+    assert_eq!(created["metadata"]["name"], "resize");
+    assert_eq!(created["spec"]["name"], "resize");
+    assert_eq!(created["spec"]["maxInstanceNum"], 1);
+    assert_eq!(created["spec"]["concurrency"], 1);
+    assert_eq!(created["status"]["counter"], 0);
+    assert_eq!(created["status"]["replicas"], 0);
+    let r1 = rev(&created);
     assert!(r1 > 0);
     refused(
         api(&ebb, "POST", "/api/funcs/template", template("resize")).await,
@@ -143,11 +149,11 @@ async fn templates_are_created_read_replaced_and_deleted_and_survive_a_restart()
     changed["initInstanceNum"] = json!(2);
     let (status, replaced) = api(&ebb, "PUT", "/api/funcs/template/resize", changed.clone()).await;
     assert_eq!(status, 200, "{replaced:?}");
-    assert_eq!(replaced["right"], "RETURN");
-    assert!(replaced["revision"].as_u64().unwrap() > r1);
+    assert_eq!(replaced["spec"]["right"], "RETURN");
+    assert!(rev(&replaced) > r1);
     // The same spec again changes nothing.
     let (status, same) = api(&ebb, "PUT", "/api/funcs/template/resize", changed).await;
-    assert_eq!((status, &same["revision"]), (200, &replaced["revision"]));
+    assert_eq!((status, rev(&same)), (200, rev(&replaced)));
     let (status, _) = api(&ebb, "PUT", "/api/funcs/template/thumb", template("thumb")).await;
     assert_eq!(status, 201);
     let (status, list) = api(&ebb, "GET", "/api/funcs/template", Value::Null).await;
@@ -156,13 +162,21 @@ async fn templates_are_created_read_replaced_and_deleted_and_survive_a_restart()
         .as_array()
         .unwrap()
         .iter()
-        .map(|t| t["name"].as_str().unwrap())
+        .map(|t| t["metadata"]["name"].as_str().unwrap())
         .collect();
     assert_eq!(names, ["resize", "thumb"]);
-    assert!(list["revision"].as_u64().unwrap() >= replaced["revision"].as_u64().unwrap());
+    assert_eq!(list["kind"], "FuncList");
+    assert!(list["revision"].as_u64().unwrap() >= rev(&replaced));
+    assert_eq!(
+        list["metadata"]["resourceVersion"],
+        list["revision"].as_u64().unwrap().to_string()
+    );
 
     let (status, gone) = api(&ebb, "DELETE", "/api/funcs/template/thumb", Value::Null).await;
-    assert_eq!((status, gone["name"].as_str()), (200, Some("thumb")));
+    assert_eq!(
+        (status, gone["metadata"]["name"].as_str()),
+        (200, Some("thumb"))
+    );
     refused(
         api(&ebb, "DELETE", "/api/funcs/template/thumb", Value::Null).await,
         404,
@@ -180,7 +194,11 @@ async fn templates_are_created_read_replaced_and_deleted_and_survive_a_restart()
     drop(ebb);
     let ebb = start(&data, Some(TOKEN));
     let (status, after) = api(&ebb, "GET", "/api/funcs/template/resize", Value::Null).await;
-    assert_eq!((status, &after), (200, &replaced));
+    assert_eq!(status, 200);
+    assert_eq!(
+        (&after["metadata"], &after["spec"]),
+        (&replaced["metadata"], &replaced["spec"])
+    );
     refused(
         api(&ebb, "GET", "/api/funcs/template/thumb", Value::Null).await,
         404,
@@ -345,7 +363,10 @@ impl Watch {
         let v = self.next().await;
         (
             v["type"].as_str().unwrap().to_owned(),
-            v["object"]["name"].as_str().unwrap_or("").to_owned(),
+            v["object"]["metadata"]["name"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned(),
             v["revision"].as_u64().unwrap(),
         )
     }
@@ -355,8 +376,17 @@ fn ev(kind: &str, name: &str, rev: u64) -> (String, String, u64) {
     (kind.to_owned(), name.to_owned(), rev)
 }
 
+/// A template object's revision (its `metadata.resourceVersion`), or a watch line's object's.
 fn rev(v: &Value) -> u64 {
-    v["revision"].as_u64().unwrap()
+    let meta = if v.get("object").is_some() {
+        &v["object"]["metadata"]
+    } else {
+        &v["metadata"]
+    };
+    meta["resourceVersion"]
+        .as_str()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or_else(|| panic!("no resourceVersion: {v}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1121,4 +1151,114 @@ async fn a_template_with_a_service_address_is_called_there() {
     app.kill().unwrap();
     app.wait().unwrap();
     assert_eq!((status, &v["result"]), (200, &json!("cba")), "{v:?}");
+}
+
+/// A template posted as a client written from the serverless seed posts it (the `Func` object:
+/// type and object metadata, every spec field, empty strings for those unset, a status of its
+/// own) is taken; it is shown as that object with the status ebb keeps: the call counter, the
+/// time of the last call counted and the replicas asked for. An object of another kind or
+/// version, or whose names disagree, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_seeds_func_object_is_taken_and_shown_with_the_status_ebb_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start_with(
+        &dir.path().join("data"),
+        Some(TOKEN),
+        &["--fn-period-ms", "200", "--fn-counter-decay", "0"],
+    );
+    let seed = |patch: Value| {
+        let mut o = json!({
+            "apiVersion": "v1",
+            "kind": "Func",
+            "metadata": { "name": "shout", "labels": { "team": "a" }, "resourceVersion": "" },
+            "spec": {
+                "name": "shout", "serviceAddress": "", "preRun": "", "function": "upper",
+                "left": "", "right": "", "maxInstanceNum": 2,
+                "command": ["ebb", "example-app"],
+            },
+            "status": { "counter": 99, "timeStamp": "2020-01-01T00:00:00Z" },
+        });
+        for (k, v) in patch.as_object().unwrap() {
+            o[k] = v.clone();
+        }
+        o
+    };
+    let post = "/api/funcs/template";
+    refused(
+        api(&ebb, "POST", post, seed(json!({ "kind": "Pod" }))).await,
+        400,
+        "invalid_template",
+    );
+    refused(
+        api(&ebb, "POST", post, seed(json!({ "apiVersion": "apps/v1" }))).await,
+        400,
+        "invalid_template",
+    );
+    refused(
+        api(
+            &ebb,
+            "POST",
+            post,
+            seed(json!({ "metadata": { "name": "other" } })),
+        )
+        .await,
+        400,
+        "invalid_template",
+    );
+    refused(
+        api(
+            &ebb,
+            "POST",
+            post,
+            json!({ "kind": "Func", "metadata": { "name": "x" } }),
+        )
+        .await,
+        400,
+        "bad_json",
+    );
+    let (status, _) = api(&ebb, "GET", "/api/funcs/template/shout", Value::Null).await;
+    assert_eq!(status, 404, "nothing refused was written");
+
+    let (status, created) = api(&ebb, "POST", post, seed(json!({}))).await;
+    assert_eq!(status, 201, "{created}");
+    assert_eq!(created["kind"], "Func");
+    assert_eq!(created["spec"]["function"], "upper");
+    for unset in ["left", "right", "preRun", "serviceAddress"] {
+        assert!(created["spec"].get(unset).is_none(), "{unset}: {created}");
+    }
+    assert_eq!(
+        created["status"]["counter"], 0,
+        "the client's status is not taken"
+    );
+    assert!(created["status"].get("timeStamp").is_none(), "{created}");
+
+    let (status, v) = call(
+        &ebb,
+        "POST",
+        "/api/funcs/shout?wait=true",
+        Some(TOKEN),
+        "abc",
+    )
+    .await;
+    assert_eq!((status, &v["result"]), (200, &json!("ABC")), "{v:?}");
+    let shown = poll(
+        "the call counted in the status",
+        Duration::from_millis(50),
+        Duration::from_secs(30),
+        || async {
+            let (_, t) = api(&ebb, "GET", "/api/funcs/template/shout", Value::Null).await;
+            (t["status"]["counter"].as_u64().unwrap_or(0) > 0).then_some(t)
+        },
+    )
+    .await;
+    assert_eq!(shown["status"]["counter"], 1, "one call, one step: {shown}");
+    let stamp = shown["status"]["timeStamp"].as_str().expect("a timeStamp");
+    assert!(
+        chrono::DateTime::parse_from_rfc3339(stamp).is_ok_and(|t| t.timestamp() > 1_700_000_000),
+        "{stamp}"
+    );
+    assert!(
+        shown["status"]["replicas"].as_u64().unwrap() >= 1,
+        "{shown}"
+    );
 }

@@ -1,17 +1,22 @@
 //! `/api/funcs/template`: function templates (bearer token, `ebb serve --api-token` /
 //! `EBB_API_TOKEN`; disabled without one).
 //!
-//! * `GET /api/funcs/template`: `{"items": [...], "revision": SEQ}`.
-//! * `GET /api/funcs/template?watch=true[&since=SEQ]`: newline-delimited JSON, as a Kubernetes
-//!   watch: `{"type": "ADDED" | "MODIFIED" | "DELETED", "object": {...}, "revision": SEQ}`.
-//!   Without `since` it starts with every template as `ADDED`; with it, with exactly the changes
-//!   after `SEQ`. Then a `BOOKMARK` line with the revision it has reached, then changes as they
-//!   become durable. A `since` older than the changes kept is `410` (`revision_compacted`): list
-//!   again and watch from the list's revision.
+//! A template is the serverless seed's `Func` object: `{"apiVersion": "ebb.dev/v1alpha1",
+//! "kind": "Func", "metadata": {"name", "resourceVersion"}, "spec": {...}, "status": {"counter",
+//! "timeStamp", "replicas"}}`; its `resourceVersion` is its revision, the seq of the event that
+//! last changed it. A body may be that object (its `status` is ebb's and ignored, and so is
+//! metadata other than the name) or the spec alone; empty strings count as absent.
+//!
+//! * `GET /api/funcs/template`: a `FuncList`, `{"items": [...], "metadata": {"resourceVersion"}}`
+//!   (and `"revision"`, the same as a number).
+//! * `GET /api/funcs/template?watch=true[&since=SEQ]` (or `resourceVersion=SEQ`): newline-delimited
+//!   JSON, as a Kubernetes watch: `{"type": "ADDED" | "MODIFIED" | "DELETED", "object": {...},
+//!   "revision": SEQ}`. Without `since` it starts with every template as `ADDED`; with it, with
+//!   exactly the changes after `SEQ`. Then a `BOOKMARK` line with the revision it has reached,
+//!   then changes as they become durable. A `since` older than the changes kept is `410`
+//!   (`revision_compacted`): list again and watch from the list's revision.
 //! * `POST /api/funcs/template` creates (`201`; `409` if it exists); `PUT
 //!   /api/funcs/template/{name}` creates (`201`) or replaces (`200`); `GET` and `DELETE` one.
-//!
-//! A template's revision is the seq of the event that last changed it.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -275,13 +280,48 @@ fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     )
 }
 
-/// A template as the API shows it: its fields and its revision.
-fn object(spec: &TemplateSpec, revision: u64) -> Value {
-    let mut v = serde_json::to_value(TemplateJson::from_spec(spec)).unwrap_or(Value::Null);
-    if let Value::Object(m) = &mut v {
-        m.insert("revision".into(), json!(revision));
+/// A template as the API shows it: the serverless seed's `Func` object, its revision as
+/// `metadata.resourceVersion`, its status from the log now (`state`; none for a deleted one).
+fn object(spec: &TemplateSpec, revision: u64, state: Option<&State>) -> Value {
+    let mut o = json!({
+        "apiVersion": functions::API_VERSION,
+        "kind": functions::KIND,
+        "metadata": { "name": spec.name, "resourceVersion": revision.to_string() },
+        "spec": TemplateJson::from_spec(spec),
+    });
+    if let Some(s) = state {
+        o["status"] = status(s, &spec.name);
+    }
+    o
+}
+
+/// A template's status, as the seed's `FuncStatus` has it: its call `counter`, the `timeStamp`
+/// of the last call counted, and the `replicas` its function server is asked to run.
+fn status(s: &State, name: &str) -> Value {
+    let last = s
+        .counters
+        .by_function
+        .get(name)
+        .map_or(0, |c| c.last_added_at_ms);
+    let replicas = s
+        .routes
+        .deployments
+        .get(&format!("fn-{name}"))
+        .map_or(0, |d| d.desired);
+    let mut v = json!({ "counter": s.counters.value(name), "replicas": replicas });
+    if let Some(t) = i64::try_from(last)
+        .ok()
+        .filter(|t| *t > 0)
+        .and_then(chrono::DateTime::from_timestamp_millis)
+    {
+        v["timeStamp"] = json!(t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
     }
     v
+}
+
+/// The name of a template object.
+fn name_of(object: &Value) -> Option<&str> {
+    object["metadata"]["name"].as_str()
 }
 
 fn refused(r: Refused) -> ApiError {
@@ -300,7 +340,11 @@ fn refused(r: Refused) -> ApiError {
 pub const MAX_TEMPLATE_BYTES: usize = 1 << 20;
 
 fn parse(body: Result<Bytes, BytesRejection>) -> Result<TemplateJson, ApiError> {
-    super::runner::body(body)
+    let bytes = body.map_err(super::runner::rejection)?;
+    TemplateJson::from_body(&bytes).map_err(|e| match e {
+        functions::BodyError::Json(why) => ApiError::new(StatusCode::BAD_REQUEST, "bad_json", why),
+        functions::BodyError::Invalid(why) => invalid(why),
+    })
 }
 
 fn bad_query(e: QueryRejection) -> ApiError {
@@ -315,7 +359,7 @@ fn invalid(why: String) -> ApiError {
 struct WatchQuery {
     #[serde(default)]
     watch: Option<String>,
-    #[serde(default)]
+    #[serde(default, alias = "resourceVersion")]
     since: Option<String>,
 }
 
@@ -357,7 +401,10 @@ async fn list_or_watch(
         }
         let body = app.log.read(|s| {
             json!({
-                "items": s.functions.templates.values().map(|t| object(&t.spec, t.revision)).collect::<Vec<_>>(),
+                "apiVersion": functions::API_VERSION,
+                "kind": "FuncList",
+                "metadata": { "resourceVersion": s.seq.to_string() },
+                "items": s.functions.templates.values().map(|t| object(&t.spec, t.revision, Some(s))).collect::<Vec<_>>(),
                 "revision": s.seq,
             })
         });
@@ -398,9 +445,11 @@ async fn list_or_watch(
         .into_response())
 }
 
-fn line(kind: &str, spec: &TemplateSpec, revision: u64) -> Bytes {
+fn line(kind: &str, spec: &TemplateSpec, revision: u64, state: &State) -> Bytes {
+    let state = (kind != "DELETED").then_some(state);
     let mut s =
-        json!({ "type": kind, "object": object(spec, revision), "revision": revision }).to_string();
+        json!({ "type": kind, "object": object(spec, revision, state), "revision": revision })
+            .to_string();
     s.push('\n');
     Bytes::from(s)
 }
@@ -421,7 +470,7 @@ fn changes(s: &State, from: u64, to: u64) -> Vec<Bytes> {
     s.functions
         .changes
         .range(from + 1..=to)
-        .map(|(seq, c)| line(kind_name(c.kind), &c.template, *seq))
+        .map(|(seq, c)| line(kind_name(c.kind), &c.template, *seq, s))
         .collect()
 }
 
@@ -467,7 +516,7 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
                 .functions
                 .templates
                 .values()
-                .map(|t| line("ADDED", &t.spec, t.revision))
+                .map(|t| line("ADDED", &t.spec, t.revision, s))
                 .collect(),
             Some(since) => changes(s, since, s.seq),
         };
@@ -480,7 +529,16 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
     if durable(&log).await.is_none() {
         return;
     }
-    let mut bookmark = json!({ "type": "BOOKMARK", "revision": last }).to_string();
+    let mut bookmark = json!({
+        "type": "BOOKMARK",
+        "object": {
+            "apiVersion": functions::API_VERSION,
+            "kind": functions::KIND,
+            "metadata": { "resourceVersion": last.to_string() },
+        },
+        "revision": last,
+    })
+    .to_string();
     bookmark.push('\n');
     if !send_all(&tx, backlog).await || tx.send(Bytes::from(bookmark)).await.is_err() {
         return;
@@ -510,7 +568,7 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
                             s.functions
                                 .changes
                                 .get(q)
-                                .map(|c| line(kind_name(c.kind), &c.template, *q))
+                                .map(|c| line(kind_name(c.kind), &c.template, *q, s))
                         })
                         .collect::<Option<Vec<_>>>()
                 });
@@ -546,10 +604,13 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
 /// The template as the change at `seq` left it (as it was, for a deletion).
 fn change_object(app: &AppState, seq: u64) -> Option<Value> {
     app.log.read(|s| {
-        s.functions
-            .changes
-            .get(&seq)
-            .map(|c| object(&c.template, seq))
+        s.functions.changes.get(&seq).map(|c| {
+            object(
+                &c.template,
+                seq,
+                (c.kind != ChangeKind::Deleted).then_some(s),
+            )
+        })
     })
 }
 
@@ -562,7 +623,7 @@ fn autoscale_of(app: &AppState) -> functions::Autoscale {
 
 /// Makes the orchestrator able to run a template's workload (its route is in the log).
 fn register(app: &AppState, object: Option<&Value>) {
-    let (Some(o), Some(name)) = (&app.orchestrator, object.and_then(|v| v["name"].as_str())) else {
+    let (Some(o), Some(name)) = (&app.orchestrator, object.and_then(name_of)) else {
         return;
     };
     // On Kubernetes the backend makes a function's workload from the log's template itself.
@@ -620,7 +681,7 @@ async fn show(
             s.functions
                 .templates
                 .get(&name)
-                .map(|t| object(&t.spec, t.revision))
+                .map(|t| object(&t.spec, t.revision, Some(s)))
         })
         .map(Json)
         .ok_or_else(|| refused(Refused::Unknown(name)))
@@ -658,7 +719,7 @@ async fn put(
         s.functions
             .templates
             .get(&name)
-            .map(|t| object(&t.spec, t.revision))
+            .map(|t| object(&t.spec, t.revision, Some(s)))
     });
     register(&app, v.as_ref());
     let status = if created {
@@ -687,10 +748,7 @@ async fn delete(
     done.map_err(refused)?;
     let v = change_object(&app, committed.first_seq);
     // A deleted function's workload stops.
-    if let (Some(o), Some(name)) = (
-        &app.orchestrator,
-        v.as_ref().and_then(|v| v["name"].as_str()),
-    ) {
+    if let (Some(o), Some(name)) = (&app.orchestrator, v.as_ref().and_then(name_of)) {
         let _ = o.scale(&format!("fn-{name}"), 0);
     }
     Ok(Json(v.unwrap_or(Value::Null)))

@@ -499,6 +499,112 @@ impl TemplateJson {
     }
 }
 
+/// The API version and kind of a template as an object (the serverless seed's `Func`).
+pub const API_VERSION: &str = "ebb.dev/v1alpha1";
+pub const KIND: &str = "Func";
+
+/// A template as the seed's clients send it: `{apiVersion, kind, metadata, spec, status}`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct FuncObject {
+    #[serde(default)]
+    api_version: Option<String>,
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default)]
+    metadata: Option<ObjectMetadata>,
+    spec: TemplateJson,
+    /// Written by ebb, never taken from a client.
+    #[serde(default)]
+    #[allow(dead_code)]
+    status: Option<serde_json::Value>,
+}
+
+/// An object's metadata as a client may send it: only the name is read (the rest, such as
+/// `resourceVersion` or labels, is ebb's or unused).
+#[derive(Debug, Deserialize)]
+struct ObjectMetadata {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(flatten)]
+    #[allow(dead_code)]
+    rest: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Why a template body could not be read: not JSON of the right types (`bad_json`), or JSON
+/// that says something contradictory (`invalid_template`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BodyError {
+    Json(String),
+    Invalid(String),
+}
+
+impl TemplateJson {
+    /// A template from a request body: the seed's `Func` object, or its spec alone (flat).
+    /// Empty strings count as absent, as a Go client of the seed sends its unset fields.
+    pub fn from_body(bytes: &[u8]) -> Result<Self, BodyError> {
+        let v: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| BodyError::Json(e.to_string()))?;
+        // (serde would read a struct from an array too, by position.)
+        if !v.is_object() {
+            return Err(BodyError::Json("a template is a JSON object".into()));
+        }
+        let is_object = v.as_object().is_some_and(|m| {
+            ["apiVersion", "kind", "metadata", "spec"]
+                .iter()
+                .any(|k| m.contains_key(*k))
+        });
+        let mut t = if is_object {
+            if v.get("spec").is_some_and(|s| !s.is_object()) {
+                return Err(BodyError::Json("spec: a JSON object".into()));
+            }
+            let o: FuncObject =
+                serde_json::from_value(v).map_err(|e| BodyError::Json(e.to_string()))?;
+            if let Some(k) = o.kind.as_deref().filter(|k| *k != KIND) {
+                return Err(BodyError::Invalid(format!(
+                    "kind {k:?}: a template is a {KIND:?}"
+                )));
+            }
+            if let Some(a) = o
+                .api_version
+                .as_deref()
+                .filter(|a| !a.is_empty() && *a != API_VERSION && *a != "v1")
+            {
+                return Err(BodyError::Invalid(format!(
+                    "apiVersion {a:?}: templates are {API_VERSION:?}"
+                )));
+            }
+            let mut spec = o.spec;
+            match o.metadata.and_then(|m| m.name).filter(|n| !n.is_empty()) {
+                Some(n) if spec.name.is_empty() => spec.name = n,
+                Some(n) if n != spec.name => {
+                    return Err(BodyError::Invalid(format!(
+                        "metadata.name {n:?} and spec.name {:?} differ",
+                        spec.name
+                    )));
+                }
+                _ => {}
+            }
+            spec
+        } else {
+            serde_json::from_value(v).map_err(|e| BodyError::Json(e.to_string()))?
+        };
+        for field in [
+            &mut t.pre_run,
+            &mut t.image,
+            &mut t.service_address,
+            &mut t.left,
+            &mut t.right,
+            &mut t.schedule,
+        ] {
+            if field.as_deref() == Some("") {
+                *field = None;
+            }
+        }
+        Ok(t)
+    }
+}
+
 /// Parses a cron schedule: 5 fields (minute hour day-of-month month day-of-week) or 6 with
 /// seconds first, as croner (the parser tokio-cron-scheduler uses) reads them, in UTC.
 pub fn parse_schedule(s: &str) -> Result<croner::Cron, String> {
@@ -761,6 +867,26 @@ pub fn decide_delete(state: &State, name: &str) -> Result<Vec<Event>, Refused> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_body_is_the_seeds_object_or_its_spec_alone() {
+        let flat = TemplateJson::from_body(br#"{"name":"a","function":"f","left":""}"#).unwrap();
+        assert_eq!((flat.name.as_str(), flat.left), ("a", None));
+        // The name may come from the metadata alone.
+        let o = TemplateJson::from_body(
+            br#"{"kind":"Func","metadata":{"name":"b","uid":"x"},"spec":{"function":"f","preRun":""}}"#,
+        )
+        .unwrap();
+        assert_eq!((o.name.as_str(), o.pre_run), ("b", None));
+        assert!(matches!(
+            TemplateJson::from_body(br#"{"kind":"Func","spec":{"name":"c","nope":1}}"#),
+            Err(BodyError::Json(e)) if e.contains("nope")
+        ));
+        assert!(matches!(
+            TemplateJson::from_body(br#"["not", "an", "object"]"#),
+            Err(BodyError::Json(_))
+        ));
+    }
 
     fn good() -> TemplateJson {
         TemplateJson {
