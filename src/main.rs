@@ -241,6 +241,13 @@ enum Command {
     },
     /// A small HTTP app for demos, tests and benchmarks (echo, /sleep, /bytes, /ws, /health).
     ExampleApp(ebb::example_app::ExampleAppArgs),
+    /// The custom resource definitions of ebb's Kubernetes API, generated from its types: each
+    /// as `NAME.json` in --out (what deploy/ holds), or all on stdout.
+    Crds {
+        /// Write one file per definition into this directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Test helpers.
     #[command(subcommand, hide = true)]
     Debug(DebugCommand),
@@ -486,6 +493,7 @@ fn run(cli: Cli) -> Result<()> {
             runtime()?.block_on(ebb::bench::cold_start(args))
         }
         Command::ExampleApp(args) => runtime()?.block_on(ebb::example_app::run(args)),
+        Command::Crds { out } => crds(out.as_deref()),
         Command::Simulate {
             scenarios,
             seeds,
@@ -1101,5 +1109,23 @@ async fn run_workload(replicas: u32, log_dir: PathBuf, command: Vec<String>) -> 
         changes.changed().await?;
     }
     std::future::pending::<()>().await;
+    Ok(())
+}
+
+/// `ebb crds`: the definitions as pretty JSON (which kubectl and kustomize read as YAML).
+fn crds(out: Option<&std::path::Path>) -> anyhow::Result<()> {
+    for crd in ebb::functions::crds() {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        let mut text = serde_json::to_string_pretty(&crd)?;
+        text.push('\n');
+        match out {
+            Some(dir) => {
+                let path = dir.join(format!("{name}.json"));
+                std::fs::write(&path, text)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            None => print!("{text}"),
+        }
+    }
     Ok(())
 }

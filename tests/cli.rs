@@ -460,3 +460,50 @@ fn serve_answers_healthz_and_unknown_paths_with_json() {
     let stats = ok(&ebb(&dir, &["log", "stats"]));
     assert!(stats.contains("0 events"), "{stats}");
 }
+
+/// `deploy/` holds the custom resource definitions `ebb crds` generates from ebb's types, as
+/// they are now: a type changed without `ebb crds --out deploy/base/crds` fails here.
+#[test]
+fn deploy_holds_the_crds_ebb_generates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("crds");
+    std::fs::create_dir(&out).unwrap();
+    ok(&ebb(
+        &tmp.path().join("data"),
+        &["crds", "--out", out.to_str().unwrap()],
+    ));
+    let deployed = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/base/crds");
+    let names = |dir: &Path| -> Vec<String> {
+        let mut n: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        n.sort();
+        n
+    };
+    assert_eq!(
+        names(&out),
+        names(&deployed),
+        "deploy/base/crds is stale: run `ebb crds --out deploy/base/crds`"
+    );
+    assert!(!names(&out).is_empty());
+    for name in names(&out) {
+        let now = std::fs::read_to_string(out.join(&name)).unwrap();
+        let kept = std::fs::read_to_string(deployed.join(&name)).unwrap();
+        assert!(
+            now == kept,
+            "deploy/base/crds/{name} is stale: run `ebb crds --out deploy/base/crds`"
+        );
+    }
+    // Every definition is listed in the kustomization.
+    let k = std::fs::read_to_string(deployed.parent().unwrap().join("kustomization.yaml")).unwrap();
+    for name in names(&out) {
+        assert!(
+            k.contains(&format!("- crds/{name}")),
+            "{name} is not in deploy/base/kustomization.yaml"
+        );
+    }
+    // On stdout too, the same definitions.
+    let all = ok(&ebb(&tmp.path().join("data"), &["crds"]));
+    assert!(all.contains("\"name\": \"functions.ebb.dev\""), "{all}");
+}

@@ -743,6 +743,38 @@ patches:
     .await;
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("\"ABC\""), "{body}");
+
+    // deploy/ defines the Func resource from ebb's types: the API server takes a template in the
+    // seed's shape against it, and refuses a field the type does not have.
+    wait_for(
+        "the Func definition established",
+        Duration::from_secs(30),
+        || {
+            json(&cp.kubectl(&["get", "crd", "functions.ebb.dev", "-o", "json"]))["status"]
+            ["conditions"]
+            .as_array()
+            .is_some_and(|c| {
+                c.iter()
+                    .any(|c| c["type"] == "Established" && c["status"] == "True")
+            })
+        },
+    )
+    .await;
+    let func = r#"
+apiVersion: ebb.dev/v1alpha1
+kind: Func
+metadata: {name: shout, namespace: ebb}
+spec: {name: shout, function: upper, image: ebb, left: classify, maxInstanceNum: 3}
+"#;
+    apply(&cp, func);
+    let got = json(&cp.kubectl(&["get", "fn", "shout", "-n", "ebb", "-o", "json"]));
+    assert_eq!(got["spec"]["maxInstanceNum"], 3, "{got}");
+    let bad = w.join("bad-func.yaml");
+    std::fs::write(&bad, func.replace("maxInstanceNum: 3", "replicas: 3")).unwrap();
+    let refused = cp
+        .try_kubectl(&["apply", "--server-side", "-f", bad.to_str().unwrap()])
+        .expect_err("a Func with a field its type lacks");
+    assert!(refused.contains("replicas"), "{refused}");
 }
 
 /// ebb with deploy/'s permissions less one (patching `deployments/scale`): a request to the

@@ -303,20 +303,20 @@ fn status(s: &State, name: &str) -> Value {
         .by_function
         .get(name)
         .map_or(0, |c| c.last_added_at_ms);
-    let replicas = s
-        .routes
-        .deployments
-        .get(&format!("fn-{name}"))
-        .map_or(0, |d| d.desired);
-    let mut v = json!({ "counter": s.counters.value(name), "replicas": replicas });
-    if let Some(t) = i64::try_from(last)
-        .ok()
-        .filter(|t| *t > 0)
-        .and_then(chrono::DateTime::from_timestamp_millis)
-    {
-        v["timeStamp"] = json!(t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
-    }
-    v
+    let status = functions::FuncStatus {
+        counter: s.counters.value(name),
+        time_stamp: i64::try_from(last)
+            .ok()
+            .filter(|t| *t > 0)
+            .and_then(chrono::DateTime::from_timestamp_millis)
+            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+        replicas: s
+            .routes
+            .deployments
+            .get(&format!("fn-{name}"))
+            .map_or(0, |d| d.desired),
+    };
+    serde_json::to_value(status).unwrap_or(Value::Null)
 }
 
 /// The name of a template object.

@@ -401,8 +401,33 @@ pub fn decide_next(state: &State, instance: &str, kubernetes: bool) -> Next {
     }
 }
 
-/// A template as the API reads and writes it.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// A template as the API reads and writes it: the spec of the seed's `Func` object, which is
+/// also the custom resource `functions.ebb.dev` (`Func`, generated from these types by
+/// `ebb crds`).
+#[derive(
+    Debug,
+    Clone,
+    PartialEq,
+    Eq,
+    Default,
+    Serialize,
+    Deserialize,
+    kube::CustomResource,
+    schemars::JsonSchema,
+)]
+#[kube(
+    group = "ebb.dev",
+    version = "v1alpha1",
+    kind = "Func",
+    plural = "functions",
+    singular = "function",
+    shortname = "fn",
+    namespaced,
+    status = "FuncStatus",
+    printcolumn = r#"{"name":"Function","type":"string","jsonPath":".spec.function"}"#,
+    printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".status.replicas"}"#,
+    printcolumn = r#"{"name":"Counter","type":"integer","jsonPath":".status.counter"}"#
+)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct TemplateJson {
     /// Template name (absent in a PUT: the path's).
@@ -497,6 +522,29 @@ impl TemplateJson {
             schedule: s.schedule.clone(),
         }
     }
+}
+
+/// A template's status, as the seed's `FuncStatus` has it.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FuncStatus {
+    /// The autoscaler's call counter.
+    #[serde(default)]
+    pub counter: u64,
+    /// When a call was last counted (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_stamp: Option<String>,
+    /// The replicas the function server is asked to run.
+    #[serde(default)]
+    pub replicas: u32,
+}
+
+/// The custom resources ebb defines, as Kubernetes takes them (`ebb crds`).
+pub fn crds()
+-> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
+{
+    use kube::CustomResourceExt;
+    vec![Func::crd()]
 }
 
 /// The API version and kind of a template as an object (the serverless seed's `Func`).
