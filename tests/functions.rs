@@ -1184,38 +1184,20 @@ async fn the_seeds_func_object_is_taken_and_shown_with_the_status_ebb_keeps() {
         o
     };
     let post = "/api/funcs/template";
-    refused(
-        api(&ebb, "POST", post, seed(json!({ "kind": "Pod" }))).await,
-        400,
-        "invalid_template",
-    );
-    refused(
-        api(&ebb, "POST", post, seed(json!({ "apiVersion": "apps/v1" }))).await,
-        400,
-        "invalid_template",
-    );
-    refused(
-        api(
-            &ebb,
-            "POST",
-            post,
+    for (body, code) in [
+        (seed(json!({ "kind": "Pod" })), "invalid_template"),
+        (seed(json!({ "apiVersion": "apps/v1" })), "invalid_template"),
+        (
             seed(json!({ "metadata": { "name": "other" } })),
-        )
-        .await,
-        400,
-        "invalid_template",
-    );
-    refused(
-        api(
-            &ebb,
-            "POST",
-            post,
+            "invalid_template",
+        ),
+        (
             json!({ "kind": "Func", "metadata": { "name": "x" } }),
-        )
-        .await,
-        400,
-        "bad_json",
-    );
+            "bad_json",
+        ),
+    ] {
+        refused(api(&ebb, "POST", post, body).await, 400, code);
+    }
     let (status, _) = api(&ebb, "GET", "/api/funcs/template/shout", Value::Null).await;
     assert_eq!(status, 404, "nothing refused was written");
 

@@ -916,11 +916,25 @@ async fn fn_api(
     (status, v)
 }
 
+/// Creates a template through the functions API; fails the test unless it is created (201).
+async fn create_template(ebb: &common::Ebb, body: &str) {
+    let (status, v) = fn_api(ebb, "POST", "/api/funcs/template", body).await;
+    assert_eq!(status, 201, "{v}");
+}
+
 /// The function's Deployment in ebb's namespace, if there is one.
 fn function_deployment(cp: &ControlPlane, name: &str) -> Option<serde_json::Value> {
     cp.try_kubectl(&["get", "deployment", name, "-n", "ebb", "-o", "json"])
         .ok()
         .map(|s| json(&s))
+}
+
+/// Whether neither the function's Deployment nor its Service is in ebb's namespace.
+fn function_objects_gone(cp: &ControlPlane, name: &str) -> bool {
+    function_deployment(cp, name).is_none()
+        && cp
+            .try_kubectl(&["get", "service", name, "-n", "ebb"])
+            .is_err()
 }
 
 /// An image template: the example app from the `ebb` image, listening on its pod's address.
@@ -948,14 +962,7 @@ async fn image_functions_run_as_deployments_and_services_that_ebb_makes() {
     args.extend(["--api-token", FN_TOKEN]);
     let ebb = serve_deployed(&cp, data.path(), &args);
 
-    let (status, v) = fn_api(
-        &ebb,
-        "POST",
-        "/api/funcs/template",
-        &image_template("shout", "upper"),
-    )
-    .await;
-    assert_eq!(status, 201, "{v}");
+    create_template(&ebb, &image_template("shout", "upper")).await;
     let d = wait_until(
         "the function's Deployment",
         Duration::from_secs(30),
@@ -1053,17 +1060,7 @@ async fn image_functions_run_as_deployments_and_services_that_ebb_makes() {
     let command_only = serde_json::json!({
         "name": "local", "function": "upper", "command": ["ebb", "example-app"],
     });
-    assert_eq!(
-        fn_api(
-            &ebb,
-            "POST",
-            "/api/funcs/template",
-            &command_only.to_string()
-        )
-        .await
-        .0,
-        201
-    );
+    create_template(&ebb, &command_only.to_string()).await;
     let (status, v) = fn_api(&ebb, "POST", "/api/funcs/local", "x").await;
     assert_eq!(
         (status, &v["code"]),
@@ -1083,17 +1080,7 @@ async fn image_functions_run_as_deployments_and_services_that_ebb_makes() {
             "name: fn-taken\n  namespace: ebb",
         ),
     );
-    assert_eq!(
-        fn_api(
-            &ebb,
-            "POST",
-            "/api/funcs/template",
-            &image_template("taken", "upper")
-        )
-        .await
-        .0,
-        201
-    );
+    create_template(&ebb, &image_template("taken", "upper")).await;
     wait_for(
         "a Warning Event on the user's Deployment",
         Duration::from_secs(30),
@@ -1131,27 +1118,12 @@ async fn image_functions_run_as_deployments_and_services_that_ebb_makes() {
     wait_for(
         "the function's objects deleted",
         Duration::from_secs(60),
-        || {
-            function_deployment(&cp, "fn-shout").is_none()
-                && cp
-                    .try_kubectl(&["get", "service", "fn-shout", "-n", "ebb"])
-                    .is_err()
-        },
+        || function_objects_gone(&cp, "fn-shout"),
     )
     .await;
 
     // A function this replica made, unknown to it after a restart with an empty log: deleted.
-    assert_eq!(
-        fn_api(
-            &ebb,
-            "POST",
-            "/api/funcs/template",
-            &image_template("stale", "upper")
-        )
-        .await
-        .0,
-        201
-    );
+    create_template(&ebb, &image_template("stale", "upper")).await;
     wait_for(
         "the stale function's Deployment",
         Duration::from_secs(30),
@@ -1164,12 +1136,7 @@ async fn image_functions_run_as_deployments_and_services_that_ebb_makes() {
     wait_for(
         "the stale function's objects deleted",
         Duration::from_secs(30),
-        || {
-            function_deployment(&cp, "fn-stale").is_none()
-                && cp
-                    .try_kubectl(&["get", "service", "fn-stale", "-n", "ebb"])
-                    .is_err()
-        },
+        || function_objects_gone(&cp, "fn-stale"),
     )
     .await;
     assert!(

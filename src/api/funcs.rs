@@ -313,7 +313,7 @@ fn status(s: &State, name: &str) -> Value {
         replicas: s
             .routes
             .deployments
-            .get(&format!("fn-{name}"))
+            .get(&functions::workload_of(name))
             .map_or(0, |d| d.desired),
     };
     serde_json::to_value(status).unwrap_or(Value::Null)
@@ -749,7 +749,7 @@ async fn delete(
     let v = change_object(&app, committed.first_seq);
     // A deleted function's workload stops.
     if let (Some(o), Some(name)) = (&app.orchestrator, v.as_ref().and_then(name_of)) {
-        let _ = o.scale(&format!("fn-{name}"), 0);
+        let _ = o.scale(&functions::workload_of(name), 0);
     }
     Ok(Json(v.unwrap_or(Value::Null)))
 }

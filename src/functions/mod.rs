@@ -146,6 +146,12 @@ pub fn decide_autoscale(
     (events, scales)
 }
 
+/// The name of the route and workload (on Kubernetes, the Deployment and Service) that serve
+/// template `template`.
+pub fn workload_of(template: &str) -> String {
+    format!("fn-{template}")
+}
+
 /// The route (and workload) that serves a template run by ebb: `fn-NAME`, reached as
 /// `NAME.fn.ebb.internal`. A template with a `command` runs it as a local process; one with an
 /// `image` runs on Kubernetes as the Deployment `fn-NAME` behind the Service `fn-NAME`
@@ -155,7 +161,7 @@ pub fn route_of(t: &TemplateSpec) -> Option<RouteSpec> {
     if t.command.is_empty() && t.image.is_none() {
         return None;
     }
-    let name = format!("fn-{}", t.name);
+    let name = workload_of(&t.name);
     Some(RouteSpec {
         name: name.clone(),
         domains: vec![host_of(&t.name)],
@@ -247,7 +253,7 @@ pub fn step_call_id(instance: &str, step: usize) -> String {
 pub fn step_call(instance: &str, step: usize, t: &TemplateSpec, input: Vec<u8>) -> CallSpec {
     CallSpec {
         id: step_call_id(instance, step),
-        target: format!("fn-{}", t.name),
+        target: workload_of(&t.name),
         kind: CallKind::Async,
         timeout_ms: t.timeout_ms,
         partition: None,
@@ -563,20 +569,16 @@ struct FuncObject {
     metadata: Option<ObjectMetadata>,
     spec: TemplateJson,
     /// Written by ebb, never taken from a client.
-    #[serde(default)]
-    #[allow(dead_code)]
-    status: Option<serde_json::Value>,
+    #[serde(default, rename = "status")]
+    _status: serde::de::IgnoredAny,
 }
 
 /// An object's metadata as a client may send it: only the name is read (the rest, such as
-/// `resourceVersion` or labels, is ebb's or unused).
+/// `resourceVersion` or labels, is ebb's or unused, and ignored).
 #[derive(Debug, Deserialize)]
 struct ObjectMetadata {
     #[serde(default)]
     name: Option<String>,
-    #[serde(flatten)]
-    #[allow(dead_code)]
-    rest: serde_json::Map<String, serde_json::Value>,
 }
 
 /// Why a template body could not be read: not JSON of the right types (`bad_json`), or JSON
@@ -806,7 +808,7 @@ pub enum Refused {
 /// removed when it no longer runs on ebb). Refused if its host belongs to another route.
 fn upsert(state: &State, spec: TemplateSpec) -> Result<Vec<Event>, Refused> {
     let mut events = Vec::new();
-    let route_name = format!("fn-{}", spec.name);
+    let route_name = workload_of(&spec.name);
     match route_of(&spec) {
         Some(route) => {
             for d in &route.domains {
@@ -881,7 +883,7 @@ pub fn decide_delete(state: &State, name: &str) -> Result<Vec<Event>, Refused> {
     let mut events = vec![Event::TemplateDeleted {
         name: name.to_owned(),
     }];
-    let route = format!("fn-{name}");
+    let route = workload_of(name);
     if state.routes.by_name.contains_key(&route) {
         events.push(Event::RouteRemoved {
             name: route.clone(),

@@ -232,14 +232,15 @@ impl KubeOrchestrator {
         self.track_as(key, workload, service, port, false);
     }
 
-    /// Tracks the workload of an image function.
-    pub(super) fn track_function(&self, key: &str, workload: &Workload, service: &str) {
+    /// Tracks the workload of an image function: its route's deployment key is the Deployment's
+    /// name, and its Service has that name too.
+    pub(super) fn track_function(&self, workload: &Workload) {
         let service = ServiceKey {
             namespace: workload.namespace.clone(),
-            name: service.to_owned(),
+            name: workload.name.clone(),
         };
         let port = Some(super::kube_functions::PORT_NAME.to_owned());
-        self.track_as(key, workload, service, port, true);
+        self.track_as(&workload.name, workload, service, port, true);
     }
 
     fn track_as(

@@ -33,6 +33,7 @@ use tokio::sync::watch;
 use super::annotations::{Workload, WorkloadKind};
 use super::kube::{Complaints, KubeOrchestrator};
 use crate::event::{Event, TemplateSpec};
+use crate::functions::workload_of;
 use crate::log::Log;
 use crate::state::State;
 
@@ -48,11 +49,6 @@ pub const PORT_NAME: &str = "http";
 /// How often failed applies and deletions are tried again.
 const RETRY_EVERY: Duration = Duration::from_secs(5);
 
-/// The name of a function's Deployment and Service (its route's `deployment`).
-pub fn object_name(template: &str) -> String {
-    format!("fn-{template}")
-}
-
 /// The Deployment and the Service that run template `t` in `namespace` with `replicas` replicas,
 /// made by the ebb replica `instance`, owned by `owner` if any, as server-side apply bodies.
 pub fn objects(
@@ -62,7 +58,7 @@ pub fn objects(
     replicas: u32,
     owner: Option<&OwnerReference>,
 ) -> (Value, Value) {
-    let name = object_name(&t.name);
+    let name = workload_of(&t.name);
     let mut metadata = json!({
         "name": name,
         "namespace": namespace,
@@ -192,7 +188,7 @@ fn wanted(s: &State) -> BTreeMap<String, Wanted> {
             let replicas = s
                 .routes
                 .deployments
-                .get(&object_name(&t.spec.name))
+                .get(&workload_of(&t.spec.name))
                 .map_or(0, |d| d.desired);
             (
                 t.spec.name.clone(),
@@ -216,48 +212,43 @@ struct Functions {
     applied: HashMap<String, u64>,
     /// Names whose objects another owner has, with the problem last reported.
     taken: HashMap<String, String>,
+    /// Functions whose objects are still to be deleted.
+    gone: HashSet<String>,
     complaints: Complaints,
 }
 
 impl Functions {
-    fn workload(&self, template: &str) -> Workload {
-        Workload {
-            kind: WorkloadKind::Deployment,
-            namespace: self.namespace.clone(),
-            name: object_name(template),
-        }
+    /// The object of `template`'s name in `api`, if any.
+    async fn get<K>(&self, api: &Api<K>, template: &str) -> kube::Result<Option<K>>
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        self.orch.limiter.acquire().await;
+        api.get_opt(&workload_of(template)).await
+    }
+
+    /// The object of `template`'s name in `api` that is someone else's, if any.
+    async fn foreign_in<K>(
+        &self,
+        api: &Api<K>,
+        template: &str,
+    ) -> kube::Result<Option<ObjectReference>>
+    where
+        K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        Ok(self
+            .get(api, template)
+            .await?
+            .filter(|o| !is_function(o.meta(), template))
+            .map(|o| o.object_ref(&())))
     }
 
     /// Why the objects of `template` may not be made: one of that name is someone else's.
     async fn foreign(&self, template: &str) -> kube::Result<Option<ObjectReference>> {
-        let name = object_name(template);
-        self.orch.limiter.acquire().await;
-        if let Some(d) = self.deployments.get_opt(&name).await?
-            && !is_function(&d.metadata, template)
-        {
-            return Ok(Some(ObjectReference {
-                api_version: Some("apps/v1".to_owned()),
-                kind: Some("Deployment".to_owned()),
-                name: Some(name),
-                namespace: Some(self.namespace.clone()),
-                uid: d.metadata.uid,
-                ..ObjectReference::default()
-            }));
+        match self.foreign_in(&self.deployments, template).await? {
+            Some(other) => Ok(Some(other)),
+            None => self.foreign_in(&self.services, template).await,
         }
-        self.orch.limiter.acquire().await;
-        if let Some(s) = self.services.get_opt(&name).await?
-            && !is_function(&s.metadata, template)
-        {
-            return Ok(Some(ObjectReference {
-                api_version: Some("v1".to_owned()),
-                kind: Some("Service".to_owned()),
-                name: Some(name),
-                namespace: Some(self.namespace.clone()),
-                uid: s.metadata.uid,
-                ..ObjectReference::default()
-            }));
-        }
-        Ok(None)
     }
 
     /// Makes or updates a function's Deployment and Service; whether they are the function's now.
@@ -269,7 +260,7 @@ impl Functions {
             let problem = format!(
                 "function {template:?} needs the {} {:?}, and one of that name is not ebb's: the function does not run until it is renamed or removed",
                 other.kind.as_deref().unwrap_or("object"),
-                object_name(template),
+                workload_of(template),
             );
             if self.taken.get(template) != Some(&problem) {
                 tracing::warn!(function = %template, %problem, "an image function cannot be made");
@@ -293,7 +284,7 @@ impl Functions {
             w.replicas,
             self.owner.as_ref(),
         );
-        let name = object_name(template);
+        let name = workload_of(template);
         let params = PatchParams::apply(FIELD_MANAGER).force();
         self.orch.limiter.acquire().await;
         self.services
@@ -307,33 +298,29 @@ impl Functions {
         Ok(true)
     }
 
-    /// Deletes a function's objects if they are still the function's (the UID read).
+    /// Deletes the object of `template`'s name in `api` if it is still the function's (the UID
+    /// read).
+    async fn remove_in<K>(&self, api: &Api<K>, template: &str) -> kube::Result<()>
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        let Some(o) = self.get(api, template).await? else {
+            return Ok(());
+        };
+        if !is_function(o.meta(), template) {
+            return Ok(());
+        }
+        self.orch.limiter.acquire().await;
+        let deleted = api
+            .delete(&workload_of(template), &guarded(o.meta().uid.clone()))
+            .await;
+        ignore_gone(deleted.map(|_| ()))
+    }
+
+    /// Deletes a function's Deployment and Service.
     async fn remove(&self, template: &str) -> kube::Result<()> {
-        let name = object_name(template);
-        self.orch.limiter.acquire().await;
-        if let Some(d) = self.deployments.get_opt(&name).await?
-            && is_function(&d.metadata, template)
-        {
-            self.orch.limiter.acquire().await;
-            ignore_gone(
-                self.deployments
-                    .delete(&name, &guarded(d.metadata.uid))
-                    .await
-                    .map(|_| ()),
-            )?;
-        }
-        self.orch.limiter.acquire().await;
-        if let Some(s) = self.services.get_opt(&name).await?
-            && is_function(&s.metadata, template)
-        {
-            self.orch.limiter.acquire().await;
-            ignore_gone(
-                self.services
-                    .delete(&name, &guarded(s.metadata.uid))
-                    .await
-                    .map(|_| ()),
-            )?;
-        }
+        self.remove_in(&self.deployments, template).await?;
+        self.remove_in(&self.services, template).await?;
         tracing::info!(function = %template, "image function's Deployment and Service deleted");
         Ok(())
     }
@@ -362,11 +349,11 @@ impl Functions {
 
     /// One pass: every image template's objects applied at its revision, those of templates
     /// gone deleted, the workloads tracked; whether all of it worked.
-    async fn reconcile(&mut self, log: &Log, gone: &mut HashSet<String>) -> bool {
+    async fn reconcile(&mut self, log: &Log) -> bool {
         let wanted = log.read(wanted);
         let mut ok = true;
         for (name, w) in &wanted {
-            gone.remove(name);
+            self.gone.remove(name);
             if self.applied.get(name) == Some(&w.revision) {
                 continue;
             }
@@ -374,11 +361,11 @@ impl Functions {
                 Ok(true) => {
                     self.complaints.worked(&format!("applying function {name}"));
                     self.applied.insert(name.clone(), w.revision);
-                    self.orch.track_function(
-                        &object_name(name),
-                        &self.workload(name),
-                        &object_name(name),
-                    );
+                    self.orch.track_function(&Workload {
+                        kind: WorkloadKind::Deployment,
+                        namespace: self.namespace.clone(),
+                        name: workload_of(name),
+                    });
                 }
                 Ok(false) => {}
                 Err(e) => {
@@ -390,15 +377,15 @@ impl Functions {
         }
         for name in self.applied.keys() {
             if !wanted.contains_key(name) {
-                gone.insert(name.clone());
+                self.gone.insert(name.clone());
             }
         }
         self.applied.retain(|n, _| wanted.contains_key(n));
         self.taken.retain(|n, _| wanted.contains_key(n));
-        for name in gone.clone() {
+        for name in self.gone.clone() {
             match self.remove(&name).await {
                 Ok(()) => {
-                    gone.remove(&name);
+                    self.gone.remove(&name);
                     self.complaints.worked(&format!("deleting function {name}"));
                 }
                 Err(e) => {
@@ -411,7 +398,7 @@ impl Functions {
         let keep = self
             .applied
             .keys()
-            .map(|n| object_name(n))
+            .map(|n| workload_of(n))
             .collect::<HashSet<_>>();
         self.orch.retain(&keep, true);
         ok
@@ -449,12 +436,12 @@ pub async fn run(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch::Re
         orch,
         applied: HashMap::new(),
         taken: HashMap::new(),
+        gone: HashSet::new(),
         complaints: Complaints::default(),
     };
     let mut tail = log.subscribe();
     let mut retry = tokio::time::interval(RETRY_EVERY);
     retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut gone: HashSet<String> = HashSet::new();
     let mut swept = false;
     let mut ok = false;
     loop {
@@ -462,7 +449,7 @@ pub async fn run(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch::Re
             let wanted = log.read(wanted);
             match f.orphans(&wanted).await {
                 Ok(orphans) => {
-                    gone.extend(orphans);
+                    f.gone.extend(orphans);
                     swept = true;
                     f.complaints.worked("listing image functions");
                 }
@@ -475,8 +462,8 @@ pub async fn run(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch::Re
                 Err(e) => f.complaints.failed("listing image functions", &e),
             }
         }
-        if !ok || !gone.is_empty() {
-            ok = f.reconcile(&log, &mut gone).await && swept;
+        if !ok || !f.gone.is_empty() {
+            ok = f.reconcile(&log).await && swept;
         }
         tokio::select! {
             _ = stop.changed() => return,
