@@ -3,6 +3,7 @@
 
 pub mod controlplane;
 pub mod ebbkube;
+pub mod kafka;
 pub mod node;
 
 use std::io::{BufRead, BufReader};
@@ -104,73 +105,7 @@ pub fn serve_logged(
     }
 }
 
-/// A Kafka-protocol broker (tansu, memory storage) on a loopback port, stopped when dropped.
-pub struct Broker {
-    pub child: Child,
-    pub addr: SocketAddr,
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The tansu binary: `$EBB_TANSU`, then the one `scripts/test` installs, then `tansu` on PATH.
-pub fn tansu() -> PathBuf {
-    if let Some(p) = std::env::var_os("EBB_TANSU") {
-        return PathBuf::from(p);
-    }
-    if let Some(home) = std::env::var_os("HOME") {
-        let p = PathBuf::from(home).join(".cache/ebb/tools/bin/tansu");
-        if p.exists() {
-            return p;
-        }
-    }
-    PathBuf::from("tansu")
-}
-
-/// Starts a broker and waits until it accepts connections.
-pub async fn broker() -> Broker {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("tcp://127.0.0.1:{port}");
-    let child = Command::new(tansu())
-        .args([
-            "broker",
-            "--listener-url",
-            &url,
-            "--advertised-listener-url",
-            &url,
-        ])
-        .args(["--storage-engine", "memory://tansu/"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap_or_else(|e| {
-            panic!(
-                "cannot start the Kafka-protocol broker {:?}: {e} (./scripts/test installs it)",
-                tansu()
-            )
-        });
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let broker = Broker { child, addr };
-    let listening = async {
-        let mut tick = tokio::time::interval(std::time::Duration::from_millis(20));
-        while tokio::net::TcpStream::connect(addr).await.is_err() {
-            tick.tick().await;
-        }
-    };
-    tokio::time::timeout(std::time::Duration::from_secs(30), listening)
-        .await
-        .unwrap_or_else(|_| panic!("the broker did not listen on {addr}"));
-    broker
-}
+pub use kafka::{Broker, broker, tansu_broker};
 
 /// Every event of the log in `data`, as `ebb log dump --json` prints them.
 /// Runs `ebb ARGS --data-dir DATA`, which must succeed; returns what it printed.
