@@ -15,6 +15,7 @@ pub mod functions;
 pub mod log;
 pub mod mutation;
 pub mod orchestrator;
+pub mod peers;
 pub mod proxy;
 pub mod queue;
 pub mod scaler;

@@ -26,7 +26,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(
     name = "ebb",
     version,
-    about = "Serverless HTTP workloads and functions on one event log"
+    about = "Serverless HTTP workloads and functions on one event log",
+    args_override_self = true
 )]
 struct Cli {
     #[command(flatten)]
@@ -156,6 +157,19 @@ enum Command {
         /// On Kubernetes: the most two ebb replicas' clocks differ by, in ms.
         #[arg(long, default_value_t = 500)]
         kube_max_skew_ms: u64,
+        /// This replica's name, when several ebb share calls (a Kafka queue) and functions: the
+        /// ids of the calls and instances it accepts carry it (`NAME.UUID`), and other replicas
+        /// forward what concerns them here. On Kubernetes, the StatefulSet pod's name.
+        #[arg(long, env = "EBB_REPLICA")]
+        replica: Option<String>,
+        /// Another replica's base URL (its admin listener), as NAME=URL; repeat for each. On
+        /// Kubernetes without it, replicas are found through --peer-service.
+        #[arg(long = "peer", env = "EBB_PEERS", value_delimiter = ',')]
+        peers: Vec<String>,
+        /// On Kubernetes: the headless Service whose endpoints are ebb's replicas (in ebb's own
+        /// namespace; their `admin` port).
+        #[arg(long, default_value = "ebb-headless")]
+        peer_service: String,
         /// Test hook: before each scale-down write, create `held` in this directory and wait
         /// for `release` there.
         #[arg(long, hide = true, env = "EBB_TEST_DOWNSCALE_GATE")]
@@ -229,7 +243,7 @@ enum Command {
         #[arg(long)]
         seed: Option<u64>,
         /// Keep only these fault kinds (comma-separated: api-errors, pauses, replica-crash,
-        /// torn-writes, runner-crash, lost-replies, duplicates, skew; or none).
+        /// torn-writes, runner-crash, lost-replies, duplicates, skew, rebalances; or none).
         #[arg(long)]
         faults: Option<String>,
         /// Threads (default: one per core).
@@ -374,6 +388,18 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
     b.enable_all().build().context("starting the async runtime")
 }
 
+/// `--peer NAME=URL`: a replica name and an `http://` base URL.
+fn parse_peer(p: &str) -> Result<(String, String)> {
+    let (name, url) = p
+        .split_once('=')
+        .with_context(|| format!("--peer {p:?}: give NAME=URL, e.g. ebb-1=http://10.0.0.2:8081"))?;
+    ebb::functions::check_name("replica", name).map_err(anyhow::Error::msg)?;
+    if !url.starts_with("http://") || url.len() <= "http://".len() {
+        anyhow::bail!("--peer {p:?}: the URL must be http://HOST:PORT");
+    }
+    Ok((name.to_owned(), url.trim_end_matches('/').to_owned()))
+}
+
 fn run(cli: Cli) -> Result<()> {
     let dir = cli.data.data_dir;
     match cli.command {
@@ -410,6 +436,9 @@ fn run(cli: Cli) -> Result<()> {
             kube_lease_ms,
             kube_touch_ms,
             kube_max_skew_ms,
+            replica,
+            peers,
+            peer_service,
             downscale_gate,
         } => serve(
             ebb::serve::ServeOptions {
@@ -470,6 +499,15 @@ fn run(cli: Cli) -> Result<()> {
                         ..Default::default()
                     }
                 }),
+                replica: replica
+                    .map(|r| {
+                        ebb::functions::check_name("replica", &r)
+                            .map(|()| r)
+                            .map_err(anyhow::Error::msg)
+                    })
+                    .transpose()?,
+                peers: peers.iter().map(|p| parse_peer(p)).collect::<Result<_>>()?,
+                peer_service,
                 proxy_threads: proxy_threads
                     .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
                 runtime: ebb::proxy::runtime::RuntimeOptions {

@@ -20,15 +20,19 @@ pub enum Mutation {
     FinishNotIdempotent,
     /// The proxy does not retry a request whose backend refused it (a stopping replica).
     NoRetryOnStopping,
+    /// A replica decides starts and finishes of calls another replica owns from its own log,
+    /// instead of forwarding them to the owner.
+    DecideForOthers,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 4] = [
+    pub const ALL: [Mutation; 5] = [
         Mutation::DownscaleWithoutCas,
         Mutation::StartWithoutCondition,
         Mutation::FinishNotIdempotent,
         Mutation::NoRetryOnStopping,
+        Mutation::DecideForOthers,
     ];
 
     /// The name used on the command line.
@@ -38,6 +42,7 @@ impl Mutation {
             Mutation::StartWithoutCondition => "start-without-condition",
             Mutation::FinishNotIdempotent => "finish-not-idempotent",
             Mutation::NoRetryOnStopping => "no-retry-on-stopping",
+            Mutation::DecideForOthers => "decide-for-others",
         }
     }
 

@@ -59,6 +59,13 @@ pub struct ServeOptions {
     pub runner_capacity: usize,
     /// Run workloads on Kubernetes instead of as local processes.
     pub kubernetes: Option<KubeOptions>,
+    /// This replica's name, which the ids of the calls and instances it accepts carry (`None`:
+    /// one ebb alone, bare UUIDs).
+    pub replica: Option<String>,
+    /// Other replicas' base URLs by name (`--peer NAME=URL`).
+    pub peers: Vec<(String, String)>,
+    /// On Kubernetes without `peers`: the headless Service whose endpoints are the replicas.
+    pub peer_service: String,
 }
 
 /// Routes from the config file that differ from the log's, as events.
@@ -142,6 +149,19 @@ pub async fn run(
             (None, Some(KubeOrchestrator::new(client, k.clone())))
         }
     };
+    let peers = Arc::new(crate::peers::Peers::new(
+        options.replica.clone(),
+        match (&kube, &options.kubernetes) {
+            (Some(k), Some(ko)) if options.peers.is_empty() => crate::peers::Resolver::Kubernetes {
+                client: k.client(),
+                namespace: ko.shared.lease_namespace.clone(),
+                service: options.peer_service.clone(),
+                port: "admin".into(),
+                cache: Default::default(),
+            },
+            _ => crate::peers::Resolver::Static(options.peers.iter().cloned().collect()),
+        },
+    ));
     let dyn_orch: Arc<dyn Orchestrator> = match (&process, &kube) {
         (Some(p), _) => p.clone(),
         (None, Some(k)) => k.clone(),
@@ -276,12 +296,10 @@ pub async fn run(
             .context("opening the call queue")?,
         ),
     };
-    let calls = Arc::new(Calls::new(
-        log.clone(),
-        queue,
-        clock.clone(),
-        options.calls.clone(),
-    ));
+    let calls = Arc::new(
+        Calls::new(log.clone(), queue, clock.clone(), options.calls.clone())
+            .with_peers(peers.clone(), options.runner_token.clone()),
+    );
     calls
         .recover()
         .await
@@ -340,6 +358,7 @@ pub async fn run(
         runner_token: options.runner_token.clone(),
         api_token: options.api_token.clone(),
         functions: Some(functions.clone()),
+        peers: peers.clone(),
         ready: kube.clone().map(|k| {
             let ready: Arc<dyn Fn() -> bool + Send + Sync> = Arc::new(move || k.synced());
             ready

@@ -740,3 +740,122 @@ async fn queued_and_running_calls_can_be_cancelled_once() {
         (200, Some("cancelled"))
     );
 }
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Replica `me` of two sharing `brokers`, its admin API on `ports[me]`, the other found at its
+/// port; no built-in runner.
+fn replica(dir: &Path, me: usize, ports: [u16; 2], brokers: &str) -> Ebb {
+    let admin = format!("127.0.0.1:{}", ports[me]);
+    let name = format!("ebb-{me}");
+    let peer = format!("ebb-{}=http://127.0.0.1:{}", 1 - me, ports[1 - me]);
+    let data = dir.join(&name);
+    std::fs::create_dir_all(&data).unwrap();
+    common::serve_with(
+        &data.join("data"),
+        Some(&config(&data)),
+        None,
+        &[
+            "--runner-token",
+            TOKEN,
+            "--admin-listen",
+            &admin,
+            "--replica",
+            &name,
+            "--peer",
+            &peer,
+            "--kafka-brokers",
+            brokers,
+            "--kafka-partitions",
+            "4",
+            "--runner-capacity",
+            "0",
+            "--visibility-timeout-ms",
+            "2000",
+            "--runner-lease-ms",
+            "3000",
+        ],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_calls_on_kafka_and_only_the_owner_decides() {
+    let broker = common::broker().await;
+    let brokers = broker.addr.to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let ports = [free_port(), free_port()];
+    let mut e0 = replica(dir.path(), 0, ports, &brokers);
+    let e1 = replica(dir.path(), 1, ports, &brokers);
+    // One runner, on ebb-1: every call ebb-0 accepts runs there, its start and finish decided by
+    // ebb-0 through forwarding.
+    let _r1 = runner(&e1, "r1", None);
+    let mut ids = enqueue_bodies(&e0, 10).await;
+    ids.extend(enqueue_bodies(&e1, 10).await);
+    for (i, id) in ids.iter().enumerate() {
+        let owner = if i < 10 { "ebb-0." } else { "ebb-1." };
+        assert!(id.starts_with(owner), "{id} names its owner");
+    }
+    for id in &ids {
+        wait_state(&e0, id, "success").await;
+    }
+    for id in &ids {
+        // Both replicas answer the same for every call (the other one through the owner).
+        let (a, b) = (
+            get(&e0, &format!("/v1/calls/{id}")).await,
+            get(&e1, &format!("/v1/calls/{id}")).await,
+        );
+        assert_eq!((a.status, &a.json), (b.status, &b.json), "{id}");
+        assert_eq!(a.json["runner"], "r1");
+        // Only the owner's log has the call.
+        let (owner, other) = if id.starts_with("ebb-0.") {
+            (&e0, &e1)
+        } else {
+            (&e1, &e0)
+        };
+        assert_eq!(events_of(&owner.data, id, "CallStarted"), 1, "{id}");
+        assert_eq!(events_of(&other.data, id, "CallQueued"), 0, "{id}");
+    }
+
+    // The owner SIGKILLed while its calls are being run elsewhere, then restarted: nobody
+    // decides for it meanwhile, and every call it acknowledged ends, started once.
+    let more = enqueue_bodies(&e0, 20).await;
+    e0.child.kill().unwrap();
+    e0.child.wait().unwrap();
+    let down = get(&e1, &format!("/v1/calls/{}", more[0])).await;
+    assert_eq!(
+        (down.status, down.json["code"].as_str()),
+        (503, Some("owner_unavailable")),
+        "{}",
+        down.json
+    );
+    assert!(down.headers.contains_key("retry-after"));
+    drop(e0);
+    let e0 = replica(dir.path(), 0, ports, &brokers);
+    for id in &more {
+        wait_state(&e1, id, "success").await;
+    }
+    for id in more.iter().chain(&ids[..10]) {
+        assert_eq!(
+            events_of(&e0.data, id, "CallStarted"),
+            1,
+            "{id} started once"
+        );
+    }
+    // A request that names another owner and comes forwarded is refused, never forwarded on.
+    let misdirected = call_api(
+        &e1,
+        "GET",
+        &format!("/v1/calls/{}", more[0]),
+        Some(TOKEN),
+        None,
+        &[("x-ebb-forwarded-by", "ebb-0")],
+    )
+    .await;
+    assert_eq!(misdirected.status, 421, "{}", misdirected.json);
+}

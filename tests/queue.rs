@@ -140,7 +140,7 @@ async fn the_embedded_queue_hands_a_runner_its_own_partition_first() {
     assert_eq!(ids(&reserve_n(&*q, "a", 1).await), ["b1"]);
 }
 
-async fn kafka_contract(broker: &common::Broker) {
+async fn kafka_contract(broker: &common::kafka::Broker) {
     let options = KafkaOptions {
         brokers: broker.addr.to_string(),
         partitions: 4,
@@ -161,7 +161,7 @@ async fn the_kafka_queue_keeps_the_contract_on_apache_kafka() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kafka_queue_keeps_the_contract_on_tansu() {
-    kafka_contract(&common::tansu_broker().await).await;
+    kafka_contract(&common::kafka::tansu_broker().await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

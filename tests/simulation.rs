@@ -64,6 +64,7 @@ fn every_scenario_holds_its_invariants_and_exercises_what_it_is_about() {
             seen.calls += out.stats.calls;
             seen.executed += out.stats.executed;
             seen.crashes += out.stats.crashes;
+            seen.forwarded += out.stats.forwarded;
         }
     }
     // The races the invariants are about did happen.
@@ -79,6 +80,10 @@ fn every_scenario_holds_its_invariants_and_exercises_what_it_is_about() {
     );
     assert!(seen.calls > 100 && seen.executed > 100, "{seen:?}");
     assert!(seen.crashes > 5, "{seen:?}");
+    assert!(
+        seen.forwarded > 100,
+        "no start or finish went to another replica: {seen:?}"
+    );
 }
 
 /// Each broken decision is found, as a violation of the invariant it breaks, within the bound.
@@ -105,6 +110,11 @@ fn the_simulator_finds_every_deliberately_broken_decision() {
             Mutation::FinishNotIdempotent,
             "calls-chaos",
             "finish_idempotent",
+        ),
+        (
+            Mutation::DecideForOthers,
+            "calls-replicas",
+            "call_at_most_once",
         ),
     ];
     for (mutation, name, invariant) in cases {

@@ -240,35 +240,63 @@ async fn invoke(
 async fn instance(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
+    uri: axum::http::Uri,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     authorize(&app, &headers)?;
+    if let Some(r) = super::through_owner(
+        &app,
+        &id,
+        axum::http::Method::GET,
+        &uri,
+        &headers,
+        Bytes::new(),
+    )
+    .await?
+    {
+        return Ok(r);
+    }
     app.log
         .read(|s| instance_view(s, &id))
-        .map(Json)
+        .map(|v| Json(v).into_response())
         .ok_or_else(|| FnError::UnknownInstance(id).into())
 }
 
 async fn step(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
+    uri: axum::http::Uri,
     Path((name, id)): Path<(String, String)>,
     body: Result<Bytes, BytesRejection>,
-) -> Result<(StatusCode, Json<Value>), ApiError> {
+) -> Result<Response, ApiError> {
     authorize(&app, &headers)?;
-    let input = args(body)?;
+    let body = body.map_err(super::runner::rejection)?;
+    if let Some(r) = super::through_owner(
+        &app,
+        &id,
+        axum::http::Method::PUT,
+        &uri,
+        &headers,
+        body.clone(),
+    )
+    .await?
+    {
+        return Ok(r);
+    }
+    let input = args(Ok(body))?;
     let number = service(&app)?.step(&name, &id, input).await?;
     if number == 0 {
         let v = app
             .log
             .read(|s| instance_view(s, &id))
             .unwrap_or(Value::Null);
-        return Ok((StatusCode::OK, Json(v)));
+        return Ok((StatusCode::OK, Json(v)).into_response());
     }
     Ok((
         StatusCode::ACCEPTED,
         Json(json!({ "instanceId": id, "step": number, "function": name })),
-    ))
+    )
+        .into_response())
 }
 
 fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {

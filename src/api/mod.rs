@@ -22,6 +22,7 @@ use axum::routing::get;
 use serde_json::json;
 
 use crate::log::Log;
+use crate::peers::{PeerError, Peers};
 
 /// What every handler can reach.
 #[derive(Clone)]
@@ -42,6 +43,9 @@ pub struct AppState {
     pub api_token: Option<String>,
     /// The functions runtime (instances), if this ebb runs calls.
     pub functions: Option<Arc<crate::functions::runtime::FunctionService>>,
+    /// This replica's name and the way to the others (calls and instances owned elsewhere are
+    /// answered through their owner).
+    pub peers: Arc<Peers>,
     /// Whether ebb is ready for traffic (`/readyz`): on Kubernetes, once it has listed the
     /// cluster's Services and EndpointSlices. `None`: ready once it answers.
     pub ready: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
@@ -101,6 +105,8 @@ pub struct ApiError {
     pub code: &'static str,
     /// Human-readable message.
     pub message: String,
+    /// Seconds to wait before asking again (`Retry-After`), for an answer that will change.
+    pub retry_after_s: Option<u64>,
 }
 
 impl ApiError {
@@ -110,37 +116,105 @@ impl ApiError {
             status,
             code,
             message: message.into(),
+            retry_after_s: None,
         }
     }
 
     /// A 404 with code `not_found`.
     pub fn not_found(message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::NOT_FOUND,
-            code: "not_found",
-            message: message.into(),
-        }
+        Self::new(StatusCode::NOT_FOUND, "not_found", message)
     }
 }
 
 impl From<crate::log::Error> for ApiError {
     fn from(e: crate::log::Error) -> Self {
-        Self {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            code: "log_unavailable",
-            message: e.to_string(),
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "log_unavailable",
+            e.to_string(),
+        )
+    }
+}
+
+impl From<PeerError> for ApiError {
+    fn from(e: PeerError) -> Self {
+        let message = e.to_string();
+        match e {
+            PeerError::Unavailable(..) => Self {
+                retry_after_s: Some(crate::peers::RETRY_AFTER_S),
+                ..Self::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "owner_unavailable",
+                    message,
+                )
+            },
+            PeerError::Unknown(_) => Self::new(StatusCode::NOT_FOUND, "unknown_owner", message),
+            PeerError::Misdirected(..) => {
+                Self::new(StatusCode::MISDIRECTED_REQUEST, "misdirected", message)
+            }
         }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (
+        let mut resp = (
             self.status,
             Json(json!({ "error": self.message, "code": self.code })),
         )
-            .into_response()
+            .into_response();
+        if let Some(s) = self.retry_after_s {
+            resp.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        resp
     }
+}
+
+/// Answers a request about `id` through its owner when another replica owns it: `Ok(None)` when
+/// this replica owns it (the caller answers), else the owner's answer as it came (status,
+/// content type and body). A request forwarded to this replica that names another owner is
+/// refused, never forwarded again.
+pub async fn through_owner(
+    app: &AppState,
+    id: &str,
+    method: axum::http::Method,
+    uri: &axum::http::Uri,
+    headers: &axum::http::HeaderMap,
+    body: bytes::Bytes,
+) -> Result<Option<Response>, ApiError> {
+    let Some(owner) = app.peers.other_owner(id) else {
+        return Ok(None);
+    };
+    if let Some(by) = headers.get(crate::peers::FORWARDED_BY) {
+        return Err(PeerError::Misdirected(
+            app.peers.me().unwrap_or("").to_owned(),
+            by.to_str().unwrap_or("?").to_owned(),
+        )
+        .into());
+    }
+    let pass: Vec<_> = [
+        axum::http::header::AUTHORIZATION,
+        axum::http::header::CONTENT_TYPE,
+    ]
+    .into_iter()
+    .filter_map(|h| headers.get(&h).map(|v| (h, v.clone())))
+    .collect();
+    let path = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    let a = app.peers.send(owner, method, path, &pass, body).await?;
+    let mut resp = (
+        StatusCode::from_u16(a.status).unwrap_or(StatusCode::BAD_GATEWAY),
+        a.body,
+    )
+        .into_response();
+    if let Some(ct) = a
+        .content_type
+        .and_then(|c| axum::http::HeaderValue::from_str(&c).ok())
+    {
+        resp.headers_mut()
+            .insert(axum::http::header::CONTENT_TYPE, ct);
+    }
+    Ok(Some(resp))
 }
 
 /// The router of ebb's own endpoints.

@@ -11,7 +11,7 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Query, State as Extract};
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
@@ -28,6 +28,7 @@ pub(super) fn router() -> Router<AppState> {
         .route("/runner/dequeue", post(dequeue))
         .route("/runner/start", post(start))
         .route("/runner/finish", post(finish))
+        .route("/runner/states", post(states))
         .route("/v1/calls", get(list))
         .route("/v1/calls/{id}", get(show))
         .route("/v1/calls/{id}/log", get(show_log))
@@ -56,6 +57,7 @@ impl From<CallError> for ApiError {
                 q.to_string(),
             ),
             CallError::Log(l) => l.into(),
+            CallError::Peer(p) => p.into(),
         }
     }
 }
@@ -125,7 +127,11 @@ fn runner_id(id: &str) -> Result<&str, ApiError> {
 }
 
 /// Notes the runner's load and answers with the load recorded for it.
+/// A request forwarded by another replica is that replica's runner's: not noted here.
 fn with_load(calls: &Calls, runner: &str, headers: &HeaderMap, resp: Response) -> Response {
+    if headers.contains_key(crate::peers::FORWARDED_BY) {
+        return resp;
+    }
     let load = headers
         .get("x-runner-load")
         .and_then(|v| v.to_str().ok())
@@ -153,7 +159,24 @@ async fn enqueue(
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let calls = service(&app, &headers)?;
-    let (batch, items) = match body::<EnqueueBody>(bytes)? {
+    let bytes = bytes.map_err(rejection)?;
+    // A call given alone with an id another replica owns is enqueued there (an enqueue retried
+    // with the id its first answer gave is the same call, whichever replica it reaches).
+    if let Ok(EnqueueBody::One(NewCall { id: Some(id), .. })) =
+        serde_json::from_slice::<EnqueueBody>(&bytes)
+        && let Some(r) = super::through_owner(
+            &app,
+            &id,
+            axum::http::Method::POST,
+            &"/runner/enqueue".parse().expect("a path"),
+            &headers,
+            bytes.clone(),
+        )
+        .await?
+    {
+        return Ok(r);
+    }
+    let (batch, items) = match body::<EnqueueBody>(Ok(bytes))? {
         EnqueueBody::Batch { calls } => (true, calls),
         EnqueueBody::One(c) => (false, vec![c]),
     };
@@ -257,6 +280,13 @@ async fn start(
         let r = &results[0];
         if r.started {
             Json(r).into_response()
+        } else if r.code.as_deref() == Some(crate::calls::OWNER_UNAVAILABLE) {
+            let owner = crate::peers::owner_of(&r.id).unwrap_or_default().to_owned();
+            return Err(crate::peers::PeerError::Unavailable(
+                owner,
+                "the start was not decided; ask again later".into(),
+            )
+            .into());
         } else {
             let code = r.code.clone().unwrap_or_default();
             let message = match code.as_str() {
@@ -322,6 +352,36 @@ async fn finish(
     Ok(with_load(calls, &runner, &headers, resp))
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StatesBody {
+    ids: Vec<String>,
+}
+
+/// What became of calls this replica owns, for another replica about to hand out their
+/// messages: `{"results": [{"state", "deadline_at_ms"} or null, ...]}` in the order asked.
+async fn states(
+    Extract(app): Extract<AppState>,
+    headers: HeaderMap,
+    bytes: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let calls = service(&app, &headers)?;
+    let b: StatesBody = body(bytes)?;
+    if b.ids.len() > calls.options().max_batch {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!(
+                "{} ids in one batch; the bound is {}",
+                b.ids.len(),
+                calls.options().max_batch
+            ),
+        ));
+    }
+    let results = calls.states(&b.ids);
+    Ok(Json(ResultsAnswer { results: &results }).into_response())
+}
+
 /// `/v1/calls` takes the runner token or the admin token.
 fn reader<'a>(
     app: &'a AppState,
@@ -368,21 +428,33 @@ fn view(c: &Call) -> Value {
 async fn show(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
+    uri: Uri,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     reader(&app, &headers)?;
+    if let Some(r) =
+        super::through_owner(&app, &id, Method::GET, &uri, &headers, Bytes::new()).await?
+    {
+        return Ok(r);
+    }
     app.log
         .read(|s| s.calls.get(&id).map(view))
-        .map(Json)
+        .map(|v| Json(v).into_response())
         .ok_or_else(|| ApiError::not_found(format!("no call {id}")))
 }
 
 async fn show_log(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
+    uri: Uri,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     reader(&app, &headers)?;
+    if let Some(r) =
+        super::through_owner(&app, &id, Method::GET, &uri, &headers, Bytes::new()).await?
+    {
+        return Ok(r);
+    }
     let log = app
         .log
         .read(|s| s.calls.get(&id).map(|c| c.log.clone()))
@@ -393,11 +465,17 @@ async fn show_log(
 async fn cancel(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
+    uri: Uri,
     Path(id): Path<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let calls = reader(&app, &headers)?;
+    if let Some(r) =
+        super::through_owner(&app, &id, Method::POST, &uri, &headers, Bytes::new()).await?
+    {
+        return Ok(r);
+    }
     match calls.cancel(&id).await? {
-        Ok(()) => Ok(Json(json!({ "id": id, "state": CallStatus::Cancelled }))),
+        Ok(()) => Ok(Json(json!({ "id": id, "state": CallStatus::Cancelled })).into_response()),
         Err(Some(state)) => Err(ApiError::new(
             StatusCode::CONFLICT,
             "already_final",

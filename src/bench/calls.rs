@@ -124,6 +124,7 @@ async fn setup(args: &CallsBenchArgs, over_http: bool, kafka: Option<&str>) -> R
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let api = listener.local_addr()?;
     let router = crate::api::router(crate::api::AppState {
+        peers: calls.peers().clone(),
         log,
         orchestrator: None,
         admin_token: None,

@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::clock::Clock;
 use crate::event::{CallKind, CallResult, CallSpec, Event, Outcome, Payload, RejectReason};
 use crate::log::Log;
+use crate::peers::{PeerError, Peers};
 use crate::queue::{Message, Queue, QueueError};
 use crate::state::calls::{
     CallStatus, StartVerdict, decide_cancel, decide_finish, decide_start, decide_timeouts,
@@ -178,6 +179,31 @@ pub struct Started {
     pub deadline_at_ms: Option<u64>,
 }
 
+/// Why a start was not decided: another replica owns the call and could not be asked. The
+/// message comes back later; nothing changed.
+pub const OWNER_UNAVAILABLE: &str = "owner_unavailable";
+
+/// A batch answer (`{"results": [...]}`), as the runner API gives it.
+#[derive(Debug, Deserialize)]
+struct Results<T> {
+    results: Vec<T>,
+}
+
+/// A call's state as its owner tells another replica (`/runner/states`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerState {
+    pub state: CallStatus,
+    #[serde(default)]
+    pub deadline_at_ms: Option<u64>,
+}
+
+/// A call's id and state, as a finish answers.
+#[derive(Debug, Deserialize)]
+struct IdState {
+    id: String,
+    state: CallStatus,
+}
+
 /// A runner's report of a finished call.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Finish {
@@ -207,6 +233,9 @@ pub enum CallError {
     /// The log failed.
     #[error(transparent)]
     Log(#[from] crate::log::Error),
+    /// Another replica owns the call and could not be asked.
+    #[error(transparent)]
+    Peer(#[from] PeerError),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -238,6 +267,10 @@ pub struct Calls {
     /// turned out to be another copy (the same id enqueued again with other contents): their
     /// start is refused and the message comes back with the log's copy. Shared with the writer.
     stale: Arc<Mutex<IdSet>>,
+    /// This replica and the others: starts and finishes of calls another replica owns go to it.
+    peers: Arc<Peers>,
+    /// The runner token, sent with what is forwarded to an owner.
+    peer_token: Option<String>,
 }
 
 /// Most failed-put ids remembered.
@@ -331,7 +364,22 @@ impl Calls {
             recovered_at_ms: std::sync::atomic::AtomicU64::new(started_at_ms),
             aborted: Mutex::new(IdSet::new(MAX_ABORTED)),
             stale: Arc::new(Mutex::new(IdSet::new(MAX_STALE))),
+            peers: Arc::new(Peers::alone()),
+            peer_token: None,
         }
+    }
+
+    /// One of several replicas: `peers` names this one (its name goes into the ids of the calls
+    /// it accepts) and finds the others; `token` is the runner token sent to them.
+    pub fn with_peers(mut self, peers: Arc<Peers>, token: Option<String>) -> Self {
+        self.peers = peers;
+        self.peer_token = token;
+        self
+    }
+
+    /// This replica and the others.
+    pub fn peers(&self) -> &Arc<Peers> {
+        &self.peers
     }
 
     /// The bounds in force.
@@ -406,11 +454,18 @@ impl Calls {
     fn spec(&self, new: NewCall) -> Result<CallSpec, CallError> {
         let id = match new.id {
             Some(id) => {
-                let u = uuid::Uuid::parse_str(&id)
-                    .map_err(|e| CallError::Bad(format!("call id {id:?} is not a UUID: {e}")))?;
-                u.hyphenated().to_string()
+                let (owner, u) = crate::peers::parse_id(&id).map_err(CallError::Bad)?;
+                if let Some(o) = owner
+                    && Some(o) != self.peers.me()
+                {
+                    return Err(CallError::Bad(format!(
+                        "call id {id:?} belongs to replica {o}: enqueue it there (alone, it is forwarded)"
+                    )));
+                }
+                // A bare UUID becomes this replica's.
+                crate::peers::qualify(self.peers.me(), &u.hyphenated().to_string())
             }
-            None => uuid::Uuid::now_v7().hyphenated().to_string(),
+            None => self.peers.new_id(),
         };
         if new.target.is_empty() {
             return Err(CallError::Bad("a call needs a target".into()));
@@ -654,6 +709,15 @@ impl Calls {
                 }
             }
         }
+        // Calls other replicas own: their owners say what became of them.
+        let (foreign, specs): (Vec<_>, Vec<_>) = specs
+            .into_iter()
+            .partition(|(spec, _)| self.peers.other_owner(&spec.id).is_some());
+        let mut foreign_jobs = if foreign.is_empty() {
+            Vec::new()
+        } else {
+            self.hand_out_foreign(foreign).await?
+        };
         // A known call is handed out as the log records it (a message put by a decision that
         // lost a race to another with the same id carries the loser's copy); one that already
         // ended (a redelivery) is deleted instead, and a running one is held again. A call the
@@ -693,23 +757,7 @@ impl Calls {
                         spec
                     }
                 };
-                let host = s
-                    .routes
-                    .by_name
-                    .get(&spec.target)
-                    .and_then(|r| r.spec.domains.first().cloned())
-                    .unwrap_or_default();
-                let address = spec
-                    .target
-                    .strip_prefix("fn-")
-                    .and_then(|f| s.functions.templates.get(f))
-                    .and_then(|t| t.spec.service_address.clone());
-                jobs.push(Job {
-                    call: spec,
-                    host,
-                    address,
-                    deliveries,
-                });
+                jobs.push(job_of(s, spec, deliveries));
             }
             (jobs, unknown, recorded, done, running)
         });
@@ -751,7 +799,84 @@ impl Calls {
         {
             tracing::warn!(error = %e, "deleting finished calls' messages failed");
         }
+        let mut jobs = jobs;
+        jobs.append(&mut foreign_jobs);
         Ok(jobs)
+    }
+
+    /// The delivered messages of calls other replicas own, checked with their owners (one
+    /// request per owner) as a local call is checked with the log: an ended call's message is
+    /// deleted, a running one's held again, and a queued or unknown one handed out as its
+    /// message says (its owner decides the start). While an owner cannot be asked its messages
+    /// are held back for [`crate::peers::RETRY_AFTER_S`] and not handed out.
+    async fn hand_out_foreign(&self, specs: Vec<(CallSpec, u32)>) -> Result<Vec<Job>, CallError> {
+        let mut by_owner: std::collections::BTreeMap<String, Vec<(CallSpec, u32)>> =
+            Default::default();
+        for (spec, d) in specs {
+            let owner = self
+                .peers
+                .other_owner(&spec.id)
+                .unwrap_or_default()
+                .to_owned();
+            by_owner.entry(owner).or_default().push((spec, d));
+        }
+        let grace = self.options.hold_grace_ms;
+        let mut out = Vec::new();
+        for (owner, specs) in by_owner {
+            let ids: Vec<String> = specs.iter().map(|(c, _)| c.id.clone()).collect();
+            let asked = self
+                .peers
+                .post_json::<Results<Option<PeerState>>>(
+                    &owner,
+                    "/runner/states",
+                    self.peer_token.as_deref(),
+                    &serde_json::json!({ "ids": ids }),
+                )
+                .await;
+            let now = self.clock.now_ms();
+            let states = match asked {
+                Ok(Ok(r)) if r.results.len() == ids.len() => r.results,
+                other => {
+                    if let Ok(Err((status, body))) = &other {
+                        tracing::warn!(%owner, status, body = %body, "an owner refused a states request");
+                    }
+                    let back = now.saturating_add(crate::peers::RETRY_AFTER_S * 1000);
+                    self.queue
+                        .hold(ids.into_iter().map(|id| (id, back)).collect())
+                        .await?;
+                    continue;
+                }
+            };
+            let (mut done, mut running, mut give) = (Vec::new(), Vec::new(), Vec::new());
+            for ((spec, deliveries), state) in specs.into_iter().zip(states) {
+                match state {
+                    Some(p) if p.state.is_final() => done.push(spec.id),
+                    Some(p) if p.state == CallStatus::Running => {
+                        let until = p
+                            .deadline_at_ms
+                            .unwrap_or(0)
+                            .saturating_add(grace)
+                            .max(now.saturating_add(grace));
+                        running.push((spec.id, until));
+                    }
+                    _ => give.push((spec, deliveries)),
+                }
+            }
+            if !running.is_empty() {
+                self.queue.hold(running).await?;
+            }
+            if !done.is_empty()
+                && let Err(e) = self.queue.delete(done).await
+            {
+                tracing::warn!(error = %e, "deleting finished calls' messages failed");
+            }
+            out.extend(self.log.read(|s| {
+                give.into_iter()
+                    .map(|(spec, d)| job_of(s, spec, d))
+                    .collect::<Vec<_>>()
+            }));
+        }
+        Ok(out)
     }
 
     /// Starts calls for `runner`: the conditional transition, one answer per id.
@@ -767,8 +892,15 @@ impl Calls {
         if let Some(dup) = ids.iter().find(|id| !unique.insert(id.as_str())) {
             return Err(CallError::Bad(format!("call {dup} is twice in one batch")));
         }
-        if let Some(bad) = ids.iter().find(|id| uuid::Uuid::parse_str(id).is_err()) {
-            return Err(CallError::Bad(format!("call id {bad:?} is not a UUID")));
+        if let Some(Err(e)) = ids
+            .iter()
+            .map(|id| crate::peers::parse_id(id))
+            .find(Result::is_err)
+        {
+            return Err(CallError::Bad(format!("call {e}")));
+        }
+        if ids.iter().any(|id| self.peers.other_owner(id).is_some()) {
+            return self.start_through_owners(runner, ids).await;
         }
         // Hold first: once the start is accepted the message must not come back while the call
         // may run.
@@ -868,6 +1000,166 @@ impl Calls {
         }))
     }
 
+    /// Starts calls some of which other replicas own: this replica's own are decided here, the
+    /// others by their owners (one request per owner). Each message is held first, as for a
+    /// start decided here; a start an owner accepted keeps it held until the call's deadline, a
+    /// refused one deletes it, and one whose owner could not be asked (`owner_unavailable`,
+    /// nothing decided) comes back after [`crate::peers::RETRY_AFTER_S`].
+    async fn start_through_owners(
+        &self,
+        runner: &str,
+        ids: Vec<String>,
+    ) -> Result<Vec<Started>, CallError> {
+        let mut local = Vec::new();
+        let mut by_owner: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+        for id in &ids {
+            match self.peers.other_owner(id) {
+                None => local.push(id.clone()),
+                Some(o) => by_owner.entry(o.to_owned()).or_default().push(id.clone()),
+            }
+        }
+        let mut answers: HashMap<String, Started> = HashMap::new();
+        if !local.is_empty() {
+            for a in Box::pin(self.start(runner, local)).await? {
+                answers.insert(a.id.clone(), a);
+            }
+        }
+        let grace = self.options.hold_grace_ms;
+        for (owner, ids) in by_owner {
+            let now = self.clock.now_ms();
+            let until = now
+                .saturating_add(self.options.max_timeout_ms)
+                .saturating_add(grace);
+            self.queue
+                .hold(ids.iter().map(|id| (id.clone(), until)).collect())
+                .await?;
+            let asked = self
+                .peers
+                .post_json::<Results<Started>>(
+                    &owner,
+                    "/runner/start",
+                    self.peer_token.as_deref(),
+                    &serde_json::json!({ "runner": runner, "ids": ids }),
+                )
+                .await;
+            let results = match asked {
+                Ok(Ok(r)) if r.results.len() == ids.len() => r.results,
+                Ok(Ok(_)) | Ok(Err(_)) | Err(PeerError::Unavailable(..)) => {
+                    if let Ok(Err((status, body))) = &asked {
+                        tracing::warn!(%owner, status, body = %body, "an owner refused a forwarded start");
+                    }
+                    ids.iter()
+                        .map(|id| Started {
+                            id: id.clone(),
+                            started: false,
+                            code: Some(OWNER_UNAVAILABLE.to_owned()),
+                            state: CallStatus::Queued,
+                            deadline_at_ms: None,
+                        })
+                        .collect()
+                }
+                Err(e) => return Err(e.into()),
+            };
+            let (mut holds, mut refused) = (Vec::new(), Vec::new());
+            let back = now.saturating_add(crate::peers::RETRY_AFTER_S * 1000);
+            for r in &results {
+                match r.code.as_deref() {
+                    None if r.started => holds.push((
+                        r.id.clone(),
+                        r.deadline_at_ms.unwrap_or(until).saturating_add(grace),
+                    )),
+                    Some(OWNER_UNAVAILABLE) => holds.push((r.id.clone(), back)),
+                    Some(STALE_COPY) => holds.push((r.id.clone(), now)),
+                    _ => refused.push(r.id.clone()),
+                }
+            }
+            if !holds.is_empty() {
+                self.queue.hold(holds).await?;
+            }
+            if !refused.is_empty()
+                && let Err(e) = self.queue.delete(refused).await
+            {
+                tracing::warn!(error = %e, "deleting refused calls' messages failed");
+            }
+            for r in results {
+                answers.insert(r.id.clone(), r);
+            }
+        }
+        Ok(ids
+            .into_iter()
+            .filter_map(|id| answers.remove(&id))
+            .collect())
+    }
+
+    /// Finishes calls some of which other replicas own: each owner records its own (one
+    /// request per owner), then their messages here are deleted. An owner that cannot be asked
+    /// fails the whole batch; finishing again is harmless (the first finish wins).
+    async fn finish_through_owners(
+        &self,
+        runner: &str,
+        finishes: Vec<Finish>,
+    ) -> Result<Vec<(String, CallStatus)>, CallError> {
+        let order: Vec<String> = finishes.iter().map(|f| f.id.clone()).collect();
+        let mut local = Vec::new();
+        let mut by_owner: std::collections::BTreeMap<String, Vec<Finish>> = Default::default();
+        for f in finishes {
+            match self.peers.other_owner(&f.id) {
+                None => local.push(f),
+                Some(o) => by_owner.entry(o.to_owned()).or_default().push(f),
+            }
+        }
+        let mut answers: HashMap<String, CallStatus> = HashMap::new();
+        if !local.is_empty() {
+            answers.extend(Box::pin(self.finish(runner, local)).await?);
+        }
+        for (owner, finishes) in by_owner {
+            let calls: Vec<wire::FinishJson> = finishes.iter().map(wire::FinishJson::of).collect();
+            let asked = self
+                .peers
+                .post_json::<Results<IdState>>(
+                    &owner,
+                    "/runner/finish",
+                    self.peer_token.as_deref(),
+                    &serde_json::json!({ "runner": runner, "calls": calls }),
+                )
+                .await?;
+            let results = match asked {
+                Ok(r) => r.results,
+                Err((status, body)) => {
+                    return Err(PeerError::Unavailable(
+                        owner,
+                        format!("it answered a forwarded finish with {status}: {body}"),
+                    )
+                    .into());
+                }
+            };
+            let ids: Vec<String> = finishes.into_iter().map(|f| f.id).collect();
+            if let Err(e) = self.queue.delete(ids).await {
+                tracing::warn!(error = %e, "deleting finished calls' messages failed");
+            }
+            answers.extend(results.into_iter().map(|r| (r.id, r.state)));
+        }
+        Ok(order
+            .into_iter()
+            .filter_map(|id| answers.remove(&id).map(|s| (id, s)))
+            .collect())
+    }
+
+    /// The states of calls this replica owns (`None`: unknown), for another replica about to
+    /// hand out their messages.
+    pub fn states(&self, ids: &[String]) -> Vec<Option<PeerState>> {
+        self.log.read(|s| {
+            ids.iter()
+                .map(|id| {
+                    s.calls.get(id).map(|c| PeerState {
+                        state: c.status,
+                        deadline_at_ms: c.deadline_at_ms,
+                    })
+                })
+                .collect()
+        })
+    }
+
     /// Records finished calls (the first finish of each wins) and deletes their messages.
     /// Returns each call's state afterwards.
     pub async fn finish(
@@ -883,8 +1175,7 @@ impl Calls {
             )));
         }
         for f in &finishes {
-            uuid::Uuid::parse_str(&f.id)
-                .map_err(|e| CallError::Bad(format!("call id {:?} is not a UUID: {e}", f.id)))?;
+            crate::peers::parse_id(&f.id).map_err(|e| CallError::Bad(format!("call {e}")))?;
             if f.result
                 .as_ref()
                 .is_some_and(|r| r.body.len() > self.options.max_result_bytes)
@@ -900,6 +1191,12 @@ impl Calls {
                     f.id, self.options.max_log_bytes
                 )));
             }
+        }
+        if finishes
+            .iter()
+            .any(|f| self.peers.other_owner(&f.id).is_some())
+        {
+            return self.finish_through_owners(runner, finishes).await;
         }
         let ids: Vec<String> = finishes.iter().map(|f| f.id.clone()).collect();
         let runner = runner.to_owned();
@@ -1055,6 +1352,27 @@ impl Calls {
 }
 
 /// The queue message of a call: its spec, MessagePack with named fields, on its partition.
+/// The job a runner gets for a call: the Host of its target route, or its function's address.
+fn job_of(s: &State, spec: CallSpec, deliveries: u32) -> Job {
+    let host = s
+        .routes
+        .by_name
+        .get(&spec.target)
+        .and_then(|r| r.spec.domains.first().cloned())
+        .unwrap_or_default();
+    let address = spec
+        .target
+        .strip_prefix("fn-")
+        .and_then(|f| s.functions.templates.get(f))
+        .and_then(|t| t.spec.service_address.clone());
+    Job {
+        call: spec,
+        host,
+        address,
+        deliveries,
+    }
+}
+
 pub fn message_of(spec: &CallSpec) -> Message {
     Message::new(
         spec.id.clone(),

@@ -59,7 +59,9 @@ impl From<super::CallError> for RunnerError {
             CallError::Bad(_) => Some(400),
             CallError::TooLarge(_) => Some(413),
             CallError::UnknownTarget(_) => Some(404),
-            CallError::Queue(_) | CallError::Log(_) => None,
+            CallError::Peer(crate::peers::PeerError::Unknown(_)) => Some(404),
+            CallError::Peer(crate::peers::PeerError::Misdirected(..)) => Some(421),
+            CallError::Queue(_) | CallError::Log(_) | CallError::Peer(_) => None,
         };
         Self {
             status,

@@ -238,15 +238,19 @@ pub fn host_of(template: &str) -> String {
 
 /// The call id of an instance's `step`-th step (1-based): derived from the instance id, so a
 /// step decided again after a crash is the same call, never a second one.
+/// The call has the instance's owner (`crate::peers`).
 pub fn step_call_id(instance: &str, step: usize) -> String {
-    let mut b = uuid::Uuid::parse_str(instance)
+    let mut b = uuid::Uuid::parse_str(crate::peers::uuid_part(instance))
         .map(|u| *u.as_bytes())
         .unwrap_or_default();
     b[14..16].copy_from_slice(&(step as u16).to_be_bytes());
     // A version 8 (custom) UUID, RFC 4122 variant.
     b[6] = (b[6] & 0x0f) | 0x80;
     b[8] = (b[8] & 0x3f) | 0x80;
-    uuid::Uuid::from_bytes(b).hyphenated().to_string()
+    crate::peers::qualify(
+        crate::peers::owner_of(instance),
+        &uuid::Uuid::from_bytes(b).hyphenated().to_string(),
+    )
 }
 
 /// The call that runs `function` (template `t`) as step `step` of `instance` with `input`.

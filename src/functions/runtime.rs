@@ -135,7 +135,7 @@ impl FunctionService {
         self.log
             .read(|s| super::check_chain(s, name))
             .map_err(FnError::UnknownNext)?;
-        let id = uuid::Uuid::now_v7().hyphenated().to_string();
+        let id = self.calls.peers().new_id();
         let call = step_call(&id, 1, &template, args.clone());
         let function = name;
         let (iid, name) = (id.clone(), name.to_owned());
@@ -248,7 +248,7 @@ impl FunctionService {
         let Some((template, at)) = self.log.read(|s| decide_fire(s, name, now_ms)) else {
             return Ok(false);
         };
-        let id = firing_instance_id(name, at);
+        let id = crate::peers::qualify(self.calls.peers().me(), &firing_instance_id(name, at));
         let call = step_call(&id, 1, &template, Vec::new());
         let n = name.to_owned();
         let fired = self

@@ -189,6 +189,11 @@ pub struct KubeOrchestrator {
 }
 
 impl KubeOrchestrator {
+    /// The API client.
+    pub fn client(&self) -> kube::Client {
+        self.client.clone()
+    }
+
     /// An orchestrator on `client`; [`run`] drives it.
     pub fn new(client: kube::Client, options: KubeOptions) -> Arc<Self> {
         let recorder = Recorder::new(

@@ -90,6 +90,30 @@ impl SimQueue {
         lost
     }
 
+    /// A rebalance of a shared queue (Kafka): the partitions move between consumers, and the
+    /// new consumer of a partition reads again every message not yet deleted, held or not
+    /// (holds live in the memory of the replica that read the message). Each message handed out
+    /// is anyone's again with even chance. Returns how many.
+    pub fn rebalance(&self) -> usize {
+        let mut g = self.lock();
+        let seqs: Vec<u64> = g
+            .entries
+            .iter()
+            .filter(|(_, e)| e.out != Out::Ready)
+            .map(|(n, _)| *n)
+            .collect();
+        let mut moved = 0;
+        for n in seqs {
+            if g.rng.random_bool(0.5)
+                && let Some(e) = g.entries.get_mut(&n)
+            {
+                e.out = Out::Ready;
+                moved += 1;
+            }
+        }
+        moved
+    }
+
     /// Messages on the queue.
     pub fn len(&self) -> usize {
         self.lock().entries.len()

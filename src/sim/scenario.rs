@@ -143,6 +143,14 @@ pub struct CallsScenario {
     /// go to others.
     #[serde(default = "default_lease")]
     pub runner_lease_ms: u64,
+    /// ebb replicas serving calls, each with its own log, sharing one queue (as Kafka): each
+    /// owns the calls it accepts and decides only for those. 1: one node, the embedded queue.
+    #[serde(default = "one")]
+    pub nodes: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Fault rates. `--faults` switches kinds off by name.
@@ -172,10 +180,13 @@ pub struct Faults {
     /// `skew`: clocks differ between replicas (by up to the proxy's `max_skew_ms`).
     #[serde(default)]
     pub skew: bool,
+    /// `rebalances`: chance per second that a shared queue's partitions move between consumers
+    /// (every message handed out may be read again by another replica's runner).
+    pub rebalance_per_s: f64,
 }
 
 /// The fault kinds, by name.
-pub const FAULT_KINDS: [&str; 9] = [
+pub const FAULT_KINDS: [&str; 10] = [
     "api-errors",
     "pauses",
     "replica-crash",
@@ -184,6 +195,7 @@ pub const FAULT_KINDS: [&str; 9] = [
     "lost-replies",
     "duplicates",
     "skew",
+    "rebalances",
     "none",
 ];
 
@@ -214,6 +226,9 @@ impl Faults {
         }
         if !keep("skew") {
             self.skew = false;
+        }
+        if !keep("rebalances") {
+            self.rebalance_per_s = 0.0;
         }
     }
 }

@@ -72,6 +72,8 @@ pub struct Stats {
     pub executed: u64,
     /// Crashes of replicas, the calls node and runners.
     pub crashes: u64,
+    /// Starts and finishes a node forwarded to the call's owner.
+    pub forwarded: u64,
     /// Steps (actions run).
     pub steps: u64,
 }
@@ -149,11 +151,12 @@ enum Action {
     Restart(usize),
     Enqueue(CallSpec, u32),
     RunnerPoll(usize, u32),
-    NodeArrive(usize, u32, NodeReq, u32),
+    /// A request reaches node (first) from the producer or a runner.
+    NodeArrive(usize, usize, u32, NodeReq, u32),
     NodeReply(usize, u32, NodeReq, NodeAnswer, u32),
     CallDone(usize, u32, String),
     Expire,
-    NodeRestart,
+    NodeRestart(usize),
     RunnerRestart(usize),
 }
 
@@ -238,18 +241,23 @@ struct Req {
     exempt: bool,
 }
 
+/// An ebb replica serving calls: its own log; the queue is the world's.
 struct Node {
+    /// Its name in the trace.
+    name: String,
+    /// The owner its calls' ids name (`None` with one node: bare ids).
+    owner: Option<String>,
     up: bool,
     epoch: u32,
     log: SimLog,
-    queue: Arc<SimQueue>,
-    finish_answers: HashMap<String, (CallStatus, String)>,
     /// When each runner was last heard from, for its lease.
     heard: std::collections::BTreeMap<String, u64>,
 }
 
 struct Runner {
     name: String,
+    /// The node it talks to.
+    node: usize,
     up: bool,
     epoch: u32,
     busy: usize,
@@ -293,7 +301,11 @@ pub struct World {
     /// (true arrival time, request), in time order.
     arrivals: Vec<(u64, usize)>,
     open: BTreeSet<usize>,
-    node: Option<Node>,
+    nodes: Vec<Node>,
+    /// The call queue, shared by the nodes.
+    queue: Option<Arc<SimQueue>>,
+    /// Every finish's first answer, by call, whichever node gave it.
+    finish_answers: HashMap<String, (CallStatus, String)>,
     runners: Vec<Runner>,
     executions: HashMap<String, u32>,
     acked: Vec<String>,
@@ -331,19 +343,29 @@ impl World {
                 p.stop_grace_ms,
             ))
         });
-        let node = sc.calls.as_ref().map(|c| Node {
-            up: true,
-            epoch: 0,
-            log: SimLog::new(),
-            queue: Arc::new(SimQueue::new(
+        let queue = sc.calls.as_ref().map(|c| {
+            Arc::new(SimQueue::new(
                 clock.clone(),
                 rng.random(),
                 c.visibility_timeout_ms,
                 faults.duplicate_chance,
-            )),
-            finish_answers: HashMap::new(),
-            heard: std::collections::BTreeMap::new(),
+            ))
         });
+        let n = sc.calls.as_ref().map_or(0, |c| c.nodes.max(1));
+        let nodes = (0..n)
+            .map(|k| Node {
+                name: if n == 1 {
+                    "node".into()
+                } else {
+                    format!("node-{k}")
+                },
+                owner: (n > 1).then(|| format!("node-{k}")),
+                up: true,
+                epoch: 0,
+                log: SimLog::new(),
+                heard: std::collections::BTreeMap::new(),
+            })
+            .collect();
         let mut w = World {
             sc: sc.clone(),
             clock,
@@ -365,7 +387,9 @@ impl World {
             requests: Vec::new(),
             arrivals: Vec::new(),
             open: BTreeSet::new(),
-            node,
+            nodes,
+            queue,
+            finish_answers: HashMap::new(),
             runners: Vec::new(),
             executions: HashMap::new(),
             acked: Vec::new(),
@@ -430,6 +454,7 @@ impl World {
             for i in 0..c.runners {
                 self.runners.push(Runner {
                     name: format!("runner-{i}"),
+                    node: i % self.nodes.len(),
                     up: true,
                     epoch: 0,
                     busy: 0,
@@ -582,18 +607,23 @@ impl World {
             Action::Restart(r) => self.restart(r),
             Action::Enqueue(spec, attempt) => self.enqueue(spec, attempt),
             Action::RunnerPoll(i, e) => self.runner_poll(i, e),
-            Action::NodeArrive(from, e, req, attempt) => self.node_arrive(from, e, req, attempt),
+            Action::NodeArrive(k, from, e, req, attempt) => {
+                self.node_arrive(k, from, e, req, attempt)
+            }
             Action::NodeReply(to, e, req, answer, attempt) => {
                 self.node_reply(to, e, req, answer, attempt)
             }
             Action::CallDone(i, e, id) => self.call_done(i, e, id),
             Action::Expire => self.expire(),
-            Action::NodeRestart => self.node_restart(),
+            Action::NodeRestart(k) => self.node_restart(k),
             Action::RunnerRestart(i) => {
+                // Back through the Service: to any replica.
+                let node = self.rng.random_range(0..self.nodes.len().max(1));
                 let r = &mut self.runners[i];
                 r.up = true;
                 r.busy = 0;
                 r.polling = false;
+                r.node = node;
                 let (name, e) = (r.name.clone(), r.epoch);
                 self.note(&name, format_args!("restarted"));
                 self.at(0, Action::RunnerPoll(i, e));
@@ -1234,26 +1264,55 @@ impl World {
                 self.crash(r);
             }
         }
-        if self.node.as_ref().is_some_and(|n| n.up) && self.strikes(p) {
-            self.crash_node(false);
+        for k in 0..self.nodes.len() {
+            if self.nodes[k].up && self.strikes(p) {
+                self.crash_node(k, false);
+            }
+        }
+        if self.queue.is_some() && self.strikes(self.faults.rebalance_per_s / 10.0) {
+            let moved = self.queue().rebalance();
+            self.note(
+                "queue",
+                format_args!("rebalance: {moved} messages read again"),
+            );
         }
     }
 
     // -- calls ----------------------------------------------------------------------------------
 
+    /// The node that owns `id` (the one its id names; node 0 when there is one node).
+    fn owner_node(&self, id: &str) -> usize {
+        crate::peers::owner_of(id)
+            .and_then(|o| {
+                self.nodes
+                    .iter()
+                    .position(|n| n.owner.as_deref() == Some(o))
+            })
+            .unwrap_or(0)
+    }
+
+    fn queue(&self) -> Arc<SimQueue> {
+        self.queue.clone().expect("calls scenario")
+    }
+
     fn new_call(&mut self) -> CallSpec {
         let c = self.sc.calls.clone().expect("calls scenario");
         self.next_call += 1;
-        let partition = if self.rng.random_bool(0.5) {
+        // Partitions restrict delivery on the embedded queue only; a shared queue (Kafka)
+        // spreads messages over consumers whatever their key.
+        let partition = if c.nodes == 1 && self.rng.random_bool(0.5) {
             let i = self.rng.random_range(0..c.runners);
             Some(format!("runner-{i}"))
         } else {
             None
         };
+        // The producer picks a replica; the call is that replica's.
+        let node = self.rng.random_range(0..self.nodes.len());
+        let uuid = uuid::Uuid::from_u128(self.rng.random())
+            .hyphenated()
+            .to_string();
         CallSpec {
-            id: uuid::Uuid::from_u128(self.rng.random())
-                .hyphenated()
-                .to_string(),
+            id: crate::peers::qualify(self.nodes[node].owner.as_deref(), &uuid),
             target: "app".into(),
             kind: CallKind::Async,
             timeout_ms: c.timeout_ms,
@@ -1262,14 +1321,15 @@ impl World {
         }
     }
 
+    /// Sends a request to node `node` from the producer or runner `from`.
     fn send(&mut self, from: usize, req: NodeReq, attempt: u32, extra: u64) {
-        let e = if from == PRODUCER {
-            0
-        } else {
-            self.runners[from].epoch
+        let (node, e) = match (&req, from) {
+            // An enqueue goes to the call's owner, retries included (its id names it).
+            (NodeReq::Enqueue(spec), PRODUCER) => (self.owner_node(&spec.id), 0),
+            _ => (self.runners[from].node, self.runners[from].epoch),
         };
         let lat = self.latency();
-        self.at(extra + lat, Action::NodeArrive(from, e, req, attempt));
+        self.at(extra + lat, Action::NodeArrive(node, from, e, req, attempt));
     }
 
     fn enqueue(&mut self, spec: CallSpec, attempt: u32) {
@@ -1285,29 +1345,29 @@ impl World {
         self.send(PRODUCER, NodeReq::Enqueue(spec), attempt, 0);
     }
 
-    fn node_append(&mut self, events: Vec<Event>) -> bool {
+    /// Appends to node `k`'s log; `false` when a torn write crashed it.
+    fn node_append(&mut self, k: usize, events: Vec<Event>) -> bool {
         if events.is_empty() {
             return true;
         }
         let torn = self.strikes(self.faults.torn_write_chance);
+        let who = self.nodes[k].name.clone();
         for e in &events {
-            self.note("node", format_args!("logs {} {}", e.name(), describe(e)));
+            self.note(&who, format_args!("logs {} {}", e.name(), describe(e)));
         }
         let now = self.now;
-        let node = self.node.as_mut().expect("calls node");
-        node.log.append(events, now, torn);
+        self.nodes[k].log.append(events, now, torn);
         if torn {
-            self.note("node", format_args!("torn write"));
-            self.crash_node(true);
+            self.note(&who, format_args!("torn write"));
+            self.crash_node(k, true);
             return false;
         }
         true
     }
 
-    fn node_arrive(&mut self, from: usize, e: u32, req: NodeReq, attempt: u32) {
-        let up = self.node.as_ref().is_some_and(|n| n.up);
-        let answer = if up {
-            self.serve_node(from, &req)
+    fn node_arrive(&mut self, k: usize, from: usize, e: u32, req: NodeReq, attempt: u32) {
+        let answer = if self.nodes[k].up {
+            self.serve_node(k, from, &req)
         } else {
             NodeAnswer::Down
         };
@@ -1323,16 +1383,115 @@ impl World {
         }
     }
 
-    /// The runner API's semantics (as `calls::Calls` has them), on the production decisions.
-    fn serve_node(&mut self, from: usize, req: &NodeReq) -> NodeAnswer {
+    fn node_state(&self, k: usize) -> &crate::state::State {
+        &self.nodes[k].log.state
+    }
+
+    /// Whether node `k` decides for `id` itself (as `Calls` does: its own calls, or every call
+    /// under the `decide-for-others` mutation); otherwise it asks the owner.
+    fn decides(&self, k: usize, id: &str) -> bool {
+        crate::peers::decides_here(self.nodes[k].owner.as_deref(), id)
+    }
+
+    /// The start of `id` for `runner`, decided by node `j` on its log (as `Calls::start`):
+    /// `Some(accepted)`, or `None` when `j` crashed on its write.
+    fn start_on(&mut self, j: usize, id: &str, runner: &str) -> Option<bool> {
         let c = self.sc.calls.clone().expect("calls scenario");
-        let queue = self.node.as_ref().expect("node").queue.clone();
+        let now = self.now;
+        let queue = self.queue();
+        // Hold first (a queued call only), as the call service does.
+        if self
+            .node_state(j)
+            .calls
+            .get(id)
+            .is_some_and(|c| c.status == CallStatus::Queued)
+        {
+            let until = now + c.timeout_ms + c.hold_grace_ms;
+            let _ = queue.hold(vec![(id.to_owned(), until)]).now_or_never();
+        }
+        let (event, verdict) = decide_start(&self.node_state(j).calls, id, runner, now);
+        if !self.node_append(j, vec![event]) {
+            return None;
+        }
+        let accepted = verdict == StartVerdict::Accepted;
+        if !accepted {
+            let _ = queue.delete(vec![id.to_owned()]).now_or_never();
+        }
+        Some(accepted)
+    }
+
+    /// The finish of `id` by `runner`, recorded by node `j` (as `Calls::finish`): the call as
+    /// recorded afterwards, or `None` when `j` crashed on its write.
+    fn finish_on(
+        &mut self,
+        j: usize,
+        id: &str,
+        runner: &str,
+        success: bool,
+    ) -> Option<(CallStatus, String)> {
+        let before = self.node_state(j).calls.get(id).map(|c| c.status);
+        let outcome = if success {
+            crate::event::Outcome::Success
+        } else {
+            crate::event::Outcome::Error
+        };
+        if let Some(event) = decide_finish(
+            &self.node_state(j).calls,
+            id,
+            runner,
+            outcome,
+            None,
+            format!("run by {runner}: {outcome:?}"),
+        ) {
+            if before.is_some_and(CallStatus::is_final) {
+                self.violate(
+                    "finish_idempotent",
+                    format!(
+                        "a second finish of call {id} was recorded (it was already {before:?})"
+                    ),
+                );
+            }
+            if !self.node_append(j, vec![event]) {
+                return None;
+            }
+        }
+        let _ = self.queue().delete(vec![id.to_owned()]).now_or_never();
+        // The answer: the call as recorded (the first finish's outcome and log).
+        let answer = self
+            .node_state(j)
+            .calls
+            .get(id)
+            .map_or((CallStatus::Error, String::new()), |c| {
+                (c.status, c.log.clone())
+            });
+        match self.finish_answers.get(id) {
+            Some(first) if *first != answer => {
+                let first = first.clone();
+                self.violate(
+                    "finish_idempotent",
+                    format!("finish of call {id} answered {answer:?}, earlier {first:?}"),
+                );
+            }
+            Some(_) => {}
+            None => {
+                self.finish_answers.insert(id.to_owned(), answer.clone());
+            }
+        }
+        Some(answer)
+    }
+
+    /// The runner API's semantics on node `k` (as `calls::Calls` has them), on the production
+    /// decisions; what another node owns is decided by that node (forwarded), and while it is
+    /// down nobody decides for it.
+    fn serve_node(&mut self, k: usize, from: usize, req: &NodeReq) -> NodeAnswer {
+        let c = self.sc.calls.clone().expect("calls scenario");
+        let queue = self.queue();
         let now = self.now;
         let runner = self.runner_name(from);
         if from != PRODUCER {
-            let node = self.node.as_mut().expect("node");
-            node.heard.insert(runner.clone(), now);
+            self.nodes[k].heard.insert(runner.clone(), now);
         }
+        let back = now + crate::peers::RETRY_AFTER_S * 1000;
         match req {
             NodeReq::Enqueue(spec) => {
                 let message = message_of(spec);
@@ -1341,8 +1500,8 @@ impl World {
                     Some(Ok(())) | Some(Err(crate::queue::QueueError::Duplicate(_))) => {}
                     _ => return NodeAnswer::Down,
                 }
-                let known = self.node_state().calls.get(&spec.id).is_some();
-                if !known && !self.node_append(vec![Event::CallQueued { call: spec.clone() }]) {
+                let known = self.node_state(k).calls.get(&spec.id).is_some();
+                if !known && !self.node_append(k, vec![Event::CallQueued { call: spec.clone() }]) {
                     return NodeAnswer::Down;
                 }
                 NodeAnswer::Enqueued
@@ -1361,18 +1520,28 @@ impl World {
                         done.push(m.id);
                         continue;
                     };
-                    let status = self.node_state().calls.get(&spec.id).map(|c| c.status);
+                    let own = self.decides(k, &spec.id);
+                    // The node whose log says what became of the call: this one, or the owner
+                    // (asked, as `Calls::hand_out_foreign` does).
+                    let j = if own { k } else { self.owner_node(&spec.id) };
+                    if !self.nodes[j].up {
+                        holds.push((spec.id, back));
+                        continue;
+                    }
+                    let status = self.node_state(j).calls.get(&spec.id).map(|c| c.status);
                     match status {
-                        None => {
-                            if !self.node_append(vec![Event::CallQueued { call: spec.clone() }]) {
+                        None if own => {
+                            if !self.node_append(k, vec![Event::CallQueued { call: spec.clone() }])
+                            {
                                 return NodeAnswer::Down;
                             }
                             jobs.push(spec);
                         }
+                        None => jobs.push(spec),
                         Some(s) if s.is_final() => done.push(spec.id),
                         Some(CallStatus::Running) => {
                             let deadline = self
-                                .node_state()
+                                .node_state(j)
                                 .calls
                                 .get(&spec.id)
                                 .and_then(|c| c.deadline_at_ms)
@@ -1387,90 +1556,52 @@ impl World {
                 NodeAnswer::Jobs(jobs)
             }
             NodeReq::Start { ids, .. } => {
-                // Hold first (queued calls only), as the call service does.
-                let until = now + c.timeout_ms + c.hold_grace_ms;
-                let holds: Vec<(String, u64)> = ids
-                    .iter()
-                    .filter(|id| {
-                        self.node_state()
-                            .calls
-                            .get(id)
-                            .is_some_and(|c| c.status == CallStatus::Queued)
-                    })
-                    .map(|id| (id.clone(), until))
-                    .collect();
-                let _ = queue.hold(holds).now_or_never();
                 let mut verdicts = Vec::new();
-                let mut refused = Vec::new();
                 for id in ids {
-                    let (event, verdict) = decide_start(&self.node_state().calls, id, &runner, now);
-                    if !self.node_append(vec![event]) {
-                        return NodeAnswer::Down;
+                    let j = if self.decides(k, id) {
+                        k
+                    } else {
+                        self.owner_node(id)
+                    };
+                    if j != k {
+                        self.stats.forwarded += 1;
                     }
-                    let accepted = verdict == StartVerdict::Accepted;
-                    if !accepted {
-                        refused.push(id.clone());
+                    let accepted = if self.nodes[j].up {
+                        self.start_on(j, id, &runner)
+                    } else {
+                        None
+                    };
+                    match accepted {
+                        Some(a) => verdicts.push((id.clone(), a)),
+                        None if j == k => return NodeAnswer::Down,
+                        // The owner is down (or went down deciding): nothing decided here;
+                        // the message comes back later.
+                        None => {
+                            let _ = queue.hold(vec![(id.clone(), back)]).now_or_never();
+                            verdicts.push((id.clone(), false));
+                        }
                     }
-                    verdicts.push((id.clone(), accepted));
                 }
-                let _ = queue.delete(refused).now_or_never();
                 NodeAnswer::Started(verdicts)
             }
             NodeReq::Finish { id, success, .. } => {
-                let before = self.node_state().calls.get(id).map(|c| c.status);
-                let outcome = if *success {
-                    crate::event::Outcome::Success
+                let j = if self.decides(k, id) {
+                    k
                 } else {
-                    crate::event::Outcome::Error
+                    self.owner_node(id)
                 };
-                if let Some(event) = decide_finish(
-                    &self.node_state().calls,
-                    id,
-                    &runner,
-                    outcome,
-                    None,
-                    format!("run by {runner}: {outcome:?}"),
-                ) {
-                    if before.is_some_and(CallStatus::is_final) {
-                        self.violate(
-                            "finish_idempotent",
-                            format!("a second finish of call {id} was recorded (it was already {before:?})"),
-                        );
-                    }
-                    if !self.node_append(vec![event]) {
-                        return NodeAnswer::Down;
-                    }
+                if j != k {
+                    self.stats.forwarded += 1;
                 }
-                let _ = queue.delete(vec![id.clone()]).now_or_never();
-                // The answer: the call as recorded (the first finish's outcome and log).
-                let answer = self
-                    .node_state()
-                    .calls
-                    .get(id)
-                    .map_or((CallStatus::Error, String::new()), |c| {
-                        (c.status, c.log.clone())
-                    });
-                let node = self.node.as_mut().expect("node");
-                match node.finish_answers.get(id) {
-                    Some(first) if *first != answer => {
-                        let first = first.clone();
-                        self.violate(
-                            "finish_idempotent",
-                            format!("finish of call {id} answered {answer:?}, earlier {first:?}"),
-                        );
-                    }
-                    Some(_) => {}
-                    None => {
-                        node.finish_answers.insert(id.clone(), answer.clone());
-                    }
+                if !self.nodes[j].up {
+                    return NodeAnswer::Down;
                 }
-                NodeAnswer::Finished(answer.0, answer.1)
+                match self.finish_on(j, id, &runner, *success) {
+                    Some((status, log)) => NodeAnswer::Finished(status, log),
+                    None => NodeAnswer::Down,
+                }
             }
         }
-    }
-
-    fn node_state(&self) -> &crate::state::State {
-        &self.node.as_ref().expect("node").log.state
     }
 
     fn node_reply(&mut self, to: usize, e: u32, req: NodeReq, answer: NodeAnswer, attempt: u32) {
@@ -1494,6 +1625,12 @@ impl World {
             return;
         }
         let name = runner.name.clone();
+        if matches!(answer, NodeAnswer::Down) && self.nodes.len() > 1 {
+            // Its replica did not answer: the runner goes through the Service again, to any
+            // replica.
+            let node = self.rng.random_range(0..self.nodes.len());
+            self.runners[to].node = node;
+        }
         let lost =
             !matches!(answer, NodeAnswer::Down) && self.strikes(self.faults.lost_reply_chance);
         match (req, answer) {
@@ -1709,42 +1846,50 @@ impl World {
         self.at(t.max(1), Action::RunnerRestart(i));
     }
 
-    /// The calls node crashes: a process crash keeps what the kernel had; a machine crash (a torn
-    /// write) also loses the queue's unsynced puts and delivery records.
-    fn crash_node(&mut self, machine: bool) {
+    /// Node `k` crashes: a process crash keeps what the kernel had; a machine crash (a torn
+    /// write) also loses the embedded queue's unsynced puts and delivery records. With several
+    /// nodes the queue is shared (Kafka, nothing lost) and the partitions its runners read move.
+    fn crash_node(&mut self, k: usize, machine: bool) {
         self.stats.crashes += 1;
-        let node = self.node.as_mut().expect("node");
+        let shared = self.nodes.len() > 1;
+        let node = &mut self.nodes[k];
         node.up = false;
         node.epoch += 1;
-        let lost = if machine {
-            node.queue.machine_crash()
+        let queue = self.queue();
+        let lost = if machine && !shared {
+            queue.machine_crash()
         } else {
             0
         };
+        let moved = if shared { queue.rebalance() } else { 0 };
+        let who = self.nodes[k].name.clone();
         self.note(
-            "node",
+            &who,
             format_args!(
-                "crashes ({} crash; {lost} queue messages lost)",
+                "crashes ({} crash; {lost} queue messages lost, {moved} read again elsewhere)",
                 if machine { "machine" } else { "process" }
             ),
         );
         let t = self.draw(self.faults.restart_ms);
-        self.at(t.max(1), Action::NodeRestart);
+        self.at(t.max(1), Action::NodeRestart(k));
     }
 
-    fn node_restart(&mut self) {
-        let node = self.node.as_mut().expect("node");
-        if let Err(why) = node.log.crash_and_recover() {
+    fn node_restart(&mut self, k: usize) {
+        let who = self.nodes[k].name.clone();
+        if let Err(why) = self.nodes[k].log.crash_and_recover() {
             self.violate(
                 "replay_equals_live",
-                format!("the calls node cannot replay its log: {why}"),
+                format!("{who} cannot replay its log: {why}"),
             );
             return;
         }
+        let queue = self.queue();
+        let node = &mut self.nodes[k];
         node.up = true;
         node.heard.clear();
         let seq = node.log.state.seq;
-        // As `Calls::recover`: queued calls the queue lost go back on it from the log.
+        // As `Calls::recover`: queued calls the queue lost go back on it from the log (the
+        // embedded queue; a shared one, Kafka, loses no acknowledged put).
         let queued: Vec<CallSpec> = node
             .log
             .state
@@ -1754,22 +1899,26 @@ impl World {
             .filter(|c| c.status == CallStatus::Queued)
             .map(|c| c.spec.clone())
             .collect();
-        let ids: Vec<String> = queued.iter().map(|c| c.id.clone()).collect();
-        let missing: std::collections::HashSet<String> = node
-            .queue
-            .missing(&ids)
-            .unwrap_or_default()
-            .into_iter()
-            .collect();
-        let back: Vec<Message> = queued
-            .iter()
-            .filter(|c| missing.contains(&c.id))
-            .map(message_of)
-            .collect();
-        let n = back.len();
-        let _ = node.queue.put(back).now_or_never();
+        let n = if self.nodes.len() == 1 {
+            let ids: Vec<String> = queued.iter().map(|c| c.id.clone()).collect();
+            let missing: std::collections::HashSet<String> = queue
+                .missing(&ids)
+                .unwrap_or_default()
+                .into_iter()
+                .collect();
+            let back: Vec<Message> = queued
+                .iter()
+                .filter(|c| missing.contains(&c.id))
+                .map(message_of)
+                .collect();
+            let n = back.len();
+            let _ = queue.put(back).now_or_never();
+            n
+        } else {
+            0
+        };
         self.note(
-            "node",
+            &who,
             format_args!(
                 "restarted from its log (seq {seq}); {n} queued calls put back on the queue"
             ),
@@ -1777,26 +1926,30 @@ impl World {
     }
 
     fn expire(&mut self) {
-        if self.node.is_none() {
+        if self.nodes.is_empty() {
             return;
         }
         self.at(100, Action::Expire);
-        if self.now >= T0 + self.sc.duration_ms
-            && let Some(n) = &self.node
-        {
-            n.queue.calm();
+        if self.now >= T0 + self.sc.duration_ms {
+            self.queue().calm();
         }
-        if !self.node.as_ref().is_some_and(|n| n.up) {
-            return;
+        for k in 0..self.nodes.len() {
+            if self.nodes[k].up {
+                self.expire_node(k);
+            }
         }
+    }
+
+    /// Node `k`'s expiry loop: runners it has not heard from for their lease are gone (their
+    /// calls go to others), and its own running calls past their deadline time out.
+    fn expire_node(&mut self, k: usize) {
         let now = self.now;
-        // Runners not heard from for their lease are gone: their calls go to others.
         let lease = self
             .sc
             .calls
             .as_ref()
             .map_or(u64::MAX, |c| c.runner_lease_ms);
-        let node = self.node.as_mut().expect("node");
+        let node = &mut self.nodes[k];
         let gone: Vec<String> = node
             .heard
             .iter()
@@ -1806,16 +1959,17 @@ impl World {
         for r in &gone {
             node.heard.remove(r);
         }
-        let queue = node.queue.clone();
+        let queue = self.queue();
+        let who = self.nodes[k].name.clone();
         for r in gone {
             self.note(
-                "node",
+                &who,
                 format_args!("{r} not heard from; its calls go to others"),
             );
             let _ = queue.release(&r).now_or_never();
         }
         let due: Vec<String> = self
-            .node_state()
+            .node_state(k)
             .schedule
             .due(now)
             .filter_map(|(_, d)| match d {
@@ -1828,10 +1982,9 @@ impl World {
             return;
         }
         let refs: Vec<&str> = due.iter().map(String::as_str).collect();
-        let events = decide_timeouts(&self.node_state().calls, &refs, now);
+        let events = decide_timeouts(&self.node_state(k).calls, &refs, now);
         let ids = timed_out(&events);
-        if self.node_append(events) {
-            let queue = self.node.as_ref().expect("node").queue.clone();
+        if self.node_append(k, events) {
             let _ = queue.delete(ids).now_or_never();
         }
     }
@@ -1849,11 +2002,15 @@ impl World {
                 return;
             }
         }
-        if let Some(n) = &self.node
-            && n.up
-            && let Err((invariant, why)) = n.log.check_replay()
-        {
-            self.violate(invariant, format!("calls node: {why}"));
+        for k in 0..self.nodes.len() {
+            let n = &self.nodes[k];
+            if n.up
+                && let Err((invariant, why)) = n.log.check_replay()
+            {
+                let who = n.name.clone();
+                self.violate(invariant, format!("{who}: {why}"));
+                return;
+            }
         }
     }
 
@@ -1877,30 +2034,31 @@ impl World {
             self.violate("request_not_lost", what);
             return;
         }
-        if let Some(node) = &self.node {
-            if !node.up {
-                self.violate(
-                    "call_reaches_final",
-                    "the calls node is still down at the end".into(),
-                );
-                return;
-            }
-            let stuck = self.acked.iter().find(|id| {
-                !node
-                    .log
-                    .state
-                    .calls
-                    .get(id)
-                    .is_some_and(|c| c.status.is_final())
-            });
-            if let Some(id) = stuck {
-                let status = node.log.state.calls.get(id).map(|c| c.status);
-                let what = format!(
-                    "call {id} is {status:?} {} ms after the faults stopped",
-                    self.sc.settle_ms
-                );
-                self.violate("call_reaches_final", what);
-            }
+        if let Some(node) = self.nodes.iter().find(|n| !n.up) {
+            let what = format!("{} is still down at the end", node.name);
+            self.violate("call_reaches_final", what);
+            return;
+        }
+        let stuck = self.acked.iter().find(|id| {
+            !self.nodes[self.owner_node(id)]
+                .log
+                .state
+                .calls
+                .get(id)
+                .is_some_and(|c| c.status.is_final())
+        });
+        if let Some(id) = stuck {
+            let status = self.nodes[self.owner_node(id)]
+                .log
+                .state
+                .calls
+                .get(id)
+                .map(|c| c.status);
+            let what = format!(
+                "call {id} is {status:?} {} ms after the faults stopped",
+                self.sc.settle_ms
+            );
+            self.violate("call_reaches_final", what);
         }
     }
 }

@@ -116,7 +116,12 @@ pub async fn broker() -> Broker {
         .arg("--config")
         .arg(dir.path().join("server.properties"))
         .output()
-        .unwrap_or_else(|e| panic!("cannot run {:?}: {e} (Apache Kafka runs on Java 17)", java()));
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot run {:?}: {e} (Apache Kafka runs on Java 17)",
+                java()
+            )
+        });
     assert!(
         format.status.success(),
         "formatting Kafka's storage failed: {}",
@@ -178,12 +183,12 @@ impl Broker {
         self.child = Some(child);
         let addr = self.addr;
         let answers = tokio::task::spawn_blocking(move || {
-            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            let waited = ebb::clock::Stopwatch::start();
             let client: BaseConsumer = ClientConfig::new()
                 .set("bootstrap.servers", addr.to_string())
                 .create()
                 .unwrap();
-            while std::time::Instant::now() < deadline {
+            while waited.elapsed() < Duration::from_secs(60) {
                 if client
                     .fetch_metadata(None, Duration::from_millis(500))
                     .is_ok_and(|m| !m.brokers().is_empty())

@@ -105,7 +105,8 @@ pub fn serve_logged(
     }
 }
 
-pub use kafka::{Broker, broker, tansu_broker};
+#[allow(unused_imports)]
+pub use kafka::broker;
 
 /// Every event of the log in `data`, as `ebb log dump --json` prints them.
 /// Runs `ebb ARGS --data-dir DATA`, which must succeed; returns what it printed.

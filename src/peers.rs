@@ -1,0 +1,406 @@
+//! Several ebb replicas: who owns a call or a function instance, and how a replica reaches the
+//! owner.
+//!
+//! **One authority per call and per instance.** The replica that accepts an enqueue or an
+//! invocation owns the call or instance, and its id says so: `OWNER.UUID` (`ebb-1.0193…`), where
+//! `OWNER` is the replica's name (`--replica`: on Kubernetes the StatefulSet pod's name, whose
+//! stable identity and volume keep the owner unique and durable across restarts). Only the owner
+//! decides a start, a finish, a cancel or a step, from its own log; every other replica forwards
+//! those to it and answers with the owner's answer. While the owner is down nobody decides for its
+//! calls: the answer is 503 with `Retry-After`. An id without an owner (one machine, no
+//! `--replica`) is this replica's.
+//!
+//! The owner is found by name: a static map (`--peer NAME=URL`), or on Kubernetes the headless
+//! Service's EndpointSlices (the endpoint whose hostname, or pod, is the owner; its `admin` port).
+//! A forwarded request carries `X-Ebb-Forwarded-By`, and a replica never forwards a request that
+//! carries it (a misdirected one is refused), so forwarding never loops.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::clock::Stopwatch;
+
+use axum::http;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// The header a forwarded request carries: the replica that forwarded it.
+pub const FORWARDED_BY: &str = "x-ebb-forwarded-by";
+
+/// How long a client is told to wait before asking again when an owner is down, in seconds.
+pub const RETRY_AFTER_S: u64 = 2;
+
+/// Whether `name` may name a replica: a DNS label (1 to 63 of `a-z`, `0-9`, `-`, starting and
+/// ending with a letter or digit), as a StatefulSet pod's hostname is.
+pub fn valid_replica(name: &str) -> bool {
+    crate::functions::check_name("replica", name).is_ok()
+}
+
+/// The owner an id names (`None`: no owner, this replica's).
+pub fn owner_of(id: &str) -> Option<&str> {
+    id.rsplit_once('.').map(|(owner, _)| owner)
+}
+
+/// The UUID part of an id.
+pub fn uuid_part(id: &str) -> &str {
+    id.rsplit_once('.').map_or(id, |(_, u)| u)
+}
+
+/// Checks an id: an optional owner (a replica name) and a UUID.
+pub fn parse_id(id: &str) -> Result<(Option<&str>, uuid::Uuid), String> {
+    let owner = owner_of(id);
+    if let Some(o) = owner
+        && !valid_replica(o)
+    {
+        return Err(format!(
+            "id {id:?}: the owner {o:?} is not a replica name (a DNS label)"
+        ));
+    }
+    let u = uuid::Uuid::parse_str(uuid_part(id))
+        .map_err(|e| format!("id {id:?} is not a UUID (or OWNER.UUID): {e}"))?;
+    Ok((owner, u))
+}
+
+/// Whether replica `me` decides for `id`: it owns it, or the id names no owner. (The
+/// simulator's `decide-for-others` mutation makes every replica decide for every id.)
+pub fn decides_here(me: Option<&str>, id: &str) -> bool {
+    owner_of(id).is_none_or(|o| Some(o) == me)
+        || crate::mutation::active(crate::mutation::Mutation::DecideForOthers)
+}
+
+/// The id of `uuid` owned by `owner`.
+pub fn qualify(owner: Option<&str>, uuid: &str) -> String {
+    match owner {
+        Some(o) => format!("{o}.{uuid}"),
+        None => uuid.to_owned(),
+    }
+}
+
+/// Why a request could not be forwarded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerError {
+    /// The owner is not reachable now (down, restarting, not ready): ask again later.
+    #[error("replica {0} owns this and cannot be reached now: {1}")]
+    Unavailable(String, String),
+    /// No replica of that name is known.
+    #[error("no replica named {0:?} is known")]
+    Unknown(String),
+    /// The request named another owner and came forwarded: refused rather than forwarded again.
+    #[error("replica {0} does not own this (it was forwarded here by {1})")]
+    Misdirected(String, String),
+}
+
+/// How replicas are found by name.
+pub enum Resolver {
+    /// Fixed base URLs (`http://host:port`) by replica name.
+    Static(HashMap<String, String>),
+    /// The endpoints of a headless Service on Kubernetes: its EndpointSlices in a namespace,
+    /// read when needed and kept for a short while.
+    Kubernetes {
+        client: kube::Client,
+        namespace: String,
+        service: String,
+        /// The port's name on the Service (ebb's admin listener).
+        port: String,
+        cache: Mutex<Option<(Stopwatch, HashMap<String, SocketAddr>)>>,
+    },
+}
+
+/// How long a reading of the headless Service's endpoints is used.
+const ENDPOINTS_TTL: Duration = Duration::from_secs(2);
+
+/// How long a forwarded request may take, connection included.
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Resolver {
+    /// The base URL of replica `name`.
+    async fn base(&self, name: &str, fresh: bool) -> Result<String, PeerError> {
+        match self {
+            Resolver::Static(map) => map
+                .get(name)
+                .cloned()
+                .ok_or_else(|| PeerError::Unknown(name.to_owned())),
+            Resolver::Kubernetes {
+                client,
+                namespace,
+                service,
+                port,
+                cache,
+            } => {
+                let cached = cache
+                    .lock()
+                    .expect("peers cache")
+                    .as_ref()
+                    .and_then(|(at, m)| {
+                        (!fresh && at.elapsed() < ENDPOINTS_TTL).then(|| m.get(name).copied())
+                    });
+                let addr = match cached {
+                    Some(a) => a,
+                    None => {
+                        let map =
+                            endpoints(client, namespace, service, port)
+                                .await
+                                .map_err(|e| {
+                                    PeerError::Unavailable(
+                                        name.to_owned(),
+                                        format!("reading the Service {service}'s endpoints: {e}"),
+                                    )
+                                })?;
+                        let a = map.get(name).copied();
+                        *cache.lock().expect("peers cache") = Some((Stopwatch::start(), map));
+                        a
+                    }
+                };
+                addr.map(|a| format!("http://{a}")).ok_or_else(|| {
+                    PeerError::Unavailable(
+                        name.to_owned(),
+                        format!("the Service {service} has no endpoint for it"),
+                    )
+                })
+            }
+        }
+    }
+}
+
+/// The addresses of a headless Service's endpoints by hostname (and by pod name), on the port
+/// named `port`.
+async fn endpoints(
+    client: &kube::Client,
+    namespace: &str,
+    service: &str,
+    port: &str,
+) -> Result<HashMap<String, SocketAddr>, kube::Error> {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let api: kube::Api<EndpointSlice> = kube::Api::namespaced(client.clone(), namespace);
+    let lp =
+        kube::api::ListParams::default().labels(&format!("kubernetes.io/service-name={service}"));
+    let mut out = HashMap::new();
+    for slice in api.list(&lp).await?.items {
+        let Some(p) = slice
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.name.as_deref() == Some(port))
+            .and_then(|p| p.port)
+        else {
+            continue;
+        };
+        for e in slice.endpoints.iter().flatten() {
+            let Some(ip) = e
+                .addresses
+                .first()
+                .and_then(|a| a.parse::<std::net::IpAddr>().ok())
+            else {
+                continue;
+            };
+            let addr = SocketAddr::new(ip, p as u16);
+            let names = e
+                .hostname
+                .iter()
+                .chain(e.target_ref.as_ref().and_then(|t| t.name.as_ref()));
+            for n in names {
+                out.insert(n.clone(), addr);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// An answer from a peer.
+#[derive(Debug, Clone)]
+pub struct PeerAnswer {
+    pub status: u16,
+    pub content_type: Option<String>,
+    pub body: Bytes,
+}
+
+/// This replica's name and the way to the others.
+pub struct Peers {
+    me: Option<String>,
+    resolver: Resolver,
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl std::fmt::Debug for Peers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peers").field("me", &self.me).finish()
+    }
+}
+
+impl Peers {
+    /// This replica (`me`, `None` on one machine) and how to find the others.
+    pub fn new(me: Option<String>, resolver: Resolver) -> Self {
+        let mut http = HttpConnector::new();
+        http.set_connect_timeout(Some(Duration::from_secs(1)));
+        http.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(http);
+        Self {
+            me,
+            resolver,
+            client,
+        }
+    }
+
+    /// One replica alone: every id is its own.
+    pub fn alone() -> Self {
+        Self::new(None, Resolver::Static(HashMap::new()))
+    }
+
+    /// This replica's name.
+    pub fn me(&self) -> Option<&str> {
+        self.me.as_deref()
+    }
+
+    /// A new id owned by this replica.
+    pub fn new_id(&self) -> String {
+        qualify(self.me(), &uuid::Uuid::now_v7().hyphenated().to_string())
+    }
+
+    /// The replica that owns `id` when it is not this one.
+    pub fn other_owner<'a>(&self, id: &'a str) -> Option<&'a str> {
+        if decides_here(self.me(), id) {
+            None
+        } else {
+            owner_of(id)
+        }
+    }
+
+    /// Sends a request to replica `owner` and returns its answer. `headers` are sent as given
+    /// (the caller's authorization among them), with [`FORWARDED_BY`] added.
+    pub async fn send(
+        &self,
+        owner: &str,
+        method: http::Method,
+        path_and_query: &str,
+        headers: &[(http::HeaderName, http::HeaderValue)],
+        body: Bytes,
+    ) -> Result<PeerAnswer, PeerError> {
+        let mut last = None;
+        // A failure to connect reads the endpoints again once (the owner may have moved).
+        for fresh in [false, true] {
+            let base = self.resolver.base(owner, fresh).await?;
+            let mut req = http::Request::builder()
+                .method(method.clone())
+                .uri(format!("{base}{path_and_query}"));
+            for (k, v) in headers {
+                req = req.header(k, v);
+            }
+            req = req.header(FORWARDED_BY, self.me().unwrap_or(""));
+            let req = req
+                .body(Full::new(body.clone()))
+                .map_err(|e| PeerError::Unavailable(owner.to_owned(), e.to_string()))?;
+            let answer = tokio::time::timeout(FORWARD_TIMEOUT, async {
+                let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
+                let status = resp.status().as_u16();
+                let content_type = resp
+                    .headers()
+                    .get(http::header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned);
+                let body = resp
+                    .into_body()
+                    .collect()
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .to_bytes();
+                Ok::<_, String>(PeerAnswer {
+                    status,
+                    content_type,
+                    body,
+                })
+            })
+            .await;
+            match answer {
+                Ok(Ok(a)) => return Ok(a),
+                Ok(Err(e)) => last = Some(e),
+                Err(_) => {
+                    return Err(PeerError::Unavailable(
+                        owner.to_owned(),
+                        format!("no answer in {} s", FORWARD_TIMEOUT.as_secs()),
+                    ));
+                }
+            }
+            if matches!(self.resolver, Resolver::Static(_)) {
+                break;
+            }
+        }
+        Err(PeerError::Unavailable(
+            owner.to_owned(),
+            last.unwrap_or_default(),
+        ))
+    }
+
+    /// Sends a JSON body to `owner` and decodes its JSON answer; a non-2xx answer is returned
+    /// as `Err(Ok((status, body)))`.
+    pub async fn post_json<T: serde::de::DeserializeOwned>(
+        &self,
+        owner: &str,
+        path: &str,
+        token: Option<&str>,
+        body: &impl serde::Serialize,
+    ) -> Result<Result<T, (u16, String)>, PeerError> {
+        let mut headers = vec![(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        )];
+        if let Some(t) = token
+            && let Ok(v) = http::HeaderValue::from_str(&format!("Bearer {t}"))
+        {
+            headers.push((http::header::AUTHORIZATION, v));
+        }
+        let body = Bytes::from(serde_json::to_vec(body).expect("a request body always encodes"));
+        let a = self
+            .send(owner, http::Method::POST, path, &headers, body)
+            .await?;
+        if !(200..300).contains(&a.status) {
+            return Ok(Err((
+                a.status,
+                String::from_utf8_lossy(&a.body).into_owned(),
+            )));
+        }
+        Ok(serde_json::from_slice(&a.body).map_err(|e| {
+            (
+                a.status,
+                format!("an answer that is not the expected JSON: {e}"),
+            )
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_name_their_owner() {
+        let u = "0193aa8e-7c1a-7b3e-9d2f-0123456789ab";
+        assert_eq!(parse_id(u).unwrap().0, None);
+        let id = qualify(Some("ebb-1"), u);
+        assert_eq!(id, format!("ebb-1.{u}"));
+        assert_eq!(parse_id(&id).unwrap().0, Some("ebb-1"));
+        assert_eq!(uuid_part(&id), u);
+        for bad in [
+            "nope",
+            "ebb-1.nope",
+            &format!("Ebb.{u}"),
+            &format!(".{u}"),
+            &format!("-a.{u}"),
+            &format!("a_b.{u}"),
+        ] {
+            assert!(parse_id(bad).is_err(), "{bad}");
+        }
+        let me = Peers::new(Some("ebb-0".into()), Resolver::Static(HashMap::new()));
+        assert_eq!(me.other_owner(&id), Some("ebb-1"));
+        assert_eq!(me.other_owner(&qualify(Some("ebb-0"), u)), None);
+        assert_eq!(me.other_owner(u), None);
+        assert!(me.new_id().starts_with("ebb-0."));
+        assert!(parse_id(&me.new_id()).is_ok());
+    }
+}
