@@ -374,6 +374,9 @@ pub enum Event {
     /// Calls that ended before this time leave the projection (their events stay in the log):
     /// the call retention, decided like everything else.
     CallsForgotten { finished_before_ms: u64 },
+    /// Calls whose enqueue failed (the queue did not confirm the put; the caller got an
+    /// error): a message of theirs that lands anyway is never run, even after a restart.
+    CallsAborted { ids: Vec<String> },
     // Functions.
     /// A function template was created or replaced.
     TemplateUpserted { template: TemplateSpec },
@@ -463,6 +466,7 @@ impl Event {
             Event::CallFinished { .. } => "CallFinished",
             Event::CallTimedOut { .. } => "CallTimedOut",
             Event::CallsForgotten { .. } => "CallsForgotten",
+            Event::CallsAborted { .. } => "CallsAborted",
             Event::CallCancelled { .. } => "CallCancelled",
             Event::TemplateUpserted { .. } => "TemplateUpserted",
             Event::TemplateDeleted { .. } => "TemplateDeleted",
@@ -496,7 +500,7 @@ impl Event {
             | Event::CallFinished { id, .. }
             | Event::CallTimedOut { id }
             | Event::CallCancelled { id } => (Kind::Call, id),
-            Event::CallsForgotten { .. } => (Kind::Call, ""),
+            Event::CallsForgotten { .. } | Event::CallsAborted { .. } => (Kind::Call, ""),
             Event::InstancesForgotten { .. } => (Kind::Instance, ""),
             Event::TemplateUpserted { template } => (Kind::Template, &template.name),
             Event::TemplateDeleted { name } | Event::TemplateFired { name, .. } => {
@@ -755,6 +759,9 @@ pub fn examples() -> Vec<Event> {
         },
         Event::InstancesForgotten {
             finished_before_ms: 1_767_225_000_000,
+        },
+        Event::CallsAborted {
+            ids: vec!["ebb-1.0193aa8e-7c1a-7b3e-9d2f-0123456789ab".into()],
         },
     ]
 }

@@ -575,9 +575,21 @@ impl Calls {
                 // enqueue's, not aborted ones.
                 return Err(e.into());
             }
-            let mut aborted = self.aborted.lock().expect("aborted lock");
-            for s in specs {
-                aborted.insert(&s.id);
+            {
+                let mut aborted = self.aborted.lock().expect("aborted lock");
+                for s in specs {
+                    aborted.insert(&s.id);
+                }
+            }
+            // Durably too, so a restart does not forget them (a Kafka produce that timed out
+            // may still land). Should the log fail as well, the memory above still holds.
+            let ids: Vec<String> = specs.iter().map(|s| s.id.clone()).collect();
+            if let Err(le) = self
+                .log
+                .decide(move |_: &State, _| (vec![Event::CallsAborted { ids }], ()))
+                .await
+            {
+                tracing::warn!(error = %le, "recording aborted calls failed");
             }
             return Err(e.into());
         }
@@ -694,11 +706,15 @@ impl Calls {
         for m in messages {
             // An aborted put's message is dropped, unless the call was recorded after all (the
             // same id enqueued again, or a step decided again): then it is that call's.
-            if self.aborted.lock().expect("aborted lock").contains(&m.id) {
-                if self.log.read(|s| s.calls.get(&m.id).is_none()) {
-                    broken.push(m.id);
-                    continue;
-                }
+            let in_memory = self.aborted.lock().expect("aborted lock").contains(&m.id);
+            let (recorded, in_log) = self
+                .log
+                .read(|s| (s.calls.get(&m.id).is_some(), s.calls.is_aborted(&m.id)));
+            if (in_memory || in_log) && !recorded {
+                broken.push(m.id);
+                continue;
+            }
+            if in_memory {
                 self.aborted.lock().expect("aborted lock").remove(&m.id);
             }
             match rmp_serde::from_slice::<CallSpec>(&m.body) {
@@ -1554,5 +1570,121 @@ mod tests {
         assert_eq!(again.len(), 1, "the message comes back at once");
         let started = calls.start("r", vec![id.clone()]).await.unwrap();
         assert!(started[0].started, "{started:?}");
+    }
+
+    /// A queue whose puts land and then report failure, as a Kafka produce that timed out on
+    /// the client but reached the broker.
+    struct LandsAnyway(Arc<EmbeddedQueue>);
+
+    impl Queue for LandsAnyway {
+        fn put(&self, messages: Vec<Message>) -> crate::queue::QueueFuture<'_, ()> {
+            Box::pin(async move {
+                self.0.put(messages).await?;
+                Err(QueueError::Storage("timed out".into()))
+            })
+        }
+        fn reserve(
+            &self,
+            runner: &str,
+            max: usize,
+            wait: Duration,
+        ) -> crate::queue::QueueFuture<'_, Vec<Message>> {
+            self.0.reserve(runner, max, wait)
+        }
+        fn hold(&self, holds: Vec<(String, u64)>) -> crate::queue::QueueFuture<'_, ()> {
+            self.0.hold(holds)
+        }
+        fn delete(&self, ids: Vec<String>) -> crate::queue::QueueFuture<'_, ()> {
+            self.0.delete(ids)
+        }
+        fn release(&self, runner: &str) -> crate::queue::QueueFuture<'_, ()> {
+            self.0.release(runner)
+        }
+        fn owners(&self) -> Vec<String> {
+            self.0.owners()
+        }
+        fn stats(&self) -> crate::queue::QueueStats {
+            self.0.stats()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_enqueue_whose_message_lands_anyway_never_runs_even_after_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = SimClock::new(1_000);
+        let store = Arc::new(MemStore::new());
+        let open_log = || {
+            Arc::new(
+                Log::open(
+                    store.clone(),
+                    crate::log::Options::default(),
+                    Arc::new(clock.clone()),
+                    &mut |_| {},
+                )
+                .unwrap(),
+            )
+        };
+        let queue = Arc::new(
+            EmbeddedQueue::open(
+                dir.path(),
+                Arc::new(clock.clone()),
+                EmbeddedOptions::default(),
+            )
+            .unwrap(),
+        );
+        let log = open_log();
+        let lying = Calls::new(
+            log.clone(),
+            Arc::new(LandsAnyway(queue.clone())),
+            Arc::new(clock.clone()),
+            CallOptions::default(),
+        );
+        log.decide(|_: &State, _| {
+            let route = crate::event::RouteSpec {
+                name: "work".into(),
+                domains: vec!["work.localhost".into()],
+                deployment: "work".into(),
+                idle_after_ms: 60_000,
+                min_replicas: 0,
+                max_replicas: 1,
+                hold_timeout_ms: 0,
+                hold_queue_max: 0,
+                process: None,
+                concurrency: 0,
+                max_connecting: 0,
+            };
+            (vec![Event::RouteUpserted { route }], ())
+        })
+        .await
+        .unwrap();
+        let failed = lying
+            .enqueue(vec![NewCall {
+                target: "work".into(),
+                ..NewCall::default()
+            }])
+            .await;
+        assert!(matches!(failed, Err(CallError::Queue(_))), "{failed:?}");
+        assert_eq!(queue.stats().ready, 1, "the message landed");
+        // ebb restarts: a new service, the memory of the failed put gone; the log remembers.
+        drop(lying);
+        drop(log);
+        let log = open_log();
+        let calls = Calls::new(
+            log.clone(),
+            queue.clone(),
+            Arc::new(clock),
+            CallOptions::default(),
+        );
+        let jobs = calls.dequeue("r", 10, 0).await.unwrap();
+        assert!(
+            jobs.is_empty(),
+            "an aborted call is never handed out: {jobs:?}"
+        );
+        assert_eq!(
+            queue.stats().ready + queue.stats().reserved,
+            0,
+            "its message is gone"
+        );
+        assert_eq!(log.read(|s| s.calls.by_id.len()), 0, "nor recorded");
     }
 }

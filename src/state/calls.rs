@@ -119,6 +119,10 @@ pub struct Calls {
     /// Ids of the calls still queued (an index of `by_id`).
     #[serde(default)]
     pub queued: BTreeSet<String>,
+    /// Calls whose enqueue failed and that were never recorded, with when: their messages
+    /// must not run. Kept as long as ended calls are (the retention).
+    #[serde(default)]
+    pub aborted: BTreeMap<String, u64>,
 }
 
 /// What applying a call event did to the schedule.
@@ -144,13 +148,29 @@ impl Calls {
     pub(crate) fn forget(&mut self, finished_before_ms: u64, keep: &BTreeSet<&str>) {
         self.by_id
             .retain(|id, c| !ended_before(c, finished_before_ms) || keep.contains(id.as_str()));
+        self.aborted.retain(|_, at| *at >= finished_before_ms);
     }
 
-    /// Whether any call but those in `keep` ended before `finished_before_ms`.
+    /// Whether any call but those in `keep` ended (or was aborted) before `finished_before_ms`.
     pub fn any_finished_before(&self, finished_before_ms: u64, keep: &BTreeSet<&str>) -> bool {
         self.by_id
             .iter()
             .any(|(id, c)| ended_before(c, finished_before_ms) && !keep.contains(id.as_str()))
+            || self.aborted.values().any(|at| *at < finished_before_ms)
+    }
+
+    /// Notes calls whose enqueue failed (those the log has recorded meanwhile excepted).
+    pub(crate) fn abort(&mut self, at_ms: u64, ids: &[String]) {
+        for id in ids {
+            if !self.by_id.contains_key(id) {
+                self.aborted.insert(id.clone(), at_ms);
+            }
+        }
+    }
+
+    /// Whether `id`'s enqueue failed and the call was never recorded.
+    pub fn is_aborted(&self, id: &str) -> bool {
+        self.aborted.contains_key(id) && !self.by_id.contains_key(id)
     }
 
     pub(crate) fn apply(&mut self, at_ms: u64, event: &Event) -> Timer {

@@ -136,6 +136,7 @@ impl State {
                     calls::Timer::Keep => {}
                 }
             }
+            Event::CallsAborted { ids } => self.calls.abort(at, ids),
             Event::CallsForgotten { finished_before_ms } => {
                 let current = self.functions.current_step_calls();
                 self.calls.forget(*finished_before_ms, &current);
