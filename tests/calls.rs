@@ -216,10 +216,24 @@ impl Drop for Runner {
 }
 
 fn runner(ebb: &Ebb, id: &str, fault: Option<&str>) -> Runner {
+    runner_of(ebb, id, 4, fault)
+}
+
+/// `ebb runner` running `capacity` calls at once.
+fn runner_of(ebb: &Ebb, id: &str, capacity: usize, fault: Option<&str>) -> Runner {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ebb"));
+    let capacity = capacity.to_string();
     cmd.args(["runner", "--api"])
         .arg(format!("http://{}", ebb.admin))
-        .args(["--token", TOKEN, "--id", id, "--capacity", "4", "--proxy"])
+        .args([
+            "--token",
+            TOKEN,
+            "--id",
+            id,
+            "--capacity",
+            &capacity,
+            "--proxy",
+        ])
         .arg(ebb.proxy.to_string())
         .env("EBB_LOG", "warn")
         .stdout(Stdio::null())
@@ -858,4 +872,53 @@ async fn two_replicas_share_calls_on_kafka_and_only_the_owner_decides() {
     )
     .await;
     assert_eq!(misdirected.status, 421, "{}", misdirected.json);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_kafka_a_busy_runners_partitions_go_to_a_runner_that_asks() {
+    let broker = common::broker().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = broker.addr.to_string();
+    // Runners stay live long after they last asked (the lease would free a silent runner's
+    // partitions too, later).
+    let ebb = start(
+        dir.path(),
+        &[
+            "--runner-capacity",
+            "0",
+            "--runner-lease-ms",
+            "300000",
+            "--kafka-brokers",
+            &brokers,
+            "--kafka-partitions",
+            "4",
+        ],
+    );
+    // One runner, full with one long call: its consumer has every partition and stops asking.
+    let _busy = runner_of(&ebb, "busy", 1, None);
+    let long = enqueue(
+        &ebb,
+        json!({ "target": "work", "timeout_ms": 120_000, "payload": { "method": "GET", "path": "/sleep?ms=60000" } }),
+    )
+    .await;
+    wait_state(&ebb, &long, "running").await;
+    // Calls keyed by their ids spread over the partitions; a second runner joins. The busy
+    // runner's partitions go to it rather than wait for the long call.
+    let ids = enqueue_bodies(&ebb, 12).await;
+    let _free = runner_of(&ebb, "free", 4, None);
+    for id in &ids {
+        wait_state(&ebb, id, "success").await;
+        let c = get(&ebb, &format!("/v1/calls/{id}")).await;
+        let l = get(&ebb, &format!("/v1/calls/{long}")).await;
+        assert_eq!(
+            c.json["runner"], "free",
+            "{} / the long call: {}",
+            c.json, l.json
+        );
+    }
+    assert_eq!(
+        state(&ebb, &long).await,
+        "running",
+        "the short calls did not wait for the long one"
+    );
 }

@@ -12,6 +12,11 @@
 //! * Messages handed out are kept in memory until deleted, so a runner's reserved-but-not-started
 //!   messages can go to another runner at once when it is released, and after the visibility
 //!   timeout, without waiting for Kafka to redeliver them.
+//! * A runner that stops asking for work (its capacity is full) gives up its consumer after
+//!   `idle_consumer_ms`, so its partitions move to runners that ask instead of waiting for it.
+//! * Holds live in memory: after a restart or a rebalance a started call's message is read
+//!   again, and the call service holds it again from its owner's log (`CallStarted` and its
+//!   deadline), never hands it out twice.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
@@ -49,6 +54,10 @@ pub struct KafkaOptions {
     pub visibility_timeout_ms: u64,
     /// The most messages handed out and not yet deleted.
     pub max_out: usize,
+    /// A runner that has not asked for work for this long (it is busy: its calls fill its
+    /// capacity) gives up its consumer, so its partitions move to runners that ask; it joins
+    /// again when it asks next.
+    pub idle_consumer_ms: u64,
 }
 
 impl Default for KafkaOptions {
@@ -62,6 +71,7 @@ impl Default for KafkaOptions {
             put_timeout_ms: 5_000,
             visibility_timeout_ms: 30_000,
             max_out: 1_000_000,
+            idle_consumer_ms: 3_000,
         }
     }
 }
@@ -150,6 +160,14 @@ struct Books {
     timers: BTreeSet<(u64, String)>,
     trackers: HashMap<i32, Tracker>,
     consumers: HashMap<String, Arc<StreamConsumer>>,
+    /// Each runner's reserves under way and when it last asked.
+    asking: HashMap<String, Asking>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Asking {
+    under_way: u32,
+    last_ms: u64,
 }
 
 /// The Kafka queue.
@@ -247,6 +265,51 @@ impl KafkaQueue {
             .entry(runner.to_owned())
             .or_insert(c)
             .clone())
+    }
+
+    /// Notes a reserve of `runner` under way until the guard is dropped.
+    fn asking(&self, runner: &str) -> AskingGuard<'_> {
+        let now = self.clock.now_ms();
+        let mut books = self.books();
+        let a = books.asking.entry(runner.to_owned()).or_default();
+        a.under_way += 1;
+        a.last_ms = now;
+        AskingGuard {
+            queue: self,
+            runner: runner.to_owned(),
+        }
+    }
+
+    /// Closes the consumers of runners that have not asked for work for `idle_consumer_ms`
+    /// (busy ones): their partitions move to the consumers of runners that ask.
+    async fn release_idle(&self) {
+        let now = self.clock.now_ms();
+        let idle: Vec<(String, Arc<StreamConsumer>)> = {
+            let mut books = self.books();
+            let names: Vec<String> = books
+                .consumers
+                .keys()
+                .filter(|r| {
+                    books.asking.get(*r).is_none_or(|a| {
+                        a.under_way == 0
+                            && now.saturating_sub(a.last_ms) >= self.options.idle_consumer_ms
+                    })
+                })
+                .cloned()
+                .collect();
+            names
+                .into_iter()
+                .filter_map(|r| {
+                    books.asking.remove(&r);
+                    books.consumers.remove(&r).map(|c| (r, c))
+                })
+                .collect()
+        };
+        for (runner, c) in idle {
+            tracing::debug!(%runner, "a busy runner gives up its partitions");
+            // Closing leaves the group; it blocks, so off the runtime.
+            let _ = tokio::task::spawn_blocking(move || drop(c)).await;
+        }
     }
 
     /// Hands out messages already in memory: those whose runner is gone and those whose time is
@@ -382,6 +445,22 @@ impl KafkaQueue {
     }
 }
 
+/// A reserve under way (see [`KafkaQueue::asking`]).
+struct AskingGuard<'a> {
+    queue: &'a KafkaQueue,
+    runner: String,
+}
+
+impl Drop for AskingGuard<'_> {
+    fn drop(&mut self) {
+        let now = self.queue.clock.now_ms();
+        if let Some(a) = self.queue.books().asking.get_mut(&self.runner) {
+            a.under_way = a.under_way.saturating_sub(1);
+            a.last_ms = now;
+        }
+    }
+}
+
 impl Queue for KafkaQueue {
     fn put(&self, messages: Vec<Message>) -> QueueFuture<'_, ()> {
         Box::pin(async move {
@@ -422,6 +501,8 @@ impl Queue for KafkaQueue {
     fn reserve(&self, runner: &str, max: usize, wait: Duration) -> QueueFuture<'_, Vec<Message>> {
         let runner = runner.to_owned();
         Box::pin(async move {
+            let _asking = self.asking(&runner);
+            self.release_idle().await;
             let max = max.max(1);
             let mut got = self.take_known(&runner, max, self.clock.now_ms());
             if got.len() >= max {
@@ -510,6 +591,7 @@ impl Queue for KafkaQueue {
                 for id in theirs {
                     books.set_out(&id, Out::Free);
                 }
+                books.asking.remove(&runner);
                 books.consumers.remove(&runner)
             };
             // Closing leaves the group (the others get its partitions); it blocks, so off the
