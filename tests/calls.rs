@@ -170,9 +170,10 @@ async fn wait_state(ebb: &Ebb, id: &str, want: &str) {
             tick.tick().await;
         }
     };
-    tokio::time::timeout(DEADLINE, wait)
-        .await
-        .unwrap_or_else(|_| panic!("call {id} never became {want}"));
+    if tokio::time::timeout(DEADLINE, wait).await.is_err() {
+        let c = get(ebb, &format!("/v1/calls/{id}")).await;
+        panic!("call {id} never became {want}: {}", c.json);
+    }
 }
 
 async fn count_calls(ebb: &Ebb) -> usize {
@@ -921,4 +922,63 @@ async fn with_kafka_a_busy_runners_partitions_go_to_a_runner_that_asks() {
         "running",
         "the short calls did not wait for the long one"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_kafka_broker_and_ebb_restarts_lose_no_call_and_run_none_twice() {
+    let mut broker = common::broker().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = broker.addr.to_string();
+    let (proxy, admin) = (
+        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    let args = [
+        "--runner-capacity",
+        "0",
+        "--kafka-brokers",
+        &brokers,
+        "--kafka-partitions",
+        "4",
+        "--listen",
+        &proxy,
+        "--admin-listen",
+        &admin,
+    ];
+    let mut ebb = start(dir.path(), &args);
+    let long = enqueue(
+        &ebb,
+        json!({ "target": "work", "payload": { "method": "GET", "path": "/sleep?ms=3000" } }),
+    )
+    .await;
+    let mut ids = enqueue_bodies(&ebb, 10).await;
+    // The broker killed and back on its data: every acknowledged call is still there.
+    broker.kill();
+    broker.start().await;
+    let _runner = runner(&ebb, "r", None);
+    wait_state(&ebb, &long, "running").await;
+    // ebb killed while the long call runs, and back: the call's message is read again from
+    // Kafka (holds live in memory), held again from the log, never run twice. (Its request
+    // went through ebb's proxy, which died: it ends `error`, once.)
+    ebb.child.kill().unwrap();
+    ebb.child.wait().unwrap();
+    drop(ebb);
+    let ebb = start(dir.path(), &args);
+    ids.extend(enqueue_bodies(&ebb, 5).await);
+    for id in &ids {
+        wait_state(&ebb, id, "success").await;
+    }
+    let ended = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        while !["success", "error"].contains(&state(&ebb, &long).await.as_str()) {
+            tick.tick().await;
+        }
+    };
+    tokio::time::timeout(DEADLINE, ended)
+        .await
+        .expect("the long call ends");
+    ids.push(long);
+    for id in &ids {
+        assert_eq!(events_of(&ebb.data, id, "CallStarted"), 1, "{id}");
+    }
 }
