@@ -568,14 +568,14 @@ fn image_and_tag() -> (String, String) {
 }
 
 /// `kubectl apply -k` of `deploy/` under a test overlay (ebb from the image map, listening on its
-/// pod's address, with a data directory per pod, the ServiceAccount's token as its kubeconfig; a
-/// hostPath PersistentVolume per replica) brings up two ebb pods through the real StatefulSet
-/// controller, volume binding and scheduler; each serves an annotated Service, waking its
-/// Deployment; an image function made through one of them is owned by ebb's StatefulSet (the
-/// garbage collector removes it with ebb) and answers.
-#[tokio::test]
-async fn kubectl_apply_k_deploy_brings_up_two_ebbs_that_serve_annotated_services() {
-    let (cp, _, _agent) = cluster().await;
+/// pod's address, with a data directory per pod under `WORK/data`, the ServiceAccount's token as its
+/// kubeconfig; a hostPath PersistentVolume per replica; `env` added to ebb's container), then
+/// waits for the two pods to be ready. Returns the work directory and the ready pods' names and
+/// addresses, by name.
+async fn deploy_two_ebbs(
+    cp: &ControlPlane,
+    env: &[(&str, &str)],
+) -> (tempfile::TempDir, Vec<(String, String)>) {
     // The ServiceAccount first, for its token from the TokenRequest API, which the pods' kubeconfig
     // carries; `apply` then takes the account over as deploy/ defines it.
     cp.kubectl(&["create", "namespace", "ebb"]);
@@ -646,10 +646,17 @@ patches:
 {kubeconfig_env}    - op: add
       path: /spec/template/spec/containers/0/env/-
       value: {{name: EBB_LOG, value: warn}}
-"#,
+{extra_env}"#,
             image = image_and_tag().0,
             tag = image_and_tag().1,
             timing = TEST_TIMING.join("\n      - "),
+            extra_env = env
+                .iter()
+                .map(|(k, v)| format!(
+                    "    - op: add\n      path: /spec/template/spec/containers/0/env/-\n      \
+                     value: {{name: {k}, value: \"{v}\"}}\n"
+                ))
+                .collect::<String>(),
         ),
     )
     .unwrap();
@@ -660,7 +667,7 @@ patches:
         w.join("overlay").to_str().unwrap(),
     ]);
 
-    let ready_ebbs = || -> Vec<String> {
+    let ready_ebbs = || -> Vec<(String, String)> {
         let pods = json(&cp.kubectl(&["get", "pods", "-n", "ebb", "-o", "json"]));
         pods["items"]
             .as_array()
@@ -672,7 +679,10 @@ patches:
                         .any(|c| c["type"] == "Ready" && c["status"] == "True")
                 })
             })
-            .filter_map(|p| p["status"]["podIP"].as_str().map(str::to_owned))
+            .filter_map(|p| {
+                let name = p["metadata"]["name"].as_str()?.to_owned();
+                Some((name, p["status"]["podIP"].as_str()?.to_owned()))
+            })
             .collect()
     };
     let mut ips = Vec::new();
@@ -690,7 +700,20 @@ patches:
         .filter(|c| c["status"]["phase"] == "Bound")
         .count();
     assert_eq!(bound, 2, "{claims}");
+    ips.sort();
+    (work, ips)
+}
 
+/// `kubectl apply -k` of `deploy/` under a test overlay brings up two ebb pods through the real
+/// StatefulSet controller, volume binding and scheduler; each serves an annotated Service, waking
+/// its Deployment; an image function made through one of them is owned by ebb's StatefulSet (the
+/// garbage collector removes it with ebb) and answers.
+#[tokio::test]
+async fn kubectl_apply_k_deploy_brings_up_two_ebbs_that_serve_annotated_services() {
+    let (cp, _, _agent) = cluster().await;
+    let (work, pods) = deploy_two_ebbs(&cp, &[]).await;
+    let w = work.path();
+    let ips: Vec<String> = pods.into_iter().map(|(_, ip)| ip).collect();
     apply(&cp, &serverless_hello("1h"));
     for ip in &ips {
         let proxy: std::net::SocketAddr = format!("{ip}:8080").parse().unwrap();
@@ -1178,4 +1201,195 @@ async fn the_same_tests_run_against_a_cluster_named_by_ebb_test_kubeconfig() {
         stdout.contains("test result: ok. 2 passed"),
         "{stdout}\n{stderr}"
     );
+}
+
+const RUNNER_TOKEN: &str = "runner-token";
+
+/// The pid of the ebb whose data directory is `data` (a pod of the harness's node agent).
+fn ebb_pid(data: &std::path::Path) -> Option<i32> {
+    let want = format!("--data-dir={}", data.display());
+    std::fs::read_dir("/proc").ok()?.find_map(|e| {
+        let e = e.ok()?;
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        cmdline
+            .split(|b| *b == 0)
+            .any(|a| a == want.as_bytes())
+            .then_some(pid)
+    })
+}
+
+/// Two ebb replicas from `deploy/` with Apache Kafka as the call queue: calls enqueued on either
+/// run on the built-in runners of both, each decided by its owner only (the replica its id names),
+/// and every call and function instance reads the same through either replica. The owner
+/// SIGKILLed mid-stream: the other answers 503 for its calls and decides nothing for them; back
+/// (the StatefulSet makes the pod again, on its volume), every acknowledged call ends, started
+/// once.
+#[tokio::test]
+async fn two_replicas_on_kafka_decide_each_call_once_through_its_owner() {
+    let (cp, _, _agent) = cluster().await;
+    if cp
+        .needs_harness("starts Apache Kafka beside the pods and SIGKILLs a pod's process")
+        .is_some()
+    {
+        return;
+    }
+    // The broker in the test's network namespace, on its loopback, which the pods share.
+    let broker = common::broker().await;
+    let brokers = broker.addr.to_string();
+    let (work, pods) = deploy_two_ebbs(
+        &cp,
+        &[
+            ("EBB_KAFKA_BROKERS", &brokers),
+            ("EBB_RUNNER_TOKEN", RUNNER_TOKEN),
+        ],
+    )
+    .await;
+    let names: Vec<&str> = pods.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["ebb-0", "ebb-1"]);
+    let admin =
+        |i: usize| -> std::net::SocketAddr { format!("{}:8081", pods[i].1).parse().unwrap() };
+    apply(&cp, &serverless_hello("1h"));
+    let enqueue = |i: usize| async move {
+        let body = r#"{"target": "default/hello", "payload": {"method": "GET", "path": "/pid"}}"#;
+        // 404 until the replica's Service watch has delivered the route.
+        let (status, body) = wait_until(
+            "the route as a call target",
+            Duration::from_secs(60),
+            || async {
+                let a = send(
+                    admin(i),
+                    "POST",
+                    "ebb",
+                    "/runner/enqueue",
+                    Some(RUNNER_TOKEN),
+                    body,
+                )
+                .await;
+                (a.0 != 404).then_some(a)
+            },
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+        json(&body)["id"].as_str().unwrap().to_owned()
+    };
+    let call = |i: usize, id: String| async move {
+        let (status, body) = send(
+            admin(i),
+            "GET",
+            "ebb",
+            &format!("/v1/calls/{id}"),
+            Some(RUNNER_TOKEN),
+            "",
+        )
+        .await;
+        (status, json(&body))
+    };
+    let final_state = |id: String| async move {
+        wait_until("the call's end", Duration::from_secs(90), || {
+            let id = id.clone();
+            async move {
+                let (status, c) = call(0, id.clone()).await;
+                (status == 200
+                    && ["success", "error", "timeout"].contains(&c["state"].as_str().unwrap_or("")))
+                .then_some(c)
+            }
+        })
+        .await
+    };
+    let mut ids = Vec::new();
+    for n in 0..16 {
+        ids.push(enqueue(n % 2).await);
+    }
+    for (n, id) in ids.iter().enumerate() {
+        assert!(
+            id.starts_with(&format!("ebb-{}.", n % 2)),
+            "{id} names its owner"
+        );
+        let c = final_state(id.clone()).await;
+        assert_eq!(c["state"], "success", "{c}");
+        // Both replicas answer the same.
+        assert_eq!(call(1, id.clone()).await, (200, c));
+    }
+
+    // A function instance reads the same through either replica.
+    let (status, body) = send(
+        admin(0),
+        "POST",
+        "ebb",
+        "/api/funcs/template",
+        Some(FN_TOKEN),
+        &image_template("shout", "upper"),
+    )
+    .await;
+    assert_eq!(status, 201, "{body}");
+    let (status, body) = send(
+        admin(0),
+        "POST",
+        "ebb",
+        "/api/funcs/shout?wait=60",
+        Some(FN_TOKEN),
+        "abc",
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let instance = json(&body)["instanceId"].as_str().unwrap().to_owned();
+    assert!(instance.starts_with("ebb-0."), "{body}");
+    let path = format!("/api/funcs/{instance}");
+    let through_0 = send(admin(0), "GET", "ebb", &path, Some(FN_TOKEN), "").await;
+    let through_1 = send(admin(1), "GET", "ebb", &path, Some(FN_TOKEN), "").await;
+    assert_eq!(through_0.0, 200, "{}", through_0.1);
+    assert_eq!(json(&through_0.1), json(&through_1.1));
+
+    // ebb-1 SIGKILLed while its calls are under way: ebb-0 answers 503 for them and decides
+    // nothing for them; the StatefulSet brings the pod back on its volume.
+    let mut more = Vec::new();
+    for _ in 0..10 {
+        more.push(enqueue(1).await);
+    }
+    let data1 = work.path().join("data/ebb-1");
+    let pid = ebb_pid(&data1).expect("ebb-1's process");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let down = wait_until("a 503 for ebb-1's call", Duration::from_secs(30), || {
+        let id = more[0].clone();
+        async move {
+            let (status, c) = call(0, id).await;
+            (status == 503).then_some(c)
+        }
+    })
+    .await;
+    assert_eq!(down["code"], "owner_unavailable", "{down}");
+    cp.kubectl(&[
+        "delete",
+        "pod",
+        "ebb-1",
+        "-n",
+        "ebb",
+        "--grace-period=0",
+        "--force",
+    ]);
+    for id in more.iter().chain(&ids) {
+        final_state(id.clone()).await;
+    }
+    let data0 = work.path().join("data/ebb-0");
+    for id in more.iter().chain(&ids) {
+        let (owner, other) = if id.starts_with("ebb-0.") {
+            (&data0, &data1)
+        } else {
+            (&data1, &data0)
+        };
+        let started = |data: &std::path::Path| {
+            common::events(data)
+                .iter()
+                .filter(|e| e["event"]["CallStarted"]["id"] == id.as_str())
+                .count()
+        };
+        assert_eq!(started(owner), 1, "{id} started once, by its owner");
+        assert_eq!(started(other), 0, "{id}");
+    }
+    drop(broker);
 }
