@@ -75,91 +75,143 @@ impl Executor for Arc<Recorder> {
     }
 }
 
-struct Setup {
+/// One ebb replica of a setup: its call service and its runner API.
+struct Replica {
     calls: Arc<Calls>,
     api: std::net::SocketAddr,
+}
+
+struct Setup {
+    replicas: Vec<Replica>,
     stop: tokio::sync::watch::Sender<bool>,
     recorder: Arc<Recorder>,
     runners: Vec<tokio::task::JoinHandle<()>>,
-    server: tokio::task::JoinHandle<()>,
+    servers: Vec<tokio::task::JoinHandle<()>>,
     _dir: tempfile::TempDir,
 }
 
-async fn setup(args: &CallsBenchArgs, over_http: bool, kafka: Option<&str>) -> Result<Setup> {
+impl Setup {
+    /// The replica that owns `id`.
+    fn owner(&self, id: &str) -> &Replica {
+        let i = crate::peers::owner_of(id)
+            .and_then(|o| o.strip_prefix("bench-"))
+            .and_then(|n| n.parse::<usize>().ok())
+            .unwrap_or(0);
+        &self.replicas[i.min(self.replicas.len() - 1)]
+    }
+}
+
+/// `replicas` ebb replicas (each with its own log and API, sharing the Kafka topic when there
+/// are several, forwarding to each other) with `args.runners` runners spread over them.
+async fn setup(
+    args: &CallsBenchArgs,
+    over_http: bool,
+    kafka: Option<&str>,
+    replicas: usize,
+) -> Result<Setup> {
     let dir = tempfile::Builder::new()
         .prefix("ebb-bench-calls-")
         .tempdir()?;
-    let log = Arc::new(super::open(&dir.path().join("log"), Durability::Sync)?);
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let queue: Arc<dyn Queue> = match kafka {
-        Some(brokers) => Arc::new(
-            KafkaQueue::open(
-                clock.clone(),
-                KafkaOptions {
-                    brokers: brokers.to_owned(),
-                    // A topic and group of its own per run: nothing left over from the last.
-                    topic: format!("ebb-bench-{}", uuid::Uuid::now_v7().simple()),
-                    group: format!("ebb-bench-{}", uuid::Uuid::now_v7().simple()),
-                    ..KafkaOptions::default()
-                },
-            )
-            .await?,
-        ),
-        None => Arc::new(EmbeddedQueue::open(
-            dir.path().join("queue"),
-            clock.clone(),
-            EmbeddedOptions::default(),
-        )?),
-    };
-    log.append(Event::RouteUpserted {
-        route: super::bench_route("noop", None),
-    })
-    .await?;
-    let calls = Arc::new(Calls::new(
-        log.clone(),
-        queue,
-        clock,
-        CallOptions::default(),
-    ));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let api = listener.local_addr()?;
-    let router = crate::api::router(crate::api::AppState {
-        peers: calls.peers().clone(),
-        log,
-        orchestrator: None,
-        admin_token: None,
-        ebb_exe: std::env::current_exe()?,
-        calls: Some(calls.clone()),
-        runner_token: Some(TOKEN.into()),
-        api_token: None,
-        functions: None,
-        ready: None,
-    });
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
+    // A topic and group of their own per setup: nothing left over from the last.
+    let topic = format!("ebb-bench-{}", uuid::Uuid::now_v7().simple());
+    let group = format!("ebb-bench-{}", uuid::Uuid::now_v7().simple());
+    let mut listeners = Vec::new();
+    for _ in 0..replicas {
+        listeners.push(tokio::net::TcpListener::bind("127.0.0.1:0").await?);
+    }
+    let addrs: Vec<std::net::SocketAddr> = listeners
+        .iter()
+        .map(|l| l.local_addr())
+        .collect::<std::io::Result<_>>()?;
+    let names: Vec<String> = (0..replicas).map(|i| format!("bench-{i}")).collect();
     let (stop, stop_rx) = tokio::sync::watch::channel(false);
-    let server = {
+    let mut set = Vec::new();
+    let mut servers = Vec::new();
+    for (i, listener) in listeners.into_iter().enumerate() {
+        let log = Arc::new(super::open(
+            &dir.path().join(format!("log-{i}")),
+            Durability::Sync,
+        )?);
+        let queue: Arc<dyn Queue> = match kafka {
+            Some(brokers) => Arc::new(
+                KafkaQueue::open(
+                    clock.clone(),
+                    KafkaOptions {
+                        brokers: brokers.to_owned(),
+                        topic: topic.clone(),
+                        group: group.clone(),
+                        ..KafkaOptions::default()
+                    },
+                )
+                .await?,
+            ),
+            None => Arc::new(EmbeddedQueue::open(
+                dir.path().join(format!("queue-{i}")),
+                clock.clone(),
+                EmbeddedOptions::default(),
+            )?),
+        };
+        log.append(Event::RouteUpserted {
+            route: super::bench_route("noop", None),
+        })
+        .await?;
+        let peers = if replicas > 1 {
+            let others = (0..replicas)
+                .filter(|j| *j != i)
+                .map(|j| (names[j].clone(), format!("http://{}", addrs[j])))
+                .collect();
+            crate::peers::Peers::new(
+                Some(names[i].clone()),
+                crate::peers::Resolver::Static(others),
+            )
+        } else {
+            crate::peers::Peers::alone()
+        };
+        let calls = Arc::new(
+            Calls::new(log.clone(), queue, clock.clone(), CallOptions::default())
+                .with_peers(Arc::new(peers), Some(TOKEN.into())),
+        );
+        let router = crate::api::router(crate::api::AppState {
+            peers: calls.peers().clone(),
+            log,
+            orchestrator: None,
+            admin_token: None,
+            ebb_exe: std::env::current_exe()?,
+            calls: Some(calls.clone()),
+            runner_token: Some(TOKEN.into()),
+            api_token: None,
+            functions: None,
+            ready: None,
+        });
+        use axum::serve::ListenerExt;
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let mut stopped = stop_rx.clone();
-        tokio::spawn(async move {
+        servers.push(tokio::spawn(async move {
             let _ = axum::serve(listener, router)
                 .with_graceful_shutdown(async move {
                     let _ = stopped.changed().await;
                 })
                 .await;
-        })
-    };
+        }));
+        set.push(Replica {
+            calls,
+            api: addrs[i],
+        });
+    }
     let recorder = Arc::new(Recorder {
         clock: Stopwatch::start(),
         started: Mutex::new(HashMap::new()),
     });
     let mut runners = Vec::new();
     for i in 0..args.runners {
+        let r = &set[i % replicas];
         let client: Arc<dyn RunnerApi> = if over_http {
-            Arc::new(HttpApi::new(&format!("http://{api}"), TOKEN))
+            Arc::new(HttpApi::new(&format!("http://{}", r.api), TOKEN))
         } else {
-            Arc::new(calls.clone())
+            Arc::new(r.calls.clone())
         };
         let options = RunnerOptions {
             id: format!("bench-{i}"),
@@ -176,12 +228,11 @@ async fn setup(args: &CallsBenchArgs, over_http: bool, kafka: Option<&str>) -> R
         )));
     }
     Ok(Setup {
-        calls,
-        api,
+        replicas: set,
         stop,
         recorder,
         runners,
-        server,
+        servers,
         _dir: dir,
     })
 }
@@ -220,17 +271,19 @@ async fn enqueue(
 
 /// Waits until every call in `ids` has finished (bounded). Calls finish about in the order they
 /// were enqueued, so each look starts at the first one not yet seen finished.
-async fn drain(calls: &Calls, ids: &[String]) -> Result<()> {
+async fn drain(s: &Setup, ids: &[String]) -> Result<()> {
     let wait = async {
         let mut done = 0;
         while done < ids.len() {
-            done = calls.log().read(|s| {
-                let mut i = done;
-                while i < ids.len() && s.calls.get(&ids[i]).is_some_and(|c| c.status.is_final()) {
-                    i += 1;
-                }
-                i
-            });
+            while done < ids.len()
+                && s.owner(&ids[done]).calls.log().read(|st| {
+                    st.calls
+                        .get(&ids[done])
+                        .is_some_and(|c| c.status.is_final())
+                })
+            {
+                done += 1;
+            }
             if done < ids.len() {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
@@ -247,8 +300,8 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<f64> {
     let clock = Stopwatch::start();
     let phase = Duration::from_secs(args.seconds);
     let mut producers = Vec::new();
-    for _ in 0..args.producers {
-        let api = s.api;
+    for p in 0..args.producers {
+        let api = s.replicas[p % s.replicas.len()].api;
         let batch = args.batch;
         producers.push(tokio::spawn(async move {
             let client = runner::http_client();
@@ -264,7 +317,7 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<f64> {
     for p in producers {
         ids.extend(p.await??);
     }
-    drain(&s.calls, &ids).await?;
+    drain(s, &ids).await?;
     Ok(ids.len() as f64 / clock.elapsed().as_secs_f64())
 }
 
@@ -272,8 +325,11 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<f64> {
 async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f64)> {
     const PER_REQUEST: usize = 10;
     // Warm up (runners joined, connections open) before measuring.
-    let warm = enqueue(&runner::http_client(), s.api, PER_REQUEST).await?;
-    drain(&s.calls, &warm).await?;
+    let mut warm = Vec::new();
+    for r in &s.replicas {
+        warm.extend(enqueue(&runner::http_client(), r.api, PER_REQUEST).await?);
+    }
+    drain(s, &warm).await?;
     // Sized up front: growing the map under the runners would be the bench's own pause.
     *s.recorder.started.lock().expect("recorder lock") =
         HashMap::with_capacity((rate * args.seconds as f64 * 1.5) as usize);
@@ -282,8 +338,8 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
     let interval = Duration::from_secs_f64(1.0 / per_producer);
     let phase = Duration::from_secs(args.seconds);
     let mut producers = Vec::new();
-    for _ in 0..args.producers {
-        let api = s.api;
+    for p in 0..args.producers {
+        let api = s.replicas[p % s.replicas.len()].api;
         let recorder = s.recorder.clone();
         producers.push(tokio::spawn(async move {
             let client = runner::http_client();
@@ -306,7 +362,7 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
         sent.extend(p.await??);
     }
     let ids: Vec<String> = sent.iter().map(|(id, _)| id.clone()).collect();
-    drain(&s.calls, &ids).await?;
+    drain(s, &ids).await?;
     let started = s.recorder.started.lock().expect("recorder lock");
     let mut ms: Vec<f64> = sent
         .iter()
@@ -333,53 +389,147 @@ async fn teardown_services(s: Setup) {
     for r in s.runners {
         let _ = tokio::time::timeout(Duration::from_secs(10), r).await;
     }
-    let mut server = s.server;
-    if tokio::time::timeout(Duration::from_secs(10), &mut server)
-        .await
-        .is_err()
-    {
-        server.abort();
+    for mut server in s.servers {
+        if tokio::time::timeout(Duration::from_secs(10), &mut server)
+            .await
+            .is_err()
+        {
+            server.abort();
+        }
     }
 }
 
-/// Runs the benchmark and prints its table.
+/// One start over HTTP through `api`; returns its latency in ms.
+async fn start_one(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    api: std::net::SocketAddr,
+    id: &str,
+) -> Result<f64> {
+    let clock = Stopwatch::start();
+    let req = hyper::Request::post(format!("http://{api}/runner/start"))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(
+            json!({ "runner": "direct", "id": id }).to_string(),
+        )))?;
+    let resp = client.request(req).await?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    anyhow::ensure!(
+        status.is_success(),
+        "start: {status} {}",
+        String::from_utf8_lossy(&body)
+    );
+    Ok(clock.elapsed().as_secs_f64() * 1e3)
+}
+
+/// The cost of a forwarded start: calls owned by one of two replicas started one at a time over
+/// HTTP, alternately through their owner and through the other replica (which forwards). Returns
+/// ((p50, p99) through the owner, (p50, p99) forwarded) in ms.
+async fn start_cost(
+    args: &CallsBenchArgs,
+    kafka: Option<&str>,
+) -> Result<((f64, f64), (f64, f64))> {
+    const CALLS: usize = 2_000;
+    let quiet = CallsBenchArgs {
+        runners: 0,
+        ..args.clone()
+    };
+    let s = setup(&quiet, true, kafka, 2).await?;
+    let client = runner::http_client();
+    let mut ids = Vec::with_capacity(CALLS);
+    while ids.len() < CALLS {
+        ids.extend(enqueue(&client, s.replicas[0].api, 250).await?);
+    }
+    let (mut local, mut forwarded) = (Vec::new(), Vec::new());
+    for (i, id) in ids.iter().enumerate() {
+        // Warm-up: the first of each kind opens its connections.
+        if i % 2 == 0 {
+            local.push(start_one(&client, s.replicas[0].api, id).await?);
+        } else {
+            forwarded.push(start_one(&client, s.replicas[1].api, id).await?);
+        }
+    }
+    teardown(s).await;
+    let pick = |v: &mut Vec<f64>| {
+        v.remove(0);
+        v.sort_by(f64::total_cmp);
+        let q = |q: f64| v[((v.len() as f64 * q) as usize).min(v.len() - 1)];
+        (q(0.50), q(0.99))
+    };
+    Ok((pick(&mut local), pick(&mut forwarded)))
+}
+
+/// Runs the benchmark and prints its tables.
 pub async fn run(args: CallsBenchArgs) -> Result<()> {
     println!(
         "ebb bench calls: no-op target, {} producers (HTTP, {} calls a request), {} runners x {} capacity, {} s phases",
         args.producers, args.batch, args.runners, args.capacity, args.seconds
     );
-    println!("| queue | runners | calls/s end to end | enqueue-to-start p50 | p99 |");
-    println!("|---|---|---|---|---|");
-    let mut queues = vec![("embedded", None)];
+    println!("| queue | replicas | runners | calls/s end to end | enqueue-to-start p50 | p99 |");
+    println!("|---|---|---|---|---|---|");
+    let mut rows = vec![("embedded", None, 1, false), ("embedded", None, 1, true)];
     if let Some(k) = &args.kafka {
-        queues.push(("kafka", Some(k.as_str())));
+        rows.push(("kafka", Some(k.as_str()), 1, false));
+        rows.push(("kafka", Some(k.as_str()), 1, true));
+        rows.push(("kafka", Some(k.as_str()), 2, true));
     }
-    for (queue, kafka) in queues {
-        for (name, over_http) in [("in process", false), ("over HTTP", true)] {
-            // Each phase on a fresh log and queue, so one does not pay for the other's
-            // compactions.
-            let s = setup(&args, over_http, kafka).await?;
-            let rate = throughput(&args, &s).await?;
+    let mut measured = Vec::new();
+    for (queue, kafka, replicas, over_http) in rows {
+        // Each phase on a fresh log and queue, so one does not pay for the other's
+        // compactions.
+        let s = setup(&args, over_http, kafka, replicas).await?;
+        let rate = throughput(&args, &s).await?;
+        teardown(s).await;
+        let at = args.rate.unwrap_or(rate / 2.0);
+        let mut p50s = Vec::new();
+        let mut p99s = Vec::new();
+        for _ in 0..args.rounds.max(1) {
+            let s = setup(&args, over_http, kafka, replicas).await?;
+            let (p50, p99) = latency(&args, &s, at).await?;
             teardown(s).await;
-            let at = args.rate.unwrap_or(rate / 2.0);
-            let mut p50s = Vec::new();
-            let mut p99s = Vec::new();
-            for _ in 0..args.rounds.max(1) {
-                let s = setup(&args, over_http, kafka).await?;
-                let (p50, p99) = latency(&args, &s, at).await?;
-                teardown(s).await;
-                p50s.push(p50);
-                p99s.push(p99);
-            }
-            p50s.sort_by(f64::total_cmp);
-            p99s.sort_by(f64::total_cmp);
-            let (p50, p99) = (p50s[p50s.len() / 2], p99s[p99s.len() / 2]);
-            let (lo, hi) = (p99s[0], p99s[p99s.len() - 1]);
-            println!(
-                "| {queue} | {name} | {rate:.0} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {} rounds: {lo:.2}-{hi:.2}) |",
-                p99s.len()
-            );
+            p50s.push(p50);
+            p99s.push(p99);
         }
+        p50s.sort_by(f64::total_cmp);
+        p99s.sort_by(f64::total_cmp);
+        let (p50, p99) = (p50s[p50s.len() / 2], p99s[p99s.len() / 2]);
+        let (lo, hi) = (p99s[0], p99s[p99s.len() - 1]);
+        let name = if over_http { "over HTTP" } else { "in process" };
+        println!(
+            "| {queue} | {replicas} | {name} | {rate:.0} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {} rounds: {lo:.2}-{hi:.2}) |",
+            p99s.len()
+        );
+        measured.push((queue, replicas, over_http, rate, p50, p99));
     }
+    let row = |q: &str, r: usize| {
+        measured
+            .iter()
+            .find(|m| m.0 == q && m.1 == r && m.2)
+            .copied()
+    };
+    if let (Some(one), Some(two)) = (row("kafka", 1), row("kafka", 2)) {
+        println!(
+            "kafka, 2 replicas / 1 replica (over HTTP): calls/s {:.2}x, enqueue-to-start p50 {:.2}x, p99 {:.2}x",
+            two.3 / one.3,
+            two.4 / one.4,
+            two.5 / one.5
+        );
+    }
+    let (queue, kafka) = match &args.kafka {
+        Some(k) => ("kafka", Some(k.as_str())),
+        None => ("embedded", None),
+    };
+    let ((lp50, lp99), (fp50, fp99)) = start_cost(&args, kafka).await?;
+    println!();
+    println!("| start of one call over HTTP ({queue}, 2 replicas) | p50 | p99 |");
+    println!("|---|---|---|");
+    println!("| through its owner | {lp50:.3} ms | {lp99:.3} ms |");
+    println!("| through the other replica (forwarded) | {fp50:.3} ms | {fp99:.3} ms |");
+    println!(
+        "forwarded / through the owner: p50 {:.2}x, p99 {:.2}x",
+        fp50 / lp50,
+        fp99 / lp99
+    );
     Ok(())
 }
