@@ -170,8 +170,30 @@ pub async fn run(
     let routes: Vec<RouteSpec> = config.apps.iter().map(|a| a.route()).collect();
     log.decide(move |s: &State, _| (config_routes(s, &routes), ()))
         .await?;
-    // Function templates from the config: created or replaced like a PUT of the API.
-    for f in &config.functions {
+    // On Kubernetes, templates are Func resources every replica follows.
+    let templates = match (&kube, &options.kubernetes) {
+        (Some(k), Some(ko)) => Some(crate::orchestrator::kube_templates::KubeTemplates::new(
+            k.client(),
+            &ko.functions_namespace,
+        )),
+        _ => None,
+    };
+    if let Some(t) = &templates {
+        let specs = config
+            .functions
+            .iter()
+            .map(|f| f.clone().into_spec().map_err(anyhow::Error::msg))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        t.apply_config(&specs).await.with_context(|| {
+            format!(
+                "writing the config's function templates as Func resources in {}",
+                t.namespace()
+            )
+        })?;
+    }
+    // Function templates from the config (one machine): created or replaced like a PUT of the
+    // API.
+    for f in config.functions.iter().filter(|_| templates.is_none()) {
         let spec = f.clone().into_spec().map_err(anyhow::Error::msg)?;
         let a = options.functions;
         let (r, _) = log
@@ -244,6 +266,23 @@ pub async fn run(
         dyn_orch.clone(),
         observer_stop_rx,
     ));
+    if let (Some(t), Some(k), Some(ko)) = (&templates, &kube, &options.kubernetes) {
+        tokio::spawn(crate::orchestrator::kube_templates::run_mirror(
+            t.clone(),
+            log.clone(),
+            options.functions,
+            Some(k.clone()),
+            stop_rx.clone(),
+        ));
+        let leading = ko.shared.leading.clone();
+        tokio::spawn(crate::orchestrator::kube_templates::run_status(
+            t.clone(),
+            log.clone(),
+            Arc::new(move || leading.load(std::sync::atomic::Ordering::Relaxed)),
+            Duration::from_millis(options.functions.period_ms.max(1_000)),
+            stop_rx.clone(),
+        ));
+    }
     match (&kube, &options.kubernetes) {
         // On Kubernetes, several ebb replicas may serve the same workloads: only the holder of
         // the lease scales down, conditioned on what it read.
@@ -359,6 +398,7 @@ pub async fn run(
         api_token: options.api_token.clone(),
         functions: Some(functions.clone()),
         peers: peers.clone(),
+        templates: templates.clone(),
         ready: kube.clone().map(|k| {
             let ready: Arc<dyn Fn() -> bool + Send + Sync> = Arc::new(move || k.synced());
             ready

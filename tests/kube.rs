@@ -1145,7 +1145,8 @@ async fn image_functions_run_as_deployments_and_services_that_ebb_makes() {
     )
     .await;
 
-    // A function this replica made, unknown to it after a restart with an empty log: deleted.
+    // A function this replica made, whose template went while it was away (its Func deleted),
+    // unknown to it after a restart with an empty log: deleted.
     create_template(&ebb, &image_template("stale", "upper")).await;
     wait_for(
         "the stale function's Deployment",
@@ -1154,6 +1155,7 @@ async fn image_functions_run_as_deployments_and_services_that_ebb_makes() {
     )
     .await;
     drop(ebb);
+    cp.kubectl(&["delete", "fn", "stale", "-n", "ebb"]);
     let fresh = tempfile::tempdir().unwrap();
     let _ebb = serve_deployed(&cp, fresh.path(), &args);
     wait_for(
@@ -1392,4 +1394,144 @@ async fn two_replicas_on_kafka_decide_each_call_once_through_its_owner() {
         assert_eq!(started(other), 0, "{id}");
     }
     drop(broker);
+}
+
+/// Reads a functions API watch from `ebb` until a line has `kind` for template `name`.
+async fn watch_sees(ebb: &common::Ebb, kind: &str, name: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(ebb.admin).await.unwrap();
+    s.write_all(
+        format!(
+            "GET /api/funcs/template?watch=true HTTP/1.1\r\nHost: ebb\r\n\
+             Authorization: Bearer {FN_TOKEN}\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let (want_kind, want_name) = (
+        format!("\"type\":\"{kind}\""),
+        format!("\"name\":\"{name}\""),
+    );
+    let read = async {
+        let mut seen = String::new();
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the watch ended: {seen}");
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+            if seen
+                .lines()
+                .any(|l| l.contains(&want_kind) && l.contains(&want_name))
+            {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .unwrap_or_else(|_| panic!("no {kind} of {name} on the watch"));
+}
+
+/// Template names a replica lists now.
+async fn listed(ebb: &common::Ebb) -> Vec<String> {
+    let (status, v) = fn_api(ebb, "GET", "/api/funcs/template", "").await;
+    assert_eq!(status, 200, "{v}");
+    v["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| t["metadata"]["name"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// On Kubernetes function templates are `Func` resources that every replica follows: one made
+/// through a replica is a resource, listed and watched on the other; one applied with kubectl
+/// is listed by both; one deleted through the other replica is gone everywhere; the lease
+/// holder writes each one's status; a resource ebb cannot take gets a Warning Event.
+#[tokio::test]
+async fn templates_are_func_resources_that_every_replica_follows() {
+    let (cp, _, _agent) = cluster().await;
+    let (d0, d1) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let args = |name: &'static str| {
+        let mut a = TEST_TIMING.to_vec();
+        a.extend(["--api-token", FN_TOKEN, "--pod-name", name]);
+        a
+    };
+    let e0 = serve_deployed(&cp, d0.path(), &args("ebb-a"));
+    let e1 = serve_deployed(&cp, d1.path(), &args("ebb-b"));
+    let template = r#"{"name": "shout", "function": "upper", "serviceAddress": "127.0.0.1:9"}"#;
+    tokio::join!(watch_sees(&e1, "ADDED", "shout"), async {
+        // The watch is open before the template is made (a replica answers its watch at once).
+        wait_until("the functions API", Duration::from_secs(30), || async {
+            (fn_api(&e0, "GET", "/api/funcs/template", "").await.0 == 200).then_some(())
+        })
+        .await;
+        create_template(&e0, template).await;
+    });
+    let f = json(&cp.kubectl(&["get", "fn", "shout", "-n", "ebb", "-o", "json"]));
+    assert_eq!(f["spec"]["function"], "upper", "{f}");
+    assert_eq!(f["spec"]["serviceAddress"], "127.0.0.1:9", "{f}");
+    assert!(listed(&e1).await.contains(&"shout".to_owned()));
+
+    // Applied with kubectl: both replicas have it.
+    apply(
+        &cp,
+        "apiVersion: ebb.dev/v1alpha1\nkind: Func\nmetadata: {name: direct, namespace: ebb}\n\
+         spec: {function: lower, serviceAddress: \"127.0.0.1:9\"}\n",
+    );
+    for e in [&e0, &e1] {
+        wait_until(
+            "the applied template listed",
+            Duration::from_secs(30),
+            || async { listed(e).await.contains(&"direct".to_owned()).then_some(()) },
+        )
+        .await;
+    }
+
+    // Its status, written by the replica holding the lease.
+    wait_for("a Func status", Duration::from_secs(30), || {
+        json(&cp.kubectl(&["get", "fn", "direct", "-n", "ebb", "-o", "json"]))["status"]
+            .get("counter")
+            .is_some()
+    })
+    .await;
+
+    // Deleted through the other replica: the resource goes, and the first replica drops it.
+    let (status, v) = fn_api(&e1, "DELETE", "/api/funcs/template/shout", "").await;
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        cp.try_kubectl(&["get", "fn", "shout", "-n", "ebb"])
+            .is_err()
+    );
+    wait_until(
+        "the template gone from the first replica",
+        Duration::from_secs(30),
+        || async { (!listed(&e0).await.contains(&"shout".to_owned())).then_some(()) },
+    )
+    .await;
+
+    // A resource whose spec names another template: refused, with a Warning Event on it.
+    apply(
+        &cp,
+        "apiVersion: ebb.dev/v1alpha1\nkind: Func\nmetadata: {name: odd, namespace: ebb}\n\
+         spec: {name: other, function: lower}\n",
+    );
+    wait_for(
+        "a FuncRefused Warning Event",
+        Duration::from_secs(30),
+        || {
+            let events = json(&cp.kubectl(&["get", "events", "-n", "ebb", "-o", "json"]));
+            events["items"].as_array().is_some_and(|items| {
+                items.iter().any(|e| {
+                    e["type"] == "Warning"
+                        && e["reason"] == "FuncRefused"
+                        && e["involvedObject"]["name"] == "odd"
+                })
+            })
+        },
+    )
+    .await;
+    assert!(!listed(&e0).await.contains(&"odd".to_owned()));
+    assert!(!listed(&e0).await.contains(&"other".to_owned()));
 }

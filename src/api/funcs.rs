@@ -39,6 +39,7 @@ use crate::event::{Event, TemplateSpec};
 use crate::functions::runtime::{FnError, FunctionService};
 use crate::functions::{self, Refused, TemplateJson};
 use crate::log::Log;
+use crate::orchestrator::kube_templates::StoreError;
 use crate::state::State;
 use crate::state::functions::ChangeKind;
 
@@ -326,25 +327,7 @@ fn object(spec: &TemplateSpec, revision: u64, state: Option<&State>) -> Value {
 /// A template's status, as the seed's `FuncStatus` has it: its call `counter`, the `timeStamp`
 /// of the last call counted, and the `replicas` its function server is asked to run.
 fn status(s: &State, name: &str) -> Value {
-    let last = s
-        .counters
-        .by_function
-        .get(name)
-        .map_or(0, |c| c.last_added_at_ms);
-    let status = functions::FuncStatus {
-        counter: s.counters.value(name),
-        time_stamp: i64::try_from(last)
-            .ok()
-            .filter(|t| *t > 0)
-            .and_then(chrono::DateTime::from_timestamp_millis)
-            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
-        replicas: s
-            .routes
-            .deployments
-            .get(&functions::workload_of(name))
-            .map_or(0, |d| d.desired),
-    };
-    serde_json::to_value(status).unwrap_or(Value::Null)
+    serde_json::to_value(functions::status_of(s, name)).unwrap_or(Value::Null)
 }
 
 /// The name of a template object.
@@ -675,6 +658,36 @@ fn register(app: &AppState, object: Option<&Value>) {
     }
 }
 
+/// A write to the `Func` resources that failed, as an API answer.
+fn store_error(e: StoreError) -> ApiError {
+    match e {
+        StoreError::Refused(r) => refused(r),
+        StoreError::Api(kube::Error::Api(e)) if (400..500).contains(&e.code) => ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "kubernetes_refused",
+            format!("the Kubernetes API refused the Func: {}", e.message),
+        ),
+        e @ (StoreError::Api(_) | StoreError::NotMirrored) => ApiError {
+            retry_after_s: Some(crate::peers::RETRY_AFTER_S),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "kubernetes_unavailable",
+                e.to_string(),
+            )
+        },
+    }
+}
+
+/// Template `name` as the API shows it now.
+fn current(app: &AppState, name: &str) -> Option<Value> {
+    app.log.read(|s| {
+        s.functions
+            .templates
+            .get(name)
+            .map(|t| object(&t.spec, t.revision, Some(s)))
+    })
+}
+
 async fn create(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
@@ -683,6 +696,17 @@ async fn create(
     authorize(&app, &headers)?;
     let spec = parse(body)?.into_spec().map_err(invalid)?;
     let autoscale = autoscale_of(&app);
+    if let Some(store) = &app.templates {
+        let name = spec.name.clone();
+        store
+            .create(&app.log, spec, &autoscale)
+            .await
+            .map_err(store_error)?;
+        return Ok((
+            StatusCode::CREATED,
+            Json(current(&app, &name).unwrap_or(Value::Null)),
+        ));
+    }
     let (done, committed) = app
         .log
         .decide(
@@ -733,6 +757,18 @@ async fn put(
     }
     let spec = j.into_spec().map_err(invalid)?;
     let autoscale = autoscale_of(&app);
+    if let Some(store) = &app.templates {
+        let created = store
+            .put(&app.log, spec, &autoscale)
+            .await
+            .map_err(store_error)?;
+        let status = if created {
+            StatusCode::CREATED
+        } else {
+            StatusCode::OK
+        };
+        return Ok((status, Json(current(&app, &name).unwrap_or(Value::Null))));
+    }
     let (created, _) = app
         .log
         .decide(
@@ -764,6 +800,15 @@ async fn delete(
     Path(name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&app, &headers)?;
+    if let Some(store) = &app.templates {
+        let before = current(&app, &name);
+        store.delete(&app.log, &name).await.map_err(store_error)?;
+        let mut v = before.unwrap_or(Value::Null);
+        if let Some(o) = v.as_object_mut() {
+            o.remove("status");
+        }
+        return Ok(Json(v));
+    }
     let (done, committed) = app
         .log
         .decide(

@@ -43,6 +43,9 @@ pub struct AppState {
     pub api_token: Option<String>,
     /// The functions runtime (instances), if this ebb runs calls.
     pub functions: Option<Arc<crate::functions::runtime::FunctionService>>,
+    /// On Kubernetes: function templates are `Func` resources, written there (the log follows
+    /// them); `None`: the log is their store.
+    pub templates: Option<crate::orchestrator::kube_templates::KubeTemplates>,
     /// This replica's name and the way to the others (calls and instances owned elsewhere are
     /// answered through their owner).
     pub peers: Arc<Peers>,

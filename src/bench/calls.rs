@@ -174,6 +174,7 @@ async fn setup(
         );
         let router = crate::api::router(crate::api::AppState {
             peers: calls.peers().clone(),
+            templates: None,
             log,
             orchestrator: None,
             admin_token: None,

@@ -68,6 +68,7 @@ pub fn decide_autoscale(
     added: &std::collections::BTreeMap<String, u64>,
     a: &Autoscale,
     now_ms: u64,
+    raise_only: bool,
 ) -> (Vec<Event>, Vec<(String, u32)>) {
     // Steps queued or running, by function.
     let mut in_flight: std::collections::BTreeMap<&str, u64> = std::collections::BTreeMap::new();
@@ -133,7 +134,10 @@ pub fn decide_autoscale(
             .deployments
             .get(&route.deployment)
             .map_or(0, |d| d.desired);
-        if desired != current {
+        // Shared by several replicas (Kubernetes), each counting only its own calls: one only
+        // raises; lowering is the shared downscaler's (the lease holder, for an idle workload,
+        // conditioned on its last use anywhere), as for any route.
+        if desired != current && !(raise_only && desired < current) {
             events.push(Event::ScaleRequested {
                 deployment: route.deployment.clone(),
                 from: current,
@@ -547,6 +551,29 @@ pub struct FuncStatus {
     /// The replicas the function server is asked to run.
     #[serde(default)]
     pub replicas: u32,
+}
+
+/// Template `name`'s status now: its call counter, when a call was last counted, and the
+/// replicas its function server is asked to run.
+pub fn status_of(s: &State, name: &str) -> FuncStatus {
+    let last = s
+        .counters
+        .by_function
+        .get(name)
+        .map_or(0, |c| c.last_added_at_ms);
+    FuncStatus {
+        counter: s.counters.value(name),
+        time_stamp: i64::try_from(last)
+            .ok()
+            .filter(|t| *t > 0)
+            .and_then(chrono::DateTime::from_timestamp_millis)
+            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+        replicas: s
+            .routes
+            .deployments
+            .get(&workload_of(name))
+            .map_or(0, |d| d.desired),
+    }
 }
 
 /// The custom resources ebb defines, as Kubernetes takes them (`ebb crds`).
@@ -994,7 +1021,7 @@ mod tests {
         ] {
             now += a.period_ms;
             let added = std::collections::BTreeMap::from([("resize".to_owned(), by)]);
-            let (events, scales) = decide_autoscale(&state, &added, &a, now);
+            let (events, scales) = decide_autoscale(&state, &added, &a, now, false);
             let counter_events = events
                 .iter()
                 .filter(|e| matches!(e, Event::CounterAdded { .. } | Event::CounterDecayed { .. }))

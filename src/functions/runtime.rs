@@ -339,9 +339,10 @@ impl FunctionService {
     pub async fn autoscale_once(&self, orchestrator: &dyn Orchestrator) -> Result<(), FnError> {
         let added = std::mem::take(&mut *self.queued.lock().expect("queued lock"));
         let a = self.autoscale;
+        let raise_only = self.kubernetes;
         let (scales, _) = self
             .log
-            .decide(move |s: &State, now| decide_autoscale(s, &added, &a, now))
+            .decide(move |s: &State, now| decide_autoscale(s, &added, &a, now, raise_only))
             .await
             .map_err(CallError::from)?;
         // Decided now, or decided before and not taken up (a scale that failed, a workload
@@ -355,7 +356,9 @@ impl FunctionService {
                 .filter_map(|r| {
                     let want = s.routes.deployments.get(&r.deployment)?.desired;
                     let has = orchestrator.observe(&r.deployment).map(|o| o.desired);
-                    (has.is_some_and(|h| h != want)).then_some((r.deployment, want))
+                    // On Kubernetes another replica may have raised it: never lowered here.
+                    (has.is_some_and(|h| h != want && !(raise_only && h > want)))
+                        .then_some((r.deployment, want))
                 })
                 .collect::<Vec<_>>()
         }));

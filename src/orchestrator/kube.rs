@@ -1023,6 +1023,8 @@ pub struct SharedScaling {
     /// A test hook: before each scale-down write, create `held` in this directory and wait until
     /// `release` appears there (at most a minute), so a test can race a bump against it.
     pub gate: Option<PathBuf>,
+    /// Whether this replica holds the lease now (for the work only the holder does).
+    pub leading: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl SharedScaling {
@@ -1047,6 +1049,7 @@ impl Default for SharedScaling {
             lease_name: "ebb-scaler".to_owned(),
             downscale_every_ms: 1_000,
             gate: None,
+            leading: Arc::default(),
         }
     }
 }
@@ -1189,6 +1192,7 @@ pub async fn run_shared(
     mut stop: watch::Receiver<bool>,
 ) {
     let o = shared.options;
+    let leading_now = shared.leading.clone();
     let driver = Arc::new(Driver {
         store: KubeCoordinator::new(
             orch.client.clone(),
@@ -1250,6 +1254,7 @@ pub async fn run_shared(
                     if leading != was_leading {
                         tracing::info!(replica = m.name(), leading, "scale-down leadership");
                         was_leading = leading;
+                        leading_now.store(leading, std::sync::atomic::Ordering::Relaxed);
                     }
                     for (d, desired) in &deployments {
                         if *desired == 0 {

@@ -11,6 +11,7 @@ pub mod annotations;
 pub mod kube;
 pub mod kube_coordinator;
 pub mod kube_functions;
+pub mod kube_templates;
 pub mod process;
 
 use std::net::SocketAddr;

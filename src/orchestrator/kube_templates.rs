@@ -1,0 +1,390 @@
+//! Function templates shared by every ebb replica on Kubernetes: each template is a `Func`
+//! resource (`functions.ebb.dev`, generated from [`crate::functions::TemplateJson`]) in the
+//! functions' namespace, and the resource is the store.
+//!
+//! * **Writes** through the functions API are checked against the replica's log as they would be
+//!   on one machine (a name taken, a host another route has), then written to the API server
+//!   (create, server-side apply with field manager `ebb`, delete with a UID precondition); the
+//!   answer waits until the replica's own log has the change, so a read after a write sees it.
+//! * **The mirror** ([`run_mirror`]) watches the resources and records each change in the
+//!   replica's log as the template decisions do on one machine (`TemplateUpserted`,
+//!   `TemplateDeleted`, and the route of the template's workload): the rest of ebb (the
+//!   autoscaler, the runners, the image functions' objects, the watch API, explain) reads
+//!   templates from the log as before, and every replica's log follows the same resources. After
+//!   a relist, templates the resources no longer have are deleted. A resource ebb cannot take (a
+//!   spec it refuses) gets a Warning Event saying why and is left out.
+//! * **Status**: the template's `FuncStatus` (counter, last call counted, replicas asked for) is
+//!   written to the resource's status by the replica holding the scale-down lease, when it
+//!   changes ([`run_status`]).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::watcher;
+
+use crate::functions::{Autoscale, Func, FuncStatus, Refused, TemplateJson};
+use crate::log::Log;
+use crate::state::State;
+
+/// The field manager of ebb's writes.
+const MANAGER: &str = "ebb";
+
+/// How long a write through the API waits for the replica's log to have it.
+const MIRRORED_WITHIN: Duration = Duration::from_secs(10);
+
+/// Where templates live on Kubernetes.
+#[derive(Clone)]
+pub struct KubeTemplates {
+    api: Api<Func>,
+    namespace: String,
+}
+
+impl std::fmt::Debug for KubeTemplates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeTemplates")
+            .field("namespace", &self.namespace)
+            .finish()
+    }
+}
+
+/// A write to the resources that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Refused as on one machine.
+    #[error("{}", refused_why(.0))]
+    Refused(Refused),
+    /// The API server refused or failed it.
+    #[error("the Kubernetes API: {0}")]
+    Api(#[from] kube::Error),
+    /// Written, but the replica's log did not follow in time.
+    #[error("the template was written, but this replica has not seen it yet; read it again")]
+    NotMirrored,
+}
+
+impl KubeTemplates {
+    /// Templates as `Func` resources in `namespace`.
+    pub fn new(client: kube::Client, namespace: &str) -> Self {
+        Self {
+            api: Api::namespaced(client, namespace),
+            namespace: namespace.to_owned(),
+        }
+    }
+
+    /// The namespace of the resources.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    fn object(spec: &crate::event::TemplateSpec) -> Func {
+        Func::new(&spec.name, TemplateJson::from_spec(spec))
+    }
+
+    /// Creates the template's resource; refused if one of that name exists.
+    pub async fn create(
+        &self,
+        log: &Log,
+        spec: crate::event::TemplateSpec,
+        a: &Autoscale,
+    ) -> Result<(), StoreError> {
+        log.read(|s| crate::functions::decide_create(s, spec.clone(), a))
+            .map_err(StoreError::Refused)?;
+        match self
+            .api
+            .create(&PostParams::default(), &Self::object(&spec))
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                return Err(StoreError::Refused(Refused::Exists(spec.name)));
+            }
+            Err(e) => return Err(e.into()),
+        }
+        mirrored(log, &spec.name, Some(&spec)).await
+    }
+
+    /// Creates or replaces the template's resource; whether it was new.
+    pub async fn put(
+        &self,
+        log: &Log,
+        spec: crate::event::TemplateSpec,
+        a: &Autoscale,
+    ) -> Result<bool, StoreError> {
+        let (_, created) = log
+            .read(|s| crate::functions::decide_put(s, spec.clone(), a))
+            .map_err(StoreError::Refused)?;
+        self.api
+            .patch(
+                &spec.name,
+                &PatchParams::apply(MANAGER).force(),
+                &Patch::Apply(&Self::object(&spec)),
+            )
+            .await?;
+        mirrored(log, &spec.name, Some(&spec)).await?;
+        Ok(created)
+    }
+
+    /// Deletes the template's resource (the one this replica knows, by UID).
+    pub async fn delete(&self, log: &Log, name: &str) -> Result<(), StoreError> {
+        if !log.read(|s| s.functions.templates.contains_key(name)) {
+            return Err(StoreError::Refused(Refused::Unknown(name.to_owned())));
+        }
+        let uid = match self.api.get_opt(name).await? {
+            Some(f) => f.metadata.uid,
+            None => None,
+        };
+        if let Some(uid) = uid {
+            let dp = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: Some(uid),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default()
+            };
+            match self.api.delete(name, &dp).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        mirrored(log, name, None).await
+    }
+
+    /// Applies templates from ebb's configuration as resources (field manager `ebb-config`),
+    /// so every replica has them.
+    pub async fn apply_config(
+        &self,
+        specs: &[crate::event::TemplateSpec],
+    ) -> Result<(), kube::Error> {
+        for spec in specs {
+            self.api
+                .patch(
+                    &spec.name,
+                    &PatchParams::apply("ebb-config").force(),
+                    &Patch::Apply(&Self::object(spec)),
+                )
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+/// Waits until the log has `spec` as template `name` (`None`: has no template of that name).
+async fn mirrored(
+    log: &Log,
+    name: &str,
+    spec: Option<&crate::event::TemplateSpec>,
+) -> Result<(), StoreError> {
+    let wait = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(10));
+        loop {
+            let now = log.read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()));
+            if now.as_ref() == spec {
+                return;
+            }
+            tick.tick().await;
+        }
+    };
+    tokio::time::timeout(MIRRORED_WITHIN, wait)
+        .await
+        .map_err(|_| StoreError::NotMirrored)
+}
+
+/// The template a resource holds, or why ebb cannot take it.
+fn spec_of(f: &Func) -> Result<crate::event::TemplateSpec, String> {
+    let name = f.metadata.name.clone().unwrap_or_default();
+    let mut j = f.spec.clone();
+    if j.name.is_empty() {
+        j.name = name.clone();
+    } else if j.name != name {
+        return Err(format!(
+            "spec.name {:?} is not the resource's name {name:?}",
+            j.name
+        ));
+    }
+    j.into_spec()
+}
+
+/// Records in the log what the resources say: each resource's template upserted (one decision
+/// each, on the state the ones before made), or (with `all`, after a relist) templates the
+/// resources no longer have deleted. Returns the resources ebb cannot take, with why.
+async fn record(
+    log: &Log,
+    funcs: Vec<Func>,
+    all: bool,
+    a: Autoscale,
+) -> Result<Vec<(Func, String)>, crate::log::Error> {
+    let mut bad = Vec::new();
+    let mut names = std::collections::BTreeSet::new();
+    for f in funcs {
+        let spec = match spec_of(&f) {
+            Ok(s) => s,
+            Err(why) => {
+                bad.push((f, why));
+                continue;
+            }
+        };
+        names.insert(spec.name.clone());
+        let (refused, _) = log
+            .decide(
+                move |s: &State, _| match crate::functions::decide_put(s, spec, &a) {
+                    Ok((events, _)) => (events, None),
+                    Err(r) => (Vec::new(), Some(r)),
+                },
+            )
+            .await?;
+        if let Some(r) = refused {
+            bad.push((f, refused_why(&r)));
+        }
+    }
+    if all {
+        log.decide(move |s: &State, _| {
+            let gone: Vec<String> = s
+                .functions
+                .templates
+                .keys()
+                .filter(|n| !names.contains(*n))
+                .cloned()
+                .collect();
+            let mut events = Vec::new();
+            for name in gone {
+                // Each template's events touch only its own name and route.
+                events.extend(crate::functions::decide_delete(s, &name).unwrap_or_default());
+            }
+            (events, ())
+        })
+        .await?;
+    }
+    Ok(bad)
+}
+
+fn refused_why(r: &Refused) -> String {
+    match r {
+        Refused::Exists(n) => format!("template {n:?} exists"),
+        Refused::Unknown(n) => format!("no template {n:?}"),
+        Refused::Taken(why) => why.clone(),
+    }
+}
+
+/// Watches the `Func` resources and records their changes in the log until `stop` changes.
+pub async fn run_mirror(
+    templates: KubeTemplates,
+    log: Arc<Log>,
+    autoscale: Autoscale,
+    events: Option<Arc<super::kube::KubeOrchestrator>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    use kube::runtime::WatchStreamExt;
+    let stream = watcher(templates.api.clone(), watcher::Config::default()).default_backoff();
+    tokio::pin!(stream);
+    let mut listing: Vec<Func> = Vec::new();
+    // A failure said once, not at every retry.
+    let mut last_failure = String::new();
+    loop {
+        let ev = tokio::select! {
+            ev = stream.next() => ev,
+            _ = stop.changed() => return,
+        };
+        let Some(ev) = ev else { return };
+        let recorded = match ev {
+            Ok(watcher::Event::Init) => {
+                listing.clear();
+                continue;
+            }
+            Ok(watcher::Event::InitApply(f)) => {
+                listing.push(f);
+                continue;
+            }
+            Ok(watcher::Event::InitDone) => {
+                record(&log, std::mem::take(&mut listing), true, autoscale).await
+            }
+            Ok(watcher::Event::Apply(f)) => record(&log, vec![f], false, autoscale).await,
+            Ok(watcher::Event::Delete(f)) => {
+                let name = f.metadata.name.clone().unwrap_or_default();
+                log.decide(move |s: &State, _| {
+                    (
+                        crate::functions::decide_delete(s, &name).unwrap_or_default(),
+                        (),
+                    )
+                })
+                .await
+                .map(|_| Vec::new())
+            }
+            Err(e) => {
+                let e = e.to_string();
+                if e != last_failure {
+                    tracing::warn!(error = %e, "watching Func resources failed; retrying");
+                    last_failure = e;
+                }
+                continue;
+            }
+        };
+        last_failure.clear();
+        match recorded {
+            Ok(bad) => {
+                for (f, why) in bad {
+                    tracing::warn!(name = ?f.metadata.name, %why, "a Func resource ebb cannot take");
+                    if let Some(o) = &events {
+                        use kube::Resource;
+                        o.publish(
+                            &f.object_ref(&()),
+                            kube::runtime::events::EventType::Warning,
+                            "FuncRefused",
+                            format!("ebb cannot take this template: {why}"),
+                        )
+                        .await;
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "recording Func resources in the log failed"),
+        }
+    }
+}
+
+/// Writes each template's status (counter, last call counted, replicas asked for) to its
+/// resource when it changed, every `every`, while `leader()` says this replica holds the
+/// scale-down lease.
+pub async fn run_status(
+    templates: KubeTemplates,
+    log: Arc<Log>,
+    leader: Arc<dyn Fn() -> bool + Send + Sync>,
+    every: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut written: std::collections::HashMap<String, FuncStatus> = Default::default();
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        if !leader() {
+            written.clear();
+            continue;
+        }
+        let statuses: Vec<(String, FuncStatus)> = log.read(|s| {
+            s.functions
+                .templates
+                .keys()
+                .map(|n| (n.clone(), crate::functions::status_of(s, n)))
+                .collect()
+        });
+        for (name, status) in statuses {
+            if written.get(&name) == Some(&status) {
+                continue;
+            }
+            let patch = serde_json::json!({ "status": status });
+            match templates
+                .api
+                .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {
+                    written.insert(name, status);
+                }
+                Err(e) => tracing::debug!(%name, error = %e, "writing a Func's status failed"),
+            }
+        }
+    }
+}
