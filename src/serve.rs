@@ -381,6 +381,12 @@ pub async fn run(
             api,
             executor,
             RunnerOptions {
+                // Named after its replica when there are several, so the owner of a call it ran
+                // records which one did.
+                id: match &options.replica {
+                    Some(r) => format!("builtin-{r}"),
+                    None => RunnerOptions::default().id,
+                },
                 capacity: options.runner_capacity,
                 ..RunnerOptions::default()
             },

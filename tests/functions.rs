@@ -1244,3 +1244,72 @@ async fn the_seeds_func_object_is_taken_and_shown_with_the_status_ebb_keeps() {
         "{shown}"
     );
 }
+
+/// Two replicas sharing Apache Kafka, only the second with a runner: a chain invoked on the first
+/// is the first's (its instance and every step's call), each step run by the second replica's
+/// runner and decided by the first through forwarding; the instance reads the same through
+/// either replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_owned_by_one_replica_runs_on_the_other_replicas_runner() {
+    let broker = common::broker().await;
+    let brokers = broker.addr.to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let ports = [port(), port()];
+    let replica = |i: usize, capacity: &str| {
+        let admin = format!("127.0.0.1:{}", ports[i]);
+        let peer = format!("ebb-{}=http://127.0.0.1:{}", 1 - i, ports[1 - i]);
+        let name = format!("ebb-{i}");
+        start_with(
+            &dir.path().join(&name),
+            Some(TOKEN),
+            &[
+                "--admin-listen",
+                &admin,
+                "--replica",
+                &name,
+                "--peer",
+                &peer,
+                "--kafka-brokers",
+                &brokers,
+                "--runner-capacity",
+                capacity,
+            ],
+        )
+    };
+    let e0 = replica(0, "0");
+    let e1 = replica(1, "8");
+    // Templates are each replica's own on one machine (Func resources on Kubernetes).
+    chain(&e0).await;
+    chain(&e1).await;
+    let id = invoke(&e0, "classify", "hey").await;
+    assert!(id.starts_with("ebb-0."), "{id}");
+    let done = ended(&e1, &id).await;
+    assert_eq!(done["state"], "success", "{done}");
+    assert_eq!(done["result"], "HEY!", "{done}");
+    let (status, again) = api(&e0, "GET", &format!("/api/funcs/{id}"), Value::Null).await;
+    assert_eq!((status, &again), (200, &done));
+    let steps = done["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 3, "{done}");
+    for step in steps {
+        let call = step["callId"].as_str().unwrap();
+        assert!(call.starts_with("ebb-0."), "{done}");
+        let (status, c) = call_get(&e1, call).await;
+        assert_eq!(status, 200, "{c}");
+        assert_eq!(c["runner"], "builtin-ebb-1", "{c}");
+        assert_eq!(started_count(&e0.data, call), 1, "{call}");
+        assert_eq!(started_count(&e1.data, call), 0, "{call}");
+    }
+}
+
+/// `GET /v1/calls/{id}` with the runner token.
+async fn call_get(ebb: &Ebb, id: &str) -> (u16, Value) {
+    let path = format!("/v1/calls/{id}");
+    call(ebb, "GET", &path, Some(RUNNER_TOKEN), String::new()).await
+}

@@ -290,9 +290,34 @@ async fn drain(s: &Setup, ids: &[String]) -> Result<()> {
             }
         }
     };
-    tokio::time::timeout(Duration::from_secs(120), wait)
+    if tokio::time::timeout(Duration::from_secs(120), wait)
         .await
-        .context("calls did not finish within 120 s")
+        .is_err()
+    {
+        // Which calls, and what became of them: the first few not ended.
+        let stuck: Vec<String> = ids
+            .iter()
+            .filter_map(|id| {
+                let c = s.owner(id).calls.log().read(|st| {
+                    st.calls
+                        .get(id)
+                        .map(|c| (c.status, c.runner.clone(), c.starts))
+                });
+                match c {
+                    Some((st, _, _)) if st.is_final() => None,
+                    other => Some(format!("{id}: {other:?}")),
+                }
+            })
+            .take(5)
+            .collect();
+        let queues: Vec<String> = s
+            .replicas
+            .iter()
+            .map(|r| format!("{:?}", r.calls.queue().stats()))
+            .collect();
+        anyhow::bail!("calls did not finish within 120 s: {stuck:?}; queues: {queues:?}");
+    }
+    Ok(())
 }
 
 /// Throughput: producers enqueue as fast as they can for the phase; the clock stops when the last
