@@ -176,6 +176,21 @@ async fn wait_state(ebb: &Ebb, id: &str, want: &str) {
     }
 }
 
+/// Polls until every call in `ids` has ended, whichever way (or the deadline passes).
+async fn all_end(ebb: &Ebb, ids: &[String]) {
+    let ended = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        for id in ids {
+            while !["success", "error", "timeout"].contains(&state(ebb, id).await.as_str()) {
+                tick.tick().await;
+            }
+        }
+    };
+    tokio::time::timeout(DEADLINE, ended)
+        .await
+        .expect("every acknowledged call ends");
+}
+
 async fn count_calls(ebb: &Ebb) -> usize {
     let a = get(ebb, "/v1/calls?limit=1000").await;
     assert_eq!(a.status, 200, "{}", a.json);
@@ -852,9 +867,9 @@ async fn two_replicas_share_calls_on_kafka_and_only_the_owner_decides() {
     assert!(down.headers.contains_key("retry-after"));
     drop(e0);
     let e0 = replica(dir.path(), 0, ports, &brokers);
-    for id in &more {
-        wait_state(&e1, id, "success").await;
-    }
+    // Every call ends (a start whose answer died with the owner ends `timeout`, never runs
+    // twice).
+    all_end(&e1, &more).await;
     for id in more.iter().chain(&ids[..10]) {
         assert_eq!(
             events_of(&e0.data, id, "CallStarted"),
@@ -958,27 +973,20 @@ async fn with_kafka_broker_and_ebb_restarts_lose_no_call_and_run_none_twice() {
     let _runner = runner(&ebb, "r", None);
     wait_state(&ebb, &long, "running").await;
     // ebb killed while the long call runs, and back: the call's message is read again from
-    // Kafka (holds live in memory), held again from the log, never run twice. (Its request
-    // went through ebb's proxy, which died: it ends `error`, or `timeout` if its runner could
+    // Kafka (holds live in memory), held again from the log, never run twice. (Calls under way
+    // went through ebb's proxy, which died: they end `error`, or `timeout` if their runner could
     // not report that in time; once either way.)
     ebb.child.kill().unwrap();
     ebb.child.wait().unwrap();
     drop(ebb);
     let ebb = start(dir.path(), &args);
-    ids.extend(enqueue_bodies(&ebb, 5).await);
-    for id in &ids {
+    let after = enqueue_bodies(&ebb, 5).await;
+    for id in &after {
         wait_state(&ebb, id, "success").await;
     }
-    let ended = async {
-        let mut tick = tokio::time::interval(Duration::from_millis(50));
-        while !["success", "error", "timeout"].contains(&state(&ebb, &long).await.as_str()) {
-            tick.tick().await;
-        }
-    };
-    tokio::time::timeout(DEADLINE, ended)
-        .await
-        .expect("the long call ends");
+    ids.extend(after);
     ids.push(long);
+    all_end(&ebb, &ids).await;
     for id in &ids {
         assert_eq!(events_of(&ebb.data, id, "CallStarted"), 1, "{id}");
     }
