@@ -771,37 +771,23 @@ async fn queued_and_running_calls_can_be_cancelled_once() {
     );
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Replica `me` of two sharing `brokers`, its admin API on `ports[me]`, the other found at its
 /// port; no built-in runner.
 fn replica(dir: &Path, me: usize, ports: [u16; 2], brokers: &str) -> Ebb {
-    let admin = format!("127.0.0.1:{}", ports[me]);
     let name = format!("ebb-{me}");
-    let peer = format!("ebb-{}=http://127.0.0.1:{}", 1 - me, ports[1 - me]);
     let data = dir.join(&name);
     std::fs::create_dir_all(&data).unwrap();
-    common::serve_with(
-        &data.join("data"),
-        Some(&config(&data)),
-        None,
-        &[
+    let mut args = common::replica_args(
+        &name,
+        ports[me],
+        &format!("ebb-{}", 1 - me),
+        ports[1 - me],
+        brokers,
+    );
+    args.extend(
+        [
             "--runner-token",
             TOKEN,
-            "--admin-listen",
-            &admin,
-            "--replica",
-            &name,
-            "--peer",
-            &peer,
-            "--kafka-brokers",
-            brokers,
             "--kafka-partitions",
             "4",
             "--runner-capacity",
@@ -810,8 +796,11 @@ fn replica(dir: &Path, me: usize, ports: [u16; 2], brokers: &str) -> Ebb {
             "2000",
             "--runner-lease-ms",
             "3000",
-        ],
-    )
+        ]
+        .map(str::to_owned),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    common::serve_with(&data.join("data"), Some(&config(&data)), None, &args)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -819,7 +808,7 @@ async fn two_replicas_share_calls_on_kafka_and_only_the_owner_decides() {
     let broker = common::broker().await;
     let brokers = broker.addr.to_string();
     let dir = tempfile::tempdir().unwrap();
-    let ports = [free_port(), free_port()];
+    let ports = [common::free_port(), common::free_port()];
     let mut e0 = replica(dir.path(), 0, ports, &brokers);
     let e1 = replica(dir.path(), 1, ports, &brokers);
     // One runner, on ebb-1: every call ebb-0 accepts runs there, its start and finish decided by
@@ -945,8 +934,8 @@ async fn with_kafka_broker_and_ebb_restarts_lose_no_call_and_run_none_twice() {
     let dir = tempfile::tempdir().unwrap();
     let brokers = broker.addr.to_string();
     let (proxy, admin) = (
-        format!("127.0.0.1:{}", free_port()),
-        format!("127.0.0.1:{}", free_port()),
+        format!("127.0.0.1:{}", common::free_port()),
+        format!("127.0.0.1:{}", common::free_port()),
     );
     let args = [
         "--runner-capacity",

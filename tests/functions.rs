@@ -1254,34 +1254,19 @@ async fn a_chain_owned_by_one_replica_runs_on_the_other_replicas_runner() {
     let broker = common::broker().await;
     let brokers = broker.addr.to_string();
     let dir = tempfile::tempdir().unwrap();
-    let port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
-    let ports = [port(), port()];
+    let ports = [common::free_port(), common::free_port()];
     let replica = |i: usize, capacity: &str| {
-        let admin = format!("127.0.0.1:{}", ports[i]);
-        let peer = format!("ebb-{}=http://127.0.0.1:{}", 1 - i, ports[1 - i]);
         let name = format!("ebb-{i}");
-        start_with(
-            &dir.path().join(&name),
-            Some(TOKEN),
-            &[
-                "--admin-listen",
-                &admin,
-                "--replica",
-                &name,
-                "--peer",
-                &peer,
-                "--kafka-brokers",
-                &brokers,
-                "--runner-capacity",
-                capacity,
-            ],
-        )
+        let mut args = common::replica_args(
+            &name,
+            ports[i],
+            &format!("ebb-{}", 1 - i),
+            ports[1 - i],
+            &brokers,
+        );
+        args.extend(["--runner-capacity".to_owned(), capacity.to_owned()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        start_with(&dir.path().join(&name), Some(TOKEN), &args)
     };
     let e0 = replica(0, "0");
     let e1 = replica(1, "8");

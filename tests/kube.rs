@@ -924,6 +924,25 @@ async fn a_missing_permission_is_one_log_line_and_a_warning_event_not_a_crash() 
     assert!(health.starts_with("HTTP/1.1 200"), "{health}");
 }
 
+/// Waits for a Warning Event with `reason` on the object `name` in ebb's namespace.
+async fn warning_event(cp: &ControlPlane, reason: &str, name: &str) {
+    wait_for(
+        &format!("a {reason} Warning Event on {name}"),
+        Duration::from_secs(30),
+        || {
+            let events = json(&cp.kubectl(&["get", "events", "-n", "ebb", "-o", "json"]));
+            events["items"].as_array().is_some_and(|items| {
+                items.iter().any(|e| {
+                    e["type"] == "Warning"
+                        && e["reason"] == reason
+                        && e["involvedObject"]["name"] == name
+                })
+            })
+        },
+    )
+    .await;
+}
+
 /// The functions API's bearer token in the function tests.
 const FN_TOKEN: &str = "fn-token";
 
@@ -1104,21 +1123,7 @@ async fn image_functions_run_as_deployments_and_services_that_ebb_makes() {
         ),
     );
     create_template(&ebb, &image_template("taken", "upper")).await;
-    wait_for(
-        "a Warning Event on the user's Deployment",
-        Duration::from_secs(30),
-        || {
-            let events = json(&cp.kubectl(&["get", "events", "-n", "ebb", "-o", "json"]));
-            events["items"].as_array().is_some_and(|items| {
-                items.iter().any(|e| {
-                    e["type"] == "Warning"
-                        && e["reason"] == "FunctionConflict"
-                        && e["involvedObject"]["name"] == "fn-taken"
-                })
-            })
-        },
-    )
-    .await;
+    warning_event(&cp, "FunctionConflict", "fn-taken").await;
     let theirs = function_deployment(&cp, "fn-taken").expect("still there");
     assert!(
         theirs["metadata"]["labels"]
@@ -1517,21 +1522,7 @@ async fn templates_are_func_resources_that_every_replica_follows() {
         "apiVersion: ebb.dev/v1alpha1\nkind: Func\nmetadata: {name: odd, namespace: ebb}\n\
          spec: {name: other, function: lower}\n",
     );
-    wait_for(
-        "a FuncRefused Warning Event",
-        Duration::from_secs(30),
-        || {
-            let events = json(&cp.kubectl(&["get", "events", "-n", "ebb", "-o", "json"]));
-            events["items"].as_array().is_some_and(|items| {
-                items.iter().any(|e| {
-                    e["type"] == "Warning"
-                        && e["reason"] == "FuncRefused"
-                        && e["involvedObject"]["name"] == "odd"
-                })
-            })
-        },
-    )
-    .await;
+    warning_event(&cp, "FuncRefused", "odd").await;
     assert!(!listed(&e0).await.contains(&"odd".to_owned()));
     assert!(!listed(&e0).await.contains(&"other".to_owned()));
 }

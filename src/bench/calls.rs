@@ -238,6 +238,28 @@ async fn setup(
     })
 }
 
+/// POSTs `body` to the runner API at `api`; returns the answer's body, an error unless 2xx.
+async fn post(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    api: std::net::SocketAddr,
+    path: &str,
+    body: serde_json::Value,
+) -> Result<Bytes> {
+    let req = hyper::Request::post(format!("http://{api}{path}"))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))?;
+    let resp = client.request(req).await?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    anyhow::ensure!(
+        status.is_success(),
+        "{path}: {status} {}",
+        String::from_utf8_lossy(&body)
+    );
+    Ok(body)
+}
+
 /// Enqueues `batch` calls; returns their ids.
 async fn enqueue(
     client: &Client<HttpConnector, Full<Bytes>>,
@@ -247,20 +269,7 @@ async fn enqueue(
     let calls: Vec<_> = (0..batch)
         .map(|_| json!({ "target": "noop", "payload": { "body": "x" } }))
         .collect();
-    let req = hyper::Request::post(format!("http://{api}/runner/enqueue"))
-        .header("authorization", format!("Bearer {TOKEN}"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(
-            json!({ "calls": calls }).to_string(),
-        )))?;
-    let resp = client.request(req).await?;
-    let status = resp.status();
-    let body = resp.into_body().collect().await?.to_bytes();
-    anyhow::ensure!(
-        status.is_success(),
-        "enqueue: {status} {}",
-        String::from_utf8_lossy(&body)
-    );
+    let body = post(client, api, "/runner/enqueue", json!({ "calls": calls })).await?;
     let v: serde_json::Value = serde_json::from_slice(&body)?;
     Ok(v["ids"]
         .as_array()
@@ -432,20 +441,13 @@ async fn start_one(
     id: &str,
 ) -> Result<f64> {
     let clock = Stopwatch::start();
-    let req = hyper::Request::post(format!("http://{api}/runner/start"))
-        .header("authorization", format!("Bearer {TOKEN}"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(
-            json!({ "runner": "direct", "id": id }).to_string(),
-        )))?;
-    let resp = client.request(req).await?;
-    let status = resp.status();
-    let body = resp.into_body().collect().await?.to_bytes();
-    anyhow::ensure!(
-        status.is_success(),
-        "start: {status} {}",
-        String::from_utf8_lossy(&body)
-    );
+    post(
+        client,
+        api,
+        "/runner/start",
+        json!({ "runner": "direct", "id": id }),
+    )
+    .await?;
     Ok(clock.elapsed().as_secs_f64() * 1e3)
 }
 

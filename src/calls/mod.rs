@@ -189,6 +189,12 @@ struct Results<T> {
     results: Vec<T>,
 }
 
+/// How many times another replica's call its owner does not know yet is held back.
+const UNKNOWN_DELIVERIES: u32 = 5;
+
+/// How long such a call is held back each time, in ms.
+const UNKNOWN_BACK_MS: u64 = 1_000;
+
 /// A call's state as its owner tells another replica (`/runner/states`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PeerState {
@@ -864,8 +870,15 @@ impl Calls {
                 }
             };
             let (mut done, mut running, mut give) = (Vec::new(), Vec::new(), Vec::new());
+            let soon = now.saturating_add(UNKNOWN_BACK_MS);
             for ((spec, deliveries), state) in specs.into_iter().zip(states) {
                 match state {
+                    // Put but not recorded yet by its owner (an enqueue is put first, recorded
+                    // after): back in a moment, as a start now would be refused as unknown and
+                    // delete the message. One its owner never records (the enqueue failed, or
+                    // the owner stopped in between: never acknowledged) is handed out after
+                    // a few tries, and its start refused.
+                    None if deliveries <= UNKNOWN_DELIVERIES => running.push((spec.id, soon)),
                     Some(p) if p.state.is_final() => done.push(spec.id),
                     Some(p) if p.state == CallStatus::Running => {
                         let until = p

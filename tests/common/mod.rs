@@ -108,6 +108,37 @@ pub fn serve_logged(
 #[allow(unused_imports)]
 pub use kafka::broker;
 
+/// A loopback port free now (the kernel's pick; bound by someone else only by a rare race).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `ebb serve` arguments of replica `name` (admin API on `admin_port`) of two sharing the Kafka
+/// at `brokers`, the other (`peer`) at `peer_port`.
+pub fn replica_args(
+    name: &str,
+    admin_port: u16,
+    peer: &str,
+    peer_port: u16,
+    brokers: &str,
+) -> Vec<String> {
+    [
+        "--admin-listen".to_owned(),
+        format!("127.0.0.1:{admin_port}"),
+        "--replica".to_owned(),
+        name.to_owned(),
+        "--peer".to_owned(),
+        format!("{peer}=http://127.0.0.1:{peer_port}"),
+        "--kafka-brokers".to_owned(),
+        brokers.to_owned(),
+    ]
+    .into()
+}
+
 /// Every event of the log in `data`, as `ebb log dump --json` prints them.
 /// Runs `ebb ARGS --data-dir DATA`, which must succeed; returns what it printed.
 pub fn ebb_ok(data: &Path, args: &[&str]) -> String {
