@@ -151,6 +151,10 @@ async fn templates_are_created_read_replaced_and_deleted_and_survive_a_restart()
     assert_eq!(status, 200, "{replaced:?}");
     assert_eq!(replaced["spec"]["right"], "RETURN");
     assert!(rev(&replaced) > r1);
+    // Made once: a replacement keeps its creation time (RFC 3339, UTC).
+    let made = created["metadata"]["creationTimestamp"].as_str().unwrap();
+    assert!(made.ends_with('Z') && chrono_like(made), "{created:?}");
+    assert_eq!(replaced["metadata"]["creationTimestamp"], made);
     // The same spec again changes nothing.
     let (status, same) = api(&ebb, "PUT", "/api/funcs/template/resize", changed).await;
     assert_eq!((status, rev(&same)), (200, rev(&replaced)));
@@ -1297,4 +1301,10 @@ async fn a_chain_owned_by_one_replica_runs_on_the_other_replicas_runner() {
 async fn call_get(ebb: &Ebb, id: &str) -> (u16, Value) {
     let path = format!("/v1/calls/{id}");
     call(ebb, "GET", &path, Some(RUNNER_TOKEN), String::new()).await
+}
+
+/// Whether `t` looks like `2026-11-27T01:02:03Z`.
+fn chrono_like(t: &str) -> bool {
+    let b = t.as_bytes();
+    b.len() == 20 && b[4] == b'-' && b[7] == b'-' && b[10] == b'T' && b[13] == b':'
 }

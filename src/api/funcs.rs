@@ -310,7 +310,8 @@ fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
 }
 
 /// A template as the API shows it: the serverless seed's `Func` object, its revision as
-/// `metadata.resourceVersion`, its status from the log now (`state`; none for a deleted one).
+/// `metadata.resourceVersion`, when it was made as `metadata.creationTimestamp`, its status from
+/// the log now (`state`; neither for a deleted one).
 fn object(spec: &TemplateSpec, revision: u64, state: Option<&State>) -> Value {
     let mut o = json!({
         "apiVersion": functions::API_VERSION,
@@ -320,6 +321,16 @@ fn object(spec: &TemplateSpec, revision: u64, state: Option<&State>) -> Value {
     });
     if let Some(s) = state {
         o["status"] = status(s, &spec.name);
+        if let Some(t) = s
+            .functions
+            .templates
+            .get(&spec.name)
+            .and_then(|t| i64::try_from(t.created_at_ms).ok())
+            .and_then(chrono::DateTime::from_timestamp_millis)
+        {
+            o["metadata"]["creationTimestamp"] =
+                json!(t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
+        }
     }
     o
 }

@@ -14,6 +14,9 @@ pub struct Template {
     pub spec: TemplateSpec,
     /// Seq of the event that last changed it.
     pub revision: u64,
+    /// When it was first upserted (since it last did not exist), in ms.
+    #[serde(default)]
+    pub created_at_ms: u64,
 }
 
 /// One step of an instance.
@@ -145,8 +148,9 @@ impl Functions {
         }
     }
 
-    pub(crate) fn upsert_template(&mut self, spec: &TemplateSpec, seq: u64) {
-        let kind = if self.templates.contains_key(&spec.name) {
+    pub(crate) fn upsert_template(&mut self, spec: &TemplateSpec, seq: u64, at_ms: u64) {
+        let created_at_ms = self.templates.get(&spec.name).map(|t| t.created_at_ms);
+        let kind = if created_at_ms.is_some() {
             ChangeKind::Modified
         } else {
             ChangeKind::Added
@@ -157,6 +161,7 @@ impl Functions {
             Template {
                 spec: spec.clone(),
                 revision: seq,
+                created_at_ms: created_at_ms.unwrap_or(at_ms),
             },
         );
     }

@@ -150,7 +150,7 @@ impl State {
                     .templates
                     .get(&template.name)
                     .and_then(|t| t.spec.schedule.clone());
-                self.functions.upsert_template(template, env.seq);
+                self.functions.upsert_template(template, env.seq, at);
                 let key = Due::TemplateFire(template.name.clone());
                 match &template.schedule {
                     Some(s) => {
