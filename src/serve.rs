@@ -271,7 +271,7 @@ pub async fn run(
             t.clone(),
             log.clone(),
             options.functions,
-            Some(k.clone()),
+            k.clone(),
             stop_rx.clone(),
         ));
         let leading = ko.shared.leading.clone();

@@ -39,6 +39,24 @@ fn config(dir: &Path) -> std::path::PathBuf {
     path
 }
 
+/// [`start`] with the Kafka queue at `brokers` (4 partitions), no built-in runner, runners gone
+/// after `runner_lease_ms`.
+fn start_on_kafka(dir: &Path, brokers: &str, runner_lease_ms: &str) -> Ebb {
+    start(
+        dir,
+        &[
+            "--runner-capacity",
+            "0",
+            "--runner-lease-ms",
+            runner_lease_ms,
+            "--kafka-brokers",
+            brokers,
+            "--kafka-partitions",
+            "4",
+        ],
+    )
+}
+
 /// `ebb serve` with the runner API on; `extra` are more serve arguments.
 fn start(dir: &Path, extra: &[&str]) -> Ebb {
     let mut args = vec!["--runner-token", TOKEN];
@@ -623,19 +641,7 @@ async fn with_kafka_a_killed_runners_partitions_move_to_the_other_runner() {
     let broker = common::broker().await;
     let dir = tempfile::tempdir().unwrap();
     let brokers = broker.addr.to_string();
-    let ebb = start(
-        dir.path(),
-        &[
-            "--runner-capacity",
-            "0",
-            "--runner-lease-ms",
-            "1500",
-            "--kafka-brokers",
-            &brokers,
-            "--kafka-partitions",
-            "4",
-        ],
-    );
+    let ebb = start_on_kafka(dir.path(), &brokers, "1500");
     // The victim alone first, so its consumer has every partition: it dies holding calls.
     let victim = runner(&ebb, "victim", Some("kill-after-dequeue"));
     let mut ids = Vec::new();
@@ -894,19 +900,7 @@ async fn with_kafka_a_busy_runners_partitions_go_to_a_runner_that_asks() {
     let brokers = broker.addr.to_string();
     // Runners stay live long after they last asked (the lease would free a silent runner's
     // partitions too, later).
-    let ebb = start(
-        dir.path(),
-        &[
-            "--runner-capacity",
-            "0",
-            "--runner-lease-ms",
-            "300000",
-            "--kafka-brokers",
-            &brokers,
-            "--kafka-partitions",
-            "4",
-        ],
-    );
+    let ebb = start_on_kafka(dir.path(), &brokers, "300000");
     // One runner, full with one long call: its consumer has every partition and stops asking.
     let _busy = runner_of(&ebb, "busy", 1, None);
     let long = enqueue(

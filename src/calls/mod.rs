@@ -832,16 +832,7 @@ impl Calls {
     /// message says (its owner decides the start). While an owner cannot be asked its messages
     /// are held back for [`crate::peers::RETRY_AFTER_S`] and not handed out.
     async fn hand_out_foreign(&self, specs: Vec<(CallSpec, u32)>) -> Result<Vec<Job>, CallError> {
-        let mut by_owner: std::collections::BTreeMap<String, Vec<(CallSpec, u32)>> =
-            Default::default();
-        for (spec, d) in specs {
-            let owner = self
-                .peers
-                .other_owner(&spec.id)
-                .unwrap_or_default()
-                .to_owned();
-            by_owner.entry(owner).or_default().push((spec, d));
-        }
+        let (_, by_owner) = self.by_owner(specs, |(spec, _)| &spec.id);
         let grace = self.options.hold_grace_ms;
         let mut out = Vec::new();
         for (owner, specs) in by_owner {
@@ -1029,6 +1020,24 @@ impl Calls {
         }))
     }
 
+    /// Splits `items` into this replica's own and the others', by owner.
+    #[allow(clippy::type_complexity)]
+    fn by_owner<T>(
+        &self,
+        items: Vec<T>,
+        id: impl Fn(&T) -> &str,
+    ) -> (Vec<T>, std::collections::BTreeMap<String, Vec<T>>) {
+        let mut local = Vec::new();
+        let mut others: std::collections::BTreeMap<String, Vec<T>> = Default::default();
+        for item in items {
+            match self.peers.other_owner(id(&item)).map(str::to_owned) {
+                None => local.push(item),
+                Some(o) => others.entry(o).or_default().push(item),
+            }
+        }
+        (local, others)
+    }
+
     /// Starts calls some of which other replicas own: this replica's own are decided here, the
     /// others by their owners (one request per owner). Each message is held first, as for a
     /// start decided here; a start an owner accepted keeps it held until the call's deadline, a
@@ -1039,14 +1048,7 @@ impl Calls {
         runner: &str,
         ids: Vec<String>,
     ) -> Result<Vec<Started>, CallError> {
-        let mut local = Vec::new();
-        let mut by_owner: std::collections::BTreeMap<String, Vec<String>> = Default::default();
-        for id in &ids {
-            match self.peers.other_owner(id) {
-                None => local.push(id.clone()),
-                Some(o) => by_owner.entry(o.to_owned()).or_default().push(id.clone()),
-            }
-        }
+        let (local, by_owner) = self.by_owner(ids.clone(), |id| id);
         let mut answers: HashMap<String, Started> = HashMap::new();
         if !local.is_empty() {
             for a in Box::pin(self.start(runner, local)).await? {
@@ -1129,14 +1131,7 @@ impl Calls {
         finishes: Vec<Finish>,
     ) -> Result<Vec<(String, CallStatus)>, CallError> {
         let order: Vec<String> = finishes.iter().map(|f| f.id.clone()).collect();
-        let mut local = Vec::new();
-        let mut by_owner: std::collections::BTreeMap<String, Vec<Finish>> = Default::default();
-        for f in finishes {
-            match self.peers.other_owner(&f.id) {
-                None => local.push(f),
-                Some(o) => by_owner.entry(o.to_owned()).or_default().push(f),
-            }
-        }
+        let (local, by_owner) = self.by_owner(finishes, |f| &f.id);
         let mut answers: HashMap<String, CallStatus> = HashMap::new();
         if !local.is_empty() {
             answers.extend(Box::pin(self.finish(runner, local)).await?);
@@ -1487,6 +1482,24 @@ mod tests {
     use crate::log::MemStore;
     use crate::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
 
+    /// A log on `store` and an embedded queue in `dir`, on `clock`.
+    fn open(
+        store: &Arc<MemStore>,
+        dir: &std::path::Path,
+        clock: &SimClock,
+    ) -> (Arc<Log>, Arc<EmbeddedQueue>) {
+        let log = Log::open(
+            store.clone(),
+            crate::log::Options::default(),
+            Arc::new(clock.clone()),
+            &mut |_| {},
+        )
+        .unwrap();
+        let queue =
+            EmbeddedQueue::open(dir, Arc::new(clock.clone()), EmbeddedOptions::default()).unwrap();
+        (Arc::new(log), Arc::new(queue))
+    }
+
     fn spec(id: &str, body: &str) -> CallSpec {
         let mut spec = CallSpec::for_test(id);
         spec.payload.body = body.as_bytes().to_vec().into();
@@ -1535,23 +1548,7 @@ mod tests {
     async fn a_stale_copy_is_not_started_and_comes_back_as_the_logs_copy() {
         let dir = tempfile::tempdir().unwrap();
         let clock = SimClock::new(1_000);
-        let log = Arc::new(
-            Log::open(
-                Arc::new(MemStore::new()),
-                crate::log::Options::default(),
-                Arc::new(clock.clone()),
-                &mut |_| {},
-            )
-            .unwrap(),
-        );
-        let queue = Arc::new(
-            EmbeddedQueue::open(
-                dir.path(),
-                Arc::new(clock.clone()),
-                EmbeddedOptions::default(),
-            )
-            .unwrap(),
-        );
+        let (log, queue) = open(&Arc::new(MemStore::new()), dir.path(), &clock);
         let calls = Calls::new(
             log.clone(),
             queue.clone(),
@@ -1626,50 +1623,17 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let clock = SimClock::new(1_000);
         let store = Arc::new(MemStore::new());
-        let open_log = || {
-            Arc::new(
-                Log::open(
-                    store.clone(),
-                    crate::log::Options::default(),
-                    Arc::new(clock.clone()),
-                    &mut |_| {},
-                )
-                .unwrap(),
-            )
-        };
-        let queue = Arc::new(
-            EmbeddedQueue::open(
-                dir.path(),
-                Arc::new(clock.clone()),
-                EmbeddedOptions::default(),
-            )
-            .unwrap(),
-        );
-        let log = open_log();
+        let (log, queue) = open(&store, dir.path(), &clock);
         let lying = Calls::new(
             log.clone(),
             Arc::new(LandsAnyway(queue.clone())),
             Arc::new(clock.clone()),
             CallOptions::default(),
         );
-        log.decide(|_: &State, _| {
-            let route = crate::event::RouteSpec {
-                name: "work".into(),
-                domains: vec!["work.localhost".into()],
-                deployment: "work".into(),
-                idle_after_ms: 60_000,
-                min_replicas: 0,
-                max_replicas: 1,
-                hold_timeout_ms: 0,
-                hold_queue_max: 0,
-                process: None,
-                concurrency: 0,
-                max_connecting: 0,
-            };
-            (vec![Event::RouteUpserted { route }], ())
-        })
-        .await
-        .unwrap();
+        let route = crate::bench::bench_route("work", None);
+        log.decide(move |_: &State, _| (vec![Event::RouteUpserted { route }], ()))
+            .await
+            .unwrap();
         let failed = lying
             .enqueue(vec![NewCall {
                 target: "work".into(),
@@ -1681,7 +1645,8 @@ mod tests {
         // ebb restarts: a new service, the memory of the failed put gone; the log remembers.
         drop(lying);
         drop(log);
-        let log = open_log();
+        drop(queue);
+        let (log, queue) = open(&store, dir.path(), &clock);
         let calls = Calls::new(
             log.clone(),
             queue.clone(),

@@ -272,7 +272,7 @@ pub async fn run_mirror(
     templates: KubeTemplates,
     log: Arc<Log>,
     autoscale: Autoscale,
-    events: Option<Arc<super::kube::KubeOrchestrator>>,
+    events: Arc<super::kube::KubeOrchestrator>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     use kube::runtime::WatchStreamExt;
@@ -325,16 +325,15 @@ pub async fn run_mirror(
             Ok(bad) => {
                 for (f, why) in bad {
                     tracing::warn!(name = ?f.metadata.name, %why, "a Func resource ebb cannot take");
-                    if let Some(o) = &events {
-                        use kube::Resource;
-                        o.publish(
+                    use kube::Resource;
+                    events
+                        .publish(
                             &f.object_ref(&()),
                             kube::runtime::events::EventType::Warning,
                             "FuncRefused",
                             format!("ebb cannot take this template: {why}"),
                         )
                         .await;
-                    }
                 }
             }
             Err(e) => tracing::warn!(error = %e, "recording Func resources in the log failed"),

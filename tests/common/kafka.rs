@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::free_port;
@@ -176,25 +177,33 @@ impl Broker {
         };
         self.child = Some(child);
         let addr = self.addr;
-        let answers = tokio::task::spawn_blocking(move || {
-            let waited = ebb::clock::Stopwatch::start();
-            let client: BaseConsumer = ClientConfig::new()
+        let client: Arc<BaseConsumer> = Arc::new(
+            ClientConfig::new()
                 .set("bootstrap.servers", addr.to_string())
                 .create()
+                .unwrap(),
+        );
+        // Polled with a deadline: a metadata request (blocking, so off the runtime) until one
+        // lists the broker.
+        let answering = async {
+            let mut tick = tokio::time::interval(Duration::from_millis(50));
+            loop {
+                tick.tick().await;
+                let c = client.clone();
+                let up = tokio::task::spawn_blocking(move || {
+                    c.fetch_metadata(None, Duration::from_millis(500))
+                        .is_ok_and(|m| !m.brokers().is_empty())
+                })
+                .await
                 .unwrap();
-            while waited.elapsed() < Duration::from_secs(60) {
-                if client
-                    .fetch_metadata(None, Duration::from_millis(500))
-                    .is_ok_and(|m| !m.brokers().is_empty())
-                {
-                    return true;
+                if up {
+                    return;
                 }
-                std::thread::sleep(Duration::from_millis(50));
             }
-            false
-        })
-        .await
-        .unwrap();
+        };
+        let answers = tokio::time::timeout(Duration::from_secs(60), answering)
+            .await
+            .is_ok();
         assert!(answers, "the broker at {addr} did not answer in 60 s");
     }
 
