@@ -23,16 +23,21 @@ pub enum Mutation {
     /// A replica decides starts and finishes of calls another replica owns from its own log,
     /// instead of forwarding them to the owner.
     DecideForOthers,
+    /// A replica hands out another replica's message at once when its owner does not know the
+    /// call yet (put, not yet recorded), instead of holding it back a moment: the owner refuses
+    /// the start as unknown and the message is deleted before the call is recorded as queued.
+    HandOutUnknown,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 5] = [
+    pub const ALL: [Mutation; 6] = [
         Mutation::DownscaleWithoutCas,
         Mutation::StartWithoutCondition,
         Mutation::FinishNotIdempotent,
         Mutation::NoRetryOnStopping,
         Mutation::DecideForOthers,
+        Mutation::HandOutUnknown,
     ];
 
     /// The name used on the command line.
@@ -43,6 +48,7 @@ impl Mutation {
             Mutation::FinishNotIdempotent => "finish-not-idempotent",
             Mutation::NoRetryOnStopping => "no-retry-on-stopping",
             Mutation::DecideForOthers => "decide-for-others",
+            Mutation::HandOutUnknown => "hand-out-unknown",
         }
     }
 

@@ -788,6 +788,11 @@ async fn queued_and_running_calls_can_be_cancelled_once() {
 /// Replica `me` of two sharing `brokers`, its admin API on `ports[me]`, the other found at its
 /// port; no built-in runner.
 fn replica(dir: &Path, me: usize, ports: [u16; 2], brokers: &str) -> Ebb {
+    replica_running(dir, me, ports, brokers, 0)
+}
+
+/// [`replica`] with a built-in runner of `capacity` (none for 0).
+fn replica_running(dir: &Path, me: usize, ports: [u16; 2], brokers: &str, capacity: u32) -> Ebb {
     let name = format!("ebb-{me}");
     let data = dir.join(&name);
     std::fs::create_dir_all(&data).unwrap();
@@ -805,7 +810,7 @@ fn replica(dir: &Path, me: usize, ports: [u16; 2], brokers: &str) -> Ebb {
             "--kafka-partitions",
             "4",
             "--runner-capacity",
-            "0",
+            &capacity.to_string(),
             "--visibility-timeout-ms",
             "2000",
             "--runner-lease-ms",
@@ -815,6 +820,43 @@ fn replica(dir: &Path, me: usize, ports: [u16; 2], brokers: &str) -> Ebb {
     );
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     common::serve_with(&data.join("data"), Some(&config(&data)), None, &args)
+}
+
+/// Each replica's built-in runner takes calls from the shared topic, its own replica's and the
+/// other's (whose starts and finishes go to their owner).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_built_in_runners_of_two_replicas_both_take_calls_on_kafka() {
+    let broker = common::broker().await;
+    let brokers = broker.addr.to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let ports = [common::free_port(), common::free_port()];
+    let e = [
+        replica_running(dir.path(), 0, ports, &brokers, 4),
+        replica_running(dir.path(), 1, ports, &brokers, 4),
+    ];
+    let clock = ebb::clock::Stopwatch::start();
+    let mut ran_on = std::collections::BTreeMap::<String, usize>::new();
+    let mut owners = std::collections::BTreeSet::new();
+    while ran_on.len() < 2 || owners.len() < 2 {
+        assert!(
+            clock.elapsed() < Duration::from_secs(90),
+            "calls ran only on {ran_on:?}, owned by {owners:?}"
+        );
+        for i in 0..2 {
+            let ids = enqueue_bodies(&e[i], 4).await;
+            for id in ids {
+                wait_state(&e[0], &id, "success").await;
+                let c = get(&e[1], &format!("/v1/calls/{id}")).await;
+                let runner = c.json["runner"].as_str().unwrap_or_default().to_owned();
+                assert!(runner.starts_with("builtin-ebb-"), "{}", c.json);
+                if runner != format!("builtin-ebb-{i}") {
+                    owners.insert(i);
+                }
+                *ran_on.entry(runner).or_default() += 1;
+            }
+        }
+    }
+    eprintln!("calls by runner: {ran_on:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

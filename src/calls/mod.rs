@@ -12,7 +12,8 @@
 //! * **finish** records the first result and deletes the message; repeating it changes nothing
 //!   and answers the same.
 //! * Runners report their load (`in_flight/capacity`) on every request; work without a partition
-//!   goes to the least-loaded live runner. A runner not heard from for `runner_lease_ms` is gone:
+//!   goes to the least-loaded live runner (on a queue that steers by runner name, the embedded
+//!   one; on Kafka the consumer group spreads calls keyed by id over the runners). A runner not heard from for `runner_lease_ms` is gone:
 //!   its reserved calls go back to the queue for others. Running calls past their deadline become
 //!   `timeout` ([`Calls::expire`], driven by the schedule).
 
@@ -194,6 +195,15 @@ const UNKNOWN_DELIVERIES: u32 = 5;
 
 /// How long such a call is held back each time, in ms.
 const UNKNOWN_BACK_MS: u64 = 1_000;
+
+/// Until when to hold back the message of another replica's call its owner does not know (its
+/// enqueue is put first and recorded after, so the message can be read in between), on its
+/// `deliveries`th delivery at `now_ms`; `None` to hand it out (one its owner never records: the
+/// enqueue failed or the owner stopped in between, never acknowledged; its start is refused).
+pub fn hold_back_unknown(deliveries: u32, now_ms: u64) -> Option<u64> {
+    let mutated = crate::mutation::active(crate::mutation::Mutation::HandOutUnknown);
+    (deliveries <= UNKNOWN_DELIVERIES && !mutated).then(|| now_ms.saturating_add(UNKNOWN_BACK_MS))
+}
 
 /// A call's state as its owner tells another replica (`/runner/states`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -560,7 +570,8 @@ impl Calls {
             let mut spec = self.spec(c)?;
             let partition = match spec.partition.take() {
                 Some(p) if self.is_live(&p) => Some(p),
-                _ => self.least_loaded(),
+                _ if self.queue.steers_to_runners() => self.least_loaded(),
+                _ => None,
             };
             spec.partition = partition;
             specs.push(spec);
@@ -861,15 +872,13 @@ impl Calls {
                 }
             };
             let (mut done, mut running, mut give) = (Vec::new(), Vec::new(), Vec::new());
-            let soon = now.saturating_add(UNKNOWN_BACK_MS);
             for ((spec, deliveries), state) in specs.into_iter().zip(states) {
                 match state {
-                    // Put but not recorded yet by its owner (an enqueue is put first, recorded
-                    // after): back in a moment, as a start now would be refused as unknown and
-                    // delete the message. One its owner never records (the enqueue failed, or
-                    // the owner stopped in between: never acknowledged) is handed out after
-                    // a few tries, and its start refused.
-                    None if deliveries <= UNKNOWN_DELIVERIES => running.push((spec.id, soon)),
+                    // Put but not recorded yet by its owner: back in a moment, as a start now
+                    // would be refused as unknown and delete the message.
+                    None if let Some(until) = hold_back_unknown(deliveries, now) => {
+                        running.push((spec.id, until))
+                    }
                     Some(p) if p.state.is_final() => done.push(spec.id),
                     Some(p) if p.state == CallStatus::Running => {
                         let until = p
@@ -1504,6 +1513,19 @@ mod tests {
         let mut spec = CallSpec::for_test(id);
         spec.payload.body = body.as_bytes().to_vec().into();
         spec
+    }
+
+    /// Another replica's call its owner does not know yet is held back a moment on each of
+    /// its first deliveries, then handed out (its start refused, if the owner never records it).
+    #[test]
+    fn an_unknown_foreign_call_is_held_back_a_few_times_then_handed_out() {
+        for d in 1..=UNKNOWN_DELIVERIES {
+            assert_eq!(hold_back_unknown(d, 5_000), Some(5_000 + UNKNOWN_BACK_MS));
+        }
+        assert_eq!(hold_back_unknown(UNKNOWN_DELIVERIES + 1, 5_000), None);
+        crate::mutation::with(Some(crate::mutation::Mutation::HandOutUnknown), || {
+            assert_eq!(hold_back_unknown(1, 5_000), None);
+        });
     }
 
     #[test]

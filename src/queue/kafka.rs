@@ -1,8 +1,9 @@
 //! The Kafka queue: calls on a topic with N partitions (rdkafka, bundled librdkafka).
 //!
 //! * [`Queue::put`] produces with `acks=all` and returns once the broker has every message; a
-//!   message's key is the runner it is meant for (so a runner's calls share a partition), or the
-//!   call id.
+//!   message's key is the partition its enqueue named (calls sharing it share a Kafka
+//!   partition), or the call id, so calls spread over every partition and every runner's
+//!   consumer; ebb does not steer calls to runners by name here ([`Queue::steers_to_runners`]).
 //! * Each runner that asks for work gets a consumer of its own in one consumer group, created on
 //!   its first dequeue; the group spreads the partitions over the live runners, and when a runner
 //!   is released its consumer leaves the group and its partitions move to the others.
@@ -606,6 +607,10 @@ impl Queue for KafkaQueue {
     fn owners(&self) -> Vec<String> {
         // The consumer group moves a gone runner's partitions; nothing to release by name.
         Vec::new()
+    }
+
+    fn steers_to_runners(&self) -> bool {
+        false
     }
 
     fn stats(&self) -> QueueStats {

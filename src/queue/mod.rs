@@ -105,4 +105,12 @@ pub trait Queue: Send + Sync {
 
     /// Current counts.
     fn stats(&self) -> QueueStats;
+
+    /// Whether a message's partition decides which runner reads it, so the call service may
+    /// steer a call to the least-loaded runner by naming it. On Kafka it is only the message's
+    /// key: the consumer group decides who reads which partition, and calls steered to a few
+    /// runners' names would crowd onto their few partitions.
+    fn steers_to_runners(&self) -> bool {
+        true
+    }
 }
