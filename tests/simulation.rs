@@ -65,6 +65,7 @@ fn every_scenario_holds_its_invariants_and_exercises_what_it_is_about() {
             seen.executed += out.stats.executed;
             seen.crashes += out.stats.crashes;
             seen.forwarded += out.stats.forwarded;
+            seen.held_unknown += out.stats.held_unknown;
         }
     }
     // The races the invariants are about did happen.
@@ -83,6 +84,10 @@ fn every_scenario_holds_its_invariants_and_exercises_what_it_is_about() {
     assert!(
         seen.forwarded > 100,
         "no start or finish went to another replica: {seen:?}"
+    );
+    assert!(
+        seen.held_unknown > 0,
+        "no replica read another's message between its put and its record: {seen:?}"
     );
 }
 
@@ -115,6 +120,11 @@ fn the_simulator_finds_every_deliberately_broken_decision() {
             Mutation::DecideForOthers,
             "calls-replicas",
             "call_at_most_once",
+        ),
+        (
+            Mutation::HandOutUnknown,
+            "calls-replicas",
+            "call_reaches_final",
         ),
     ];
     for (mutation, name, invariant) in cases {

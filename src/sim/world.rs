@@ -74,6 +74,9 @@ pub struct Stats {
     pub crashes: u64,
     /// Starts and finishes a node forwarded to the call's owner.
     pub forwarded: u64,
+    /// Messages of another node's call held back because its owner had put but not yet
+    /// recorded it.
+    pub held_unknown: u64,
     /// Steps (actions run).
     pub steps: u64,
 }
@@ -128,6 +131,8 @@ enum NodeAnswer {
     Started(Vec<(String, bool)>),
     Finished(CallStatus, String),
     Down,
+    /// No answer yet (an enqueue between its put and its record).
+    Pending,
 }
 
 /// Who sent a node request: the producer or runner `i`.
@@ -154,6 +159,9 @@ enum Action {
     /// A request reaches node (first) from the producer or a runner.
     NodeArrive(usize, usize, u32, NodeReq, u32),
     NodeReply(usize, u32, NodeReq, NodeAnswer, u32),
+    /// An enqueue's second step on node (first, at its epoch second): the call recorded in the
+    /// log, after its message was put; then the answer to the producer.
+    EnqueueRecord(usize, u32, CallSpec, u32),
     CallDone(usize, u32, String),
     Expire,
     NodeRestart(usize),
@@ -612,6 +620,9 @@ impl World {
             }
             Action::NodeReply(to, e, req, answer, attempt) => {
                 self.node_reply(to, e, req, answer, attempt)
+            }
+            Action::EnqueueRecord(k, epoch, spec, attempt) => {
+                self.enqueue_record(k, epoch, spec, attempt)
             }
             Action::CallDone(i, e, id) => self.call_done(i, e, id),
             Action::Expire => self.expire(),
@@ -1367,12 +1378,35 @@ impl World {
 
     fn node_arrive(&mut self, k: usize, from: usize, e: u32, req: NodeReq, attempt: u32) {
         let answer = if self.nodes[k].up {
-            self.serve_node(k, from, &req)
+            self.serve_node(k, from, &req, attempt)
+        } else {
+            NodeAnswer::Down
+        };
+        if matches!(answer, NodeAnswer::Pending) {
+            return;
+        }
+        let lat = self.latency();
+        self.at(lat, Action::NodeReply(from, e, req, answer, attempt));
+    }
+
+    /// An enqueue's record on node `k`, its message put already (as `Calls::enqueue`: put,
+    /// then record), unless the node went down in between: then it is not acknowledged.
+    fn enqueue_record(&mut self, k: usize, epoch: u32, spec: CallSpec, attempt: u32) {
+        let node = &self.nodes[k];
+        let answer = if !node.up || node.epoch != epoch {
+            NodeAnswer::Down
+        } else if self.node_state(k).calls.get(&spec.id).is_some()
+            || self.node_append(k, vec![Event::CallQueued { call: spec.clone() }])
+        {
+            NodeAnswer::Enqueued
         } else {
             NodeAnswer::Down
         };
         let lat = self.latency();
-        self.at(lat, Action::NodeReply(from, e, req, answer, attempt));
+        self.at(
+            lat,
+            Action::NodeReply(PRODUCER, 0, NodeReq::Enqueue(spec), answer, attempt),
+        );
     }
 
     fn runner_name(&self, from: usize) -> String {
@@ -1483,7 +1517,7 @@ impl World {
     /// The runner API's semantics on node `k` (as `calls::Calls` has them), on the production
     /// decisions; what another node owns is decided by that node (forwarded), and while it is
     /// down nobody decides for it.
-    fn serve_node(&mut self, k: usize, from: usize, req: &NodeReq) -> NodeAnswer {
+    fn serve_node(&mut self, k: usize, from: usize, req: &NodeReq, attempt: u32) -> NodeAnswer {
         let c = self.sc.calls.clone().expect("calls scenario");
         let queue = self.queue();
         let now = self.now;
@@ -1500,11 +1534,11 @@ impl World {
                     Some(Ok(())) | Some(Err(crate::queue::QueueError::Duplicate(_))) => {}
                     _ => return NodeAnswer::Down,
                 }
-                let known = self.node_state(k).calls.get(&spec.id).is_some();
-                if !known && !self.node_append(k, vec![Event::CallQueued { call: spec.clone() }]) {
-                    return NodeAnswer::Down;
-                }
-                NodeAnswer::Enqueued
+                // Recorded a moment later: the message may be read in between.
+                let lat = self.latency();
+                let epoch = self.nodes[k].epoch;
+                self.at(lat, Action::EnqueueRecord(k, epoch, spec.clone(), attempt));
+                NodeAnswer::Pending
             }
             NodeReq::Dequeue { max } => {
                 let messages = queue
@@ -1516,6 +1550,7 @@ impl World {
                 let mut done = Vec::new();
                 let mut holds = Vec::new();
                 for m in messages {
+                    let deliveries = m.deliveries;
                     let Ok(spec) = rmp_serde::from_slice::<CallSpec>(&m.body) else {
                         done.push(m.id);
                         continue;
@@ -1537,7 +1572,15 @@ impl World {
                             }
                             jobs.push(spec);
                         }
-                        None => jobs.push(spec),
+                        // Put by its owner, not recorded yet: held back a moment (as
+                        // `Calls::hand_out_foreign`).
+                        None => match crate::calls::hold_back_unknown(deliveries, now) {
+                            Some(until) => {
+                                self.stats.held_unknown += 1;
+                                holds.push((spec.id, until));
+                            }
+                            None => jobs.push(spec),
+                        },
                         Some(s) if s.is_final() => done.push(spec.id),
                         Some(CallStatus::Running) => {
                             let deadline = self
