@@ -1226,12 +1226,36 @@ fn ebb_pid(data: &std::path::Path) -> Option<i32> {
     })
 }
 
+/// An `ebb runner` process, killed when dropped.
+struct EbbRunner(std::process::Child);
+
+impl Drop for EbbRunner {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `ebb runner` named `id`, talking to the ebb replica at `ip` (its runner API and proxy).
+fn ebb_runner(ip: &str, id: &str) -> EbbRunner {
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args(["runner", "--api", &format!("http://{ip}:8081")])
+        .args(["--token", RUNNER_TOKEN, "--id", id, "--capacity", "4"])
+        .args(["--proxy", &format!("{ip}:8080")])
+        .env("EBB_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    EbbRunner(child)
+}
+
 /// Two ebb replicas from `deploy/` with Apache Kafka as the call queue: calls enqueued on either
-/// run on the built-in runners of both, each decided by its owner only (the replica its id names),
-/// and every call and function instance reads the same through either replica. The owner
-/// SIGKILLed mid-stream: the other answers 503 for its calls and decides nothing for them; back
-/// (the StatefulSet makes the pod again, on its volume), every acknowledged call ends, started
-/// once.
+/// run on the runners of both (the built-in ones and an `ebb runner` process talking to each),
+/// each decided by its owner only (the replica its id names), and every call and function
+/// instance reads the same through either replica. The owner SIGKILLed mid-stream: the other
+/// answers 503 for its calls and decides nothing for them; back (the StatefulSet makes the pod
+/// again, on its volume), every acknowledged call ends, started once.
 #[tokio::test]
 async fn two_replicas_on_kafka_decide_each_call_once_through_its_owner() {
     let (cp, _, _agent) = cluster().await;
@@ -1304,19 +1328,33 @@ async fn two_replicas_on_kafka_decide_each_call_once_through_its_owner() {
         })
         .await
     };
+    // An `ebb runner` beside each replica, as well as the built-in ones.
+    let ext0 = ebb_runner(&pods[0].1, "ext-0");
+    let ext1 = ebb_runner(&pods[1].1, "ext-1");
+    // Calls on both replicas, in rounds, until every runner has run some (the consumer group
+    // spreads the partitions as the runners join).
+    let every_runner = ["builtin-ebb-0", "builtin-ebb-1", "ext-0", "ext-1"];
+    let mut ran_on = std::collections::BTreeSet::new();
     let mut ids = Vec::new();
-    for n in 0..16 {
-        ids.push(enqueue(n % 2).await);
-    }
-    for (n, id) in ids.iter().enumerate() {
+    let clock = ebb::clock::Stopwatch::start();
+    while !every_runner.iter().all(|r| ran_on.contains(*r)) {
         assert!(
-            id.starts_with(&format!("ebb-{}.", n % 2)),
-            "{id} names its owner"
+            clock.elapsed() < Duration::from_secs(180),
+            "calls ran only on {ran_on:?}"
         );
-        let c = final_state(id.clone()).await;
-        assert_eq!(c["state"], "success", "{c}");
-        // Both replicas answer the same.
-        assert_eq!(call(1, id.clone()).await, (200, c));
+        for n in 0..8 {
+            let id = enqueue(n % 2).await;
+            assert!(
+                id.starts_with(&format!("ebb-{}.", n % 2)),
+                "{id} names its owner"
+            );
+            let c = final_state(id.clone()).await;
+            assert_eq!(c["state"], "success", "{c}");
+            ran_on.insert(c["runner"].as_str().unwrap_or_default().to_owned());
+            // Both replicas answer the same.
+            assert_eq!(call(1, id.clone()).await, (200, c));
+            ids.push(id);
+        }
     }
 
     // A function instance reads the same through either replica.
@@ -1361,6 +1399,8 @@ async fn two_replicas_on_kafka_decide_each_call_once_through_its_owner() {
         nix::sys::signal::Signal::SIGKILL,
     )
     .unwrap();
+    // Its runner goes with it (mid-call, perhaps: those calls time out at their owner).
+    drop(ext1);
     let down = wait_until("a 503 for ebb-1's call", Duration::from_secs(30), || {
         let id = more[0].clone();
         async move {
@@ -1379,6 +1419,29 @@ async fn two_replicas_on_kafka_decide_each_call_once_through_its_owner() {
         "--grace-period=0",
         "--force",
     ]);
+    // Back on a new address; a new runner talks to it.
+    let mut again = String::new();
+    wait_for("ebb-1 ready again", Duration::from_secs(120), || {
+        let p = json(&cp.kubectl(&["get", "pods", "-n", "ebb", "-o", "json"]));
+        again = p["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| p["metadata"]["name"] == "ebb-1")
+            .filter(|p| {
+                p["status"]["conditions"].as_array().is_some_and(|c| {
+                    c.iter()
+                        .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                })
+            })
+            .find_map(|p| p["status"]["podIP"].as_str())
+            .filter(|ip| *ip != pods[1].1)
+            .unwrap_or_default()
+            .to_owned();
+        !again.is_empty()
+    })
+    .await;
+    let ext1_again = ebb_runner(&again, "ext-1-again");
     for id in more.iter().chain(&ids) {
         final_state(id.clone()).await;
     }
@@ -1398,26 +1461,25 @@ async fn two_replicas_on_kafka_decide_each_call_once_through_its_owner() {
         assert_eq!(started(owner), 1, "{id} started once, by its owner");
         assert_eq!(started(other), 0, "{id}");
     }
+    // The runners before the broker, which they would otherwise warn of.
+    drop((ext0, ext1_again));
     drop(broker);
 }
 
-/// Reads a functions API watch from `ebb` until a line has `kind` for template `name`.
-async fn watch_sees(ebb: &common::Ebb, kind: &str, name: &str) {
+/// Reads a functions API watch from `ebb` (`query` after `watch=true`) until a line has `kind`
+/// for template `name`; returns that line's object.
+async fn watch_sees(ebb: &common::Ebb, query: &str, kind: &str, name: &str) -> serde_json::Value {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(ebb.admin).await.unwrap();
     s.write_all(
         format!(
-            "GET /api/funcs/template?watch=true HTTP/1.1\r\nHost: ebb\r\n\
+            "GET /api/funcs/template?watch=true{query} HTTP/1.1\r\nHost: ebb\r\n\
              Authorization: Bearer {FN_TOKEN}\r\n\r\n"
         )
         .as_bytes(),
     )
     .await
     .unwrap();
-    let (want_kind, want_name) = (
-        format!("\"type\":\"{kind}\""),
-        format!("\"name\":\"{name}\""),
-    );
     let read = async {
         let mut seen = String::new();
         let mut buf = [0u8; 4096];
@@ -1425,17 +1487,19 @@ async fn watch_sees(ebb: &common::Ebb, kind: &str, name: &str) {
             let n = s.read(&mut buf).await.unwrap();
             assert!(n > 0, "the watch ended: {seen}");
             seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-            if seen
+            // Chunked framing lines are not JSON and are skipped.
+            if let Some(line) = seen
                 .lines()
-                .any(|l| l.contains(&want_kind) && l.contains(&want_name))
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .find(|l| l["type"] == kind && l["object"]["metadata"]["name"] == name)
             {
-                return;
+                return line["object"].clone();
             }
         }
     };
     tokio::time::timeout(Duration::from_secs(30), read)
         .await
-        .unwrap_or_else(|_| panic!("no {kind} of {name} on the watch"));
+        .unwrap_or_else(|_| panic!("no {kind} of {name} on the watch"))
 }
 
 /// Template names a replica lists now.
@@ -1451,9 +1515,11 @@ async fn listed(ebb: &common::Ebb) -> Vec<String> {
 }
 
 /// On Kubernetes function templates are `Func` resources that every replica follows: one made
-/// through a replica is a resource, listed and watched on the other; one applied with kubectl
-/// is listed by both; one deleted through the other replica is gone everywhere; the lease
-/// holder writes each one's status; a resource ebb cannot take gets a Warning Event.
+/// through a replica is a resource, listed and watched on the other, with the resource's
+/// `resourceVersion` through both (a watch through one from a list's revision through the other
+/// sees the next change; a revision the API server no longer keeps is 410); one applied with
+/// kubectl is listed by both; one deleted through the other replica is gone everywhere; the
+/// lease holder writes each one's status; a resource ebb cannot take gets a Warning Event.
 #[tokio::test]
 async fn templates_are_func_resources_that_every_replica_follows() {
     let (cp, _, _agent) = cluster().await;
@@ -1466,7 +1532,7 @@ async fn templates_are_func_resources_that_every_replica_follows() {
     let e0 = serve_deployed(&cp, d0.path(), &args("ebb-a"));
     let e1 = serve_deployed(&cp, d1.path(), &args("ebb-b"));
     let template = r#"{"name": "shout", "function": "upper", "serviceAddress": "127.0.0.1:9"}"#;
-    tokio::join!(watch_sees(&e1, "ADDED", "shout"), async {
+    tokio::join!(watch_sees(&e1, "", "ADDED", "shout"), async {
         // The watch is open before the template is made (a replica answers its watch at once).
         wait_until("the functions API", Duration::from_secs(30), || async {
             (fn_api(&e0, "GET", "/api/funcs/template", "").await.0 == 200).then_some(())
@@ -1478,6 +1544,52 @@ async fn templates_are_func_resources_that_every_replica_follows() {
     assert_eq!(f["spec"]["function"], "upper", "{f}");
     assert_eq!(f["spec"]["serviceAddress"], "127.0.0.1:9", "{f}");
     assert!(listed(&e1).await.contains(&"shout".to_owned()));
+
+    // One revision everywhere: the resource's.
+    let revision = f["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    for e in [&e0, &e1] {
+        let (status, v) = fn_api(e, "GET", "/api/funcs/template/shout", "").await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["metadata"]["resourceVersion"], revision.as_str(), "{v}");
+        assert_eq!(v["metadata"]["uid"], f["metadata"]["uid"], "{v}");
+    }
+    // A list through one replica, a watch from its revision through the other: the next
+    // change, made through the first, arrives.
+    let (status, list) = fn_api(&e0, "GET", "/api/funcs/template", "").await;
+    assert_eq!(status, 200, "{list}");
+    let from = list["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let from_list = format!("&resourceVersion={from}");
+    let (changed, put) = tokio::join!(
+        watch_sees(&e1, &from_list, "MODIFIED", "shout"),
+        fn_api(
+            &e0,
+            "PUT",
+            "/api/funcs/template/shout",
+            r#"{"function": "lower", "serviceAddress": "127.0.0.1:9"}"#,
+        )
+    );
+    assert_eq!(put.0, 200, "{}", put.1);
+    assert_eq!(changed["spec"]["function"], "lower", "{changed}");
+    assert_eq!(
+        changed["metadata"]["resourceVersion"], put.1["metadata"]["resourceVersion"],
+        "{changed}"
+    );
+    // A revision long gone from the API server's keeping.
+    let (status, v) = fn_api(
+        &e1,
+        "GET",
+        "/api/funcs/template?watch=true&resourceVersion=1",
+        "",
+    )
+    .await;
+    assert_eq!(status, 410, "{v}");
+    assert_eq!(v["code"], "revision_compacted", "{v}");
 
     // Applied with kubectl: both replicas have it.
     apply(

@@ -17,6 +17,16 @@
 //!   (`revision_compacted`): list again and watch from the list's revision.
 //! * `POST /api/funcs/template` creates (`201`; `409` if it exists); `PUT
 //!   /api/funcs/template/{name}` creates (`201`) or replaces (`200`); `GET` and `DELETE` one.
+//!
+//! On Kubernetes the `Func` resources are the store ([`crate::orchestrator::kube_templates`]):
+//! reads list, get and watch them, so `resourceVersion` is the resource's own, the same through
+//! every replica (a list through one and a watch from its revision through another miss
+//! nothing); the status is the one the scale-down lease holder wrote. A watch maps onto the
+//! resources' watch: without `since`, a list as `ADDED` lines, a `BOOKMARK` with the list's
+//! revision, then the watch from it; with `since`, a `BOOKMARK` at that revision, then the
+//! changes after it. A revision the API server no longer keeps is `410` (`revision_compacted`)
+//! when the API server says so at once, else the `ERROR` line. A resource ebb cannot take is
+//! left out (a change that makes it so is a `DELETED` line).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -29,6 +39,7 @@ use axum::extract::{DefaultBodyLimit, Path, Query, State as Extract};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -39,7 +50,7 @@ use crate::event::{Event, TemplateSpec};
 use crate::functions::runtime::{FnError, FunctionService};
 use crate::functions::{self, Refused, TemplateJson};
 use crate::log::Log;
-use crate::orchestrator::kube_templates::StoreError;
+use crate::orchestrator::kube_templates::{self, KubeTemplates, StoreError};
 use crate::state::State;
 use crate::state::functions::ChangeKind;
 
@@ -421,6 +432,17 @@ async fn list_or_watch(
                 "since is for watches (watch=true)",
             ));
         }
+        if let Some(store) = &app.templates {
+            let (items, revision) = store.list().await.map_err(kube_read_error)?;
+            return Ok(Json(json!({
+                "apiVersion": functions::API_VERSION,
+                "kind": "FuncList",
+                "metadata": { "resourceVersion": revision },
+                "items": items.iter().filter_map(kube_templates::object_of).collect::<Vec<_>>(),
+                "revision": revision_number(&revision),
+            }))
+            .into_response());
+        }
         let body = app.log.read(|s| {
             json!({
                 "apiVersion": functions::API_VERSION,
@@ -433,6 +455,9 @@ async fn list_or_watch(
         // The revision handed out must be durable, or a watch from it could miss changes.
         durable(&app.log).await;
         return Ok(Json(body).into_response());
+    }
+    if let Some(store) = &app.templates {
+        return watch_resources(store.clone(), since).await;
     }
     if let Some(since) = since {
         let (dropped, now) = app
@@ -551,18 +576,7 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
     if durable(&log).await.is_none() {
         return;
     }
-    let mut bookmark = json!({
-        "type": "BOOKMARK",
-        "object": {
-            "apiVersion": functions::API_VERSION,
-            "kind": functions::KIND,
-            "metadata": { "resourceVersion": last.to_string() },
-        },
-        "revision": last,
-    })
-    .to_string();
-    bookmark.push('\n');
-    if !send_all(&tx, backlog).await || tx.send(Bytes::from(bookmark)).await.is_err() {
+    if !send_all(&tx, backlog).await || tx.send(bookmark(&last.to_string())).await.is_err() {
         return;
     }
     loop {
@@ -618,6 +632,224 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
             Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
         };
         if !send_all(&tx, lines).await {
+            return;
+        }
+    }
+}
+
+/// A `BOOKMARK` line: the watch has reached `revision`.
+fn bookmark(revision: &str) -> Bytes {
+    let mut s = json!({
+        "type": "BOOKMARK",
+        "object": {
+            "apiVersion": functions::API_VERSION,
+            "kind": functions::KIND,
+            "metadata": { "resourceVersion": revision },
+        },
+        "revision": revision_number(revision),
+    })
+    .to_string();
+    s.push('\n');
+    Bytes::from(s)
+}
+
+/// A revision as a number, when it is one (Kubernetes' are opaque strings; etcd's are numbers).
+fn revision_number(revision: &str) -> Value {
+    revision.parse::<u64>().map_or(Value::Null, |n| json!(n))
+}
+
+/// A read of the `Func` resources that failed.
+fn kube_read_error(e: kube::Error) -> ApiError {
+    ApiError {
+        retry_after_s: Some(crate::peers::RETRY_AFTER_S),
+        ..ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "kubernetes_unavailable",
+            format!("reading the Func resources failed: {e}"),
+        )
+    }
+}
+
+/// How long a watch from a revision waits for the API server's first word before it answers:
+/// the API server refuses a revision it no longer keeps at once, which is then a `410` as on one
+/// machine; later, the `ERROR` line says it.
+const REFUSAL_WITHIN: std::time::Duration = std::time::Duration::from_millis(300);
+
+/// How many times in a row a resumed resource watch may end with nothing before the watch
+/// gives up (with an `ERROR` line).
+const EMPTY_RESUMES: u32 = 5;
+
+type ResourceEvent = Result<kube::api::WatchEvent<functions::Func>, kube::Error>;
+
+/// The watch API on Kubernetes: the `Func` resources' watch, as lines.
+async fn watch_resources(store: KubeTemplates, since: Option<u64>) -> Result<Response, ApiError> {
+    let (backlog, from, stream, first) = match since {
+        None => {
+            let (items, revision) = store.list().await.map_err(kube_read_error)?;
+            let lines = items
+                .iter()
+                .filter_map(|f| resource_line("ADDED", f))
+                .collect();
+            let stream = store.watch(&revision).await.map_err(kube_read_error)?;
+            (lines, revision, stream, None)
+        }
+        Some(since) => {
+            let revision = since.to_string();
+            let mut stream = store.watch(&revision).await.map_err(kube_read_error)?;
+            let first = match tokio::time::timeout(REFUSAL_WITHIN, stream.next()).await {
+                Ok(Some(Ok(kube::api::WatchEvent::Error(e)))) if e.code == 410 => {
+                    return Err(ApiError::new(
+                        StatusCode::GONE,
+                        "revision_compacted",
+                        format!(
+                            "the API server no longer keeps revision {since} ({}); list the templates and watch from the list's revision",
+                            e.message
+                        ),
+                    ));
+                }
+                Ok(first) => first,
+                Err(_) => None,
+            };
+            (Vec::new(), revision, stream, first)
+        }
+    };
+    let (tx, rx) = mpsc::channel::<Bytes>(64);
+    tokio::spawn(feed_resources(store, backlog, from, stream, first, tx));
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+    });
+    Ok((
+        [(header::CONTENT_TYPE, "application/x-ndjson")],
+        Body::from_stream(stream),
+    )
+        .into_response())
+}
+
+/// A watch line for resource `f` (`None`: one ebb cannot take).
+fn resource_line(kind: &str, f: &functions::Func) -> Option<Bytes> {
+    let mut object = kube_templates::object_of(f)?;
+    if kind == "DELETED"
+        && let Some(o) = object.as_object_mut()
+    {
+        o.remove("status");
+    }
+    Some(watch_line(kind, object))
+}
+
+fn watch_line(kind: &str, object: Value) -> Bytes {
+    let revision = revision_number(object["metadata"]["resourceVersion"].as_str().unwrap_or(""));
+    let mut s = json!({ "type": kind, "object": object, "revision": revision }).to_string();
+    s.push('\n');
+    Bytes::from(s)
+}
+
+/// The line that ends a watch the API server failed.
+fn failed(code: &str, why: String) -> Bytes {
+    let mut s = json!({ "type": "ERROR", "code": code, "error": why }).to_string();
+    s.push('\n');
+    Bytes::from(s)
+}
+
+/// Feeds one watch of the resources until its client goes away: the backlog, a bookmark at
+/// `last`, then the resources' changes, resuming the resources' watch from the last revision
+/// seen whenever the API server ends it.
+async fn feed_resources(
+    store: KubeTemplates,
+    backlog: Vec<Bytes>,
+    mut last: String,
+    mut stream: futures_util::stream::BoxStream<'static, ResourceEvent>,
+    mut first: Option<ResourceEvent>,
+    tx: mpsc::Sender<Bytes>,
+) {
+    use kube::api::WatchEvent;
+    if !send_all(&tx, backlog).await || tx.send(bookmark(&last)).await.is_err() {
+        return;
+    }
+    let mut empty_resumes = 0;
+    let revision_of = |f: &functions::Func| f.metadata.resource_version.clone().unwrap_or_default();
+    loop {
+        let ev = match first.take() {
+            Some(ev) => Some(ev),
+            None => tokio::select! {
+                ev = stream.next() => ev,
+                _ = tx.closed() => return,
+            },
+        };
+        let line = match ev {
+            None => {
+                // The API server ended the watch (its timeout): go on from the last revision.
+                empty_resumes += 1;
+                if empty_resumes > EMPTY_RESUMES {
+                    let _ = tx
+                        .send(failed(
+                            "kubernetes_unavailable",
+                            "the API server keeps ending the Func watch; watch again".into(),
+                        ))
+                        .await;
+                    return;
+                }
+                if empty_resumes > 1 {
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                }
+                match store.watch(&last).await {
+                    Ok(s) => stream = s,
+                    Err(e) => {
+                        let _ = tx
+                            .send(failed(
+                                "kubernetes_unavailable",
+                                format!("resuming the Func watch failed: {e}"),
+                            ))
+                            .await;
+                        return;
+                    }
+                }
+                continue;
+            }
+            Some(Ok(WatchEvent::Added(f))) => {
+                last = revision_of(&f);
+                resource_line("ADDED", &f)
+            }
+            Some(Ok(WatchEvent::Modified(f))) => {
+                last = revision_of(&f);
+                // One ebb can no longer take is gone as far as the API shows.
+                resource_line("MODIFIED", &f)
+                    .or_else(|| Some(watch_line("DELETED", kube_templates::identity_of(&f))))
+            }
+            Some(Ok(WatchEvent::Deleted(f))) => {
+                last = revision_of(&f);
+                resource_line("DELETED", &f)
+                    .or_else(|| Some(watch_line("DELETED", kube_templates::identity_of(&f))))
+            }
+            Some(Ok(WatchEvent::Bookmark(b))) => {
+                last = b.metadata.resource_version;
+                Some(bookmark(&last))
+            }
+            Some(Ok(WatchEvent::Error(e))) => {
+                let line = if e.code == 410 {
+                    compacted()
+                } else {
+                    failed(
+                        "kubernetes_error",
+                        format!("the Func watch failed: {}", e.message),
+                    )
+                };
+                let _ = tx.send(line).await;
+                return;
+            }
+            Some(Err(e)) => {
+                let _ = tx
+                    .send(failed(
+                        "kubernetes_unavailable",
+                        format!("the Func watch failed: {e}"),
+                    ))
+                    .await;
+                return;
+            }
+        };
+        empty_resumes = 0;
+        if let Some(l) = line
+            && tx.send(l).await.is_err()
+        {
             return;
         }
     }
@@ -689,16 +921,6 @@ fn store_error(e: StoreError) -> ApiError {
     }
 }
 
-/// Template `name` as the API shows it now.
-fn current(app: &AppState, name: &str) -> Option<Value> {
-    app.log.read(|s| {
-        s.functions
-            .templates
-            .get(name)
-            .map(|t| object(&t.spec, t.revision, Some(s)))
-    })
-}
-
 async fn create(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
@@ -708,14 +930,13 @@ async fn create(
     let spec = parse(body)?.into_spec().map_err(invalid)?;
     let autoscale = autoscale_of(&app);
     if let Some(store) = &app.templates {
-        let name = spec.name.clone();
-        store
+        let written = store
             .create(&app.log, spec, &autoscale)
             .await
             .map_err(store_error)?;
         return Ok((
             StatusCode::CREATED,
-            Json(current(&app, &name).unwrap_or(Value::Null)),
+            Json(kube_templates::object_of(&written).unwrap_or(Value::Null)),
         ));
     }
     let (done, committed) = app
@@ -739,6 +960,14 @@ async fn show(
     Path(name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&app, &headers)?;
+    if let Some(store) = &app.templates {
+        let f = store.get(&name).await.map_err(kube_read_error)?;
+        return f
+            .as_ref()
+            .and_then(kube_templates::object_of)
+            .map(Json)
+            .ok_or_else(|| refused(Refused::Unknown(name)));
+    }
     app.log
         .read(|s| {
             s.functions
@@ -769,7 +998,7 @@ async fn put(
     let spec = j.into_spec().map_err(invalid)?;
     let autoscale = autoscale_of(&app);
     if let Some(store) = &app.templates {
-        let created = store
+        let (created, written) = store
             .put(&app.log, spec, &autoscale)
             .await
             .map_err(store_error)?;
@@ -778,7 +1007,10 @@ async fn put(
         } else {
             StatusCode::OK
         };
-        return Ok((status, Json(current(&app, &name).unwrap_or(Value::Null))));
+        return Ok((
+            status,
+            Json(kube_templates::object_of(&written).unwrap_or(Value::Null)),
+        ));
     }
     let (created, _) = app
         .log
@@ -812,9 +1044,11 @@ async fn delete(
 ) -> Result<Json<Value>, ApiError> {
     authorize(&app, &headers)?;
     if let Some(store) = &app.templates {
-        let before = current(&app, &name);
-        store.delete(&app.log, &name).await.map_err(store_error)?;
-        let mut v = before.unwrap_or(Value::Null);
+        let before = store.delete(&app.log, &name).await.map_err(store_error)?;
+        let mut v = before
+            .as_ref()
+            .and_then(kube_templates::object_of)
+            .unwrap_or(Value::Null);
         if let Some(o) = v.as_object_mut() {
             o.remove("status");
         }

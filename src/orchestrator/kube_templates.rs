@@ -16,13 +16,23 @@
 //! * **Status**: the template's `FuncStatus` (counter, last call counted, replicas asked for) is
 //!   written to the resource's status by the replica holding the scale-down lease, when it
 //!   changes ([`run_status`]).
+//! * **Reads**: the functions API lists, gets and watches the resources themselves
+//!   ([`KubeTemplates::list`], [`KubeTemplates::get`], [`KubeTemplates::watch`]), so a template's
+//!   `resourceVersion` is the resource's and means the same on every replica: a list through one
+//!   replica and a watch from its revision through another miss nothing, and a revision the API
+//!   server no longer keeps is its `410`. [`object_of`] is the API's view of a resource.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use futures_util::stream::BoxStream;
+use kube::api::{
+    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions, WatchEvent,
+    WatchParams,
+};
 use kube::runtime::watcher;
+use serde_json::{Value, json};
 
 use crate::functions::{Autoscale, Func, FuncStatus, Refused, TemplateJson};
 use crate::log::Log;
@@ -81,40 +91,44 @@ impl KubeTemplates {
         Func::new(&spec.name, TemplateJson::from_spec(spec))
     }
 
-    /// Creates the template's resource; refused if one of that name exists.
+    /// Creates the template's resource; refused if one of that name exists. Returns the
+    /// resource as written.
     pub async fn create(
         &self,
         log: &Log,
         spec: crate::event::TemplateSpec,
         a: &Autoscale,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Func, StoreError> {
         log.read(|s| crate::functions::decide_create(s, spec.clone(), a))
             .map_err(StoreError::Refused)?;
-        match self
+        let written = match self
             .api
             .create(&PostParams::default(), &Self::object(&spec))
             .await
         {
-            Ok(_) => {}
+            Ok(f) => f,
             Err(kube::Error::Api(e)) if e.code == 409 => {
                 return Err(StoreError::Refused(Refused::Exists(spec.name)));
             }
             Err(e) => return Err(e.into()),
-        }
-        mirrored(log, &spec.name, Some(&spec)).await
+        };
+        mirrored(log, &spec.name, Some(&spec)).await?;
+        Ok(written)
     }
 
-    /// Creates or replaces the template's resource; whether it was new.
+    /// Creates or replaces the template's resource; whether it was new, and the resource as
+    /// written.
     pub async fn put(
         &self,
         log: &Log,
         spec: crate::event::TemplateSpec,
         a: &Autoscale,
-    ) -> Result<bool, StoreError> {
+    ) -> Result<(bool, Func), StoreError> {
         let (_, created) = log
             .read(|s| crate::functions::decide_put(s, spec.clone(), a))
             .map_err(StoreError::Refused)?;
-        self.api
+        let written = self
+            .api
             .patch(
                 &spec.name,
                 &PatchParams::apply(MANAGER).force(),
@@ -122,19 +136,17 @@ impl KubeTemplates {
             )
             .await?;
         mirrored(log, &spec.name, Some(&spec)).await?;
-        Ok(created)
+        Ok((created, written))
     }
 
-    /// Deletes the template's resource (the one this replica knows, by UID).
-    pub async fn delete(&self, log: &Log, name: &str) -> Result<(), StoreError> {
+    /// Deletes the template's resource (the one this replica knows, by UID); the resource as
+    /// it was, if there was one.
+    pub async fn delete(&self, log: &Log, name: &str) -> Result<Option<Func>, StoreError> {
         if !log.read(|s| s.functions.templates.contains_key(name)) {
             return Err(StoreError::Refused(Refused::Unknown(name.to_owned())));
         }
-        let uid = match self.api.get_opt(name).await? {
-            Some(f) => f.metadata.uid,
-            None => None,
-        };
-        if let Some(uid) = uid {
+        let before = self.api.get_opt(name).await?;
+        if let Some(uid) = before.as_ref().and_then(|f| f.metadata.uid.clone()) {
             let dp = DeleteParams {
                 preconditions: Some(Preconditions {
                     uid: Some(uid),
@@ -148,9 +160,80 @@ impl KubeTemplates {
                 Err(e) => return Err(e.into()),
             }
         }
-        mirrored(log, name, None).await
+        mirrored(log, name, None).await?;
+        Ok(before)
     }
 
+    /// Every resource, and the list's `resourceVersion` (a watch from it misses nothing).
+    pub async fn list(&self) -> Result<(Vec<Func>, String), kube::Error> {
+        let list = self.api.list(&ListParams::default()).await?;
+        let revision = list.metadata.resource_version.unwrap_or_default();
+        Ok((list.items, revision))
+    }
+
+    /// Resource `name`, if there is one.
+    pub async fn get(&self, name: &str) -> Result<Option<Func>, kube::Error> {
+        self.api.get_opt(name).await
+    }
+
+    /// The resources' changes after `revision` (a `resourceVersion`), with bookmarks, as the
+    /// API server sends them; it ends the stream after a while (resume from the last revision
+    /// seen) and sends a `410` error for a revision it no longer keeps.
+    pub async fn watch(
+        &self,
+        revision: &str,
+    ) -> Result<BoxStream<'static, Result<WatchEvent<Func>, kube::Error>>, kube::Error> {
+        Ok(self
+            .api
+            .watch(&WatchParams::default(), revision)
+            .await?
+            .boxed())
+    }
+}
+
+/// A `Func` resource as the functions API shows it: the seed's object with the resource's
+/// `resourceVersion`, `creationTimestamp` and `uid`, the spec as ebb reads it, and the status the lease holder
+/// wrote (zeros before the first write). `None` for a resource ebb cannot take.
+pub fn object_of(f: &Func) -> Option<Value> {
+    let spec = spec_of(f).ok()?;
+    let mut o = json!({
+        "apiVersion": crate::functions::API_VERSION,
+        "kind": crate::functions::KIND,
+        "metadata": {
+            "name": spec.name,
+            "resourceVersion": f.metadata.resource_version.clone().unwrap_or_default(),
+        },
+        "spec": TemplateJson::from_spec(&spec),
+        "status": f.status.clone().unwrap_or_default(),
+    });
+    if let Some(t) = f
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .and_then(|t| chrono::DateTime::from_timestamp_millis(t.0.as_millisecond()))
+    {
+        o["metadata"]["creationTimestamp"] =
+            json!(t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
+    }
+    if let Some(uid) = &f.metadata.uid {
+        o["metadata"]["uid"] = json!(uid);
+    }
+    Some(o)
+}
+
+/// The bare identity of a resource (for a deletion of one ebb could not take).
+pub fn identity_of(f: &Func) -> Value {
+    json!({
+        "apiVersion": crate::functions::API_VERSION,
+        "kind": crate::functions::KIND,
+        "metadata": {
+            "name": f.metadata.name.clone().unwrap_or_default(),
+            "resourceVersion": f.metadata.resource_version.clone().unwrap_or_default(),
+        },
+    })
+}
+
+impl KubeTemplates {
     /// Applies templates from ebb's configuration as resources (field manager `ebb-config`),
     /// so every replica has them.
     pub async fn apply_config(
