@@ -10,6 +10,9 @@
 //! 3. **API requests per minute** that ebb makes (watches excepted) for an idle route and for a
 //!    busy one, at ebb's default intervals, from the audit log; anchor: the bound the intervals
 //!    set.
+//! 4. **A template across replicas**: from a `POST /api/funcs/template` on one ebb to the `ADDED`
+//!    line on another ebb's functions watch; anchor: a bare kube-rs create of a `Func` to the
+//!    benchmark's own watch of the resources seeing it.
 //!
 //! Not a test (`test = false`): `benches/kube.sh` runs it on the `ci` profile.
 
@@ -19,8 +22,10 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::controlplane::{ControlPlane, wait_for};
-use common::ebbkube::{TEST_TIMING, apply, cluster, get, json, serve_kube, serverless_hello};
+use common::controlplane::{ControlPlane, wait_for, wait_until};
+use common::ebbkube::{
+    TEST_TIMING, apply, cluster, get, json, send, serve_deployed, serve_kube, serverless_hello,
+};
 use ebb::clock::{Clock, Stopwatch, SystemClock};
 use futures_util::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -179,6 +184,13 @@ async fn run() {
         let sent_ms = clock.now_ms() as f64;
         first_byte(e.proxy, "hello.test").await;
         let byte_at = sw.elapsed();
+        // ebb's watch and the benchmark's are separate: the benchmark's may be a moment behind.
+        wait_for(
+            "the ready slice on the benchmark's watch",
+            Duration::from_secs(10),
+            || seen_rx.borrow().is_some(),
+        )
+        .await;
         let (ready_at, addr) = seen_rx
             .borrow()
             .clone()
@@ -228,7 +240,8 @@ async fn run() {
 
     // 3: API requests per minute at ebb's default intervals.
     let data = tempfile::tempdir().unwrap();
-    let e = serve_kube(&cp, data.path(), &[]);
+    // As deploy/ runs it: every namespace watched, templates in its own.
+    let e = serve_deployed(&cp, data.path(), &[]);
     wait_for("the route", Duration::from_secs(60), || {
         common::ebbkube::routes(data.path()).contains("default/hello")
     })
@@ -264,6 +277,152 @@ async fn run() {
     );
     println!(
         "  anchor, the bound the intervals set: idle 6 replica reads + 12 lease reads + 6 renewals = 24/min; busy adds 12 bumps of 2 requests = 48/min"
+    );
+    drop(e);
+
+    println!("Function templates on Kubernetes ({ROUNDS} rounds, medians):");
+    template_across_replicas(&cp, &kube).await;
+}
+
+/// Reads the functions watch of the ebb at `admin` and sends each `ADDED` template's name.
+async fn watch_added(
+    admin: SocketAddr,
+    token: &str,
+    added: tokio::sync::mpsc::UnboundedSender<String>,
+) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(admin)
+        .await
+        .expect("the admin API");
+    s.write_all(
+        format!(
+            "GET /api/funcs/template?watch=true HTTP/1.1\r\nHost: ebb\r\n\
+             Authorization: Bearer {token}\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .expect("a watch request");
+    let mut lines = tokio::io::BufReader::new(s).lines();
+    while let Ok(Some(l)) = lines.next_line().await {
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&l)
+            && v["type"] == "ADDED"
+            && let Some(name) = v["object"]["metadata"]["name"].as_str()
+        {
+            let _ = added.send(name.to_owned());
+        }
+    }
+}
+
+/// Waits (within 30 s) until `rx` names `name`.
+async fn until(rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>, name: String) {
+    let fut = async move {
+        while let Some(n) = rx.recv().await {
+            if n == name {
+                return;
+            }
+        }
+        panic!("the watch ended");
+    };
+    tokio::time::timeout(Duration::from_secs(30), fut)
+        .await
+        .expect("the name on the watch");
+}
+
+/// 4: a template made through one replica, on another replica's watch; anchor: a bare create
+/// of the resource, on a bare watch of the resources.
+async fn template_across_replicas(cp: &ControlPlane, kube: &kube::Client) {
+    use ebb::functions::{Func, TemplateJson};
+    const TOKEN: &str = "bench-functions";
+    let (d0, d1) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let args = |name: &'static str| {
+        let mut a = TEST_TIMING.to_vec();
+        a.extend(["--api-token", TOKEN, "--pod-name", name]);
+        a
+    };
+    let e0 = serve_deployed(cp, d0.path(), &args("ebb-a"));
+    let e1 = serve_deployed(cp, d1.path(), &args("ebb-b"));
+    for e in [&e0, &e1] {
+        wait_until("the functions API", Duration::from_secs(60), || async {
+            let (status, _) = send(
+                e.admin,
+                "GET",
+                "ebb",
+                "/api/funcs/template",
+                Some(TOKEN),
+                "",
+            )
+            .await;
+            (status == 200).then_some(())
+        })
+        .await;
+    }
+    let (tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn({
+        let admin = e1.admin;
+        async move { watch_added(admin, TOKEN, tx).await }
+    });
+    // The bare watch of the resources.
+    let funcs: Api<Func> = Api::namespaced(kube.clone(), "ebb");
+    let (bare_tx, mut bare_seen) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn({
+        let funcs = funcs.clone();
+        async move {
+            let stream = watcher(funcs, watcher::Config::default()).applied_objects();
+            tokio::pin!(stream);
+            while let Some(Ok(f)) = stream.next().await {
+                let _ = bare_tx.send(f.metadata.name.unwrap_or_default());
+            }
+        }
+    });
+    let (mut through_ebb, mut bare) = (Vec::new(), Vec::new());
+    // Round 0 is a warm-up, once both watches are open.
+    for round in 0..=ROUNDS {
+        let name = format!("bench-{round}");
+        let body = format!(
+            r#"{{"name": "{name}", "function": "upper", "serviceAddress": "127.0.0.1:9"}}"#
+        );
+        let t = Stopwatch::start();
+        let (status, answer) = send(
+            e0.admin,
+            "POST",
+            "ebb",
+            "/api/funcs/template",
+            Some(TOKEN),
+            &body,
+        )
+        .await;
+        assert_eq!(status, 201, "{answer}");
+        until(&mut seen, name).await;
+        let took = t.elapsed().as_secs_f64() * 1_000.0;
+
+        let name = format!("bare-{round}");
+        let t = Stopwatch::start();
+        funcs
+            .create(
+                &kube::api::PostParams::default(),
+                &Func::new(
+                    &name,
+                    TemplateJson {
+                        function: "upper".into(),
+                        service_address: Some("127.0.0.1:9".into()),
+                        ..TemplateJson::default()
+                    },
+                ),
+            )
+            .await
+            .expect("a bare create");
+        until(&mut bare_seen, name).await;
+        if round > 0 {
+            through_ebb.push(took);
+            bare.push(t.elapsed().as_secs_f64() * 1_000.0);
+        }
+    }
+    println!(
+        "  a template made through one replica, on the other's watch: {:.1} ms; anchor: a bare Func create to a bare watch seeing it {:.1} ms; ratio {:.2}x",
+        median(through_ebb.clone()),
+        median(bare.clone()),
+        median(through_ebb) / median(bare)
     );
 }
 
