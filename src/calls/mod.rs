@@ -191,10 +191,11 @@ struct Results<T> {
 }
 
 /// How many times another replica's call its owner does not know yet is held back.
-const UNKNOWN_DELIVERIES: u32 = 5;
+const UNKNOWN_DELIVERIES: u32 = 7;
 
-/// How long such a call is held back each time, in ms.
-const UNKNOWN_BACK_MS: u64 = 1_000;
+/// How long such a call is held back the first time, in ms; it doubles each time after (20 ms
+/// to 1.28 s, 2.5 s in all): the owner records a call moments after its put.
+const UNKNOWN_BACK_MS: u64 = 20;
 
 /// Until when to hold back the message of another replica's call its owner does not know (its
 /// enqueue is put first and recorded after, so the message can be read in between), on its
@@ -202,7 +203,8 @@ const UNKNOWN_BACK_MS: u64 = 1_000;
 /// enqueue failed or the owner stopped in between, never acknowledged; its start is refused).
 pub fn hold_back_unknown(deliveries: u32, now_ms: u64) -> Option<u64> {
     let mutated = crate::mutation::active(crate::mutation::Mutation::HandOutUnknown);
-    (deliveries <= UNKNOWN_DELIVERIES && !mutated).then(|| now_ms.saturating_add(UNKNOWN_BACK_MS))
+    (deliveries <= UNKNOWN_DELIVERIES && !mutated)
+        .then(|| now_ms.saturating_add(UNKNOWN_BACK_MS << deliveries.saturating_sub(1).min(16)))
 }
 
 /// A call's state as its owner tells another replica (`/runner/states`).
@@ -1515,12 +1517,14 @@ mod tests {
         spec
     }
 
-    /// Another replica's call its owner does not know yet is held back a moment on each of
-    /// its first deliveries, then handed out (its start refused, if the owner never records it).
+    /// Another replica's call its owner does not know yet is held back a moment (twice as long
+    /// each time) on each of its first deliveries, then handed out (its start refused, if the owner never records it).
     #[test]
     fn an_unknown_foreign_call_is_held_back_a_few_times_then_handed_out() {
+        let mut back = UNKNOWN_BACK_MS;
         for d in 1..=UNKNOWN_DELIVERIES {
-            assert_eq!(hold_back_unknown(d, 5_000), Some(5_000 + UNKNOWN_BACK_MS));
+            assert_eq!(hold_back_unknown(d, 5_000), Some(5_000 + back));
+            back *= 2;
         }
         assert_eq!(hold_back_unknown(UNKNOWN_DELIVERIES + 1, 5_000), None);
         crate::mutation::with(Some(crate::mutation::Mutation::HandOutUnknown), || {

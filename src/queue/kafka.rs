@@ -2,7 +2,8 @@
 //!
 //! * [`Queue::put`] produces with `acks=all` and returns once the broker has every message; a
 //!   message's key is the partition its enqueue named (calls sharing it share a Kafka
-//!   partition), or the call id, so calls spread over every partition and every runner's
+//!   partition), or else the id of the first call put with it (one Kafka partition per put, so
+//!   the producer batches them), so calls spread over every partition and every runner's
 //!   consumer; ebb does not steer calls to runners by name here ([`Queue::steers_to_runners`]).
 //! * Each runner that asks for work gets a consumer of its own in one consumer group, created on
 //!   its first dequeue; the group spreads the partitions over the live runners, and when a runner
@@ -467,9 +468,16 @@ impl Queue for KafkaQueue {
         Box::pin(async move {
             let timeout = Duration::from_millis(self.options.put_timeout_ms);
             let mut sends = Vec::with_capacity(messages.len());
+            // Messages put together without a partition share one key (the first one's id): one
+            // Kafka partition per put, so the producer batches them, and puts spread over all.
+            let batch_key = messages
+                .iter()
+                .find(|m| m.partition.is_empty())
+                .map(|m| m.id.clone())
+                .unwrap_or_default();
             for m in messages {
                 let key = if m.partition.is_empty() {
-                    m.id.clone()
+                    batch_key.clone()
                 } else {
                     m.partition.clone()
                 };
