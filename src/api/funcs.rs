@@ -482,14 +482,19 @@ async fn list_or_watch(
     }
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(feed(app.log.clone(), since, tx));
+    Ok(ndjson(rx))
+}
+
+/// A watch answer: the lines a feeder sends, as newline-delimited JSON.
+fn ndjson(rx: mpsc::Receiver<Bytes>) -> Response {
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
     });
-    Ok((
+    (
         [(header::CONTENT_TYPE, "application/x-ndjson")],
         Body::from_stream(stream),
     )
-        .into_response())
+        .into_response()
 }
 
 fn line(kind: &str, spec: &TemplateSpec, revision: u64, state: &State) -> Bytes {
@@ -715,14 +720,7 @@ async fn watch_resources(store: KubeTemplates, since: Option<u64>) -> Result<Res
     };
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(feed_resources(store, backlog, from, stream, first, tx));
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
-    });
-    Ok((
-        [(header::CONTENT_TYPE, "application/x-ndjson")],
-        Body::from_stream(stream),
-    )
-        .into_response())
+    Ok(ndjson(rx))
 }
 
 /// A watch line for resource `f` (`None`: one ebb cannot take).
