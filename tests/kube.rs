@@ -1580,6 +1580,10 @@ async fn templates_are_func_resources_that_every_replica_follows() {
         changed["metadata"]["resourceVersion"], put.1["metadata"]["resourceVersion"],
         "{changed}"
     );
+    // A name no template can have is not passed on to the API server (here: a subresource).
+    let (status, v) = fn_api(&e1, "GET", "/api/funcs/template/shout%2Fstatus", "").await;
+    assert_eq!(status, 404, "{v}");
+    assert_eq!(v["code"], "not_found", "{v}");
     // A revision long gone from the API server's keeping.
     let (status, v) = fn_api(
         &e1,

@@ -663,15 +663,35 @@ fn revision_number(revision: &str) -> Value {
     revision.parse::<u64>().map_or(Value::Null, |n| json!(n))
 }
 
-/// A read of the `Func` resources that failed.
+/// A read of the `Func` resources that failed: a revision the API server no longer keeps is
+/// `410`; a refusal (ebb's account may not read them: a setting to fix, not to retry) `502`;
+/// anything else `503` with `Retry-After`.
 fn kube_read_error(e: kube::Error) -> ApiError {
-    ApiError {
-        retry_after_s: Some(crate::peers::RETRY_AFTER_S),
-        ..ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "kubernetes_unavailable",
-            format!("reading the Func resources failed: {e}"),
-        )
+    match e {
+        kube::Error::Api(s) if s.code == 410 => ApiError::new(
+            StatusCode::GONE,
+            "revision_compacted",
+            format!(
+                "the API server no longer keeps that revision ({}); list the templates and watch from the list's revision",
+                s.message
+            ),
+        ),
+        kube::Error::Api(s) if (400..500).contains(&s.code) => ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            "kubernetes_refused",
+            format!(
+                "the Kubernetes API refused to let ebb read the Func resources ({}): {}",
+                s.code, s.message
+            ),
+        ),
+        e => ApiError {
+            retry_after_s: Some(crate::peers::RETRY_AFTER_S),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "kubernetes_unavailable",
+                format!("reading the Func resources failed: {e}"),
+            )
+        },
     }
 }
 
@@ -688,6 +708,9 @@ type ResourceEvent = Result<kube::api::WatchEvent<functions::Func>, kube::Error>
 
 /// The watch API on Kubernetes: the `Func` resources' watch, as lines.
 async fn watch_resources(store: KubeTemplates, since: Option<u64>) -> Result<Response, ApiError> {
+    // Revision 0 is every change there ever was: the current templates, as without one (to the
+    // API server it would mean "from anywhere", old revisions first).
+    let since = since.filter(|s| *s > 0);
     let (backlog, from, stream, first) = match since {
         None => {
             let (items, revision) = store.list().await.map_err(kube_read_error)?;
@@ -703,14 +726,10 @@ async fn watch_resources(store: KubeTemplates, since: Option<u64>) -> Result<Res
             let mut stream = store.watch(&revision).await.map_err(kube_read_error)?;
             let first = match tokio::time::timeout(REFUSAL_WITHIN, stream.next()).await {
                 Ok(Some(Ok(kube::api::WatchEvent::Error(e)))) if e.code == 410 => {
-                    return Err(ApiError::new(
-                        StatusCode::GONE,
-                        "revision_compacted",
-                        format!(
-                            "the API server no longer keeps revision {since} ({}); list the templates and watch from the list's revision",
-                            e.message
-                        ),
-                    ));
+                    return Err(kube_read_error(kube::Error::Api(e)));
+                }
+                Ok(Some(Err(kube::Error::Api(e)))) if e.code == 410 => {
+                    return Err(kube_read_error(kube::Error::Api(e)));
                 }
                 Ok(first) => first,
                 Err(_) => None,
@@ -791,6 +810,10 @@ async fn feed_resources(
                 }
                 match store.watch(&last).await {
                     Ok(s) => stream = s,
+                    Err(kube::Error::Api(s)) if s.code == 410 => {
+                        let _ = tx.send(compacted()).await;
+                        return;
+                    }
                     Err(e) => {
                         let _ = tx
                             .send(failed(
@@ -832,6 +855,10 @@ async fn feed_resources(
                     )
                 };
                 let _ = tx.send(line).await;
+                return;
+            }
+            Some(Err(kube::Error::Api(s))) if s.code == 410 => {
+                let _ = tx.send(compacted()).await;
                 return;
             }
             Some(Err(e)) => {
@@ -959,6 +986,10 @@ async fn show(
 ) -> Result<Json<Value>, ApiError> {
     authorize(&app, &headers)?;
     if let Some(store) = &app.templates {
+        // A name no template can have is not asked of the API server (a path in it would be).
+        if functions::check_name("template name", &name).is_err() {
+            return Err(refused(Refused::Unknown(name)));
+        }
         let f = store.get(&name).await.map_err(kube_read_error)?;
         return f
             .as_ref()
@@ -1043,10 +1074,11 @@ async fn delete(
     authorize(&app, &headers)?;
     if let Some(store) = &app.templates {
         let before = store.delete(&app.log, &name).await.map_err(store_error)?;
+        // Gone already (deleted through another replica, which this one had not seen yet).
         let mut v = before
             .as_ref()
             .and_then(kube_templates::object_of)
-            .unwrap_or(Value::Null);
+            .ok_or_else(|| refused(Refused::Unknown(name.clone())))?;
         if let Some(o) = v.as_object_mut() {
             o.remove("status");
         }

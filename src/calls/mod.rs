@@ -191,10 +191,12 @@ struct Results<T> {
 }
 
 /// How many times another replica's call its owner does not know yet is held back.
-const UNKNOWN_DELIVERIES: u32 = 7;
+const UNKNOWN_DELIVERIES: u32 = 10;
 
 /// How long such a call is held back the first time, in ms; it doubles each time after (20 ms
-/// to 1.28 s, 2.5 s in all): the owner records a call moments after its put.
+/// to 10.24 s, 20 s in all): the owner records a call moments after its put, but a stalled
+/// owner must not have its call's message handed out and deleted (its start refused as
+/// unknown) before it records it.
 const UNKNOWN_BACK_MS: u64 = 20;
 
 /// Until when to hold back the message of another replica's call its owner does not know (its
@@ -570,9 +572,11 @@ impl Calls {
         let mut specs = Vec::with_capacity(calls.len());
         for c in calls {
             let mut spec = self.spec(c)?;
+            let steers = self.queue.steers_to_runners();
             let partition = match spec.partition.take() {
-                Some(p) if self.is_live(&p) => Some(p),
-                _ if self.queue.steers_to_runners() => self.least_loaded(),
+                // A live runner's, or (on a queue that does not steer by runner, Kafka) any key.
+                Some(p) if !steers || self.is_live(&p) => Some(p),
+                _ if steers => self.least_loaded(),
                 _ => None,
             };
             spec.partition = partition;

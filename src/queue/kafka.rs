@@ -2,9 +2,9 @@
 //!
 //! * [`Queue::put`] produces with `acks=all` and returns once the broker has every message; a
 //!   message's key is the partition its enqueue named (calls sharing it share a Kafka
-//!   partition), or else the id of the first call put with it (one Kafka partition per put, so
-//!   the producer batches them), so calls spread over every partition and every runner's
-//!   consumer; ebb does not steer calls to runners by name here ([`Queue::steers_to_runners`]).
+//!   partition), or else shared by runs of [`KEY_RUN`] calls put together (the producer batches
+//!   each run onto one Kafka partition), so calls spread over every partition and every
+//!   runner's consumer; ebb does not steer calls to runners by name here ([`Queue::steers_to_runners`]).
 //! * Each runner that asks for work gets a consumer of its own in one consumer group, created on
 //!   its first dequeue; the group spreads the partitions over the live runners, and when a runner
 //!   is released its consumer leaves the group and its partitions move to the others.
@@ -36,6 +36,9 @@ use serde::{Deserialize, Serialize};
 
 use super::{Message, Queue, QueueError, QueueFuture, QueueStats};
 use crate::clock::Clock;
+
+/// How many calls put together without a partition share a key (and so a Kafka partition).
+pub const KEY_RUN: usize = 50;
 
 /// How to reach Kafka and shape the topic.
 #[derive(Debug, Clone)]
@@ -468,16 +471,18 @@ impl Queue for KafkaQueue {
         Box::pin(async move {
             let timeout = Duration::from_millis(self.options.put_timeout_ms);
             let mut sends = Vec::with_capacity(messages.len());
-            // Messages put together without a partition share one key (the first one's id): one
-            // Kafka partition per put, so the producer batches them, and puts spread over all.
-            let batch_key = messages
-                .iter()
-                .find(|m| m.partition.is_empty())
-                .map(|m| m.id.clone())
-                .unwrap_or_default();
+            // Messages put together without a partition share a key (the id of the first of each
+            // KEY_RUN of them): the producer batches each run onto one Kafka partition, and runs
+            // spread over all partitions and so over every runner's consumer.
+            let mut run_key = String::new();
+            let mut in_run = 0;
             for m in messages {
                 let key = if m.partition.is_empty() {
-                    batch_key.clone()
+                    if in_run % KEY_RUN == 0 {
+                        run_key = m.id.clone();
+                    }
+                    in_run += 1;
+                    run_key.clone()
                 } else {
                     m.partition.clone()
                 };
