@@ -38,7 +38,7 @@ use super::{Message, Queue, QueueError, QueueFuture, QueueStats};
 use crate::clock::Clock;
 
 /// How many calls put together without a partition share a key (and so a Kafka partition).
-pub const KEY_RUN: usize = 50;
+pub const KEY_RUN: usize = 250;
 
 /// How to reach Kafka and shape the topic.
 #[derive(Debug, Clone)]
