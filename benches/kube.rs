@@ -284,32 +284,12 @@ async fn run() {
     template_across_replicas(&cp, &kube).await;
 }
 
-/// Reads the functions watch of the ebb at `admin` and sends each `ADDED` template's name.
-async fn watch_added(
-    admin: SocketAddr,
-    token: &str,
-    added: tokio::sync::mpsc::UnboundedSender<String>,
-) {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(admin)
-        .await
-        .expect("the admin API");
-    s.write_all(
-        format!(
-            "GET /api/funcs/template?watch=true HTTP/1.1\r\nHost: ebb\r\n\
-             Authorization: Bearer {token}\r\n\r\n"
-        )
-        .as_bytes(),
-    )
-    .await
-    .expect("a watch request");
-    let mut lines = tokio::io::BufReader::new(s).lines();
-    while let Ok(Some(l)) = lines.next_line().await {
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&l)
-            && v["type"] == "ADDED"
-            && let Some(name) = v["object"]["metadata"]["name"].as_str()
-        {
-            let _ = added.send(name.to_owned());
+/// Reads `watch` until it has an `ADDED` line for template `name` (each line within 30 s).
+async fn added(watch: &mut common::FuncWatch, name: &str) {
+    loop {
+        let line = watch.next().await;
+        if line["type"] == "ADDED" && line["object"]["metadata"]["name"] == name {
+            return;
         }
     }
 }
@@ -357,11 +337,7 @@ async fn template_across_replicas(cp: &ControlPlane, kube: &kube::Client) {
         })
         .await;
     }
-    let (tx, mut seen) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn({
-        let admin = e1.admin;
-        async move { watch_added(admin, TOKEN, tx).await }
-    });
+    let mut watch = common::FuncWatch::open(e1.admin, TOKEN, "").await;
     // The bare watch of the resources.
     let funcs: Api<Func> = Api::namespaced(kube.clone(), "ebb");
     let (bare_tx, mut bare_seen) = tokio::sync::mpsc::unbounded_channel();
@@ -393,7 +369,7 @@ async fn template_across_replicas(cp: &ControlPlane, kube: &kube::Client) {
         )
         .await;
         assert_eq!(status, 201, "{answer}");
-        until(&mut seen, name).await;
+        added(&mut watch, &name).await;
         let took = t.elapsed().as_secs_f64() * 1_000.0;
 
         let name = format!("bare-{round}");

@@ -178,6 +178,8 @@ pub async fn run(
         )),
         _ => None,
     };
+    // Function templates from the config: on Kubernetes applied as resources (the mirror brings
+    // them to the log), on one machine created or replaced like a PUT of the API.
     if let Some(t) = &templates {
         let specs = config
             .functions
@@ -191,8 +193,6 @@ pub async fn run(
             )
         })?;
     }
-    // Function templates from the config (one machine): created or replaced like a PUT of the
-    // API.
     for f in config.functions.iter().filter(|_| templates.is_none()) {
         let spec = f.clone().into_spec().map_err(anyhow::Error::msg)?;
         let a = options.functions;
@@ -274,11 +274,10 @@ pub async fn run(
             k.clone(),
             stop_rx.clone(),
         ));
-        let leading = ko.shared.leading.clone();
         tokio::spawn(crate::orchestrator::kube_templates::run_status(
             t.clone(),
             log.clone(),
-            Arc::new(move || leading.load(std::sync::atomic::Ordering::Relaxed)),
+            ko.shared.leading.clone(),
             Duration::from_millis(options.functions.period_ms.max(1_000)),
             stop_rx.clone(),
         ));

@@ -3,7 +3,6 @@
 //! example app as the calls' target.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -247,14 +246,7 @@ async fn killed(runner: Runner) {
 }
 
 /// `ebb runner` against `ebb`, killed when dropped.
-struct Runner(Child);
-
-impl Drop for Runner {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+type Runner = common::EbbRunner;
 
 fn runner(ebb: &Ebb, id: &str, fault: Option<&str>) -> Runner {
     runner_of(ebb, id, 4, fault)
@@ -262,27 +254,8 @@ fn runner(ebb: &Ebb, id: &str, fault: Option<&str>) -> Runner {
 
 /// `ebb runner` running `capacity` calls at once.
 fn runner_of(ebb: &Ebb, id: &str, capacity: usize, fault: Option<&str>) -> Runner {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ebb"));
-    let capacity = capacity.to_string();
-    cmd.args(["runner", "--api"])
-        .arg(format!("http://{}", ebb.admin))
-        .args([
-            "--token",
-            TOKEN,
-            "--id",
-            id,
-            "--capacity",
-            &capacity,
-            "--proxy",
-        ])
-        .arg(ebb.proxy.to_string())
-        .env("EBB_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit());
-    if let Some(f) = fault {
-        cmd.args(["--fault", f]);
-    }
-    Runner(cmd.spawn().unwrap())
+    let fault: Vec<&str> = fault.map(|f| vec!["--fault", f]).unwrap_or_default();
+    common::ebb_runner(ebb.admin, ebb.proxy, TOKEN, id, capacity, &fault)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -785,24 +758,15 @@ async fn queued_and_running_calls_can_be_cancelled_once() {
     );
 }
 
-/// Replica `me` of two sharing `brokers`, its admin API on `ports[me]`, the other found at its
-/// port; no built-in runner.
-fn replica(dir: &Path, me: usize, ports: [u16; 2], brokers: &str) -> Ebb {
-    replica_running(dir, me, ports, brokers, 0)
+/// Replica `me` of `pair`; no built-in runner.
+fn replica(pair: &common::KafkaPair, me: usize) -> Ebb {
+    replica_running(pair, me, 0)
 }
 
 /// [`replica`] with a built-in runner of `capacity` (none for 0).
-fn replica_running(dir: &Path, me: usize, ports: [u16; 2], brokers: &str, capacity: u32) -> Ebb {
-    let name = format!("ebb-{me}");
-    let data = dir.join(&name);
-    std::fs::create_dir_all(&data).unwrap();
-    let mut args = common::replica_args(
-        &name,
-        ports[me],
-        &format!("ebb-{}", 1 - me),
-        ports[1 - me],
-        brokers,
-    );
+fn replica_running(pair: &common::KafkaPair, me: usize, capacity: u32) -> Ebb {
+    let data = pair.data(me);
+    let mut args = pair.args(me);
     args.extend(
         [
             "--runner-token",
@@ -826,14 +790,8 @@ fn replica_running(dir: &Path, me: usize, ports: [u16; 2], brokers: &str, capaci
 /// other's (whose starts and finishes go to their owner).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_built_in_runners_of_two_replicas_both_take_calls_on_kafka() {
-    let broker = common::broker().await;
-    let brokers = broker.addr.to_string();
-    let dir = tempfile::tempdir().unwrap();
-    let ports = [common::free_port(), common::free_port()];
-    let e = [
-        replica_running(dir.path(), 0, ports, &brokers, 4),
-        replica_running(dir.path(), 1, ports, &brokers, 4),
-    ];
+    let pair = common::KafkaPair::start().await;
+    let e = [replica_running(&pair, 0, 4), replica_running(&pair, 1, 4)];
     let clock = ebb::clock::Stopwatch::start();
     let mut ran_on = std::collections::BTreeMap::<String, usize>::new();
     let mut owners = std::collections::BTreeSet::new();
@@ -861,12 +819,9 @@ async fn the_built_in_runners_of_two_replicas_both_take_calls_on_kafka() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_share_calls_on_kafka_and_only_the_owner_decides() {
-    let broker = common::broker().await;
-    let brokers = broker.addr.to_string();
-    let dir = tempfile::tempdir().unwrap();
-    let ports = [common::free_port(), common::free_port()];
-    let mut e0 = replica(dir.path(), 0, ports, &brokers);
-    let e1 = replica(dir.path(), 1, ports, &brokers);
+    let pair = common::KafkaPair::start().await;
+    let mut e0 = replica(&pair, 0);
+    let e1 = replica(&pair, 1);
     // One runner, on ebb-1: every call ebb-0 accepts runs there, its start and finish decided by
     // ebb-0 through forwarding.
     let _r1 = runner(&e1, "r1", None);
@@ -911,7 +866,7 @@ async fn two_replicas_share_calls_on_kafka_and_only_the_owner_decides() {
     );
     assert!(down.headers.contains_key("retry-after"));
     drop(e0);
-    let e0 = replica(dir.path(), 0, ports, &brokers);
+    let e0 = replica(&pair, 0);
     // Every call ends (a start whose answer died with the owner ends `timeout`, never runs
     // twice).
     all_end(&e1, &more).await;

@@ -320,46 +320,17 @@ async fn every_template_rule_and_bad_input_gets_a_clear_error_and_writes_nothing
 }
 
 /// A watch's lines as they arrive.
-struct Watch {
-    body: hyper::body::Incoming,
-    buf: Vec<u8>,
-}
+struct Watch(common::FuncWatch);
 
 impl Watch {
     async fn open(ebb: &Ebb, since: Option<u64>) -> Watch {
-        let path = match since {
-            Some(s) => format!("/api/funcs/template?watch=true&since={s}"),
-            None => "/api/funcs/template?watch=true".to_owned(),
-        };
-        let resp = client()
-            .request(request(ebb, "GET", &path, Some(TOKEN), Bytes::new()))
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        assert_eq!(resp.headers()["content-type"], "application/x-ndjson");
-        Watch {
-            body: resp.into_body(),
-            buf: Vec::new(),
-        }
+        let query = since.map(|s| format!("&since={s}")).unwrap_or_default();
+        Watch(common::FuncWatch::open(ebb.admin, TOKEN, &query).await)
     }
 
     /// The next line, within a deadline.
     async fn next(&mut self) -> Value {
-        let read = async {
-            loop {
-                if let Some(i) = self.buf.iter().position(|b| *b == b'\n') {
-                    let line: Vec<u8> = self.buf.drain(..=i).collect();
-                    return serde_json::from_slice::<Value>(&line).unwrap();
-                }
-                let frame = self.body.frame().await.expect("the watch ended").unwrap();
-                if let Ok(data) = frame.into_data() {
-                    self.buf.extend_from_slice(&data);
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(30), read)
-            .await
-            .expect("no watch line within 30 s")
+        self.0.next().await
     }
 
     /// The next line's type, name and revision.
@@ -1255,22 +1226,12 @@ async fn the_seeds_func_object_is_taken_and_shown_with_the_status_ebb_keeps() {
 /// either replica.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_owned_by_one_replica_runs_on_the_other_replicas_runner() {
-    let broker = common::broker().await;
-    let brokers = broker.addr.to_string();
-    let dir = tempfile::tempdir().unwrap();
-    let ports = [common::free_port(), common::free_port()];
+    let pair = common::KafkaPair::start().await;
     let replica = |i: usize, capacity: &str| {
-        let name = format!("ebb-{i}");
-        let mut args = common::replica_args(
-            &name,
-            ports[i],
-            &format!("ebb-{}", 1 - i),
-            ports[1 - i],
-            &brokers,
-        );
+        let mut args = pair.args(i);
         args.extend(["--runner-capacity".to_owned(), capacity.to_owned()]);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        start_with(&dir.path().join(&name), Some(TOKEN), &args)
+        start_with(&pair.data(i), Some(TOKEN), &args)
     };
     let e0 = replica(0, "0");
     let e1 = replica(1, "8");

@@ -567,6 +567,26 @@ fn image_and_tag() -> (String, String) {
     }
 }
 
+/// The ready pods of namespace `ebb`: their names and addresses.
+fn ready_ebbs(cp: &ControlPlane) -> Vec<(String, String)> {
+    let pods = json(&cp.kubectl(&["get", "pods", "-n", "ebb", "-o", "json"]));
+    pods["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| {
+            p["status"]["conditions"].as_array().is_some_and(|c| {
+                c.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            })
+        })
+        .filter_map(|p| {
+            let name = p["metadata"]["name"].as_str()?.to_owned();
+            Some((name, p["status"]["podIP"].as_str()?.to_owned()))
+        })
+        .collect()
+}
+
 /// `kubectl apply -k` of `deploy/` under a test overlay (ebb from the image map, listening on its
 /// pod's address, with a data directory per pod under `WORK/data`, the ServiceAccount's token as its
 /// kubeconfig; a hostPath PersistentVolume per replica; `env` added to ebb's container), then
@@ -667,27 +687,9 @@ patches:
         w.join("overlay").to_str().unwrap(),
     ]);
 
-    let ready_ebbs = || -> Vec<(String, String)> {
-        let pods = json(&cp.kubectl(&["get", "pods", "-n", "ebb", "-o", "json"]));
-        pods["items"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter(|p| {
-                p["status"]["conditions"].as_array().is_some_and(|c| {
-                    c.iter()
-                        .any(|c| c["type"] == "Ready" && c["status"] == "True")
-                })
-            })
-            .filter_map(|p| {
-                let name = p["metadata"]["name"].as_str()?.to_owned();
-                Some((name, p["status"]["podIP"].as_str()?.to_owned()))
-            })
-            .collect()
-    };
     let mut ips = Vec::new();
     wait_for("two ready ebb pods", Duration::from_secs(120), || {
-        ips = ready_ebbs();
+        ips = ready_ebbs(cp);
         ips.len() == 2
     })
     .await;
@@ -1226,28 +1228,10 @@ fn ebb_pid(data: &std::path::Path) -> Option<i32> {
     })
 }
 
-/// An `ebb runner` process, killed when dropped.
-struct EbbRunner(std::process::Child);
-
-impl Drop for EbbRunner {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// `ebb runner` named `id`, talking to the ebb replica at `ip` (its runner API and proxy).
-fn ebb_runner(ip: &str, id: &str) -> EbbRunner {
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_ebb"))
-        .args(["runner", "--api", &format!("http://{ip}:8081")])
-        .args(["--token", RUNNER_TOKEN, "--id", id, "--capacity", "4"])
-        .args(["--proxy", &format!("{ip}:8080")])
-        .env("EBB_LOG", "warn")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::inherit())
-        .spawn()
-        .unwrap();
-    EbbRunner(child)
+fn ebb_runner(ip: &str, id: &str) -> common::EbbRunner {
+    let at = |port: u16| std::net::SocketAddr::new(ip.parse().unwrap(), port);
+    common::ebb_runner(at(8081), at(8080), RUNNER_TOKEN, id, 4, &[])
 }
 
 /// Two ebb replicas from `deploy/` with Apache Kafka as the call queue: calls enqueued on either
@@ -1422,22 +1406,11 @@ async fn two_replicas_on_kafka_decide_each_call_once_through_its_owner() {
     // Back on a new address; a new runner talks to it.
     let mut again = String::new();
     wait_for("ebb-1 ready again", Duration::from_secs(120), || {
-        let p = json(&cp.kubectl(&["get", "pods", "-n", "ebb", "-o", "json"]));
-        again = p["items"]
-            .as_array()
+        again = ready_ebbs(&cp)
             .into_iter()
-            .flatten()
-            .filter(|p| p["metadata"]["name"] == "ebb-1")
-            .filter(|p| {
-                p["status"]["conditions"].as_array().is_some_and(|c| {
-                    c.iter()
-                        .any(|c| c["type"] == "Ready" && c["status"] == "True")
-                })
-            })
-            .find_map(|p| p["status"]["podIP"].as_str())
-            .filter(|ip| *ip != pods[1].1)
-            .unwrap_or_default()
-            .to_owned();
+            .find(|(name, ip)| name == "ebb-1" && *ip != pods[1].1)
+            .map(|(_, ip)| ip)
+            .unwrap_or_default();
         !again.is_empty()
     })
     .await;
@@ -1469,35 +1442,16 @@ async fn two_replicas_on_kafka_decide_each_call_once_through_its_owner() {
 /// Reads a functions API watch from `ebb` (`query` after `watch=true`) until a line has `kind`
 /// for template `name`; returns that line's object.
 async fn watch_sees(ebb: &common::Ebb, query: &str, kind: &str, name: &str) -> serde_json::Value {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(ebb.admin).await.unwrap();
-    s.write_all(
-        format!(
-            "GET /api/funcs/template?watch=true{query} HTTP/1.1\r\nHost: ebb\r\n\
-             Authorization: Bearer {FN_TOKEN}\r\n\r\n"
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let read = async {
-        let mut seen = String::new();
-        let mut buf = [0u8; 4096];
+    let mut watch = common::FuncWatch::open(ebb.admin, FN_TOKEN, query).await;
+    let seen = async {
         loop {
-            let n = s.read(&mut buf).await.unwrap();
-            assert!(n > 0, "the watch ended: {seen}");
-            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-            // Chunked framing lines are not JSON and are skipped.
-            if let Some(line) = seen
-                .lines()
-                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                .find(|l| l["type"] == kind && l["object"]["metadata"]["name"] == name)
-            {
+            let line = watch.next().await;
+            if line["type"] == kind && line["object"]["metadata"]["name"] == name {
                 return line["object"].clone();
             }
         }
     };
-    tokio::time::timeout(Duration::from_secs(30), read)
+    tokio::time::timeout(Duration::from_secs(30), seen)
         .await
         .unwrap_or_else(|_| panic!("no {kind} of {name} on the watch"))
 }

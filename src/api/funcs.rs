@@ -200,27 +200,13 @@ fn wait_of(q: &InvokeQuery, headers: &HeaderMap) -> Result<Option<u64>, ApiError
 
 /// Waits until instance `id` has ended or `secs` have passed.
 async fn wait_until_done(log: &Log, id: &str, secs: u64) {
-    let ended = |log: &Log| {
-        log.read(|s| {
-            s.functions
-                .instances
-                .get(id)
-                .is_none_or(|i| i.status != crate::state::InstanceStatus::Running)
-        })
-    };
-    let mut tail = log.subscribe();
-    let deadline = tokio::time::sleep(std::time::Duration::from_secs(secs));
-    tokio::pin!(deadline);
-    while !ended(log) {
-        tokio::select! {
-            _ = &mut deadline => return,
-            r = tail.recv() => {
-                if matches!(r, Err(tokio::sync::broadcast::error::RecvError::Closed)) {
-                    return;
-                }
-            }
-        }
-    }
+    log.wait_until(std::time::Duration::from_secs(secs), |s| {
+        s.functions
+            .instances
+            .get(id)
+            .is_none_or(|i| i.status != crate::state::InstanceStatus::Running)
+    })
+    .await;
 }
 
 async fn invoke(
@@ -324,32 +310,67 @@ fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
 /// `metadata.resourceVersion`, when it was made as `metadata.creationTimestamp`, its status from
 /// the log now (`state`; neither for a deleted one).
 fn object(spec: &TemplateSpec, revision: u64, state: Option<&State>) -> Value {
-    let mut o = json!({
-        "apiVersion": functions::API_VERSION,
-        "kind": functions::KIND,
-        "metadata": { "name": spec.name, "resourceVersion": revision.to_string() },
-        "spec": TemplateJson::from_spec(spec),
-    });
-    if let Some(s) = state {
-        o["status"] = status(s, &spec.name);
-        if let Some(t) = s
-            .functions
-            .templates
-            .get(&spec.name)
-            .and_then(|t| i64::try_from(t.created_at_ms).ok())
-            .and_then(chrono::DateTime::from_timestamp_millis)
-        {
-            o["metadata"]["creationTimestamp"] =
-                json!(t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
-        }
+    let created_at_ms = state
+        .and_then(|s| s.functions.templates.get(&spec.name))
+        .and_then(|t| i64::try_from(t.created_at_ms).ok());
+    let status = state.map(|s| functions::status_of(s, &spec.name));
+    func_object(spec, &revision.to_string(), created_at_ms, status.as_ref())
+}
+
+/// The serverless seed's `Func` object: `revision` as `metadata.resourceVersion`, when it was
+/// made (ms) as `metadata.creationTimestamp`, and its status (neither, if `None`).
+fn func_object(
+    spec: &TemplateSpec,
+    revision: &str,
+    created_at_ms: Option<i64>,
+    status: Option<&functions::FuncStatus>,
+) -> Value {
+    let mut o = identity(&spec.name, revision);
+    o["spec"] = json!(TemplateJson::from_spec(spec));
+    if let Some(t) = created_at_ms.and_then(functions::kube_time) {
+        o["metadata"]["creationTimestamp"] = json!(t);
+    }
+    if let Some(s) = status {
+        o["status"] = serde_json::to_value(s).unwrap_or(Value::Null);
     }
     o
 }
 
-/// A template's status, as the seed's `FuncStatus` has it: its call `counter`, the `timeStamp`
-/// of the last call counted, and the `replicas` its function server is asked to run.
-fn status(s: &State, name: &str) -> Value {
-    serde_json::to_value(functions::status_of(s, name)).unwrap_or(Value::Null)
+/// A `Func` object's identity alone: its name and revision.
+fn identity(name: &str, revision: &str) -> Value {
+    json!({
+        "apiVersion": functions::API_VERSION,
+        "kind": functions::KIND,
+        "metadata": { "name": name, "resourceVersion": revision },
+    })
+}
+
+/// A `Func` resource as the API shows it: its `resourceVersion`, `creationTimestamp` and `uid`,
+/// the spec as ebb reads it, and the status the lease holder wrote (zeros before the first
+/// write). `None` for a resource ebb cannot take.
+fn resource_object(f: &functions::Func) -> Option<Value> {
+    let spec = kube_templates::spec_of(f).ok()?;
+    let mut o = func_object(
+        &spec,
+        f.metadata.resource_version.as_deref().unwrap_or_default(),
+        f.metadata
+            .creation_timestamp
+            .as_ref()
+            .map(|t| t.0.as_millisecond()),
+        Some(&f.status.clone().unwrap_or_default()),
+    );
+    if let Some(uid) = &f.metadata.uid {
+        o["metadata"]["uid"] = json!(uid);
+    }
+    Some(o)
+}
+
+/// A resource's identity alone (for the deletion of one ebb could not take).
+fn resource_identity(f: &functions::Func) -> Value {
+    identity(
+        f.metadata.name.as_deref().unwrap_or_default(),
+        f.metadata.resource_version.as_deref().unwrap_or_default(),
+    )
 }
 
 /// The name of a template object.
@@ -438,7 +459,7 @@ async fn list_or_watch(
                 "apiVersion": functions::API_VERSION,
                 "kind": "FuncList",
                 "metadata": { "resourceVersion": revision },
-                "items": items.iter().filter_map(kube_templates::object_of).collect::<Vec<_>>(),
+                "items": items.iter().filter_map(resource_object).collect::<Vec<_>>(),
                 "revision": revision_number(&revision),
             }))
             .into_response());
@@ -497,13 +518,16 @@ fn ndjson(rx: mpsc::Receiver<Bytes>) -> Response {
         .into_response()
 }
 
-fn line(kind: &str, spec: &TemplateSpec, revision: u64, state: &State) -> Bytes {
-    let state = (kind != "DELETED").then_some(state);
-    let mut s =
-        json!({ "type": kind, "object": object(spec, revision, state), "revision": revision })
-            .to_string();
+/// One line of a watch: `v` as JSON, then a newline.
+fn to_line(v: Value) -> Bytes {
+    let mut s = v.to_string();
     s.push('\n');
     Bytes::from(s)
+}
+
+fn line(kind: &str, spec: &TemplateSpec, revision: u64, state: &State) -> Bytes {
+    let state = (kind != "DELETED").then_some(state);
+    watch_line(kind, object(spec, revision, state))
 }
 
 fn kind_name(k: ChangeKind) -> &'static str {
@@ -537,14 +561,10 @@ async fn durable(log: &Log) -> Option<u64> {
 
 /// The line that ends a watch that fell behind the changes kept.
 fn compacted() -> Bytes {
-    let mut s = json!({
-        "type": "ERROR",
-        "code": "revision_compacted",
-        "error": "this watch fell behind the template changes kept; list the templates and watch from the list's revision",
-    })
-    .to_string();
-    s.push('\n');
-    Bytes::from(s)
+    failed(
+        "revision_compacted",
+        "this watch fell behind the template changes kept; list the templates and watch from the list's revision".into(),
+    )
 }
 
 async fn send_all(tx: &mpsc::Sender<Bytes>, lines: Vec<Bytes>) -> bool {
@@ -644,7 +664,7 @@ async fn feed(log: Arc<Log>, since: Option<u64>, tx: mpsc::Sender<Bytes>) {
 
 /// A `BOOKMARK` line: the watch has reached `revision`.
 fn bookmark(revision: &str) -> Bytes {
-    let mut s = json!({
+    to_line(json!({
         "type": "BOOKMARK",
         "object": {
             "apiVersion": functions::API_VERSION,
@@ -652,10 +672,7 @@ fn bookmark(revision: &str) -> Bytes {
             "metadata": { "resourceVersion": revision },
         },
         "revision": revision_number(revision),
-    })
-    .to_string();
-    s.push('\n');
-    Bytes::from(s)
+    }))
 }
 
 /// A revision as a number, when it is one (Kubernetes' are opaque strings; etcd's are numbers).
@@ -725,10 +742,9 @@ async fn watch_resources(store: KubeTemplates, since: Option<u64>) -> Result<Res
             let revision = since.to_string();
             let mut stream = store.watch(&revision).await.map_err(kube_read_error)?;
             let first = match tokio::time::timeout(REFUSAL_WITHIN, stream.next()).await {
-                Ok(Some(Ok(kube::api::WatchEvent::Error(e)))) if e.code == 410 => {
-                    return Err(kube_read_error(kube::Error::Api(e)));
-                }
-                Ok(Some(Err(kube::Error::Api(e)))) if e.code == 410 => {
+                Ok(Some(Ok(kube::api::WatchEvent::Error(e)) | Err(kube::Error::Api(e))))
+                    if e.code == 410 =>
+                {
                     return Err(kube_read_error(kube::Error::Api(e)));
                 }
                 Ok(first) => first,
@@ -744,7 +760,7 @@ async fn watch_resources(store: KubeTemplates, since: Option<u64>) -> Result<Res
 
 /// A watch line for resource `f` (`None`: one ebb cannot take).
 fn resource_line(kind: &str, f: &functions::Func) -> Option<Bytes> {
-    let mut object = kube_templates::object_of(f)?;
+    let mut object = resource_object(f)?;
     if kind == "DELETED"
         && let Some(o) = object.as_object_mut()
     {
@@ -753,35 +769,54 @@ fn resource_line(kind: &str, f: &functions::Func) -> Option<Bytes> {
     Some(watch_line(kind, object))
 }
 
+/// A change line: `kind` of `object`, with its revision as a number too.
 fn watch_line(kind: &str, object: Value) -> Bytes {
     let revision = revision_number(object["metadata"]["resourceVersion"].as_str().unwrap_or(""));
-    let mut s = json!({ "type": kind, "object": object, "revision": revision }).to_string();
-    s.push('\n');
-    Bytes::from(s)
+    to_line(json!({ "type": kind, "object": object, "revision": revision }))
 }
 
-/// The line that ends a watch the API server failed.
+/// The line that ends a watch.
 fn failed(code: &str, why: String) -> Bytes {
-    let mut s = json!({ "type": "ERROR", "code": code, "error": why }).to_string();
-    s.push('\n');
-    Bytes::from(s)
+    to_line(json!({ "type": "ERROR", "code": code, "error": why }))
 }
 
 /// Feeds one watch of the resources until its client goes away: the backlog, a bookmark at
-/// `last`, then the resources' changes, resuming the resources' watch from the last revision
-/// seen whenever the API server ends it.
+/// `last`, then the resources' changes, until the watch fails (its `ERROR` line last).
 async fn feed_resources(
     store: KubeTemplates,
     backlog: Vec<Bytes>,
-    mut last: String,
-    mut stream: futures_util::stream::BoxStream<'static, ResourceEvent>,
-    mut first: Option<ResourceEvent>,
+    last: String,
+    stream: futures_util::stream::BoxStream<'static, ResourceEvent>,
+    first: Option<ResourceEvent>,
     tx: mpsc::Sender<Bytes>,
 ) {
-    use kube::api::WatchEvent;
     if !send_all(&tx, backlog).await || tx.send(bookmark(&last)).await.is_err() {
         return;
     }
+    if let Some(end) = follow_resources(&store, last, stream, first, &tx).await {
+        let _ = tx.send(end).await;
+    }
+}
+
+/// The line that ends a resource watch on `e`: `revision_compacted` for a 410, else `code`.
+fn watch_failed(e: &kube::Error, code: &str, doing: &str) -> Bytes {
+    match e {
+        kube::Error::Api(s) if s.code == 410 => compacted(),
+        e => failed(code, format!("{doing} failed: {e}")),
+    }
+}
+
+/// Sends the resources' changes as lines, resuming the resources' watch from the last revision
+/// seen whenever the API server ends it; the line that ends the watch, or `None` once the
+/// client has gone.
+async fn follow_resources(
+    store: &KubeTemplates,
+    mut last: String,
+    mut stream: futures_util::stream::BoxStream<'static, ResourceEvent>,
+    mut first: Option<ResourceEvent>,
+    tx: &mpsc::Sender<Bytes>,
+) -> Option<Bytes> {
+    use kube::api::WatchEvent;
     let mut empty_resumes = 0;
     let revision_of = |f: &functions::Func| f.metadata.resource_version.clone().unwrap_or_default();
     loop {
@@ -789,7 +824,7 @@ async fn feed_resources(
             Some(ev) => Some(ev),
             None => tokio::select! {
                 ev = stream.next() => ev,
-                _ = tx.closed() => return,
+                _ = tx.closed() => return None,
             },
         };
         let line = match ev {
@@ -797,31 +832,22 @@ async fn feed_resources(
                 // The API server ended the watch (its timeout): go on from the last revision.
                 empty_resumes += 1;
                 if empty_resumes > EMPTY_RESUMES {
-                    let _ = tx
-                        .send(failed(
-                            "kubernetes_unavailable",
-                            "the API server keeps ending the Func watch; watch again".into(),
-                        ))
-                        .await;
-                    return;
+                    return Some(failed(
+                        "kubernetes_unavailable",
+                        "the API server keeps ending the Func watch; watch again".into(),
+                    ));
                 }
                 if empty_resumes > 1 {
                     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
                 }
                 match store.watch(&last).await {
                     Ok(s) => stream = s,
-                    Err(kube::Error::Api(s)) if s.code == 410 => {
-                        let _ = tx.send(compacted()).await;
-                        return;
-                    }
                     Err(e) => {
-                        let _ = tx
-                            .send(failed(
-                                "kubernetes_unavailable",
-                                format!("resuming the Func watch failed: {e}"),
-                            ))
-                            .await;
-                        return;
+                        return Some(watch_failed(
+                            &e,
+                            "kubernetes_unavailable",
+                            "resuming the Func watch",
+                        ));
                     }
                 }
                 continue;
@@ -830,52 +856,37 @@ async fn feed_resources(
                 last = revision_of(&f);
                 resource_line("ADDED", &f)
             }
+            // One ebb can no longer take is gone as far as the API shows.
             Some(Ok(WatchEvent::Modified(f))) => {
                 last = revision_of(&f);
-                // One ebb can no longer take is gone as far as the API shows.
                 resource_line("MODIFIED", &f)
-                    .or_else(|| Some(watch_line("DELETED", kube_templates::identity_of(&f))))
+                    .or_else(|| Some(watch_line("DELETED", resource_identity(&f))))
             }
             Some(Ok(WatchEvent::Deleted(f))) => {
                 last = revision_of(&f);
                 resource_line("DELETED", &f)
-                    .or_else(|| Some(watch_line("DELETED", kube_templates::identity_of(&f))))
+                    .or_else(|| Some(watch_line("DELETED", resource_identity(&f))))
             }
             Some(Ok(WatchEvent::Bookmark(b))) => {
                 last = b.metadata.resource_version;
                 Some(bookmark(&last))
             }
+            Some(Ok(WatchEvent::Error(e))) if e.code == 410 => return Some(compacted()),
             Some(Ok(WatchEvent::Error(e))) => {
-                let line = if e.code == 410 {
-                    compacted()
-                } else {
-                    failed(
-                        "kubernetes_error",
-                        format!("the Func watch failed: {}", e.message),
-                    )
-                };
-                let _ = tx.send(line).await;
-                return;
-            }
-            Some(Err(kube::Error::Api(s))) if s.code == 410 => {
-                let _ = tx.send(compacted()).await;
-                return;
+                return Some(failed(
+                    "kubernetes_error",
+                    format!("the Func watch failed: {}", e.message),
+                ));
             }
             Some(Err(e)) => {
-                let _ = tx
-                    .send(failed(
-                        "kubernetes_unavailable",
-                        format!("the Func watch failed: {e}"),
-                    ))
-                    .await;
-                return;
+                return Some(watch_failed(&e, "kubernetes_unavailable", "the Func watch"));
             }
         };
         empty_resumes = 0;
         if let Some(l) = line
             && tx.send(l).await.is_err()
         {
-            return;
+            return None;
         }
     }
 }
@@ -961,7 +972,7 @@ async fn create(
             .map_err(store_error)?;
         return Ok((
             StatusCode::CREATED,
-            Json(kube_templates::object_of(&written).unwrap_or(Value::Null)),
+            Json(resource_object(&written).unwrap_or(Value::Null)),
         ));
     }
     let (done, committed) = app
@@ -993,7 +1004,7 @@ async fn show(
         let f = store.get(&name).await.map_err(kube_read_error)?;
         return f
             .as_ref()
-            .and_then(kube_templates::object_of)
+            .and_then(resource_object)
             .map(Json)
             .ok_or_else(|| refused(Refused::Unknown(name)));
     }
@@ -1038,7 +1049,7 @@ async fn put(
         };
         return Ok((
             status,
-            Json(kube_templates::object_of(&written).unwrap_or(Value::Null)),
+            Json(resource_object(&written).unwrap_or(Value::Null)),
         ));
     }
     let (created, _) = app
@@ -1077,7 +1088,7 @@ async fn delete(
         // Gone already (deleted through another replica, which this one had not seen yet).
         let mut v = before
             .as_ref()
-            .and_then(kube_templates::object_of)
+            .and_then(resource_object)
             .ok_or_else(|| refused(Refused::Unknown(name.clone())))?;
         if let Some(o) = v.as_object_mut() {
             o.remove("status");

@@ -13,8 +13,8 @@
 //!   and answers the same.
 //! * Runners report their load (`in_flight/capacity`) on every request; work without a partition
 //!   goes to the least-loaded live runner (on a queue that steers by runner name, the embedded
-//!   one; on Kafka the consumer group spreads calls keyed by id over the runners). A runner not heard from for `runner_lease_ms` is gone:
-//!   its reserved calls go back to the queue for others. Running calls past their deadline become
+//!   one; on Kafka the consumer group spreads the calls over the runners). A runner not heard
+//!   from for `runner_lease_ms` is gone: its reserved calls go back to the queue for others. Running calls past their deadline become
 //!   `timeout` ([`Calls::expire`], driven by the schedule).
 
 pub mod runner;
@@ -570,9 +570,9 @@ impl Calls {
             )));
         }
         let mut specs = Vec::with_capacity(calls.len());
+        let steers = self.queue.steers_to_runners();
         for c in calls {
             let mut spec = self.spec(c)?;
-            let steers = self.queue.steers_to_runners();
             let partition = match spec.partition.take() {
                 // A live runner's, or (on a queue that does not steer by runner, Kafka) any key.
                 Some(p) if !steers || self.is_live(&p) => Some(p),

@@ -566,14 +566,19 @@ pub fn status_of(s: &State, name: &str) -> FuncStatus {
         time_stamp: i64::try_from(last)
             .ok()
             .filter(|t| *t > 0)
-            .and_then(chrono::DateTime::from_timestamp_millis)
-            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+            .and_then(kube_time),
         replicas: s
             .routes
             .deployments
             .get(&workload_of(name))
             .map_or(0, |d| d.desired),
     }
+}
+
+/// A time (ms since the epoch) as Kubernetes writes one: RFC 3339 in UTC, whole seconds.
+pub fn kube_time(ms: i64) -> Option<String> {
+    chrono::DateTime::from_timestamp_millis(ms)
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
 }
 
 /// The custom resources ebb defines, as Kubernetes takes them (`ebb crds`).

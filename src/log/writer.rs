@@ -256,6 +256,31 @@ impl<P: Projection> Log<P> {
         self.tail.subscribe()
     }
 
+    /// Waits until `holds` is true of the projection, looking again at each durable batch, for
+    /// at most `within`; whether it holds.
+    pub async fn wait_until(
+        &self,
+        within: std::time::Duration,
+        holds: impl Fn(&P) -> bool,
+    ) -> bool {
+        let mut tail = self.subscribe();
+        let deadline = tokio::time::sleep(within);
+        tokio::pin!(deadline);
+        loop {
+            if self.read(&holds) {
+                return true;
+            }
+            tokio::select! {
+                _ = &mut deadline => return false,
+                r = tail.recv() => {
+                    if matches!(r, Err(broadcast::error::RecvError::Closed)) {
+                        return self.read(&holds);
+                    }
+                }
+            }
+        }
+    }
+
     /// The store under the log.
     pub fn store(&self) -> &Arc<dyn LogStore> {
         &self.store

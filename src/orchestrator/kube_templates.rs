@@ -20,7 +20,7 @@
 //!   ([`KubeTemplates::list`], [`KubeTemplates::get`], [`KubeTemplates::watch`]), so a template's
 //!   `resourceVersion` is the resource's and means the same on every replica: a list through one
 //!   replica and a watch from its revision through another miss nothing, and a revision the API
-//!   server no longer keeps is its `410`. [`object_of`] is the API's view of a resource.
+//!   server no longer keeps is its `410`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,7 +32,6 @@ use kube::api::{
     WatchParams,
 };
 use kube::runtime::watcher;
-use serde_json::{Value, json};
 
 use crate::functions::{Autoscale, Func, FuncStatus, Refused, TemplateJson};
 use crate::log::Log;
@@ -191,48 +190,6 @@ impl KubeTemplates {
     }
 }
 
-/// A `Func` resource as the functions API shows it: the seed's object with the resource's
-/// `resourceVersion`, `creationTimestamp` and `uid`, the spec as ebb reads it, and the status the lease holder
-/// wrote (zeros before the first write). `None` for a resource ebb cannot take.
-pub fn object_of(f: &Func) -> Option<Value> {
-    let spec = spec_of(f).ok()?;
-    let mut o = json!({
-        "apiVersion": crate::functions::API_VERSION,
-        "kind": crate::functions::KIND,
-        "metadata": {
-            "name": spec.name,
-            "resourceVersion": f.metadata.resource_version.clone().unwrap_or_default(),
-        },
-        "spec": TemplateJson::from_spec(&spec),
-        "status": f.status.clone().unwrap_or_default(),
-    });
-    if let Some(t) = f
-        .metadata
-        .creation_timestamp
-        .as_ref()
-        .and_then(|t| chrono::DateTime::from_timestamp_millis(t.0.as_millisecond()))
-    {
-        o["metadata"]["creationTimestamp"] =
-            json!(t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
-    }
-    if let Some(uid) = &f.metadata.uid {
-        o["metadata"]["uid"] = json!(uid);
-    }
-    Some(o)
-}
-
-/// The bare identity of a resource (for a deletion of one ebb could not take).
-pub fn identity_of(f: &Func) -> Value {
-    json!({
-        "apiVersion": crate::functions::API_VERSION,
-        "kind": crate::functions::KIND,
-        "metadata": {
-            "name": f.metadata.name.clone().unwrap_or_default(),
-            "resourceVersion": f.metadata.resource_version.clone().unwrap_or_default(),
-        },
-    })
-}
-
 impl KubeTemplates {
     /// Applies templates from ebb's configuration as resources (field manager `ebb-config`),
     /// so every replica has them.
@@ -259,23 +216,16 @@ async fn mirrored(
     name: &str,
     spec: Option<&crate::event::TemplateSpec>,
 ) -> Result<(), StoreError> {
-    let wait = async {
-        let mut tick = tokio::time::interval(Duration::from_millis(10));
-        loop {
-            let now = log.read(|s| s.functions.templates.get(name).map(|t| t.spec.clone()));
-            if now.as_ref() == spec {
-                return;
-            }
-            tick.tick().await;
-        }
-    };
-    tokio::time::timeout(MIRRORED_WITHIN, wait)
-        .await
-        .map_err(|_| StoreError::NotMirrored)
+    let has = |s: &State| s.functions.templates.get(name).map(|t| &t.spec) == spec;
+    if log.wait_until(MIRRORED_WITHIN, has).await {
+        Ok(())
+    } else {
+        Err(StoreError::NotMirrored)
+    }
 }
 
 /// The template a resource holds, or why ebb cannot take it.
-fn spec_of(f: &Func) -> Result<crate::event::TemplateSpec, String> {
+pub(crate) fn spec_of(f: &Func) -> Result<crate::event::TemplateSpec, String> {
     let name = f.metadata.name.clone().unwrap_or_default();
     let mut j = f.spec.clone();
     if j.name.is_empty() {
@@ -425,12 +375,12 @@ pub async fn run_mirror(
 }
 
 /// Writes each template's status (counter, last call counted, replicas asked for) to its
-/// resource when it changed, every `every`, while `leader()` says this replica holds the
+/// resource when it changed, every `every`, while `leading` says this replica holds the
 /// scale-down lease.
 pub async fn run_status(
     templates: KubeTemplates,
     log: Arc<Log>,
-    leader: Arc<dyn Fn() -> bool + Send + Sync>,
+    leading: Arc<std::sync::atomic::AtomicBool>,
     every: Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -441,7 +391,7 @@ pub async fn run_status(
             _ = tick.tick() => {}
             _ = stop.changed() => return,
         }
-        if !leader() {
+        if !leading.load(std::sync::atomic::Ordering::Relaxed) {
             written.clear();
             continue;
         }

@@ -117,26 +117,137 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// `ebb serve` arguments of replica `name` (admin API on `admin_port`) of two sharing the Kafka
-/// at `brokers`, the other (`peer`) at `peer_port`.
-pub fn replica_args(
-    name: &str,
-    admin_port: u16,
-    peer: &str,
-    peer_port: u16,
-    brokers: &str,
-) -> Vec<String> {
-    [
-        "--admin-listen".to_owned(),
-        format!("127.0.0.1:{admin_port}"),
-        "--replica".to_owned(),
-        name.to_owned(),
-        "--peer".to_owned(),
-        format!("{peer}=http://127.0.0.1:{peer_port}"),
-        "--kafka-brokers".to_owned(),
-        brokers.to_owned(),
-    ]
-    .into()
+/// A functions API watch (`GET /api/funcs/template?watch=true`): its lines as they arrive.
+pub struct FuncWatch {
+    body: hyper::body::Incoming,
+    buf: Vec<u8>,
+}
+
+impl FuncWatch {
+    /// Opens the watch on the admin API at `admin` with bearer `token`, `query` after
+    /// `watch=true` (`""`, `"&since=N"`, ...); asserts a 200 of newline-delimited JSON.
+    pub async fn open(admin: SocketAddr, token: &str, query: &str) -> FuncWatch {
+        use hyper_util::client::legacy::Client;
+        use hyper_util::rt::TokioExecutor;
+        let client: Client<_, http_body_util::Empty<bytes::Bytes>> =
+            Client::builder(TokioExecutor::new()).build_http();
+        let req = hyper::Request::get(format!(
+            "http://{admin}/api/funcs/template?watch=true{query}"
+        ))
+        .header("authorization", format!("Bearer {token}"))
+        .body(http_body_util::Empty::new())
+        .unwrap();
+        let resp = client.request(req).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.headers()["content-type"], "application/x-ndjson");
+        FuncWatch {
+            body: resp.into_body(),
+            buf: Vec::new(),
+        }
+    }
+
+    /// The next line, within 30 s.
+    pub async fn next(&mut self) -> serde_json::Value {
+        use http_body_util::BodyExt;
+        let read = async {
+            loop {
+                if let Some(i) = self.buf.iter().position(|b| *b == b'\n') {
+                    let line: Vec<u8> = self.buf.drain(..=i).collect();
+                    return serde_json::from_slice(&line).unwrap();
+                }
+                let frame = self.body.frame().await.expect("the watch ended").unwrap();
+                if let Ok(data) = frame.into_data() {
+                    self.buf.extend_from_slice(&data);
+                }
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(30), read)
+            .await
+            .expect("no watch line within 30 s")
+    }
+}
+
+/// An `ebb runner` process, killed when dropped.
+pub struct EbbRunner(pub Child);
+
+impl Drop for EbbRunner {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `ebb runner` named `id`, running `capacity` calls at once, with the runner API at `api`
+/// (bearer `token`) and calls sent through ebb's proxy at `proxy`; `extra` arguments after.
+pub fn ebb_runner(
+    api: SocketAddr,
+    proxy: SocketAddr,
+    token: &str,
+    id: &str,
+    capacity: usize,
+    extra: &[&str],
+) -> EbbRunner {
+    let child = Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args(["runner", "--api", &format!("http://{api}")])
+        .args([
+            "--token",
+            token,
+            "--id",
+            id,
+            "--capacity",
+            &capacity.to_string(),
+        ])
+        .args(["--proxy", &proxy.to_string()])
+        .args(extra)
+        .env("EBB_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    EbbRunner(child)
+}
+
+/// What two ebb replicas on one machine share: Apache Kafka, a work directory, and their admin
+/// API ports. Replica `i` is `ebb-i`.
+pub struct KafkaPair {
+    pub broker: kafka::Broker,
+    pub dir: tempfile::TempDir,
+    pub ports: [u16; 2],
+}
+
+impl KafkaPair {
+    /// A broker started, a work directory, two free ports.
+    pub async fn start() -> Self {
+        Self {
+            broker: broker().await,
+            dir: tempfile::tempdir().unwrap(),
+            ports: [free_port(), free_port()],
+        }
+    }
+
+    /// Replica `me`'s directory (made).
+    pub fn data(&self, me: usize) -> PathBuf {
+        let d = self.dir.path().join(format!("ebb-{me}"));
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// `ebb serve` arguments of replica `me`: its admin API on its port, its name, the other
+    /// replica as its peer, the Kafka.
+    pub fn args(&self, me: usize) -> Vec<String> {
+        let other = 1 - me;
+        [
+            "--admin-listen".to_owned(),
+            format!("127.0.0.1:{}", self.ports[me]),
+            "--replica".to_owned(),
+            format!("ebb-{me}"),
+            "--peer".to_owned(),
+            format!("ebb-{other}=http://127.0.0.1:{}", self.ports[other]),
+            "--kafka-brokers".to_owned(),
+            self.broker.addr.to_string(),
+        ]
+        .into()
+    }
 }
 
 /// Every event of the log in `data`, as `ebb log dump --json` prints them.
