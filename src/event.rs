@@ -306,6 +306,36 @@ pub struct CleanerSpec {
     /// Objects watched and deleted.
     #[serde(default)]
     pub targets: Vec<CleanerTarget>,
+    /// The Kubernetes namespace of the cleaner and its targets (empty: ebb's own objects).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
+    /// The resource's uid: a cleaner created again under the same name is a new one.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub uid: String,
+    /// When the cleaner was created, if known (its TTL counts from here; 0: its first upsert).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub created_at_ms: u64,
+    /// Evaluate and report what would be deleted, but delete nothing.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub dry_run: bool,
+    /// The Helm release to uninstall when the cleaner fires (empty: none).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub helm_release: String,
+    /// What is wrong with the cleaner as written (empty: nothing); such a cleaner never fires.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub invalid: String,
+}
+
+fn is_zero_u64(v: &u64) -> bool {
+    *v == 0
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
+}
+
+fn is_zero_u32(v: &u32) -> bool {
+    *v == 0
 }
 
 /// Every decision ebb makes. Fields may grow (with `#[serde(default)]`); a changed shape is a new
@@ -418,11 +448,32 @@ pub enum Event {
         name: String,
         result: bool,
         next_at_ms: Option<u64>,
+        /// Where the cleaner stands (`WaitingForConditions`, `EvaluationError`, ...; empty in
+        /// records written before reasons were logged).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        reason: String,
+        /// The reason in words.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        message: String,
+        /// Each condition's result, in order (empty when none was evaluated).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        results: Vec<bool>,
+        /// CEL evaluations made (one per condition at the evaluation's time, more while searching
+        /// for a monotonic condition's first true time).
+        #[serde(default, skip_serializing_if = "is_zero_u32")]
+        evaluations: u32,
+        /// In dry run: what firing would delete.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        would_delete: Vec<String>,
     },
     /// A cleaner's conditions held past its TTL and its targets were released.
     CleanerFired { name: String },
     /// A cleaner was deleted.
     CleanerDeleted { name: String },
+    /// A cleaner's conditions held past its TTL and it started deleting `targets` (each
+    /// `apiVersion/Kind/namespace/name@uid`, the Helm release as `helm/namespace/release`): a
+    /// firing cut short completes from here after a restart.
+    CleanerFiring { name: String, targets: Vec<String> },
 }
 
 /// The kinds of object an event can shape; `ebb explain` selects events by them.
@@ -481,6 +532,7 @@ impl Event {
             Event::CleanerEvaluated { .. } => "CleanerEvaluated",
             Event::CleanerFired { .. } => "CleanerFired",
             Event::CleanerDeleted { .. } => "CleanerDeleted",
+            Event::CleanerFiring { .. } => "CleanerFiring",
         }
     }
 
@@ -515,6 +567,7 @@ impl Event {
             Event::CleanerUpserted { cleaner } => (Kind::Cleaner, &cleaner.name),
             Event::CleanerEvaluated { name, .. }
             | Event::CleanerFired { name }
+            | Event::CleanerFiring { name, .. }
             | Event::CleanerDeleted { name } => (Kind::Cleaner, name),
         }
     }
@@ -733,12 +786,18 @@ pub fn examples() -> Vec<Event> {
                     delete: false,
                     include_when_evaluating: true,
                 }],
+                ..CleanerSpec::default()
             },
         },
         Event::CleanerEvaluated {
             name: "preview-42".into(),
             result: false,
             next_at_ms: Some(1_767_243_600_000),
+            reason: String::new(),
+            message: String::new(),
+            results: Vec::new(),
+            evaluations: 0,
+            would_delete: Vec::new(),
         },
         Event::CleanerFired {
             name: "preview-42".into(),
@@ -762,6 +821,14 @@ pub fn examples() -> Vec<Event> {
         },
         Event::CallsAborted {
             ids: vec!["ebb-1.0193aa8e-7c1a-7b3e-9d2f-0123456789ab".into()],
+        },
+        Event::CleanerFiring {
+            name: "previews/preview-42".into(),
+            targets: vec![
+                "serving.knative.dev/v1/Service/previews/preview-42@6f1c2d3e-0000-4000-8000-000000000042"
+                    .into(),
+                "helm/previews/preview-42".into(),
+            ],
         },
     ]
 }

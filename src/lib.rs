@@ -7,6 +7,7 @@
 pub mod api;
 pub mod bench;
 pub mod calls;
+pub mod cleaner;
 pub mod clock;
 pub mod config;
 pub mod event;
@@ -22,4 +23,5 @@ pub mod scaler;
 pub mod serve;
 pub mod sim;
 pub mod state;
+pub mod timing;
 pub mod tools;

@@ -186,6 +186,7 @@ fn cleaner() -> impl Strategy<Value = CleanerSpec> {
                 monotonic,
                 conditions,
                 targets,
+                ..CleanerSpec::default()
             },
         )
 }
@@ -301,10 +302,17 @@ fn event() -> impl Strategy<Value = Event> {
             |(name, result, next_at_ms)| Event::CleanerEvaluated {
                 name,
                 result,
-                next_at_ms
+                next_at_ms,
+                reason: String::new(),
+                message: String::new(),
+                results: vec![result],
+                evaluations: 1,
+                would_delete: Vec::new(),
             }
         ),
         name().prop_map(|name| Event::CleanerFired { name }),
+        (name(), proptest::collection::vec(text(), 0..3))
+            .prop_map(|(name, targets)| Event::CleanerFiring { name, targets }),
         name().prop_map(|name| Event::CleanerDeleted { name }),
     ]
 }

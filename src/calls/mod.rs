@@ -1292,7 +1292,7 @@ impl Calls {
         let now = self.clock.now_ms();
         let due: Vec<String> = self.log.read(|s| {
             s.schedule
-                .due(now)
+                .due_of(crate::state::schedule::DueKind::CallTimeout, now)
                 .filter_map(|(_, d)| match d {
                     Due::CallTimeout(id) => Some(id.clone()),
                     _ => None,

@@ -691,35 +691,7 @@ impl TemplateJson {
     }
 }
 
-/// Parses a cron schedule: 5 fields (minute hour day-of-month month day-of-week) or 6 with
-/// seconds first, as croner (the parser tokio-cron-scheduler uses) reads them, in UTC.
-pub fn parse_schedule(s: &str) -> Result<croner::Cron, String> {
-    croner::parser::CronParser::builder()
-        .seconds(croner::parser::Seconds::Optional)
-        .dom_and_dow(true)
-        .build()
-        .parse(s)
-        .map_err(|e| format!("schedule {s:?} is not a cron expression: {e}"))
-}
-
-/// The whole second `ms` falls in, as a UTC time (cron has no finer unit).
-fn utc(ms: u64) -> Option<chrono::DateTime<chrono::Utc>> {
-    chrono::DateTime::from_timestamp_millis(i64::try_from(ms / 1_000 * 1_000).ok()?)
-}
-
-/// The first occurrence of `schedule` strictly after `after_ms` (pure: same input, same answer).
-pub fn next_firing(schedule: &str, after_ms: u64) -> Option<u64> {
-    let cron = parse_schedule(schedule).ok()?;
-    let t = cron.find_next_occurrence(&utc(after_ms)?, false).ok()?;
-    u64::try_from(t.timestamp_millis()).ok()
-}
-
-/// The latest occurrence of `schedule` at or before `now_ms`.
-pub fn last_firing(schedule: &str, now_ms: u64) -> Option<u64> {
-    let cron = parse_schedule(schedule).ok()?;
-    let t = cron.find_previous_occurrence(&utc(now_ms)?, true).ok()?;
-    u64::try_from(t.timestamp_millis()).ok()
-}
+pub use crate::timing::{last_firing, next_firing, parse_schedule};
 
 /// The occurrence template `name` should fire for at `now_ms`, if any: the latest one at or
 /// before now that is newer than what it last fired for (so a restart after missed occurrences

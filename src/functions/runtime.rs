@@ -224,7 +224,7 @@ impl FunctionService {
         let now = self.clock.now_ms();
         let due: Vec<String> = self.log.read(|s| {
             s.schedule
-                .due(now)
+                .due_of(crate::state::schedule::DueKind::TemplateFire, now)
                 .filter_map(|(_, d)| match d {
                     Due::TemplateFire(name) => Some(name.clone()),
                     _ => None,

@@ -2014,7 +2014,7 @@ impl World {
         let due: Vec<String> = self
             .node_state(k)
             .schedule
-            .due(now)
+            .due_of(crate::state::schedule::DueKind::CallTimeout, now)
             .filter_map(|(_, d)| match d {
                 Due::CallTimeout(id) => Some(id.clone()),
                 _ => None,

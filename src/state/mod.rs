@@ -164,7 +164,7 @@ impl State {
                             *fired = (*fired).max(at);
                         }
                         let from = *fired;
-                        match crate::functions::next_firing(s, from) {
+                        match crate::timing::next_firing(s, from) {
                             Some(next) => self.schedule.set(key, next),
                             None => self.schedule.clear(&key),
                         }
@@ -194,7 +194,7 @@ impl State {
                     let fired = self.functions.fired.entry(name.clone()).or_default();
                     *fired = (*fired).max(*scheduled_at_ms);
                     let from = *fired;
-                    match crate::functions::next_firing(&s, from) {
+                    match crate::timing::next_firing(&s, from) {
                         Some(next) => self.schedule.set(key, next),
                         None => self.schedule.clear(&key),
                     }
@@ -225,11 +225,28 @@ impl State {
                 name,
                 result,
                 next_at_ms,
+                reason,
+                message,
+                results,
+                evaluations: _,
+                would_delete,
             } => {
+                let e = cleaners::Evaluated {
+                    result: *result,
+                    next_at_ms: *next_at_ms,
+                    reason,
+                    message,
+                    results,
+                    would_delete,
+                };
                 if self.cleaners.by_name.contains_key(name) {
-                    let next = self.cleaners.evaluated(name, *result, *next_at_ms);
+                    let next = self.cleaners.evaluated(name, &e, at);
                     self.schedule_cleaner(name, next);
                 }
+            }
+            Event::CleanerFiring { name, targets } => {
+                self.cleaners.firing(name, targets);
+                self.schedule.clear(&Due::CleanerEval(name.clone()));
             }
             Event::CleanerFired { name } => {
                 self.cleaners.fired(name, at);

@@ -21,27 +21,50 @@ pub enum Due {
     TemplateFire(String),
 }
 
+impl Due {
+    /// Which queue of the schedule it is in.
+    fn kind(&self) -> usize {
+        match self {
+            Due::CallTimeout(_) => 0,
+            Due::RouteIdle(_) => 1,
+            Due::CleanerEval(_) => 2,
+            Due::TemplateFire(_) => 3,
+        }
+    }
+}
+
+/// The kinds of deadline, each with a queue of its own so a loop that serves one kind finds
+/// its next deadline without walking the others'.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DueKind {
+    CallTimeout = 0,
+    RouteIdle = 1,
+    CleanerEval = 2,
+    TemplateFire = 3,
+}
+
 /// Deadlines ordered by time (then key, so ties are deterministic).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(from = "Vec<(Due, u64)>", into = "Vec<(Due, u64)>")]
 pub struct Schedule {
     by_key: BTreeMap<Due, u64>,
-    queue: BTreeSet<(u64, Due)>,
+    queues: [BTreeSet<(u64, Due)>; 4],
 }
 
 impl Schedule {
     /// Sets (or moves) the deadline of `key`.
     pub fn set(&mut self, key: Due, at_ms: u64) {
+        let q = &mut self.queues[key.kind()];
         if let Some(old) = self.by_key.insert(key.clone(), at_ms) {
-            self.queue.remove(&(old, key.clone()));
+            q.remove(&(old, key.clone()));
         }
-        self.queue.insert((at_ms, key));
+        q.insert((at_ms, key));
     }
 
     /// Removes the deadline of `key`, if any.
     pub fn clear(&mut self, key: &Due) {
         if let Some(old) = self.by_key.remove(key) {
-            self.queue.remove(&(old, key.clone()));
+            self.queues[key.kind()].remove(&(old, key.clone()));
         }
     }
 
@@ -52,12 +75,33 @@ impl Schedule {
 
     /// The earliest deadline.
     pub fn next(&self) -> Option<(u64, &Due)> {
-        self.queue.first().map(|(at, k)| (*at, k))
+        self.queues
+            .iter()
+            .filter_map(|q| q.first())
+            .min()
+            .map(|(at, k)| (*at, k))
+    }
+
+    /// The earliest deadline of one kind.
+    pub fn next_of(&self, kind: DueKind) -> Option<(u64, &Due)> {
+        self.queues[kind as usize].first().map(|(at, k)| (*at, k))
     }
 
     /// Every deadline at or before `now_ms`, earliest first.
     pub fn due(&self, now_ms: u64) -> impl Iterator<Item = (u64, &Due)> {
-        self.queue
+        let mut all: Vec<(u64, &Due)> = self
+            .queues
+            .iter()
+            .flat_map(|q| q.iter().take_while(move |(at, _)| *at <= now_ms))
+            .map(|(at, k)| (*at, k))
+            .collect();
+        all.sort();
+        all.into_iter()
+    }
+
+    /// The deadlines of one kind at or before `now_ms`, earliest first.
+    pub fn due_of(&self, kind: DueKind, now_ms: u64) -> impl Iterator<Item = (u64, &Due)> {
+        self.queues[kind as usize]
             .iter()
             .take_while(move |(at, _)| *at <= now_ms)
             .map(|(at, k)| (*at, k))
@@ -105,6 +149,11 @@ mod tests {
         assert_eq!(s.next(), Some((20, &Due::CallTimeout("c".into()))));
         let due: Vec<_> = s.due(30).map(|(at, _)| at).collect();
         assert_eq!(due, vec![20, 30]);
+        assert_eq!(
+            s.next_of(DueKind::CleanerEval),
+            Some((30, &Due::CleanerEval("a".into())))
+        );
+        assert_eq!(s.due_of(DueKind::RouteIdle, 30).count(), 0);
         s.clear(&Due::CallTimeout("c".into()));
         assert_eq!(s.len(), 2);
         let round: Schedule = Vec::from(s.clone()).into();

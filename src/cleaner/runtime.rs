@@ -1,0 +1,645 @@
+//! The cleaner loop: evaluates each cleaner when the schedule says (the projection's
+//! `Due::CleanerEval`), or at once when one of its targets changes, records every evaluation in
+//! the log, and fires through a [`Backend`] (Kubernetes, or ebb's own objects).
+//!
+//! Overdue evaluations (after a restart, say) run in schedule order at most
+//! [`Options::max_per_second`] a second, so a restart never storms the API server; none runs
+//! before its planned time. A firing is logged (`CleanerFiring`) before its first deletion and
+//! completed (`CleanerFired`) after its last, so one cut short by a crash completes after the
+//! restart, and deleting again what is already gone is no error.
+
+use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+
+use crate::clock::Clock;
+use crate::event::{CleanerSpec, Event};
+use crate::log::Log;
+use crate::state::{Due, State};
+
+use super::cel::{CompileError, Conditions, Limits};
+use super::{Evaluation, Reason, compile, decide};
+
+/// What a cleaner's targets resolve to now.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Resolved {
+    /// The value of each target passed to the conditions, by name.
+    pub inputs: Vec<(String, serde_json::Value)>,
+    /// Every object the targets resolve to (the status' `resolvedTargets`).
+    pub objects: Vec<String>,
+    /// What firing deletes, in order: the `CleanerFiring` entries.
+    pub deletions: Vec<String>,
+}
+
+/// How a deletion ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Deleted {
+    /// Deleted now.
+    Deleted,
+    /// Already gone, or replaced by another object of the same name (left alone).
+    Gone,
+}
+
+/// Where cleaners find their targets and what deletes them.
+pub trait Backend: Send + Sync + 'static {
+    /// The targets of `spec` as they are now (from cached reads: called on every evaluation).
+    fn resolve(&self, spec: &CleanerSpec) -> Result<Resolved, String>;
+    /// Deletes one entry of a firing (as [`Resolved::deletions`] named it), safely: only the
+    /// object that was resolved, never one created since under the same name.
+    fn delete(
+        &self,
+        spec: &CleanerSpec,
+        entry: &str,
+    ) -> impl Future<Output = Result<Deleted, String>> + Send;
+    /// The firing is done: remove the cleaner itself.
+    fn finish(&self, spec: &CleanerSpec) -> impl Future<Output = Result<(), String>> + Send;
+    /// The cleaner's evaluation or firing was recorded: show it (a status, an event).
+    fn report(
+        &self,
+        name: &str,
+        cleaner: &crate::state::Cleaner,
+        resolved: &[String],
+    ) -> impl Future<Output = ()> + Send;
+}
+
+/// The loop's settings.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// Evaluations a second at most, overdue ones included.
+    pub max_per_second: u32,
+    /// The bound of one evaluation.
+    pub limits: Limits,
+    /// Tries of a deletion before the firing is left for the next pass.
+    pub delete_attempts: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            max_per_second: 200,
+            limits: Limits::default(),
+            delete_attempts: 5,
+        }
+    }
+}
+
+/// How often a firing left unfinished is tried again.
+const FIRING_RETRY: Duration = Duration::from_secs(10);
+
+type Compiled = Arc<Result<Conditions, CompileError>>;
+
+/// A compilation, with the conditions and variable names it was compiled from.
+type Cached = (Vec<String>, Vec<String>, Compiled);
+
+/// The cleaners of one log.
+pub struct Cleaners<B: Backend> {
+    log: Arc<Log<State>>,
+    clock: Arc<dyn Clock>,
+    backend: Arc<B>,
+    options: Options,
+    /// Compiled conditions by cleaner, with the conditions and variables they were compiled from.
+    compiled: Mutex<HashMap<String, Cached>>,
+}
+
+impl<B: Backend> Cleaners<B> {
+    pub fn new(
+        log: Arc<Log<State>>,
+        clock: Arc<dyn Clock>,
+        backend: Arc<B>,
+        options: Options,
+    ) -> Self {
+        Cleaners {
+            log,
+            clock,
+            backend,
+            options,
+            compiled: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &Arc<B> {
+        &self.backend
+    }
+
+    /// Upserts a cleaner, unless the log already has it as it is (so listing cleaners again
+    /// after a restart moves no schedule).
+    pub async fn upsert(&self, spec: CleanerSpec) -> crate::log::Result<bool> {
+        let (changed, _) = self
+            .log
+            .decide(move |s: &State, _| {
+                let same = s
+                    .cleaners
+                    .by_name
+                    .get(&spec.name)
+                    .is_some_and(|c| c.spec == spec);
+                if same {
+                    (Vec::new(), false)
+                } else {
+                    (vec![Event::CleanerUpserted { cleaner: spec }], true)
+                }
+            })
+            .await?;
+        Ok(changed)
+    }
+
+    /// Forgets a deleted cleaner (its targets stay).
+    pub async fn delete(&self, name: &str) -> crate::log::Result<bool> {
+        let n = name.to_owned();
+        let (known, _) = self
+            .log
+            .decide(move |s: &State, _| {
+                if s.cleaners.by_name.contains_key(&n) {
+                    (vec![Event::CleanerDeleted { name: n }], true)
+                } else {
+                    (Vec::new(), false)
+                }
+            })
+            .await?;
+        self.compiled
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+        Ok(known)
+    }
+
+    fn compiled(&self, spec: &CleanerSpec) -> Compiled {
+        let vars: Vec<String> = super::variables(spec)
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        let mut cache = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((c, v, compiled)) = cache.get(&spec.name)
+            && *c == spec.conditions
+            && *v == vars
+        {
+            return compiled.clone();
+        }
+        let compiled = Arc::new(compile(spec));
+        cache.insert(
+            spec.name.clone(),
+            (spec.conditions.clone(), vars, compiled.clone()),
+        );
+        compiled
+    }
+
+    /// Evaluates cleaner `name` now, records the evaluation and fires if its conditions hold.
+    /// Returns the evaluation, or `None` when there was nothing to evaluate (unknown, fired,
+    /// firing, or its TTL not passed).
+    pub async fn evaluate(&self, name: &str) -> crate::log::Result<Option<Evaluation>> {
+        let Some(cleaner) = self.log.read(|s| s.cleaners.by_name.get(name).cloned()) else {
+            return Ok(None);
+        };
+        if cleaner.fired_at_ms.is_some() || cleaner.firing.is_some() {
+            return Ok(None);
+        }
+        let now = self.clock.now_ms();
+        let spec = cleaner.spec.clone();
+        let expires = cleaner.expires_at_ms();
+        let resolved = if spec.invalid.is_empty() && now >= expires {
+            Some(self.backend.resolve(&spec))
+        } else {
+            None
+        };
+        let compiled = self.compiled(&spec);
+        let limits = self.options.limits;
+        let (evaluation, resolved) = {
+            let spec = spec.clone();
+            tokio::task::spawn_blocking(move || {
+                let inputs: Result<Vec<(&str, &serde_json::Value)>, String> = match &resolved {
+                    Some(Ok(r)) => Ok(r.inputs.iter().map(|(n, v)| (n.as_str(), v)).collect()),
+                    Some(Err(e)) => Err(e.clone()),
+                    None => Ok(Vec::new()),
+                };
+                let e = decide(
+                    &spec,
+                    expires,
+                    now,
+                    &compiled,
+                    inputs.as_deref().map_err(Clone::clone),
+                    limits,
+                );
+                (e, resolved.and_then(Result::ok).unwrap_or_default())
+            })
+            .await
+            .expect("an evaluation does not panic")
+        };
+        if evaluation.reason == Reason::NotExpired {
+            // Nothing was evaluated: the schedule already says when.
+            return Ok(None);
+        }
+        let firing = evaluation.fire && !spec.dry_run;
+        let would_delete = if evaluation.fire && spec.dry_run {
+            resolved.deletions.clone()
+        } else {
+            Vec::new()
+        };
+        let mut events = vec![evaluation.event(name, would_delete)];
+        if firing {
+            events.push(Event::CleanerFiring {
+                name: name.to_owned(),
+                targets: resolved.deletions.clone(),
+            });
+        }
+        let n = name.to_owned();
+        let uid = spec.uid.clone();
+        let conditions = spec.conditions.clone();
+        let (recorded, _) = self
+            .log
+            .decide(move |s: &State, _| {
+                // Recorded only if the cleaner is still the one evaluated.
+                let same = s.cleaners.by_name.get(&n).is_some_and(|c| {
+                    c.spec.uid == uid
+                        && c.spec.conditions == conditions
+                        && c.fired_at_ms.is_none()
+                        && c.firing.is_none()
+                });
+                if same {
+                    (events, true)
+                } else {
+                    (Vec::new(), false)
+                }
+            })
+            .await?;
+        if !recorded {
+            return Ok(None);
+        }
+        self.report(name, &resolved.objects).await;
+        if firing {
+            self.fire(name).await?;
+        }
+        Ok(Some(evaluation))
+    }
+
+    async fn report(&self, name: &str, objects: &[String]) {
+        if let Some(c) = self.log.read(|s| s.cleaners.by_name.get(name).cloned()) {
+            self.backend.report(name, &c, objects).await;
+        }
+    }
+
+    /// Carries out (or completes) cleaner `name`'s firing: deletes each entry, then the cleaner,
+    /// then records `CleanerFired`. Returns whether it completed; one that did not stays in the
+    /// log as firing and is tried again by the loop.
+    pub async fn fire(&self, name: &str) -> crate::log::Result<bool> {
+        let Some(c) = self.log.read(|s| s.cleaners.by_name.get(name).cloned()) else {
+            return Ok(false);
+        };
+        let Some(entries) = c.firing.clone() else {
+            return Ok(false);
+        };
+        for entry in &entries {
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                match self.backend.delete(&c.spec, entry).await {
+                    Ok(outcome) => {
+                        tracing::info!(cleaner = %name, %entry, ?outcome, "cleaner deleted a target");
+                        break;
+                    }
+                    Err(e) if attempt < self.options.delete_attempts => {
+                        tracing::warn!(cleaner = %name, %entry, error = %e, "deleting a target failed; trying again");
+                        tokio::time::sleep(Duration::from_millis(100 << attempt.min(6))).await;
+                    }
+                    Err(e) => {
+                        tracing::warn!(cleaner = %name, %entry, error = %e, "deleting a target failed; the firing is left for later");
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+        if let Err(e) = self.backend.finish(&c.spec).await {
+            tracing::warn!(cleaner = %name, error = %e, "removing the cleaner failed; the firing is left for later");
+            return Ok(false);
+        }
+        self.log
+            .append(Event::CleanerFired {
+                name: name.to_owned(),
+            })
+            .await?;
+        self.report(name, &[]).await;
+        Ok(true)
+    }
+
+    /// Completes every firing the log has as started and not done (cut short by a crash, or
+    /// left for later after a failed deletion).
+    pub async fn complete_firings(&self) {
+        let unfinished: Vec<String> = self.log.read(|s| {
+            s.cleaners
+                .unfinished_firings()
+                .map(|(n, _)| n.to_owned())
+                .collect()
+        });
+        for name in unfinished {
+            tracing::info!(cleaner = %name, "completing a firing");
+            if let Err(e) = self.fire(&name).await {
+                tracing::warn!(cleaner = %name, error = %e, "completing a firing failed");
+            }
+        }
+    }
+
+    /// Evaluates the cleaners due now, earliest first, at most `max`; returns their names.
+    pub async fn evaluate_due(&self, max: usize) -> crate::log::Result<Vec<String>> {
+        let due = self.due(self.clock.now_ms(), max);
+        for name in &due {
+            self.evaluate(name).await?;
+        }
+        Ok(due)
+    }
+
+    /// The cleaners due now, earliest first, at most `max`.
+    fn due(&self, now_ms: u64, max: usize) -> Vec<String> {
+        self.log.read(|s| {
+            s.schedule
+                .due_of(crate::state::schedule::DueKind::CleanerEval, now_ms)
+                .filter_map(|(_, d)| match d {
+                    Due::CleanerEval(n) => Some(n.clone()),
+                    _ => None,
+                })
+                .take(max)
+                .collect()
+        })
+    }
+
+    /// When the next cleaner is due.
+    fn next_due(&self) -> Option<u64> {
+        self.log.read(|s| {
+            s.schedule
+                .next_of(crate::state::schedule::DueKind::CleanerEval)
+                .map(|(at, _)| at)
+        })
+    }
+}
+
+/// Runs the loop until `stop`: completes firings cut short, then evaluates cleaners as they fall
+/// due and whenever `changed` names one (a target of it changed), at most
+/// [`Options::max_per_second`] a second.
+pub async fn run<B: Backend>(
+    cleaners: Arc<Cleaners<B>>,
+    mut changed: mpsc::Receiver<String>,
+    mut stop: watch::Receiver<bool>,
+) {
+    cleaners.complete_firings().await;
+    let mut firings = tokio::time::interval(FIRING_RETRY);
+    firings.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    firings.tick().await;
+    let per_second = cleaners.options.max_per_second.max(1) as usize;
+    let mut tail = cleaners.log.subscribe();
+    let mut nudged: BTreeSet<String> = BTreeSet::new();
+    // A token bucket of one second's evaluations.
+    let mut tokens = per_second;
+    let mut refill =
+        tokio::time::interval(Duration::from_millis(1_000 / per_second.min(1_000) as u64));
+    refill.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let now = cleaners.clock.now_ms();
+        let mut work: Vec<String> = Vec::new();
+        while tokens > 0 {
+            let Some(n) = nudged.pop_first() else { break };
+            work.push(n);
+            tokens -= 1;
+        }
+        if tokens > 0 {
+            for n in cleaners.due(now, tokens) {
+                if !work.contains(&n) {
+                    work.push(n);
+                    tokens -= 1;
+                }
+            }
+        }
+        for name in &work {
+            if let Err(e) = cleaners.evaluate(name).await {
+                tracing::warn!(cleaner = %name, error = %e, "evaluating a cleaner failed");
+                // The log refuses all work: nothing more to do here.
+                return;
+            }
+        }
+        // Firings left for later: tried again with the schedule's pace.
+        let wait = match cleaners.next_due() {
+            Some(at) if at <= now => Duration::from_millis(10),
+            Some(at) => Duration::from_millis((at - now).min(1_000)),
+            None => Duration::from_secs(1),
+        };
+        let sleep = tokio::time::sleep(if tokens == 0 {
+            Duration::from_millis(5)
+        } else {
+            wait
+        });
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = sleep => {}
+            _ = refill.tick(), if tokens < per_second => { tokens += 1; }
+            _ = firings.tick() => cleaners.complete_firings().await,
+            name = changed.recv() => match name {
+                Some(n) => { nudged.insert(n); }
+                None => return,
+            },
+            batch = tail.recv() => {
+                if let Err(tokio::sync::broadcast::error::RecvError::Closed) = batch {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::SimClock;
+    use crate::event::CleanerTarget;
+    use crate::log::{MemStore, Options as LogOptions};
+    use serde_json::json;
+
+    /// The simulation backend: targets from a map, deletions recorded.
+    #[derive(Default)]
+    struct SimTargets {
+        objects: Mutex<HashMap<String, serde_json::Value>>,
+        deleted: Mutex<Vec<String>>,
+        finished: Mutex<Vec<String>>,
+    }
+
+    impl Backend for SimTargets {
+        fn resolve(&self, spec: &CleanerSpec) -> Result<Resolved, String> {
+            let objects = self.objects.lock().unwrap();
+            let mut r = Resolved::default();
+            for t in &spec.targets {
+                let v = objects.get(&t.reference).cloned().unwrap_or(json!({}));
+                r.objects.push(t.reference.clone());
+                if t.delete {
+                    r.deletions.push(t.reference.clone());
+                }
+                if t.include_when_evaluating {
+                    r.inputs.push((t.name.clone(), v));
+                }
+            }
+            Ok(r)
+        }
+        async fn delete(&self, _: &CleanerSpec, entry: &str) -> Result<Deleted, String> {
+            self.deleted.lock().unwrap().push(entry.to_owned());
+            Ok(Deleted::Deleted)
+        }
+        async fn finish(&self, spec: &CleanerSpec) -> Result<(), String> {
+            self.finished.lock().unwrap().push(spec.name.clone());
+            Ok(())
+        }
+        async fn report(&self, _: &str, _: &crate::state::Cleaner, _: &[String]) {}
+    }
+
+    const T0: u64 = 1_795_132_800_000;
+    const MIN: u64 = 60_000;
+
+    fn cleaner(name: &str, ttl_ms: u64, condition: &str, monotonic: bool) -> CleanerSpec {
+        CleanerSpec {
+            name: name.into(),
+            ttl_ms,
+            retry_period_ms: 7 * MIN,
+            monotonic,
+            conditions: vec![condition.into()],
+            targets: vec![CleanerTarget {
+                name: "obj".into(),
+                reference: format!("v1/ConfigMap/{name}"),
+                delete: true,
+                include_when_evaluating: true,
+            }],
+            ..CleanerSpec::default()
+        }
+    }
+
+    fn open(store: &Arc<MemStore>, clock: &SimClock) -> Arc<Log<State>> {
+        let store: Arc<dyn crate::log::LogStore> = store.clone();
+        Arc::new(
+            Log::open(
+                store,
+                LogOptions::default(),
+                Arc::new(clock.clone()),
+                &mut |_| {},
+            )
+            .unwrap(),
+        )
+    }
+
+    /// Every evaluation in the log: (cleaner, time, result).
+    fn evaluations(log: &Log<State>) -> Vec<(String, u64, bool)> {
+        let store = log.store().clone();
+        let last = log.applied_seq();
+        let mut out = Vec::new();
+        crate::log::read_envelopes(store.as_ref(), 1, last, &mut |e, _| {
+            if let Event::CleanerEvaluated { name, result, .. } = e.event {
+                out.push((name, e.at_ms, result));
+            }
+            true
+        })
+        .unwrap();
+        out
+    }
+
+    /// Runs cleaners over two simulated hours, a minute at a time, restarting the log at
+    /// `restart_at` (if any): the evaluations and firings must be the same as without it.
+    fn run_through(restart_at: Option<u64>) -> (Vec<(String, u64, bool)>, Vec<String>) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let clock = SimClock::new(T0);
+        let store = Arc::new(MemStore::new());
+        let backend = Arc::new(SimTargets::default());
+        let mut log = open(&store, &clock);
+        let specs = vec![
+            // Fires at its TTL.
+            cleaner("a", 10 * MIN, "true", false),
+            // Holds from T0 + 50 min on: found by the search, fired then.
+            cleaner(
+                "b",
+                5 * MIN,
+                &format!(
+                    "time >= timestamp('{}')",
+                    super::super::rfc3339(T0 + 50 * MIN)
+                ),
+                true,
+            ),
+            // Never holds: evaluated every 7 minutes after its TTL.
+            cleaner("c", 3 * MIN, "false", false),
+        ];
+        let mut cleaners = Cleaners::new(
+            log.clone(),
+            Arc::new(clock.clone()),
+            backend.clone(),
+            Options::default(),
+        );
+        for s in specs {
+            rt.block_on(cleaners.upsert(s)).unwrap();
+        }
+        // The clock moves a minute at a time, or to the next planned evaluation if sooner, as
+        // the loop's timer would.
+        let mut now = T0;
+        let mut step = 0;
+        while now <= T0 + 120 * MIN {
+            clock.set(now);
+            if restart_at == Some(step) {
+                drop(cleaners);
+                Arc::try_unwrap(log).ok().unwrap().close();
+                log = open(&store, &clock);
+                cleaners = Cleaners::new(
+                    log.clone(),
+                    Arc::new(clock.clone()),
+                    backend.clone(),
+                    Options::default(),
+                );
+                rt.block_on(cleaners.complete_firings());
+            }
+            rt.block_on(cleaners.evaluate_due(1_000)).unwrap();
+            let minute = (now - T0) / MIN * MIN + T0 + MIN;
+            now = cleaners
+                .next_due()
+                .map_or(minute, |d| d.clamp(now + 1, minute));
+            step += 1;
+        }
+        let evals = evaluations(&log);
+        let deleted = backend.deleted.lock().unwrap().clone();
+        (evals, deleted)
+    }
+
+    #[test]
+    fn the_schedule_evaluates_each_cleaner_at_its_planned_times_across_restarts() {
+        let (evals, deleted) = run_through(None);
+        let at = |name: &str| -> Vec<u64> {
+            evals
+                .iter()
+                .filter(|(n, _, _)| n == name)
+                .map(|(_, t, _)| t - T0)
+                .collect()
+        };
+        // Nothing before the TTL; `a` fires at it.
+        assert_eq!(at("a"), vec![10 * MIN]);
+        // `b`: at its TTL (false: the search finds minute 50, to the second), then then (fires).
+        let b = at("b");
+        assert_eq!(b.len(), 2, "{b:?}");
+        assert_eq!(b[0], 5 * MIN);
+        assert!(
+            (50 * MIN..=50 * MIN + crate::timing::SEARCH_PRECISION_MS).contains(&b[1]),
+            "{b:?}"
+        );
+        assert_eq!(evals.iter().filter(|(n, _, r)| n == "b" && *r).count(), 1);
+        // `c`: at its TTL, then every retry period.
+        let c: Vec<u64> = (0..)
+            .map(|k| (3 + 7 * k) * MIN)
+            .take_while(|m| *m <= 120 * MIN)
+            .collect();
+        assert_eq!(at("c"), c);
+        assert_eq!(
+            deleted,
+            vec!["v1/ConfigMap/a".to_owned(), "v1/ConfigMap/b".to_owned()]
+        );
+        // A restart at any step neither skips nor repeats an evaluation or a deletion.
+        for restart in 0..140 {
+            assert_eq!(
+                run_through(Some(restart)),
+                (evals.clone(), deleted.clone()),
+                "restart at {restart}"
+            );
+        }
+    }
+}

@@ -1,0 +1,154 @@
+//! The timing rules of the pure core: when a cron schedule fires, and when a cleaner whose
+//! conditions are monotonic in time will first hold. No IO and no clock: every function takes
+//! the time it reasons about, so the projections and the simulator get the same answers.
+
+/// Parses a cron schedule: 5 fields (minute hour day-of-month month day-of-week) or 6 with
+/// seconds first, as croner (the parser tokio-cron-scheduler uses) reads them, in UTC.
+pub fn parse_schedule(s: &str) -> Result<croner::Cron, String> {
+    croner::parser::CronParser::builder()
+        .seconds(croner::parser::Seconds::Optional)
+        .dom_and_dow(true)
+        .build()
+        .parse(s)
+        .map_err(|e| format!("schedule {s:?} is not a cron expression: {e}"))
+}
+
+/// The whole second `ms` falls in, as a UTC time (cron has no finer unit).
+fn utc(ms: u64) -> Option<chrono::DateTime<chrono::Utc>> {
+    chrono::DateTime::from_timestamp_millis(i64::try_from(ms / 1_000 * 1_000).ok()?)
+}
+
+/// The first occurrence of `schedule` strictly after `after_ms` (pure: same input, same answer).
+pub fn next_firing(schedule: &str, after_ms: u64) -> Option<u64> {
+    let cron = parse_schedule(schedule).ok()?;
+    let t = cron.find_next_occurrence(&utc(after_ms)?, false).ok()?;
+    u64::try_from(t.timestamp_millis()).ok()
+}
+
+/// The latest occurrence of `schedule` at or before `now_ms`.
+pub fn last_firing(schedule: &str, now_ms: u64) -> Option<u64> {
+    let cron = parse_schedule(schedule).ok()?;
+    let t = cron.find_previous_occurrence(&utc(now_ms)?, true).ok()?;
+    u64::try_from(t.timestamp_millis()).ok()
+}
+
+/// How far ahead the search for a monotonic condition's first true time looks: a year and a day.
+/// A condition still false then is evaluated again after its retry period.
+pub const SEARCH_HORIZON_MS: u64 = 366 * 24 * 3_600_000;
+
+/// The search's precision: the time it finds is at most this much after the true earliest one
+/// (never before it). 26 evaluations cover the horizon.
+pub const SEARCH_PRECISION_MS: u64 = 1_000;
+
+/// What a search for the first true time found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Found {
+    /// The earliest time the condition was seen to hold, within the precision; `None` when it
+    /// does not hold at the end of the horizon.
+    pub at_ms: Option<u64>,
+    /// Evaluations the search made: at most `1 + ceil(log2(horizon / precision))`.
+    pub evaluations: u32,
+}
+
+/// Searches `(from_ms, from_ms + horizon_ms]` for the earliest time at which `holds` is true,
+/// for a `holds` that is monotonic in time (false, then true for ever) and false at `from_ms`.
+/// The answer is within `precision_ms` after the true earliest time and never before it, found
+/// with O(log(horizon / precision)) evaluations. An evaluation's error ends the search.
+pub fn earliest_true<E>(
+    from_ms: u64,
+    horizon_ms: u64,
+    precision_ms: u64,
+    mut holds: impl FnMut(u64) -> Result<bool, E>,
+) -> Result<Found, E> {
+    let precision = precision_ms.max(1);
+    let mut lo = from_ms;
+    let mut hi = from_ms.saturating_add(horizon_ms.max(1));
+    let mut evaluations = 1;
+    if !holds(hi)? {
+        return Ok(Found {
+            at_ms: None,
+            evaluations,
+        });
+    }
+    // Invariant: false at `lo`, true at `hi`.
+    while hi - lo > precision {
+        let mid = lo + (hi - lo) / 2;
+        evaluations += 1;
+        if holds(mid)? {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Ok(Found {
+        at_ms: Some(hi),
+        evaluations,
+    })
+}
+
+/// The most evaluations [`earliest_true`] makes over `horizon_ms` at `precision_ms`.
+pub fn search_bound(horizon_ms: u64, precision_ms: u64) -> u32 {
+    let steps = horizon_ms.max(1).div_ceil(precision_ms.max(1));
+    1 + u64::BITS - steps.saturating_sub(1).leading_zeros()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::convert::Infallible;
+
+    #[test]
+    fn the_search_finds_the_first_true_time_within_the_precision_in_log_steps() {
+        let horizon = SEARCH_HORIZON_MS;
+        let bound = search_bound(horizon, SEARCH_PRECISION_MS);
+        assert_eq!(bound, 26);
+        for truth in [
+            1,
+            999,
+            1_000,
+            1_001,
+            86_400_000,
+            3_600_000 * 360 + 17,
+            horizon,
+        ] {
+            let from = 1_700_000_000_000;
+            let found = earliest_true(from, horizon, SEARCH_PRECISION_MS, |t| {
+                Ok::<_, Infallible>(t >= from + truth)
+            })
+            .unwrap();
+            let at = found.at_ms.expect("true inside the horizon");
+            assert!(at >= from + truth, "never before the true time");
+            assert!(
+                at - (from + truth) <= SEARCH_PRECISION_MS,
+                "within the precision"
+            );
+            assert!(
+                found.evaluations <= bound,
+                "{} > {bound}",
+                found.evaluations
+            );
+        }
+        let never = earliest_true(0, horizon, SEARCH_PRECISION_MS, |_| {
+            Ok::<_, Infallible>(false)
+        })
+        .unwrap();
+        assert_eq!(
+            never,
+            Found {
+                at_ms: None,
+                evaluations: 1
+            }
+        );
+    }
+
+    #[test]
+    fn an_error_ends_the_search() {
+        let mut n = 0;
+        let r = earliest_true(0, 1_000_000, 1, |t| {
+            n += 1;
+            if n == 3 { Err("boom") } else { Ok(t > 10) }
+        });
+        assert_eq!(r, Err("boom"));
+        assert_eq!(n, 3);
+    }
+}
