@@ -86,6 +86,10 @@ enum Command {
         /// Calls the built-in runner runs at once (0: none; external runners only).
         #[arg(long, default_value_t = 64)]
         runner_capacity: usize,
+        /// The `helm` program Cleaners uninstall releases with (Kubernetes; without it a Cleaner
+        /// that asks for a release's uninstall cannot complete its firing).
+        #[arg(long, env = "EBB_CLEANER_HELM")]
+        cleaner_helm: Option<PathBuf>,
         /// How long a runner may keep a call it did not start before it is redelivered, in ms.
         #[arg(long, default_value_t = 30_000)]
         visibility_timeout_ms: u64,
@@ -414,6 +418,7 @@ fn run(cli: Cli) -> Result<()> {
             runner_token,
             api_token,
             runner_capacity,
+            cleaner_helm,
             visibility_timeout_ms,
             runner_lease_ms,
             max_queued,
@@ -450,6 +455,7 @@ fn run(cli: Cli) -> Result<()> {
                 runner_token,
                 api_token,
                 runner_capacity,
+                cleaner_helm,
                 calls: ebb::calls::CallOptions {
                     runner_lease_ms,
                     retention_ms: call_retention_ms,
@@ -1152,7 +1158,10 @@ async fn run_workload(replicas: u32, log_dir: PathBuf, command: Vec<String>) -> 
 
 /// `ebb crds`: the definitions as pretty JSON (which kubectl and kustomize read as YAML).
 fn crds(out: Option<&std::path::Path>) -> anyhow::Result<()> {
-    for crd in ebb::functions::crds() {
+    for crd in ebb::functions::crds()
+        .into_iter()
+        .chain(ebb::cleaner::crds())
+    {
         let name = crd.metadata.name.clone().unwrap_or_default();
         let mut text = serde_json::to_string_pretty(&crd)?;
         text.push('\n');

@@ -57,6 +57,8 @@ pub struct ServeOptions {
     pub kafka: Option<KafkaOptions>,
     /// Calls the built-in runner runs at once (0: no built-in runner).
     pub runner_capacity: usize,
+    /// The `helm` program Cleaners uninstall releases with.
+    pub cleaner_helm: Option<PathBuf>,
     /// Run workloads on Kubernetes instead of as local processes.
     pub kubernetes: Option<KubeOptions>,
     /// This replica's name, which the ids of the calls and instances it accepts carry (`None`:
@@ -279,6 +281,22 @@ pub async fn run(
             log.clone(),
             ko.shared.leading.clone(),
             Duration::from_millis(options.functions.period_ms.max(1_000)),
+            stop_rx.clone(),
+        ));
+    }
+    // On Kubernetes: the cleaners, run by the holder of the lease.
+    if let (Some(k), Some(ko)) = (&kube, &options.kubernetes) {
+        tokio::spawn(crate::cleaner::kube::run(
+            k.client(),
+            log.clone(),
+            clock.clone(),
+            crate::cleaner::kube::KubeCleanerOptions {
+                namespace: ko.namespace.clone(),
+                instance: ko.instance.clone(),
+                helm: options.cleaner_helm.clone(),
+                options: crate::cleaner::runtime::Options::default(),
+            },
+            ko.shared.leading.clone(),
             stop_rx.clone(),
         ));
     }

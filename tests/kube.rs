@@ -1596,3 +1596,360 @@ async fn templates_are_func_resources_that_every_replica_follows() {
     assert!(!listed(&e0).await.contains(&"odd".to_owned()));
     assert!(!listed(&e0).await.contains(&"other".to_owned()));
 }
+
+/// A ConfigMap in `default` with `data.done` and labels.
+fn config_map(name: &str, done: &str, labels: &[(&str, &str)]) -> String {
+    let labels: Vec<String> = labels
+        .iter()
+        .map(|(k, v)| format!("    {k}: {v}"))
+        .collect();
+    format!(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {name}\n  namespace: default\n  labels:\n    ebb.dev/test: cleaner\n{}\ndata:\n  done: \"{done}\"\n",
+        labels.join("\n")
+    )
+}
+
+/// A Cleaner in `default` that fires at once (a TTL of 0) when its conditions hold.
+fn cleaner(name: &str, extra: &str, targets: &str, conditions: &[&str]) -> String {
+    let conditions: Vec<String> = conditions
+        .iter()
+        .map(|c| format!("  - {}", serde_json::to_string(c).unwrap()))
+        .collect();
+    format!(
+        "apiVersion: cleaner.ebb.dev/v1alpha1\nkind: Cleaner\nmetadata:\n  name: {name}\n  namespace: default\nspec:\n  ttl: 0s\n  retry:\n    period: 1h\n{extra}  targets:\n{targets}  conditions:\n{}\n",
+        conditions.join("\n")
+    )
+}
+
+fn exists(cp: &ControlPlane, kind: &str, name: &str) -> bool {
+    cp.try_kubectl(&["get", kind, name, "-n", "default", "-o", "name"])
+        .is_ok()
+}
+
+fn cleaner_status(cp: &ControlPlane, name: &str) -> serde_json::Value {
+    cp.try_kubectl(&["get", "cleaner", name, "-n", "default", "-o", "json"])
+        .map(|t| json(&t)["status"].clone())
+        .unwrap_or_default()
+}
+
+/// Waits until Cleaner `name`'s `Ready` condition has `reason`; its status then.
+async fn cleaner_reason(cp: &ControlPlane, name: &str, reason: &str) -> serde_json::Value {
+    let mut last = serde_json::Value::Null;
+    let found = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let s = cleaner_status(cp, name);
+            if s["conditions"][0]["reason"] == reason {
+                return s;
+            }
+            last = s;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    found.unwrap_or_else(|_| panic!("Cleaner {name} never {reason}: {last}"))
+}
+
+#[tokio::test]
+async fn cleaners_delete_their_targets_only_when_their_conditions_hold() {
+    let (cp, admin, _agent) = cluster().await;
+    let data = tempfile::tempdir().unwrap();
+    // What a platform team grants ebb for the kinds its Cleaners target.
+    deployed_service_account(&cp);
+    cp.kubectl(&[
+        "create",
+        "clusterrole",
+        "ebb-cleaner-targets",
+        "--verb=get,list,watch,delete",
+        "--resource=configmaps",
+    ]);
+    cp.kubectl(&[
+        "create",
+        "clusterrolebinding",
+        "ebb-cleaner-targets",
+        "--clusterrole=ebb-cleaner-targets",
+        "--serviceaccount=ebb:ebb",
+    ]);
+    let _ebb = serve_on(&cp, data.path(), &[]);
+
+    // Targets by name and by labels; the conditions hold once `flag` says done.
+    apply(&cp, &config_map("flag", "no", &[]));
+    apply(&cp, &config_map("batch-1", "yes", &[("batch", "b")]));
+    apply(&cp, &config_map("batch-2", "yes", &[("batch", "b")]));
+    apply(&cp, &config_map("bystander", "yes", &[("batch", "other")]));
+    let targets = "  - name: flag\n    reference: {apiVersion: v1, kind: ConfigMap, name: flag}\n    delete: true\n    includeWhenEvaluating: true\n  - name: batch\n    reference: {apiVersion: v1, kind: configmap, matchLabels: {batch: b}}\n    delete: true\n    includeWhenEvaluating: true\n";
+    apply(
+        &cp,
+        &cleaner(
+            "c1",
+            "",
+            targets,
+            &[
+                "flag.data.done == 'yes'",
+                "size(batch.items) == 2 && batch.items.all(i, i.data.done == 'yes')",
+            ],
+        ),
+    );
+    let s = cleaner_reason(&cp, "c1", "WaitingForConditions").await;
+    let resolved: Vec<&str> = s["resolvedTargets"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        resolved,
+        [
+            "flag.configmaps.v1",
+            "batch-1.configmaps.v1",
+            "batch-2.configmaps.v1"
+        ]
+    );
+    let results: Vec<bool> = s["lastEvaluation"]["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["result"].as_bool().unwrap())
+        .collect();
+    assert_eq!(results, [false, true]);
+    for cm in ["flag", "batch-1", "batch-2"] {
+        assert!(
+            exists(&cp, "configmap", cm),
+            "{cm} deleted while a condition is false"
+        );
+    }
+
+    // A change to a target re-evaluates its cleaner (the retry period is an hour): it fires.
+    cp.kubectl(&[
+        "patch",
+        "configmap",
+        "flag",
+        "-n",
+        "default",
+        "--type=merge",
+        "-p",
+        r#"{"data":{"done":"yes"}}"#,
+    ]);
+    wait_for(
+        "c1's targets and c1 deleted",
+        Duration::from_secs(30),
+        || {
+            !exists(&cp, "configmap", "flag")
+                && !exists(&cp, "configmap", "batch-1")
+                && !exists(&cp, "configmap", "batch-2")
+                && !exists(&cp, "cleaner", "c1")
+        },
+    )
+    .await;
+    assert!(
+        exists(&cp, "configmap", "bystander"),
+        "a non-matching object was deleted"
+    );
+    warning_event_in(&cp, "default", "Deleting", "c1").await;
+    let log = common::events(data.path());
+    let fired: Vec<&serde_json::Value> = log
+        .iter()
+        .map(|e| &e["event"])
+        .filter(|e| {
+            e.get("CleanerFiring")
+                .is_some_and(|f| f["name"] == "default/c1")
+                || e.get("CleanerFired")
+                    .is_some_and(|f| f["name"] == "default/c1")
+        })
+        .collect();
+    assert_eq!(fired.len(), 2, "one firing, one completion: {fired:?}");
+    let entries = fired[0]["CleanerFiring"]["targets"].as_array().unwrap();
+    assert_eq!(entries.len(), 3);
+    assert!(
+        entries
+            .iter()
+            .all(|e| e.as_str().unwrap().starts_with("v1/ConfigMap/default/"))
+    );
+
+    // Dry run: nothing is deleted, what would be is listed.
+    apply(&cp, &config_map("dry", "yes", &[]));
+    let one = |n: &str| {
+        format!(
+            "  - name: t\n    reference: {{apiVersion: v1, kind: ConfigMap, name: {n}}}\n    delete: true\n    includeWhenEvaluating: true\n"
+        )
+    };
+    apply(
+        &cp,
+        &cleaner(
+            "c2",
+            "  dryRun: true\n",
+            &one("dry"),
+            &["t.data.done == 'yes'"],
+        ),
+    );
+    let s = cleaner_reason(&cp, "c2", "DryRun").await;
+    let would = s["wouldDelete"].as_array().unwrap();
+    assert_eq!(would.len(), 1);
+    assert!(
+        would[0]
+            .as_str()
+            .unwrap()
+            .starts_with("v1/ConfigMap/default/dry@")
+    );
+    assert!(exists(&cp, "configmap", "dry") && exists(&cp, "cleaner", "c2"));
+
+    // A Cleaner deleted by hand before it fires leaves its targets: it holds no finalizer.
+    apply(&cp, &config_map("kept", "no", &[]));
+    apply(
+        &cp,
+        &cleaner("c3", "", &one("kept"), &["t.data.done == 'yes'"]),
+    );
+    cleaner_reason(&cp, "c3", "WaitingForConditions").await;
+    cp.kubectl(&["delete", "cleaner", "c3", "-n", "default", "--wait=false"]);
+    wait_for("c3 forgotten", Duration::from_secs(30), || {
+        !exists(&cp, "cleaner", "c3")
+            && common::events(data.path())
+                .iter()
+                .any(|e| e["event"]["CleanerDeleted"]["name"] == "default/c3")
+    })
+    .await;
+    cp.kubectl(&[
+        "patch",
+        "configmap",
+        "kept",
+        "-n",
+        "default",
+        "--type=merge",
+        "-p",
+        r#"{"data":{"done":"yes"}}"#,
+    ]);
+    // Another cleaner of the same object, which does fire, shows the change was seen.
+    apply(&cp, &config_map("other", "yes", &[]));
+    apply(
+        &cp,
+        &cleaner("c4", "", &one("other"), &["t.data.done == 'yes'"]),
+    );
+    wait_for("c4 fired", Duration::from_secs(30), || {
+        !exists(&cp, "configmap", "other")
+    })
+    .await;
+    assert!(
+        exists(&cp, "configmap", "kept"),
+        "a hand-deleted Cleaner's target was deleted"
+    );
+
+    // Bad input: each a reason on its own Cleaner, nothing else affected.
+    let cm = "  - name: t\n    reference: {apiVersion: v1, kind: ConfigMap, name: dry}\n    includeWhenEvaluating: true\n";
+    let bad = [
+        (
+            "bad-syntax",
+            "",
+            cm.to_owned(),
+            "t.data.(",
+            "ConditionCompileError",
+        ),
+        ("bad-type", "", cm.to_owned(), "size(t.data)", "NotBoolean"),
+        (
+            "bad-runaway",
+            "",
+            cm.to_owned(),
+            "[0,1,2,3,4,5,6,7,8,9].all(a, [0,1,2,3,4,5,6,7,8,9].all(b, [0,1,2,3,4,5,6,7,8,9].all(c, [0,1,2,3,4,5,6,7,8,9].all(d, [0,1,2,3,4,5,6,7,8,9].all(e, [0,1,2,3,4,5,6,7,8,9].all(f, a + b + c + d + e + f >= 0))))))",
+            "EvaluationLimitExceeded",
+        ),
+        (
+            "bad-kind",
+            "",
+            "  - name: t\n    reference: {apiVersion: v1, kind: NoSuchKind, name: x}\n".to_owned(),
+            "true",
+            "TargetResolveError",
+        ),
+        (
+            "bad-time",
+            "",
+            cm.replace("name: t\n", "name: time\n"),
+            "true",
+            "InvalidSpec",
+        ),
+    ];
+    for (name, extra, targets, condition, _) in &bad {
+        apply(&cp, &cleaner(name, extra, targets, &[condition]));
+    }
+    apply(
+        &cp,
+        &cleaner("bad-ttl", "", cm, &["true"]).replace("ttl: 0s", "ttl: forever"),
+    );
+    for (name, _, _, _, reason) in &bad {
+        let s = cleaner_reason(&cp, name, reason).await;
+        assert!(
+            !s["conditions"][0]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .is_empty(),
+            "{name}: {s}"
+        );
+    }
+    let s = cleaner_reason(&cp, "bad-ttl", "InvalidSpec").await;
+    assert!(
+        s["conditions"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.ttl"),
+        "{s}"
+    );
+    assert!(
+        exists(&cp, "configmap", "dry"),
+        "a bad Cleaner deleted something"
+    );
+
+    // A target replaced by a new object of the same name between its resolution and its
+    // deletion is not deleted: the delete is conditioned on the uid resolved.
+    apply(&cp, &config_map("replaced", "yes", &[]));
+    let (tx, _rx) = tokio::sync::mpsc::channel(16);
+    let (_stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let targets =
+        ebb::cleaner::kube::KubeTargets::new(admin.clone(), "test", tx, stop_rx, None, None);
+    let spec = ebb::cleaner::spec::to_spec(
+        "default/r",
+        "default",
+        "uid-r",
+        0,
+        &serde_json::from_value(serde_json::json!({
+            "ttl": "0s",
+            "targets": [{"name": "t", "delete": true,
+                         "reference": {"apiVersion": "v1", "kind": "ConfigMap", "name": "replaced"}}],
+        }))
+        .unwrap(),
+    );
+    targets.ensure_kinds(&spec).await;
+    use ebb::cleaner::runtime::{Backend, Deleted};
+    let resolved = wait_until("the target cached", Duration::from_secs(10), || {
+        let r = targets
+            .resolve(&spec)
+            .ok()
+            .filter(|r| r.deletions.len() == 1);
+        async move { r }
+    })
+    .await;
+    cp.kubectl(&["delete", "configmap", "replaced", "-n", "default"]);
+    apply(&cp, &config_map("replaced", "yes", &[]));
+    assert_eq!(
+        targets.delete(&spec, &resolved.deletions[0]).await,
+        Ok(Deleted::Gone)
+    );
+    assert!(
+        exists(&cp, "configmap", "replaced"),
+        "the new object was deleted"
+    );
+}
+
+async fn warning_event_in(cp: &ControlPlane, namespace: &str, reason: &str, name: &str) {
+    wait_for(
+        &format!("a {reason} Warning Event on {name}"),
+        Duration::from_secs(30),
+        || {
+            let events = json(&cp.kubectl(&["get", "events", "-n", namespace, "-o", "json"]));
+            events["items"].as_array().is_some_and(|items| {
+                items.iter().any(|e| {
+                    e["type"] == "Warning"
+                        && e["reason"] == reason
+                        && e["involvedObject"]["name"] == name
+                })
+            })
+        },
+    )
+    .await;
+}

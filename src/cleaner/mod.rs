@@ -10,6 +10,7 @@
 //! `CleanerUpserted`, `CleanerEvaluated {next_at_ms}`, `CleanerFiring` and `CleanerFired`.
 
 pub mod cel;
+pub mod kube;
 pub mod runtime;
 pub mod spec;
 
@@ -17,6 +18,14 @@ use crate::event::{CleanerSpec, Event};
 use crate::timing::{SEARCH_HORIZON_MS, SEARCH_PRECISION_MS, earliest_true};
 
 use self::cel::{Conditions, EvalError, Limits};
+
+/// The `Cleaner` custom resource's definition (`ebb crds`).
+pub fn crds()
+-> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
+{
+    use ::kube::CustomResourceExt;
+    vec![spec::CleanerResource::crd()]
+}
 
 /// Where a cleaner stands: its `Ready` condition's reason.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -54,6 +54,13 @@ pub trait Backend: Send + Sync + 'static {
         spec: &CleanerSpec,
         entry: &str,
     ) -> impl Future<Output = Result<Deleted, String>> + Send;
+    /// A firing of these entries starts (again, after a restart): hold the cleaner until it
+    /// completes.
+    fn begin(
+        &self,
+        spec: &CleanerSpec,
+        entries: &[String],
+    ) -> impl Future<Output = Result<(), String>> + Send;
     /// The firing is done: remove the cleaner itself.
     fn finish(&self, spec: &CleanerSpec) -> impl Future<Output = Result<(), String>> + Send;
     /// The cleaner's evaluation or firing was recorded: show it (a status, an event).
@@ -123,6 +130,11 @@ impl<B: Backend> Cleaners<B> {
     /// The backend.
     pub fn backend(&self) -> &Arc<B> {
         &self.backend
+    }
+
+    /// The log.
+    pub fn log(&self) -> &Arc<Log<State>> {
+        &self.log
     }
 
     /// Upserts a cleaner, unless the log already has it as it is (so listing cleaners again
@@ -290,6 +302,10 @@ impl<B: Backend> Cleaners<B> {
         let Some(entries) = c.firing.clone() else {
             return Ok(false);
         };
+        if let Err(e) = self.backend.begin(&c.spec, &entries).await {
+            tracing::warn!(cleaner = %name, error = %e, "starting a firing failed; it is left for later");
+            return Ok(false);
+        }
         for entry in &entries {
             let mut attempt = 0;
             loop {
@@ -480,6 +496,9 @@ mod tests {
         async fn delete(&self, _: &CleanerSpec, entry: &str) -> Result<Deleted, String> {
             self.deleted.lock().unwrap().push(entry.to_owned());
             Ok(Deleted::Deleted)
+        }
+        async fn begin(&self, _: &CleanerSpec, _: &[String]) -> Result<(), String> {
+            Ok(())
         }
         async fn finish(&self, spec: &CleanerSpec) -> Result<(), String> {
             self.finished.lock().unwrap().push(spec.name.clone());
