@@ -24,7 +24,8 @@ use std::time::Duration;
 
 use common::controlplane::{ControlPlane, wait_for, wait_until};
 use common::ebbkube::{
-    TEST_TIMING, apply, cluster, get, json, send, serve_deployed, serve_kube, serverless_hello,
+    TEST_TIMING, apply, cluster, get, json, send, serve_deployed, serve_kube, serve_on,
+    serverless_hello,
 };
 use ebb::clock::{Clock, Stopwatch, SystemClock};
 use futures_util::StreamExt;
@@ -282,6 +283,121 @@ async fn run() {
 
     println!("Function templates on Kubernetes ({ROUNDS} rounds, medians):");
     template_across_replicas(&cp, &kube).await;
+
+    println!("Cleaners on Kubernetes ({CLEANER_ROUNDS} target changes):");
+    cleaner_reevaluation(&cp, &kube).await;
+}
+
+/// Target changes timed in part 5.
+const CLEANER_ROUNDS: usize = 100;
+
+/// 5: a change to a Cleaner's target, to the Cleaner's status showing its re-evaluation (the
+/// retry period is an hour: only the change makes it); anchor: the same change to a bare watch
+/// of the target seeing it.
+async fn cleaner_reevaluation(cp: &ControlPlane, kube: &kube::Client) {
+    use ebb::cleaner::spec::CleanerResource;
+    use k8s_openapi::api::core::v1::ConfigMap;
+    cp.kubectl(&[
+        "create",
+        "clusterrole",
+        "ebb-cleaner-targets",
+        "--verb=get,list,watch,delete",
+        "--resource=configmaps",
+    ]);
+    cp.kubectl(&[
+        "create",
+        "clusterrolebinding",
+        "ebb-cleaner-targets",
+        "--clusterrole=ebb-cleaner-targets",
+        "--serviceaccount=ebb:ebb",
+    ]);
+    let d = tempfile::tempdir().unwrap();
+    let _ebb = serve_on(cp, d.path(), &[]);
+    apply(
+        cp,
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: bench-target, namespace: default}\ndata: {v: \"0\"}\n",
+    );
+    // The two watches: the target's, and the Cleaner's last evaluation time.
+    let (bare_tx, mut bare_rx) = tokio::sync::mpsc::unbounded_channel();
+    let maps: Api<ConfigMap> = Api::namespaced(kube.clone(), "default");
+    tokio::spawn(async move {
+        let cfg = watcher::Config::default().fields("metadata.name=bench-target");
+        let stream = watcher(maps, cfg).applied_objects();
+        tokio::pin!(stream);
+        while let Some(Ok(m)) = stream.next().await {
+            let v = m.data.and_then(|d| d.get("v").cloned()).unwrap_or_default();
+            let _ = bare_tx.send(v);
+        }
+    });
+    let (eval_tx, mut eval_rx) = tokio::sync::mpsc::unbounded_channel();
+    let cleaners: Api<CleanerResource> = Api::namespaced(kube.clone(), "default");
+    tokio::spawn(async move {
+        let stream = watcher(cleaners, watcher::Config::default()).applied_objects();
+        tokio::pin!(stream);
+        while let Some(Ok(c)) = stream.next().await {
+            if let Some(t) = c.status.and_then(|s| s.last_evaluation).map(|l| l.time) {
+                let _ = eval_tx.send(t);
+            }
+        }
+    });
+    apply(
+        cp,
+        "apiVersion: cleaner.ebb.dev/v1alpha1\nkind: Cleaner\nmetadata: {name: bench, namespace: default}\nspec:\n  ttl: 0s\n  retry: {period: 1h}\n  targets:\n  - name: t\n    reference: {apiVersion: v1, kind: ConfigMap, name: bench-target}\n    includeWhenEvaluating: true\n  conditions: [\"t.data.v == 'never'\"]\n",
+    );
+    let first = tokio::time::timeout(Duration::from_secs(60), eval_rx.recv())
+        .await
+        .expect("the Cleaner's first evaluation")
+        .unwrap();
+    let mut last = first;
+    let (mut ebb_ms, mut bare_ms) = (Vec::new(), Vec::new());
+    for round in 1..=CLEANER_ROUNDS {
+        let v = round.to_string();
+        let t = Stopwatch::start();
+        cp.kubectl(&[
+            "patch",
+            "configmap",
+            "bench-target",
+            "-n",
+            "default",
+            "--type=merge",
+            "-p",
+            &format!(r#"{{"data":{{"v":"{v}"}}}}"#),
+        ]);
+        let (mut seen_bare, mut seen_eval) = (None, None);
+        let wait = async {
+            while seen_bare.is_none() || seen_eval.is_none() {
+                tokio::select! {
+                    Some(b) = bare_rx.recv(), if seen_bare.is_none() => {
+                        if b == v { seen_bare = Some(t.elapsed()); }
+                    }
+                    Some(e) = eval_rx.recv(), if seen_eval.is_none() => {
+                        if e > last { last = e; seen_eval = Some(t.elapsed()); }
+                    }
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(30), wait)
+            .await
+            .expect("the change seen by both watches");
+        // kubectl's own start is in both; the bare watch's time is the anchor.
+        ebb_ms.push(seen_eval.unwrap().as_secs_f64() * 1_000.0);
+        bare_ms.push(seen_bare.unwrap().as_secs_f64() * 1_000.0);
+    }
+    let pct = |mut v: Vec<f64>, p: f64| {
+        v.sort_by(f64::total_cmp);
+        v[((v.len() as f64 - 1.0) * p).round() as usize]
+    };
+    println!(
+        "  target change (kubectl patch) to the Cleaner's re-evaluation on its status: p50 {:.1} ms, p99 {:.1} ms",
+        pct(ebb_ms.clone(), 0.5),
+        pct(ebb_ms.clone(), 0.99)
+    );
+    println!(
+        "  anchor, the same change on a bare watch of the target: p50 {:.1} ms, p99 {:.1} ms; ratio of p50s {:.2}x",
+        pct(bare_ms.clone(), 0.5),
+        pct(bare_ms.clone(), 0.99),
+        pct(ebb_ms, 0.5) / pct(bare_ms, 0.5)
+    );
 }
 
 /// Reads `watch` until it has an `ADDED` line for template `name` (each line within 30 s).

@@ -27,6 +27,10 @@ pub struct Config {
     /// `left`, `right`, `maxInstanceNum`, ...).
     #[serde(default, rename = "function")]
     pub functions: Vec<crate::functions::TemplateJson>,
+    /// Cleaners of ebb's own objects (apps, function templates, ended calls and instances),
+    /// with the `Cleaner` resource's fields and a `name`.
+    #[serde(default, rename = "cleaner")]
+    pub cleaners: Vec<crate::cleaner::local::CleanerConfig>,
 }
 
 /// One app: a route and the workload behind it.
@@ -133,6 +137,19 @@ impl Config {
             f.clone()
                 .into_spec()
                 .map_err(|e| invalid(format!("function {:?}: {e}", f.name)))?;
+        }
+        let mut cleaner_names = std::collections::BTreeSet::new();
+        for c in &cfg.cleaners {
+            if !cleaner_names.insert(c.name.clone()) {
+                return Err(invalid(format!("cleaner {:?} is defined twice", c.name)));
+            }
+            let spec = crate::cleaner::local::config_spec(c);
+            if !spec.invalid.is_empty() {
+                return Err(invalid(format!("cleaner {:?}: {}", c.name, spec.invalid)));
+            }
+            if let Err(e) = crate::cleaner::compile(&spec) {
+                return Err(invalid(format!("cleaner {:?}: {e}", c.name)));
+            }
         }
         let base = path.parent().unwrap_or(Path::new("."));
         let mut names = std::collections::BTreeSet::new();

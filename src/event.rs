@@ -324,6 +324,10 @@ pub struct CleanerSpec {
     /// What is wrong with the cleaner as written (empty: nothing); such a cleaner never fires.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub invalid: String,
+    /// A standing cleaner (one of `ebb.toml`): after each firing it is evaluated again after its
+    /// retry period, instead of being done.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub repeat: bool,
 }
 
 fn is_zero_u64(v: &u64) -> bool {

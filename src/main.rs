@@ -328,6 +328,9 @@ enum BenchCommand {
     Calls(ebb::bench::calls::CallsBenchArgs),
     /// Function instances end to end: instances/s (one step, three-step chain), POST to result.
     Functions(ebb::bench::functions::FunctionsBenchArgs),
+    /// Cleaners: the schedule of 100,000, CEL evaluations/s of the proposal's condition, and the
+    /// loop's lateness against its planned times, each against an anchor.
+    Cleaners(ebb::bench::cleaners::CleanersBenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -529,6 +532,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Log(args)) => runtime()?.block_on(ebb::bench::log(args)),
         Command::Bench(BenchCommand::Calls(args)) => {
             runtime()?.block_on(ebb::bench::calls::run(args))
+        }
+        Command::Bench(BenchCommand::Cleaners(args)) => {
+            runtime()?.block_on(ebb::bench::cleaners::run(args))
         }
         Command::Bench(BenchCommand::Functions(args)) => {
             runtime()?.block_on(ebb::bench::functions::run(args))

@@ -284,6 +284,51 @@ pub async fn run(
             stop_rx.clone(),
         ));
     }
+    // The cleaners of ebb.toml and the retention, on every replica: ebb's own objects.
+    let local_cleaners = Arc::new(
+        crate::cleaner::runtime::Cleaners::new(
+            log.clone(),
+            clock.clone(),
+            crate::cleaner::local::LocalTargets::new(log.clone(), clock.clone()),
+            crate::cleaner::runtime::Options::default(),
+        )
+        .only(crate::cleaner::local::is_local),
+    );
+    {
+        let mut specs: Vec<crate::event::CleanerSpec> = config
+            .cleaners
+            .iter()
+            .map(crate::cleaner::local::config_spec)
+            .collect();
+        if !config.cleaners.iter().any(|c| c.name == "retention") {
+            specs.push(crate::cleaner::local::retention(
+                options.calls.retention_ms,
+                options.calls.forget_every_ms,
+            ));
+        }
+        let names: std::collections::BTreeSet<String> =
+            specs.iter().map(|s| s.name.clone()).collect();
+        let gone: Vec<String> = log.read(|s| {
+            s.cleaners
+                .by_name
+                .keys()
+                .filter(|n| crate::cleaner::local::is_local(n) && !names.contains(*n))
+                .cloned()
+                .collect()
+        });
+        for n in gone {
+            local_cleaners.delete(&n).await?;
+        }
+        for spec in specs {
+            local_cleaners.upsert(spec).await?;
+        }
+    }
+    let (_local_nudge, local_nudged) = tokio::sync::mpsc::channel(1);
+    let local_cleaner_task = tokio::spawn(crate::cleaner::runtime::run(
+        local_cleaners,
+        local_nudged,
+        stop_rx.clone(),
+    ));
     // On Kubernetes: the cleaners, run by the holder of the lease.
     if let (Some(k), Some(ko)) = (&kube, &options.kubernetes) {
         tokio::spawn(crate::cleaner::kube::run(
@@ -461,6 +506,7 @@ pub async fn run(
     let _ = driver.await;
     let _ = autoscaler.await;
     let _ = cron.await;
+    let _ = local_cleaner_task.await;
     let _ = tokio::task::spawn_blocking(move || {
         for t in proxy_threads {
             let _ = t.join();

@@ -1953,3 +1953,212 @@ async fn warning_event_in(cp: &ControlPlane, namespace: &str, reason: &str, name
     )
     .await;
 }
+
+/// The events of Cleaner `name` in ebb's log, by event name.
+fn cleaner_events(data: &std::path::Path, name: &str, event: &str) -> usize {
+    common::events(data)
+        .iter()
+        .filter(|e| e["event"].get(event).is_some_and(|f| f["name"] == name))
+        .count()
+}
+
+#[tokio::test]
+async fn a_firing_cut_short_by_sigkill_completes_once_after_the_restart() {
+    let (cp, _, _agent) = cluster().await;
+    let data = tempfile::tempdir().unwrap();
+    deployed_service_account(&cp);
+    // ebb may delete ConfigMaps but, for now, only read Secrets.
+    cp.kubectl(&[
+        "create",
+        "clusterrole",
+        "ebb-cleaner-targets",
+        "--verb=get,list,watch,delete",
+        "--resource=configmaps",
+    ]);
+    cp.kubectl(&[
+        "create",
+        "clusterrole",
+        "ebb-cleaner-read",
+        "--verb=get,list,watch",
+        "--resource=secrets",
+    ]);
+    for role in ["ebb-cleaner-targets", "ebb-cleaner-read"] {
+        cp.kubectl(&[
+            "create",
+            "clusterrolebinding",
+            role,
+            &format!("--clusterrole={role}"),
+            "--serviceaccount=ebb:ebb",
+        ]);
+    }
+    let ebb = serve_on(&cp, data.path(), &[]);
+    apply(&cp, &config_map("k-cm", "yes", &[]));
+    cp.kubectl(&[
+        "create",
+        "secret",
+        "generic",
+        "k-secret",
+        "-n",
+        "default",
+        "--from-literal=a=b",
+    ]);
+    let targets = "  - name: cm\n    reference: {apiVersion: v1, kind: ConfigMap, name: k-cm}\n    delete: true\n    includeWhenEvaluating: true\n  - name: secret\n    reference: {apiVersion: v1, kind: Secret, name: k-secret}\n    delete: true\n";
+    apply(&cp, &cleaner("k1", "", targets, &["cm.data.done == 'yes'"]));
+
+    // It fires: the ConfigMap goes, the Secret's delete is forbidden, the firing stays open.
+    wait_for(
+        "k1 firing, its ConfigMap deleted",
+        Duration::from_secs(30),
+        || {
+            !exists(&cp, "configmap", "k-cm")
+                && cleaner_events(data.path(), "default/k1", "CleanerFiring") == 1
+        },
+    )
+    .await;
+    let held = json(&cp.kubectl(&["get", "cleaner", "k1", "-n", "default", "-o", "json"]));
+    assert_eq!(held["metadata"]["finalizers"][0], "cleaner.ebb.dev/firing");
+    assert!(exists(&cp, "secret", "k-secret"));
+    assert_eq!(cleaner_events(data.path(), "default/k1", "CleanerFired"), 0);
+
+    // SIGKILL in the middle of it; the permission granted; ebb again on the same log.
+    drop(ebb);
+    cp.kubectl(&[
+        "create",
+        "clusterrole",
+        "ebb-cleaner-secrets",
+        "--verb=delete",
+        "--resource=secrets",
+    ]);
+    cp.kubectl(&[
+        "create",
+        "clusterrolebinding",
+        "ebb-cleaner-secrets",
+        "--clusterrole=ebb-cleaner-secrets",
+        "--serviceaccount=ebb:ebb",
+    ]);
+    let _ebb = serve_on(&cp, data.path(), &[]);
+    wait_for("the firing completed", Duration::from_secs(60), || {
+        !exists(&cp, "secret", "k-secret") && !exists(&cp, "cleaner", "k1")
+    })
+    .await;
+    wait_for("CleanerFired recorded", Duration::from_secs(30), || {
+        cleaner_events(data.path(), "default/k1", "CleanerFired") == 1
+    })
+    .await;
+    // Once: one firing, one completion, one evaluation that fired.
+    assert_eq!(
+        cleaner_events(data.path(), "default/k1", "CleanerFiring"),
+        1
+    );
+    let fired_evaluations = common::events(data.path())
+        .iter()
+        .filter(|e| {
+            e["event"]
+                .get("CleanerEvaluated")
+                .is_some_and(|f| f["name"] == "default/k1" && f["result"] == true)
+        })
+        .count();
+    assert_eq!(fired_evaluations, 1);
+}
+
+/// The `helm` command: `EBB_HELM`, else built from its Go module (`scripts/helm build`).
+fn helm() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("EBB_HELM") {
+        return p.into();
+    }
+    let out = std::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/helm"))
+        .arg("build")
+        .output()
+        .expect("scripts/helm runs");
+    assert!(
+        out.status.success(),
+        "scripts/helm build: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().into()
+}
+
+#[tokio::test]
+async fn a_cleaner_uninstalls_a_real_helm_release() {
+    let (cp, _, _agent) = cluster().await;
+    let data = tempfile::tempdir().unwrap();
+    let helm = helm();
+    // A chart of one ConfigMap, installed by the administrator.
+    let chart = tempfile::tempdir().unwrap();
+    std::fs::write(
+        chart.path().join("Chart.yaml"),
+        "apiVersion: v2\nname: preview\nversion: 0.1.0\n",
+    )
+    .unwrap();
+    std::fs::create_dir(chart.path().join("templates")).unwrap();
+    std::fs::write(
+        chart.path().join("templates/cm.yaml"),
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Release.Name }}-cm\ndata:\n  done: \"yes\"\n",
+    )
+    .unwrap();
+    let run_helm = |args: &[&str]| {
+        std::process::Command::new(&helm)
+            .args(args)
+            .env("KUBECONFIG", &cp.kubeconfig)
+            .env("HELM_CACHE_HOME", data.path().join("helm-cache"))
+            .env("HELM_CONFIG_HOME", data.path().join("helm-config"))
+            .env("HELM_DATA_HOME", data.path().join("helm-data"))
+            .output()
+            .unwrap()
+    };
+    let out = run_helm(&[
+        "install",
+        "rel1",
+        chart.path().to_str().unwrap(),
+        "-n",
+        "default",
+    ]);
+    assert!(
+        out.status.success(),
+        "helm install: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(exists(&cp, "configmap", "rel1-cm"));
+
+    // ebb uninstalls with helm as its ServiceAccount: Helm's release Secrets and the chart's kinds.
+    deployed_service_account(&cp);
+    cp.kubectl(&[
+        "create",
+        "clusterrole",
+        "ebb-cleaner-targets",
+        "--verb=get,list,watch,delete",
+        "--resource=configmaps,secrets",
+    ]);
+    cp.kubectl(&[
+        "create",
+        "clusterrolebinding",
+        "ebb-cleaner-targets",
+        "--clusterrole=ebb-cleaner-targets",
+        "--serviceaccount=ebb:ebb",
+    ]);
+    let helm_flag = format!("--cleaner-helm={}", helm.display());
+    let _ebb = serve_on(&cp, data.path(), &[&helm_flag]);
+    let targets = "  - name: cm\n    reference: {apiVersion: v1, kind: ConfigMap, name: rel1-cm}\n    includeWhenEvaluating: true\n";
+    apply(
+        &cp,
+        &cleaner(
+            "h1",
+            "  helm: {release: rel1, delete: true}\n",
+            targets,
+            &["cm.data.done == 'yes'"],
+        ),
+    );
+    wait_for(
+        "the release uninstalled and h1 gone",
+        Duration::from_secs(60),
+        || !exists(&cp, "configmap", "rel1-cm") && !exists(&cp, "cleaner", "h1"),
+    )
+    .await;
+    let out = run_helm(&["status", "rel1", "-n", "default"]);
+    assert!(!out.status.success(), "the release is still there");
+    let firing = common::events(data.path())
+        .into_iter()
+        .find_map(|e| e["event"].get("CleanerFiring").cloned())
+        .unwrap();
+    assert_eq!(firing["targets"], serde_json::json!(["helm/default/rel1"]));
+}

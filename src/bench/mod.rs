@@ -2,6 +2,7 @@
 //! timings are taken; tests never assert on time.
 
 pub mod calls;
+pub mod cleaners;
 pub mod functions;
 
 use std::path::PathBuf;
@@ -461,7 +462,7 @@ async fn back_to_zero(
     Ok(())
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)]
 }

@@ -60,7 +60,9 @@ pub struct CallOptions {
     pub runner_lease_ms: u64,
     /// Most runners tracked at once.
     pub max_runners: usize,
-    /// How long an ended call stays readable (`GET /v1/calls/{id}`); its events stay in the log.
+    /// How long an ended call (and function instance) stays readable (`GET /v1/calls/{id}`);
+    /// its events stay in the log. The retention is a standing cleaner of `ebb serve`
+    /// (`cleaner::local::retention`), evaluated every `forget_every_ms`.
     pub retention_ms: u64,
     /// How often the retention is applied.
     pub forget_every_ms: u64,
@@ -277,8 +279,6 @@ pub struct Calls {
     /// are released.
     started_at_ms: u64,
     owners_checked: std::sync::atomic::AtomicBool,
-    /// When the retention was last applied.
-    forgot_at_ms: std::sync::atomic::AtomicU64,
     recovered_at_ms: std::sync::atomic::AtomicU64,
     /// Ids whose put failed (the caller got 500): never run if a queue delivers them anyway (a
     /// Kafka produce that timed out may still land).
@@ -380,7 +380,6 @@ impl Calls {
             runners: Mutex::new(HashMap::new()),
             started_at_ms,
             owners_checked: std::sync::atomic::AtomicBool::new(false),
-            forgot_at_ms: std::sync::atomic::AtomicU64::new(started_at_ms),
             recovered_at_ms: std::sync::atomic::AtomicU64::new(started_at_ms),
             aborted: Mutex::new(IdSet::new(MAX_ABORTED)),
             stale: Arc::new(Mutex::new(IdSet::new(MAX_STALE))),
@@ -1348,33 +1347,6 @@ impl Calls {
         for runner in gone {
             tracing::info!(%runner, "runner not heard from; its reserved calls go to others");
             self.queue.release(&runner).await?;
-        }
-        // The retention: ended calls and instances older than it leave the projection (a
-        // running instance's current step call stays, for the instance to read).
-        let last = self.forgot_at_ms.load(std::sync::atomic::Ordering::Relaxed);
-        if now.saturating_sub(last) >= self.options.forget_every_ms {
-            self.forgot_at_ms
-                .store(now, std::sync::atomic::Ordering::Relaxed);
-            let retention = self.options.retention_ms;
-            self.log
-                .decide(move |s: &State, now| {
-                    let before = now.saturating_sub(retention);
-                    let mut events = Vec::new();
-                    if s.calls
-                        .any_finished_before(before, &s.functions.current_step_calls())
-                    {
-                        events.push(Event::CallsForgotten {
-                            finished_before_ms: before,
-                        });
-                    }
-                    if s.functions.any_finished_before(before) {
-                        events.push(Event::InstancesForgotten {
-                            finished_before_ms: before,
-                        });
-                    }
-                    (events, ())
-                })
-                .await?;
         }
         // Every few seconds: queued calls whose message is gone (a put that lost a race to a
         // refusal's clean-up, or a machine crash) go back on the queue.

@@ -556,7 +556,7 @@ impl Backend for KubeTargets {
             resolved_targets: resolved.to_vec(),
             next_scheduled_evaluation: c.next_at_ms.map(rfc3339),
             last_evaluation: c.evaluated_at_ms.map(|at| LastEvaluation {
-                time: rfc3339(at),
+                time: rfc3339_ms(at),
                 results: c
                     .results
                     .iter()
@@ -601,6 +601,13 @@ impl Backend for KubeTargets {
     }
 }
 
+/// A time in RFC 3339 to the millisecond (an evaluation's, so two a second apart differ).
+fn rfc3339_ms(ms: u64) -> String {
+    chrono::DateTime::from_timestamp_millis(i64::try_from(ms).unwrap_or(i64::MAX))
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+        .unwrap_or_default()
+}
+
 /// The controller's settings.
 #[derive(Debug, Clone, Default)]
 pub struct KubeCleanerOptions {
@@ -641,12 +648,10 @@ pub async fn run(
             options.helm.clone(),
             options.namespace.clone(),
         );
-        let cleaners = Arc::new(Cleaners::new(
-            log.clone(),
-            clock.clone(),
-            targets.clone(),
-            options.options,
-        ));
+        let cleaners = Arc::new(
+            Cleaners::new(log.clone(), clock.clone(), targets.clone(), options.options)
+                .only(|n| !super::local::is_local(n)),
+        );
         let looping = tokio::spawn(super::runtime::run(
             cleaners.clone(),
             changed_rx,
@@ -709,7 +714,9 @@ async fn watch_cleaners(
                         .by_name
                         .iter()
                         .filter(|(n, c)| {
-                            !c.spec.namespace.is_empty() && n.contains('/') && !listing.contains(*n)
+                            !super::local::is_local(n)
+                                && !c.spec.namespace.is_empty()
+                                && !listing.contains(*n)
                         })
                         .filter(|(_, c)| {
                             namespace.as_ref().is_none_or(|ns| *ns == c.spec.namespace)

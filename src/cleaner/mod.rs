@@ -11,6 +11,7 @@
 
 pub mod cel;
 pub mod kube;
+pub mod local;
 pub mod runtime;
 pub mod spec;
 

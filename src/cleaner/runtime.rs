@@ -109,6 +109,8 @@ pub struct Cleaners<B: Backend> {
     options: Options,
     /// Compiled conditions by cleaner, with the conditions and variables they were compiled from.
     compiled: Mutex<HashMap<String, Cached>>,
+    /// The cleaners this loop runs, by name (another loop runs the others).
+    owns: fn(&str) -> bool,
 }
 
 impl<B: Backend> Cleaners<B> {
@@ -124,7 +126,15 @@ impl<B: Backend> Cleaners<B> {
             backend,
             options,
             compiled: Mutex::new(HashMap::new()),
+            owns: |_| true,
         }
+    }
+
+    /// Runs only the cleaners whose names `owns` says (the log's other cleaners are another
+    /// loop's: ebb.toml's on every replica, the Kubernetes ones on the lease holder).
+    pub fn only(mut self, owns: fn(&str) -> bool) -> Self {
+        self.owns = owns;
+        self
     }
 
     /// The backend.
@@ -345,6 +355,7 @@ impl<B: Backend> Cleaners<B> {
         let unfinished: Vec<String> = self.log.read(|s| {
             s.cleaners
                 .unfinished_firings()
+                .filter(|(n, _)| (self.owns)(n))
                 .map(|(n, _)| n.to_owned())
                 .collect()
         });
@@ -371,7 +382,7 @@ impl<B: Backend> Cleaners<B> {
             s.schedule
                 .due_of(crate::state::schedule::DueKind::CleanerEval, now_ms)
                 .filter_map(|(_, d)| match d {
-                    Due::CleanerEval(n) => Some(n.clone()),
+                    Due::CleanerEval(n) if (self.owns)(n) => Some(n.clone()),
                     _ => None,
                 })
                 .take(max)
@@ -379,11 +390,12 @@ impl<B: Backend> Cleaners<B> {
         })
     }
 
-    /// When the next cleaner is due.
+    /// When the next of this loop's cleaners is due.
     fn next_due(&self) -> Option<u64> {
         self.log.read(|s| {
             s.schedule
-                .next_of(crate::state::schedule::DueKind::CleanerEval)
+                .due_of(crate::state::schedule::DueKind::CleanerEval, u64::MAX)
+                .find(|(_, d)| matches!(d, Due::CleanerEval(n) if (self.owns)(n)))
                 .map(|(at, _)| at)
         })
     }

@@ -392,6 +392,7 @@ pub fn to_spec(
         dry_run: spec.dry_run,
         helm_release,
         invalid: problems.join("; "),
+        repeat: false,
     }
 }
 

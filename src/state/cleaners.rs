@@ -131,12 +131,18 @@ impl Cleaners {
         }
     }
 
-    pub(crate) fn fired(&mut self, name: &str, at_ms: u64) {
-        if let Some(c) = self.by_name.get_mut(name) {
+    /// Returns the next evaluation time to schedule: none, but for a standing cleaner, which
+    /// is evaluated again after its retry period.
+    pub(crate) fn fired(&mut self, name: &str, at_ms: u64) -> Option<u64> {
+        let c = self.by_name.get_mut(name)?;
+        c.firing = None;
+        if c.spec.repeat {
+            c.next_at_ms = Some(at_ms.saturating_add(c.spec.retry_period_ms.max(1)));
+        } else {
             c.fired_at_ms.get_or_insert(at_ms);
-            c.firing = None;
             c.next_at_ms = None;
         }
+        c.next_at_ms
     }
 
     /// Cleaners whose firing started and has not completed: a restart completes them.

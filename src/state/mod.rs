@@ -249,8 +249,8 @@ impl State {
                 self.schedule.clear(&Due::CleanerEval(name.clone()));
             }
             Event::CleanerFired { name } => {
-                self.cleaners.fired(name, at);
-                self.schedule.clear(&Due::CleanerEval(name.clone()));
+                let next = self.cleaners.fired(name, at);
+                self.schedule_cleaner(name, next);
             }
             Event::CleanerDeleted { name } => {
                 self.cleaners.by_name.remove(name);

@@ -1,0 +1,314 @@
+//! Cleaners of `ebb.toml`: the same core over ebb's own objects, on every replica.
+//!
+//! ```toml
+//! [[cleaner]]
+//! name = "previews"
+//! ttl = "72h"
+//! retry = { period = "1h" }
+//! conditions = ["time - timestamp(app.status.lastUsed) > duration('24h')"]
+//! targets = [{ name = "app", reference = { apiVersion = "ebb.dev/v1", kind = "App", name = "preview" }, delete = true, includeWhenEvaluating = true }]
+//! ```
+//!
+//! Kinds (`apiVersion: ebb.dev/v1`): `App` (a route and its workload) and `Function` (a
+//! template), by `name` or by `matchLabels` over `name` (and an app's `deployment`); `Call` and
+//! `Instance` with `matchLabels: {state: ended}`: the ended ones whose end is at least the TTL
+//! ago. Such a cleaner is a standing policy: after each firing it is evaluated again after its
+//! retry period. The retention of ended calls and instances is one of them, `retention`
+//! (`ebb serve --call-retention-ms`), unless `ebb.toml` names its own.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use crate::clock::Clock;
+use crate::event::{CleanerSpec, CleanerTarget, Event};
+use crate::log::Log;
+use crate::state::State;
+
+use super::runtime::{Backend, Deleted, Resolved};
+use super::spec::{CleanerResourceSpec, Ref, to_spec};
+
+/// The apiVersion of ebb's own objects as cleaner targets.
+pub const API_VERSION: &str = "ebb.dev/v1";
+
+/// The prefix of the log names of `ebb.toml`'s cleaners.
+pub const PREFIX: &str = "config/";
+
+/// Whether a cleaner of the log is one of `ebb.toml`'s.
+pub fn is_local(name: &str) -> bool {
+    name.starts_with(PREFIX)
+}
+
+/// A `[[cleaner]]` of `ebb.toml`: a name and the `Cleaner` resource's spec.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CleanerConfig {
+    pub name: String,
+    #[serde(flatten)]
+    pub spec: CleanerResourceSpec,
+}
+
+/// The log's spec of an `ebb.toml` cleaner (problems in `invalid`, as for a resource's).
+pub fn config_spec(c: &CleanerConfig) -> CleanerSpec {
+    let mut spec = to_spec(&format!("{PREFIX}{}", c.name), "", "", 0, &c.spec);
+    spec.repeat = true;
+    let mut problems: Vec<String> = (!spec.invalid.is_empty())
+        .then(|| spec.invalid.clone())
+        .into_iter()
+        .collect();
+    for (i, t) in spec.targets.iter().enumerate() {
+        match Ref::parse(&t.reference) {
+            Ok(r) if r.api_version != API_VERSION => problems.push(format!(
+                "targets[{i}]: apiVersion {} is not {API_VERSION} (ebb's own objects)",
+                r.api_version
+            )),
+            Ok(r) => match r.kind.to_ascii_lowercase().as_str() {
+                "app" | "function" => {}
+                "call" | "instance" => {
+                    if r.name.is_some()
+                        || r.labels.get("state").map(String::as_str) != Some("ended")
+                        || r.labels.len() != 1
+                    {
+                        problems.push(format!(
+                            "targets[{i}]: {} targets select matchLabels {{state: ended}}",
+                            r.kind
+                        ));
+                    }
+                }
+                other => problems.push(format!(
+                    "targets[{i}]: kind {other:?} is not App, Function, Call or Instance"
+                )),
+            },
+            Err(e) => problems.push(format!("targets[{i}]: {e}")),
+        }
+    }
+    if c.spec.helm.as_ref().is_some_and(|h| h.delete) {
+        problems.push("helm: ebb.toml's cleaners have no Helm releases".into());
+    }
+    spec.invalid = problems.join("; ");
+    spec
+}
+
+/// The standing cleaner that is the retention of ended calls and instances: every `period_ms`
+/// they leave the projection once `retention_ms` old (their events stay in the log).
+pub fn retention(retention_ms: u64, period_ms: u64) -> CleanerSpec {
+    let target = |name: &str, kind: &str| CleanerTarget {
+        name: name.to_owned(),
+        reference: format!("{API_VERSION}/{kind}?state=ended"),
+        delete: true,
+        include_when_evaluating: false,
+    };
+    CleanerSpec {
+        name: format!("{PREFIX}retention"),
+        ttl_ms: retention_ms,
+        retry_period_ms: period_ms.max(1),
+        targets: vec![target("calls", "Call"), target("instances", "Instance")],
+        repeat: true,
+        ..CleanerSpec::default()
+    }
+}
+
+/// ebb's own objects as targets.
+pub struct LocalTargets {
+    log: Arc<Log<State>>,
+    clock: Arc<dyn Clock>,
+}
+
+impl LocalTargets {
+    pub fn new(log: Arc<Log<State>>, clock: Arc<dyn Clock>) -> Arc<Self> {
+        Arc::new(LocalTargets { log, clock })
+    }
+}
+
+fn labels_match(labels: &BTreeMap<String, String>, have: &[(&str, &str)]) -> bool {
+    labels
+        .iter()
+        .all(|(k, v)| have.iter().any(|(hk, hv)| hk == k && hv == v))
+}
+
+fn time(ms: u64) -> String {
+    super::rfc3339(ms)
+}
+
+impl Backend for LocalTargets {
+    fn resolve(&self, spec: &CleanerSpec) -> Result<Resolved, String> {
+        let now = self.clock.now_ms();
+        let before = now.saturating_sub(spec.ttl_ms);
+        let s = self.log.state();
+        let mut out = Resolved::default();
+        for t in &spec.targets {
+            let r = Ref::parse(&t.reference)?;
+            let kind = r.kind.to_ascii_lowercase();
+            let mut items: Vec<serde_json::Value> = Vec::new();
+            match kind.as_str() {
+                "app" => {
+                    for (name, route) in &s.routes.by_name {
+                        let hit = match &r.name {
+                            Some(n) => n == name,
+                            None => labels_match(
+                                &r.labels,
+                                &[("name", name), ("deployment", &route.spec.deployment)],
+                            ),
+                        };
+                        if !hit {
+                            continue;
+                        }
+                        let replicas = s
+                            .routes
+                            .deployments
+                            .get(&route.spec.deployment)
+                            .map_or(0, |d| d.replicas);
+                        items.push(serde_json::json!({
+                            "metadata": {"name": name},
+                            "spec": {"domains": route.spec.domains, "deployment": route.spec.deployment},
+                            "status": {
+                                "lastUsed": time(route.last_used_ms),
+                                "requests": route.requests_total,
+                                "replicas": replicas,
+                            },
+                        }));
+                        out.objects.push(format!("{name}.apps.{API_VERSION}"));
+                        if t.delete {
+                            out.deletions.push(format!("{API_VERSION}/App//{name}"));
+                        }
+                    }
+                }
+                "function" => {
+                    for (name, template) in &s.functions.templates {
+                        let hit = match &r.name {
+                            Some(n) => n == name,
+                            None => labels_match(&r.labels, &[("name", name)]),
+                        };
+                        if !hit {
+                            continue;
+                        }
+                        items.push(serde_json::json!({
+                            "metadata": {"name": name, "creationTimestamp": time(template.created_at_ms)},
+                            "spec": {"function": template.spec.function},
+                        }));
+                        out.objects.push(format!("{name}.functions.{API_VERSION}"));
+                        if t.delete {
+                            out.deletions
+                                .push(format!("{API_VERSION}/Function//{name}"));
+                        }
+                    }
+                }
+                "call" => {
+                    let keep = s.functions.current_step_calls();
+                    if s.calls.any_finished_before(before, &keep) {
+                        out.objects
+                            .push(format!("calls ended before {}", time(before)));
+                        if t.delete {
+                            out.deletions
+                                .push(format!("{API_VERSION}/Call?endedBefore={before}"));
+                        }
+                    }
+                    if t.include_when_evaluating {
+                        items = s
+                            .calls
+                            .by_id
+                            .iter()
+                            .filter(|(_, c)| c.status.is_final() && c.finished_at_ms.is_some_and(|f| f < before))
+                            .map(|(id, c)| serde_json::json!({"id": id, "target": c.spec.target, "finishedAt": time(c.finished_at_ms.unwrap_or(0))}))
+                            .collect();
+                    }
+                }
+                "instance" => {
+                    if s.functions.any_finished_before(before) {
+                        out.objects
+                            .push(format!("instances ended before {}", time(before)));
+                        if t.delete {
+                            out.deletions
+                                .push(format!("{API_VERSION}/Instance?endedBefore={before}"));
+                        }
+                    }
+                    if t.include_when_evaluating {
+                        items = s
+                            .functions
+                            .instances
+                            .iter()
+                            .filter(|(_, i)| i.finished_at_ms.is_some_and(|f| f < before))
+                            .map(|(id, i)| serde_json::json!({"id": id, "template": i.template, "finishedAt": time(i.finished_at_ms.unwrap_or(0))}))
+                            .collect();
+                    }
+                }
+                other => return Err(format!("target {}: unknown kind {other:?}", t.name)),
+            }
+            if t.include_when_evaluating {
+                let value = match (&r.name, kind.as_str()) {
+                    (Some(_), _) => items.into_iter().next().unwrap_or(serde_json::Value::Null),
+                    _ => serde_json::json!({ "items": items }),
+                };
+                out.inputs.push((t.name.clone(), value));
+            }
+        }
+        Ok(out)
+    }
+
+    async fn begin(&self, _: &CleanerSpec, _: &[String]) -> Result<(), String> {
+        Ok(())
+    }
+
+    async fn delete(&self, _: &CleanerSpec, entry: &str) -> Result<Deleted, String> {
+        let rest = entry
+            .strip_prefix(&format!("{API_VERSION}/"))
+            .ok_or_else(|| format!("{entry} is not one of ebb's objects"))?
+            .to_owned();
+        let (deleted, _) = self
+            .log
+            .decide(move |s: &State, _| {
+                let events: Vec<Event> = if let Some(name) = rest.strip_prefix("App//") {
+                    if s.routes.by_name.contains_key(name) {
+                        vec![Event::RouteRemoved {
+                            name: name.to_owned(),
+                        }]
+                    } else {
+                        Vec::new()
+                    }
+                } else if let Some(name) = rest.strip_prefix("Function//") {
+                    crate::functions::decide_delete(s, name).unwrap_or_default()
+                } else if let Some(ms) = rest.strip_prefix("Call?endedBefore=") {
+                    let before: u64 = ms.parse().unwrap_or(0);
+                    if s.calls
+                        .any_finished_before(before, &s.functions.current_step_calls())
+                    {
+                        vec![Event::CallsForgotten {
+                            finished_before_ms: before,
+                        }]
+                    } else {
+                        Vec::new()
+                    }
+                } else if let Some(ms) = rest.strip_prefix("Instance?endedBefore=") {
+                    let before: u64 = ms.parse().unwrap_or(0);
+                    if s.functions.any_finished_before(before) {
+                        vec![Event::InstancesForgotten {
+                            finished_before_ms: before,
+                        }]
+                    } else {
+                        Vec::new()
+                    }
+                } else {
+                    Vec::new()
+                };
+                let deleted = !events.is_empty();
+                (events, deleted)
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(if deleted {
+            Deleted::Deleted
+        } else {
+            Deleted::Gone
+        })
+    }
+
+    async fn finish(&self, _: &CleanerSpec) -> Result<(), String> {
+        Ok(())
+    }
+
+    async fn report(&self, name: &str, c: &crate::state::Cleaner, _: &[String]) {
+        if !c.reason.is_empty() && c.reason != "WaitingForConditions" && c.reason != "Deleting" {
+            tracing::info!(cleaner = %name, reason = %c.reason, message = %c.message, "cleaner");
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! Cleaners of `ebb.toml` on one machine: ebb's own objects (apps, function templates, ended
+//! calls and instances) cleaned by the same core as the Kubernetes `Cleaner`, through a real
+//! `ebb serve` (RocksDB log, the example app as a child process, HTTP over loopback).
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// One HTTP/1.1 GET through the proxy; the status.
+async fn get(proxy: std::net::SocketAddr, host: &str) -> u16 {
+    let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+    s.write_all(format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).await.unwrap();
+    let head = String::from_utf8_lossy(&answer);
+    head.split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Waits (polling, within 30 s) until the log in `data` holds an event `name` for which `is`.
+async fn logged(data: &Path, name: &str, is: impl Fn(&serde_json::Value) -> bool) {
+    let found = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            if common::events(data)
+                .iter()
+                .any(|e| e["event"].get(name).is_some_and(&is))
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    found.unwrap_or_else(|_| panic!("no {name} in the log within 30 s"));
+}
+
+const CONFIG: &str = r#"
+[[app]]
+name = "preview"
+domains = ["preview.localhost"]
+command = ["ebb", "example-app"]
+startup_timeout_ms = 20000
+
+[[function]]
+name = "tmp"
+function = "upper"
+serviceAddress = "127.0.0.1:9"
+
+[[function]]
+name = "kept"
+function = "upper"
+serviceAddress = "127.0.0.1:9"
+
+# The preview app goes once it has served a request.
+[[cleaner]]
+name = "used-preview"
+ttl = "0s"
+retry = { period = "1s" }
+conditions = ["app != null && app.status.requests >= 1"]
+targets = [{ name = "app", reference = { apiVersion = "ebb.dev/v1", kind = "App", name = "preview" }, delete = true, includeWhenEvaluating = true }]
+
+# The template tmp goes at once; kept is not selected.
+[[cleaner]]
+name = "tmp-function"
+ttl = "0s"
+retry = { period = "1s" }
+targets = [{ name = "f", reference = { apiVersion = "ebb.dev/v1", kind = "Function", matchLabels = { name = "tmp" } }, delete = true, includeWhenEvaluating = true }]
+conditions = ["size(f.items) == 1"]
+"#;
+
+#[tokio::test]
+async fn ebb_toml_cleaners_remove_apps_and_templates_once_their_conditions_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ebb.toml");
+    std::fs::write(&config, CONFIG).unwrap();
+    let data = dir.path().join("data");
+    let ebb = common::serve(&data, Some(&config), None);
+
+    logged(&data, "TemplateDeleted", |e| e["name"] == "tmp").await;
+    let state = common::ebb_ok(&data, &["explain", "function", "kept"]);
+    assert!(state.contains("kept"), "{state}");
+    // Waiting for its condition: the app has served nothing.
+    logged(&data, "CleanerEvaluated", |e| {
+        e["name"] == "config/used-preview" && e["reason"] == "WaitingForConditions"
+    })
+    .await;
+    assert_eq!(get(ebb.proxy, "preview.localhost").await, 200);
+    logged(&data, "RouteRemoved", |e| e["name"] == "preview").await;
+    assert_eq!(get(ebb.proxy, "preview.localhost").await, 404);
+    let story = common::ebb_ok(&data, &["explain", "cleaner", "config/used-preview"]);
+    for step in [
+        "CleanerUpserted",
+        "CleanerEvaluated",
+        "CleanerFiring",
+        "CleanerFired",
+    ] {
+        assert!(story.contains(step), "{step} not in:\n{story}");
+    }
+    // The retention is a cleaner too.
+    let retention = common::ebb_ok(&data, &["explain", "cleaner", "config/retention"]);
+    assert!(retention.contains("CleanerUpserted"), "{retention}");
+}
+
+#[test]
+fn a_bad_cleaner_in_ebb_toml_is_a_clear_error() {
+    let cases = [
+        ("ttl = \"soon\"", "[]", "[]", "spec.ttl"),
+        (
+            "ttl = \"0s\"",
+            "[{ name = \"time\", reference = { apiVersion = \"ebb.dev/v1\", kind = \"App\", name = \"a\" } }]",
+            "[]",
+            "named `time`",
+        ),
+        (
+            "ttl = \"0s\"",
+            "[{ name = \"x\", reference = { apiVersion = \"v1\", kind = \"ConfigMap\", name = \"a\" } }]",
+            "[]",
+            "is not ebb.dev/v1",
+        ),
+        ("ttl = \"0s\"", "[]", "[\"true &&\"]", "Syntax error"),
+        (
+            "ttl = \"0s\"",
+            "[]",
+            "[\"nosuch == 1\"]",
+            "unknown variable `nosuch`",
+        ),
+    ];
+    for (ttl, targets, conditions, needle) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("ebb.toml");
+        std::fs::write(
+            &config,
+            format!("[[cleaner]]\nname = \"bad\"\n{ttl}\ntargets = {targets}\nconditions = {conditions}\n"),
+        )
+        .unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--config",
+            ])
+            .arg(&config)
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{needle}: ebb serve took it");
+        assert!(
+            err.contains("cleaner \"bad\"") && err.contains(needle),
+            "{needle}: {err}"
+        );
+    }
+}
