@@ -457,12 +457,15 @@ fn serve_answers_healthz_and_unknown_paths_with_json() {
     assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
     assert!(missing.contains(r#""code":"not_found""#), "{missing}");
     // The data dir is now an ebb log that the read tools accept, while serve still runs.
+    // Its one event: the retention, a standing cleaner, recorded at the first start.
     let stats = ok(&ebb(&dir, &["log", "stats"]));
-    assert!(stats.contains("0 events"), "{stats}");
+    assert!(stats.contains("(1 events"), "{stats}");
+    assert!(stats.contains("CleanerUpserted    1"), "{stats}");
 }
 
-/// `deploy/` holds the custom resource definitions `ebb crds` generates from ebb's types, as
-/// they are now: a type changed without `ebb crds --out deploy/base/crds` fails here.
+/// `deploy/` and `schema/` hold the custom resource definitions `ebb crds` generates from ebb's
+/// types, as they are now: a type changed without `ebb crds --out deploy/base/crds` (and
+/// `schema/crds`) fails here.
 #[test]
 fn deploy_holds_the_crds_ebb_generates() {
     let tmp = tempfile::tempdir().unwrap();
@@ -481,20 +484,24 @@ fn deploy_holds_the_crds_ebb_generates() {
         n.sort();
         n
     };
-    assert_eq!(
-        names(&out),
-        names(&deployed),
-        "deploy/base/crds is stale: run `ebb crds --out deploy/base/crds`"
-    );
-    assert!(!names(&out).is_empty());
-    for name in names(&out) {
-        let now = std::fs::read_to_string(out.join(&name)).unwrap();
-        let kept = std::fs::read_to_string(deployed.join(&name)).unwrap();
-        assert!(
-            now == kept,
-            "deploy/base/crds/{name} is stale: run `ebb crds --out deploy/base/crds`"
+    // deploy/ applies them; schema/ documents them, with the events.
+    for kept_in in ["deploy/base/crds", "schema/crds"] {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(kept_in);
+        assert_eq!(
+            names(&out),
+            names(&dir),
+            "{kept_in} is stale: run `ebb crds --out {kept_in}`"
         );
+        for name in names(&out) {
+            let now = std::fs::read_to_string(out.join(&name)).unwrap();
+            let kept = std::fs::read_to_string(dir.join(&name)).unwrap();
+            assert!(
+                now == kept,
+                "{kept_in}/{name} is stale: run `ebb crds --out {kept_in}`"
+            );
+        }
     }
+    assert!(!names(&out).is_empty());
     // Every definition is listed in the kustomization.
     let k = std::fs::read_to_string(deployed.parent().unwrap().join("kustomization.yaml")).unwrap();
     for name in names(&out) {
@@ -506,4 +513,8 @@ fn deploy_holds_the_crds_ebb_generates() {
     // On stdout too, the same definitions.
     let all = ok(&ebb(&tmp.path().join("data"), &["crds"]));
     assert!(all.contains("\"name\": \"functions.ebb.dev\""), "{all}");
+    assert!(
+        all.contains("\"name\": \"cleaners.cleaner.ebb.dev\""),
+        "{all}"
+    );
 }

@@ -1792,6 +1792,16 @@ async fn cleaners_delete_their_targets_only_when_their_conditions_hold() {
     );
     assert!(exists(&cp, "configmap", "dry") && exists(&cp, "cleaner", "c2"));
 
+    // Before its TTL: nothing evaluated, the expiry is the next evaluation.
+    apply(
+        &cp,
+        &cleaner("later", "", &one("dry"), &["true"]).replace("ttl: 0s", "ttl: 1h"),
+    );
+    let s = cleaner_reason(&cp, "later", "NotExpired").await;
+    assert!(s["nextScheduledEvaluation"].as_str().is_some(), "{s}");
+    assert!(s.get("lastEvaluation").is_none(), "{s}");
+    assert_eq!(s["resolvedTargets"][0], "dry.configmaps.v1");
+
     // A Cleaner deleted by hand before it fires leaves its targets: it holds no finalizer.
     apply(&cp, &config_map("kept", "no", &[]));
     apply(

@@ -172,7 +172,7 @@ impl KubeTargets {
         let changed = self.changed.clone();
         let key = format!("{api_version}/{lower}");
         let mut stop = self.stop.clone();
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let mut stream = std::pin::pin!(stream);
             loop {
                 let event = tokio::select! {
@@ -199,6 +199,7 @@ impl KubeTargets {
         });
         let ready = tokio::time::timeout(Duration::from_secs(30), store.wait_until_ready()).await;
         if !matches!(ready, Ok(Ok(()))) {
+            task.abort();
             return Err(format!("listing {kind} in {api_version} did not complete"));
         }
         Ok(Arc::new(Kind { resource, store }))
@@ -330,6 +331,10 @@ fn resolved_name(r: &ApiResource, name: &str) -> String {
 }
 
 impl Backend for KubeTargets {
+    async fn prepare(&self, spec: &CleanerSpec) {
+        self.ensure_kinds(spec).await;
+    }
+
     fn resolve(&self, spec: &CleanerSpec) -> Result<Resolved, String> {
         let mut out = Resolved::default();
         for t in &spec.targets {
@@ -587,15 +592,21 @@ impl Backend for KubeTargets {
         {
             tracing::debug!(cleaner = %name, error = %e, "writing a cleaner's status failed");
         }
+        // Every evaluation is an Event (the recorder folds repeats into a series); a change of
+        // where the cleaner stands is logged too.
         let changed = {
             let mut shown = self.shown.lock().unwrap_or_else(|e| e.into_inner());
             shown.insert(name.to_owned(), reason.clone()).as_deref() != Some(reason.as_str())
         };
         if changed {
-            let type_ = match reason.as_str() {
-                "NotExpired" | "WaitingForConditions" | "Deleting" | "DryRun" => EventType::Normal,
-                _ => EventType::Warning,
-            };
+            tracing::info!(cleaner = %name, %reason, %message, "cleaner");
+        }
+        let type_ = match reason.as_str() {
+            "NotExpired" | "WaitingForConditions" | "Deleting" | "DryRun" => EventType::Normal,
+            _ => EventType::Warning,
+        };
+        // A firing's Event is the Warning naming what it deletes (`begin`).
+        if reason != "Deleting" {
             self.publish(&c.spec, type_, &reason, message).await;
         }
     }
@@ -772,6 +783,7 @@ async fn take(
     targets.index(&spec);
     match cleaners.upsert(spec).await {
         Ok(true) => {
+            cleaners.show(&key).await;
             let _ = changed.send(key).await;
         }
         Ok(false) => {}

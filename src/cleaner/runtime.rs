@@ -45,6 +45,11 @@ pub enum Deleted {
 
 /// Where cleaners find their targets and what deletes them.
 pub trait Backend: Send + Sync + 'static {
+    /// Gets ready to resolve `spec`'s targets (finds and watches their kinds, looking again for
+    /// one not found before); called before each evaluation past the TTL.
+    fn prepare(&self, _spec: &CleanerSpec) -> impl Future<Output = ()> + Send {
+        async {}
+    }
     /// The targets of `spec` as they are now (from cached reads: called on every evaluation).
     fn resolve(&self, spec: &CleanerSpec) -> Result<Resolved, String>;
     /// Deletes one entry of a firing (as [`Resolved::deletions`] named it), safely: only the
@@ -222,6 +227,7 @@ impl<B: Backend> Cleaners<B> {
         let spec = cleaner.spec.clone();
         let expires = cleaner.expires_at_ms();
         let resolved = if spec.invalid.is_empty() && now >= expires {
+            self.backend.prepare(&spec).await;
             Some(self.backend.resolve(&spec))
         } else {
             None
@@ -294,6 +300,23 @@ impl<B: Backend> Cleaners<B> {
             self.fire(name).await?;
         }
         Ok(Some(evaluation))
+    }
+
+    /// Shows cleaner `name` as the log has it now (its status, before any evaluation: when it
+    /// will be evaluated), with what its targets resolve to.
+    pub async fn show(&self, name: &str) {
+        let Some(c) = self.log.read(|s| s.cleaners.by_name.get(name).cloned()) else {
+            return;
+        };
+        let objects = if c.spec.invalid.is_empty() {
+            self.backend
+                .resolve(&c.spec)
+                .map(|r| r.objects)
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        self.backend.report(name, &c, &objects).await;
     }
 
     async fn report(&self, name: &str, objects: &[String]) {
