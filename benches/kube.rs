@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use common::controlplane::{ControlPlane, wait_for, wait_until};
 use common::ebbkube::{
-    TEST_TIMING, apply, cluster, get, json, send, serve_deployed, serve_kube, serve_on,
+    TEST_TIMING, apply, cluster, get, grant, json, send, serve_deployed, serve_kube, serve_on,
     serverless_hello,
 };
 use ebb::clock::{Clock, Stopwatch, SystemClock};
@@ -297,20 +297,12 @@ const CLEANER_ROUNDS: usize = 100;
 async fn cleaner_reevaluation(cp: &ControlPlane, kube: &kube::Client) {
     use ebb::cleaner::spec::CleanerResource;
     use k8s_openapi::api::core::v1::ConfigMap;
-    cp.kubectl(&[
-        "create",
-        "clusterrole",
+    grant(
+        cp,
         "ebb-cleaner-targets",
-        "--verb=get,list,watch,delete",
-        "--resource=configmaps",
-    ]);
-    cp.kubectl(&[
-        "create",
-        "clusterrolebinding",
-        "ebb-cleaner-targets",
-        "--clusterrole=ebb-cleaner-targets",
-        "--serviceaccount=ebb:ebb",
-    ]);
+        "get,list,watch,delete",
+        "configmaps",
+    );
     let d = tempfile::tempdir().unwrap();
     let _ebb = serve_on(cp, d.path(), &[]);
     apply(

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::controlplane::{ControlPlane, NOBODY_TOKEN, http_get, wait_for, wait_until};
 use common::ebbkube::{
-    TEST_TIMING, apply, client, cluster, deployed_service_account, get, hello_deployment,
+    TEST_TIMING, apply, client, cluster, deployed_service_account, get, grant, hello_deployment,
     hello_service, json, pid_of, routes, send, serve_deployed, serve_on, serverless_hello,
     test_image,
 };
@@ -1655,20 +1655,12 @@ async fn cleaners_delete_their_targets_only_when_their_conditions_hold() {
     let data = tempfile::tempdir().unwrap();
     // What a platform team grants ebb for the kinds its Cleaners target.
     deployed_service_account(&cp);
-    cp.kubectl(&[
-        "create",
-        "clusterrole",
+    grant(
+        &cp,
         "ebb-cleaner-targets",
-        "--verb=get,list,watch,delete",
-        "--resource=configmaps",
-    ]);
-    cp.kubectl(&[
-        "create",
-        "clusterrolebinding",
-        "ebb-cleaner-targets",
-        "--clusterrole=ebb-cleaner-targets",
-        "--serviceaccount=ebb:ebb",
-    ]);
+        "get,list,watch,delete",
+        "configmaps",
+    );
     let _ebb = serve_on(&cp, data.path(), &[]);
 
     // Targets by name and by labels; the conditions hold once `flag` says done.
@@ -1978,29 +1970,13 @@ async fn a_firing_cut_short_by_sigkill_completes_once_after_the_restart() {
     let data = tempfile::tempdir().unwrap();
     deployed_service_account(&cp);
     // ebb may delete ConfigMaps but, for now, only read Secrets.
-    cp.kubectl(&[
-        "create",
-        "clusterrole",
+    grant(
+        &cp,
         "ebb-cleaner-targets",
-        "--verb=get,list,watch,delete",
-        "--resource=configmaps",
-    ]);
-    cp.kubectl(&[
-        "create",
-        "clusterrole",
-        "ebb-cleaner-read",
-        "--verb=get,list,watch",
-        "--resource=secrets",
-    ]);
-    for role in ["ebb-cleaner-targets", "ebb-cleaner-read"] {
-        cp.kubectl(&[
-            "create",
-            "clusterrolebinding",
-            role,
-            &format!("--clusterrole={role}"),
-            "--serviceaccount=ebb:ebb",
-        ]);
-    }
+        "get,list,watch,delete",
+        "configmaps",
+    );
+    grant(&cp, "ebb-cleaner-read", "get,list,watch", "secrets");
     let ebb = serve_on(&cp, data.path(), &[]);
     apply(&cp, &config_map("k-cm", "yes", &[]));
     cp.kubectl(&[
@@ -2032,20 +2008,7 @@ async fn a_firing_cut_short_by_sigkill_completes_once_after_the_restart() {
 
     // SIGKILL in the middle of it; the permission granted; ebb again on the same log.
     drop(ebb);
-    cp.kubectl(&[
-        "create",
-        "clusterrole",
-        "ebb-cleaner-secrets",
-        "--verb=delete",
-        "--resource=secrets",
-    ]);
-    cp.kubectl(&[
-        "create",
-        "clusterrolebinding",
-        "ebb-cleaner-secrets",
-        "--clusterrole=ebb-cleaner-secrets",
-        "--serviceaccount=ebb:ebb",
-    ]);
+    grant(&cp, "ebb-cleaner-secrets", "delete", "secrets");
     let _ebb = serve_on(&cp, data.path(), &[]);
     wait_for("the firing completed", Duration::from_secs(60), || {
         !exists(&cp, "secret", "k-secret") && !exists(&cp, "cleaner", "k1")
@@ -2132,20 +2095,12 @@ async fn a_cleaner_uninstalls_a_real_helm_release() {
 
     // ebb uninstalls with helm as its ServiceAccount: Helm's release Secrets and the chart's kinds.
     deployed_service_account(&cp);
-    cp.kubectl(&[
-        "create",
-        "clusterrole",
+    grant(
+        &cp,
         "ebb-cleaner-targets",
-        "--verb=get,list,watch,delete",
-        "--resource=configmaps,secrets",
-    ]);
-    cp.kubectl(&[
-        "create",
-        "clusterrolebinding",
-        "ebb-cleaner-targets",
-        "--clusterrole=ebb-cleaner-targets",
-        "--serviceaccount=ebb:ebb",
-    ]);
+        "get,list,watch,delete",
+        "configmaps,secrets",
+    );
     let helm_flag = format!("--cleaner-helm={}", helm.display());
     let _ebb = serve_on(&cp, data.path(), &[&helm_flag]);
     let targets = "  - name: cm\n    reference: {apiVersion: v1, kind: ConfigMap, name: rel1-cm}\n    includeWhenEvaluating: true\n";

@@ -43,17 +43,6 @@ pub struct CleanersBenchArgs {
     pub spread_ms: u64,
 }
 
-/// The cleaner proposal's condition.
-pub const PROPOSAL: &str = r#"!revisions.items.exists(r,
-  r.metadata.annotations["serving.knative.dev/routes"]
-    .split(",")
-    .exists(route, !route.startsWith("sfj-") && !route.startsWith("preview-"))
-  ||
-  r.status.conditions
-    .filter(c, c.type == "Active")
-    .exists(c, c.status == "True" || time - timestamp(c.lastTransitionTime) < duration("360h"))
-)"#;
-
 fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
         .ok()
@@ -227,8 +216,11 @@ pub async fn run(args: CleanersBenchArgs) -> Result<()> {
     println!("CEL: the cleaner proposal's condition over 10 Knative Revisions:");
     let revisions = revisions();
     let t = Stopwatch::start();
-    let compiled = Conditions::compile(&[PROPOSAL.to_owned()], &["revisions"])
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let compiled = Conditions::compile(
+        &[crate::cleaner::PROPOSAL_EXAMPLE.to_owned()],
+        &["revisions"],
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
     let compile_us = t.elapsed().as_secs_f64() * 1e6;
     let now = SystemClock.now_ms();
     let mut bound = compiled.bind(&[("revisions", &revisions)]);

@@ -20,6 +20,18 @@ use crate::timing::{SEARCH_HORIZON_MS, SEARCH_PRECISION_MS, earliest_true};
 
 use self::cel::{Conditions, EvalError, Limits};
 
+/// The cleaner proposal's own example condition, as written there: a preview is cleaned once no
+/// Revision serves a route other than a preview's and none has been active for 15 days.
+pub const PROPOSAL_EXAMPLE: &str = r#"!revisions.items.exists(r,
+  r.metadata.annotations["serving.knative.dev/routes"]
+    .split(",")
+    .exists(route, !route.startsWith("sfj-") && !route.startsWith("preview-"))
+  ||
+  r.status.conditions
+    .filter(c, c.type == "Active")
+    .exists(c, c.status == "True" || time - timestamp(c.lastTransitionTime) < duration("360h"))
+)"#;
+
 /// The `Cleaner` custom resource's definition (`ebb crds`).
 pub fn crds()
 -> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
@@ -268,17 +280,6 @@ mod tests {
     /// 2026-11-20T00:00:00Z.
     const NOW: u64 = 1_795_132_800_000;
 
-    /// The cleaner proposal's own condition, as written there.
-    const PROPOSAL: &str = r#"!revisions.items.exists(r,
-      r.metadata.annotations["serving.knative.dev/routes"]
-        .split(",")
-        .exists(route, !route.startsWith("sfj-") && !route.startsWith("preview-"))
-      ||
-      r.status.conditions
-        .filter(c, c.type == "Active")
-        .exists(c, c.status == "True" || time - timestamp(c.lastTransitionTime) < duration("360h"))
-    )"#;
-
     fn revision(routes: &str, active: &str, since: &str) -> serde_json::Value {
         json!({
             "apiVersion": "serving.knative.dev/v1",
@@ -320,7 +321,7 @@ mod tests {
 
     #[test]
     fn the_proposals_condition_decides_over_knative_revisions() {
-        let s = spec(&[PROPOSAL], false);
+        let s = spec(&[PROPOSAL_EXAMPLE], false);
         // (case, revisions, fires)
         let cases: Vec<(&str, Vec<serde_json::Value>, bool)> = vec![
             ("no revisions", vec![], true),
@@ -395,7 +396,7 @@ mod tests {
     #[test]
     fn a_monotonic_condition_is_next_evaluated_when_it_first_holds() {
         // Holds 15 days after the revision went inactive: 2026-11-01 + 360 h = 2026-11-16.
-        let s = spec(&[PROPOSAL], true);
+        let s = spec(&[PROPOSAL_EXAMPLE], true);
         let items = vec![revision("preview-x", "False", "2026-11-01T00:00:00Z")];
         let now = NOW - 10 * 24 * HOUR; // 2026-11-10
         let e = run(&s, items.clone(), now);
@@ -415,7 +416,7 @@ mod tests {
         assert!(run(&s, items.clone(), at).fire);
         assert!(!run(&s, items, truth - 1).fire);
         // Not monotonic: the retry period.
-        let plain = spec(&[PROPOSAL], false);
+        let plain = spec(&[PROPOSAL_EXAMPLE], false);
         let e = run(
             &plain,
             vec![revision("preview-x", "False", "2026-11-01T00:00:00Z")],

@@ -98,8 +98,11 @@ impl Default for Options {
     }
 }
 
-/// How often a firing left unfinished is tried again.
+/// How soon a firing left unfinished is first tried again (then twice as late each time).
 const FIRING_RETRY: Duration = Duration::from_secs(10);
+
+/// The longest wait between tries of an unfinished firing.
+const FIRING_RETRY_MAX: Duration = Duration::from_secs(300);
 
 type Compiled = Arc<Result<Conditions, CompileError>>;
 
@@ -116,6 +119,8 @@ pub struct Cleaners<B: Backend> {
     compiled: Mutex<HashMap<String, Cached>>,
     /// The cleaners this loop runs, by name (another loop runs the others).
     owns: fn(&str) -> bool,
+    /// Unfinished firings: failed tries and when to try next.
+    retries: Mutex<HashMap<String, (u32, u64)>>,
 }
 
 impl<B: Backend> Cleaners<B> {
@@ -132,6 +137,7 @@ impl<B: Backend> Cleaners<B> {
             options,
             compiled: Mutex::new(HashMap::new()),
             owns: |_| true,
+            retries: Mutex::new(HashMap::new()),
         }
     }
 
@@ -382,10 +388,35 @@ impl<B: Backend> Cleaners<B> {
                 .map(|(n, _)| n.to_owned())
                 .collect()
         });
+        let now = self.clock.now_ms();
         for name in unfinished {
+            let waiting = self
+                .retries
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&name)
+                .is_some_and(|(_, next)| *next > now);
+            if waiting {
+                continue;
+            }
             tracing::info!(cleaner = %name, "completing a firing");
-            if let Err(e) = self.fire(&name).await {
-                tracing::warn!(cleaner = %name, error = %e, "completing a firing failed");
+            let done = match self.fire(&name).await {
+                Ok(done) => done,
+                Err(e) => {
+                    tracing::warn!(cleaner = %name, error = %e, "completing a firing failed");
+                    false
+                }
+            };
+            let mut retries = self.retries.lock().unwrap_or_else(|e| e.into_inner());
+            if done {
+                retries.remove(&name);
+            } else {
+                // Tried again later, each time twice as late, up to FIRING_RETRY_MAX.
+                let failures = retries.get(&name).map_or(0, |(f, _)| *f) + 1;
+                let wait = FIRING_RETRY
+                    .saturating_mul(1 << (failures - 1).min(8))
+                    .min(FIRING_RETRY_MAX);
+                retries.insert(name, (failures, now + wait.as_millis() as u64));
             }
         }
     }

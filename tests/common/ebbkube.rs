@@ -256,3 +256,23 @@ pub fn pid_of(body: &str) -> i32 {
         .parse()
         .unwrap_or_else(|_| panic!("a pid: {body:?}"))
 }
+
+/// Grants `deploy/`'s ServiceAccount `ebb/ebb` `verbs` on `resources` everywhere (a ClusterRole
+/// and its binding, both named `name`): what a platform team grants for the kinds its Cleaners
+/// target.
+pub fn grant(cp: &ControlPlane, name: &str, verbs: &str, resources: &str) {
+    cp.kubectl(&[
+        "create",
+        "clusterrole",
+        name,
+        &format!("--verb={verbs}"),
+        &format!("--resource={resources}"),
+    ]);
+    cp.kubectl(&[
+        "create",
+        "clusterrolebinding",
+        name,
+        &format!("--clusterrole={name}"),
+        "--serviceaccount=ebb:ebb",
+    ]);
+}
