@@ -17,7 +17,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, Preconditi
 use kube::core::{ApiResource, GroupVersion};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use tokio::sync::{mpsc, watch};
 
@@ -166,7 +166,9 @@ impl KubeTargets {
         let store = writer.as_reader();
         let stream = reflector::reflector(
             writer,
-            watcher(api, watcher::Config::default().page_size(500)),
+            // Backed off when failing (a missing permission, the API server away), never a
+            // tight loop of requests.
+            watcher(api, watcher::Config::default().page_size(500)).default_backoff(),
         );
         let index = self.index.clone();
         let changed = self.changed.clone();
@@ -703,10 +705,10 @@ async fn watch_cleaners(
         Some(ns) => Api::namespaced(client, ns),
         None => Api::all(client),
     };
-    let stream = watcher(api, watcher::Config::default().page_size(500));
+    let stream = watcher(api, watcher::Config::default().page_size(500)).default_backoff();
     let mut stream = std::pin::pin!(stream);
-    let mut listed: BTreeSet<String> = BTreeSet::new();
     let mut listing: BTreeSet<String> = BTreeSet::new();
+    let mut last_failure = String::new();
     loop {
         let event = tokio::select! {
             _ = stop.changed() => return,
@@ -738,19 +740,22 @@ async fn watch_cleaners(
                 for n in gone {
                     forget(&cleaners, &n).await;
                 }
-                listed = std::mem::take(&mut listing);
+                listing.clear();
             }
-            Ok(watcher::Event::Apply(c)) => {
-                listed.insert(key_of(&c));
-                take(&cleaners, &changed, &c).await;
+            Ok(watcher::Event::Apply(c)) => take(&cleaners, &changed, &c).await,
+            Ok(watcher::Event::Delete(c)) => forget(&cleaners, &key_of(&c)).await,
+            Err(e) => {
+                // Said once per kind of failure (a missing permission is one line, not one a
+                // retry).
+                let e = e.to_string();
+                if e != last_failure {
+                    tracing::warn!(error = %e, "watching Cleaners failed; retrying");
+                    last_failure = e;
+                }
+                continue;
             }
-            Ok(watcher::Event::Delete(c)) => {
-                let key = key_of(&c);
-                listed.remove(&key);
-                forget(&cleaners, &key).await;
-            }
-            Err(e) => tracing::debug!(error = %e, "the Cleaner watch failed; it retries"),
         }
+        last_failure.clear();
     }
 }
 

@@ -509,19 +509,27 @@ pub async fn run<B: Backend>(
         } else {
             wait
         });
-        tokio::select! {
-            _ = stop.changed() => return,
-            _ = sleep => {}
-            _ = refill.tick(), if tokens < per_second => { tokens += 1; }
-            _ = firings.tick() => cleaners.complete_firings().await,
-            name = changed.recv() => match name {
-                Some(n) => { nudged.insert(n); }
-                None => return,
-            },
-            batch = tail.recv() => {
-                if let Err(tokio::sync::broadcast::error::RecvError::Closed) = batch {
-                    return;
-                }
+        tokio::pin!(sleep);
+        // Waits for a reason to look again: time, a token, a nudge, or a cleaner recorded (a
+        // batch of other events, however many, is not one).
+        loop {
+            tokio::select! {
+                _ = stop.changed() => return,
+                _ = &mut sleep => break,
+                _ = refill.tick(), if tokens < per_second => { tokens += 1; break; }
+                _ = firings.tick() => { cleaners.complete_firings().await; break; }
+                name = changed.recv() => match name {
+                    Some(n) => { nudged.insert(n); break; }
+                    None => return,
+                },
+                batch = tail.recv() => match batch {
+                    Ok(b) if !b.iter().any(|e| matches!(
+                        e.event,
+                        Event::CleanerUpserted { .. } | Event::CleanerFired { .. }
+                    )) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                    _ => break,
+                },
             }
         }
     }
