@@ -8,6 +8,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
+use common::controlplane::wait_for;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// One HTTP/1.1 GET through the proxy; the status.
@@ -25,21 +26,18 @@ async fn get(proxy: std::net::SocketAddr, host: &str) -> u16 {
         .unwrap_or(0)
 }
 
-/// Waits (polling, within 30 s) until the log in `data` holds an event `name` for which `is`.
+/// Waits (within 30 s) until the log in `data` holds an event `name` for which `is`.
 async fn logged(data: &Path, name: &str, is: impl Fn(&serde_json::Value) -> bool) {
-    let found = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            if common::events(data)
+    wait_for(
+        &format!("{name} in the log"),
+        Duration::from_secs(30),
+        || {
+            common::events(data)
                 .iter()
                 .any(|e| e["event"].get(name).is_some_and(&is))
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
+        },
+    )
     .await;
-    found.unwrap_or_else(|_| panic!("no {name} in the log within 30 s"));
 }
 
 const CONFIG: &str = r#"

@@ -1632,21 +1632,17 @@ fn cleaner_status(cp: &ControlPlane, name: &str) -> serde_json::Value {
         .unwrap_or_default()
 }
 
-/// Waits until Cleaner `name`'s `Ready` condition has `reason`; its status then.
+/// Waits (within 30 s) until Cleaner `name`'s `Ready` condition has `reason`; its status then.
 async fn cleaner_reason(cp: &ControlPlane, name: &str, reason: &str) -> serde_json::Value {
-    let mut last = serde_json::Value::Null;
-    let found = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
+    wait_until(
+        &format!("Cleaner {name} {reason}"),
+        Duration::from_secs(30),
+        || {
             let s = cleaner_status(cp, name);
-            if s["conditions"][0]["reason"] == reason {
-                return s;
-            }
-            last = s;
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    found.unwrap_or_else(|_| panic!("Cleaner {name} never {reason}: {last}"))
+            std::future::ready((s["conditions"][0]["reason"] == reason).then_some(s))
+        },
+    )
+    .await
 }
 
 #[tokio::test]

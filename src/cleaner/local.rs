@@ -130,6 +130,75 @@ fn time(ms: u64) -> String {
     super::rfc3339(ms)
 }
 
+/// Ended calls or instances: the targets of the retention.
+#[derive(Debug, Clone, Copy)]
+enum Ended {
+    Calls,
+    Instances,
+}
+
+impl Ended {
+    fn kind(self) -> &'static str {
+        match self {
+            Ended::Calls => "Call",
+            Ended::Instances => "Instance",
+        }
+    }
+
+    fn plural(self) -> &'static str {
+        match self {
+            Ended::Calls => "calls",
+            Ended::Instances => "instances",
+        }
+    }
+
+    /// The decision that forgets those ended before `before` (a running instance's current
+    /// step call stays), or none when there are none.
+    fn forget(self, s: &State, before: u64) -> Option<Event> {
+        match self {
+            Ended::Calls => s
+                .calls
+                .any_finished_before(before, &s.functions.current_step_calls())
+                .then_some(Event::CallsForgotten {
+                    finished_before_ms: before,
+                }),
+            Ended::Instances => {
+                s.functions
+                    .any_finished_before(before)
+                    .then_some(Event::InstancesForgotten {
+                        finished_before_ms: before,
+                    })
+            }
+        }
+    }
+
+    /// Those ended before `before`, as the conditions see them.
+    fn items(self, s: &State, before: u64) -> Vec<serde_json::Value> {
+        let ended = |f: Option<u64>| f.filter(|f| *f < before);
+        match self {
+            Ended::Calls => s
+                .calls
+                .by_id
+                .iter()
+                .filter(|(_, c)| c.status.is_final())
+                .filter_map(|(id, c)| {
+                    let at = ended(c.finished_at_ms)?;
+                    Some(serde_json::json!({"id": id, "target": c.spec.target, "finishedAt": time(at)}))
+                })
+                .collect(),
+            Ended::Instances => s
+                .functions
+                .instances
+                .iter()
+                .filter_map(|(id, i)| {
+                    let at = ended(i.finished_at_ms)?;
+                    Some(serde_json::json!({"id": id, "template": i.template, "finishedAt": time(at)}))
+                })
+                .collect(),
+        }
+    }
+}
+
 impl Backend for LocalTargets {
     fn resolve(&self, spec: &CleanerSpec) -> Result<Resolved, String> {
         let now = self.clock.now_ms();
@@ -193,43 +262,27 @@ impl Backend for LocalTargets {
                         }
                     }
                 }
-                "call" => {
-                    let keep = s.functions.current_step_calls();
-                    if s.calls.any_finished_before(before, &keep) {
-                        out.objects
-                            .push(format!("calls ended before {}", time(before)));
+                "call" | "instance" => {
+                    let ended = if kind == "call" {
+                        Ended::Calls
+                    } else {
+                        Ended::Instances
+                    };
+                    if ended.forget(&s, before).is_some() {
+                        out.objects.push(format!(
+                            "{} ended before {}",
+                            ended.plural(),
+                            time(before)
+                        ));
                         if t.delete {
-                            out.deletions
-                                .push(format!("{API_VERSION}/Call?endedBefore={before}"));
+                            out.deletions.push(format!(
+                                "{API_VERSION}/{}?endedBefore={before}",
+                                ended.kind()
+                            ));
                         }
                     }
                     if t.include_when_evaluating {
-                        items = s
-                            .calls
-                            .by_id
-                            .iter()
-                            .filter(|(_, c)| c.status.is_final() && c.finished_at_ms.is_some_and(|f| f < before))
-                            .map(|(id, c)| serde_json::json!({"id": id, "target": c.spec.target, "finishedAt": time(c.finished_at_ms.unwrap_or(0))}))
-                            .collect();
-                    }
-                }
-                "instance" => {
-                    if s.functions.any_finished_before(before) {
-                        out.objects
-                            .push(format!("instances ended before {}", time(before)));
-                        if t.delete {
-                            out.deletions
-                                .push(format!("{API_VERSION}/Instance?endedBefore={before}"));
-                        }
-                    }
-                    if t.include_when_evaluating {
-                        items = s
-                            .functions
-                            .instances
-                            .iter()
-                            .filter(|(_, i)| i.finished_at_ms.is_some_and(|f| f < before))
-                            .map(|(id, i)| serde_json::json!({"id": id, "template": i.template, "finishedAt": time(i.finished_at_ms.unwrap_or(0))}))
-                            .collect();
+                        items = ended.items(&s, before);
                     }
                 }
                 other => return Err(format!("target {}: unknown kind {other:?}", t.name)),
@@ -267,26 +320,16 @@ impl Backend for LocalTargets {
                     }
                 } else if let Some(name) = rest.strip_prefix("Function//") {
                     crate::functions::decide_delete(s, name).unwrap_or_default()
-                } else if let Some(ms) = rest.strip_prefix("Call?endedBefore=") {
-                    let before: u64 = ms.parse().unwrap_or(0);
-                    if s.calls
-                        .any_finished_before(before, &s.functions.current_step_calls())
-                    {
-                        vec![Event::CallsForgotten {
-                            finished_before_ms: before,
-                        }]
+                } else if let Some((kind, ms)) = rest.split_once("?endedBefore=") {
+                    let ended = if kind == "Call" {
+                        Ended::Calls
                     } else {
-                        Vec::new()
-                    }
-                } else if let Some(ms) = rest.strip_prefix("Instance?endedBefore=") {
-                    let before: u64 = ms.parse().unwrap_or(0);
-                    if s.functions.any_finished_before(before) {
-                        vec![Event::InstancesForgotten {
-                            finished_before_ms: before,
-                        }]
-                    } else {
-                        Vec::new()
-                    }
+                        Ended::Instances
+                    };
+                    ended
+                        .forget(s, ms.parse().unwrap_or(0))
+                        .into_iter()
+                        .collect()
                 } else {
                     Vec::new()
                 };
