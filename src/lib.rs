@@ -10,6 +10,7 @@ pub mod calls;
 pub mod cleaner;
 pub mod clock;
 pub mod config;
+pub mod discovery;
 pub mod event;
 pub mod example_app;
 pub mod functions;

@@ -331,6 +331,9 @@ enum BenchCommand {
     /// Cleaners: the schedule of 100,000, CEL evaluations/s of the proposal's condition, and the
     /// loop's lateness against its planned times, each against an anchor.
     Cleaners(ebb::bench::cleaners::CleanersBenchArgs),
+    /// Load balancing: ns per pick of each balancer over 3 to 10,000 instances, against one
+    /// random index.
+    Discovery(ebb::bench::discovery::DiscoveryBenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -533,6 +536,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Calls(args)) => {
             runtime()?.block_on(ebb::bench::calls::run(args))
         }
+        Command::Bench(BenchCommand::Discovery(args)) => ebb::bench::discovery::run(args),
         Command::Bench(BenchCommand::Cleaners(args)) => {
             runtime()?.block_on(ebb::bench::cleaners::run(args))
         }

@@ -3,6 +3,7 @@
 
 pub mod calls;
 pub mod cleaners;
+pub mod discovery;
 pub mod functions;
 
 use std::path::PathBuf;
