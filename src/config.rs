@@ -81,6 +81,10 @@ pub struct AppConfig {
     /// backlog is never sent more connection attempts than this at a time.
     #[serde(default)]
     pub max_connecting: u32,
+    /// How a replica is picked for each request ([`crate::discovery::Policy`]; absent: peak
+    /// EWMA).
+    #[serde(default)]
+    pub policy: crate::discovery::Policy,
 }
 
 fn default_health() -> Option<String> {
@@ -197,6 +201,9 @@ impl AppConfig {
         if self.domains.is_empty() {
             return Err(format!("app {:?}: no domains", self.name));
         }
+        self.policy
+            .validate()
+            .map_err(|e| format!("app {:?}: {e}", self.name))?;
         if self.max_replicas == 0 || self.min_replicas > self.max_replicas {
             return Err(format!(
                 "app {:?}: need 0 <= min_replicas <= max_replicas and max_replicas >= 1",
@@ -234,6 +241,7 @@ impl AppConfig {
             }),
             concurrency: self.concurrency,
             max_connecting: self.max_connecting,
+            policy: Box::new(self.policy.clone()),
         }
     }
 }

@@ -177,6 +177,10 @@ pub struct RouteSpec {
     /// Connections being opened to one replica at once (0: [`DEFAULT_MAX_CONNECTING`]).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub max_connecting: u32,
+    /// How a replica is picked for each request (absent: the default, peak EWMA). Boxed: most
+    /// routes keep the default, and events stay small.
+    #[serde(default, skip_serializing_if = "crate::discovery::Policy::is_default")]
+    pub policy: Box<crate::discovery::Policy>,
 }
 
 /// Connections being opened to one replica at once when a route does not say.
@@ -678,6 +682,7 @@ pub fn examples() -> Vec<Event> {
                 process: None,
                 concurrency: 0,
                 max_connecting: 0,
+                policy: Default::default(),
             },
         },
         Event::RouteRemoved {

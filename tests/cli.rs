@@ -78,6 +78,7 @@ fn route() -> RouteSpec {
         process: None,
         concurrency: 0,
         max_connecting: 0,
+        policy: Default::default(),
     }
 }
 

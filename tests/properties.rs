@@ -71,10 +71,21 @@ fn route_spec() -> impl Strategy<Value = RouteSpec> {
                     }
                 }),
         ),
-        (0u32..3, 0u32..3),
+        (0u32..3, 0u32..3, policy()),
     )
         .prop_map(
-            |(n, domains, dep, idle, min, max, hold, q, process, (concurrency, max_connecting))| {
+            |(
+                n,
+                domains,
+                dep,
+                idle,
+                min,
+                max,
+                hold,
+                q,
+                process,
+                (concurrency, max_connecting, policy),
+            )| {
                 RouteSpec {
                     name: n,
                     domains: domains.into_iter().map(String::from).collect(),
@@ -87,9 +98,22 @@ fn route_spec() -> impl Strategy<Value = RouteSpec> {
                     process,
                     concurrency,
                     max_connecting,
+                    policy: Box::new(policy),
                 }
             },
         )
+}
+
+fn policy() -> impl Strategy<Value = ebb::discovery::Policy> {
+    use ebb::discovery::{Balancer, HashOn, Policy};
+    (0usize..Balancer::ALL.len(), 1u32..5, 0u64..60_000).prop_map(|(b, choices, slow)| Policy {
+        balancer: Balancer::ALL[b],
+        choices,
+        slow_start_ms: slow,
+        hash_on: (Balancer::ALL[b] == Balancer::ConsistentHash)
+            .then(|| HashOn::Header("x-user".into())),
+        ..Policy::default()
+    })
 }
 
 fn call_spec() -> impl Strategy<Value = CallSpec> {

@@ -101,6 +101,7 @@ fn route_events() -> Vec<Event> {
                 process: None,
                 concurrency: 0,
                 max_connecting: 0,
+                policy: Default::default(),
             },
         })
         .collect()
@@ -120,6 +121,7 @@ pub(crate) fn bench_route(name: &str, process: Option<crate::event::ProcessSpec>
         process,
         concurrency: 0,
         max_connecting: 0,
+        policy: Default::default(),
     }
 }
 

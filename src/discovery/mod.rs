@@ -18,3 +18,128 @@ pub mod policy;
 pub use balance::{HasInstance, Instance, Outcome, PickAt, Picker, hash_key, parse_load};
 pub use id::{IdError, ServiceId};
 pub use policy::{Balancer, HashOn, Policy};
+
+use std::cell::RefCell;
+use std::net::IpAddr;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::clock::Stopwatch;
+
+/// The pickers' clock: microseconds since the first reading in this process (monotonic).
+pub fn now_us() -> u64 {
+    static EPOCH: OnceLock<Stopwatch> = OnceLock::new();
+    // Starts at one second so that "never" (0) is always in the past.
+    EPOCH.get_or_init(Stopwatch::start).elapsed().as_micros() as u64 + 1_000_000
+}
+
+/// The seed of the threads' generators (0: not set, drawn at random on first use).
+static SEED: AtomicU64 = AtomicU64::new(0);
+/// Threads whose generator was seeded so far: each thread's seed is the seed and its number.
+static THREADS: AtomicU64 = AtomicU64::new(0);
+
+/// Seeds every generator made from now on (`--seed`): the same seed and the same order of
+/// threads make the same picks.
+pub fn set_seed(seed: u64) {
+    SEED.store(seed.max(1), Ordering::Relaxed);
+}
+
+/// Runs `f` with this thread's generator.
+pub fn with_rng<R>(f: impl FnOnce(&mut ChaCha8Rng) -> R) -> R {
+    thread_local! {
+        static RNG: RefCell<ChaCha8Rng> = RefCell::new(thread_rng());
+    }
+    RNG.with(|r| f(&mut r.borrow_mut()))
+}
+
+fn thread_rng() -> ChaCha8Rng {
+    let mut seed = SEED.load(Ordering::Relaxed);
+    if seed == 0 {
+        // The standard library's per-process random keys: no seed asked for, a random one.
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(0);
+        seed = h.finish().max(1);
+        let _ = SEED.compare_exchange(0, seed, Ordering::Relaxed, Ordering::Relaxed);
+        seed = SEED.load(Ordering::Relaxed);
+    }
+    let n = THREADS.fetch_add(1, Ordering::Relaxed);
+    ChaCha8Rng::seed_from_u64(seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// A request's hash key for consistent hashing: the value `hash_on` names, hashed ([`hash_key`]),
+/// `None` when the request has none. `header` looks a header up by its lower-case name; `target`
+/// is the request target (path and query).
+pub fn request_key<'a>(
+    hash_on: &HashOn,
+    target: &str,
+    header: impl Fn(&str) -> Option<&'a [u8]>,
+    client: IpAddr,
+) -> Option<u64> {
+    match hash_on {
+        HashOn::Header(name) => header(name).map(hash_key),
+        HashOn::Path => Some(hash_key(
+            target.split_once('?').map_or(target, |(p, _)| p).as_bytes(),
+        )),
+        HashOn::Query(name) => {
+            let (_, query) = target.split_once('?')?;
+            query
+                .split('&')
+                .find_map(|kv| {
+                    let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+                    (k == name).then_some(v)
+                })
+                .map(|v| hash_key(v.as_bytes()))
+        }
+        HashOn::Cookie(name) => {
+            let cookies = std::str::from_utf8(header("cookie")?).ok()?;
+            cookies
+                .split(';')
+                .find_map(|c| {
+                    let (k, v) = c.trim().split_once('=')?;
+                    (k == name).then_some(v)
+                })
+                .map(|v| hash_key(v.as_bytes()))
+        }
+        HashOn::ClientIp => Some(match client {
+            IpAddr::V4(a) => hash_key(&a.octets()),
+            IpAddr::V6(a) => hash_key(&a.octets()),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_keys_come_from_what_the_policy_names() {
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let headers = |n: &str| match n {
+            "x-user" => Some(&b"ada"[..]),
+            "cookie" => Some(&b"a=1; session=s42; b=2"[..]),
+            _ => None,
+        };
+        let key =
+            |h: &str, target: &str| request_key(&HashOn::parse(h).unwrap(), target, headers, ip);
+        assert_eq!(key("header:x-user", "/"), Some(hash_key(b"ada")));
+        assert_eq!(key("header:x-other", "/"), None);
+        assert_eq!(key("path", "/a/b?x=1"), Some(hash_key(b"/a/b")));
+        assert_eq!(key("query:u", "/a?x=1&u=bob"), Some(hash_key(b"bob")));
+        assert_eq!(key("query:u", "/a?x=1"), None);
+        assert_eq!(key("cookie:session", "/"), Some(hash_key(b"s42")));
+        assert_eq!(key("client_ip", "/"), Some(hash_key(&[10, 0, 0, 1])));
+    }
+
+    #[test]
+    fn a_seed_makes_the_threads_generators_repeatable() {
+        use rand::RngCore;
+        let first = thread_rng().next_u64();
+        let second = thread_rng().next_u64();
+        assert_ne!(first, second, "each thread its own stream");
+        assert!(now_us() >= 1_000_000);
+    }
+}

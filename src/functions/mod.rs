@@ -189,6 +189,7 @@ pub fn route_of(t: &TemplateSpec) -> Option<RouteSpec> {
         }),
         concurrency: 0,
         max_connecting: 0,
+        policy: Default::default(),
     })
 }
 

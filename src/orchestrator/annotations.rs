@@ -6,7 +6,8 @@
 //! `proxless/domains` and `proxless/deployment` are understood too; ebb's own win when both are
 //! present. Per-route settings: `ebb.dev/idle-after` and `ebb.dev/hold-timeout` (durations such
 //! as `90s`, `5m`, `1h30m`, `500ms`), `ebb.dev/min-replicas`, `ebb.dev/max-replicas`,
-//! `ebb.dev/concurrency`.
+//! `ebb.dev/concurrency`, and `ebb.dev/traffic-policy` (how a replica is picked: a JSON object
+//! of [`crate::discovery::Policy`], such as `{"balancer": "least_request"}`).
 //!
 //! A Service with none of the route annotations is not ebb's ([`Ok(None)`]); one with some but
 //! not all, or with a malformed value, is an [`AnnotationError`] that names the annotation, for
@@ -26,6 +27,7 @@ pub const HOLD_TIMEOUT: &str = "ebb.dev/hold-timeout";
 pub const MIN_REPLICAS: &str = "ebb.dev/min-replicas";
 pub const MAX_REPLICAS: &str = "ebb.dev/max-replicas";
 pub const CONCURRENCY: &str = "ebb.dev/concurrency";
+pub const TRAFFIC_POLICY: &str = "ebb.dev/traffic-policy";
 
 /// Settings of a route whose Service does not say.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -175,6 +177,15 @@ pub fn route(
             ),
         ));
     }
+    let policy = match annotations.get(TRAFFIC_POLICY) {
+        None => Default::default(),
+        Some(v) => {
+            let p: crate::discovery::Policy = serde_json::from_str(v)
+                .map_err(|e| bad(TRAFFIC_POLICY, format!("not a traffic policy: {e}")))?;
+            p.validate().map_err(|e| bad(TRAFFIC_POLICY, e))?;
+            p
+        }
+    };
     let spec = RouteSpec {
         name: format!("{namespace}/{service}"),
         domains: hosts,
@@ -187,6 +198,7 @@ pub fn route(
         process: None,
         concurrency: count(CONCURRENCY, 0)?,
         max_connecting: 0,
+        policy: Box::new(policy),
     };
     Ok(Some((spec, workload)))
 }
@@ -344,10 +356,18 @@ mod tests {
             (MIN_REPLICAS, "1"),
             (MAX_REPLICAS, "3"),
             (CONCURRENCY, "8"),
+            (
+                TRAFFIC_POLICY,
+                r#"{"balancer": "least_request", "choices": 3}"#,
+            ),
         ])
         .unwrap()
         .unwrap();
         assert_eq!(r.name, "shop/web");
+        assert_eq!(
+            (r.policy.balancer, r.policy.choices),
+            (crate::discovery::Balancer::LeastRequest, 3)
+        );
         assert_eq!(r.domains, ["web.example.com", "*.web.example.com"]);
         assert_eq!(r.deployment, "shop/web-v2");
         assert_eq!((r.idle_after_ms, r.hold_timeout_ms), (90_000, 500));
@@ -395,6 +415,22 @@ mod tests {
                 PROXLESS_DOMAINS,
             ),
             (&[(DOMAINS, "a.com"), (DEPLOYMENT, "Web")], DEPLOYMENT),
+            (
+                &[
+                    (DOMAINS, "a.com"),
+                    (DEPLOYMENT, "web"),
+                    (TRAFFIC_POLICY, r#"{"balancer": "fastest"}"#),
+                ],
+                TRAFFIC_POLICY,
+            ),
+            (
+                &[
+                    (DOMAINS, "a.com"),
+                    (DEPLOYMENT, "web"),
+                    (TRAFFIC_POLICY, r#"{"balancer": "consistent_hash"}"#),
+                ],
+                TRAFFIC_POLICY,
+            ),
             (
                 &[(DOMAINS, "a.com"), (DEPLOYMENT, "daemonset/web")],
                 DEPLOYMENT,

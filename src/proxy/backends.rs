@@ -3,8 +3,10 @@
 //! with more than it can take:
 //!
 //! * **Requests per replica** (a route's `concurrency`, like Knative's `containerConcurrency`;
-//!   0 means no bound): a request takes a slot on the replica with the fewest requests under way
-//!   and holds it until its response is done. When every replica is full the request waits, held
+//!   0 means no bound): a request takes a slot on the replica its route's traffic policy picks
+//!   ([`crate::discovery`]; by default peak EWMA) among those below the bound, and holds it until
+//!   its response is done; how the request ended (its latency, a 5xx, a failed connection) is
+//!   told to the policy when it ends. When every replica is full the request waits, held
 //!   like a request for a sleeping workload (the route's hold queue and hold timeout), and takes
 //!   the first slot freed.
 //! * **Connections being opened per replica** (`max_connecting`): a request that finds no idle
@@ -34,6 +36,8 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
+use crate::discovery::{self, HasInstance, Instance, Outcome, PickAt, Picker};
+
 /// How often a request waiting for a slot or a connection looks again, whatever it was told: a
 /// safety net for a freed slot told to a waiter that avoids that replica, and for a task that
 /// moved threads, whose thread's pool tells it nothing.
@@ -47,8 +51,9 @@ const ATTEMPT_MAX_MS: u64 = 1_000;
 pub struct Replica {
     /// Where it listens.
     pub addr: SocketAddr,
-    /// Requests holding a slot on it.
-    active: AtomicU32,
+    /// What load balancing learns of it; requests holding a slot on it are its requests under
+    /// way.
+    inst: Instance,
     /// Connections being opened to it.
     connecting: AtomicU32,
     /// How many may be opened at once (the `max_connecting` of the route that last listed it).
@@ -83,8 +88,14 @@ pub struct Backends {
 }
 
 impl Backends {
-    /// The replica at `addr`, created on first use, opened at most `max_connecting` at a time.
-    pub fn replica(&self, addr: SocketAddr, max_connecting: u32) -> Arc<Replica> {
+    /// The replica at `addr`, created on first use, opened at most `max_connecting` at a time;
+    /// a new one is assumed to answer in `default_rtt_ms` until measured.
+    pub fn replica(
+        &self,
+        addr: SocketAddr,
+        max_connecting: u32,
+        default_rtt_ms: u64,
+    ) -> Arc<Replica> {
         let mut map = self.replicas.lock().expect("replicas lock");
         if let Some(r) = map.get(&addr).and_then(Weak::upgrade) {
             r.max_connecting.store(max_connecting, Ordering::Relaxed);
@@ -93,7 +104,7 @@ impl Backends {
         map.retain(|_, r| r.strong_count() > 0);
         let r = Arc::new(Replica {
             addr,
-            active: AtomicU32::new(0),
+            inst: Instance::new(addr, 1, discovery::now_us(), default_rtt_ms),
             connecting: AtomicU32::new(0),
             max_connecting: AtomicU32::new(max_connecting),
             window: AtomicU32::new(1),
@@ -125,10 +136,24 @@ impl Backends {
     }
 }
 
-/// A request's place on a replica, held until its response is done.
+/// A replica list with its route's traffic policy.
+pub type Ready = Picker<Arc<Replica>>;
+
+impl HasInstance for Replica {
+    fn instance(&self) -> &Instance {
+        &self.inst
+    }
+}
+
+/// A request's place on a replica, held until its response is done. Dropped, it tells the
+/// policy how the request ended ([`Slot::answered`], [`Slot::failed`]; neither: not a sample).
 #[derive(Debug)]
 pub struct Slot {
-    replica: Arc<Replica>,
+    ready: Arc<Ready>,
+    index: usize,
+    /// When it was taken, on the pickers' clock.
+    started_us: u64,
+    outcome: Mutex<Outcome>,
     /// Told when the slot is freed (only when the route bounds its requests per replica: nobody
     /// waits otherwise).
     group: Option<Arc<Group>>,
@@ -137,58 +162,70 @@ pub struct Slot {
 impl Slot {
     /// The replica's address.
     pub fn addr(&self) -> SocketAddr {
-        self.replica.addr
+        self.replica().addr
     }
 
     /// The replica.
     pub fn replica(&self) -> &Arc<Replica> {
-        &self.replica
+        &self.ready.items()[self.index]
+    }
+
+    /// The replica answered with `status` (its head arrived now), reporting `load`
+    /// (`X-Runner-Load`) if it did. A 5xx counts towards the replica's ejection.
+    pub fn answered(&self, status: u16, load: Option<f64>) {
+        let rtt_us = discovery::now_us().saturating_sub(self.started_us);
+        if let Some(l) = load {
+            self.replica().inst.set_load_factor(l);
+        }
+        *self.outcome.lock().expect("outcome lock") = Outcome::Answered {
+            rtt_us,
+            failed: status >= 500,
+        };
+    }
+
+    /// No answer came: the connection failed or broke.
+    pub fn failed(&self) {
+        *self.outcome.lock().expect("outcome lock") = Outcome::Failed;
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.replica.active.fetch_sub(1, Ordering::AcqRel);
+        let outcome = *self.outcome.get_mut().expect("outcome lock");
+        self.ready.report(self.index, outcome, discovery::now_us());
+        self.replica().inst.end();
         if let Some(g) = &self.group {
             g.slot_freed.notify_one();
         }
     }
 }
 
-/// Takes a slot on the replica with the fewest requests under way, among those in `ready` other
-/// than `avoid` that are below `limit` (0: no bound), starting the scan at `start` so that equal
-/// replicas take turns.
+/// Takes a slot on the replica `ready`'s policy picks among those other than `avoid` that are
+/// below `limit` requests under way (0: no bound).
 pub fn take_slot(
-    ready: &[Arc<Replica>],
+    ready: &Arc<Ready>,
     avoid: Option<SocketAddr>,
     limit: u32,
-    start: usize,
+    key: Option<u64>,
     group: &Arc<Group>,
 ) -> Option<Slot> {
-    // A slot is taken with a compare-and-swap; a race lost to another thread scans again.
+    let at = PickAt {
+        now_us: discovery::now_us(),
+        key,
+    };
+    // The slot is taken with a compare-and-swap; a race lost to another thread picks again.
     for _ in 0..8 {
-        let n = ready.len();
-        let mut best: Option<(u32, &Arc<Replica>)> = None;
-        for i in 0..n {
-            let r = &ready[(start + i) % n];
-            if Some(r.addr) == avoid {
-                continue;
-            }
-            let active = r.active.load(Ordering::Acquire);
-            if limit > 0 && active >= limit {
-                continue;
-            }
-            if best.is_none_or(|(b, _)| active < b) {
-                best = Some((active, r));
-            }
-        }
-        let (active, r) = best?;
-        if r.active
-            .compare_exchange(active, active + 1, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
+        let i = discovery::with_rng(|rng| {
+            ready.pick(&at, rng, |r| {
+                Some(r.addr) != avoid && (limit == 0 || r.inst.active() < limit)
+            })
+        })?;
+        if ready.items()[i].inst.try_begin(limit) {
             return Some(Slot {
-                replica: r.clone(),
+                ready: ready.clone(),
+                index: i,
+                started_us: at.now_us,
+                outcome: Mutex::new(Outcome::Unmeasured),
                 group: (limit > 0).then(|| group.clone()),
             });
         }
@@ -395,44 +432,75 @@ pub async fn within<T>(
 mod tests {
     use super::*;
 
-    fn replicas(b: &Backends, n: u16) -> Vec<Arc<Replica>> {
-        (0..n)
-            .map(|i| b.replica(SocketAddr::from(([127, 0, 0, 1], 1000 + i)), 4))
-            .collect()
+    fn ready_list(b: &Backends, n: u16, policy: &crate::discovery::Policy) -> Arc<Ready> {
+        let replicas = (0..n)
+            .map(|i| b.replica(SocketAddr::from(([127, 0, 0, 1], 1000 + i)), 4, 30))
+            .collect();
+        Arc::new(discovery::with_rng(|rng| Ready::new(policy, replicas, rng)))
     }
 
     #[test]
-    fn slots_go_to_the_least_busy_replica_within_the_bound() {
+    fn slots_are_taken_within_the_bound_where_the_policy_picks() {
+        use crate::discovery::{Balancer, Policy};
         let b = Backends::default();
         let g = b.group("d");
-        let ready = replicas(&b, 3);
-        let s0 = take_slot(&ready, None, 2, 0, &g).unwrap();
-        let s1 = take_slot(&ready, None, 2, 0, &g).unwrap();
-        let s2 = take_slot(&ready, None, 2, 0, &g).unwrap();
-        let mut addrs = vec![s0.addr(), s1.addr(), s2.addr()];
-        addrs.sort();
-        addrs.dedup();
-        assert_eq!(addrs.len(), 3, "one each before any gets a second");
-        let more: Vec<Slot> = (0..3)
-            .map(|i| take_slot(&ready, None, 2, i, &g).unwrap())
+        let ready = ready_list(&b, 3, &Policy::of(Balancer::LeastRequest));
+        let held: Vec<Slot> = (0..6)
+            .map(|_| take_slot(&ready, None, 2, None, &g).unwrap())
             .collect();
-        assert!(take_slot(&ready, None, 2, 0, &g).is_none(), "all full");
-        assert!(take_slot(&ready, None, 0, 0, &g).is_some(), "no bound");
-        let freed = s1.addr();
-        drop(s1);
-        assert_eq!(take_slot(&ready, None, 2, 0, &g).unwrap().addr(), freed);
-        assert!(
-            take_slot(&ready, Some(ready[0].addr), 0, 0, &g)
-                .is_some_and(|s| s.addr() != ready[0].addr)
-        );
-        drop(more);
-        assert!(take_slot(&[], None, 0, 0, &g).is_none());
+        for r in ready.items() {
+            assert_eq!(r.inst.active(), 2, "every replica at its bound");
+        }
+        assert!(take_slot(&ready, None, 2, None, &g).is_none(), "all full");
+        let unbounded = take_slot(&ready, None, 0, None, &g).unwrap();
+        drop(unbounded);
+        // A freed slot is the only one below the bound: it is taken.
+        let freed = held[1].addr();
+        let mut held = held;
+        held.remove(1);
+        let last = take_slot(&ready, None, 2, None, &g).unwrap();
+        assert_eq!(last.addr(), freed);
+        assert!(take_slot(&ready, None, 2, None, &g).is_none());
+        drop(held);
+        // The replica to avoid is never picked.
+        let avoid = ready.items()[0].addr;
+        for _ in 0..20 {
+            assert_ne!(
+                take_slot(&ready, Some(avoid), 0, None, &g).unwrap().addr(),
+                avoid
+            );
+        }
+        let none = ready_list(&b, 0, &Policy::default());
+        assert!(take_slot(&none, None, 0, None, &g).is_none());
+    }
+
+    #[test]
+    fn a_slot_tells_the_policy_how_its_request_ended() {
+        use crate::discovery::Policy;
+        let b = Backends::default();
+        let g = b.group("d");
+        let policy = Policy {
+            eject_after_failures: 2,
+            ..Policy::default()
+        };
+        let ready = ready_list(&b, 2, &policy);
+        let bad = ready.items()[0].addr;
+        // Two failures in a row on the first replica eject it: every pick goes to the other.
+        for _ in 0..2 {
+            let s = take_slot(&ready, Some(ready.items()[1].addr), 0, None, &g).unwrap();
+            assert_eq!(s.addr(), bad);
+            s.answered(503, Some(0.5));
+        }
+        assert_eq!(ready.items()[0].inst.load_factor(), Some(0.5));
+        for _ in 0..20 {
+            assert_ne!(take_slot(&ready, None, 0, None, &g).unwrap().addr(), bad);
+        }
     }
 
     #[test]
     fn openings_are_bounded_and_replicas_forgotten_when_unused() {
         let b = Backends::default();
-        let r = b.replica(SocketAddr::from(([127, 0, 0, 1], 9)), 3);
+        let r = b.replica(SocketAddr::from(([127, 0, 0, 1], 9)), 3, 30);
         // One at a time until a connection answers; then one more each, up to the bound.
         let first = r.try_open().unwrap();
         assert!(r.try_open().is_none());
@@ -451,7 +519,7 @@ mod tests {
         assert_eq!(r.window(), 1);
         drop(first);
         assert!(r.try_open().is_none(), "one is still being opened");
-        assert!(Arc::ptr_eq(&b.replica(r.addr, 3), &r));
+        assert!(Arc::ptr_eq(&b.replica(r.addr, 3, 30), &r));
         let addr = r.addr;
         drop(second);
         drop(r);

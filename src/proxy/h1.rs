@@ -45,7 +45,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
-use super::backends::{self, Opening, Replica, Settling};
+use super::backends::{self, Opening, Replica, Settling, Slot};
 use super::chunked::Chunked;
 use super::table::Entry;
 use super::{Proxy, Refusal};
@@ -83,6 +83,8 @@ struct Request {
     idempotent: bool,
     /// The client asked to close after this request.
     close: bool,
+    /// Its hash key, when its route's policy hashes on something of the request.
+    key: Option<u64>,
 }
 
 enum Parsed {
@@ -367,7 +369,7 @@ async fn exchange(
     let mut pooled_allowed = true;
     loop {
         let ready = async {
-            let slot = proxy.endpoint(entry, avoid).await?;
+            let slot = proxy.endpoint(entry, avoid, req.key).await?;
             let conn =
                 backend_conn(proxy, slot.replica(), pooled_allowed, has_body, progress).await;
             Ok::<_, Refusal>((slot, conn))
@@ -402,10 +404,12 @@ async fn exchange(
             {
                 // Refused: the replica is stopping or gone. The request is untouched.
                 tracing::debug!(route = %entry.spec.name, %addr, error = %e, "backend refused; retrying");
+                slot.failed();
                 avoid = Some(addr);
                 continue;
             }
             Err(e) => {
+                slot.failed();
                 let refusal = Refusal::bad_gateway(format!("backend {addr}: {e}"));
                 return write_refusal(&mut cw, out, proxy, &refusal, has_body)
                     .await
@@ -430,6 +434,7 @@ async fn exchange(
                     &wrote,
                     progress,
                     opening,
+                    &slot,
                 )
                 .await
             } else {
@@ -446,6 +451,7 @@ async fn exchange(
                         is_head: req.is_head,
                         client_wants_close: req.close,
                         opening,
+                        slot: &slot,
                     };
                     relay_response(&mut br, bbuf, &mut cw, to).await
                 };
@@ -486,9 +492,13 @@ async fn exchange(
                 // The replica closed or reset a fresh connection without answering: it is
                 // stopping.
                 tracing::debug!(route = %entry.spec.name, %addr, error = %e.message, "backend went away; retrying");
+                slot.failed();
                 avoid = Some(addr);
             }
             Err(e) if !wrote => {
+                if !e.client_fault {
+                    slot.failed();
+                }
                 let refusal = if e.client_fault {
                     Refusal::new(StatusCode::BAD_REQUEST, "bad_request_body", e.message)
                 } else {
@@ -579,6 +589,7 @@ async fn relay_with_body<R, W>(
     wrote: &AtomicBool,
     progress: &Progress<'_>,
     opening: Option<&Settling>,
+    slot: &Slot,
 ) -> Result<Relayed, RelayError>
 where
     R: AsyncRead + Unpin,
@@ -593,6 +604,7 @@ where
         is_head: req.is_head,
         client_wants_close: req.close,
         opening,
+        slot,
     };
     let recv = relay_response(&mut br, bbuf, cw, to);
     tokio::pin!(recv);
@@ -689,6 +701,8 @@ struct Relay<'a, 'c> {
     client_wants_close: bool,
     /// A new connection's opening, ended by the first byte of its answer.
     opening: Option<&'a Settling>,
+    /// The request's slot, told of the answer's head.
+    slot: &'a Slot,
 }
 
 /// Reads the backend's response and writes it to the client.
@@ -709,6 +723,7 @@ where
         is_head,
         client_wants_close,
         opening,
+        slot,
     } = to;
     let mut got_any = false;
     loop {
@@ -744,6 +759,9 @@ where
             }
         };
         bbuf.advance(resp.head_len);
+        if !resp.interim {
+            slot.answered(resp.status, resp.load);
+        }
         if resp.interim {
             if let Err(e) = cw.write_all(out).await {
                 return Err(RelayError::backend(true, e.to_string()));
@@ -817,6 +835,10 @@ where
 /// A response head, parsed and rewritten for the client into the output buffer.
 struct Response {
     head_len: usize,
+    /// The status code.
+    status: u16,
+    /// The load factor it reported (`X-Runner-Load`).
+    load: Option<f64>,
     interim: bool,
     body: Framing,
     backend_keep_alive: bool,
@@ -1103,7 +1125,25 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
     out.extend_from_slice(b";host=\"");
     out.extend_from_slice(host.as_bytes());
     out.extend_from_slice(b"\";proto=http\r\n\r\n");
+    let key = entry.spec.policy.hash_on.as_ref().and_then(|h| {
+        let client = peer
+            .ip
+            .parse()
+            .unwrap_or(std::net::IpAddr::from([0, 0, 0, 0]));
+        crate::discovery::request_key(
+            h,
+            &target.path,
+            |n| {
+                headers
+                    .iter()
+                    .find(|x| x.name.eq_ignore_ascii_case(n))
+                    .map(|x| x.value)
+            },
+            client,
+        )
+    });
     Parsed::Request(Request {
+        key,
         head_len,
         entry,
         body,
@@ -1144,6 +1184,7 @@ fn parse_response(
     }
     let mut length: Option<u64> = None;
     let mut transfer: Option<&[u8]> = None;
+    let mut load = None;
     for h in headers {
         if h.name.eq_ignore_ascii_case("content-length") {
             match (content_length(h.value), length) {
@@ -1156,6 +1197,8 @@ fn parse_response(
                 return Err("more than one Transfer-Encoding in the response".into());
             }
             transfer = Some(h.value.trim_ascii());
+        } else if h.name.eq_ignore_ascii_case("x-runner-load") {
+            load = crate::discovery::parse_load(h.value);
         }
     }
     let body = if interim || is_head || code == 204 || code == 304 {
@@ -1209,6 +1252,8 @@ fn parse_response(
     out.extend_from_slice(b"\r\n");
     Ok(Some(Response {
         head_len,
+        status: code,
+        load,
         interim,
         body,
         backend_keep_alive,

@@ -39,7 +39,6 @@ pub mod traffic;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -177,7 +176,6 @@ pub struct Proxy {
     table: std::sync::RwLock<Arc<Table>>,
     backends: Arc<Backends>,
     orch_version: tokio::sync::watch::Receiver<u64>,
-    next: AtomicUsize,
     options: ProxyOptions,
 }
 
@@ -344,7 +342,6 @@ impl Proxy {
             table: std::sync::RwLock::new(Arc::new(Table::default())),
             backends: Arc::new(Backends::default()),
             orch_version,
-            next: AtomicUsize::new(0),
             options,
         }
     }
@@ -522,6 +519,14 @@ impl Proxy {
             parts.headers.insert(header::UPGRADE, proto.clone());
         }
         add_forwarded(&mut parts.headers, peer, &host);
+        let key = route.policy.hash_on.as_ref().and_then(|h| {
+            crate::discovery::request_key(
+                h,
+                &path,
+                |n| parts.headers.get(n).map(|v| v.as_bytes()),
+                peer.ip(),
+            )
+        });
         let path = match hyper::http::uri::PathAndQuery::try_from(path.as_str()) {
             Ok(p) => p,
             Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_target", &e.to_string()),
@@ -530,7 +535,7 @@ impl Proxy {
         // A replica that refused or reset the connection is avoided on the retry.
         let mut failed: Option<SocketAddr> = None;
         loop {
-            let slot = match self.endpoint(&entry, failed).await {
+            let slot = match self.endpoint(&entry, failed, key).await {
                 Ok(s) => s,
                 Err(refusal) => return refusal.into_response(self.options.retry_after_s),
             };
@@ -548,6 +553,13 @@ impl Proxy {
             };
             match client(&self.options, &self.backends).request(out).await {
                 Ok(mut resp) => {
+                    if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+                        let load = resp
+                            .headers()
+                            .get("x-runner-load")
+                            .and_then(|v| crate::discovery::parse_load(v.as_bytes()));
+                        slot.answered(resp.status().as_u16(), load);
+                    }
                     if resp.status() == StatusCode::SWITCHING_PROTOCOLS
                         && let Some(client_upgrade) = client_upgrade
                     {
@@ -575,10 +587,12 @@ impl Proxy {
                     // The replica is stopping or gone: wake the workload again and try once more,
                     // on another replica.
                     tracing::debug!(route = %route.name, %addr, error = %e, "backend went away; retrying");
+                    slot.failed();
                     failed = Some(addr);
                     continue;
                 }
                 Err(e) => {
+                    slot.failed();
                     return json_error(
                         StatusCode::BAD_GATEWAY,
                         "backend_error",
@@ -592,9 +606,15 @@ impl Proxy {
     /// A slot on a ready replica other than `avoid` ([`backends::take_slot`]). While there is
     /// none the request is held: the workload is woken when no replica is ready, and the request
     /// takes the first slot that a replica becoming ready or a request ending frees.
-    async fn endpoint(&self, entry: &Entry, avoid: Option<SocketAddr>) -> Result<Slot, Refusal> {
+    /// `key`: the request's hash key, for a consistent-hash policy.
+    async fn endpoint(
+        &self,
+        entry: &Entry,
+        avoid: Option<SocketAddr>,
+        key: Option<u64>,
+    ) -> Result<Slot, Refusal> {
         let route = &entry.spec;
-        if let Some(slot) = self.pick(entry, avoid) {
+        if let Some(slot) = self.pick(entry, avoid, key) {
             return Ok(slot);
         }
         let Some(_held) = entry.traffic.hold(route.hold_queue_max) else {
@@ -616,7 +636,7 @@ impl Proxy {
                 let freed = entry.group.slot_freed();
                 tokio::pin!(freed);
                 freed.as_mut().enable();
-                if let Some(slot) = self.pick(entry, avoid) {
+                if let Some(slot) = self.pick(entry, avoid, key) {
                     return Ok(slot);
                 }
                 // Wake once; again if the workload was asked down since (a scale-down by another
@@ -679,7 +699,7 @@ impl Proxy {
     }
 
     /// The route's ready replicas, read from the orchestrator only when it reported a change.
-    fn ready(&self, entry: &Entry) -> Arc<[Arc<backends::Replica>]> {
+    fn ready(&self, entry: &Entry) -> Arc<backends::Ready> {
         let version = *self.orch_version.borrow();
         if let Some(ready) = entry.ready_at(version) {
             return ready;
@@ -694,18 +714,16 @@ impl Proxy {
 
     /// Whether a replica other than `avoid` is ready.
     fn has_ready(&self, entry: &Entry, avoid: Option<SocketAddr>) -> bool {
-        self.ready(entry).iter().any(|r| Some(r.addr) != avoid)
+        self.ready(entry)
+            .items()
+            .iter()
+            .any(|r| Some(r.addr) != avoid)
     }
 
-    /// A slot on the least busy ready replica other than `avoid`, equal ones taking turns.
-    fn pick(&self, entry: &Entry, avoid: Option<SocketAddr>) -> Option<Slot> {
+    /// A slot on the ready replica other than `avoid` that the route's policy picks.
+    fn pick(&self, entry: &Entry, avoid: Option<SocketAddr>, key: Option<u64>) -> Option<Slot> {
         let ready = self.ready(entry);
-        let start = if ready.len() > 1 {
-            self.next.fetch_add(1, Ordering::Relaxed)
-        } else {
-            0
-        };
-        backends::take_slot(&ready, avoid, entry.spec.concurrency, start, &entry.group)
+        backends::take_slot(&ready, avoid, entry.spec.concurrency, key, &entry.group)
     }
 }
 

@@ -186,6 +186,7 @@ mod tests {
                 process: None,
                 concurrency: 0,
                 max_connecting: 0,
+                policy: Default::default(),
             },
         }
     }

@@ -421,6 +421,7 @@ impl World {
                 process: None,
                 concurrency: 0,
                 max_connecting: 0,
+                policy: Default::default(),
             };
             for i in 0..p.replicas {
                 let skew = if self.faults.skew && p.max_skew_ms > 0 {
