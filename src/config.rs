@@ -31,6 +31,13 @@ pub struct Config {
     /// with the `Cleaner` resource's fields and a `name`.
     #[serde(default, rename = "cleaner")]
     pub cleaners: Vec<crate::cleaner::local::CleanerConfig>,
+    /// Meta services (`conf://NAME`): routes, rewriting and weighted destinations, served by the
+    /// proxy on their domains ([`crate::discovery::meta`]).
+    #[serde(default, rename = "service")]
+    pub services: Vec<crate::discovery::meta::ServiceConfig>,
+    /// The services checked (built at load).
+    #[serde(skip)]
+    pub meta: Vec<crate::discovery::meta::MetaService>,
 }
 
 /// One app: a route and the workload behind it.
@@ -175,6 +182,22 @@ impl Config {
                 app.cwd = Some(base.join(cwd));
             }
         }
+        let mut service_names = std::collections::BTreeSet::new();
+        for s in &cfg.services {
+            if !service_names.insert(s.name.clone()) {
+                return Err(invalid(format!("service {:?} is defined twice", s.name)));
+            }
+            let meta = crate::discovery::meta::MetaService::build(s).map_err(invalid)?;
+            for d in &meta.domains {
+                if let Some(other) = domains.insert(d.clone(), format!("service {}", s.name)) {
+                    return Err(invalid(format!(
+                        "domain {d:?} belongs to both {other:?} and service {:?}",
+                        s.name
+                    )));
+                }
+            }
+            cfg.meta.push(meta);
+        }
         Ok(cfg)
     }
 }
@@ -295,6 +318,21 @@ mod tests {
                 "min_replicas <= max_replicas",
             ),
             ("[[app]]\nname = 1\n".to_owned(), "invalid type"),
+            (
+                format!(
+                    "{}[[service]]\nname = \"s\"\ndomains = [\"x.test\"]\n[[service.route]]\ndestinations = [{{ addresses = [\"127.0.0.1:1\"] }}]\n",
+                    app("a", "x.test")
+                ),
+                "belongs to both",
+            ),
+            (
+                "[[service]]\nname = \"s\"\n[[service.route]]\ndestinations = [{ service = \"nope://x\" }]\n".to_owned(),
+                "unknown scheme",
+            ),
+            (
+                format!("{}policy = {{ balancer = \"consistent_hash\" }}\n", app("a", "x.test")),
+                "needs hash_on",
+            ),
         ];
         for (text, needle) in cases {
             let err = load(&text).unwrap_err().to_string();

@@ -4,6 +4,8 @@
 //! | path | answer |
 //! |---|---|
 //! | `/health` | 200 `ok` (503 with `--never-ready`) |
+//! | (any, with `--answer-delay-ms N`) | the same answer, N ms late (a slow replica) |
+//! | (any, with `--report-load L`) | the same answer, with `X-Runner-Load: L` |
 //! | `/pid` | the process id, so tests can tell replicas apart |
 //! | `/sleep?ms=N` | 200 after N milliseconds (a long request) |
 //! | `/bytes?n=N` | N bytes, streamed (downloads) |
@@ -58,6 +60,13 @@ pub struct ExampleAppArgs {
     /// backlog drops the connection attempts that a burst brings beyond it.
     #[arg(long, default_value_t = 0)]
     pub accept_delay_ms: u64,
+    /// Answer every request this much late: a slow replica among fast ones.
+    #[arg(long, default_value_t = 0)]
+    pub answer_delay_ms: u64,
+    /// Send `X-Runner-Load: VALUE` with every answer (`in_flight/capacity`): a replica that
+    /// reports its load.
+    #[arg(long)]
+    pub report_load: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -252,7 +261,29 @@ pub async fn run(args: ExampleAppArgs) -> anyhow::Result<()> {
     };
     let listener =
         listen().map_err(|e| anyhow::anyhow!("example-app: listening on {addr}: {e}"))?;
-    let app = router_with(args.never_ready, args.function);
+    let mut app = router_with(args.never_ready, args.function);
+    if args.answer_delay_ms > 0 || args.report_load.is_some() {
+        let delay = Duration::from_millis(args.answer_delay_ms);
+        let load = args
+            .report_load
+            .as_deref()
+            .map(HeaderValue::from_str)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("example-app: --report-load: {e}"))?;
+        app = app.layer(axum::middleware::from_fn(
+            move |req: Request, next: axum::middleware::Next| {
+                let load = load.clone();
+                async move {
+                    tokio::time::sleep(delay).await;
+                    let mut r = next.run(req).await;
+                    if let Some(l) = load {
+                        r.headers_mut().insert("x-runner-load", l);
+                    }
+                    r
+                }
+            },
+        ));
+    }
     if args.accept_delay_ms > 0 {
         let slow = SlowAccept {
             inner: listener,

@@ -244,7 +244,10 @@ pub async fn run(
         dyn_orch.clone(),
         clock.clone(),
         traffic.clone(),
-        ProxyOptions::default(),
+        ProxyOptions {
+            services: config.meta.clone(),
+            ..ProxyOptions::default()
+        },
     ));
     let (stop_tx, stop_rx) = watch::channel(false);
     // On Kubernetes: the Service, EndpointSlice, scale and sync loops.

@@ -13,6 +13,7 @@
 
 pub mod balance;
 pub mod id;
+pub mod meta;
 pub mod policy;
 
 pub use balance::{HasInstance, Instance, Outcome, PickAt, Picker, hash_key, parse_load};

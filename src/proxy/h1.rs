@@ -1058,6 +1058,10 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
         }
     };
     let host = target.host;
+    if proxy.serves_service(host) {
+        // A meta service: its rewriting and header rules live on the general path.
+        return Parsed::Elsewhere;
+    }
     let Some(entry) = proxy.route(host) else {
         let message = format!("no route for host {host:?}");
         return Parsed::Refuse {

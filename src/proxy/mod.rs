@@ -33,6 +33,7 @@ pub mod chunked;
 mod h1;
 pub mod head;
 pub mod runtime;
+pub mod services;
 pub mod table;
 pub mod traffic;
 
@@ -85,6 +86,8 @@ pub struct ProxyOptions {
     /// second): a SYN dropped by a full accept queue is sent again now, not after the kernel's
     /// back-off.
     pub connect_attempt_ms: u64,
+    /// Meta services served on their domains (`[[service]]` in `ebb.toml`).
+    pub services: Vec<crate::discovery::meta::MetaService>,
 }
 
 impl Default for ProxyOptions {
@@ -97,6 +100,7 @@ impl Default for ProxyOptions {
             request_stall_timeout_ms: 300_000,
             connect_timeout_ms: 5_000,
             connect_attempt_ms: 50,
+            services: Vec::new(),
         }
     }
 }
@@ -176,6 +180,7 @@ pub struct Proxy {
     table: std::sync::RwLock<Arc<Table>>,
     backends: Arc<Backends>,
     orch_version: tokio::sync::watch::Receiver<u64>,
+    services: services::Services,
     options: ProxyOptions,
 }
 
@@ -296,11 +301,35 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// Applies a meta route's header changes.
+fn change_headers(headers: &mut HeaderMap, changes: &crate::discovery::meta::Changes) {
+    for n in &changes.remove {
+        headers.remove(n.as_str());
+    }
+    for (n, v) in &changes.set {
+        if let (Ok(n), Ok(v)) = (
+            hyper::header::HeaderName::from_bytes(n.as_bytes()),
+            HeaderValue::from_str(v),
+        ) {
+            headers.insert(n, v);
+        }
+    }
+    for (n, v) in &changes.add {
+        if let (Ok(n), Ok(v)) = (
+            hyper::header::HeaderName::from_bytes(n.as_bytes()),
+            HeaderValue::from_str(v),
+        ) {
+            headers.append(n, v);
+        }
+    }
+}
+
 /// A response body that keeps its request counted as in flight, and its slot on the replica,
 /// until it is done.
 struct Counted {
     inner: Body,
-    _in_flight: InFlight,
+    /// A workload route's request (a meta service's are not counted).
+    _in_flight: Option<InFlight>,
     _slot: Slot,
 }
 
@@ -334,14 +363,17 @@ impl Proxy {
         options: ProxyOptions,
     ) -> Self {
         let orch_version = orch.changes();
+        let backends = Arc::new(Backends::default());
+        let services = services::Services::build(&options.services, &backends);
         Self {
             log,
             orch,
             clock,
             traffic,
             table: std::sync::RwLock::new(Arc::new(Table::default())),
-            backends: Arc::new(Backends::default()),
+            backends,
             orch_version,
+            services,
             options,
         }
     }
@@ -484,6 +516,9 @@ impl Proxy {
                 return r;
             }
         };
+        if let Some(service) = self.services.lookup(&host) {
+            return self.handle_service(req, peer, host, path, service).await;
+        }
         let Some(entry) = self.route(&host) else {
             return json_error(
                 StatusCode::NOT_FOUND,
@@ -572,7 +607,7 @@ impl Proxy {
                     strip_hop_by_hop(&mut parts.headers);
                     let body = Counted {
                         inner: body.boxed(),
-                        _in_flight: in_flight,
+                        _in_flight: Some(in_flight),
                         _slot: slot,
                     };
                     return Response::from_parts(parts, body.boxed());
@@ -601,6 +636,157 @@ impl Proxy {
                 }
             }
         }
+    }
+
+    /// A request for a meta service: its first matching route rewrites it, a destination is
+    /// drawn by weight, the destination's policy picks an instance; a refused or reset
+    /// connection is tried once more on another instance when the request can be sent again.
+    async fn handle_service(
+        &self,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        host: String,
+        target: String,
+        service: Arc<services::ServiceEntry>,
+    ) -> Response<Body> {
+        let (mut parts, body) = req.into_parts();
+        let bare_host = crate::state::routes::host_without_port(&host).to_ascii_lowercase();
+        let matched = {
+            let headers = &parts.headers;
+            let header = |n: &str| headers.get(n).map(|v| v.as_bytes());
+            service.meta.route(&crate::discovery::meta::RequestView {
+                authority: &bare_host,
+                method: parts.method.as_str(),
+                target: &target,
+                header: &header,
+            })
+        };
+        let Some((ri, sent)) = matched else {
+            return json_error(
+                StatusCode::NOT_FOUND,
+                "no_matching_route",
+                &format!(
+                    "no route of {} matches {} {target}",
+                    service.meta.id, parts.method
+                ),
+            );
+        };
+        let route = &service.meta.routes[ri];
+        let di = crate::discovery::with_rng(|rng| {
+            use rand::RngCore;
+            route.destination((rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
+        });
+        let dest = &route.destinations[di];
+        let replayable = !parts.headers.contains_key(header::TRANSFER_ENCODING)
+            && parts
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .is_none_or(|v| v.as_bytes() == b"0");
+        strip_hop_by_hop(&mut parts.headers);
+        parts.version = hyper::Version::HTTP_11;
+        if let Ok(h) = HeaderValue::from_str(&host) {
+            parts.headers.insert(header::HOST, h);
+        }
+        change_headers(&mut parts.headers, &route.request_headers);
+        add_forwarded(&mut parts.headers, peer, &host);
+        let key = dest.policy.hash_on.as_ref().and_then(|h| {
+            crate::discovery::request_key(
+                h,
+                &target,
+                |n| parts.headers.get(n).map(|v| v.as_bytes()),
+                peer.ip(),
+            )
+        });
+        let path = match hyper::http::uri::PathAndQuery::try_from(sent.as_str()) {
+            Ok(p) => p,
+            Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_target", &e.to_string()),
+        };
+        let mut body = Some(body.boxed());
+        let mut failed: Option<SocketAddr> = None;
+        loop {
+            let version = *self.orch_version.borrow();
+            let ready = service.ready(ri, di, version, &self.backends, |id| self.resolve(id));
+            let Some(slot) = backends::take_slot(&ready, failed, 0, key, &service.group) else {
+                return Refusal::unavailable(
+                    "no_instance",
+                    format!(
+                        "destination {} of {} has no instance to send to",
+                        di + 1,
+                        service.meta.id
+                    ),
+                )
+                .into_response(self.options.retry_after_s);
+            };
+            let addr = slot.addr();
+            let mut out = Request::from_parts(parts.clone(), body.take().unwrap_or_else(empty));
+            let mut uri = hyper::http::uri::Parts::default();
+            uri.scheme = Some(hyper::http::uri::Scheme::HTTP);
+            uri.authority = Some(authority(addr));
+            uri.path_and_query = Some(path.clone());
+            *out.uri_mut() = match Uri::from_parts(uri) {
+                Ok(u) => u,
+                Err(e) => {
+                    return json_error(StatusCode::BAD_REQUEST, "bad_request", &e.to_string());
+                }
+            };
+            match client(&self.options, &self.backends).request(out).await {
+                Ok(resp) => {
+                    let load = resp
+                        .headers()
+                        .get("x-runner-load")
+                        .and_then(|v| crate::discovery::parse_load(v.as_bytes()));
+                    slot.answered(resp.status().as_u16(), load);
+                    let (mut parts, body) = resp.into_parts();
+                    strip_hop_by_hop(&mut parts.headers);
+                    change_headers(&mut parts.headers, &route.response_headers);
+                    let body = Counted {
+                        inner: body.boxed(),
+                        _in_flight: None,
+                        _slot: slot,
+                    };
+                    return Response::from_parts(parts, body.boxed());
+                }
+                Err(e) => {
+                    slot.failed();
+                    if (e.is_connect() || backend_went_away(&e))
+                        && retry_after_miss(BackendMiss::WentAway { replayable }, failed.is_some())
+                        && ready.items().len() > 1
+                    {
+                        tracing::debug!(service = %service.meta.id, %addr, error = %e, "instance went away; retrying");
+                        failed = Some(addr);
+                        continue;
+                    }
+                    return json_error(
+                        StatusCode::BAD_GATEWAY,
+                        "backend_error",
+                        &format!("instance {addr}: {e}"),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Whether a Host leads to a meta service.
+    fn serves_service(&self, host: &str) -> bool {
+        self.services.lookup(host).is_some()
+    }
+
+    /// The instances of a discovered destination now: `ebb://app`'s ready replicas, or the one
+    /// instance of `http://IP:port`.
+    fn resolve(&self, id: &crate::discovery::ServiceId) -> Vec<SocketAddr> {
+        if id.scheme() == "ebb" {
+            let deployment = self.log.read(|s| {
+                s.routes
+                    .by_name
+                    .get(id.authority())
+                    .map(|r| r.spec.deployment.clone())
+            });
+            return deployment
+                .and_then(|d| self.orch.observe(&d))
+                .map(|o| o.ready)
+                .unwrap_or_default();
+        }
+        crate::discovery::meta::fixed_addr(id).into_iter().collect()
     }
 
     /// A slot on a ready replica other than `avoid` ([`backends::take_slot`]). While there is

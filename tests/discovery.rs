@@ -1,0 +1,330 @@
+//! Service discovery and load balancing through the real proxy: `ebb serve` with meta services
+//! (`[[service]]` in `ebb.toml`) in front of real app processes (`ebb example-app`) on loopback.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+mod common;
+
+use common::controlplane::wait_until;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// An app process on a loopback port, killed when dropped.
+struct App {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for App {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl App {
+    fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+}
+
+type Http = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> Http {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// Starts `ebb example-app` with `args` and waits until it answers.
+async fn app(c: &Http, args: &[&str]) -> App {
+    let port = common::free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args(["example-app", "--port", &port.to_string()])
+        .args(args)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let app = App { child, addr };
+    wait_until("the app answers", DEADLINE, || async {
+        let req = hyper::Request::get(format!("http://{addr}/health"))
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        c.request(req)
+            .await
+            .is_ok_and(|r| r.status() == 200)
+            .then_some(())
+    })
+    .await;
+    app
+}
+
+struct Answer {
+    status: u16,
+    headers: hyper::HeaderMap,
+    body: String,
+}
+
+async fn send(
+    c: &Http,
+    proxy: SocketAddr,
+    method: &str,
+    host: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+) -> Answer {
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(format!("http://{proxy}{target}"))
+        .header("host", host);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = c
+        .request(req.body(Full::new(Bytes::new())).unwrap())
+        .await
+        .expect("the proxy answers");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    Answer {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+fn header<'a>(a: &'a Answer, name: &str) -> &'a str {
+    a.headers
+        .get(name)
+        .map(|v| v.to_str().unwrap())
+        .unwrap_or_default()
+}
+
+fn start(dir: &Path, config: &str) -> common::Ebb {
+    let path = dir.join("ebb.toml");
+    std::fs::write(&path, config).unwrap();
+    common::serve(&dir.join("data"), Some(&path), None)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_meta_service_routes_rewrites_and_changes_headers_through_the_proxy() {
+    let c = client();
+    let (a, b) = (app(&c, &[]).await, app(&c, &[]).await);
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!(
+        r#"
+[[app]]
+name = "demo"
+domains = ["demo.localhost"]
+command = ["ebb", "example-app"]
+startup_timeout_ms = 20000
+
+[[service]]
+name = "shop"
+domains = ["shop.localhost", "*.shop.localhost"]
+
+[[service.route]]
+path = "/api/{{rest:**}}"
+headers = {{ "x-canary" = "yes" }}
+rewrite_path = "/canary/{{rest}}"
+response_headers = {{ set = {{ "x-served-by" = "canary" }} }}
+destinations = [{{ addresses = ["{b}"] }}]
+
+[[service.route]]
+path = "/api/{{rest:**}}"
+rewrite_path = "/v1/{{rest}}"
+destinations = [{{ service = "http://{a}" }}]
+
+[[service.route]]
+path = "/h"
+rewrite_path = "/headers"
+request_headers = {{ set = {{ "x-from" = "ebb" }}, add = {{ "x-tag" = "two" }}, remove = ["x-secret"] }}
+destinations = [{{ addresses = ["{a}"] }}]
+
+[[service.route]]
+authority = "eu.shop.localhost"
+destinations = [{{ addresses = ["{b}"] }}]
+
+[[service.route]]
+methods = ["POST"]
+path = "/demo/**"
+destinations = [{{ service = "ebb://demo" }}]
+
+[[service.route]]
+path = "/split"
+destinations = [{{ addresses = ["{a}"], weight = 3 }}, {{ addresses = ["{b}"], weight = 1 }}]
+"#,
+        a = a.addr,
+        b = b.addr
+    );
+    let ebb = start(dir.path(), &config);
+    let p = ebb.proxy;
+    // Routing on a header, rewriting with a capture (the query kept), a response header set.
+    let r = send(
+        &c,
+        p,
+        "GET",
+        "shop.localhost",
+        "/api/books/12?x=1",
+        &[("x-canary", "yes")],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(header(&r, "x-echo-path"), "/canary/books/12?x=1");
+    assert_eq!(header(&r, "x-echo-pid"), b.pid());
+    assert_eq!(header(&r, "x-served-by"), "canary");
+    // Without the header: the next route, through a discovered `http://IP:port` destination.
+    let r = send(&c, p, "GET", "shop.localhost", "/api/books", &[]).await;
+    assert_eq!(header(&r, "x-echo-path"), "/v1/books");
+    assert_eq!(header(&r, "x-echo-pid"), a.pid());
+    assert_eq!(header(&r, "x-served-by"), "");
+    // Request header changes: set, added and removed, as the app received them.
+    let r = send(
+        &c,
+        p,
+        "GET",
+        "shop.localhost",
+        "/h",
+        &[("x-secret", "s"), ("x-tag", "one"), ("x-from", "client")],
+    )
+    .await;
+    let lines: Vec<&str> = r.body.lines().collect();
+    assert!(lines.contains(&"x-from: ebb"), "{lines:?}");
+    assert!(!lines.contains(&"x-from: client"), "{lines:?}");
+    assert!(
+        lines.contains(&"x-tag: one") && lines.contains(&"x-tag: two"),
+        "{lines:?}"
+    );
+    assert!(
+        !lines.iter().any(|l| l.starts_with("x-secret")),
+        "{lines:?}"
+    );
+    // Routing on the authority (a wildcard domain of the service).
+    let r = send(&c, p, "GET", "eu.shop.localhost", "/anything", &[]).await;
+    assert_eq!(header(&r, "x-echo-pid"), b.pid());
+    // On the method, to one of ebb's own workloads (`ebb://demo`: its ready replicas; woken
+    // through its own route first, as a destination does not wake it).
+    assert_eq!(
+        send(&c, p, "GET", "demo.localhost", "/health", &[])
+            .await
+            .status,
+        200
+    );
+    wait_until("ebb://demo has a ready replica", DEADLINE, || async {
+        let r = send(&c, p, "POST", "shop.localhost", "/demo/x", &[]).await;
+        (r.status == 200).then_some(())
+    })
+    .await;
+    let r = send(&c, p, "POST", "shop.localhost", "/demo/x", &[]).await;
+    let pid = header(&r, "x-echo-pid");
+    assert!(!pid.is_empty() && pid != a.pid() && pid != b.pid(), "{pid}");
+    // No route matches: a clear 404.
+    let r = send(&c, p, "DELETE", "shop.localhost", "/nothing", &[]).await;
+    assert_eq!(r.status, 404);
+    let e: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(e["code"], "no_matching_route", "{e}");
+    // Weighted destinations: 3 to 1, within a tolerance over 400 requests.
+    let mut to_a = 0;
+    for _ in 0..400 {
+        let r = send(&c, p, "GET", "shop.localhost", "/split", &[]).await;
+        if header(&r, "x-echo-pid") == a.pid() {
+            to_a += 1;
+        }
+    }
+    assert!(
+        (255..=345).contains(&to_a),
+        "{to_a} of 400 went to the weight-3 destination"
+    );
+    // Workload routes still serve as before beside the services.
+    let r = send(&c, p, "GET", "demo.localhost", "/health", &[]).await;
+    assert_eq!(r.status, 200);
+}
+
+/// Sends `n` requests, `concurrency` at a time, to `host`; how many each pid answered.
+async fn spread(
+    c: &Http,
+    proxy: SocketAddr,
+    host: &str,
+    n: usize,
+    concurrency: usize,
+) -> HashMap<String, usize> {
+    let counts = Arc::new(std::sync::Mutex::new(HashMap::new()));
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (c, counts, next, host) = (c.clone(), counts.clone(), next.clone(), host.to_owned());
+        tasks.push(tokio::spawn(async move {
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < n {
+                let r = send(&c, proxy, "GET", &host, "/", &[]).await;
+                assert_eq!(r.status, 200, "{}", r.body);
+                *counts
+                    .lock()
+                    .unwrap()
+                    .entry(header(&r, "x-echo-pid").to_owned())
+                    .or_insert(0) += 1;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    Arc::try_unwrap(counts).unwrap().into_inner().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_request_min_load_and_peak_ewma_shift_traffic_away_from_a_slow_or_saturated_instance()
+{
+    let c = client();
+    let fast = [app(&c, &[]).await, app(&c, &[]).await];
+    let slow = app(&c, &["--answer-delay-ms", "200"]).await;
+    let idle = [
+        app(&c, &["--report-load", "0/4"]).await,
+        app(&c, &["--report-load", "1/4"]).await,
+    ];
+    let full = app(&c, &["--report-load", "4/4"]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let service = |name: &str, balancer: &str, addrs: &[SocketAddr]| {
+        let list: Vec<String> = addrs.iter().map(|a| format!("\"{a}\"")).collect();
+        format!(
+            "[[service]]\nname = \"{name}\"\ndomains = [\"{name}.localhost\"]\npolicy = {{ balancer = \"{balancer}\" }}\n[[service.route]]\ndestinations = [{{ addresses = [{}] }}]\n",
+            list.join(", ")
+        )
+    };
+    let three = [fast[0].addr, fast[1].addr, slow.addr];
+    let config = [
+        service("rr", "round_robin", &three),
+        service("lr", "least_request", &three),
+        service("ewma", "peak_ewma", &three),
+        service("load", "min_load", &[idle[0].addr, idle[1].addr, full.addr]),
+    ]
+    .concat();
+    let ebb = start(dir.path(), &config);
+    // Round robin, the control: the slow instance gets its third.
+    let rr = spread(&c, ebb.proxy, "rr.localhost", 300, 6).await;
+    let share = |m: &HashMap<String, usize>, pid: String| *m.get(&pid).unwrap_or(&0) as f64 / 300.0;
+    assert!(share(&rr, slow.pid()) > 0.3, "{rr:?}");
+    // Least request: requests pile up on the slow one, so it is picked less.
+    let lr = spread(&c, ebb.proxy, "lr.localhost", 300, 6).await;
+    assert!(share(&lr, slow.pid()) < 0.2, "least request: {lr:?}");
+    // Peak EWMA: once it answered late, hardly any.
+    let ewma = spread(&c, ebb.proxy, "ewma.localhost", 300, 6).await;
+    assert!(share(&ewma, slow.pid()) < 0.1, "peak EWMA: {ewma:?}");
+    // Min load: the instance that reports itself full gets only what its first answer took.
+    let load = spread(&c, ebb.proxy, "load.localhost", 300, 6).await;
+    assert!(share(&load, full.pid()) < 0.1, "min load: {load:?}");
+    assert!(
+        share(&load, idle[0].pid()) > share(&load, idle[1].pid()),
+        "{load:?}"
+    );
+}
