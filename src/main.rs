@@ -90,6 +90,10 @@ enum Command {
         /// that asks for a release's uninstall cannot complete its firing).
         #[arg(long, env = "EBB_CLEANER_HELM")]
         cleaner_helm: Option<PathBuf>,
+        /// The DNS server (IP:port) that resolves meta services' destinations named by host name
+        /// (default: the system's, from /etc/resolv.conf).
+        #[arg(long, env = "EBB_DNS_SERVER")]
+        dns_server: Option<std::net::SocketAddr>,
         /// How long a runner may keep a call it did not start before it is redelivered, in ms.
         #[arg(long, default_value_t = 30_000)]
         visibility_timeout_ms: u64,
@@ -332,7 +336,7 @@ enum BenchCommand {
     /// loop's lateness against its planned times, each against an anchor.
     Cleaners(ebb::bench::cleaners::CleanersBenchArgs),
     /// Load balancing: ns per pick of each balancer over 3 to 10,000 instances, against one
-    /// random index.
+    /// random index; the slow-replica experiment, peak EWMA and round robin against all healthy.
     Discovery(ebb::bench::discovery::DiscoveryBenchArgs),
 }
 
@@ -425,6 +429,7 @@ fn run(cli: Cli) -> Result<()> {
             api_token,
             runner_capacity,
             cleaner_helm,
+            dns_server,
             visibility_timeout_ms,
             runner_lease_ms,
             max_queued,
@@ -462,6 +467,7 @@ fn run(cli: Cli) -> Result<()> {
                 api_token,
                 runner_capacity,
                 cleaner_helm,
+                dns_server,
                 calls: ebb::calls::CallOptions {
                     runner_lease_ms,
                     retention_ms: call_retention_ms,
@@ -536,7 +542,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Bench(BenchCommand::Calls(args)) => {
             runtime()?.block_on(ebb::bench::calls::run(args))
         }
-        Command::Bench(BenchCommand::Discovery(args)) => ebb::bench::discovery::run(args),
+        Command::Bench(BenchCommand::Discovery(args)) => {
+            runtime()?.block_on(ebb::bench::discovery::run(args))
+        }
         Command::Bench(BenchCommand::Cleaners(args)) => {
             runtime()?.block_on(ebb::bench::cleaners::run(args))
         }

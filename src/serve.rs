@@ -59,6 +59,8 @@ pub struct ServeOptions {
     pub runner_capacity: usize,
     /// The `helm` program Cleaners uninstall releases with.
     pub cleaner_helm: Option<PathBuf>,
+    /// The DNS server of DNS discovery (none: the system's).
+    pub dns_server: Option<std::net::SocketAddr>,
     /// Run workloads on Kubernetes instead of as local processes.
     pub kubernetes: Option<KubeOptions>,
     /// This replica's name, which the ids of the calls and instances it accepts carry (`None`:
@@ -246,6 +248,7 @@ pub async fn run(
         traffic.clone(),
         ProxyOptions {
             services: config.meta.clone(),
+            dns_server: options.dns_server,
             ..ProxyOptions::default()
         },
     ));

@@ -328,3 +328,176 @@ async fn least_request_min_load_and_peak_ewma_shift_traffic_away_from_a_slow_or_
         "{load:?}"
     );
 }
+
+/// dnsmasq on a loopback port, answering from a hosts file with a TTL of one second; killed when
+/// dropped.
+struct Dnsmasq {
+    child: Child,
+    addr: SocketAddr,
+    hosts: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Dnsmasq {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Dnsmasq {
+    fn start(records: &str) -> Dnsmasq {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        // dnsmasq reads the file after dropping its privileges.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let hosts = dir.path().join("hosts");
+        std::fs::write(&hosts, records).unwrap();
+        std::fs::set_permissions(&hosts, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let port = common::free_port();
+        let program = if Path::new("/usr/sbin/dnsmasq").exists() {
+            "/usr/sbin/dnsmasq"
+        } else {
+            "dnsmasq"
+        };
+        let child = Command::new(program)
+            .args([
+                "--keep-in-foreground",
+                "--conf-file=/dev/null",
+                "--no-resolv",
+                "--no-hosts",
+                "--bind-interfaces",
+                "--listen-address=127.0.0.1",
+                "--local-ttl=1",
+                "--log-facility=-",
+                &format!("--port={port}"),
+                &format!("--addn-hosts={}", hosts.display()),
+                &format!("--pid-file={}", dir.path().join("pid").display()),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("dnsmasq (Debian's dnsmasq-base; scripts/test installs it)");
+        Dnsmasq {
+            child,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            hosts,
+            _dir: dir,
+        }
+    }
+
+    /// Replaces the records and has dnsmasq read them again (SIGHUP).
+    fn set(&self, records: &str) {
+        std::fs::write(&self.hosts, records).unwrap();
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGHUP,
+        )
+        .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dns_destinations_follow_their_records_ttl_and_old_instances_drain() {
+    let c = client();
+    // Two apps on the same port of two loopback addresses: the name moves from one to the other.
+    let port = common::free_port();
+    let spawn = |ip: &str| {
+        Command::new(env!("CARGO_BIN_EXE_ebb"))
+            .args(["example-app", "--host", ip, "--port", &port.to_string()])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let a = App {
+        child: spawn("127.0.0.2"),
+        addr: SocketAddr::from(([127, 0, 0, 2], port)),
+    };
+    let b = App {
+        child: spawn("127.0.0.3"),
+        addr: SocketAddr::from(([127, 0, 0, 3], port)),
+    };
+    for app in [&a, &b] {
+        let addr = app.addr;
+        wait_until("the app answers", DEADLINE, || async {
+            let req = hyper::Request::get(format!("http://{addr}/health"))
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            c.request(req)
+                .await
+                .is_ok_and(|r| r.status() == 200)
+                .then_some(())
+        })
+        .await;
+    }
+    let dns = Dnsmasq::start("127.0.0.2 api.shop.test\n");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ebb.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[[service]]\nname = \"shop\"\ndomains = [\"shop.localhost\"]\n[[service.route]]\ndestinations = [{{ service = \"http://api.shop.test:{port}\" }}]\n"
+        ),
+    )
+    .unwrap();
+    let dns_server = dns.addr.to_string();
+    let ebb = common::serve_with(
+        &dir.path().join("data"),
+        Some(&path),
+        None,
+        &["--dns-server", &dns_server],
+    );
+    let p = ebb.proxy;
+    let r = send(&c, p, "GET", "shop.localhost", "/x", &[]).await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(header(&r, "x-echo-pid"), a.pid());
+    // A request under way on the old address when the record changes: its body is still being
+    // sent (the app echoes it as it comes), its answer's head already back from the old address.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
+    let stream = Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| {
+            (
+                Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(b)),
+                rx,
+            )
+        })
+    }));
+    let streaming: Client<HttpConnector, _> = Client::builder(TokioExecutor::new()).build_http();
+    let req = hyper::Request::post(format!("http://{p}/x"))
+        .header("host", "shop.localhost")
+        .body(http_body_util::StreamBody::new(stream))
+        .unwrap();
+    tx.send(Bytes::from_static(b"first ")).await.unwrap();
+    let under_way = streaming.request(req).await.unwrap();
+    assert_eq!(under_way.headers()["x-echo-pid"].to_str().unwrap(), a.pid());
+    dns.set("127.0.0.3 api.shop.test\n");
+    // Within the record's TTL (and the cache's refresh), requests go to the new address.
+    wait_until("the new address is used", DEADLINE, || async {
+        let r = send(&c, p, "GET", "shop.localhost", "/x", &[]).await;
+        (header(&r, "x-echo-pid") == b.pid()).then_some(())
+    })
+    .await;
+    for _ in 0..20 {
+        let r = send(&c, p, "GET", "shop.localhost", "/x", &[]).await;
+        assert_eq!(
+            header(&r, "x-echo-pid"),
+            b.pid(),
+            "no new request for the old address"
+        );
+    }
+    // The request under way on the old address finishes there, whole.
+    tx.send(Bytes::from_static(b"second")).await.unwrap();
+    drop(tx);
+    let body = under_way.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"first second");
+    // Two addresses for the name: both serve.
+    dns.set("127.0.0.2 api.shop.test\n127.0.0.3 api.shop.test\n");
+    let seen = std::sync::Mutex::new(std::collections::BTreeSet::new());
+    wait_until("both addresses serve", DEADLINE, || async {
+        let r = send(&c, p, "GET", "shop.localhost", "/x", &[]).await;
+        let mut seen = seen.lock().unwrap();
+        seen.insert(header(&r, "x-echo-pid").to_owned());
+        (seen.len() == 2).then_some(())
+    })
+    .await;
+}

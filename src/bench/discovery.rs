@@ -1,13 +1,19 @@
-//! `ebb bench discovery`: nanoseconds per pick of each load balancer over 3, 100, 1,000 and
-//! 10,000 instances, against the cheapest pick there is measured in the same run (one uniform
-//! random index from the same generator), on one thread. Picks go through the same
-//! [`Picker::pick`] the proxy calls, with a filter that keeps every instance, and the
-//! power-of-choices balancers see requests under way (a quarter of the instances busy).
+//! `ebb bench discovery`, two parts:
+//!
+//! * **Picks**: nanoseconds per pick of each load balancer over 3, 100, 1,000 and 10,000
+//!   instances, against the cheapest pick there is measured in the same run (one uniform random
+//!   index from the same generator), on one thread. Picks go through the same [`Picker::pick`]
+//!   the proxy calls, with a filter that keeps every instance, and the power-of-choices balancers
+//!   see requests under way (a quarter of the instances busy).
+//! * **The slow replica** (Linkerd's experiment): `ebb serve` in front of four replicas of the
+//!   example app, one of them answering 2 s late, under closed-loop load; the latency
+//!   percentiles of all requests with peak EWMA and with round robin, against the same load on
+//!   four healthy replicas in the same run.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -23,6 +29,15 @@ pub struct DiscoveryBenchArgs {
     /// Instance counts measured.
     #[arg(long, value_delimiter = ',', default_value = "3,100,1000,10000")]
     pub sizes: Vec<usize>,
+    /// Seconds of load per policy in the slow-replica experiment (0: skip it).
+    #[arg(long, default_value_t = 20)]
+    pub slow_seconds: u64,
+    /// Requests under way at once in the slow-replica experiment.
+    #[arg(long, default_value_t = 16)]
+    pub connections: usize,
+    /// How late the slow replica answers, in ms.
+    #[arg(long, default_value_t = 2_000)]
+    pub slow_ms: u64,
 }
 
 /// Runs `f` in batches for about `millis`; nanoseconds per call.
@@ -40,8 +55,160 @@ fn per_call(millis: u64, mut f: impl FnMut(u64) -> usize) -> f64 {
     sw.elapsed().as_nanos() as f64 / calls as f64
 }
 
-/// Runs the benchmark and prints its table.
-pub fn run(args: DiscoveryBenchArgs) -> Result<()> {
+/// Runs the benchmark and prints its tables.
+pub async fn run(args: DiscoveryBenchArgs) -> Result<()> {
+    picks(&args);
+    if args.slow_seconds > 0 {
+        println!();
+        slow_replica(&args).await?;
+    }
+    Ok(())
+}
+
+/// `ebb serve` with a config, stopped when dropped.
+struct Serve {
+    child: std::process::Child,
+    proxy: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(config: &str) -> Result<Serve> {
+    use std::io::BufRead;
+    let dir = tempfile::Builder::new()
+        .prefix("ebb-bench-discovery-")
+        .tempdir()?;
+    let path = dir.path().join("ebb.toml");
+    std::fs::write(&path, config)?;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--config")
+        .arg(&path)
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .env("EBB_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting ebb serve")?;
+    let mut lines = std::io::BufReader::new(child.stdout.take().context("stdout")?).lines();
+    let line = lines.next().context("ebb serve ended")??;
+    let proxy = line
+        .strip_prefix("ebb proxy listening on http://")
+        .context("ebb serve did not print its proxy address")?
+        .parse()?;
+    std::thread::spawn(move || for _ in lines {});
+    Ok(Serve {
+        child,
+        proxy,
+        _dir: dir,
+    })
+}
+
+/// Latencies (ms) of every request sent to `host` by `connections` loops for `seconds`.
+async fn load(proxy: SocketAddr, host: &str, connections: usize, seconds: u64) -> Result<Vec<f64>> {
+    use http_body_util::{BodyExt, Full};
+    let client: hyper_util::client::legacy::Client<_, Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+    let budget = Duration::from_secs(seconds);
+    let sw = Stopwatch::start();
+    let mut tasks = Vec::new();
+    for _ in 0..connections {
+        let (client, host) = (client.clone(), host.to_owned());
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            while sw.elapsed() < budget {
+                let req = hyper::Request::get(format!("http://{proxy}/"))
+                    .header("host", &host)
+                    .body(Full::new(bytes::Bytes::new()))?;
+                let t = Stopwatch::start();
+                let resp = client.request(req).await?;
+                anyhow::ensure!(resp.status() == 200, "{host}: {}", resp.status());
+                resp.into_body().collect().await?;
+                lat.push(t.elapsed().as_secs_f64() * 1_000.0);
+            }
+            Ok::<_, anyhow::Error>(lat)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await??);
+    }
+    all.sort_by(f64::total_cmp);
+    Ok(all)
+}
+
+/// Linkerd's slow-replica experiment.
+async fn slow_replica(args: &DiscoveryBenchArgs) -> Result<()> {
+    let exe = std::env::current_exe()?;
+    let poll = Duration::from_millis(20);
+    let mut apps = Vec::new();
+    for _ in 0..4 {
+        apps.push(super::spawn_app(&exe, &[], poll).await?);
+    }
+    let delay = args.slow_ms.to_string();
+    apps.push(super::spawn_app(&exe, &["--answer-delay-ms", &delay], poll).await?);
+    let addrs: Vec<String> = apps.iter().map(|(_, a, _)| format!("\"{a}\"")).collect();
+    let healthy = addrs[..4].join(", ");
+    let with_slow = format!("{}, {}", addrs[..3].join(", "), addrs[4]);
+    let service = |name: &str, balancer: &str, list: &str| {
+        format!(
+            "[[service]]\nname = \"{name}\"\ndomains = [\"{name}.localhost\"]\npolicy = {{ balancer = \"{balancer}\" }}\n[[service.route]]\ndestinations = [{{ addresses = [{list}] }}]\n"
+        )
+    };
+    let config = [
+        service("healthy", "peak_ewma", &healthy),
+        service("ewma", "peak_ewma", &with_slow),
+        service("rr", "round_robin", &with_slow),
+    ]
+    .concat();
+    let ebb = serve(&config)?;
+    println!(
+        "the slow replica: 4 replicas of the example app, one answering {} ms late; {} requests under way for {} s each; latency in ms",
+        args.slow_ms, args.connections, args.slow_seconds
+    );
+    println!(
+        "{:<34}{:>10}{:>10}{:>10}{:>10}{:>12}{:>16}",
+        "policy", "requests", "p50", "p99", "p99.9", "max", "p99.9 / anchor"
+    );
+    let mut anchor = None;
+    for (host, what) in [
+        ("healthy.localhost", "anchor: peak EWMA, all healthy"),
+        ("ewma.localhost", "peak EWMA, one slow"),
+        ("rr.localhost", "round robin, one slow"),
+    ] {
+        let lat = load(ebb.proxy, host, args.connections, args.slow_seconds).await?;
+        let p = |q: f64| super::percentile(&lat, q);
+        let p999 = p(0.999);
+        let base = *anchor.get_or_insert(p999);
+        println!(
+            "{what:<34}{:>10}{:>10.2}{:>10.2}{:>10.2}{:>12.2}{:>16.2}",
+            lat.len(),
+            p(0.5),
+            p(0.99),
+            p999,
+            lat.last().copied().unwrap_or(0.0),
+            p999 / base
+        );
+    }
+    drop(ebb);
+    drop(apps);
+    Ok(())
+}
+
+fn picks(args: &DiscoveryBenchArgs) {
     println!(
         "ns per pick, one thread, {} ms per cell; anchor: one uniform random index (ChaCha8)",
         args.millis
@@ -93,5 +260,4 @@ pub fn run(args: DiscoveryBenchArgs) -> Result<()> {
         }
         println!();
     }
-    Ok(())
 }

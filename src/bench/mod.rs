@@ -407,7 +407,7 @@ async fn paced_once(
 /// Starts `ebb example-app` with `args` directly on a free port and polls `/health` every `poll`
 /// until it answers 200 (for at most 30 s); returns the child, its address and the time from
 /// spawn to ready.
-async fn spawn_app(
+pub(crate) async fn spawn_app(
     exe: &std::path::Path,
     args: &[&str],
     poll: Duration,

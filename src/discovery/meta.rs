@@ -40,7 +40,8 @@ use super::id::ServiceId;
 use super::policy::Policy;
 
 /// Schemes a destination's `service` may have: `ebb://app` (the ready replicas of one of ebb's
-/// workloads) and `http://IP:port` / `ws://IP:port` (one fixed instance).
+/// workloads) and `http://HOST:port` / `ws://HOST:port` (an IP address: one fixed instance; a
+/// name: an instance per address DNS gives, refreshed on the records' TTL).
 pub const DESTINATION_SCHEMES: [&str; 3] = ["ebb", "http", "ws"];
 
 /// A meta service as written in `ebb.toml`.
@@ -516,15 +517,6 @@ impl MetaService {
                                 id.scheme(),
                                 DESTINATION_SCHEMES.join(", ")
                             )));
-                        }
-                        if id.scheme() != "ebb" {
-                            let host = id.host().unwrap_or_default();
-                            let host = host.trim_start_matches('[').trim_end_matches(']');
-                            if host.parse::<std::net::IpAddr>().is_err() {
-                                return Err(at(format!(
-                                    "{s:?}: a host name needs DNS discovery, which this version does not have; give an IP address"
-                                )));
-                            }
                         }
                         Source::Service(id)
                     }

@@ -12,6 +12,7 @@
 //! the instance.
 
 pub mod balance;
+pub mod dns;
 pub mod id;
 pub mod meta;
 pub mod policy;

@@ -88,6 +88,8 @@ pub struct ProxyOptions {
     pub connect_attempt_ms: u64,
     /// Meta services served on their domains (`[[service]]` in `ebb.toml`).
     pub services: Vec<crate::discovery::meta::MetaService>,
+    /// The DNS server that resolves their destinations' host names (none: the system's).
+    pub dns_server: Option<SocketAddr>,
 }
 
 impl Default for ProxyOptions {
@@ -101,6 +103,7 @@ impl Default for ProxyOptions {
             connect_timeout_ms: 5_000,
             connect_attempt_ms: 50,
             services: Vec::new(),
+            dns_server: None,
         }
     }
 }
@@ -364,7 +367,18 @@ impl Proxy {
     ) -> Self {
         let orch_version = orch.changes();
         let backends = Arc::new(Backends::default());
-        let services = services::Services::build(&options.services, &backends);
+        let cache = if options.services.is_empty() {
+            None
+        } else {
+            match crate::discovery::dns::Dns::new(options.dns_server) {
+                Ok(dns) => Some(crate::discovery::dns::Cache::new(dns)),
+                Err(e) => {
+                    tracing::error!(error = %e, "no DNS discovery: destinations named by host name have no instance");
+                    None
+                }
+            }
+        };
+        let services = services::Services::build(&options.services, &backends, cache.as_ref());
         Self {
             log,
             orch,

@@ -10,13 +10,23 @@ use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 
 use super::backends::{Backends, Group, Ready};
-use crate::discovery::meta::{MetaService, Source};
+use crate::discovery::dns::{self, Cache};
+use crate::discovery::meta::{MetaService, Source, fixed_addr};
 use crate::discovery::{self};
 
 /// One destination's instances, with the version of what they were read from.
 #[derive(Debug)]
 pub struct Destination {
     ready: RwLock<(u64, Arc<Ready>)>,
+    /// A destination resolved by DNS: its shared, refreshed entry.
+    dns: Option<Arc<dns::Entry>>,
+}
+
+impl Destination {
+    /// Its DNS entry, if DNS resolves it.
+    pub fn dns(&self) -> Option<&Arc<dns::Entry>> {
+        self.dns.as_ref()
+    }
 }
 
 /// A meta service as the proxy serves it.
@@ -37,8 +47,9 @@ pub struct Services {
 }
 
 impl Services {
-    /// The services, each under its domains (checked at load not to overlap).
-    pub fn build(metas: &[MetaService], backends: &Backends) -> Services {
+    /// The services, each under its domains (checked at load not to overlap); destinations named
+    /// by host name are resolved through `cache` from now on.
+    pub fn build(metas: &[MetaService], backends: &Backends, cache: Option<&Cache>) -> Services {
         let mut by_domain = HashMap::new();
         for m in metas {
             let dests = m
@@ -47,25 +58,7 @@ impl Services {
                 .map(|r| {
                     r.destinations
                         .iter()
-                        .map(|d| {
-                            let replicas = match &d.source {
-                                Source::Addresses(a) => a
-                                    .iter()
-                                    .map(|a| backends.replica(*a, 4, d.policy.default_rtt_ms))
-                                    .collect(),
-                                Source::Service(_) => Vec::new(),
-                            };
-                            let ready =
-                                discovery::with_rng(|rng| Ready::new(&d.policy, replicas, rng));
-                            // Fixed addresses never change: version 0 is always current.
-                            let version = match d.source {
-                                Source::Addresses(_) => 0,
-                                Source::Service(_) => u64::MAX,
-                            };
-                            Destination {
-                                ready: RwLock::new((version, Arc::new(ready))),
-                            }
-                        })
+                        .map(|d| destination(d, backends, cache))
                         .collect()
                 })
                 .collect();
@@ -90,9 +83,50 @@ impl Services {
     }
 }
 
+/// A destination's starting state: fixed addresses (and `http://IP:port`) as they are, DNS names
+/// subscribed to in `cache`, `ebb://app` read on first use.
+fn destination(
+    d: &crate::discovery::meta::Destination,
+    backends: &Backends,
+    cache: Option<&Cache>,
+) -> Destination {
+    let fixed: Option<Vec<SocketAddr>> = match &d.source {
+        Source::Addresses(a) => Some(a.clone()),
+        Source::Service(id) => fixed_addr(id).map(|a| vec![a]),
+    };
+    let dns = match (&d.source, &fixed, cache) {
+        (Source::Service(id), None, Some(c)) if id.scheme() != "ebb" => match c.get(id) {
+            Ok(e) => Some(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "destination not resolved");
+                None
+            }
+        },
+        _ => None,
+    };
+    let replicas = fixed
+        .iter()
+        .flatten()
+        .map(|a| backends.replica(*a, 4, d.policy.default_rtt_ms))
+        .collect();
+    let ready = discovery::with_rng(|rng| Ready::new(&d.policy, replicas, rng));
+    // Fixed addresses never change: version 0 is always current.
+    let version = if fixed.is_some() { 0 } else { u64::MAX };
+    Destination {
+        ready: RwLock::new((version, Arc::new(ready))),
+        dns,
+    }
+}
+
 impl ServiceEntry {
-    /// The instances of destination `d` of route `r`. `resolve` reads a discovered destination's
-    /// addresses, given the orchestrator's version; it is called only when that version moved.
+    /// Destination `d` of route `r`.
+    pub fn destination(&self, r: usize, d: usize) -> &Destination {
+        &self.dests[r][d]
+    }
+
+    /// The instances of destination `d` of route `r`: fixed; as DNS last resolved them; or, for
+    /// `ebb://app`, what `resolve` reads given the orchestrator's `version` (called only when
+    /// that version moved).
     pub fn ready(
         &self,
         r: usize,
@@ -106,13 +140,22 @@ impl ServiceEntry {
         let Source::Service(id) = &spec.source else {
             return dest.ready.read().expect("ready lock").1.clone();
         };
+        let version = match (&dest.dns, id.scheme()) {
+            (Some(e), _) => e.generation(),
+            (None, "ebb") => version,
+            // A fixed `http://IP:port`.
+            (None, _) => 0,
+        };
         {
             let g = dest.ready.read().expect("ready lock");
             if g.0 == version {
                 return g.1.clone();
             }
         }
-        let addrs = resolve(id);
+        let addrs = match &dest.dns {
+            Some(e) => e.get().addrs,
+            None => resolve(id),
+        };
         let mut g = dest.ready.write().expect("ready lock");
         if g.1.items().iter().map(|r| r.addr).eq(addrs.iter().copied()) {
             g.0 = version;

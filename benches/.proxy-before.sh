@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# Proxy benchmark, in one go on this machine:
+#   1. warm throughput and latency (wrk) of the example app directly, of ebb in front of it, and of
+#      nginx and HAProxy as keep-alive reverse proxies in front of it (each reusing its backend
+#      connections, and each adding the forwarding headers ebb adds: X-Forwarded-For, -Proto,
+#      -Host and Forwarded, so the app does the same work behind each), in alternating rounds, with the ratios ebb/nginx and ebb/HAProxy, and the CPU
+#      time each proxy spent per request (wrk, the proxy and the app share the cores, so throughput
+#      also moves with how the scheduler interleaves them; CPU per request does not);
+#   2. cold-start overhead (`ebb bench cold-start`): first byte through ebb for a workload at zero
+#      minus the app's own start-to-ready time, and a cold burst of 200 requests against an app
+#      with a tiny accept backlog, through ebb against the same burst sent to the app directly.
+# Installs wrk, nginx and haproxy (Debian packages) when missing.
+# Usage: benches/proxy.sh [SECONDS] [CONNS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+
+seconds="${1:-10}"
+conns="${2:-64}"
+need=()
+for pkg in wrk nginx haproxy curl; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+cargo build --locked --release --bin ebb
+ebb="${EBB_BIN:-$CARGO_TARGET_DIR/release/ebb}"
+
+work="$(mktemp -d)"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+base="${BENCH_PORT_BASE:-18000}"
+app_port=$((base + 1)); ebb_port=$((base + 2)); admin_port=$((base + 3)); nginx_port=$((base + 4))
+haproxy_port=$((base + 5))
+
+wait_http() { # URL HOST
+  for _ in $(seq 1 600); do
+    if curl -sf -o /dev/null -H "Host: $2" "$1"; then return 0; fi
+    sleep 0.05
+  done
+  echo "error: $1 did not answer" >&2
+  exit 1
+}
+
+# The app, directly.
+"$ebb" example-app --port "$app_port" &
+pids+=($!)
+
+# ebb in front of the same app binary, kept warm (min_replicas = 1).
+cat >"$work/ebb.toml" <<TOML
+[[app]]
+name = "bench"
+domains = ["bench.localhost"]
+command = ["ebb", "example-app"]
+min_replicas = 1
+idle_after_ms = 3600000
+TOML
+EBB_LOG=warn "$ebb" serve --config "$work/ebb.toml" --data-dir "$work/data" \
+  --listen "127.0.0.1:$ebb_port" --admin-listen "127.0.0.1:$admin_port" >/dev/null &
+pids+=($!)
+ebb_pid=$!
+
+# nginx as a keep-alive reverse proxy in front of the app.
+mkdir -p "$work/nginx"
+cat >"$work/nginx/nginx.conf" <<NGINX
+worker_processes auto;
+daemon off;
+pid $work/nginx/nginx.pid;
+error_log $work/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $work/nginx/body;
+  proxy_temp_path $work/nginx/proxy;
+  fastcgi_temp_path $work/nginx/fastcgi;
+  uwsgi_temp_path $work/nginx/uwsgi;
+  scgi_temp_path $work/nginx/scgi;
+  upstream app { server 127.0.0.1:$app_port; keepalive 256; }
+  server {
+    listen 127.0.0.1:$nginx_port;
+    location / {
+      proxy_pass http://app;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_set_header Host \$host;
+      proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+      proxy_set_header X-Forwarded-Proto \$scheme;
+      proxy_set_header X-Forwarded-Host \$host;
+      proxy_set_header Forwarded "for=\$remote_addr;host=\"\$host\";proto=\$scheme";
+    }
+  }
+}
+NGINX
+nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" &
+pids+=($!)
+nginx_pid=$!
+
+# HAProxy with two threads (one per core, like ebb and nginx), keep-alive and connection reuse.
+cat >"$work/haproxy.cfg" <<HAPROXY
+global
+  nbthread 2
+  maxconn 4096
+defaults
+  mode http
+  option http-keep-alive
+  option forwardfor
+  http-reuse always
+  timeout connect 5s
+  timeout client 60s
+  timeout server 60s
+frontend proxy
+  bind 127.0.0.1:$haproxy_port
+  http-request set-header X-Forwarded-Proto http
+  http-request set-header X-Forwarded-Host %[req.hdr(host)]
+  http-request set-header Forwarded "for=%[src];host=\"%[req.hdr(host)]\";proto=http"
+  default_backend app
+backend app
+  server app 127.0.0.1:$app_port maxconn 1000
+HAPROXY
+haproxy -db -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
+pids+=($!)
+haproxy_pid=$!
+
+wait_http "http://127.0.0.1:$app_port/health" x
+wait_http "http://127.0.0.1:$ebb_port/health" bench.localhost
+wait_http "http://127.0.0.1:$nginx_port/health" x
+wait_http "http://127.0.0.1:$haproxy_port/health" x
+
+# CPU time (clock ticks) of the processes given, and of their worker children when asked: nginx
+# serves from its workers; ebb's child is the app, which is not counted.
+ticks() { # [--children] PID...
+  local kids=0 t=0 p
+  if [ "$1" = --children ]; then kids=1; shift; fi
+  for p in "$@" $([ $kids = 1 ] && pgrep -P "$1" | tr '\n' ' '); do
+    t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)))
+  done
+  echo "$t"
+}
+
+run() { # NAME PORT [--children] PID...
+  local name="$1" port="$2" out t0 t1
+  shift 2
+  t0="$( [ $# -gt 0 ] && ticks "$@" || echo 0)"
+  out="$(wrk -t2 -c"$conns" -d"${seconds}s" --latency -H 'Host: bench.localhost' "http://127.0.0.1:$port/")"
+  t1="$( [ $# -gt 0 ] && ticks "$@" || echo 0)"
+  local rps p50 p99 cpu
+  rps="$(awk '/^Requests\/sec:/ {print $2}' <<<"$out")"
+  p50="$(awk '$1 == "50%" {print $2}' <<<"$out")"
+  p99="$(awk '$1 == "99%" {print $2}' <<<"$out")"
+  # The proxy's CPU per request in microseconds (a tick is 1/100 s).
+  cpu="$(awk -v t=$((t1 - t0)) -v r="$rps" -v s="$seconds" 'BEGIN { printf "%.2f", t * 10000 / (r * s) }')"
+  echo "$name $rps $p50 $p99 $cpu"
+}
+
+# wrk prints latencies with units (us, ms, s); normalise to microseconds.
+to_us() {
+  awk -v v="$1" 'BEGIN {
+    n = v + 0
+    if (v ~ /us$/) print n; else if (v ~ /ms$/) print n * 1000; else if (v ~ /s$/) print n * 1000000; else print n
+  }'
+}
+
+rounds="${BENCH_ROUNDS:-5}"
+echo "warm: wrk -t2 -c$conns -d${seconds}s, GET / (echo), 2 cores shared by wrk, proxy and app;"
+echo "ebb, nginx and HAProxy measured in $rounds alternating rounds, each figure the median of its rounds"
+results=("$(run direct "$app_port")")
+ebb_runs=()
+ngx_runs=()
+hap_runs=()
+for _ in $(seq 1 "$rounds"); do
+  ebb_runs+=("$(run ebb "$ebb_port" "$ebb_pid")")
+  ngx_runs+=("$(run nginx "$nginx_port" --children "$nginx_pid")")
+  hap_runs+=("$(run haproxy "$haproxy_port" "$haproxy_pid")")
+done
+# The median of each column over the rounds, latencies in microseconds.
+median() { # NAME RUNS...
+  local name="$1"; shift
+  printf '%s\n' "$@" | while read -r _ rps p50 p99 cpu; do
+    echo "$rps $(to_us "$p50") $(to_us "$p99") $cpu"
+  done | awk -v name="$name" '
+    { r[NR] = $1; a[NR] = $2; b[NR] = $3; c[NR] = $4 }
+    function med(x, n,   i, j, t) {
+      for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (x[j] < x[i]) { t = x[i]; x[i] = x[j]; x[j] = t }
+      return x[int((n + 1) / 2)]
+    }
+    END { printf "%s %.2f %.0fus %.0fus %.2f\n", name, med(r, NR), med(a, NR), med(b, NR), med(c, NR) }'
+}
+results+=("$(median ebb "${ebb_runs[@]}")" "$(median nginx "${ngx_runs[@]}")" "$(median haproxy "${hap_runs[@]}")")
+echo
+echo "| target | requests/s | p50 | p99 | proxy CPU per request |"
+echo "|---|---|---|---|---|"
+for r in "${results[@]}"; do
+  read -r name rps p50 p99 cpu <<<"$r"
+  if [ "$name" = direct ]; then cpu=-; else cpu="${cpu}us"; fi
+  echo "| $name | $rps | $p50 | $p99 | $cpu |"
+done
+read -r _ ebb_rps ebb_p50 ebb_p99 ebb_cpu <<<"${results[1]}"
+for i in 2 3; do
+  read -r other o_rps o_p50 o_p99 o_cpu <<<"${results[$i]}"
+  awk -v n="$other" -v a="$ebb_rps" -v b="$o_rps" -v c="$(to_us "$ebb_p99")" -v d="$(to_us "$o_p99")" \
+      -v e="$(to_us "$ebb_p50")" -v f="$(to_us "$o_p50")" -v g="$ebb_cpu" -v h="$o_cpu" 'BEGIN {
+    printf "| ebb / %s | %.2f x throughput | %.2f x p50 | %.2f x p99 | %.2f x CPU per request |\n", n, a / b, e / f, c / d, g / h
+  }'
+done
+echo
+echo "cold start:"
+"$ebb" bench cold-start
