@@ -275,6 +275,9 @@ pub struct TemplateSpec {
     /// Cron schedule that invokes the template.
     #[serde(default)]
     pub schedule: Option<String>,
+    /// How an instance of its function server is picked for each call (absent: the default).
+    #[serde(default, skip_serializing_if = "crate::discovery::Policy::is_default")]
+    pub policy: Box<crate::discovery::Policy>,
 }
 
 /// An object a cleaner watches or deletes.
@@ -753,6 +756,7 @@ pub fn examples() -> Vec<Event> {
                 timeout_ms: 30_000,
                 concurrency: 8,
                 schedule: Some("0 */5 * * * *".into()),
+                policy: Default::default(),
             },
         },
         Event::TemplateDeleted {

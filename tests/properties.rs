@@ -180,6 +180,7 @@ fn template() -> impl Strategy<Value = TemplateSpec> {
                     timeout_ms: nums.3,
                     concurrency: nums.4,
                     schedule,
+                    policy: Default::default(),
                 }
             },
         )

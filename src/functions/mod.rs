@@ -189,7 +189,7 @@ pub fn route_of(t: &TemplateSpec) -> Option<RouteSpec> {
         }),
         concurrency: 0,
         max_connecting: 0,
-        policy: Default::default(),
+        policy: t.policy.clone(),
     })
 }
 
@@ -487,6 +487,10 @@ pub struct TemplateJson {
     /// A cron schedule that invokes the template.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<String>,
+    /// How an instance of the function server is picked for each call (ebb's traffic policy:
+    /// `{"balancer": "least_request"}`; absent: peak EWMA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traffic_policy: Option<crate::discovery::Policy>,
 }
 
 impl TemplateJson {
@@ -513,7 +517,9 @@ impl TemplateJson {
             timeout_ms: self.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS),
             concurrency: self.concurrency.unwrap_or(1),
             schedule: self.schedule,
+            policy: Box::new(self.traffic_policy.unwrap_or_default()),
         };
+        spec.policy.validate()?;
         validate(&spec)?;
         Ok(spec)
     }
@@ -535,6 +541,7 @@ impl TemplateJson {
             timeout_ms: Some(s.timeout_ms),
             concurrency: Some(s.concurrency),
             schedule: s.schedule.clone(),
+            traffic_policy: (!s.policy.is_default()).then(|| (*s.policy).clone()),
         }
     }
 }
@@ -943,6 +950,37 @@ mod tests {
         ));
         assert!(matches!(
             TemplateJson::from_body(br#"["not", "an", "object"]"#),
+            Err(BodyError::Json(_))
+        ));
+    }
+
+    #[test]
+    fn a_templates_traffic_policy_reaches_its_route_and_a_bad_one_is_refused() {
+        let t = TemplateJson::from_body(
+            br#"{"name":"a","command":["ebb","example-app"],"trafficPolicy":{"balancer":"least_request"}}"#,
+        )
+        .unwrap();
+        let spec = t.clone().into_spec().unwrap();
+        assert_eq!(
+            spec.policy.balancer,
+            crate::discovery::Balancer::LeastRequest
+        );
+        assert_eq!(
+            TemplateJson::from_spec(&spec).traffic_policy,
+            t.traffic_policy
+        );
+        assert!(
+            TemplateJson::from_spec(&good().into_spec().unwrap())
+                .traffic_policy
+                .is_none()
+        );
+        let bad = TemplateJson::from_body(
+            br#"{"name":"a","command":["x"],"trafficPolicy":{"balancer":"consistent_hash"}}"#,
+        )
+        .unwrap();
+        assert!(bad.into_spec().unwrap_err().contains("hash_on"));
+        assert!(matches!(
+            TemplateJson::from_body(br#"{"name":"a","trafficPolicy":{"balancer":"fastest"}}"#),
             Err(BodyError::Json(_))
         ));
     }
