@@ -240,6 +240,39 @@ pub async fn run(
         }
     }
 
+    // Discovery for meta services' destinations: DNS and Kubernetes environment variables
+    // everywhere, EndpointSlices on Kubernetes; a destination nothing here resolves is refused
+    // now, not at its first request.
+    let discovery = if config.meta.is_empty() {
+        None
+    } else {
+        use crate::discovery::{Composite, dns::Dns, k8s};
+        let dns = Dns::new(options.dns_server).map_err(|e| anyhow::anyhow!(e))?;
+        let mut composite = Composite::default()
+            .with(Arc::new(dns))
+            .with(Arc::new(k8s::Env));
+        if let Some(k) = &kube {
+            composite = composite.with(Arc::new(k8s::Endpoints::new(k.client())));
+        }
+        for m in &config.meta {
+            for r in &m.routes {
+                for d in &r.destinations {
+                    if let crate::discovery::meta::Source::Service(id) = &d.source
+                        && id.scheme() != "ebb"
+                        && crate::discovery::meta::fixed_addr(id).is_none()
+                        && !composite.supports(id)
+                    {
+                        anyhow::bail!(
+                            "service {}: destination {id}: nothing resolves {:?} here (k8s:// needs --orchestrator kubernetes)",
+                            m.id,
+                            id.scheme()
+                        );
+                    }
+                }
+            }
+        }
+        Some(Arc::new(crate::discovery::Cache::new(Arc::new(composite))))
+    };
     let traffic = Arc::new(Traffic::default());
     let proxy = Arc::new(Proxy::new(
         log.clone(),
@@ -248,7 +281,7 @@ pub async fn run(
         traffic.clone(),
         ProxyOptions {
             services: config.meta.clone(),
-            dns_server: options.dns_server,
+            discovery,
             ..ProxyOptions::default()
         },
     ));

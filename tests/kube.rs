@@ -187,6 +187,51 @@ async fn pods_run_as_processes_and_their_endpoints_are_published() {
     .await;
 }
 
+/// Kubernetes discovery (`k8s://SERVICE.NAMESPACE:PORT`) follows the real EndpointSlice
+/// controller: the Service's port mapped to the pods' port, pods counted once ready, a pod that
+/// terminates no longer an instance, none at zero; a port the Service does not have is an error.
+#[tokio::test]
+async fn kubernetes_discovery_follows_pods_becoming_ready_and_terminating() {
+    use ebb::discovery::{Discovery, ServiceId, k8s::Endpoints};
+    let (cp, kube, _agent) = cluster().await;
+    if cp.needs_harness("runs pods").is_some() {
+        return;
+    }
+    apply(&cp, &hello());
+    let id = ServiceId::parse("k8s://hello.default:80").unwrap();
+    let rx = Endpoints::new(kube.clone()).watch(&id).unwrap();
+    let minute = Duration::from_secs(60);
+    wait_for("one instance", minute, || rx.borrow().addrs.len() == 1).await;
+    let first = rx.borrow().addrs[0];
+    assert_eq!(first.port(), 8080, "the pods' port, not the Service's");
+    assert!(first.ip().to_string().starts_with("10.244.0."), "{first}");
+    assert_eq!(
+        ready_endpoints(&cp, "hello"),
+        [first.ip().to_string()],
+        "what the controller published"
+    );
+    scale(kube.clone(), "hello", 3).await;
+    wait_for("three instances", minute, || rx.borrow().addrs.len() == 3).await;
+    scale(kube.clone(), "hello", 1).await;
+    wait_for("one instance again", minute, || {
+        rx.borrow().addrs.len() == 1
+    })
+    .await;
+    scale(kube.clone(), "hello", 0).await;
+    wait_for("no instance", minute, || rx.borrow().addrs.is_empty()).await;
+    assert!(rx.borrow().generation >= 4, "every change published");
+    let bad = Endpoints::new(kube)
+        .watch(&ServiceId::parse("k8s://hello.default:81").unwrap())
+        .unwrap();
+    wait_for("the missing port named", minute, || {
+        bad.borrow()
+            .error
+            .as_ref()
+            .is_some_and(|e| e.contains("no port 81"))
+    })
+    .await;
+}
+
 /// Scale writes to the Deployment `name` in the audit log.
 fn scale_writes(cp: &ControlPlane, name: &str) -> usize {
     cp.audit_events()

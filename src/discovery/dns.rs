@@ -4,16 +4,11 @@
 //!   address of the name (A and AAAA records), with the time the answer stays valid (the records'
 //!   TTL) — a headless Kubernetes Service resolves to its ready pods this way. The name server
 //!   is the system's (`/etc/resolv.conf`) or one given (`--dns-server`).
-//! * [`Cache`] shares each resolved service among everyone who asks for it, and refreshes it when
-//!   its answer expires (the TTL, at least [`MIN_REFRESH`] and at most [`MAX_REFRESH`] apart); a
-//!   failed refresh keeps the last answer and is tried again after a doubling back-off (at most
-//!   [`MAX_REFRESH`]). Whoever picks instances reads [`Resolved::generation`] and rebuilds its
-//!   picker when it moved: instances no longer listed get no new requests, and the requests
-//!   under way on them finish (they hold the old picker): the old instances drain.
+//! * Watched ([`Discovery::watch`]), a service is resolved again when its answer expires (the
+//!   TTL, at least [`MIN_REFRESH`] and at most [`MAX_REFRESH`] apart); a failed refresh keeps
+//!   the last answer and is tried again after a doubling back-off (at most [`MAX_REFRESH`]).
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hickory_resolver::config::{NameServerConfigGroup, ResolverConfig, ResolverOpts};
@@ -22,27 +17,15 @@ use hickory_resolver::{Resolver, TokioResolver};
 use tokio::sync::watch;
 
 use super::id::ServiceId;
+use super::{Discovery, Resolved};
 
 /// The shortest time between two refreshes of one service.
 pub const MIN_REFRESH: Duration = Duration::from_secs(1);
 /// The longest time between two refreshes of one service (and the longest back-off).
 pub const MAX_REFRESH: Duration = Duration::from_secs(300);
-/// Most services the cache keeps.
-pub const MAX_SERVICES: usize = 10_000;
 
 /// The schemes DNS discovery resolves, with their default ports.
 pub const SCHEMES: [(&str, u16); 4] = [("http", 80), ("ws", 80), ("https", 443), ("wss", 443)];
-
-/// A service's instances as last resolved.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Resolved {
-    /// Counts the changes of `addrs` (0: not resolved yet).
-    pub generation: u64,
-    /// The instances.
-    pub addrs: Vec<SocketAddr>,
-    /// Why the last resolution failed, if it did.
-    pub error: Option<String>,
-}
 
 /// Resolves names through a DNS server.
 #[derive(Clone)]
@@ -121,75 +104,15 @@ fn schemes() -> String {
     SCHEMES.map(|(s, _)| s).join(", ")
 }
 
-/// One cached service.
-#[derive(Debug)]
-pub struct Entry {
-    id: ServiceId,
-    rx: watch::Receiver<Resolved>,
-}
-
-impl Entry {
-    /// Its instances now.
-    pub fn get(&self) -> Resolved {
-        self.rx.borrow().clone()
+impl Discovery for Dns {
+    fn schemes(&self) -> Vec<&'static str> {
+        SCHEMES.iter().map(|(s, _)| *s).collect()
     }
 
-    /// The generation now (cheap: no copy).
-    pub fn generation(&self) -> u64 {
-        self.rx.borrow().generation
-    }
-
-    /// Waits (at most `limit`) until it was resolved once.
-    pub async fn first(&self, limit: Duration) -> Resolved {
-        let mut rx = self.rx.clone();
-        let _ = tokio::time::timeout(
-            limit,
-            rx.wait_for(|r| r.generation > 0 || r.error.is_some()),
-        )
-        .await;
-        self.get()
-    }
-
-    /// Its id.
-    pub fn id(&self) -> &ServiceId {
-        &self.id
-    }
-}
-
-/// Resolved services, shared and refreshed.
-#[derive(Debug)]
-pub struct Cache {
-    dns: Dns,
-    entries: Mutex<HashMap<ServiceId, Arc<Entry>>>,
-}
-
-impl Cache {
-    /// A cache resolving through `dns`.
-    pub fn new(dns: Dns) -> Cache {
-        Cache {
-            dns,
-            entries: Mutex::new(HashMap::new()),
-        }
-    }
-
-    /// The service `id`, resolved and refreshed from now on by a task of the current runtime,
-    /// shared with everyone who asked for it before.
-    pub fn get(&self, id: &ServiceId) -> Result<Arc<Entry>, String> {
-        let mut entries = self.entries.lock().expect("cache lock");
-        if let Some(e) = entries.get(id) {
-            return Ok(e.clone());
-        }
-        if entries.len() >= MAX_SERVICES {
-            return Err(format!(
-                "{id}: the cache holds {MAX_SERVICES} services already"
-            ));
-        }
+    fn watch(&self, id: &ServiceId) -> Result<watch::Receiver<Resolved>, String> {
         let (tx, rx) = watch::channel(Resolved::default());
-        let entry = Arc::new(Entry { id: id.clone(), rx });
-        entries.insert(id.clone(), entry.clone());
-        let (dns, id) = (self.dns.clone(), id.clone());
-        tokio::spawn(refresh(dns, id, tx));
-        Ok(entry)
+        tokio::spawn(refresh(self.clone(), id.clone(), tx));
+        Ok(rx)
     }
 }
 
@@ -200,18 +123,7 @@ async fn refresh(dns: Dns, id: ServiceId, tx: watch::Sender<Resolved>) {
         let wait = match dns.resolve(&id).await {
             Ok((addrs, ttl)) => {
                 backoff = MIN_REFRESH;
-                tx.send_if_modified(|r| {
-                    let changed = r.addrs != addrs || r.generation == 0;
-                    if changed {
-                        if r.generation > 0 {
-                            tracing::info!(service = %id, from = ?r.addrs, to = ?addrs, "instances changed");
-                        }
-                        r.generation += 1;
-                        r.addrs = addrs;
-                    }
-                    let had_error = r.error.take().is_some();
-                    changed || had_error
-                });
+                super::publish(&tx, &id, addrs);
                 ttl.clamp(MIN_REFRESH, MAX_REFRESH)
             }
             Err(e) => {

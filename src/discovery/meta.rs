@@ -42,7 +42,9 @@ use super::policy::Policy;
 /// Schemes a destination's `service` may have: `ebb://app` (the ready replicas of one of ebb's
 /// workloads) and `http://HOST:port` / `ws://HOST:port` (an IP address: one fixed instance; a
 /// name: an instance per address DNS gives, refreshed on the records' TTL).
-pub const DESTINATION_SCHEMES: [&str; 3] = ["ebb", "http", "ws"];
+/// `k8s://SERVICE.NAMESPACE[:PORT]` (the Service's EndpointSlices; on Kubernetes) and
+/// `k8s-env://NAME[:PORT]` (its environment variables) too.
+pub const DESTINATION_SCHEMES: [&str; 5] = ["ebb", "http", "ws", "k8s", "k8s-env"];
 
 /// A meta service as written in `ebb.toml`.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -518,6 +520,7 @@ impl MetaService {
                                 DESTINATION_SCHEMES.join(", ")
                             )));
                         }
+                        super::k8s::check(&id).map_err(at)?;
                         Source::Service(id)
                     }
                 };

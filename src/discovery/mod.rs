@@ -6,6 +6,12 @@
 //!   `k8s://service.namespace:port`, `k8s-env://name`, `ebb://app`).
 //! * [`Policy`]: which load balancer picks, with slow start, outlier ejection and a panic
 //!   threshold; [`Picker`]: a policy applied to one list of [`Instance`]s.
+//! * [`Discovery`]: what resolves a service id to its instances and keeps them current, one per
+//!   kind of source: [`dns::Dns`] (`http`, `https`, `ws`, `wss`), [`k8s::Endpoints`] (`k8s`: a
+//!   Service's EndpointSlices, watched), [`k8s::Env`] (`k8s-env`: a Service's environment
+//!   variables); [`Composite`] chooses one by scheme, [`Cache`] shares each watched service.
+//!   Meta services (`conf`, [`meta`]) and ebb's own workloads (`ebb`) are resolved by the proxy
+//!   from the configuration and the orchestrator.
 //!
 //! The module is a library: it records no events. What it decides per request (which instance)
 //! is not a decision of the log; what it learns (latency, load, failures) lives in memory with
@@ -14,6 +20,7 @@
 pub mod balance;
 pub mod dns;
 pub mod id;
+pub mod k8s;
 pub mod meta;
 pub mod policy;
 
@@ -22,14 +29,192 @@ pub use id::{IdError, ServiceId};
 pub use policy::{Balancer, HashOn, Policy};
 
 use std::cell::RefCell;
-use std::net::IpAddr;
-use std::sync::OnceLock;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use tokio::sync::watch;
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use crate::clock::Stopwatch;
+
+/// A service's instances as last resolved.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Resolved {
+    /// Counts the changes of `addrs` (0: not resolved yet). Whoever picks instances rebuilds its
+    /// picker when it moved: instances no longer listed get no new requests, and the requests
+    /// under way on them finish (they hold the old picker): the old instances drain.
+    pub generation: u64,
+    /// The instances, sorted.
+    pub addrs: Vec<SocketAddr>,
+    /// Why the last resolution failed, if it did (the instances are the last good ones).
+    pub error: Option<String>,
+}
+
+/// Publishes `addrs` as `id`'s instances: a new generation if they changed (or were never
+/// published); a past error cleared.
+pub fn publish(tx: &watch::Sender<Resolved>, id: &ServiceId, mut addrs: Vec<SocketAddr>) {
+    addrs.sort();
+    addrs.dedup();
+    tx.send_if_modified(|r| {
+        let changed = r.addrs != addrs || r.generation == 0;
+        if changed {
+            if r.generation > 0 {
+                tracing::info!(service = %id, from = ?r.addrs, to = ?addrs, "instances changed");
+            }
+            r.generation += 1;
+            r.addrs = addrs;
+        }
+        let had_error = r.error.take().is_some();
+        changed || had_error
+    });
+}
+
+/// Resolves service ids of some schemes and keeps them current.
+pub trait Discovery: Send + Sync {
+    /// The schemes it resolves.
+    fn schemes(&self) -> Vec<&'static str>;
+
+    /// Starts keeping `id` resolved (a task of the current runtime): the receiver sees every
+    /// change. `Err`: the id cannot be resolved by this source at all.
+    fn watch(&self, id: &ServiceId) -> Result<watch::Receiver<Resolved>, String>;
+}
+
+/// Discovery services by scheme.
+#[derive(Default)]
+pub struct Composite {
+    by_scheme: Vec<(&'static str, Arc<dyn Discovery>)>,
+}
+
+impl Composite {
+    /// Adds a source for its schemes (a scheme already served keeps its first source).
+    pub fn with(mut self, d: Arc<dyn Discovery>) -> Composite {
+        for s in d.schemes() {
+            if !self.by_scheme.iter().any(|(t, _)| *t == s) {
+                self.by_scheme.push((s, d.clone()));
+            }
+        }
+        self
+    }
+
+    /// The schemes it resolves.
+    pub fn schemes(&self) -> Vec<&'static str> {
+        self.by_scheme.iter().map(|(s, _)| *s).collect()
+    }
+
+    /// Whether it resolves `id`'s scheme.
+    pub fn supports(&self, id: &ServiceId) -> bool {
+        self.by_scheme.iter().any(|(s, _)| *s == id.scheme())
+    }
+}
+
+impl Discovery for Composite {
+    fn schemes(&self) -> Vec<&'static str> {
+        Composite::schemes(self)
+    }
+
+    fn watch(&self, id: &ServiceId) -> Result<watch::Receiver<Resolved>, String> {
+        match self.by_scheme.iter().find(|(s, _)| *s == id.scheme()) {
+            Some((_, d)) => d.watch(id),
+            None => Err(format!(
+                "{id}: no discovery for the scheme {:?} here (known: {})",
+                id.scheme(),
+                self.schemes().join(", ")
+            )),
+        }
+    }
+}
+
+/// Most services a [`Cache`] keeps.
+pub const MAX_SERVICES: usize = 10_000;
+
+/// Watched services shared by everyone who asks for them: one watch (one refresh task, one
+/// Kubernetes watch) per service id however many destinations name it.
+pub struct Cache {
+    source: Arc<dyn Discovery>,
+    entries: Mutex<HashMap<ServiceId, Arc<Watched>>>,
+}
+
+/// One service of a [`Cache`].
+#[derive(Debug)]
+pub struct Watched {
+    id: ServiceId,
+    rx: watch::Receiver<Resolved>,
+}
+
+impl Watched {
+    /// Its instances now.
+    pub fn get(&self) -> Resolved {
+        self.rx.borrow().clone()
+    }
+
+    /// The generation now (no copy).
+    pub fn generation(&self) -> u64 {
+        self.rx.borrow().generation
+    }
+
+    /// Waits (at most `limit`) until it was resolved once, or failed to be.
+    pub async fn first(&self, limit: std::time::Duration) -> Resolved {
+        let mut rx = self.rx.clone();
+        let _ = tokio::time::timeout(
+            limit,
+            rx.wait_for(|r| r.generation > 0 || r.error.is_some()),
+        )
+        .await;
+        self.get()
+    }
+
+    /// A receiver of its changes.
+    pub fn changes(&self) -> watch::Receiver<Resolved> {
+        self.rx.clone()
+    }
+
+    /// Its id.
+    pub fn id(&self) -> &ServiceId {
+        &self.id
+    }
+}
+
+impl std::fmt::Debug for Cache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cache")
+            .field("schemes", &self.source.schemes())
+            .finish()
+    }
+}
+
+impl Cache {
+    /// Whether its source resolves `id`'s scheme.
+    pub fn supports(&self, id: &ServiceId) -> bool {
+        self.source.schemes().contains(&id.scheme())
+    }
+
+    /// A cache over `source`.
+    pub fn new(source: Arc<dyn Discovery>) -> Cache {
+        Cache {
+            source,
+            entries: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The service `id`, watched from its first request on.
+    pub fn get(&self, id: &ServiceId) -> Result<Arc<Watched>, String> {
+        let mut entries = self.entries.lock().expect("cache lock");
+        if let Some(e) = entries.get(id) {
+            return Ok(e.clone());
+        }
+        if entries.len() >= MAX_SERVICES {
+            return Err(format!("{id}: {MAX_SERVICES} services are watched already"));
+        }
+        let rx = self.source.watch(id)?;
+        let e = Arc::new(Watched { id: id.clone(), rx });
+        entries.insert(id.clone(), e.clone());
+        Ok(e)
+    }
+}
 
 /// The pickers' clock: microseconds since the first reading in this process (monotonic).
 pub fn now_us() -> u64 {

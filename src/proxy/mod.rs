@@ -88,8 +88,9 @@ pub struct ProxyOptions {
     pub connect_attempt_ms: u64,
     /// Meta services served on their domains (`[[service]]` in `ebb.toml`).
     pub services: Vec<crate::discovery::meta::MetaService>,
-    /// The DNS server that resolves their destinations' host names (none: the system's).
-    pub dns_server: Option<SocketAddr>,
+    /// What resolves their destinations (DNS, Kubernetes); none: only fixed addresses and
+    /// `ebb://` destinations have instances.
+    pub discovery: Option<Arc<crate::discovery::Cache>>,
 }
 
 impl Default for ProxyOptions {
@@ -103,7 +104,7 @@ impl Default for ProxyOptions {
             connect_timeout_ms: 5_000,
             connect_attempt_ms: 50,
             services: Vec::new(),
-            dns_server: None,
+            discovery: None,
         }
     }
 }
@@ -367,18 +368,8 @@ impl Proxy {
     ) -> Self {
         let orch_version = orch.changes();
         let backends = Arc::new(Backends::default());
-        let cache = if options.services.is_empty() {
-            None
-        } else {
-            match crate::discovery::dns::Dns::new(options.dns_server) {
-                Ok(dns) => Some(crate::discovery::dns::Cache::new(dns)),
-                Err(e) => {
-                    tracing::error!(error = %e, "no DNS discovery: destinations named by host name have no instance");
-                    None
-                }
-            }
-        };
-        let services = services::Services::build(&options.services, &backends, cache.as_ref());
+        let services =
+            services::Services::build(&options.services, &backends, options.discovery.as_deref());
         Self {
             log,
             orch,

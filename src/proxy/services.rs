@@ -10,22 +10,22 @@ use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 
 use super::backends::{Backends, Group, Ready};
-use crate::discovery::dns::{self, Cache};
 use crate::discovery::meta::{MetaService, Source, fixed_addr};
 use crate::discovery::{self};
+use crate::discovery::{Cache, Watched};
 
 /// One destination's instances, with the version of what they were read from.
 #[derive(Debug)]
 pub struct Destination {
     ready: RwLock<(u64, Arc<Ready>)>,
-    /// A destination resolved by DNS: its shared, refreshed entry.
-    dns: Option<Arc<dns::Entry>>,
+    /// A destination resolved by discovery (DNS, Kubernetes): its shared, watched service.
+    watched: Option<Arc<Watched>>,
 }
 
 impl Destination {
-    /// Its DNS entry, if DNS resolves it.
-    pub fn dns(&self) -> Option<&Arc<dns::Entry>> {
-        self.dns.as_ref()
+    /// Its watched service, if discovery resolves it.
+    pub fn watched(&self) -> Option<&Arc<Watched>> {
+        self.watched.as_ref()
     }
 }
 
@@ -47,8 +47,8 @@ pub struct Services {
 }
 
 impl Services {
-    /// The services, each under its domains (checked at load not to overlap); destinations named
-    /// by host name are resolved through `cache` from now on.
+    /// The services, each under its domains (checked at load not to overlap); destinations that
+    /// discovery resolves are watched through `cache` from now on.
     pub fn build(metas: &[MetaService], backends: &Backends, cache: Option<&Cache>) -> Services {
         let mut by_domain = HashMap::new();
         for m in metas {
@@ -83,8 +83,9 @@ impl Services {
     }
 }
 
-/// A destination's starting state: fixed addresses (and `http://IP:port`) as they are, DNS names
-/// subscribed to in `cache`, `ebb://app` read on first use.
+/// A destination's starting state: fixed addresses (and `http://IP:port`) as they are, ids
+/// discovery resolves (DNS names, `k8s://`, `k8s-env://`) watched through `cache`, `ebb://app`
+/// read on first use.
 fn destination(
     d: &crate::discovery::meta::Destination,
     backends: &Backends,
@@ -94,7 +95,7 @@ fn destination(
         Source::Addresses(a) => Some(a.clone()),
         Source::Service(id) => fixed_addr(id).map(|a| vec![a]),
     };
-    let dns = match (&d.source, &fixed, cache) {
+    let watched = match (&d.source, &fixed, cache) {
         (Source::Service(id), None, Some(c)) if id.scheme() != "ebb" => match c.get(id) {
             Ok(e) => Some(e),
             Err(e) => {
@@ -114,7 +115,7 @@ fn destination(
     let version = if fixed.is_some() { 0 } else { u64::MAX };
     Destination {
         ready: RwLock::new((version, Arc::new(ready))),
-        dns,
+        watched,
     }
 }
 
@@ -140,7 +141,7 @@ impl ServiceEntry {
         let Source::Service(id) = &spec.source else {
             return dest.ready.read().expect("ready lock").1.clone();
         };
-        let version = match (&dest.dns, id.scheme()) {
+        let version = match (&dest.watched, id.scheme()) {
             (Some(e), _) => e.generation(),
             (None, "ebb") => version,
             // A fixed `http://IP:port`.
@@ -152,7 +153,7 @@ impl ServiceEntry {
                 return g.1.clone();
             }
         }
-        let addrs = match &dest.dns {
+        let addrs = match &dest.watched {
             Some(e) => e.get().addrs,
             None => resolve(id),
         };

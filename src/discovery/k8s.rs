@@ -1,0 +1,456 @@
+//! Kubernetes discovery.
+//!
+//! * [`Endpoints`] resolves `k8s://SERVICE.NAMESPACE[:PORT]` to the Service's endpoints, from its
+//!   EndpointSlices (label `kubernetes.io/service-name`), watched. `PORT` is the Service's port
+//!   (its only one when unsaid); the endpoints' port is the slice port of the same name, as
+//!   kube-proxy maps them. Which endpoints serve follows KEP-1669: the ready ones; when none is
+//!   ready, the serving ones that are terminating (a rollout's last pods keep answering); an
+//!   unknown `ready` counts as ready, an unknown `serving` as `ready` says. With a zone
+//!   ([`Endpoints::in_zone`]) and every chosen endpoint carrying hints, only those hinted for
+//!   the zone are used when there are any (KEP-2433).
+//! * [`Env`] resolves `k8s-env://NAME[:PORT]` from the environment Kubernetes gives every
+//!   container: `NAME_SERVICE_HOST` and `NAME_SERVICE_PORT` (`NAME` upper case, `-` as `_`),
+//!   read once.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Api, Client};
+use tokio::sync::watch;
+
+use super::id::ServiceId;
+use super::{Discovery, Resolved, publish};
+
+/// A Service's EndpointSlices, watched.
+#[derive(Clone)]
+pub struct Endpoints {
+    client: Client,
+    zone: Option<String>,
+}
+
+impl Endpoints {
+    /// Discovery through `client`.
+    pub fn new(client: Client) -> Endpoints {
+        Endpoints { client, zone: None }
+    }
+
+    /// Prefers the endpoints hinted for `zone`.
+    pub fn in_zone(mut self, zone: Option<String>) -> Endpoints {
+        self.zone = zone;
+        self
+    }
+}
+
+/// `SERVICE.NAMESPACE` and the port of a `k8s://` id.
+fn parts(id: &ServiceId) -> Result<(String, String, Option<u16>), String> {
+    let host = id.host().ok_or_else(|| format!("{id}: no host"))?;
+    let (svc, ns) = host
+        .split_once('.')
+        .ok_or_else(|| format!("{id}: expected k8s://SERVICE.NAMESPACE[:PORT]"))?;
+    if svc.is_empty() || ns.is_empty() || ns.contains('.') {
+        return Err(format!("{id}: expected k8s://SERVICE.NAMESPACE[:PORT]"));
+    }
+    Ok((svc.to_owned(), ns.to_owned(), id.port()))
+}
+
+/// Checks a `k8s://` id's shape (at load).
+pub fn check(id: &ServiceId) -> Result<(), String> {
+    match id.scheme() {
+        "k8s" => parts(id).map(|_| ()),
+        "k8s-env" => env_names(id).map(|_| ()),
+        _ => Ok(()),
+    }
+}
+
+/// An endpoint address: (address, port, ready, serving and terminating, the zones hinted).
+type Candidate = (IpAddr, u16, bool, bool, Option<Vec<String>>);
+
+/// The addresses serving, by KEP-1669's rules (and KEP-2433's hints for `zone`), on the slice
+/// port named `port_name` (`None`: the slices' only port).
+pub fn serving(
+    slices: &[EndpointSlice],
+    port_name: Option<&str>,
+    zone: Option<&str>,
+) -> Vec<SocketAddr> {
+    let mut all: Vec<Candidate> = Vec::new();
+    for s in slices {
+        let port = s.ports.iter().flatten().find(|p| match port_name {
+            Some(n) => p.name.as_deref() == Some(n),
+            None => true,
+        });
+        let Some(port) = port.and_then(|p| p.port) else {
+            continue;
+        };
+        let Ok(port) = u16::try_from(port) else {
+            continue;
+        };
+        for e in s.endpoints.iter().flatten() {
+            let c = e.conditions.as_ref();
+            let ready = c.and_then(|c| c.ready).unwrap_or(true);
+            let serving = c.and_then(|c| c.serving).unwrap_or(ready);
+            let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
+            let hints = e.hints.as_ref().and_then(|h| {
+                h.for_zones
+                    .as_ref()
+                    .map(|z| z.iter().map(|z| z.name.clone()).collect())
+            });
+            for a in &e.addresses {
+                if let Ok(ip) = a.parse::<IpAddr>() {
+                    all.push((ip, port, ready, serving && terminating, hints.clone()));
+                }
+            }
+        }
+    }
+    let ready: Vec<_> = all.iter().filter(|e| e.2).collect();
+    let chosen: Vec<_> = if ready.is_empty() {
+        all.iter().filter(|e| e.3).collect()
+    } else {
+        ready
+    };
+    if let Some(z) = zone
+        && chosen.iter().all(|e| e.4.is_some())
+    {
+        let hinted: Vec<SocketAddr> = chosen
+            .iter()
+            .filter(|e| e.4.as_ref().is_some_and(|h| h.iter().any(|n| n == z)))
+            .map(|e| SocketAddr::new(e.0, e.1))
+            .collect();
+        if !hinted.is_empty() {
+            return hinted;
+        }
+    }
+    chosen.iter().map(|e| SocketAddr::new(e.0, e.1)).collect()
+}
+
+impl Discovery for Endpoints {
+    fn schemes(&self) -> Vec<&'static str> {
+        vec!["k8s"]
+    }
+
+    fn watch(&self, id: &ServiceId) -> Result<watch::Receiver<Resolved>, String> {
+        let (svc, ns, port) = parts(id)?;
+        let (tx, rx) = watch::channel(Resolved::default());
+        let (me, id) = (self.clone(), id.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                () = me.follow(&id, &svc, &ns, port, &tx) => {}
+                () = tx.closed() => {}
+            }
+        });
+        Ok(rx)
+    }
+}
+
+impl Endpoints {
+    /// The Service's port name for `port` (its only port when `None`), read until found.
+    async fn port_name(
+        &self,
+        id: &ServiceId,
+        svc: &str,
+        ns: &str,
+        port: Option<u16>,
+        tx: &watch::Sender<Resolved>,
+    ) -> Option<String> {
+        let services: Api<Service> = Api::namespaced(self.client.clone(), ns);
+        let mut backoff = std::time::Duration::from_millis(200);
+        loop {
+            let found = match services.get(svc).await {
+                Ok(s) => {
+                    let ports = s.spec.and_then(|s| s.ports).unwrap_or_default();
+                    let p = match port {
+                        Some(n) => ports.iter().find(|p| p.port == n as i32),
+                        None if ports.len() == 1 => ports.first(),
+                        None => None,
+                    };
+                    match p {
+                        Some(p) => return p.name.clone(),
+                        None => format!(
+                            "{id}: the Service has no port {} (ports: {})",
+                            port.map_or("named".into(), |p| p.to_string()),
+                            ports
+                                .iter()
+                                .map(|p| p.port.to_string())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    }
+                }
+                Err(e) => format!("{id}: reading the Service: {e}"),
+            };
+            tracing::warn!(service = %id, error = %found, "not resolved yet");
+            tx.send_modify(|r| r.error = Some(found));
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(super::dns::MAX_REFRESH);
+        }
+    }
+
+    async fn follow(
+        &self,
+        id: &ServiceId,
+        svc: &str,
+        ns: &str,
+        port: Option<u16>,
+        tx: &watch::Sender<Resolved>,
+    ) {
+        let port_name = self.port_name(id, svc, ns, port, tx).await;
+        let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), ns);
+        let config =
+            watcher::Config::default().labels(&format!("kubernetes.io/service-name={svc}"));
+        let mut stream = watcher(slices, config).default_backoff().boxed();
+        let mut known: BTreeMap<String, EndpointSlice> = BTreeMap::new();
+        let mut listing: BTreeMap<String, EndpointSlice> = BTreeMap::new();
+        // A relist's slices are published once it is done.
+        let mut relisting = false;
+        let name = |s: &EndpointSlice| s.metadata.name.clone().unwrap_or_default();
+        while let Some(ev) = stream.next().await {
+            match ev {
+                Ok(watcher::Event::Init) => {
+                    listing.clear();
+                    relisting = true;
+                }
+                Ok(watcher::Event::InitApply(s)) => {
+                    listing.insert(name(&s), s);
+                }
+                Ok(watcher::Event::InitDone) => {
+                    known = std::mem::take(&mut listing);
+                    relisting = false;
+                }
+                Ok(watcher::Event::Apply(s)) => {
+                    known.insert(name(&s), s);
+                }
+                Ok(watcher::Event::Delete(s)) => {
+                    known.remove(&name(&s));
+                }
+                Err(e) => {
+                    tracing::warn!(service = %id, error = %e, "watching EndpointSlices failed; backing off");
+                    continue;
+                }
+            }
+            if !relisting {
+                let list: Vec<EndpointSlice> = known.values().cloned().collect();
+                publish(
+                    tx,
+                    id,
+                    serving(&list, port_name.as_deref(), self.zone.as_deref()),
+                );
+            }
+        }
+    }
+}
+
+/// A Service's environment variables, as Kubernetes sets them in every container.
+#[derive(Debug, Clone, Default)]
+pub struct Env;
+
+fn env_names(id: &ServiceId) -> Result<(String, String), String> {
+    let host = id
+        .host()
+        .ok_or_else(|| format!("{id}: expected k8s-env://NAME[:PORT]"))?;
+    let key = host.to_ascii_uppercase().replace(['-', '.'], "_");
+    Ok((format!("{key}_SERVICE_HOST"), format!("{key}_SERVICE_PORT")))
+}
+
+/// The instance `k8s-env://NAME[:PORT]` names in `env`.
+pub fn from_env(
+    id: &ServiceId,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<SocketAddr, String> {
+    let (host_var, port_var) = env_names(id)?;
+    let host = env(&host_var).ok_or_else(|| format!("{id}: ${host_var} is not set"))?;
+    let ip: IpAddr = host
+        .parse()
+        .map_err(|_| format!("{id}: ${host_var} is {host:?}, not an IP address"))?;
+    let port = match id.port() {
+        Some(p) => p,
+        None => {
+            let v = env(&port_var).ok_or_else(|| format!("{id}: ${port_var} is not set"))?;
+            v.parse()
+                .map_err(|_| format!("{id}: ${port_var} is {v:?}, not a port"))?
+        }
+    };
+    Ok(SocketAddr::new(ip, port))
+}
+
+impl Discovery for Env {
+    fn schemes(&self) -> Vec<&'static str> {
+        vec!["k8s-env"]
+    }
+
+    fn watch(&self, id: &ServiceId) -> Result<watch::Receiver<Resolved>, String> {
+        let addr = from_env(id, |k| std::env::var(k).ok())?;
+        let (tx, rx) = watch::channel(Resolved::default());
+        publish(&tx, id, vec![addr]);
+        Ok(rx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::discovery::v1::{
+        Endpoint, EndpointConditions, EndpointHints, EndpointPort, ForZone,
+    };
+
+    /// (address, ready, serving, terminating, zones hinted).
+    type Ep<'a> = (
+        &'a str,
+        Option<bool>,
+        Option<bool>,
+        Option<bool>,
+        &'a [&'a str],
+    );
+
+    fn slice(ports: &[(&str, i32)], eps: &[Ep<'_>]) -> EndpointSlice {
+        EndpointSlice {
+            address_type: "IPv4".into(),
+            ports: Some(
+                ports
+                    .iter()
+                    .map(|(n, p)| EndpointPort {
+                        name: Some((*n).into()),
+                        port: Some(*p),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            endpoints: Some(
+                eps.iter()
+                    .map(|(a, ready, serving, terminating, zones)| Endpoint {
+                        addresses: vec![(*a).into()],
+                        conditions: Some(EndpointConditions {
+                            ready: *ready,
+                            serving: *serving,
+                            terminating: *terminating,
+                        }),
+                        hints: (!zones.is_empty()).then(|| EndpointHints {
+                            for_zones: Some(
+                                zones
+                                    .iter()
+                                    .map(|z| ForZone { name: (*z).into() })
+                                    .collect(),
+                            ),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            ..Default::default()
+        }
+    }
+
+    fn addrs(v: &[SocketAddr]) -> Vec<String> {
+        let mut v: Vec<String> = v.iter().map(|a| a.to_string()).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn ready_endpoints_serve_and_terminating_ones_only_when_none_is_ready() {
+        let s = slice(
+            &[("http", 8080), ("admin", 9090)],
+            &[
+                ("10.0.0.1", Some(true), Some(true), Some(false), &[]),
+                ("10.0.0.2", Some(false), Some(true), Some(true), &[]),
+                ("10.0.0.3", None, None, None, &[]),
+                ("10.0.0.4", Some(false), Some(false), Some(false), &[]),
+            ],
+        );
+        assert_eq!(
+            addrs(&serving(std::slice::from_ref(&s), Some("http"), None)),
+            ["10.0.0.1:8080", "10.0.0.3:8080"]
+        );
+        assert_eq!(
+            addrs(&serving(&[s], Some("admin"), None)),
+            ["10.0.0.1:9090", "10.0.0.3:9090"]
+        );
+        // None ready: the serving terminating ones (a rollout's last pods still answer).
+        let s = slice(
+            &[("http", 80)],
+            &[
+                ("10.0.0.2", Some(false), Some(true), Some(true), &[]),
+                ("10.0.0.4", Some(false), Some(false), Some(true), &[]),
+            ],
+        );
+        assert_eq!(addrs(&serving(&[s], None, None)), ["10.0.0.2:80"]);
+        // A port the slices do not have: nothing.
+        let s = slice(
+            &[("http", 80)],
+            &[("10.0.0.1", Some(true), None, None, &[])],
+        );
+        assert!(serving(&[s], Some("grpc"), None).is_empty());
+    }
+
+    #[test]
+    fn zone_hints_narrow_the_endpoints_when_every_one_has_them() {
+        let s = slice(
+            &[("http", 80)],
+            &[
+                ("10.0.0.1", Some(true), None, None, &["a"]),
+                ("10.0.0.2", Some(true), None, None, &["b"]),
+            ],
+        );
+        assert_eq!(
+            addrs(&serving(std::slice::from_ref(&s), None, Some("a"))),
+            ["10.0.0.1:80"]
+        );
+        assert_eq!(
+            addrs(&serving(std::slice::from_ref(&s), None, Some("c"))).len(),
+            2,
+            "none for c: all"
+        );
+        assert_eq!(addrs(&serving(&[s], None, None)).len(), 2);
+        let mixed = slice(
+            &[("http", 80)],
+            &[
+                ("10.0.0.1", Some(true), None, None, &["a"]),
+                ("10.0.0.2", Some(true), None, None, &[]),
+            ],
+        );
+        assert_eq!(
+            addrs(&serving(&[mixed], None, Some("a"))).len(),
+            2,
+            "hints ignored"
+        );
+    }
+
+    #[test]
+    fn environment_variables_name_a_services_address() {
+        let env = |k: &str| match k {
+            "SHOP_API_SERVICE_HOST" => Some("10.96.0.7".to_owned()),
+            "SHOP_API_SERVICE_PORT" => Some("8080".to_owned()),
+            "BAD_SERVICE_HOST" => Some("shop".to_owned()),
+            _ => None,
+        };
+        let id = |s: &str| ServiceId::parse(s).unwrap();
+        assert_eq!(
+            from_env(&id("k8s-env://shop-api"), env)
+                .unwrap()
+                .to_string(),
+            "10.96.0.7:8080"
+        );
+        assert_eq!(
+            from_env(&id("k8s-env://shop-api:9000"), env)
+                .unwrap()
+                .to_string(),
+            "10.96.0.7:9000"
+        );
+        assert!(
+            from_env(&id("k8s-env://nope"), env)
+                .unwrap_err()
+                .contains("NOPE_SERVICE_HOST")
+        );
+        assert!(
+            from_env(&id("k8s-env://bad"), env)
+                .unwrap_err()
+                .contains("not an IP")
+        );
+        assert!(check(&id("k8s://shop")).is_err());
+        assert!(check(&id("k8s://a.b.c")).is_err());
+        assert!(check(&id("k8s://api.shop:80")).is_ok());
+    }
+}
