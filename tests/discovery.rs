@@ -56,6 +56,12 @@ async fn app(c: &Http, args: &[&str]) -> App {
         .unwrap();
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let app = App { child, addr };
+    healthy(c, addr).await;
+    app
+}
+
+/// Waits until the app at `addr` answers `/health`.
+async fn healthy(c: &Http, addr: SocketAddr) {
     wait_until("the app answers", DEADLINE, || async {
         let req = hyper::Request::get(format!("http://{addr}/health"))
             .body(Full::new(Bytes::new()))
@@ -66,7 +72,6 @@ async fn app(c: &Http, args: &[&str]) -> App {
             .then_some(())
     })
     .await;
-    app
 }
 
 struct Answer {
@@ -418,17 +423,7 @@ async fn dns_destinations_follow_their_records_ttl_and_old_instances_drain() {
         addr: SocketAddr::from(([127, 0, 0, 3], port)),
     };
     for app in [&a, &b] {
-        let addr = app.addr;
-        wait_until("the app answers", DEADLINE, || async {
-            let req = hyper::Request::get(format!("http://{addr}/health"))
-                .body(Full::new(Bytes::new()))
-                .unwrap();
-            c.request(req)
-                .await
-                .is_ok_and(|r| r.status() == 200)
-                .then_some(())
-        })
-        .await;
+        healthy(&c, app.addr).await;
     }
     let dns = Dnsmasq::start("127.0.0.2 api.shop.test\n");
     let dir = tempfile::tempdir().unwrap();

@@ -5,6 +5,8 @@
 //!   index from the same generator), on one thread. Picks go through the same [`Picker::pick`]
 //!   the proxy calls, with a filter that keeps every instance, and the power-of-choices balancers
 //!   see requests under way (a quarter of the instances busy).
+//! * **Throughput**: requests/s through the proxy in front of 1 and of 4 replicas of the example
+//!   app, against the app asked directly, the same closed-loop load from this process.
 //! * **The slow replica** (Linkerd's experiment): `ebb serve` in front of four replicas of the
 //!   example app, one of them answering 2 s late, under closed-loop load; the latency
 //!   percentiles of all requests with peak EWMA and with round robin, against the same load on
@@ -35,9 +37,15 @@ pub struct DiscoveryBenchArgs {
     /// Requests under way at once in the slow-replica experiment.
     #[arg(long, default_value_t = 16)]
     pub connections: usize,
+    /// Requests under way at once in the throughput measurement.
+    #[arg(long, default_value_t = 64)]
+    pub throughput_connections: usize,
     /// How late the slow replica answers, in ms.
     #[arg(long, default_value_t = 2_000)]
     pub slow_ms: u64,
+    /// Seconds of load per target in the throughput measurement (0: skip it).
+    #[arg(long, default_value_t = 10)]
+    pub throughput_seconds: u64,
 }
 
 /// Runs `f` in batches for about `millis`; nanoseconds per call.
@@ -62,7 +70,81 @@ pub async fn run(args: DiscoveryBenchArgs) -> Result<()> {
         println!();
         slow_replica(&args).await?;
     }
+    if args.throughput_seconds > 0 {
+        println!();
+        throughput(&args).await?;
+    }
     Ok(())
+}
+
+/// The proxy's throughput in front of 1 and of 4 replicas of the example app (peak EWMA),
+/// against the app asked directly, the same load generator and connections for each.
+async fn throughput(args: &DiscoveryBenchArgs) -> Result<()> {
+    let exe = std::env::current_exe()?;
+    let (_direct_app, direct, _) = super::spawn_app(&exe, &[], Duration::from_millis(20)).await?;
+    let app = |name: &str, n: u32| {
+        format!(
+            "[[app]]\nname = \"{name}\"\ndomains = [\"{name}.localhost\"]\ncommand = [\"ebb\", \"example-app\"]\nmin_replicas = {n}\nmax_replicas = {n}\nidle_after_ms = 600000\n"
+        )
+    };
+    let ebb = serve(&(app("one", 1) + &app("four", 4)))?;
+    // Woken, and every replica seen answering.
+    for (host, n) in [("one.localhost", 1), ("four.localhost", 4)] {
+        let mut pids = std::collections::BTreeSet::new();
+        let sw = Stopwatch::start();
+        while pids.len() < n {
+            anyhow::ensure!(
+                sw.elapsed() < Duration::from_secs(60),
+                "{host}: {n} replicas not ready"
+            );
+            pids.insert(get_body(ebb.proxy, host, "/pid").await?);
+        }
+    }
+    println!(
+        "proxy throughput: {} requests under way, {} s each, GET / (echo), closed loop from this process; anchor: the app directly",
+        args.throughput_connections, args.throughput_seconds
+    );
+    println!(
+        "{:<30}{:>14}{:>10}{:>10}{:>12}",
+        "target", "requests/s", "p50", "p99", "/ anchor"
+    );
+    let mut anchor = None;
+    for (what, addr, host) in [
+        ("anchor: the app directly", direct, "direct"),
+        ("ebb, 1 replica", ebb.proxy, "one.localhost"),
+        ("ebb, 4 replicas", ebb.proxy, "four.localhost"),
+    ] {
+        let lat = load(
+            addr,
+            host,
+            args.throughput_connections,
+            args.throughput_seconds,
+        )
+        .await?;
+        let rate = lat.len() as f64 / args.throughput_seconds as f64;
+        let base = *anchor.get_or_insert(rate);
+        println!(
+            "{what:<30}{rate:>14.0}{:>10.2}{:>10.2}{:>12.2}",
+            super::percentile(&lat, 0.5),
+            super::percentile(&lat, 0.99),
+            rate / base
+        );
+    }
+    Ok(())
+}
+
+/// One GET's body.
+async fn get_body(proxy: SocketAddr, host: &str, path: &str) -> Result<String> {
+    use http_body_util::{BodyExt, Full};
+    let client: hyper_util::client::legacy::Client<_, Full<bytes::Bytes>> =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http();
+    let req = hyper::Request::get(format!("http://{proxy}{path}"))
+        .header("host", host)
+        .body(Full::new(bytes::Bytes::new()))?;
+    let resp = client.request(req).await?;
+    let body = resp.into_body().collect().await?.to_bytes();
+    Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
 /// `ebb serve` with a config, stopped when dropped.

@@ -168,15 +168,20 @@ impl Endpoints {
                     };
                     match p {
                         Some(p) => return p.name.clone(),
-                        None => format!(
-                            "{id}: the Service has no port {} (ports: {})",
-                            port.map_or("named".into(), |p| p.to_string()),
-                            ports
-                                .iter()
-                                .map(|p| p.port.to_string())
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
+                        None => {
+                            let list: Vec<String> =
+                                ports.iter().map(|p| p.port.to_string()).collect();
+                            match port {
+                                Some(n) => format!(
+                                    "{id}: the Service has no port {n} (ports: {})",
+                                    list.join(", ")
+                                ),
+                                None => format!(
+                                    "{id}: the Service has several ports ({}): name one",
+                                    list.join(", ")
+                                ),
+                            }
+                        }
                     }
                 }
                 Err(e) => format!("{id}: reading the Service: {e}"),

@@ -305,6 +305,40 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// A request's hash key under `policy` (for consistent hashing).
+fn key_of(
+    policy: &crate::discovery::Policy,
+    target: &str,
+    headers: &HeaderMap,
+    peer: SocketAddr,
+) -> Option<u64> {
+    policy.hash_on.as_ref().and_then(|h| {
+        crate::discovery::request_key(
+            h,
+            target,
+            |n| headers.get(n).map(|v| v.as_bytes()),
+            peer.ip(),
+        )
+    })
+}
+
+/// The request as sent to the instance at `addr`: the client's parts, `body`, and a URI of the
+/// instance's authority and `path`. `Err`: why that is not a URI.
+fn to_backend(
+    parts: &hyper::http::request::Parts,
+    body: Body,
+    addr: SocketAddr,
+    path: &hyper::http::uri::PathAndQuery,
+) -> Result<Request<Body>, String> {
+    let mut out = Request::from_parts(parts.clone(), body);
+    let mut uri = hyper::http::uri::Parts::default();
+    uri.scheme = Some(hyper::http::uri::Scheme::HTTP);
+    uri.authority = Some(authority(addr));
+    uri.path_and_query = Some(path.clone());
+    *out.uri_mut() = Uri::from_parts(uri).map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
 /// Applies a meta route's header changes.
 fn change_headers(headers: &mut HeaderMap, changes: &crate::discovery::meta::Changes) {
     for n in &changes.remove {
@@ -559,14 +593,7 @@ impl Proxy {
             parts.headers.insert(header::UPGRADE, proto.clone());
         }
         add_forwarded(&mut parts.headers, peer, &host);
-        let key = route.policy.hash_on.as_ref().and_then(|h| {
-            crate::discovery::request_key(
-                h,
-                &path,
-                |n| parts.headers.get(n).map(|v| v.as_bytes()),
-                peer.ip(),
-            )
-        });
+        let key = key_of(&route.policy, &path, &parts.headers, peer);
         let path = match hyper::http::uri::PathAndQuery::try_from(path.as_str()) {
             Ok(p) => p,
             Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_target", &e.to_string()),
@@ -580,16 +607,9 @@ impl Proxy {
                 Err(refusal) => return refusal.into_response(self.options.retry_after_s),
             };
             let addr = slot.addr();
-            let mut out = Request::from_parts(parts.clone(), body.take().unwrap_or_else(empty));
-            let mut uri = hyper::http::uri::Parts::default();
-            uri.scheme = Some(hyper::http::uri::Scheme::HTTP);
-            uri.authority = Some(authority(addr));
-            uri.path_and_query = Some(path.clone());
-            *out.uri_mut() = match Uri::from_parts(uri) {
-                Ok(u) => u,
-                Err(e) => {
-                    return json_error(StatusCode::BAD_REQUEST, "bad_request", &e.to_string());
-                }
+            let out = match to_backend(&parts, body.take().unwrap_or_else(empty), addr, &path) {
+                Ok(r) => r,
+                Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
             };
             match client(&self.options, &self.backends).request(out).await {
                 Ok(mut resp) => {
@@ -694,14 +714,7 @@ impl Proxy {
         }
         change_headers(&mut parts.headers, &route.request_headers);
         add_forwarded(&mut parts.headers, peer, &host);
-        let key = dest.policy.hash_on.as_ref().and_then(|h| {
-            crate::discovery::request_key(
-                h,
-                &target,
-                |n| parts.headers.get(n).map(|v| v.as_bytes()),
-                peer.ip(),
-            )
-        });
+        let key = key_of(&dest.policy, &target, &parts.headers, peer);
         let path = match hyper::http::uri::PathAndQuery::try_from(sent.as_str()) {
             Ok(p) => p,
             Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_target", &e.to_string()),
@@ -723,16 +736,9 @@ impl Proxy {
                 .into_response(self.options.retry_after_s);
             };
             let addr = slot.addr();
-            let mut out = Request::from_parts(parts.clone(), body.take().unwrap_or_else(empty));
-            let mut uri = hyper::http::uri::Parts::default();
-            uri.scheme = Some(hyper::http::uri::Scheme::HTTP);
-            uri.authority = Some(authority(addr));
-            uri.path_and_query = Some(path.clone());
-            *out.uri_mut() = match Uri::from_parts(uri) {
-                Ok(u) => u,
-                Err(e) => {
-                    return json_error(StatusCode::BAD_REQUEST, "bad_request", &e.to_string());
-                }
+            let out = match to_backend(&parts, body.take().unwrap_or_else(empty), addr, &path) {
+                Ok(r) => r,
+                Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
             };
             match client(&self.options, &self.backends).request(out).await {
                 Ok(resp) => {
