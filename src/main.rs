@@ -94,6 +94,10 @@ enum Command {
         /// (default: the system's, from /etc/resolv.conf).
         #[arg(long, env = "EBB_DNS_SERVER")]
         dns_server: Option<std::net::SocketAddr>,
+        /// Seeds the load balancers' random choices (each proxy thread's generator comes from it
+        /// and the thread's number): the same seed, the same picks (default: a random seed).
+        #[arg(long, env = "EBB_BALANCE_SEED")]
+        balance_seed: Option<u64>,
         /// How long a runner may keep a call it did not start before it is redelivered, in ms.
         #[arg(long, default_value_t = 30_000)]
         visibility_timeout_ms: u64,
@@ -430,6 +434,7 @@ fn run(cli: Cli) -> Result<()> {
             runner_capacity,
             cleaner_helm,
             dns_server,
+            balance_seed,
             visibility_timeout_ms,
             runner_lease_ms,
             max_queued,
@@ -456,85 +461,91 @@ fn run(cli: Cli) -> Result<()> {
             peers,
             peer_service,
             downscale_gate,
-        } => serve(
-            ebb::serve::ServeOptions {
-                data_dir: dir.clone(),
-                config,
-                listen,
-                admin_listen,
-                admin_token,
-                runner_token,
-                api_token,
-                runner_capacity,
-                cleaner_helm,
-                dns_server,
-                calls: ebb::calls::CallOptions {
-                    runner_lease_ms,
-                    retention_ms: call_retention_ms,
-                    forget_every_ms: call_retention_ms.clamp(1, 60_000),
-                    ..ebb::calls::CallOptions::default()
-                },
-                functions: ebb::functions::Autoscale {
-                    period_ms: fn_period_ms,
-                    decay: fn_counter_decay,
-                    cap: fn_counter_cap,
-                    target_per_instance: fn_target_per_instance,
-                    zero_after_ms: fn_zero_after_ms,
-                },
-                queue: ebb::queue::embedded::EmbeddedOptions {
-                    visibility_timeout_ms,
-                    max_messages: max_queued,
-                    ..ebb::queue::embedded::EmbeddedOptions::default()
-                },
-                kafka: kafka_brokers.map(|brokers| ebb::queue::kafka::KafkaOptions {
-                    brokers,
-                    topic: kafka_topic,
-                    partitions: kafka_partitions,
-                    visibility_timeout_ms,
-                    max_out: max_queued,
-                    ..ebb::queue::kafka::KafkaOptions::default()
-                }),
-                kubernetes: (orchestrator == Backend::Kubernetes).then(|| {
-                    ebb::orchestrator::kube::KubeOptions {
-                        functions_namespace: functions_namespace
-                            .or_else(|| namespace.clone())
-                            .unwrap_or_else(|| pod_namespace.clone()),
-                        namespace,
-                        sync_interval_ms: kube_sync_ms,
-                        instance: pod_name,
-                        api_qps: kube_qps,
-                        api_burst: kube_qps.saturating_mul(2),
-                        shared: ebb::orchestrator::kube::SharedScaling {
-                            options: ebb::orchestrator::kube::SharedScaling::timing(
-                                kube_touch_ms,
-                                kube_lease_ms,
-                                kube_max_skew_ms,
-                            ),
-                            lease_namespace: pod_namespace,
-                            gate: downscale_gate,
+        } => {
+            if let Some(seed) = balance_seed {
+                ebb::discovery::set_seed(seed);
+            }
+            serve(
+                ebb::serve::ServeOptions {
+                    data_dir: dir.clone(),
+                    config,
+                    listen,
+                    admin_listen,
+                    admin_token,
+                    runner_token,
+                    api_token,
+                    runner_capacity,
+                    cleaner_helm,
+                    dns_server,
+                    calls: ebb::calls::CallOptions {
+                        runner_lease_ms,
+                        retention_ms: call_retention_ms,
+                        forget_every_ms: call_retention_ms.clamp(1, 60_000),
+                        ..ebb::calls::CallOptions::default()
+                    },
+                    functions: ebb::functions::Autoscale {
+                        period_ms: fn_period_ms,
+                        decay: fn_counter_decay,
+                        cap: fn_counter_cap,
+                        target_per_instance: fn_target_per_instance,
+                        zero_after_ms: fn_zero_after_ms,
+                    },
+                    queue: ebb::queue::embedded::EmbeddedOptions {
+                        visibility_timeout_ms,
+                        max_messages: max_queued,
+                        ..ebb::queue::embedded::EmbeddedOptions::default()
+                    },
+                    kafka: kafka_brokers.map(|brokers| ebb::queue::kafka::KafkaOptions {
+                        brokers,
+                        topic: kafka_topic,
+                        partitions: kafka_partitions,
+                        visibility_timeout_ms,
+                        max_out: max_queued,
+                        ..ebb::queue::kafka::KafkaOptions::default()
+                    }),
+                    kubernetes: (orchestrator == Backend::Kubernetes).then(|| {
+                        ebb::orchestrator::kube::KubeOptions {
+                            functions_namespace: functions_namespace
+                                .or_else(|| namespace.clone())
+                                .unwrap_or_else(|| pod_namespace.clone()),
+                            namespace,
+                            sync_interval_ms: kube_sync_ms,
+                            instance: pod_name,
+                            api_qps: kube_qps,
+                            api_burst: kube_qps.saturating_mul(2),
+                            shared: ebb::orchestrator::kube::SharedScaling {
+                                options: ebb::orchestrator::kube::SharedScaling::timing(
+                                    kube_touch_ms,
+                                    kube_lease_ms,
+                                    kube_max_skew_ms,
+                                ),
+                                lease_namespace: pod_namespace,
+                                gate: downscale_gate,
+                                ..Default::default()
+                            },
                             ..Default::default()
-                        },
+                        }
+                    }),
+                    replica: replica
+                        .map(|r| {
+                            ebb::functions::check_name("replica", &r)
+                                .map(|()| r)
+                                .map_err(anyhow::Error::msg)
+                        })
+                        .transpose()?,
+                    peers: peers.iter().map(|p| parse_peer(p)).collect::<Result<_>>()?,
+                    peer_service,
+                    proxy_threads: proxy_threads.unwrap_or_else(|| {
+                        std::thread::available_parallelism().map_or(2, |n| n.get())
+                    }),
+                    runtime: ebb::proxy::runtime::RuntimeOptions {
+                        flush_interval_ms,
                         ..Default::default()
-                    }
-                }),
-                replica: replica
-                    .map(|r| {
-                        ebb::functions::check_name("replica", &r)
-                            .map(|()| r)
-                            .map_err(anyhow::Error::msg)
-                    })
-                    .transpose()?,
-                peers: peers.iter().map(|p| parse_peer(p)).collect::<Result<_>>()?,
-                peer_service,
-                proxy_threads: proxy_threads
-                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())),
-                runtime: ebb::proxy::runtime::RuntimeOptions {
-                    flush_interval_ms,
-                    ..Default::default()
+                    },
                 },
-            },
-            durability,
-        ),
+                durability,
+            )
+        }
         Command::Log(cmd) => log_command(&dir, cmd),
         Command::Replay { until, at, json } => replay(&dir, until, at, json),
         Command::Explain { kind, id, json } => explain(&dir, kind, &id, json),
