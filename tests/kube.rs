@@ -1487,11 +1487,26 @@ async fn two_replicas_on_kafka_decide_each_call_once_through_its_owner() {
 /// Reads a functions API watch from `ebb` (`query` after `watch=true`) until a line has `kind`
 /// for template `name`; returns that line's object.
 async fn watch_sees(ebb: &common::Ebb, query: &str, kind: &str, name: &str) -> serde_json::Value {
+    watch_sees_where(ebb, query, kind, name, |_| true).await
+}
+
+/// [`watch_sees`] for an object `wanted` accepts: the events before it (a status written by the
+/// lease holder meanwhile, say) are passed over.
+async fn watch_sees_where(
+    ebb: &common::Ebb,
+    query: &str,
+    kind: &str,
+    name: &str,
+    wanted: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
     let mut watch = common::FuncWatch::open(ebb.admin, FN_TOKEN, query).await;
     let seen = async {
         loop {
             let line = watch.next().await;
-            if line["type"] == kind && line["object"]["metadata"]["name"] == name {
+            if line["type"] == kind
+                && line["object"]["metadata"]["name"] == name
+                && wanted(&line["object"])
+            {
                 return line["object"].clone();
             }
         }
@@ -1565,7 +1580,9 @@ async fn templates_are_func_resources_that_every_replica_follows() {
         .to_owned();
     let from_list = format!("&resourceVersion={from}");
     let (changed, put) = tokio::join!(
-        watch_sees(&e1, &from_list, "MODIFIED", "shout"),
+        watch_sees_where(&e1, &from_list, "MODIFIED", "shout", |o| {
+            o["spec"]["function"] == "lower"
+        }),
         fn_api(
             &e0,
             "PUT",
