@@ -255,20 +255,12 @@ pub async fn run(
             composite = composite.with(Arc::new(k8s::Endpoints::new(k.client())));
         }
         for m in &config.meta {
-            for r in &m.routes {
-                for d in &r.destinations {
-                    if let crate::discovery::meta::Source::Service(id) = &d.source
-                        && id.scheme() != "ebb"
-                        && crate::discovery::meta::fixed_addr(id).is_none()
-                        && !composite.supports(id)
-                    {
-                        anyhow::bail!(
-                            "service {}: destination {id}: nothing resolves {:?} here (k8s:// needs --orchestrator kubernetes)",
-                            m.id,
-                            id.scheme()
-                        );
-                    }
-                }
+            if let Some(id) = m.discovered().find(|id| !composite.supports(id)) {
+                anyhow::bail!(
+                    "service {}: destination {id}: nothing resolves {:?} here (k8s:// needs --orchestrator kubernetes)",
+                    m.id,
+                    id.scheme()
+                );
             }
         }
         Some(Arc::new(crate::discovery::Cache::new(Arc::new(composite))))

@@ -17,6 +17,7 @@ use hyper_util::rt::TokioExecutor;
 mod common;
 
 use common::controlplane::wait_until;
+use common::http::{Http, client, send};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -37,12 +38,6 @@ impl App {
     fn pid(&self) -> String {
         self.child.id().to_string()
     }
-}
-
-type Http = Client<HttpConnector, Full<Bytes>>;
-
-fn client() -> Http {
-    Client::builder(TokioExecutor::new()).build_http()
 }
 
 /// Starts `ebb example-app` with `args` and waits until it answers.
@@ -72,48 +67,6 @@ async fn healthy(c: &Http, addr: SocketAddr) {
             .then_some(())
     })
     .await;
-}
-
-struct Answer {
-    status: u16,
-    headers: hyper::HeaderMap,
-    body: String,
-}
-
-async fn send(
-    c: &Http,
-    proxy: SocketAddr,
-    method: &str,
-    host: &str,
-    target: &str,
-    headers: &[(&str, &str)],
-) -> Answer {
-    let mut req = hyper::Request::builder()
-        .method(method)
-        .uri(format!("http://{proxy}{target}"))
-        .header("host", host);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let resp = c
-        .request(req.body(Full::new(Bytes::new())).unwrap())
-        .await
-        .expect("the proxy answers");
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    Answer {
-        status,
-        headers,
-        body: String::from_utf8_lossy(&body).into_owned(),
-    }
-}
-
-fn header<'a>(a: &'a Answer, name: &str) -> &'a str {
-    a.headers
-        .get(name)
-        .map(|v| v.to_str().unwrap())
-        .unwrap_or_default()
 }
 
 fn start(dir: &Path, config: &str) -> common::Ebb {
@@ -186,14 +139,14 @@ destinations = [{{ addresses = ["{a}"], weight = 3 }}, {{ addresses = ["{b}"], w
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(header(&r, "x-echo-path"), "/canary/books/12?x=1");
-    assert_eq!(header(&r, "x-echo-pid"), b.pid());
-    assert_eq!(header(&r, "x-served-by"), "canary");
+    assert_eq!(r.header("x-echo-path"), "/canary/books/12?x=1");
+    assert_eq!(r.header("x-echo-pid"), b.pid());
+    assert_eq!(r.header("x-served-by"), "canary");
     // Without the header: the next route, through a discovered `http://IP:port` destination.
     let r = send(&c, p, "GET", "shop.localhost", "/api/books", &[]).await;
-    assert_eq!(header(&r, "x-echo-path"), "/v1/books");
-    assert_eq!(header(&r, "x-echo-pid"), a.pid());
-    assert_eq!(header(&r, "x-served-by"), "");
+    assert_eq!(r.header("x-echo-path"), "/v1/books");
+    assert_eq!(r.header("x-echo-pid"), a.pid());
+    assert_eq!(r.header("x-served-by"), "");
     // Request header changes: set, added and removed, as the app received them.
     let r = send(
         &c,
@@ -217,7 +170,7 @@ destinations = [{{ addresses = ["{a}"], weight = 3 }}, {{ addresses = ["{b}"], w
     );
     // Routing on the authority (a wildcard domain of the service).
     let r = send(&c, p, "GET", "eu.shop.localhost", "/anything", &[]).await;
-    assert_eq!(header(&r, "x-echo-pid"), b.pid());
+    assert_eq!(r.header("x-echo-pid"), b.pid());
     // On the method, to one of ebb's own workloads (`ebb://demo`: its ready replicas; woken
     // through its own route first, as a destination does not wake it).
     assert_eq!(
@@ -232,7 +185,7 @@ destinations = [{{ addresses = ["{a}"], weight = 3 }}, {{ addresses = ["{b}"], w
     })
     .await;
     let r = send(&c, p, "POST", "shop.localhost", "/demo/x", &[]).await;
-    let pid = header(&r, "x-echo-pid");
+    let pid = r.header("x-echo-pid");
     assert!(!pid.is_empty() && pid != a.pid() && pid != b.pid(), "{pid}");
     // No route matches: a clear 404.
     let r = send(&c, p, "DELETE", "shop.localhost", "/nothing", &[]).await;
@@ -243,7 +196,7 @@ destinations = [{{ addresses = ["{a}"], weight = 3 }}, {{ addresses = ["{b}"], w
     let mut to_a = 0;
     for _ in 0..400 {
         let r = send(&c, p, "GET", "shop.localhost", "/split", &[]).await;
-        if header(&r, "x-echo-pid") == a.pid() {
+        if r.header("x-echo-pid") == a.pid() {
             to_a += 1;
         }
     }
@@ -276,7 +229,7 @@ async fn spread(
                 *counts
                     .lock()
                     .unwrap()
-                    .entry(header(&r, "x-echo-pid").to_owned())
+                    .entry(r.header("x-echo-pid").to_owned())
                     .or_insert(0) += 1;
             }
         }));
@@ -445,7 +398,7 @@ async fn dns_destinations_follow_their_records_ttl_and_old_instances_drain() {
     let p = ebb.proxy;
     let r = send(&c, p, "GET", "shop.localhost", "/x", &[]).await;
     assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(header(&r, "x-echo-pid"), a.pid());
+    assert_eq!(r.header("x-echo-pid"), a.pid());
     // A request under way on the old address when the record changes: its body is still being
     // sent (the app echoes it as it comes), its answer's head already back from the old address.
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(4);
@@ -469,13 +422,13 @@ async fn dns_destinations_follow_their_records_ttl_and_old_instances_drain() {
     // Within the record's TTL (and the cache's refresh), requests go to the new address.
     wait_until("the new address is used", DEADLINE, || async {
         let r = send(&c, p, "GET", "shop.localhost", "/x", &[]).await;
-        (header(&r, "x-echo-pid") == b.pid()).then_some(())
+        (r.header("x-echo-pid") == b.pid()).then_some(())
     })
     .await;
     for _ in 0..20 {
         let r = send(&c, p, "GET", "shop.localhost", "/x", &[]).await;
         assert_eq!(
-            header(&r, "x-echo-pid"),
+            r.header("x-echo-pid"),
             b.pid(),
             "no new request for the old address"
         );
@@ -491,7 +444,7 @@ async fn dns_destinations_follow_their_records_ttl_and_old_instances_drain() {
     wait_until("both addresses serve", DEADLINE, || async {
         let r = send(&c, p, "GET", "shop.localhost", "/x", &[]).await;
         let mut seen = seen.lock().unwrap();
-        seen.insert(header(&r, "x-echo-pid").to_owned());
+        seen.insert(r.header("x-echo-pid").to_owned());
         (seen.len() == 2).then_some(())
     })
     .await;

@@ -43,35 +43,10 @@ fn start(dir: &Path, config: &Path) -> Ebb {
     common::serve(&dir.join("data"), Some(config), None)
 }
 
-fn client() -> Client<HttpConnector, Full<Bytes>> {
-    Client::builder(TokioExecutor::new()).build_http()
-}
+use common::http::{Answer, client};
 
-struct Answer {
-    status: u16,
-    headers: hyper::HeaderMap,
-    body: String,
-}
-
-async fn get(
-    c: &Client<HttpConnector, Full<Bytes>>,
-    proxy: SocketAddr,
-    host: &str,
-    path: &str,
-) -> Answer {
-    let req = hyper::Request::get(format!("http://{proxy}{path}"))
-        .header("host", host)
-        .body(Full::new(Bytes::new()))
-        .unwrap();
-    let resp = c.request(req).await.expect("the proxy answers");
-    let status = resp.status().as_u16();
-    let headers = resp.headers().clone();
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    Answer {
-        status,
-        headers,
-        body: String::from_utf8_lossy(&body).into_owned(),
-    }
+async fn get(c: &common::http::Http, proxy: SocketAddr, host: &str, path: &str) -> Answer {
+    common::http::send(c, proxy, "GET", host, path, &[]).await
 }
 
 fn alive(pid: u32) -> bool {

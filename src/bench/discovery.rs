@@ -15,7 +15,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -147,55 +147,8 @@ async fn get_body(proxy: SocketAddr, host: &str, path: &str) -> Result<String> {
     Ok(String::from_utf8_lossy(&body).into_owned())
 }
 
-/// `ebb serve` with a config, stopped when dropped.
-struct Serve {
-    child: std::process::Child,
-    proxy: SocketAddr,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve(config: &str) -> Result<Serve> {
-    use std::io::BufRead;
-    let dir = tempfile::Builder::new()
-        .prefix("ebb-bench-discovery-")
-        .tempdir()?;
-    let path = dir.path().join("ebb.toml");
-    std::fs::write(&path, config)?;
-    let mut child = std::process::Command::new(std::env::current_exe()?)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .arg("--config")
-        .arg(&path)
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
-        .env("EBB_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .context("starting ebb serve")?;
-    let mut lines = std::io::BufReader::new(child.stdout.take().context("stdout")?).lines();
-    let line = lines.next().context("ebb serve ended")??;
-    let proxy = line
-        .strip_prefix("ebb proxy listening on http://")
-        .context("ebb serve did not print its proxy address")?
-        .parse()?;
-    std::thread::spawn(move || for _ in lines {});
-    Ok(Serve {
-        child,
-        proxy,
-        _dir: dir,
-    })
+fn serve(config: &str) -> Result<super::ServeChild> {
+    super::serve_child(&[], Some(config))
 }
 
 /// Latencies (ms) of every request sent to `host` by `connections` loops for `seconds`.

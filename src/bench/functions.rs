@@ -3,12 +3,10 @@
 //! three-step chain (clients invoking with `?wait` in a loop), and the time from `POST` to the
 //! result for a warm function, one invocation at a time.
 
-use std::io::BufRead;
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -33,57 +31,10 @@ pub struct FunctionsBenchArgs {
     pub samples: usize,
 }
 
-struct Serve {
-    child: Child,
-    admin: SocketAddr,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.child.wait();
-    }
-}
+use super::ServeChild as Serve;
 
 fn serve() -> Result<Serve> {
-    let dir = tempfile::Builder::new().prefix("ebb-bench-fn-").tempdir()?;
-    let mut child = Command::new(std::env::current_exe()?)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--api-token",
-            TOKEN,
-            "--runner-capacity",
-            "256",
-            "--data-dir",
-        ])
-        .arg(dir.path().join("data"))
-        .env("EBB_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .context("starting ebb serve")?;
-    let mut lines = std::io::BufReader::new(child.stdout.take().context("stdout")?).lines();
-    let mut admin = None;
-    for _ in 0..2 {
-        let line = lines.next().context("ebb serve ended")??;
-        if let Some(a) = line.strip_prefix("ebb admin listening on http://") {
-            admin = Some(a.parse()?);
-        }
-    }
-    let admin = admin.context("ebb serve did not print its admin address")?;
-    Ok(Serve {
-        child,
-        admin,
-        _dir: dir,
-    })
+    super::serve_child(&["--api-token", TOKEN, "--runner-capacity", "256"], None)
 }
 
 async fn post(

@@ -404,6 +404,71 @@ async fn paced_once(
     Ok((sw.elapsed(), ok))
 }
 
+/// `ebb serve` run by a benchmark as a child process on loopback ports of its choosing, its data
+/// in a directory of its own; stopped with SIGTERM when dropped.
+pub(crate) struct ServeChild {
+    child: std::process::Child,
+    /// Where its proxy listens.
+    pub proxy: std::net::SocketAddr,
+    /// Where its admin API listens.
+    pub admin: std::net::SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for ServeChild {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `ebb serve` with `args` and, when given, an `ebb.toml` of `config`; returns once it has
+/// printed its addresses.
+pub(crate) fn serve_child(args: &[&str], config: Option<&str>) -> Result<ServeChild> {
+    use std::io::BufRead;
+    let dir = tempfile::Builder::new().prefix("ebb-bench-").tempdir()?;
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args([
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ])
+    .args(args)
+    .arg("--data-dir")
+    .arg(dir.path().join("data"))
+    .env("EBB_LOG", "warn")
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::inherit());
+    if let Some(text) = config {
+        let path = dir.path().join("ebb.toml");
+        std::fs::write(&path, text)?;
+        cmd.arg("--config").arg(path);
+    }
+    let mut child = cmd.spawn().context("starting ebb serve")?;
+    let mut lines = std::io::BufReader::new(child.stdout.take().context("stdout")?).lines();
+    let mut addr = |what: &str| -> Result<std::net::SocketAddr> {
+        let line = lines.next().context("ebb serve ended")??;
+        Ok(line
+            .strip_prefix(&format!("ebb {what} listening on http://"))
+            .with_context(|| format!("ebb serve printed {line:?}, not its {what} address"))?
+            .parse()?)
+    };
+    let proxy = addr("proxy")?;
+    let admin = addr("admin")?;
+    std::thread::spawn(move || for _ in lines {});
+    Ok(ServeChild {
+        child,
+        proxy,
+        admin,
+        _dir: dir,
+    })
+}
+
 /// Starts `ebb example-app` with `args` directly on a free port and polls `/health` every `poll`
 /// until it answers 200 (for at most 30 s); returns the child, its address and the time from
 /// spawn to ready.

@@ -214,7 +214,7 @@ fn below(rng: &mut impl RngCore, n: usize) -> usize {
 }
 
 /// A uniform float in `[0, 1)`.
-fn unit(rng: &mut impl RngCore) -> f64 {
+pub fn unit(rng: &mut impl RngCore) -> f64 {
     (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
@@ -238,8 +238,10 @@ impl Edf {
 
 #[derive(Debug)]
 enum Kind {
-    /// Random and the power-of-choices balancers: nothing kept.
-    Stateless,
+    /// Uniformly at random: nothing kept.
+    Random,
+    /// A power-of-choices balancer (least request, min load, peak EWMA): nothing kept.
+    Choices(Balancer),
     RoundRobin(AtomicUsize),
     /// Weighted random: the running sums of the weights.
     Prefix(Vec<u64>),
@@ -308,8 +310,9 @@ impl<T: HasInstance> Picker<T> {
                 Kind::Edf(Mutex::new(edf))
             }
             Balancer::ConsistentHash => Kind::Maglev(maglev(&items)),
-            Balancer::Random | Balancer::LeastRequest | Balancer::MinLoad | Balancer::PeakEwma => {
-                Kind::Stateless
+            Balancer::Random => Kind::Random,
+            b @ (Balancer::LeastRequest | Balancer::MinLoad | Balancer::PeakEwma) => {
+                Kind::Choices(b)
             }
         };
         let slow_until_us = if policy.slow_start_ms == 0 {
@@ -416,8 +419,8 @@ impl<T: HasInstance> Picker<T> {
             usable(it) && !(any_ejected && it.instance().ejected(now))
         };
         let slow = now < self.slow_until_us;
-        match (&self.kind, self.policy.balancer) {
-            (Kind::RoundRobin(next), _) => {
+        match &self.kind {
+            Kind::RoundRobin(next) => {
                 for _ in 0..n {
                     let i = next.fetch_add(1, Ordering::Relaxed) % n;
                     if ok(i) && (!slow || unit(rng) < self.slow_start_factor(i, now)) {
@@ -426,7 +429,7 @@ impl<T: HasInstance> Picker<T> {
                 }
                 self.scan(rng, &ok)
             }
-            (Kind::Prefix(sums), _) => {
+            Kind::Prefix(sums) => {
                 for _ in 0..RESAMPLES {
                     let i = if slow {
                         self.draw_weighted_now(rng, now)
@@ -441,7 +444,7 @@ impl<T: HasInstance> Picker<T> {
                 }
                 self.scan(rng, &ok)
             }
-            (Kind::Edf(edf), _) => {
+            Kind::Edf(edf) => {
                 let mut edf = edf.lock().expect("edf lock");
                 let mut skipped: Vec<usize> = Vec::new();
                 let mut got = None;
@@ -463,7 +466,7 @@ impl<T: HasInstance> Picker<T> {
                 }
                 got
             }
-            (Kind::Maglev(table), _) => {
+            Kind::Maglev(table) => {
                 let Some(key) = at.key else {
                     return self.random(rng, &ok, slow, now);
                 };
@@ -477,8 +480,8 @@ impl<T: HasInstance> Picker<T> {
                 }
                 self.scan(rng, &ok)
             }
-            (Kind::Stateless, Balancer::Random) => self.random(rng, &ok, slow, now),
-            (Kind::Stateless, b) => self.choices(b, rng, &ok, now),
+            Kind::Random => self.random(rng, &ok, slow, now),
+            Kind::Choices(b) => self.choices(*b, rng, &ok, now),
         }
     }
 

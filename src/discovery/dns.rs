@@ -69,9 +69,8 @@ impl Dns {
         };
         let host = id.host().ok_or_else(|| format!("{id}: no host"))?;
         let port = id.port().unwrap_or(default_port);
-        let bare = host.trim_start_matches('[').trim_end_matches(']');
-        if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
-            return Ok((vec![SocketAddr::new(ip, port)], MAX_REFRESH));
+        if let Some(addr) = literal(id) {
+            return Ok((vec![addr], MAX_REFRESH));
         }
         // Fully qualified: no search domains appended.
         let name = if host.ends_with('.') {
@@ -98,6 +97,15 @@ impl Dns {
         addrs.dedup();
         Ok((addrs, ttl))
     }
+}
+
+/// The one instance of an id of DNS's schemes whose host is an IP address (`http://10.0.0.7`,
+/// `ws://[::1]:8080`; the scheme's port when unsaid): nothing to ask a name server.
+pub fn literal(id: &ServiceId) -> Option<SocketAddr> {
+    let &(_, default_port) = SCHEMES.iter().find(|(s, _)| *s == id.scheme())?;
+    let host = id.host()?.trim_start_matches('[').trim_end_matches(']');
+    let ip: std::net::IpAddr = host.parse().ok()?;
+    Some(SocketAddr::new(ip, id.port().unwrap_or(default_port)))
 }
 
 fn schemes() -> String {

@@ -307,13 +307,6 @@ pub enum Source {
     Service(ServiceId),
 }
 
-/// The one instance of an `http://IP[:port]` or `ws://IP[:port]` id (port 80 when unsaid).
-pub fn fixed_addr(id: &ServiceId) -> Option<SocketAddr> {
-    let host = id.host()?.trim_start_matches('[').trim_end_matches(']');
-    let ip: std::net::IpAddr = host.parse().ok()?;
-    Some(SocketAddr::new(ip, id.port().unwrap_or(80)))
-}
-
 /// A checked destination.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Destination {
@@ -323,6 +316,37 @@ pub struct Destination {
     pub weight: u32,
     /// The policy its instances are picked by.
     pub policy: Policy,
+}
+
+impl Destination {
+    /// Its instances when they are fixed: its addresses, or the one of an `http://IP:port` id.
+    pub fn fixed(&self) -> Option<Vec<SocketAddr>> {
+        match &self.source {
+            Source::Addresses(a) => Some(a.clone()),
+            Source::Service(id) => super::dns::literal(id).map(|a| vec![a]),
+        }
+    }
+
+    /// The id discovery resolves for it (a DNS name, `k8s://`, `k8s-env://`): not fixed
+    /// addresses, not an IP address, not one of ebb's own workloads.
+    pub fn discovered(&self) -> Option<&ServiceId> {
+        match &self.source {
+            Source::Service(id) if id.scheme() != "ebb" && super::dns::literal(id).is_none() => {
+                Some(id)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl MetaService {
+    /// The ids discovery resolves for its destinations.
+    pub fn discovered(&self) -> impl Iterator<Item = &ServiceId> {
+        self.routes
+            .iter()
+            .flat_map(|r| &r.destinations)
+            .filter_map(Destination::discovered)
+    }
 }
 
 /// A checked header change list, names in lower case.

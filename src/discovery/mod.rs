@@ -187,11 +187,6 @@ impl std::fmt::Debug for Cache {
 }
 
 impl Cache {
-    /// Whether its source resolves `id`'s scheme.
-    pub fn supports(&self, id: &ServiceId) -> bool {
-        self.source.schemes().contains(&id.scheme())
-    }
-
     /// A cache over `source`.
     pub fn new(source: Arc<dyn Discovery>) -> Cache {
         Cache {

@@ -139,6 +139,62 @@ impl Backends {
 /// A replica list with its route's traffic policy.
 pub type Ready = Picker<Arc<Replica>>;
 
+impl Backends {
+    /// The replicas at `addrs` under `policy`, each opened at most `max_connecting` at a time.
+    pub fn ready(
+        &self,
+        policy: &crate::discovery::Policy,
+        addrs: &[SocketAddr],
+        max_connecting: u32,
+    ) -> Arc<Ready> {
+        let replicas = addrs
+            .iter()
+            .map(|a| self.replica(*a, max_connecting, policy.default_rtt_ms))
+            .collect();
+        Arc::new(discovery::with_rng(|rng| Ready::new(policy, replicas, rng)))
+    }
+}
+
+/// A replica list as last read, with the version of what it was read from (an orchestrator's
+/// change counter, a discovery generation). Read again with the same replicas, it keeps its
+/// picker, and with it a schedule's place.
+#[derive(Debug)]
+pub struct ReadyCache(std::sync::RwLock<(u64, Arc<Ready>)>);
+
+impl ReadyCache {
+    /// A list read at `version`.
+    pub fn new(version: u64, ready: Arc<Ready>) -> ReadyCache {
+        ReadyCache(std::sync::RwLock::new((version, ready)))
+    }
+
+    /// The list if it was read at `version`.
+    pub fn at(&self, version: u64) -> Option<Arc<Ready>> {
+        let g = self.0.read().expect("ready lock");
+        (g.0 == version).then(|| g.1.clone())
+    }
+
+    /// The list read at `version`: `addrs` under `policy`.
+    pub fn set(
+        &self,
+        version: u64,
+        addrs: &[SocketAddr],
+        policy: &crate::discovery::Policy,
+        max_connecting: u32,
+        backends: &Backends,
+    ) -> Arc<Ready> {
+        {
+            let mut g = self.0.write().expect("ready lock");
+            if g.1.items().iter().map(|r| r.addr).eq(addrs.iter().copied()) {
+                g.0 = version;
+                return g.1.clone();
+            }
+        }
+        let ready = backends.ready(policy, addrs, max_connecting);
+        *self.0.write().expect("ready lock") = (version, ready.clone());
+        ready
+    }
+}
+
 impl HasInstance for Replica {
     fn instance(&self) -> &Instance {
         &self.inst

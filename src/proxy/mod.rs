@@ -698,8 +698,7 @@ impl Proxy {
         };
         let route = &service.meta.routes[ri];
         let di = crate::discovery::with_rng(|rng| {
-            use rand::RngCore;
-            route.destination((rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
+            route.destination(crate::discovery::balance::unit(rng))
         });
         let dest = &route.destinations[di];
         let replayable = !parts.headers.contains_key(header::TRANSFER_ENCODING)
@@ -797,7 +796,7 @@ impl Proxy {
                 .map(|o| o.ready)
                 .unwrap_or_default();
         }
-        crate::discovery::meta::fixed_addr(id).into_iter().collect()
+        crate::discovery::dns::literal(id).into_iter().collect()
     }
 
     /// A slot on a ready replica other than `avoid` ([`backends::take_slot`]). While there is

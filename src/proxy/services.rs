@@ -7,17 +7,17 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
-use super::backends::{Backends, Group, Ready};
-use crate::discovery::meta::{MetaService, Source, fixed_addr};
-use crate::discovery::{self};
+use super::backends::{Backends, Group, Ready, ReadyCache};
+use crate::discovery::meta::{MetaService, Source};
 use crate::discovery::{Cache, Watched};
+use crate::event::DEFAULT_MAX_CONNECTING;
 
 /// One destination's instances, with the version of what they were read from.
 #[derive(Debug)]
 pub struct Destination {
-    ready: RwLock<(u64, Arc<Ready>)>,
+    ready: ReadyCache,
     /// A destination resolved by discovery (DNS, Kubernetes): its shared, watched service.
     watched: Option<Arc<Watched>>,
 }
@@ -91,30 +91,26 @@ fn destination(
     backends: &Backends,
     cache: Option<&Cache>,
 ) -> Destination {
-    let fixed: Option<Vec<SocketAddr>> = match &d.source {
-        Source::Addresses(a) => Some(a.clone()),
-        Source::Service(id) => fixed_addr(id).map(|a| vec![a]),
-    };
-    let watched = match (&d.source, &fixed, cache) {
-        (Source::Service(id), None, Some(c)) if id.scheme() != "ebb" => match c.get(id) {
+    let fixed = d.fixed();
+    let watched = d
+        .discovered()
+        .zip(cache)
+        .and_then(|(id, c)| match c.get(id) {
             Ok(e) => Some(e),
             Err(e) => {
                 tracing::warn!(error = %e, "destination not resolved");
                 None
             }
-        },
-        _ => None,
-    };
-    let replicas = fixed
-        .iter()
-        .flatten()
-        .map(|a| backends.replica(*a, 4, d.policy.default_rtt_ms))
-        .collect();
-    let ready = discovery::with_rng(|rng| Ready::new(&d.policy, replicas, rng));
+        });
+    let ready = backends.ready(
+        &d.policy,
+        fixed.as_deref().unwrap_or_default(),
+        DEFAULT_MAX_CONNECTING,
+    );
     // Fixed addresses never change: version 0 is always current.
     let version = if fixed.is_some() { 0 } else { u64::MAX };
     Destination {
-        ready: RwLock::new((version, Arc::new(ready))),
+        ready: ReadyCache::new(version, ready),
         watched,
     }
 }
@@ -134,12 +130,15 @@ impl ServiceEntry {
         d: usize,
         version: u64,
         backends: &Backends,
-        resolve: impl FnOnce(&discovery::ServiceId) -> Vec<SocketAddr>,
+        resolve: impl FnOnce(&crate::discovery::ServiceId) -> Vec<SocketAddr>,
     ) -> Arc<Ready> {
         let dest = &self.dests[r][d];
         let spec = &self.meta.routes[r].destinations[d];
         let Source::Service(id) = &spec.source else {
-            return dest.ready.read().expect("ready lock").1.clone();
+            return dest
+                .ready
+                .at(0)
+                .expect("fixed addresses are read at version 0");
         };
         let version = match (&dest.watched, id.scheme()) {
             (Some(e), _) => e.generation(),
@@ -147,29 +146,19 @@ impl ServiceEntry {
             // A fixed `http://IP:port`.
             (None, _) => 0,
         };
-        {
-            let g = dest.ready.read().expect("ready lock");
-            if g.0 == version {
-                return g.1.clone();
-            }
+        if let Some(ready) = dest.ready.at(version) {
+            return ready;
         }
         let addrs = match &dest.watched {
             Some(e) => e.get().addrs,
             None => resolve(id),
         };
-        let mut g = dest.ready.write().expect("ready lock");
-        if g.1.items().iter().map(|r| r.addr).eq(addrs.iter().copied()) {
-            g.0 = version;
-            return g.1.clone();
-        }
-        let replicas = addrs
-            .iter()
-            .map(|a| backends.replica(*a, 4, spec.policy.default_rtt_ms))
-            .collect();
-        let ready = Arc::new(discovery::with_rng(|rng| {
-            Ready::new(&spec.policy, replicas, rng)
-        }));
-        *g = (version, ready.clone());
-        ready
+        dest.ready.set(
+            version,
+            &addrs,
+            &spec.policy,
+            DEFAULT_MAX_CONNECTING,
+            backends,
+        )
     }
 }

@@ -8,9 +8,9 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
-use super::backends::{Backends, Group, Ready};
+use super::backends::{Backends, Group, Ready, ReadyCache};
 use super::traffic::{RouteTraffic, Traffic};
 use crate::event::RouteSpec;
 use crate::state::State;
@@ -27,37 +27,20 @@ pub struct Entry {
     pub group: Arc<Group>,
     /// Ready replicas under the route's traffic policy, with the orchestrator version they were
     /// read at.
-    ready: RwLock<(u64, Arc<Ready>)>,
+    ready: ReadyCache,
 }
 
 impl Entry {
     /// The cached ready list if it was read at `version`.
     pub fn ready_at(&self, version: u64) -> Option<Arc<Ready>> {
-        let g = self.ready.read().expect("ready lock");
-        (g.0 == version).then(|| g.1.clone())
+        self.ready.at(version)
     }
 
-    /// Caches the ready list read at `version` (the same replicas as before keep their picker,
-    /// and with it a schedule's place).
+    /// Caches the ready list read at `version`.
     pub fn set_ready(&self, version: u64, ready: &[SocketAddr], backends: &Backends) -> Arc<Ready> {
-        {
-            let mut g = self.ready.write().expect("ready lock");
-            if g.1.items().iter().map(|r| r.addr).eq(ready.iter().copied()) {
-                g.0 = version;
-                return g.1.clone();
-            }
-        }
         let max = self.spec.max_connecting();
-        let rtt = self.spec.policy.default_rtt_ms;
-        let replicas = ready
-            .iter()
-            .map(|a| backends.replica(*a, max, rtt))
-            .collect();
-        let ready = Arc::new(crate::discovery::with_rng(|rng| {
-            Ready::new(&self.spec.policy, replicas, rng)
-        }));
-        *self.ready.write().expect("ready lock") = (version, ready.clone());
-        ready
+        self.ready
+            .set(version, ready, &self.spec.policy, max, backends)
     }
 }
 
@@ -79,12 +62,7 @@ impl Table {
                 traffic: traffic.route(&r.spec.name),
                 group: backends.group(&r.spec.deployment),
                 // u64::MAX never matches an orchestrator version: read on first use.
-                ready: RwLock::new((
-                    u64::MAX,
-                    Arc::new(crate::discovery::with_rng(|rng| {
-                        Ready::new(&r.spec.policy, Vec::new(), rng)
-                    })),
-                )),
+                ready: ReadyCache::new(u64::MAX, backends.ready(&r.spec.policy, &[], 0)),
             });
             for d in &r.spec.domains {
                 domains.insert(d.to_ascii_lowercase(), entry.clone());

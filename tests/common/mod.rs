@@ -3,6 +3,7 @@
 
 pub mod controlplane;
 pub mod ebbkube;
+pub mod http;
 pub mod kafka;
 pub mod node;
 

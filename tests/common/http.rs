@@ -1,0 +1,64 @@
+//! An HTTP client for the tests, and one exchange through it, answer read whole.
+
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// The tests' client.
+pub type Http = Client<HttpConnector, Full<Bytes>>;
+
+/// A client with a connection pool of its own.
+pub fn client() -> Http {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// An answer, read whole.
+pub struct Answer {
+    pub status: u16,
+    pub headers: hyper::HeaderMap,
+    pub body: String,
+}
+
+impl Answer {
+    /// A header's value ("" when absent).
+    pub fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+    }
+}
+
+/// `method target` sent to `to` with `Host: host` and `headers`, no body.
+pub async fn send(
+    c: &Http,
+    to: SocketAddr,
+    method: &str,
+    host: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+) -> Answer {
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(format!("http://{to}{target}"))
+        .header("host", host);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = c
+        .request(req.body(Full::new(Bytes::new())).unwrap())
+        .await
+        .expect("an answer");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    Answer {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
