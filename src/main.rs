@@ -174,12 +174,14 @@ enum Command {
         /// forward what concerns them here. On Kubernetes, the StatefulSet pod's name.
         #[arg(long, env = "EBB_REPLICA")]
         replica: Option<String>,
-        /// Another replica's base URL (its admin listener), as NAME=URL; repeat for each. On
-        /// Kubernetes without it, replicas are found through --peer-service.
+        /// Another replica's admin listener, as NAME=ID (a service id: `http://HOST:PORT`, a DNS
+        /// name, `k8s://...`); repeat for each. On Kubernetes without it, replicas are found
+        /// through --peer-service.
         #[arg(long = "peer", env = "EBB_PEERS", value_delimiter = ',')]
         peers: Vec<String>,
-        /// On Kubernetes: the headless Service whose endpoints are ebb's replicas (in ebb's own
-        /// namespace; their `admin` port).
+        /// On Kubernetes: the headless Service whose endpoints are ebb's replicas: a name in ebb's
+        /// own namespace, on the port of this replica's admin listener, or
+        /// `k8s://SERVICE.NAMESPACE[:PORT]`. Replica NAME is its endpoint of hostname NAME.
         #[arg(long, default_value = "ebb-headless")]
         peer_service: String,
         /// Test hook: before each scale-down write, create `held` in this directory and wait
@@ -189,7 +191,9 @@ enum Command {
     },
     /// Run calls from a remote ebb: dequeue, start, execute through ebb's proxy, finish.
     Runner {
-        /// The ebb API (its admin listener), e.g. http://127.0.0.1:8081.
+        /// The ebb API (its admin listener) as a service id: http://127.0.0.1:8081, a DNS name
+        /// of every replica, k8s://ebb.NAMESPACE:8081. The runner keeps to one replica while it
+        /// is there (consistent hashing on --id).
         #[arg(long, env = "EBB_API")]
         api: String,
         /// The runner token.
@@ -406,16 +410,19 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
     b.enable_all().build().context("starting the async runtime")
 }
 
-/// `--peer NAME=URL`: a replica name and an `http://` base URL.
-fn parse_peer(p: &str) -> Result<(String, String)> {
-    let (name, url) = p
+/// `--peer NAME=ID`: a replica name and its service id (`http://HOST:PORT`, `HOST:PORT`, a
+/// `k8s://` id).
+fn parse_peer(p: &str) -> Result<(String, ebb::discovery::ServiceId)> {
+    let (name, id) = p
         .split_once('=')
-        .with_context(|| format!("--peer {p:?}: give NAME=URL, e.g. ebb-1=http://10.0.0.2:8081"))?;
+        .with_context(|| format!("--peer {p:?}: give NAME=ID, e.g. ebb-1=http://10.0.0.2:8081"))?;
     ebb::functions::check_name("replica", name).map_err(anyhow::Error::msg)?;
-    if !url.starts_with("http://") || url.len() <= "http://".len() {
-        anyhow::bail!("--peer {p:?}: the URL must be http://HOST:PORT");
+    let id = ebb::discovery::ServiceId::parse_address(id)
+        .map_err(|e| anyhow::anyhow!("--peer {p:?}: {e}"))?;
+    if matches!(id.scheme(), "https" | "ws" | "wss") {
+        anyhow::bail!("--peer {p:?}: replicas speak plain HTTP to each other (http://HOST:PORT)");
     }
-    Ok((name.to_owned(), url.trim_end_matches('/').to_owned()))
+    Ok((name.to_owned(), id))
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -766,6 +773,24 @@ fn serve(options: ebb::serve::ServeOptions, durability: Durability) -> Result<()
     Ok(())
 }
 
+/// What `ebb runner` resolves services with: DNS and Kubernetes environment variables, and in a
+/// Kubernetes pod (or with a KUBECONFIG) EndpointSlices too.
+async fn runner_discovery() -> Result<ebb::discovery::Balanced> {
+    use ebb::discovery::{Balanced, Cache, Composite, dns::Dns, k8s};
+    let mut composite = Composite::default()
+        .with(Arc::new(Dns::system_or_literal()))
+        .with(Arc::new(k8s::Env));
+    let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+        || std::env::var_os("KUBECONFIG").is_some();
+    if in_cluster {
+        let client = kube::Client::try_default().await.context(
+            "configuring the Kubernetes client (KUBECONFIG or the pod's service account)",
+        )?;
+        composite = composite.with(Arc::new(k8s::Endpoints::new(client)));
+    }
+    Ok(Balanced::new(Arc::new(Cache::new(Arc::new(composite)))))
+}
+
 /// `ebb runner`: the runner loop against a remote ebb until SIGTERM or Ctrl-C.
 async fn run_runner(
     api: String,
@@ -777,19 +802,26 @@ async fn run_runner(
     fault: Option<ebb::calls::runner::Fault>,
 ) -> Result<()> {
     use ebb::calls::runner::{self, Executor, HttpApi, NoopExecutor, ProxyExecutor, RunnerApi};
-    if !api.starts_with("http://") {
-        bail!("--api must be an http:// URL, got {api:?}");
+    let api_id = ebb::discovery::ServiceId::parse_address(&api)
+        .map_err(|e| anyhow::anyhow!("--api: {e}"))?;
+    if matches!(api_id.scheme(), "https" | "ws" | "wss") {
+        bail!("--api {api:?}: the runner speaks plain HTTP to ebb (http://HOST:PORT, k8s://...)");
     }
     if capacity == 0 {
         bail!("--capacity must be at least 1");
     }
-    let client: Arc<dyn RunnerApi> = Arc::new(HttpApi::new(&api, &token));
+    let balanced = Arc::new(runner_discovery().await?);
+    if let Err(e) = balanced.cache().get(&api_id) {
+        bail!("--api {api:?}: {e}");
+    }
+    let client: Arc<dyn RunnerApi> = Arc::new(HttpApi::new(api_id, &token, balanced.clone()));
     let executor: Arc<dyn Executor> = if noop {
         Arc::new(NoopExecutor)
     } else {
         Arc::new(ProxyExecutor::new(
             proxy,
             ebb::calls::CallOptions::default().max_result_bytes,
+            balanced,
         ))
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);

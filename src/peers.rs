@@ -10,17 +10,17 @@
 //! calls: the answer is 503 with `Retry-After`. An id without an owner (one machine, no
 //! `--replica`) is this replica's.
 //!
-//! The owner is found by name: a static map (`--peer NAME=URL`), or on Kubernetes the headless
-//! Service's EndpointSlices (the endpoint whose hostname, or pod, is the owner; its `admin` port).
+//! The owner is found by name through discovery ([`crate::discovery`]): a static map of service
+//! ids (`--peer NAME=ID`), or on Kubernetes the headless Service's EndpointSlices, watched
+//! (`k8s://NAME.SERVICE.NAMESPACE:PORT`: the endpoint whose hostname, or pod, is the owner).
 //! A forwarded request carries `X-Ebb-Forwarded-By`, and a replica never forwards a request that
 //! carries it (a misdirected one is refused), so forwarding never loops.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::clock::Stopwatch;
+use crate::discovery::{Balanced, Policy, ServiceId};
 
 use axum::http;
 use bytes::Bytes;
@@ -95,121 +95,40 @@ pub enum PeerError {
     Misdirected(String, String),
 }
 
-/// How replicas are found by name.
+/// How replicas are found by name: each replica is a service, resolved and watched through
+/// discovery.
+#[derive(Debug, Clone)]
 pub enum Resolver {
-    /// Fixed base URLs (`http://host:port`) by replica name.
-    Static(HashMap<String, String>),
-    /// The endpoints of a headless Service on Kubernetes: its EndpointSlices in a namespace,
-    /// read when needed and kept for a short while.
-    Kubernetes {
-        client: kube::Client,
-        namespace: String,
-        service: String,
-        /// The port's name on the Service (ebb's admin listener).
-        port: String,
-        cache: Mutex<Option<(Stopwatch, HashMap<String, SocketAddr>)>>,
-    },
+    /// A service id by replica name (`--peer NAME=ID`: `http://host:port`, a DNS name, a
+    /// `k8s://` id).
+    Static(HashMap<String, ServiceId>),
+    /// The endpoints of a headless Service (`k8s://SERVICE.NAMESPACE[:PORT]`): replica `NAME` is
+    /// `k8s://NAME.SERVICE.NAMESPACE[:PORT]`, its endpoint whose hostname or pod is `NAME`.
+    Kubernetes(ServiceId),
 }
 
-/// How long a reading of the headless Service's endpoints is used.
-const ENDPOINTS_TTL: Duration = Duration::from_secs(2);
-
-/// How long a forwarded request may take, connection included.
-const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
-
 impl Resolver {
-    /// The base URL of replica `name`.
-    async fn base(&self, name: &str, fresh: bool) -> Result<String, PeerError> {
+    /// The service of replica `name` (a replica name, checked).
+    fn id(&self, name: &str) -> Result<ServiceId, PeerError> {
         match self {
             Resolver::Static(map) => map
                 .get(name)
                 .cloned()
                 .ok_or_else(|| PeerError::Unknown(name.to_owned())),
-            Resolver::Kubernetes {
-                client,
-                namespace,
-                service,
-                port,
-                cache,
-            } => {
-                let cached = cache
-                    .lock()
-                    .expect("peers cache")
-                    .as_ref()
-                    .and_then(|(at, m)| {
-                        (!fresh && at.elapsed() < ENDPOINTS_TTL).then(|| m.get(name).copied())
-                    });
-                let addr = match cached {
-                    Some(a) => a,
-                    None => {
-                        let map =
-                            endpoints(client, namespace, service, port)
-                                .await
-                                .map_err(|e| {
-                                    PeerError::Unavailable(
-                                        name.to_owned(),
-                                        format!("reading the Service {service}'s endpoints: {e}"),
-                                    )
-                                })?;
-                        let a = map.get(name).copied();
-                        *cache.lock().expect("peers cache") = Some((Stopwatch::start(), map));
-                        a
-                    }
-                };
-                addr.map(|a| format!("http://{a}")).ok_or_else(|| {
-                    PeerError::Unavailable(
-                        name.to_owned(),
-                        format!("the Service {service} has no endpoint for it"),
-                    )
-                })
+            Resolver::Kubernetes(service) => {
+                ServiceId::parse(&format!("k8s://{name}.{}", service.authority()))
+                    .map_err(|e| PeerError::Unknown(format!("{name} ({e})")))
             }
         }
     }
 }
 
-/// The addresses of a headless Service's endpoints by hostname (and by pod name), on the port
-/// named `port`.
-async fn endpoints(
-    client: &kube::Client,
-    namespace: &str,
-    service: &str,
-    port: &str,
-) -> Result<HashMap<String, SocketAddr>, kube::Error> {
-    use k8s_openapi::api::discovery::v1::EndpointSlice;
-    let api: kube::Api<EndpointSlice> = kube::Api::namespaced(client.clone(), namespace);
-    let lp =
-        kube::api::ListParams::default().labels(&format!("kubernetes.io/service-name={service}"));
-    let mut out = HashMap::new();
-    for slice in api.list(&lp).await?.items {
-        let Some(p) = slice
-            .ports
-            .iter()
-            .flatten()
-            .find(|p| p.name.as_deref() == Some(port))
-            .and_then(|p| p.port)
-        else {
-            continue;
-        };
-        for e in slice.endpoints.iter().flatten() {
-            let Some(ip) = e
-                .addresses
-                .first()
-                .and_then(|a| a.parse::<std::net::IpAddr>().ok())
-            else {
-                continue;
-            };
-            let addr = SocketAddr::new(ip, p as u16);
-            let names = e
-                .hostname
-                .iter()
-                .chain(e.target_ref.as_ref().and_then(|t| t.name.as_ref()));
-            for n in names {
-                out.insert(n.clone(), addr);
-            }
-        }
-    }
-    Ok(out)
-}
+/// How long a forwarded request may take, connection included.
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a replica's service may take to resolve the first time, and how long a failed
+/// connection waits for its instances to change (the owner moved) before it is tried again.
+const RESOLVE_WAIT: Duration = Duration::from_secs(2);
 
 /// An answer from a peer.
 #[derive(Debug, Clone)]
@@ -223,6 +142,8 @@ pub struct PeerAnswer {
 pub struct Peers {
     me: Option<String>,
     resolver: Resolver,
+    balanced: Arc<Balanced>,
+    policy: Policy,
     client: Client<HttpConnector, Full<Bytes>>,
 }
 
@@ -233,8 +154,9 @@ impl std::fmt::Debug for Peers {
 }
 
 impl Peers {
-    /// This replica (`me`, `None` on one machine) and how to find the others.
-    pub fn new(me: Option<String>, resolver: Resolver) -> Self {
+    /// This replica (`me`, `None` on one machine) and how to find the others: `resolver`
+    /// names their services, `balanced` resolves them (its cache resolves the schemes they use).
+    pub fn new(me: Option<String>, resolver: Resolver, balanced: Arc<Balanced>) -> Self {
         let mut http = HttpConnector::new();
         http.set_connect_timeout(Some(Duration::from_secs(1)));
         http.set_nodelay(true);
@@ -244,13 +166,20 @@ impl Peers {
         Self {
             me,
             resolver,
+            balanced,
+            policy: Policy::default(),
             client,
         }
     }
 
     /// One replica alone: every id is its own.
     pub fn alone() -> Self {
-        Self::new(None, Resolver::Static(HashMap::new()))
+        Self::with_static(None, HashMap::new())
+    }
+
+    /// Replica `me` with the others at fixed service ids, resolved by DNS.
+    pub fn with_static(me: Option<String>, others: HashMap<String, ServiceId>) -> Self {
+        Self::new(me, Resolver::Static(others), Arc::new(Balanced::dns_only()))
     }
 
     /// This replica's name.
@@ -282,20 +211,32 @@ impl Peers {
         headers: &[(http::HeaderName, http::HeaderValue)],
         body: Bytes,
     ) -> Result<PeerAnswer, PeerError> {
-        let mut last = None;
-        // A failure to connect reads the endpoints again once (the owner may have moved).
-        for fresh in [false, true] {
-            let base = self.resolver.base(owner, fresh).await?;
+        let id = self.resolver.id(owner)?;
+        let unavailable = |e: String| PeerError::Unavailable(owner.to_owned(), e);
+        let watched = self
+            .balanced
+            .cache()
+            .get(&id)
+            .map_err(|e| unavailable(e.to_string()))?;
+        let mut last = String::new();
+        // A failed connection is tried again once the owner's instances changed (it moved).
+        for attempt in 0..2 {
+            let generation = watched.generation();
+            let chosen = self
+                .balanced
+                .pick(&id, &self.policy, None, RESOLVE_WAIT)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?;
             let mut req = http::Request::builder()
                 .method(method.clone())
-                .uri(format!("{base}{path_and_query}"));
+                .uri(format!("http://{}{path_and_query}", chosen.addr()));
             for (k, v) in headers {
                 req = req.header(k, v);
             }
             req = req.header(FORWARDED_BY, self.me().unwrap_or(""));
             let req = req
                 .body(Full::new(body.clone()))
-                .map_err(|e| PeerError::Unavailable(owner.to_owned(), e.to_string()))?;
+                .map_err(|e| unavailable(e.to_string()))?;
             let answer = tokio::time::timeout(FORWARD_TIMEOUT, async {
                 let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
                 let status = resp.status().as_u16();
@@ -318,23 +259,33 @@ impl Peers {
             })
             .await;
             match answer {
-                Ok(Ok(a)) => return Ok(a),
-                Ok(Err(e)) => last = Some(e),
+                Ok(Ok(a)) => {
+                    chosen.answered(a.status >= 500);
+                    return Ok(a);
+                }
+                Ok(Err(e)) => {
+                    chosen.failed();
+                    last = e;
+                }
                 Err(_) => {
-                    return Err(PeerError::Unavailable(
-                        owner.to_owned(),
-                        format!("no answer in {} s", FORWARD_TIMEOUT.as_secs()),
-                    ));
+                    chosen.failed();
+                    return Err(unavailable(format!(
+                        "no answer in {} s",
+                        FORWARD_TIMEOUT.as_secs()
+                    )));
                 }
             }
-            if matches!(self.resolver, Resolver::Static(_)) {
+            let mut changes = watched.changes();
+            let moved = tokio::time::timeout(
+                RESOLVE_WAIT,
+                changes.wait_for(|r| r.generation != generation),
+            )
+            .await;
+            if attempt > 0 || !matches!(moved, Ok(Ok(_))) {
                 break;
             }
         }
-        Err(PeerError::Unavailable(
-            owner.to_owned(),
-            last.unwrap_or_default(),
-        ))
+        Err(unavailable(last))
     }
 
     /// Sends a JSON body to `owner` and decodes its JSON answer; a non-2xx answer is returned
@@ -396,7 +347,7 @@ mod tests {
         ] {
             assert!(parse_id(bad).is_err(), "{bad}");
         }
-        let me = Peers::new(Some("ebb-0".into()), Resolver::Static(HashMap::new()));
+        let me = Peers::with_static(Some("ebb-0".into()), HashMap::new());
         assert_eq!(me.other_owner(&id), Some("ebb-1"));
         assert_eq!(me.other_owner(&qualify(Some("ebb-0"), u)), None);
         assert_eq!(me.other_owner(u), None);

@@ -66,10 +66,34 @@ pub struct ServeOptions {
     /// This replica's name, which the ids of the calls and instances it accepts carry (`None`:
     /// one ebb alone, bare UUIDs).
     pub replica: Option<String>,
-    /// Other replicas' base URLs by name (`--peer NAME=URL`).
-    pub peers: Vec<(String, String)>,
-    /// On Kubernetes without `peers`: the headless Service whose endpoints are the replicas.
+    /// Other replicas' services by name (`--peer NAME=ID`).
+    pub peers: Vec<(String, crate::discovery::ServiceId)>,
+    /// On Kubernetes without `peers`: the headless Service whose endpoints are the replicas (a
+    /// name in ebb's namespace, or `k8s://SERVICE.NAMESPACE[:PORT]`).
     pub peer_service: String,
+}
+
+/// The headless Service of the replicas as a service id: `k8s://SERVICE.NAMESPACE[:PORT]` as
+/// given, or a bare name in `namespace` on `port` (the replicas of a StatefulSet listen alike).
+fn peer_service(
+    text: &str,
+    namespace: &str,
+    port: u16,
+) -> anyhow::Result<crate::discovery::ServiceId> {
+    let id = if text.contains("://") {
+        text.to_owned()
+    } else {
+        format!("k8s://{text}.{namespace}:{port}")
+    };
+    let id = crate::discovery::ServiceId::parse(&id)
+        .map_err(|e| anyhow::anyhow!("--peer-service: {e}"))?;
+    if id.scheme() != "k8s" || id.host().is_some_and(|h| h.split('.').count() != 2) {
+        anyhow::bail!(
+            "--peer-service {text:?}: give a Service name or k8s://SERVICE.NAMESPACE[:PORT]"
+        );
+    }
+    crate::discovery::k8s::check(&id).map_err(|e| anyhow::anyhow!("--peer-service: {e}"))?;
+    Ok(id)
 }
 
 /// Routes from the config file that differ from the log's, as events.
@@ -153,19 +177,6 @@ pub async fn run(
             (None, Some(KubeOrchestrator::new(client, k.clone())))
         }
     };
-    let peers = Arc::new(crate::peers::Peers::new(
-        options.replica.clone(),
-        match (&kube, &options.kubernetes) {
-            (Some(k), Some(ko)) if options.peers.is_empty() => crate::peers::Resolver::Kubernetes {
-                client: k.client(),
-                namespace: ko.shared.lease_namespace.clone(),
-                service: options.peer_service.clone(),
-                port: "admin".into(),
-                cache: Default::default(),
-            },
-            _ => crate::peers::Resolver::Static(options.peers.iter().cloned().collect()),
-        },
-    ));
     let dyn_orch: Arc<dyn Orchestrator> = match (&process, &kube) {
         (Some(p), _) => p.clone(),
         (None, Some(k)) => k.clone(),
@@ -240,12 +251,10 @@ pub async fn run(
         }
     }
 
-    // Discovery for meta services' destinations: DNS and Kubernetes environment variables
-    // everywhere, EndpointSlices on Kubernetes; a destination nothing here resolves is refused
-    // now, not at its first request.
-    let discovery = if config.meta.is_empty() {
-        None
-    } else {
+    // Discovery, for meta services' destinations, functions served elsewhere and the other
+    // replicas: DNS and Kubernetes environment variables everywhere, EndpointSlices on
+    // Kubernetes. A destination nothing here resolves is refused now, not at its first request.
+    let discovery = {
         use crate::discovery::{Composite, dns::Dns, k8s};
         let dns = Dns::new(options.dns_server).map_err(|e| anyhow::anyhow!(e))?;
         let mut composite = Composite::default()
@@ -254,17 +263,42 @@ pub async fn run(
         if let Some(k) = &kube {
             composite = composite.with(Arc::new(k8s::Endpoints::new(k.client())));
         }
+        let unsupported = |what: String, id: &crate::discovery::ServiceId| {
+            anyhow::anyhow!(
+                "{what}: nothing resolves {:?} here (k8s:// needs --orchestrator kubernetes)",
+                id.scheme()
+            )
+        };
         for m in &config.meta {
             if let Some(id) = m.discovered().find(|id| !composite.supports(id)) {
-                anyhow::bail!(
-                    "service {}: destination {id}: nothing resolves {:?} here (k8s:// needs --orchestrator kubernetes)",
-                    m.id,
-                    id.scheme()
-                );
+                return Err(unsupported(
+                    format!("service {}: destination {id}", m.id),
+                    id,
+                ));
             }
         }
-        Some(Arc::new(crate::discovery::Cache::new(Arc::new(composite))))
+        for (name, id) in &options.peers {
+            if !composite.supports(id) {
+                return Err(unsupported(format!("--peer {name}={id}"), id));
+            }
+        }
+        Arc::new(crate::discovery::Cache::new(Arc::new(composite)))
     };
+    let balanced = Arc::new(crate::discovery::Balanced::new(discovery.clone()));
+    let peers = Arc::new(crate::peers::Peers::new(
+        options.replica.clone(),
+        match (&kube, &options.kubernetes) {
+            (Some(_), Some(ko)) if options.peers.is_empty() => {
+                crate::peers::Resolver::Kubernetes(peer_service(
+                    &options.peer_service,
+                    &ko.shared.lease_namespace,
+                    options.admin_listen.port(),
+                )?)
+            }
+            _ => crate::peers::Resolver::Static(options.peers.iter().cloned().collect()),
+        },
+        balanced.clone(),
+    ));
     let traffic = Arc::new(Traffic::default());
     let proxy = Arc::new(Proxy::new(
         log.clone(),
@@ -273,7 +307,7 @@ pub async fn run(
         traffic.clone(),
         ProxyOptions {
             services: config.meta.clone(),
-            discovery,
+            discovery: Some(discovery.clone()),
             ..ProxyOptions::default()
         },
     ));
@@ -469,6 +503,7 @@ pub async fn run(
         let executor = Arc::new(ProxyExecutor::new(
             proxy_addr,
             options.calls.max_result_bytes,
+            balanced.clone(),
         ));
         tokio::spawn(call_runner::run(
             api,

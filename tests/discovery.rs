@@ -17,7 +17,7 @@ use hyper_util::rt::TokioExecutor;
 mod common;
 
 use common::controlplane::wait_until;
-use common::http::{Http, client, send};
+use common::http::{Http, client, send, send_body, send_json};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -448,4 +448,89 @@ async fn dns_destinations_follow_their_records_ttl_and_old_instances_drain() {
         (seen.len() == 2).then_some(())
     })
     .await;
+}
+
+/// A function served at a DNS name (`serviceAddress`) is called on the name's addresses, one
+/// picked per step by the template's traffic policy, and follows the name's records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_function_served_at_a_dns_name_is_called_on_the_addresses_its_policy_picks() {
+    let c = client();
+    // One function server per loopback address, on the same port, each its own function.
+    let port = common::free_port();
+    let spawn = |ip: &str, function: &str| {
+        Command::new(env!("CARGO_BIN_EXE_ebb"))
+            .args(["example-app", "--host", ip, "--port", &port.to_string()])
+            .args(["--function", function])
+            .env_remove("EBB_FUNCTION")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let upper = App {
+        child: spawn("127.0.0.2", "upper"),
+        addr: SocketAddr::from(([127, 0, 0, 2], port)),
+    };
+    let reverse = App {
+        child: spawn("127.0.0.3", "reverse"),
+        addr: SocketAddr::from(([127, 0, 0, 3], port)),
+    };
+    for app in [&upper, &reverse] {
+        healthy(&c, app.addr).await;
+    }
+    let dns = Dnsmasq::start("127.0.0.2 fn.test\n127.0.0.3 fn.test\n");
+    let dir = tempfile::tempdir().unwrap();
+    let dns_server = dns.addr.to_string();
+    let ebb = common::serve_with(
+        &dir.path().join("data"),
+        None,
+        None,
+        &["--dns-server", &dns_server, "--api-token", "t"],
+    );
+    let admin = ebb.admin;
+    let auth = [("authorization", "Bearer t")];
+    let template = serde_json::json!({
+        "name": "spread",
+        "function": "x",
+        "serviceAddress": format!("http://fn.test:{port}"),
+        "trafficPolicy": { "balancer": "round_robin" },
+    });
+    let r = send_json(&c, admin, "POST", "/api/funcs/template", &auth, &template).await;
+    assert_eq!(r.status, 201, "{}", r.body);
+    let invoke = || async {
+        let body = Bytes::from_static(b"abc");
+        let r = send_body(
+            &c,
+            admin,
+            "POST",
+            "x",
+            "/api/funcs/spread?wait=30",
+            &auth,
+            body,
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        v["result"].as_str().unwrap_or_default().to_owned()
+    };
+    // Round robin over both addresses: every other step on each.
+    let mut results = Vec::new();
+    for _ in 0..10 {
+        results.push(invoke().await);
+    }
+    let count = |want: &str| results.iter().filter(|r| *r == want).count();
+    assert_eq!(
+        (count("ABC"), count("cba")),
+        (5, 5),
+        "both addresses, in turn: {results:?}"
+    );
+    // The name moves to one address: steps follow within its TTL (two in a row on the same
+    // address: round robin over both never does that).
+    dns.set("127.0.0.3 fn.test\n");
+    wait_until("only the remaining address is called", DEADLINE, || async {
+        (invoke().await == "cba" && invoke().await == "cba").then_some(())
+    })
+    .await;
+    for _ in 0..10 {
+        assert_eq!(invoke().await, "cba", "no step for the address gone");
+    }
 }

@@ -234,7 +234,9 @@ async fn every_template_rule_and_bad_input_gets_a_clear_error_and_writes_nothing
         with(json!({ "maxInstanceNum": 0 })),
         with(json!({ "command": [] })),
         with(json!({ "left": "Not A Name" })),
-        with(json!({ "serviceAddress": "no-port" })),
+        with(json!({ "serviceAddress": "ftp://files.example" })),
+        with(json!({ "serviceAddress": "k8s://no-namespace" })),
+        with(json!({ "serviceAddress": "fn.example:99999" })),
         with(json!({ "concurrency": 0 })),
         with(json!({ "timeoutMs": 0 })),
     ];

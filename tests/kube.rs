@@ -212,6 +212,56 @@ async fn kubernetes_discovery_follows_pods_becoming_ready_and_terminating() {
     );
     scale(kube.clone(), "hello", 3).await;
     wait_for("three instances", minute, || rx.borrow().addrs.len() == 3).await;
+    // One endpoint by its pod's name, as ebb finds a peer replica.
+    let pods = json(&cp.kubectl(&["get", "pods", "-o", "json"]));
+    let (pod, ip) = pods["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["metadata"]["name"].as_str().unwrap().to_owned(),
+                p["status"]["podIP"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+        .find(|(_, ip)| rx.borrow().addrs.iter().any(|a| a.ip().to_string() == *ip))
+        .expect("a pod behind the Service");
+    let one = Endpoints::new(kube.clone())
+        .watch(&ServiceId::parse(&format!("k8s://{pod}.hello.default:80")).unwrap())
+        .unwrap();
+    wait_for("the one pod's endpoint", minute, || {
+        one.borrow()
+            .addrs
+            .iter()
+            .map(|a| a.ip().to_string())
+            .eq([ip.clone()])
+    })
+    .await;
+    // A replica forwards to a peer so: by name, through the Service's endpoints.
+    let cache = ebb::discovery::Cache::new(std::sync::Arc::new(Endpoints::new(kube.clone())));
+    let peers = ebb::peers::Peers::new(
+        Some("me".into()),
+        ebb::peers::Resolver::Kubernetes(id.clone()),
+        std::sync::Arc::new(ebb::discovery::Balanced::new(std::sync::Arc::new(cache))),
+    );
+    let get = |name: String| {
+        let peers = &peers;
+        async move {
+            peers
+                .send(
+                    &name,
+                    hyper::Method::GET,
+                    "/health",
+                    &[],
+                    Default::default(),
+                )
+                .await
+        }
+    };
+    let answer = get(pod.clone()).await.expect("the pod answers");
+    assert_eq!(answer.status, 200, "{answer:?}");
+    let e = get("nobody".into()).await.unwrap_err();
+    assert!(matches!(e, ebb::peers::PeerError::Unavailable(..)), "{e}");
     scale(kube.clone(), "hello", 1).await;
     wait_for("one instance again", minute, || {
         rx.borrow().addrs.len() == 1

@@ -159,12 +159,13 @@ async fn setup(
         let peers = if replicas > 1 {
             let others = (0..replicas)
                 .filter(|j| *j != i)
-                .map(|j| (names[j].clone(), format!("http://{}", addrs[j])))
+                .map(|j| {
+                    let id = crate::discovery::ServiceId::parse(&format!("http://{}", addrs[j]))
+                        .expect("a socket address is a service id");
+                    (names[j].clone(), id)
+                })
                 .collect();
-            crate::peers::Peers::new(
-                Some(names[i].clone()),
-                crate::peers::Resolver::Static(others),
-            )
+            crate::peers::Peers::with_static(Some(names[i].clone()), others)
         } else {
             crate::peers::Peers::alone()
         };
@@ -210,7 +211,12 @@ async fn setup(
     for i in 0..args.runners {
         let r = &set[i % replicas];
         let client: Arc<dyn RunnerApi> = if over_http {
-            Arc::new(HttpApi::new(&format!("http://{}", r.api), TOKEN))
+            Arc::new(HttpApi::new(
+                crate::discovery::ServiceId::parse(&format!("http://{}", r.api))
+                    .expect("a socket address is a service id"),
+                TOKEN,
+                Arc::new(crate::discovery::Balanced::dns_only()),
+            ))
         } else {
             Arc::new(r.calls.clone())
         };

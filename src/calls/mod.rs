@@ -158,9 +158,12 @@ pub struct Job {
     pub call: CallSpec,
     /// The Host to send it with through the proxy (a domain of the target route).
     pub host: String,
-    /// An address (`host:port`) to send it to directly instead of through the proxy (a function
-    /// served elsewhere: its template's `serviceAddress`).
+    /// The service to send it to directly instead of through the proxy (a function served
+    /// elsewhere: its template's `serviceAddress`, as a service id).
     pub address: Option<String>,
+    /// How the runner picks one of that service's instances (its template's traffic policy;
+    /// `None`: the default).
+    pub policy: Option<crate::discovery::Policy>,
     /// How many times it was handed to a runner.
     pub deliveries: u32,
 }
@@ -1371,15 +1374,19 @@ fn job_of(s: &State, spec: CallSpec, deliveries: u32) -> Job {
         .get(&spec.target)
         .and_then(|r| r.spec.domains.first().cloned())
         .unwrap_or_default();
-    let address = spec
+    let served = spec
         .target
         .strip_prefix("fn-")
         .and_then(|f| s.functions.templates.get(f))
-        .and_then(|t| t.spec.service_address.clone());
+        .and_then(|t| {
+            let id = crate::functions::service_of(t.spec.service_address.as_deref()?).ok()?;
+            Some((id.to_string(), t.spec.policy.as_ref()))
+        });
     Job {
         call: spec,
         host,
-        address,
+        address: served.as_ref().map(|(id, _)| id.clone()),
+        policy: served.and_then(|(_, p)| (!p.is_default()).then(|| p.clone())),
         deliveries,
     }
 }

@@ -19,6 +19,7 @@ use tokio::sync::{Semaphore, mpsc, watch};
 
 use super::wire::{FinishJson, JobJson};
 use super::{Calls, Finish, Job, Load, Started};
+use crate::discovery::{Balanced, Chosen, Policy, ServiceId};
 use crate::event::{CallResult, Outcome};
 
 /// Why a runner API request failed.
@@ -129,41 +130,64 @@ pub fn http_client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(TokioExecutor::new()).build(connector)
 }
 
-/// The runner API over HTTP.
+/// The runner API over HTTP, on one of the ebb replicas a service id resolves to: picked by
+/// consistent hashing on the runner's id, so a runner keeps to one replica while that one is
+/// there and moves when it is gone or keeps failing.
 pub struct HttpApi {
-    base: String,
+    api: ServiceId,
     token: String,
     client: Client<HttpConnector, Full<Bytes>>,
+    balanced: Arc<Balanced>,
+    policy: Policy,
 }
 
 impl HttpApi {
-    /// A client of the API at `base` (`http://host:port`).
-    pub fn new(base: &str, token: &str) -> Self {
+    /// A client of the API at `api` (its admin listener: `http://host:port`, a DNS name of every
+    /// replica, `k8s://ebb.namespace:8081`), resolved through `balanced`.
+    pub fn new(api: ServiceId, token: &str, balanced: Arc<Balanced>) -> Self {
         Self {
-            base: base.trim_end_matches('/').to_owned(),
+            api,
             token: token.to_owned(),
             client: http_client(),
+            balanced,
+            policy: Policy {
+                balancer: crate::discovery::Balancer::ConsistentHash,
+                eject_after_failures: 2,
+                ejection_ms: 10_000,
+                ..Policy::default()
+            },
         }
     }
 
     async fn post(
         &self,
+        runner: &str,
         path: &str,
         body: serde_json::Value,
         load: Load,
     ) -> Result<(u16, Bytes), RunnerError> {
-        let req = hyper::Request::post(format!("{}{path}", self.base))
+        let key = crate::discovery::hash_key(runner.as_bytes());
+        let chosen = self
+            .balanced
+            .pick(&self.api, &self.policy, Some(key), API_RESOLVE_WAIT)
+            .await
+            .map_err(|e| RunnerError::other(format!("{path}: {e}")))?;
+        let req = hyper::Request::post(format!("http://{}{path}", chosen.addr()))
+            .header("host", self.api.authority())
             .header("authorization", format!("Bearer {}", self.token))
             .header("content-type", "application/json")
             .header("x-runner-load", load.to_string())
             .body(Full::new(Bytes::from(body.to_string())))
             .map_err(RunnerError::other)?;
-        let resp = self
-            .client
-            .request(req)
-            .await
-            .map_err(|e| RunnerError::other(format!("{path}: {e}")))?;
+        let resp = match self.client.request(req).await {
+            Ok(r) => r,
+            Err(e) => {
+                chosen.failed();
+                return Err(RunnerError::other(format!("{path}: {e}")));
+            }
+        };
         let status = resp.status().as_u16();
+        chosen.answered(status >= 500);
         let body = resp
             .into_body()
             .collect()
@@ -180,6 +204,9 @@ impl HttpApi {
     }
 }
 
+/// How long the runner API's service may take to resolve the first time.
+const API_RESOLVE_WAIT: Duration = Duration::from_secs(5);
+
 impl RunnerApi for HttpApi {
     fn dequeue(
         &self,
@@ -189,8 +216,9 @@ impl RunnerApi for HttpApi {
         load: Load,
     ) -> RunnerFuture<'_, Vec<Job>> {
         let body = json!({ "runner": runner, "max": max, "wait_ms": wait_ms });
+        let who = runner.to_owned();
         Box::pin(async move {
-            let (status, bytes) = self.post("/runner/dequeue", body, load).await?;
+            let (status, bytes) = self.post(&who, "/runner/dequeue", body, load).await?;
             if status == 204 {
                 return Ok(Vec::new());
             }
@@ -209,8 +237,9 @@ impl RunnerApi for HttpApi {
 
     fn start(&self, runner: &str, ids: Vec<String>, load: Load) -> RunnerFuture<'_, Vec<Started>> {
         let body = json!({ "runner": runner, "ids": ids });
+        let who = runner.to_owned();
         Box::pin(async move {
-            let (_, bytes) = self.post("/runner/start", body, load).await?;
+            let (_, bytes) = self.post(&who, "/runner/start", body, load).await?;
             #[derive(serde::Deserialize)]
             struct Answer {
                 results: Vec<Started>,
@@ -223,8 +252,9 @@ impl RunnerApi for HttpApi {
     fn finish(&self, runner: &str, finishes: Vec<Finish>, load: Load) -> RunnerFuture<'_, ()> {
         let calls: Vec<FinishJson> = finishes.iter().map(FinishJson::of).collect();
         let body = json!({ "runner": runner, "calls": calls });
+        let who = runner.to_owned();
         Box::pin(async move {
-            self.post("/runner/finish", body, load).await?;
+            self.post(&who, "/runner/finish", body, load).await?;
             Ok(())
         })
     }
@@ -237,22 +267,60 @@ pub trait Executor: Send + Sync {
 }
 
 /// Sends a call's request through ebb's proxy (which wakes the target from zero), with the
-/// target route's Host.
+/// target route's Host; or, for a function served elsewhere, to one instance of its service,
+/// picked by its traffic policy.
 pub struct ProxyExecutor {
     proxy: SocketAddr,
     client: Client<HttpConnector, Full<Bytes>>,
     max_result_bytes: usize,
+    balanced: Arc<Balanced>,
 }
 
 impl ProxyExecutor {
-    /// An executor sending to the proxy at `proxy`.
-    pub fn new(proxy: SocketAddr, max_result_bytes: usize) -> Self {
+    /// An executor sending to the proxy at `proxy`, and to the services `balanced` resolves.
+    pub fn new(proxy: SocketAddr, max_result_bytes: usize, balanced: Arc<Balanced>) -> Self {
         Self {
             proxy,
             client: http_client(),
             max_result_bytes,
+            balanced,
         }
     }
+}
+
+/// How long a call waits for its service's first resolution, at most.
+const RESOLVE_WAIT: Duration = Duration::from_secs(5);
+
+/// The instance of `address` (a service id) a job goes to, picked by `policy`.
+async fn pick(
+    balanced: &Balanced,
+    address: &str,
+    policy: Option<&Policy>,
+    payload: &crate::event::Payload,
+    wait: Duration,
+) -> Result<(Chosen, String), String> {
+    let id = ServiceId::parse_address(address).map_err(|e| e.to_string())?;
+    let default = Policy::default();
+    let policy = policy.unwrap_or(&default);
+    let key = policy.hash_on.as_ref().and_then(|h| {
+        crate::discovery::request_key(
+            h,
+            &payload.path,
+            |name| {
+                payload
+                    .headers
+                    .iter()
+                    .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                    .map(|(_, v)| v.as_bytes())
+            },
+            std::net::Ipv4Addr::LOCALHOST.into(),
+        )
+    });
+    let chosen = balanced
+        .pick(&id, policy, key, wait)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((chosen, id.authority().to_owned()))
 }
 
 fn failed(id: String, log: String) -> Finish {
@@ -269,13 +337,27 @@ impl Executor for ProxyExecutor {
         let client = self.client.clone();
         let proxy = self.proxy;
         let max = self.max_result_bytes;
+        let balanced = self.balanced.clone();
         Box::pin(async move {
             let id = job.call.id.clone();
             let p = job.call.payload;
             // Through ebb's proxy by Host, or straight to a function served elsewhere.
-            let (to, host) = match &job.address {
-                Some(a) => (a.clone(), a.clone()),
-                None => (proxy.to_string(), job.host.clone()),
+            let (to, host, chosen) = match &job.address {
+                Some(a) => {
+                    match pick(
+                        &balanced,
+                        a,
+                        job.policy.as_ref(),
+                        &p,
+                        timeout.min(RESOLVE_WAIT),
+                    )
+                    .await
+                    {
+                        Ok((c, host)) => (c.addr().to_string(), host, Some(c)),
+                        Err(e) => return failed(id, format!("no instance to send to: {e}\n")),
+                    }
+                }
+                None => (proxy.to_string(), job.host.clone(), None),
             };
             let mut req = hyper::Request::builder()
                 .method(p.method.as_str())
@@ -289,9 +371,14 @@ impl Executor for ProxyExecutor {
                 Ok(r) => r,
                 Err(e) => return failed(id, format!("bad request: {e}")),
             };
+            // The instance learns how the request ended once its answer's head is in.
+            let mut chosen = chosen;
             let run = async {
                 let resp = client.request(req).await.map_err(|e| e.to_string())?;
                 let status = resp.status().as_u16();
+                if let Some(c) = chosen.take() {
+                    c.answered(status >= 500);
+                }
                 let headers = resp
                     .headers()
                     .iter()
@@ -315,7 +402,13 @@ impl Executor for ProxyExecutor {
                 }
                 Ok::<_, String>((status, headers, bytes, truncated))
             };
-            match tokio::time::timeout(timeout, run).await {
+            let ran = tokio::time::timeout(timeout, run).await;
+            if let Some(c) = chosen
+                && !matches!(ran, Ok(Ok(_)))
+            {
+                c.failed();
+            }
+            match ran {
                 Ok(Ok((status, headers, bytes, truncated))) => Finish {
                     id,
                     outcome: if (200..300).contains(&status) {

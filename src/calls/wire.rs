@@ -123,6 +123,8 @@ pub struct JobJson {
     pub host: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub address: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<crate::discovery::Policy>,
     pub timeout_ms: u64,
     pub deliveries: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -137,6 +139,7 @@ impl JobJson {
             target: job.call.target.clone(),
             host: job.host.clone(),
             address: job.address.clone(),
+            policy: job.policy.clone(),
             timeout_ms: job.call.timeout_ms,
             deliveries: job.deliveries,
             partition: job.call.partition.clone(),
@@ -156,6 +159,7 @@ impl JobJson {
             },
             host: self.host.clone(),
             address: self.address.clone(),
+            policy: self.policy.clone(),
             deliveries: self.deliveries,
         })
     }

@@ -62,6 +62,21 @@ impl Dns {
         Ok(Dns { resolver })
     }
 
+    /// The system's resolver, or when its configuration cannot be read, one that resolves only
+    /// literal addresses (`http://10.0.0.2:8081`), saying why.
+    pub fn system_or_literal() -> Dns {
+        Dns::new(None).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "DNS discovery resolves literal addresses only");
+            let builder = Resolver::builder_with_config(
+                ResolverConfig::from_parts(None, vec![], NameServerConfigGroup::new()),
+                TokioConnectionProvider::default(),
+            );
+            Dns {
+                resolver: builder.build(),
+            }
+        })
+    }
+
     /// The instances of `id` and how long the answer holds.
     pub async fn resolve(&self, id: &ServiceId) -> Result<(Vec<SocketAddr>, Duration), String> {
         let Some(&(_, default_port)) = SCHEMES.iter().find(|(s, _)| *s == id.scheme()) else {

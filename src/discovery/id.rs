@@ -86,6 +86,19 @@ impl ServiceId {
         })
     }
 
+    /// Parses an address where ebb also takes a bare `host:port` (a template's `serviceAddress`,
+    /// `--peer`): text without `://` is the service `http://host:port`.
+    pub fn parse_address(text: &str) -> Result<ServiceId, IdError> {
+        if text.contains("://") {
+            ServiceId::parse(text)
+        } else {
+            ServiceId::parse(&format!("http://{text}")).map_err(|e| IdError {
+                text: text.to_owned(),
+                reason: e.reason,
+            })
+        }
+    }
+
     /// The scheme, lower case.
     pub fn scheme(&self) -> &str {
         &self.scheme
@@ -177,5 +190,16 @@ mod tests {
             let e = ServiceId::parse(text).unwrap_err();
             assert!(e.to_string().contains(says), "{text:?}: {e}");
         }
+    }
+
+    #[test]
+    fn a_bare_address_is_an_http_service() {
+        let a = ServiceId::parse_address("fn.example:8080").unwrap();
+        assert_eq!(a.to_string(), "http://fn.example:8080");
+        let k = ServiceId::parse_address("k8s://fn.prod:80").unwrap();
+        assert_eq!(k.scheme(), "k8s");
+        let e = ServiceId::parse_address("fn.example:99999").unwrap_err();
+        assert_eq!(e.text, "fn.example:99999");
+        assert!(e.reason.contains("invalid port"), "{e}");
     }
 }

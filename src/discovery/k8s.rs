@@ -1,7 +1,9 @@
 //! Kubernetes discovery.
 //!
 //! * [`Endpoints`] resolves `k8s://SERVICE.NAMESPACE[:PORT]` to the Service's endpoints, from its
-//!   EndpointSlices (label `kubernetes.io/service-name`), watched. `PORT` is the Service's port
+//!   EndpointSlices (label `kubernetes.io/service-name`), watched; `k8s://MEMBER.SERVICE.NAMESPACE`
+//!   to the one endpoint whose hostname or pod is `MEMBER`, as cluster DNS names a StatefulSet
+//!   pod behind its headless Service (ebb finds its peer replicas so). `PORT` is the Service's port
 //!   (its only one when unsaid); the endpoints' port is the slice port of the same name, as
 //!   kube-proxy maps them. Which endpoints serve follows KEP-1669: the ready ones; when none is
 //!   ready, the serving ones that are terminating (a rollout's last pods keep answering); an
@@ -45,16 +47,35 @@ impl Endpoints {
     }
 }
 
-/// `SERVICE.NAMESPACE` and the port of a `k8s://` id.
-fn parts(id: &ServiceId) -> Result<(String, String, Option<u16>), String> {
+/// What a `k8s://` id names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Target {
+    /// The endpoint's hostname or pod name, when it names one.
+    member: Option<String>,
+    service: String,
+    namespace: String,
+    port: Option<u16>,
+}
+
+/// The parts of a `k8s://[MEMBER.]SERVICE.NAMESPACE[:PORT]` id.
+fn parts(id: &ServiceId) -> Result<Target, String> {
     let host = id.host().ok_or_else(|| format!("{id}: no host"))?;
-    let (svc, ns) = host
-        .split_once('.')
-        .ok_or_else(|| format!("{id}: expected k8s://SERVICE.NAMESPACE[:PORT]"))?;
-    if svc.is_empty() || ns.is_empty() || ns.contains('.') {
-        return Err(format!("{id}: expected k8s://SERVICE.NAMESPACE[:PORT]"));
+    let labels: Vec<&str> = host.split('.').collect();
+    let bad = || format!("{id}: expected k8s://[MEMBER.]SERVICE.NAMESPACE[:PORT]");
+    if labels.iter().any(|l| l.is_empty()) {
+        return Err(bad());
     }
-    Ok((svc.to_owned(), ns.to_owned(), id.port()))
+    let (member, service, namespace) = match labels[..] {
+        [s, n] => (None, s, n),
+        [m, s, n] => (Some(m.to_owned()), s, n),
+        _ => return Err(bad()),
+    };
+    Ok(Target {
+        member,
+        service: service.to_owned(),
+        namespace: namespace.to_owned(),
+        port: id.port(),
+    })
 }
 
 /// Checks a `k8s://` id's shape (at load).
@@ -70,10 +91,12 @@ pub fn check(id: &ServiceId) -> Result<(), String> {
 type Candidate = (IpAddr, u16, bool, bool, Option<Vec<String>>);
 
 /// The addresses serving, by KEP-1669's rules (and KEP-2433's hints for `zone`), on the slice
-/// port named `port_name` (`None`: the slices' only port).
+/// port named `port_name` (`None`: the slices' only port); with `member`, only the endpoint whose
+/// hostname or pod has that name.
 pub fn serving(
     slices: &[EndpointSlice],
     port_name: Option<&str>,
+    member: Option<&str>,
     zone: Option<&str>,
 ) -> Vec<SocketAddr> {
     let mut all: Vec<Candidate> = Vec::new();
@@ -89,6 +112,14 @@ pub fn serving(
             continue;
         };
         for e in s.endpoints.iter().flatten() {
+            if let Some(m) = member {
+                let named = |n: Option<&String>| n.is_some_and(|n| n == m);
+                if !named(e.hostname.as_ref())
+                    && !named(e.target_ref.as_ref().and_then(|t| t.name.as_ref()))
+                {
+                    continue;
+                }
+            }
             let c = e.conditions.as_ref();
             let ready = c.and_then(|c| c.ready).unwrap_or(true);
             let serving = c.and_then(|c| c.serving).unwrap_or(ready);
@@ -132,12 +163,12 @@ impl Discovery for Endpoints {
     }
 
     fn watch(&self, id: &ServiceId) -> Result<watch::Receiver<Resolved>, String> {
-        let (svc, ns, port) = parts(id)?;
+        let target = parts(id)?;
         let (tx, rx) = watch::channel(Resolved::default());
         let (me, id) = (self.clone(), id.clone());
         tokio::spawn(async move {
             tokio::select! {
-                () = me.follow(&id, &svc, &ns, port, &tx) => {}
+                () = me.follow(&id, &target, &tx) => {}
                 () = tx.closed() => {}
             }
         });
@@ -193,15 +224,9 @@ impl Endpoints {
         }
     }
 
-    async fn follow(
-        &self,
-        id: &ServiceId,
-        svc: &str,
-        ns: &str,
-        port: Option<u16>,
-        tx: &watch::Sender<Resolved>,
-    ) {
-        let port_name = self.port_name(id, svc, ns, port, tx).await;
+    async fn follow(&self, id: &ServiceId, target: &Target, tx: &watch::Sender<Resolved>) {
+        let (svc, ns) = (&target.service, &target.namespace);
+        let port_name = self.port_name(id, svc, ns, target.port, tx).await;
         let slices: Api<EndpointSlice> = Api::namespaced(self.client.clone(), ns);
         let config =
             watcher::Config::default().labels(&format!("kubernetes.io/service-name={svc}"));
@@ -240,7 +265,12 @@ impl Endpoints {
                 publish(
                     tx,
                     id,
-                    serving(&list, port_name.as_deref(), self.zone.as_deref()),
+                    serving(
+                        &list,
+                        port_name.as_deref(),
+                        target.member.as_deref(),
+                        self.zone.as_deref(),
+                    ),
                 );
             }
         }
@@ -366,11 +396,11 @@ mod tests {
             ],
         );
         assert_eq!(
-            addrs(&serving(std::slice::from_ref(&s), Some("http"), None)),
+            addrs(&serving(std::slice::from_ref(&s), Some("http"), None, None)),
             ["10.0.0.1:8080", "10.0.0.3:8080"]
         );
         assert_eq!(
-            addrs(&serving(&[s], Some("admin"), None)),
+            addrs(&serving(&[s], Some("admin"), None, None)),
             ["10.0.0.1:9090", "10.0.0.3:9090"]
         );
         // None ready: the serving terminating ones (a rollout's last pods still answer).
@@ -381,13 +411,46 @@ mod tests {
                 ("10.0.0.4", Some(false), Some(false), Some(true), &[]),
             ],
         );
-        assert_eq!(addrs(&serving(&[s], None, None)), ["10.0.0.2:80"]);
+        assert_eq!(addrs(&serving(&[s], None, None, None)), ["10.0.0.2:80"]);
         // A port the slices do not have: nothing.
         let s = slice(
             &[("http", 80)],
             &[("10.0.0.1", Some(true), None, None, &[])],
         );
-        assert!(serving(&[s], Some("grpc"), None).is_empty());
+        assert!(serving(&[s], Some("grpc"), None, None).is_empty());
+    }
+
+    #[test]
+    fn a_member_names_one_endpoint_by_hostname_or_pod() {
+        let mut s = slice(
+            &[("admin", 8081)],
+            &[
+                ("10.0.0.1", Some(true), None, None, &[]),
+                ("10.0.0.2", Some(true), None, None, &[]),
+                ("10.0.0.3", Some(true), None, None, &[]),
+            ],
+        );
+        let eps = s.endpoints.as_mut().unwrap();
+        eps[0].hostname = Some("ebb-0".into());
+        eps[1].target_ref = Some(k8s_openapi::api::core::v1::ObjectReference {
+            name: Some("ebb-1".into()),
+            ..Default::default()
+        });
+        let one = |m: &str| addrs(&serving(std::slice::from_ref(&s), None, Some(m), None));
+        assert_eq!(one("ebb-0"), ["10.0.0.1:8081"]);
+        assert_eq!(one("ebb-1"), ["10.0.0.2:8081"]);
+        assert!(one("ebb-2").is_empty());
+
+        let id = |t: &str| parts(&ServiceId::parse(t).unwrap());
+        let t = id("k8s://ebb-1.ebb-peers.prod:8081").unwrap();
+        assert_eq!(
+            (t.member.as_deref(), &*t.service, &*t.namespace, t.port),
+            (Some("ebb-1"), "ebb-peers", "prod", Some(8081))
+        );
+        assert_eq!(id("k8s://api.prod").unwrap().member, None);
+        for bad in ["k8s://api", "k8s://a.b.c.d", "k8s://a..b"] {
+            assert!(id(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -400,15 +463,15 @@ mod tests {
             ],
         );
         assert_eq!(
-            addrs(&serving(std::slice::from_ref(&s), None, Some("a"))),
+            addrs(&serving(std::slice::from_ref(&s), None, None, Some("a"))),
             ["10.0.0.1:80"]
         );
         assert_eq!(
-            addrs(&serving(std::slice::from_ref(&s), None, Some("c"))).len(),
+            addrs(&serving(std::slice::from_ref(&s), None, None, Some("c"))).len(),
             2,
             "none for c: all"
         );
-        assert_eq!(addrs(&serving(&[s], None, None)).len(), 2);
+        assert_eq!(addrs(&serving(&[s], None, None, None)).len(), 2);
         let mixed = slice(
             &[("http", 80)],
             &[
@@ -417,7 +480,7 @@ mod tests {
             ],
         );
         assert_eq!(
-            addrs(&serving(&[mixed], None, Some("a"))).len(),
+            addrs(&serving(&[mixed], None, None, Some("a"))).len(),
             2,
             "hints ignored"
         );
@@ -455,7 +518,8 @@ mod tests {
                 .contains("not an IP")
         );
         assert!(check(&id("k8s://shop")).is_err());
-        assert!(check(&id("k8s://a.b.c")).is_err());
+        assert!(check(&id("k8s://a.b.c.d")).is_err());
+        assert!(check(&id("k8s://ebb-1.ebb-peers.prod:8081")).is_ok());
         assert!(check(&id("k8s://api.shop:80")).is_ok());
     }
 }

@@ -18,6 +18,7 @@
 //! the instance.
 
 pub mod balance;
+pub mod client;
 pub mod dns;
 pub mod id;
 pub mod k8s;
@@ -25,6 +26,7 @@ pub mod meta;
 pub mod policy;
 
 pub use balance::{HasInstance, Instance, Outcome, PickAt, Picker, hash_key, parse_load};
+pub use client::{Balanced, Chosen, PickError};
 pub use id::{IdError, ServiceId};
 pub use policy::{Balancer, HashOn, Policy};
 

@@ -216,12 +216,40 @@ pub fn check_chain(state: &State, name: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The schemes a `serviceAddress` may have: the runners send plain HTTP to what they resolve.
+pub const SERVICE_SCHEMES: [&str; 3] = ["http", "k8s", "k8s-env"];
+
+/// A `serviceAddress` as a service id: `host:port`, `http://host[:port]` (DNS, every address
+/// of the name), `k8s://SERVICE.NAMESPACE[:PORT]` (the Service's ready endpoints) or
+/// `k8s-env://NAME`. The runner that sends a call picks one instance by the template's traffic
+/// policy.
+pub fn service_of(address: &str) -> Result<crate::discovery::ServiceId, String> {
+    let id = crate::discovery::ServiceId::parse_address(address)
+        .map_err(|e| format!("serviceAddress: {e}"))?;
+    if !SERVICE_SCHEMES.contains(&id.scheme()) {
+        return Err(format!(
+            "serviceAddress {address:?}: the scheme {:?} is not one of {}",
+            id.scheme(),
+            SERVICE_SCHEMES.join(", ")
+        ));
+    }
+    crate::discovery::k8s::check(&id).map_err(|e| format!("serviceAddress: {e}"))?;
+    Ok(id)
+}
+
 /// Whether this ebb can run a template's steps: it calls its `serviceAddress`, or runs its
 /// server: from its `command` as a local process, or from its `image` on Kubernetes
 /// (`kubernetes`: the backend this ebb runs workloads on).
 pub fn runnable(t: &TemplateSpec, kubernetes: bool) -> Result<(), String> {
-    if t.service_address.is_some() {
-        return Ok(());
+    if let Some(a) = &t.service_address {
+        return match service_of(a) {
+            Ok(id) if id.scheme() == "k8s" && !kubernetes => Err(format!(
+                "function {:?} is served at {id}, and this ebb runs no Kubernetes backend to resolve it",
+                t.name
+            )),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        };
     }
     match (kubernetes, t.image.is_some(), t.command.is_empty()) {
         (true, true, _) | (false, _, false) => Ok(()),
@@ -460,7 +488,8 @@ pub struct TemplateJson {
     /// The function server's image (Kubernetes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
-    /// An external address (`host:port`) instead of a managed workload.
+    /// Where the function is served instead of a managed workload: `host:port` or a service id
+    /// (`http://name:port`, `k8s://service.namespace:port`, `k8s-env://name`), see [`service_of`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_address: Option<String>,
     /// The function that runs next on the `left` branch (the default branch).
@@ -777,13 +806,8 @@ pub fn validate(t: &TemplateSpec) -> Result<(), String> {
     if !how.contains(&true) {
         return Err("a template needs command, image or serviceAddress".into());
     }
-    if let Some(a) = &t.service_address
-        && a.parse::<std::net::SocketAddr>().is_err()
-        && !a
-            .rsplit_once(':')
-            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
-    {
-        return Err(format!("serviceAddress {a:?} is not host:port"));
+    if let Some(a) = &t.service_address {
+        service_of(a)?;
     }
     if let Some(i) = &t.image
         && (i.is_empty()
@@ -1223,10 +1247,17 @@ mod tests {
             ),
             (
                 TemplateJson {
-                    service_address: Some("nowhere".into()),
+                    service_address: Some("ftp://files.example".into()),
                     ..good()
                 },
-                "host:port",
+                "is not one of http, k8s, k8s-env",
+            ),
+            (
+                TemplateJson {
+                    service_address: Some("k8s://no-namespace".into()),
+                    ..good()
+                },
+                "k8s://[MEMBER.]SERVICE.NAMESPACE",
             ),
             (
                 TemplateJson {
@@ -1240,11 +1271,13 @@ mod tests {
             let err = j.clone().into_spec().unwrap_err();
             assert!(err.contains(want), "{j:?}: {err:?} should say {want:?}");
         }
-        let ok = TemplateJson {
-            right: Some("RETURN".into()),
-            service_address: Some("fn.example:8080".into()),
-            ..good()
-        };
-        assert!(ok.into_spec().is_ok());
+        for address in ["fn.example:8080", "http://fn.example", "k8s://fn.prod:80"] {
+            let ok = TemplateJson {
+                right: Some("RETURN".into()),
+                service_address: Some(address.into()),
+                ..good()
+            };
+            assert!(ok.into_spec().is_ok(), "{address}");
+        }
     }
 }

@@ -42,6 +42,34 @@ pub async fn send(
     target: &str,
     headers: &[(&str, &str)],
 ) -> Answer {
+    send_body(c, to, method, host, target, headers, Bytes::new()).await
+}
+
+/// `method target` with a JSON body, sent to `to` (Host: `localhost`).
+pub async fn send_json(
+    c: &Http,
+    to: SocketAddr,
+    method: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+    body: &serde_json::Value,
+) -> Answer {
+    let mut with_type = vec![("content-type", "application/json")];
+    with_type.extend_from_slice(headers);
+    let body = Bytes::from(body.to_string());
+    send_body(c, to, method, "localhost", target, &with_type, body).await
+}
+
+/// `method target` sent to `to` with `Host: host`, `headers` and `body`.
+pub async fn send_body(
+    c: &Http,
+    to: SocketAddr,
+    method: &str,
+    host: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Answer {
     let mut req = hyper::Request::builder()
         .method(method)
         .uri(format!("http://{to}{target}"))
@@ -50,7 +78,7 @@ pub async fn send(
         req = req.header(*k, *v);
     }
     let resp = c
-        .request(req.body(Full::new(Bytes::new())).unwrap())
+        .request(req.body(Full::new(body)).unwrap())
         .await
         .expect("an answer");
     let status = resp.status().as_u16();
