@@ -87,6 +87,7 @@ name = "demo"
 domains = ["demo.localhost"]
 command = ["ebb", "example-app"]
 startup_timeout_ms = 20000
+idle_after_ms = 300
 
 [[service]]
 name = "shop"
@@ -117,6 +118,10 @@ destinations = [{{ addresses = ["{b}"] }}]
 [[service.route]]
 methods = ["POST"]
 path = "/demo/**"
+destinations = [{{ service = "ebb://demo" }}]
+
+[[service.route]]
+path = "/sleep"
 destinations = [{{ service = "ebb://demo" }}]
 
 [[service.route]]
@@ -171,22 +176,16 @@ destinations = [{{ addresses = ["{a}"], weight = 3 }}, {{ addresses = ["{b}"], w
     // Routing on the authority (a wildcard domain of the service).
     let r = send(&c, p, "GET", "eu.shop.localhost", "/anything", &[]).await;
     assert_eq!(r.header("x-echo-pid"), b.pid());
-    // On the method, to one of ebb's own workloads (`ebb://demo`: its ready replicas; woken
-    // through its own route first, as a destination does not wake it).
-    assert_eq!(
-        send(&c, p, "GET", "demo.localhost", "/health", &[])
-            .await
-            .status,
-        200
-    );
-    wait_until("ebb://demo has a ready replica", DEADLINE, || async {
-        let r = send(&c, p, "POST", "shop.localhost", "/demo/x", &[]).await;
-        (r.status == 200).then_some(())
-    })
-    .await;
+    // On the method, to one of ebb's own workloads (`ebb://demo`: its ready replicas), woken
+    // from zero by the first request, held meanwhile.
     let r = send(&c, p, "POST", "shop.localhost", "/demo/x", &[]).await;
-    let pid = r.header("x-echo-pid");
+    assert_eq!(r.status, 200, "{}", r.body);
+    let pid = r.header("x-echo-pid").to_owned();
     assert!(!pid.is_empty() && pid != a.pid() && pid != b.pid(), "{pid}");
+    // Its requests are the app's: one under way for longer than the app's idle time keeps it
+    // up until it is answered.
+    let r = send(&c, p, "GET", "shop.localhost", "/sleep?ms=1500", &[]).await;
+    assert_eq!((r.status, r.body.as_str()), (200, "slept 1500 ms\n"));
     // No route matches: a clear 404.
     let r = send(&c, p, "DELETE", "shop.localhost", "/nothing", &[]).await;
     assert_eq!(r.status, 404);

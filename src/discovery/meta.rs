@@ -40,7 +40,7 @@ use super::id::ServiceId;
 use super::policy::Policy;
 
 /// Schemes a destination's `service` may have: `ebb://app` (the ready replicas of one of ebb's
-/// workloads) and `http://HOST:port` / `ws://HOST:port` (an IP address: one fixed instance; a
+/// workloads, woken by its requests) and `http://HOST:port` / `ws://HOST:port` (an IP address: one fixed instance; a
 /// name: an instance per address DNS gives, refreshed on the records' TTL).
 /// `k8s://SERVICE.NAMESPACE[:PORT]` (the Service's EndpointSlices; on Kubernetes) and
 /// `k8s-env://NAME[:PORT]` (its environment variables) too.
@@ -324,6 +324,14 @@ impl Destination {
         match &self.source {
             Source::Addresses(a) => Some(a.clone()),
             Source::Service(id) => super::dns::literal(id).map(|a| vec![a]),
+        }
+    }
+
+    /// The app of an `ebb://app` destination (one of ebb's own workloads).
+    pub fn app(&self) -> Option<&str> {
+        match &self.source {
+            Source::Service(id) if id.scheme() == "ebb" => Some(id.authority()),
+            _ => None,
         }
     }
 

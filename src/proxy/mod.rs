@@ -417,10 +417,15 @@ impl Proxy {
         }
     }
 
-    /// The route a Host leads to, from the routing table, rebuilt first if the route store has
-    /// changed since it was built. Each thread keeps the table it last used with the log's
-    /// applied seq at that moment: while the log has not moved, no lock is taken.
+    /// The route a Host leads to ([`Proxy::table`]).
     fn route(&self, host: &str) -> Option<Arc<Entry>> {
+        self.table().lookup(host)
+    }
+
+    /// The routing table, rebuilt first if the route store has changed since it was built. Each
+    /// thread keeps the table it last used with the log's applied seq at that moment: while the
+    /// log has not moved, no lock is taken.
+    fn table(&self) -> Arc<Table> {
         thread_local! {
             static CACHED: std::cell::RefCell<Option<(usize, u64, Arc<Table>)>> =
                 const { std::cell::RefCell::new(None) };
@@ -433,7 +438,7 @@ impl Proxy {
                 .filter(|(p, seen, _)| *p == me && *seen == applied)
                 .map(|(_, _, t)| t.clone())
         });
-        let table = match hit {
+        match hit {
             Some(t) => t,
             None => {
                 let seq = self.log.read(|s| s.routes.changed_at_seq);
@@ -449,8 +454,7 @@ impl Proxy {
                 CACHED.with(|c| *c.borrow_mut() = Some((me, applied, table.clone())));
                 table
             }
-        };
-        table.lookup(host)
+        }
     }
 
     /// Serves each listener on a thread of its own with a single-threaded runtime, the way nginx
@@ -720,19 +724,34 @@ impl Proxy {
         };
         let mut body = Some(body.boxed());
         let mut failed: Option<SocketAddr> = None;
-        loop {
+        // An `ebb://app` destination is the app's traffic: counted as its requests (its idle
+        // timer, the downscale's in-flight check), woken from zero and held as they are.
+        let app = dest.app().and_then(|a| self.table().named(a));
+        let mut in_flight = app.as_ref().map(|e| e.traffic.begin(self.clock.now_ms()));
+        let ready = || {
             let version = *self.orch_version.borrow();
-            let ready = service.ready(ri, di, version, &self.backends, |id| self.resolve(id));
-            let Some(slot) = backends::take_slot(&ready, failed, 0, key, &service.group) else {
-                return Refusal::unavailable(
-                    "no_instance",
-                    format!(
-                        "destination {} of {} has no instance to send to",
-                        di + 1,
-                        service.meta.id
-                    ),
-                )
-                .into_response(self.options.retry_after_s);
+            service.ready(ri, di, version, &self.backends, |id| self.resolve(id))
+        };
+        loop {
+            let slot = match &app {
+                Some(entry) => match self.endpoint_on(entry, failed, key, &ready).await {
+                    Ok(slot) => slot,
+                    Err(r) => return r.into_response(self.options.retry_after_s),
+                },
+                None => match backends::take_slot(&ready(), failed, 0, key, &service.group) {
+                    Some(slot) => slot,
+                    None => {
+                        return Refusal::unavailable(
+                            "no_instance",
+                            format!(
+                                "destination {} of {} has no instance to send to",
+                                di + 1,
+                                service.meta.id
+                            ),
+                        )
+                        .into_response(self.options.retry_after_s);
+                    }
+                },
             };
             let addr = slot.addr();
             let out = match to_backend(&parts, body.take().unwrap_or_else(empty), addr, &path) {
@@ -751,7 +770,7 @@ impl Proxy {
                     change_headers(&mut parts.headers, &route.response_headers);
                     let body = Counted {
                         inner: body.boxed(),
-                        _in_flight: None,
+                        _in_flight: in_flight.take(),
                         _slot: slot,
                     };
                     return Response::from_parts(parts, body.boxed());
@@ -760,7 +779,7 @@ impl Proxy {
                     slot.failed();
                     if (e.is_connect() || backend_went_away(&e))
                         && retry_after_miss(BackendMiss::WentAway { replayable }, failed.is_some())
-                        && ready.items().len() > 1
+                        && ready().items().len() > 1
                     {
                         tracing::debug!(service = %service.meta.id, %addr, error = %e, "instance went away; retrying");
                         failed = Some(addr);
@@ -809,8 +828,23 @@ impl Proxy {
         avoid: Option<SocketAddr>,
         key: Option<u64>,
     ) -> Result<Slot, Refusal> {
+        self.endpoint_on(entry, avoid, key, &|| self.ready(entry))
+            .await
+    }
+
+    /// [`Proxy::endpoint`] with the route's replicas as `ready` gives them (a meta service's
+    /// `ebb://app` destination: the app's replicas under the destination's policy).
+    async fn endpoint_on(
+        &self,
+        entry: &Entry,
+        avoid: Option<SocketAddr>,
+        key: Option<u64>,
+        ready: &(dyn Fn() -> Arc<backends::Ready> + Send + Sync),
+    ) -> Result<Slot, Refusal> {
         let route = &entry.spec;
-        if let Some(slot) = self.pick(entry, avoid, key) {
+        let pick = || backends::take_slot(&ready(), avoid, route.concurrency, key, &entry.group);
+        let has_ready = || ready().items().iter().any(|r| Some(r.addr) != avoid);
+        if let Some(slot) = pick() {
             return Ok(slot);
         }
         let Some(_held) = entry.traffic.hold(route.hold_queue_max) else {
@@ -832,7 +866,7 @@ impl Proxy {
                 let freed = entry.group.slot_freed();
                 tokio::pin!(freed);
                 freed.as_mut().enable();
-                if let Some(slot) = self.pick(entry, avoid, key) {
+                if let Some(slot) = pick() {
                     return Ok(slot);
                 }
                 // Wake once; again if the workload was asked down since (a scale-down by another
@@ -844,7 +878,7 @@ impl Proxy {
                         .orch
                         .observe(&route.deployment)
                         .is_some_and(|o| o.desired == 0);
-                if (!woke || asked_down) && !self.has_ready(entry, avoid) {
+                if (!woke || asked_down) && !has_ready() {
                     woke = true;
                     // Single flight: while one held request wakes the workload, the others wait.
                     if let Some(guard) = entry.traffic.begin_wake() {
@@ -877,7 +911,7 @@ impl Proxy {
         match tokio::time::timeout(Duration::from_millis(route.hold_timeout_ms), wait).await {
             Ok(Ok(slot)) => Ok(slot),
             Ok(Err(Some(e))) => Err(Refusal::unavailable("wake_failed", e)),
-            _ if self.has_ready(entry, avoid) => Err(Refusal::unavailable(
+            _ if has_ready() => Err(Refusal::unavailable(
                 "replicas_busy",
                 format!(
                     "every replica of {} serves {} requests already; none was free within {} ms",
@@ -906,20 +940,6 @@ impl Proxy {
             .map(|o| o.ready)
             .unwrap_or_default();
         entry.set_ready(version, &addrs, &self.backends)
-    }
-
-    /// Whether a replica other than `avoid` is ready.
-    fn has_ready(&self, entry: &Entry, avoid: Option<SocketAddr>) -> bool {
-        self.ready(entry)
-            .items()
-            .iter()
-            .any(|r| Some(r.addr) != avoid)
-    }
-
-    /// A slot on the ready replica other than `avoid` that the route's policy picks.
-    fn pick(&self, entry: &Entry, avoid: Option<SocketAddr>, key: Option<u64>) -> Option<Slot> {
-        let ready = self.ready(entry);
-        backends::take_slot(&ready, avoid, entry.spec.concurrency, key, &entry.group)
     }
 }
 

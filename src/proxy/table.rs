@@ -50,12 +50,14 @@ pub struct Table {
     /// `routes.changed_at_seq` of the state it was built from.
     pub seq: u64,
     domains: HashMap<String, Arc<Entry>>,
+    by_name: HashMap<String, Arc<Entry>>,
 }
 
 impl Table {
     /// Builds the table from the route store.
     pub fn build(state: &State, traffic: &Traffic, backends: &Backends) -> Table {
         let mut domains = HashMap::new();
+        let mut by_name = HashMap::new();
         for r in state.routes.by_name.values() {
             let entry = Arc::new(Entry {
                 spec: r.spec.clone(),
@@ -67,11 +69,18 @@ impl Table {
             for d in &r.spec.domains {
                 domains.insert(d.to_ascii_lowercase(), entry.clone());
             }
+            by_name.insert(r.spec.name.clone(), entry);
         }
         Table {
             seq: state.routes.changed_at_seq,
             domains,
+            by_name,
         }
+    }
+
+    /// The route of that name.
+    pub fn named(&self, name: &str) -> Option<Arc<Entry>> {
+        self.by_name.get(name).cloned()
     }
 
     /// The route a Host leads to.
