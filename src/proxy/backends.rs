@@ -29,7 +29,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -209,7 +209,8 @@ pub struct Slot {
     index: usize,
     /// When it was taken, on the pickers' clock.
     started_us: u64,
-    outcome: Mutex<Outcome>,
+    /// How the request ended so far ([`encode`]): an atomic, not a lock, on the hot path.
+    outcome: AtomicU64,
     /// Told when the slot is freed (only when the route bounds its requests per replica: nobody
     /// waits otherwise).
     group: Option<Arc<Group>>,
@@ -233,21 +234,45 @@ impl Slot {
         if let Some(l) = load {
             self.replica().inst.set_load_factor(l);
         }
-        *self.outcome.lock().expect("outcome lock") = Outcome::Answered {
+        let outcome = Outcome::Answered {
             rtt_us,
             failed: status >= 500,
         };
+        self.outcome.store(encode(outcome), Ordering::Relaxed);
     }
 
     /// No answer came: the connection failed or broke.
     pub fn failed(&self) {
-        *self.outcome.lock().expect("outcome lock") = Outcome::Failed;
+        self.outcome
+            .store(encode(Outcome::Failed), Ordering::Relaxed);
+    }
+}
+
+/// An outcome in a word: 0 not a sample, `u64::MAX` failed, else `rtt_us + 1` with bit 62 set
+/// for a server error.
+fn encode(o: Outcome) -> u64 {
+    const RTT: u64 = (1 << 62) - 2;
+    match o {
+        Outcome::Unmeasured => 0,
+        Outcome::Failed => u64::MAX,
+        Outcome::Answered { rtt_us, failed } => ((failed as u64) << 62) | (rtt_us.min(RTT) + 1),
+    }
+}
+
+fn decode(v: u64) -> Outcome {
+    match v {
+        0 => Outcome::Unmeasured,
+        u64::MAX => Outcome::Failed,
+        v => Outcome::Answered {
+            rtt_us: (v & ((1 << 62) - 1)) - 1,
+            failed: v & (1 << 62) != 0,
+        },
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let outcome = *self.outcome.get_mut().expect("outcome lock");
+        let outcome = decode(*self.outcome.get_mut());
         self.ready.report(self.index, outcome, discovery::now_us());
         self.replica().inst.end();
         if let Some(g) = &self.group {
@@ -281,7 +306,7 @@ pub fn take_slot(
                 ready: ready.clone(),
                 index: i,
                 started_us: at.now_us,
-                outcome: Mutex::new(Outcome::Unmeasured),
+                outcome: AtomicU64::new(0),
                 group: (limit > 0).then(|| group.clone()),
             });
         }
@@ -493,6 +518,28 @@ mod tests {
             .map(|i| b.replica(SocketAddr::from(([127, 0, 0, 1], 1000 + i)), 4, 30))
             .collect();
         Arc::new(discovery::with_rng(|rng| Ready::new(policy, replicas, rng)))
+    }
+
+    #[test]
+    fn an_outcome_survives_its_word() {
+        for o in [
+            Outcome::Unmeasured,
+            Outcome::Failed,
+            Outcome::Answered {
+                rtt_us: 0,
+                failed: false,
+            },
+            Outcome::Answered {
+                rtt_us: 1_234,
+                failed: true,
+            },
+            Outcome::Answered {
+                rtt_us: (1 << 62) - 2,
+                failed: true,
+            },
+        ] {
+            assert_eq!(decode(encode(o)), o);
+        }
     }
 
     #[test]
