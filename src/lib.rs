@@ -15,6 +15,7 @@ pub mod event;
 pub mod example_app;
 pub mod functions;
 pub mod log;
+pub mod metrics;
 pub mod mutation;
 pub mod orchestrator;
 pub mod peers;

@@ -184,6 +184,10 @@ enum Command {
         /// `k8s://SERVICE.NAMESPACE[:PORT]`. Replica NAME is its endpoint of hostname NAME.
         #[arg(long, default_value = "ebb-headless")]
         peer_service: String,
+        /// Routes with a `route` label of their own in /metrics, at most; the rest are summed
+        /// under route="_other".
+        #[arg(long, default_value_t = ebb::metrics::DEFAULT_MAX_ROUTES)]
+        metrics_max_routes: usize,
         /// Test hook: before each scale-down write, create `held` in this directory and wait
         /// for `release` there.
         #[arg(long, hide = true, env = "EBB_TEST_DOWNSCALE_GATE")]
@@ -467,6 +471,7 @@ fn run(cli: Cli) -> Result<()> {
             replica,
             peers,
             peer_service,
+            metrics_max_routes,
             downscale_gate,
         } => {
             if let Some(seed) = balance_seed {
@@ -542,6 +547,7 @@ fn run(cli: Cli) -> Result<()> {
                         .transpose()?,
                     peers: peers.iter().map(|p| parse_peer(p)).collect::<Result<_>>()?,
                     peer_service,
+                    metrics_max_routes,
                     proxy_threads: proxy_threads.unwrap_or_else(|| {
                         std::thread::available_parallelism().map_or(2, |n| n.get())
                     }),

@@ -68,6 +68,8 @@ pub struct ServeOptions {
     pub replica: Option<String>,
     /// Other replicas' services by name (`--peer NAME=ID`).
     pub peers: Vec<(String, crate::discovery::ServiceId)>,
+    /// Routes with a `route` label of their own in `/metrics`, at most (the rest are summed).
+    pub metrics_max_routes: usize,
     /// On Kubernetes without `peers`: the headless Service whose endpoints are the replicas (a
     /// name in ebb's namespace, or `k8s://SERVICE.NAMESPACE[:PORT]`).
     pub peer_service: String,
@@ -522,6 +524,13 @@ pub async fn run(
         ))
     });
 
+    let metrics = Arc::new(crate::metrics::Metrics::new(crate::metrics::Sources {
+        log: log.clone(),
+        traffic: traffic.clone(),
+        orchestrator: dyn_orch.clone(),
+        max_routes: options.metrics_max_routes,
+    }));
+    metrics.follow(&log);
     let admin = crate::api::router(crate::api::AppState {
         log: log.clone(),
         orchestrator: Some(dyn_orch.clone()),
@@ -537,6 +546,7 @@ pub async fn run(
             let ready: Arc<dyn Fn() -> bool + Send + Sync> = Arc::new(move || k.synced());
             ready
         }),
+        metrics: Some(metrics),
     });
     let admin_stopped = {
         let mut rx = stop_rx.clone();

@@ -52,6 +52,8 @@ pub struct AppState {
     /// Whether ebb is ready for traffic (`/readyz`): on Kubernetes, once it has listed the
     /// cluster's Services and EndpointSlices. `None`: ready once it answers.
     pub ready: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
+    /// The metrics `/metrics` shows (`None`: not served).
+    pub metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 /// Largest request body ebb's own endpoints read.
@@ -225,6 +227,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .merge(admin::router())
         .merge(runner::router())
         .merge(funcs::router())
@@ -244,6 +247,21 @@ async fn readyz(Extract(app): Extract<AppState>) -> Result<Json<serde_json::Valu
         )),
         _ => Ok(Json(json!({ "status": "ready" }))),
     }
+}
+
+/// The metrics in the OpenMetrics text format (Prometheus reads it).
+async fn metrics(Extract(app): Extract<AppState>) -> Result<axum::response::Response, ApiError> {
+    let Some(m) = &app.metrics else {
+        return Err(ApiError::not_found("this ebb serves no metrics"));
+    };
+    let mut resp = m.encode().into_response();
+    resp.headers_mut().insert(
+        axum::http::header::CONTENT_TYPE,
+        axum::http::HeaderValue::from_static(
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        ),
+    );
+    Ok(resp)
 }
 
 async fn healthz(Extract(app): Extract<AppState>) -> Json<serde_json::Value> {

@@ -185,6 +185,7 @@ async fn setup(
             api_token: None,
             functions: None,
             ready: None,
+            metrics: None,
         });
         use axum::serve::ListenerExt;
         let listener = listener.tap_io(|tcp| {

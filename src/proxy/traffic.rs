@@ -18,6 +18,8 @@ pub struct RouteTraffic {
     in_flight: AtomicU64,
     held: AtomicU32,
     requests: AtomicU64,
+    /// Requests taken by the flusher so far (with `requests`: every request since the start).
+    flushed: AtomicU64,
     last_at_ms: AtomicU64,
     waking: std::sync::atomic::AtomicBool,
 }
@@ -111,17 +113,27 @@ impl RouteTraffic {
         self.last_at_ms.load(Ordering::Relaxed)
     }
 
+    /// Requests held now.
+    pub fn held(&self) -> u32 {
+        self.held.load(Ordering::Acquire)
+    }
+
+    /// Every request since the start (a counter; read without touching the hot path).
+    pub fn served(&self) -> u64 {
+        self.flushed.load(Ordering::Acquire) + self.requests.load(Ordering::Acquire)
+    }
+
     /// Takes the count of requests since the last call, with the newest request time.
     pub fn take_requests(&self) -> (u64, u64) {
-        (
-            self.requests.swap(0, Ordering::AcqRel),
-            self.last_at_ms.load(Ordering::Relaxed),
-        )
+        let n = self.requests.swap(0, Ordering::AcqRel);
+        self.flushed.fetch_add(n, Ordering::AcqRel);
+        (n, self.last_at_ms.load(Ordering::Relaxed))
     }
 
     /// Puts back requests whose flush failed.
     pub fn restore_requests(&self, count: u64) {
         self.requests.fetch_add(count, Ordering::Relaxed);
+        self.flushed.fetch_sub(count, Ordering::AcqRel);
     }
 }
 
@@ -139,8 +151,12 @@ mod tests {
         drop(a);
         assert_eq!(r.in_flight(), 1);
         drop(b);
+        assert_eq!(r.served(), 2);
         assert_eq!(r.take_requests(), (2, 10));
         assert_eq!(r.take_requests(), (0, 10));
+        assert_eq!(r.served(), 2, "flushed requests still count");
+        r.restore_requests(2);
+        assert_eq!(r.served(), 2, "and restored ones once");
         let h1 = r.hold(1);
         assert!(h1.is_some());
         assert!(r.hold(1).is_none(), "the second hold is over the bound");
