@@ -102,15 +102,7 @@ impl std::fmt::Debug for Sources {
 impl Metrics {
     /// The metrics over `sources`.
     pub fn new(sources: Sources) -> Metrics {
-        let decided = Arc::new(Decided {
-            events: Family::default(),
-            scale_decisions: Family::default(),
-            scale_failures: Counter::default(),
-            cold_starts: Counter::default(),
-            // 10 ms to about 164 s.
-            cold_start_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 15)),
-            pending_wakes: Mutex::new(HashMap::new()),
-        });
+        let decided = Arc::new(Decided::new());
         let mut registry = Registry::default();
         registry.register(
             "ebb_events",
@@ -185,6 +177,18 @@ fn reason_name(r: ScaleReason) -> &'static str {
 }
 
 impl Decided {
+    fn new() -> Decided {
+        Decided {
+            events: Family::default(),
+            scale_decisions: Family::default(),
+            scale_failures: Counter::default(),
+            cold_starts: Counter::default(),
+            // 10 ms to about 164 s.
+            cold_start_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 15)),
+            pending_wakes: Mutex::new(HashMap::new()),
+        }
+    }
+
     fn count(&self, env: &Envelope) {
         self.events
             .get_or_create(&EventLabels {
@@ -422,14 +426,7 @@ mod tests {
 
     #[test]
     fn decisions_are_counted_by_type_reason_and_direction_with_cold_start_time() {
-        let d = Decided {
-            events: Family::default(),
-            scale_decisions: Family::default(),
-            scale_failures: Counter::default(),
-            cold_starts: Counter::default(),
-            cold_start_seconds: Histogram::new(exponential_buckets(0.01, 2.0, 15)),
-            pending_wakes: Mutex::new(HashMap::new()),
-        };
+        let d = Decided::new();
         let wake = Event::ScaleRequested {
             deployment: "demo".into(),
             from: 0,

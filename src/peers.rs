@@ -215,8 +215,7 @@ impl Peers {
         let unavailable = |e: String| PeerError::Unavailable(owner.to_owned(), e);
         let watched = self
             .balanced
-            .cache()
-            .get(&id)
+            .watch(&id)
             .map_err(|e| unavailable(e.to_string()))?;
         let mut last = String::new();
         // A failed connection is tried again once the owner's instances changed (it moved).
@@ -224,7 +223,7 @@ impl Peers {
             let generation = watched.generation();
             let chosen = self
                 .balanced
-                .pick(&id, &self.policy, None, RESOLVE_WAIT)
+                .pick_from(&watched, &self.policy, None, RESOLVE_WAIT)
                 .await
                 .map_err(|e| unavailable(e.to_string()))?;
             let mut req = http::Request::builder()

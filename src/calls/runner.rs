@@ -169,7 +169,7 @@ impl HttpApi {
         let key = crate::discovery::hash_key(runner.as_bytes());
         let chosen = self
             .balanced
-            .pick(&self.api, &self.policy, Some(key), API_RESOLVE_WAIT)
+            .pick(&self.api, &self.policy, Some(key), RESOLVE_WAIT)
             .await
             .map_err(|e| RunnerError::other(format!("{path}: {e}")))?;
         let req = hyper::Request::post(format!("http://{}{path}", chosen.addr()))
@@ -203,9 +203,6 @@ impl HttpApi {
         Ok((status, body))
     }
 }
-
-/// How long the runner API's service may take to resolve the first time.
-const API_RESOLVE_WAIT: Duration = Duration::from_secs(5);
 
 impl RunnerApi for HttpApi {
     fn dequeue(
@@ -288,7 +285,7 @@ impl ProxyExecutor {
     }
 }
 
-/// How long a call waits for its service's first resolution, at most.
+/// How long a service (a function's, the runner API's) may take to resolve the first time.
 const RESOLVE_WAIT: Duration = Duration::from_secs(5);
 
 /// The instance of `address` (a service id) a job goes to, picked by `policy`.

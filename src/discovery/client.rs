@@ -9,7 +9,9 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{Cache, Instance, Outcome, PickAt, Picker, Policy, ServiceId, now_us, with_rng};
+use super::{
+    Cache, Instance, Outcome, PickAt, Picker, Policy, ServiceId, Watched, now_us, with_rng,
+};
 use crate::clock::Stopwatch;
 
 /// One service's picker, with the generation it was built at.
@@ -123,12 +125,25 @@ impl Balanced {
         key: Option<u64>,
         wait: Duration,
     ) -> Result<Chosen, PickError> {
-        let watched = self.cache.get(id).map_err(PickError::Unresolvable)?;
-        let resolved = if watched.generation() == 0 {
-            watched.first(wait).await
-        } else {
-            watched.get()
-        };
+        let watched = self.watch(id)?;
+        self.pick_from(&watched, policy, key, wait).await
+    }
+
+    /// `id`'s watched service, shared through the cache.
+    pub fn watch(&self, id: &ServiceId) -> Result<Arc<Watched>, PickError> {
+        self.cache.get(id).map_err(PickError::Unresolvable)
+    }
+
+    /// [`Balanced::pick`] on a service already watched.
+    pub async fn pick_from(
+        &self,
+        watched: &Watched,
+        policy: &Policy,
+        key: Option<u64>,
+        wait: Duration,
+    ) -> Result<Chosen, PickError> {
+        let id = watched.id();
+        let resolved = watched.first(wait).await;
         if resolved.addrs.is_empty() {
             return Err(PickError::NoInstance(match resolved.error {
                 Some(e) => format!("{id}: {e}"),

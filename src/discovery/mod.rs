@@ -160,6 +160,12 @@ impl Watched {
 
     /// Waits (at most `limit`) until it was resolved once, or failed to be.
     pub async fn first(&self, limit: std::time::Duration) -> Resolved {
+        {
+            let now = self.rx.borrow();
+            if now.generation > 0 || now.error.is_some() {
+                return now.clone();
+            }
+        }
         let mut rx = self.rx.clone();
         let _ = tokio::time::timeout(
             limit,
