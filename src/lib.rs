@@ -25,5 +25,6 @@ pub mod scaler;
 pub mod serve;
 pub mod sim;
 pub mod state;
+pub mod story;
 pub mod timing;
 pub mod tools;

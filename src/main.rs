@@ -1114,9 +1114,8 @@ fn explain(dir: &Path, kind: ExplainKind, id: &str, json: bool) -> Result<()> {
     let pb = progress(store.last_seq()?, "scanning");
     let found = tools::explain(&store, kind, id, &mut |seq| pb.set_position(seq))?;
     pb.finish_and_clear();
-    let kind_name = format!("{kind:?}").to_lowercase();
     let Some(ex) = found else {
-        bail!("no {kind_name} {id:?} in the log");
+        bail!("no {} {id:?} in the log", kind.name());
     };
     let mut out = std::io::stdout().lock();
     if json {
@@ -1124,9 +1123,39 @@ fn explain(dir: &Path, kind: ExplainKind, id: &str, json: bool) -> Result<()> {
         writeln!(out)?;
         return Ok(());
     }
-    writeln!(out, "{kind_name} {id}: {} events", ex.events.len())?;
-    for env in &ex.events {
-        print_envelope(&mut out, env, false)?;
+    print_story(&mut out, &ex)?;
+    Ok(())
+}
+
+/// A story for people: a line per event (time, seq, event, what happened and why), the date
+/// whenever it changes, and the object as it stands now.
+fn print_story(out: &mut impl Write, ex: &tools::Explanation) -> Result<()> {
+    writeln!(
+        out,
+        "{} {}: {} (times in UTC)",
+        ex.kind,
+        ex.id,
+        match ex.story.len() {
+            1 => "1 event".to_owned(),
+            n => format!("{n} events"),
+        }
+    )?;
+    let mut day = String::new();
+    for line in &ex.story {
+        let at = chrono::DateTime::from_timestamp_millis(line.at_ms as i64).unwrap_or_default();
+        let today = at.format("%Y-%m-%d").to_string();
+        if today != day {
+            writeln!(out, "{today}")?;
+            day = today;
+        }
+        writeln!(
+            out,
+            "  {}  #{:<6} {:<16} {}",
+            at.format("%H:%M:%S%.3f"),
+            line.seq,
+            line.event,
+            line.text
+        )?;
     }
     writeln!(out, "now: {}", ex.current)?;
     Ok(())

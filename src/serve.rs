@@ -547,6 +547,7 @@ pub async fn run(
             ready
         }),
         metrics: Some(metrics),
+        feed: Arc::new(crate::api::ui::Feed::new(stop_rx.clone())),
     });
     let admin_stopped = {
         let mut rx = stop_rx.clone();

@@ -109,13 +109,39 @@ pub enum ExplainKind {
     Instance,
 }
 
-/// The events that shaped one object, and the object as it stands at the end of the log.
+/// The events that shaped one object, told in words, and the object as it stands at the end of
+/// the log.
 #[derive(Debug, Serialize)]
 pub struct Explanation {
+    /// What was explained (`route`, `call`, ...).
+    pub kind: &'static str,
+    /// Its id.
+    pub id: String,
+    /// Each event in plain words, in log order.
+    pub story: Vec<crate::story::Line>,
     /// The events, in log order.
     pub events: Vec<Envelope>,
     /// The object now, as JSON (null when it no longer exists).
     pub current: serde_json::Value,
+}
+
+impl ExplainKind {
+    /// The kind's name, as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExplainKind::Route => "route",
+            ExplainKind::Deployment => "deployment",
+            ExplainKind::Call => "call",
+            ExplainKind::Cleaner => "cleaner",
+            ExplainKind::Function => "function",
+            ExplainKind::Instance => "instance",
+        }
+    }
+
+    /// The kind named `name`.
+    pub fn parse(name: &str) -> Option<Self> {
+        <Self as clap::ValueEnum>::from_str(name, false).ok()
+    }
 }
 
 fn concerns(kind: ExplainKind, id: &str, deployments: &[String], event: &Event) -> bool {
@@ -142,17 +168,29 @@ fn concerns(kind: ExplainKind, id: &str, deployments: &[String], event: &Event) 
     }
 }
 
-/// Lists the events that shaped `kind id`. An id the log never mentions is an error.
+/// Tells the events that shaped `kind id`, each from the state just before it: the whole log is
+/// replayed once (from the snapshot under the first stored record, after compaction). `None`
+/// when the log never mentions the object.
 pub fn explain(
     store: &dyn LogStore,
     kind: ExplainKind,
     id: &str,
     progress: &mut dyn FnMut(u64),
 ) -> Result<Option<Explanation>> {
+    let first = store.first_seq()?.unwrap_or(1);
+    let mut state = if first > 1 {
+        open_state::<State>(store, Some(first - 1), &mut |_| {})?.0
+    } else {
+        State::default()
+    };
     let mut events = Vec::new();
+    let mut story = Vec::new();
     // A route's scaling events are its deployment's; remember every deployment it ever named.
     let mut deployments: Vec<String> = Vec::new();
-    for_each(store, 1, u64::MAX, &mut |env, _| {
+    for_each(store, first, u64::MAX, &mut |env, _| {
+        if env.seq % crate::log::replay::PROGRESS_EVERY == 0 {
+            progress(env.seq);
+        }
         if let (ExplainKind::Route, Event::RouteUpserted { route }) = (kind, &env.event)
             && route.name == id
             && !deployments.contains(&route.deployment)
@@ -160,19 +198,25 @@ pub fn explain(
             deployments.push(route.deployment.clone());
         }
         if concerns(kind, id, &deployments, &env.event) {
-            events.push(env.clone());
-        }
-        if env.seq % crate::log::replay::PROGRESS_EVERY == 0 {
-            progress(env.seq);
+            story.push(crate::story::line(&state, &env));
+            state.apply(&env);
+            events.push(env);
+        } else {
+            state.apply(&env);
         }
         true
     })?;
     if events.is_empty() {
         return Ok(None);
     }
-    let (state, _) = open_state::<State>(store, None, &mut |_| {})?;
     let current = current(&state, kind, id);
-    Ok(Some(Explanation { events, current }))
+    Ok(Some(Explanation {
+        kind: kind.name(),
+        id: id.to_owned(),
+        story,
+        events,
+        current,
+    }))
 }
 
 fn current(state: &State, kind: ExplainKind, id: &str) -> serde_json::Value {

@@ -214,6 +214,24 @@ fn stats_dump_replay_and_explain_read_the_history() {
         assert!(route.contains(name), "explain route lacks {name}: {route}");
     }
     assert!(!route.contains("CallQueued"));
+    // Told in words, a line per event, from what ebb knew then.
+    for line in [
+        "route demo: 5 events (times in UTC)",
+        "2026-01-01",
+        "  00:00:01.000  #2      ScaleRequested   scale demo-app from 0 to 1: a request came while no replica was ready",
+        "  00:00:02.000  #3      ScaledUp         demo-app has 1 replica ready, 1 s after it was asked",
+        "  00:00:03.000  #4      RequestsSeen     12 requests to demo, the last at 00:00:03",
+    ] {
+        assert!(
+            route.lines().any(|l| l == line),
+            "{line:?} not in:\n{route}"
+        );
+    }
+    let call = ok(&ebb(&dir, &["explain", "call", "call-1"]));
+    assert!(
+        call.contains("runner r1 started it after 1 s in the queue; it must finish by 00:00:15"),
+        "{call}"
+    );
     let call: serde_json::Value =
         serde_json::from_str(&ok(&ebb(&dir, &["explain", "call", "call-1", "--json"]))).unwrap();
     assert_eq!(call["events"].as_array().unwrap().len(), 3);

@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod funcs;
 pub mod runner;
+pub mod ui;
 
 use std::sync::Arc;
 
@@ -54,6 +55,8 @@ pub struct AppState {
     pub ready: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
     /// The metrics `/metrics` shows (`None`: not served).
     pub metrics: Option<Arc<crate::metrics::Metrics>>,
+    /// The log's tail told in words, for the dashboard's live updates.
+    pub feed: Arc<ui::Feed>,
 }
 
 /// Largest request body ebb's own endpoints read.
@@ -83,13 +86,7 @@ pub fn authorize_token(
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    let same = given.len() == token.len()
-        && given
-            .bytes()
-            .zip(token.bytes())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0;
-    if same {
+    if token_matches(given, token) {
         Ok(())
     } else {
         Err(ApiError::new(
@@ -98,6 +95,16 @@ pub fn authorize_token(
             "missing or wrong bearer token",
         ))
     }
+}
+
+/// Whether `given` is `token`, compared in constant time.
+pub fn token_matches(given: &str, token: &str) -> bool {
+    given.len() == token.len()
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
 }
 
 /// An API error: an HTTP status, a stable machine-readable code and a message for people.
@@ -229,6 +236,7 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .merge(admin::router())
+        .merge(ui::router())
         .merge(runner::router())
         .merge(funcs::router())
         .fallback(not_found)

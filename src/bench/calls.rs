@@ -186,6 +186,7 @@ async fn setup(
             functions: None,
             ready: None,
             metrics: None,
+            feed: Arc::new(crate::api::ui::Feed::new(stop_rx.clone())),
         });
         use axum::serve::ListenerExt;
         let listener = listener.tap_io(|tcp| {

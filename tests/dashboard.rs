@@ -1,0 +1,255 @@
+//! The dashboard in a real browser, and the stories behind it over HTTP: a real `ebb serve`, Debian's
+//! headless Chromium driven by playwright-core (`tests/browser/dashboard.mjs`, which also runs
+//! axe-core), and the admin API's `/admin/explain`.
+//!
+//! The browser test signs in, wakes a workload through the proxy and sees it turn ready and its
+//! scale event reach the timeline without a reload, filters calls by state and opens a failed
+//! call's story, and finds no serious accessibility violation and no console error. Its
+//! screenshots are kept in `$EBB_ARTIFACTS` (default: `dashboard/` under Cargo's target tmp dir).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+mod common;
+
+use common::http::{Http, client, send, send_json};
+
+const ADMIN: &str = "admin-secret";
+const RUNNER: &str = "runner-secret";
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn start(dir: &std::path::Path) -> common::Ebb {
+    let config = dir.join("ebb.toml");
+    std::fs::write(
+        &config,
+        r#"
+[[app]]
+name = "demo"
+domains = ["demo.localhost"]
+command = ["ebb", "example-app"]
+startup_timeout_ms = 20000
+"#,
+    )
+    .unwrap();
+    common::serve_with(
+        &dir.join("data"),
+        Some(&config),
+        Some(ADMIN),
+        &["--runner-token", RUNNER, "--runner-capacity", "0"],
+    )
+}
+
+async fn runner(c: &Http, ebb: &common::Ebb, path: &str, body: Value) -> Value {
+    let auth = format!("Bearer {RUNNER}");
+    let a = send_json(
+        c,
+        ebb.admin,
+        "POST",
+        path,
+        &[("authorization", &auth)],
+        &body,
+    )
+    .await;
+    assert!(a.status < 300, "{path}: {} {}", a.status, a.body);
+    serde_json::from_str(&a.body).unwrap_or(Value::Null)
+}
+
+/// Three calls to the app: one succeeded, one failed (with a log), one still queued. Returns the
+/// failed one's id.
+async fn calls(c: &Http, ebb: &common::Ebb) -> String {
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let body = json!({ "target": "demo", "payload": { "path": format!("/n{i}") } });
+        let a = runner(c, ebb, "/runner/enqueue", body).await;
+        ids.push(a["id"].as_str().unwrap().to_owned());
+    }
+    for (id, outcome) in [(&ids[0], "success"), (&ids[1], "error")] {
+        runner(c, ebb, "/runner/start", json!({ "runner": "r1", "id": id })).await;
+        let finish = json!({ "runner": "r1", "id": id, "outcome": outcome,
+                             "log": format!("exit status of {outcome}") });
+        runner(c, ebb, "/runner/finish", finish).await;
+    }
+    ids[1].clone()
+}
+
+async fn admin_get(c: &Http, ebb: &common::Ebb, path: &str) -> (u16, Value) {
+    let auth = format!("Bearer {ADMIN}");
+    let a = send(
+        c,
+        ebb.admin,
+        "GET",
+        "localhost",
+        path,
+        &[("authorization", &auth)],
+    )
+    .await;
+    (
+        a.status,
+        serde_json::from_str(&a.body).unwrap_or(Value::Null),
+    )
+}
+
+fn texts(story: &Value) -> Vec<String> {
+    story["story"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| {
+            format!(
+                "{} {}",
+                l["event"].as_str().unwrap(),
+                l["text"].as_str().unwrap()
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_a_wake_live_and_a_failed_calls_story_in_a_real_browser() {
+    let c = client();
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path());
+    let failed = calls(&c, &ebb).await;
+
+    let artifacts = std::env::var_os("EBB_ARTIFACTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard"));
+    let _ = std::fs::remove_dir_all(&artifacts);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/browser/dashboard.mjs");
+    let chromium = std::env::var("EBB_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+    assert!(
+        std::path::Path::new(&chromium).exists(),
+        "no Chromium at {chromium}: ./scripts/test installs Debian's chromium"
+    );
+    let ebb_admin = ebb.admin;
+    let ebb_proxy = ebb.proxy;
+    let failed_call = failed.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("node")
+            .arg(script)
+            .env("EBB_UI", format!("http://{ebb_admin}/ui"))
+            .env("EBB_ADMIN_TOKEN", ADMIN)
+            .env("EBB_PROXY", format!("http://{ebb_proxy}"))
+            .env("EBB_WAKE_HOST", "demo.localhost")
+            .env("EBB_WAKE_ROUTE", "demo")
+            .env("EBB_FAILED_CALL", &failed_call)
+            .env("EBB_CHROMIUM", &chromium)
+            .env("EBB_ARTIFACTS", &artifacts)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("node runs (./scripts/test installs tests/browser's packages)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "the browser test failed:\n{stdout}\n{stderr}"
+    );
+
+    // The same stories over the admin API: the wake says why, the failed call who ran it and its log.
+    let (status, route) = admin_get(&c, &ebb, "/admin/explain/route/demo").await;
+    assert_eq!(status, 200, "{route}");
+    let lines = texts(&route);
+    assert!(
+        lines.iter().any(|l| l
+            == "ScaleRequested scale demo from 0 to 1: a request came while no replica was ready"),
+        "{lines:#?}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("ScaledUp demo has 1 replica ready, ")),
+        "{lines:#?}"
+    );
+    let (status, call) = admin_get(&c, &ebb, &format!("/admin/explain/call/{failed}")).await;
+    assert_eq!(status, 200, "{call}");
+    let lines = texts(&call);
+    assert_eq!(lines.len(), 3, "{lines:#?}");
+    assert!(lines[0].starts_with(&format!("CallQueued call {failed} queued for demo (async")));
+    assert!(lines[1].starts_with("CallStarted runner r1 started it after "));
+    assert!(
+        lines[2].starts_with("CallFinished runner r1 finished it: it failed after ")
+            && lines[2].ends_with("; log: exit status of error"),
+        "{}",
+        lines[2]
+    );
+    assert_eq!(call["current"]["status"], "error");
+
+    // Bad input: a kind ebb cannot explain, an id the log never saw, no token.
+    let (status, bad) = admin_get(&c, &ebb, "/admin/explain/planet/earth").await;
+    assert_eq!((status, bad["code"].as_str()), (400, Some("bad_kind")));
+    let (status, none) = admin_get(&c, &ebb, "/admin/explain/call/nope").await;
+    assert_eq!((status, none["code"].as_str()), (404, Some("not_found")));
+    let anon = send(&c, ebb.admin, "GET", "localhost", "/ui/api/overview", &[]).await;
+    assert_eq!(anon.status, 401, "{}", anon.body);
+    let wrong = send_json(
+        &c,
+        ebb.admin,
+        "POST",
+        "/ui/login",
+        &[],
+        &json!({ "token": "guess" }),
+    )
+    .await;
+    assert_eq!(wrong.status, 401, "{}", wrong.body);
+}
+
+/// The event stream tells each decision in words as it is logged, and only to the signed in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_event_stream_tells_the_logs_tail() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let c = client();
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path());
+
+    let mut tcp = tokio::net::TcpStream::connect(ebb.admin).await.unwrap();
+    tcp.write_all(
+        format!(
+            "GET /ui/api/events HTTP/1.1\r\nHost: localhost\r\nCookie: ebb_admin={ADMIN}\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut lines = BufReader::new(tcp).lines();
+    let head = lines.next_line().await.unwrap().unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let woken = {
+        let c = c.clone();
+        let proxy = ebb.proxy;
+        tokio::spawn(async move { send(&c, proxy, "GET", "demo.localhost", "/pid", &[]).await })
+    };
+    let told: Value = tokio::time::timeout(DEADLINE, async {
+        loop {
+            let line = lines
+                .next_line()
+                .await
+                .unwrap()
+                .expect("the stream goes on");
+            if let Some(data) = line.strip_prefix("data: ") {
+                let v: Value = serde_json::from_str(data).unwrap();
+                if v["name"] == "ScaledUp" {
+                    return v;
+                }
+            }
+        }
+    })
+    .await
+    .expect("ScaledUp told on the stream within the deadline");
+    assert_eq!(told["kind"], "deployment");
+    assert_eq!(told["routes"], json!(["demo"]));
+    assert_eq!(told["replicas"], 1);
+    assert!(
+        told["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("demo has 1 replica ready, "),
+        "{told}"
+    );
+    assert_eq!(woken.await.unwrap().status, 200);
+}
