@@ -32,8 +32,18 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 struct Cli {
     #[command(flatten)]
     data: DataDir,
+    /// How ebb's own log lines (stderr) are written: `text` for people, `json` (one object per
+    /// line, with the spans' fields such as a request's id) for a log collector.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "EBB_LOG_FORMAT")]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Args, Clone)]
@@ -188,6 +198,10 @@ enum Command {
         /// under route="_other".
         #[arg(long, default_value_t = ebb::metrics::DEFAULT_MAX_ROUTES)]
         metrics_max_routes: usize,
+        /// At shutdown (SIGTERM, Ctrl-C): how long requests under way and held requests may
+        /// take to be answered after ebb stops accepting connections; the rest are then cut.
+        #[arg(long, default_value_t = 30_000)]
+        drain_timeout_ms: u64,
         /// Test hook: before each scale-down write, create `held` in this directory and wait
         /// for `release` there.
         #[arg(long, hide = true, env = "EBB_TEST_DOWNSCALE_GATE")]
@@ -380,13 +394,19 @@ enum DebugCommand {
 
 fn main() {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("EBB_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("EBB_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let lines = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => lines.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => lines
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
+    }
     if let Err(e) = run(cli) {
         if is_broken_pipe(&e) {
             std::process::exit(0);
@@ -472,6 +492,7 @@ fn run(cli: Cli) -> Result<()> {
             peers,
             peer_service,
             metrics_max_routes,
+            drain_timeout_ms,
             downscale_gate,
         } => {
             if let Some(seed) = balance_seed {
@@ -548,6 +569,7 @@ fn run(cli: Cli) -> Result<()> {
                     peers: peers.iter().map(|p| parse_peer(p)).collect::<Result<_>>()?,
                     peer_service,
                     metrics_max_routes,
+                    drain_timeout_ms,
                     proxy_threads: proxy_threads.unwrap_or_else(|| {
                         std::thread::available_parallelism().map_or(2, |n| n.get())
                     }),

@@ -29,7 +29,7 @@ use prometheus_client::registry::{Registry, Unit};
 use crate::event::{Envelope, Event, ScaleReason};
 use crate::log::Log;
 use crate::orchestrator::Orchestrator;
-use crate::proxy::traffic::Traffic;
+use crate::proxy::traffic::{AnswerTimes, Traffic};
 use crate::state::calls::CallStatus;
 
 /// Default bound of the `route` label's values.
@@ -64,7 +64,41 @@ struct Decided {
     cold_start_seconds: Histogram,
     /// Wakes from zero awaiting their `ScaledUp`: deployment to the wake's time.
     pending_wakes: Mutex<HashMap<String, u64>>,
+    /// From a call's enqueue to its accepted start.
+    queue_wait_seconds: Histogram,
+    /// Calls queued and not yet started: id to the enqueue's time (bounded).
+    pending_calls: Mutex<HashMap<String, u64>>,
+    /// Calls that ended, by how.
+    calls_ended: Family<EndLabels, Counter>,
+    /// Instances started, by function (the label bounded like routes).
+    invocations: Family<FunctionLabels, Counter>,
+    /// CEL evaluations made by cleaners, and cleaners fired.
+    cleaner_evaluations: Counter,
+    cleaner_firings: Counter,
+    /// From a cleaner's TTL passing to its firing.
+    cleaner_lateness_seconds: Histogram,
+    /// Each cleaner's creation time and TTL (by name; removed when it is deleted).
+    cleaner_due: Mutex<HashMap<String, (u64, u64)>>,
+    /// Functions with a label of their own.
+    functions_seen: Mutex<std::collections::HashSet<String>>,
+    /// Events per durable batch the log's tail delivered.
+    batch_events: Histogram,
+    /// The label bound of `invocations`.
+    max_functions: usize,
 }
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndLabels {
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FunctionLabels {
+    function: String,
+}
+
+/// Calls awaiting their start that the enqueue-to-start histogram remembers, at most.
+const MAX_PENDING_CALLS: usize = 100_000;
 
 /// ebb's metrics.
 pub struct Metrics {
@@ -87,8 +121,10 @@ pub struct Sources {
     pub traffic: Arc<Traffic>,
     /// The workloads' replicas.
     pub orchestrator: Arc<dyn Orchestrator>,
-    /// Routes with a `route` label of their own, at most.
+    /// Routes with a `route` label of their own, at most (functions too).
     pub max_routes: usize,
+    /// The call queue, for its depth.
+    pub queue: Option<Arc<dyn crate::queue::Queue>>,
 }
 
 impl std::fmt::Debug for Sources {
@@ -102,7 +138,7 @@ impl std::fmt::Debug for Sources {
 impl Metrics {
     /// The metrics over `sources`.
     pub fn new(sources: Sources) -> Metrics {
-        let decided = Arc::new(Decided::new());
+        let decided = Arc::new(Decided::new(sources.max_routes));
         let mut registry = Registry::default();
         registry.register(
             "ebb_events",
@@ -130,6 +166,55 @@ impl Metrics {
             Unit::Seconds,
             decided.cold_start_seconds.clone(),
         );
+        registry.register_with_unit(
+            "ebb_proxy_hold_duration",
+            "How long requests that found no free replica were held (woken or refused after)",
+            Unit::Seconds,
+            sources.traffic.hold.clone(),
+        );
+        registry.register_with_unit(
+            "ebb_call_queue_wait",
+            "From a call's enqueue to its accepted start",
+            Unit::Seconds,
+            decided.queue_wait_seconds.clone(),
+        );
+        registry.register(
+            "ebb_calls_ended",
+            "Calls that reached a final state, by state",
+            decided.calls_ended.clone(),
+        );
+        registry.register(
+            "ebb_function_invocations",
+            "Function instances started, by function (the label bounded by --metrics-max-routes)",
+            decided.invocations.clone(),
+        );
+        registry.register(
+            "ebb_cleaner_evaluations",
+            "CEL evaluations cleaners made",
+            decided.cleaner_evaluations.clone(),
+        );
+        registry.register(
+            "ebb_cleaner_firings",
+            "Cleaners that fired",
+            decided.cleaner_firings.clone(),
+        );
+        registry.register_with_unit(
+            "ebb_cleaner_firing_lateness",
+            "From a cleaner's TTL passing to its firing",
+            Unit::Seconds,
+            decided.cleaner_lateness_seconds.clone(),
+        );
+        registry.register_with_unit(
+            "ebb_log_sync_duration",
+            "How long each sync of the log to disk took",
+            Unit::Seconds,
+            sources.log.sync_durations().clone(),
+        );
+        registry.register(
+            "ebb_log_batch_events",
+            "Events per durable batch of the log",
+            decided.batch_events.clone(),
+        );
         registry.register_collector(Box::new(Scraped(sources)));
         Metrics { registry, decided }
     }
@@ -139,11 +224,28 @@ impl Metrics {
     pub fn follow(self: &Arc<Self>, log: &Log) {
         let mut tail = log.subscribe();
         let decided = self.decided.clone();
+        // What is already under way when the following starts: calls waiting for their start
+        // and cleaners waiting for their firing (the tail repeats whatever lands meanwhile).
+        log.read(|s| {
+            let mut calls = decided.pending_calls.lock().expect("calls lock");
+            for id in s.calls.queued.iter().take(MAX_PENDING_CALLS) {
+                if let Some(c) = s.calls.get(id) {
+                    calls.insert(id.clone(), c.created_at_ms);
+                }
+            }
+            let mut due = decided.cleaner_due.lock().expect("cleaners lock");
+            for c in s.cleaners.by_name.values() {
+                due.insert(c.spec.name.clone(), (c.created_at_ms, c.spec.ttl_ms));
+            }
+        });
         tokio::spawn(async move {
             use tokio::sync::broadcast::error::RecvError;
             loop {
                 match tail.recv().await {
-                    Ok(batch) => batch.iter().for_each(|e| decided.count(e)),
+                    Ok(batch) => {
+                        decided.batch_events.observe(batch.len() as f64);
+                        batch.iter().for_each(|e| decided.count(e));
+                    }
                     // Missed batches are not counted; the counters go on.
                     Err(RecvError::Lagged(n)) => {
                         tracing::warn!(batches = n, "metrics fell behind the log's tail");
@@ -177,8 +279,19 @@ fn reason_name(r: ScaleReason) -> &'static str {
 }
 
 impl Decided {
-    fn new() -> Decided {
+    fn new(max_functions: usize) -> Decided {
         Decided {
+            queue_wait_seconds: Histogram::new(exponential_buckets(0.001, 4.0, 12)),
+            pending_calls: Mutex::new(HashMap::new()),
+            calls_ended: Family::default(),
+            invocations: Family::default(),
+            cleaner_evaluations: Counter::default(),
+            cleaner_firings: Counter::default(),
+            cleaner_lateness_seconds: Histogram::new(exponential_buckets(0.1, 4.0, 10)),
+            cleaner_due: Mutex::new(HashMap::new()),
+            functions_seen: Mutex::new(std::collections::HashSet::new()),
+            batch_events: Histogram::new(exponential_buckets(1.0, 2.0, 12)),
+            max_functions,
             events: Family::default(),
             scale_decisions: Family::default(),
             scale_failures: Counter::default(),
@@ -232,6 +345,76 @@ impl Decided {
             Event::ScaleFailed { .. } => {
                 self.scale_failures.inc();
             }
+            Event::CallQueued { call } => {
+                let mut pending = self.pending_calls.lock().expect("calls lock");
+                if pending.len() < MAX_PENDING_CALLS {
+                    pending.insert(call.id.clone(), env.at_ms);
+                }
+            }
+            Event::CallStarted { id, .. } => {
+                let queued = self.pending_calls.lock().expect("calls lock").remove(id);
+                if let Some(at) = queued {
+                    let ms = env.at_ms.saturating_sub(at);
+                    self.queue_wait_seconds.observe(ms as f64 / 1_000.0);
+                }
+            }
+            Event::CallFinished { id, outcome, .. } => {
+                self.pending_calls.lock().expect("calls lock").remove(id);
+                let state = match outcome {
+                    crate::event::Outcome::Success => "success",
+                    crate::event::Outcome::Error => "error",
+                };
+                self.calls_ended.get_or_create(&EndLabels { state }).inc();
+            }
+            Event::CallTimedOut { id } | Event::CallCancelled { id } => {
+                self.pending_calls.lock().expect("calls lock").remove(id);
+                let state = if matches!(env.event, Event::CallTimedOut { .. }) {
+                    "timeout"
+                } else {
+                    "cancelled"
+                };
+                self.calls_ended.get_or_create(&EndLabels { state }).inc();
+            }
+            Event::InstanceCreated { template, .. } => {
+                let function = {
+                    let mut seen = self.functions_seen.lock().expect("functions lock");
+                    if seen.contains(template) || seen.len() < self.max_functions {
+                        seen.insert(template.clone());
+                        template.clone()
+                    } else {
+                        OTHER.to_owned()
+                    }
+                };
+                self.invocations
+                    .get_or_create(&FunctionLabels { function })
+                    .inc();
+            }
+            Event::CleanerUpserted { cleaner } => {
+                let created = if cleaner.created_at_ms == 0 {
+                    env.at_ms
+                } else {
+                    cleaner.created_at_ms
+                };
+                // A changed cleaner keeps the time it was first created.
+                let mut due = self.cleaner_due.lock().expect("cleaners lock");
+                let d = due.entry(cleaner.name.clone()).or_insert((created, 0));
+                d.1 = cleaner.ttl_ms;
+            }
+            Event::CleanerEvaluated { evaluations, .. } => {
+                self.cleaner_evaluations.inc_by(u64::from(*evaluations));
+            }
+            Event::CleanerFired { name } => {
+                self.cleaner_firings.inc();
+                if let Some((created, ttl)) =
+                    self.cleaner_due.lock().expect("cleaners lock").get(name)
+                {
+                    let ms = env.at_ms.saturating_sub(created.saturating_add(*ttl));
+                    self.cleaner_lateness_seconds.observe(ms as f64 / 1_000.0);
+                }
+            }
+            Event::CleanerDeleted { name } => {
+                self.cleaner_due.lock().expect("cleaners lock").remove(name);
+            }
             _ => {}
         }
     }
@@ -247,22 +430,51 @@ impl std::fmt::Debug for Scraped {
 }
 
 /// One route's figures.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct RouteFigures {
     requests: u64,
     in_flight: u64,
     held: u64,
     desired: u64,
     ready: u64,
+    /// Answers by status class, 1xx to 5xx.
+    classes: [u64; 5],
+    times: AnswerTimes,
 }
 
 impl RouteFigures {
-    fn add(&mut self, o: RouteFigures) {
+    fn add(&mut self, o: &RouteFigures) {
         self.requests += o.requests;
         self.in_flight += o.in_flight;
         self.held += o.held;
         self.desired += o.desired;
         self.ready += o.ready;
+        for (a, b) in self.classes.iter_mut().zip(o.classes) {
+            *a += b;
+        }
+        self.times.add(&o.times);
+    }
+}
+
+/// A histogram read from atomics when scraped.
+#[derive(Debug)]
+struct ReadHistogram<'a>(&'a AnswerTimes);
+
+impl EncodeMetric for ReadHistogram<'_> {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::MetricEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+            self.0.sum_s,
+            self.0.count,
+            &self.0.buckets,
+            None,
+        )
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
     }
 }
 
@@ -277,6 +489,21 @@ const CALL_STATES: [(CallStatus, &str); 6] = [
 ];
 
 impl Scraped {
+    /// Seconds of events since the newest snapshot (its last event's time to the log's last);
+    /// `None` before the first snapshot.
+    fn snapshot_age_s(&self) -> Option<i64> {
+        let store = self.0.log.store();
+        let snap = *store.snapshot_seqs().ok()?.last()?;
+        let at = |seq: u64| -> Option<u64> {
+            let bytes = store.get(seq).ok()??;
+            Some(crate::log::decode_at(seq, &bytes).ok()?.at_ms)
+        };
+        let last = self.0.log.read(|s| s.at_ms);
+        // The snapshot's own event may be compacted away: then the log starts just after it.
+        let snap_at = at(snap).or_else(|| at(snap + 1))?;
+        Some((last.saturating_sub(snap_at) / 1_000) as i64)
+    }
+
     /// Each route's figures by label value: the first `max_routes` routes by name, the rest
     /// summed under [`OTHER`].
     fn routes(&self) -> Vec<(String, RouteFigures)> {
@@ -300,11 +527,16 @@ impl Scraped {
                 held: t.held() as u64,
                 desired: o.desired as u64,
                 ready: o.ready.len() as u64,
+                classes: t.classes(),
+                times: t.answer_times(),
             };
             if i < s.max_routes {
                 out.push((name, f));
             } else {
-                other.get_or_insert_with(RouteFigures::default).add(f);
+                match &mut other {
+                    Some(o) => o.add(&f),
+                    None => other = Some(f),
+                }
             }
         }
         if let Some(f) = other {
@@ -365,6 +597,29 @@ impl Collector for Scraped {
             MetricType::Gauge,
             gauge(|f| f.held),
         )?;
+        let mut family = encoder.encode_descriptor(
+            "ebb_proxy_responses",
+            "Answers to a route's requests by status class (ebb's own refusals included).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (route, f) in routes {
+            for (i, n) in f.classes.iter().enumerate() {
+                let class = ["1xx", "2xx", "3xx", "4xx", "5xx"][i];
+                let labels = [("route", route.as_str()), ("code_class", class)];
+                ConstCounter::new(*n).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "ebb_proxy_response_duration",
+            "From a replica being picked for a request to its answer's head.",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+        )?;
+        for (route, f) in routes {
+            let labels = [("route", route.as_str())];
+            ReadHistogram(&f.times).encode(family.encode_family(&labels)?)?;
+        }
         by_route(
             &mut encoder,
             "ebb_workload_replicas_desired",
@@ -399,6 +654,75 @@ impl Collector for Scraped {
             let labels = [("state", *state)];
             ConstGauge::new(n as i64).encode(family.encode_family(&labels)?)?;
         }
+        if let Some(q) = &self.0.queue {
+            let stats = q.stats();
+            let mut family = encoder.encode_descriptor(
+                "ebb_queue_messages",
+                "Call messages on the queue: waiting for a runner, or handed to one.",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (state, n) in [("ready", stats.ready), ("reserved", stats.reserved)] {
+                let labels = [("state", state)];
+                ConstGauge::new(n as i64).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        // Per function: instances under way and the autoscaler's call counter.
+        let functions = self.0.log.read(|st| {
+            let mut by: std::collections::BTreeMap<&str, (i64, i64)> = st
+                .functions
+                .templates
+                .keys()
+                .map(|k| (k.as_str(), (0, st.counters.value(k) as i64)))
+                .collect();
+            for id in &st.functions.running {
+                if let Some(i) = st.functions.instances.get(id)
+                    && let Some(n) = by.get_mut(i.template.as_str())
+                {
+                    n.0 += 1;
+                }
+            }
+            let mut out: Vec<(String, (i64, i64))> = Vec::new();
+            let mut other: Option<(i64, i64)> = None;
+            for (i, (name, n)) in by.into_iter().enumerate() {
+                if i < self.0.max_routes {
+                    out.push((name.to_owned(), n));
+                } else {
+                    let o = other.get_or_insert((0, 0));
+                    o.0 += n.0;
+                    o.1 += n.1;
+                }
+            }
+            out.extend(other.map(|n| (OTHER.to_owned(), n)));
+            out
+        });
+        for (name, help, pick) in [
+            (
+                "ebb_function_instances_running",
+                "Function instances under way, by function.",
+                (|n: &(i64, i64)| n.0) as fn(&(i64, i64)) -> i64,
+            ),
+            (
+                "ebb_function_counter",
+                "The autoscaler's call counter of a function (it decays while idle).",
+                |n: &(i64, i64)| n.1,
+            ),
+        ] {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (function, n) in &functions {
+                let labels = [("function", function.as_str())];
+                ConstGauge::new(pick(n)).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        if let Some(age) = self.snapshot_age_s() {
+            let g = ConstGauge::new(age);
+            g.encode(encoder.encode_descriptor(
+                "ebb_log_snapshot_age_seconds",
+                "Time from the newest snapshot's last event to the log's last event.",
+                None,
+                g.metric_type(),
+            )?)?;
+        }
         let seq_gauge = ConstGauge::new(seq as i64);
         seq_gauge.encode(encoder.encode_descriptor(
             "ebb_log_last_seq",
@@ -426,7 +750,7 @@ mod tests {
 
     #[test]
     fn decisions_are_counted_by_type_reason_and_direction_with_cold_start_time() {
-        let d = Decided::new();
+        let d = Decided::new(1_000);
         let wake = Event::ScaleRequested {
             deployment: "demo".into(),
             from: 0,

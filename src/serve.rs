@@ -70,6 +70,8 @@ pub struct ServeOptions {
     pub peers: Vec<(String, crate::discovery::ServiceId)>,
     /// Routes with a `route` label of their own in `/metrics`, at most (the rest are summed).
     pub metrics_max_routes: usize,
+    /// At shutdown: how long requests under way and held may take to be answered.
+    pub drain_timeout_ms: u64,
     /// On Kubernetes without `peers`: the headless Service whose endpoints are the replicas (a
     /// name in ebb's namespace, or `k8s://SERVICE.NAMESPACE[:PORT]`).
     pub peer_service: String,
@@ -310,6 +312,7 @@ pub async fn run(
         ProxyOptions {
             services: config.meta.clone(),
             discovery: Some(discovery.clone()),
+            drain_timeout_ms: options.drain_timeout_ms,
             ..ProxyOptions::default()
         },
     ));
@@ -529,6 +532,7 @@ pub async fn run(
         traffic: traffic.clone(),
         orchestrator: dyn_orch.clone(),
         max_routes: options.metrics_max_routes,
+        queue: Some(calls.queue().clone()),
     }));
     metrics.follow(&log);
     let admin = crate::api::router(crate::api::AppState {

@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 mod common;
 
 use common::Ebb;
+use common::controlplane::wait_until;
 
 const TOKEN: &str = "runner-secret";
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -957,7 +958,19 @@ async fn with_kafka_broker_and_ebb_restarts_lose_no_call_and_run_none_twice() {
     let mut ids = enqueue_bodies(&ebb, 10).await;
     // The broker killed and back on its data: every acknowledged call is still there.
     broker.kill();
+    // Meanwhile ebb is not ready, and says the queue is why.
+    let down = wait_until("ebb unready without its broker", DEADLINE, || async {
+        let r = get(&ebb, "/readyz").await;
+        (r.status == 503).then_some(r.json)
+    })
+    .await;
+    assert_eq!(down["checks"]["queue"]["ok"], false, "{down}");
+    assert_eq!(down["checks"]["log"]["ok"], true, "{down}");
     broker.start().await;
+    wait_until("ebb ready with its broker back", DEADLINE, || async {
+        (get(&ebb, "/readyz").await.status == 200).then_some(())
+    })
+    .await;
     let _runner = runner(&ebb, "r", None);
     wait_state(&ebb, &long, "running").await;
     // ebb killed while the long call runs, and back: the call's message is read again from

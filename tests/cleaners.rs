@@ -102,6 +102,32 @@ async fn ebb_toml_cleaners_remove_apps_and_templates_once_their_conditions_hold(
     ] {
         assert!(story.contains(step), "{step} not in:\n{story}");
     }
+    // Told in words: the firing says how late it came.
+    assert!(
+        story.contains("fired: its targets are released, "),
+        "{story}"
+    );
+    // And counted from the log's tail: the preview's firing (the template's may come before
+    // the metrics follow the tail), its lateness, the CEL evaluations.
+    let c = common::http::client();
+    common::controlplane::wait_until(
+        "the preview's firing counted",
+        std::time::Duration::from_secs(30),
+        || async {
+            let m = common::http::send(&c, ebb.admin, "GET", "localhost", "/metrics", &[]).await;
+            let n = |name: &str| -> u64 {
+                m.body
+                    .lines()
+                    .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+                    .unwrap_or(0)
+            };
+            (n("ebb_cleaner_firings_total") >= 1
+                && n("ebb_cleaner_firing_lateness_seconds_count") >= 1
+                && n("ebb_cleaner_evaluations_total") >= 1)
+                .then_some(())
+        },
+    )
+    .await;
     // The retention is a cleaner too.
     let retention = common::ebb_ok(&data, &["explain", "cleaner", "config/retention"]);
     assert!(retention.contains("CleanerUpserted"), "{retention}");

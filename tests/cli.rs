@@ -472,6 +472,13 @@ fn serve_answers_healthz_and_unknown_paths_with_json() {
     assert!(health.contains(r#""status":"ok""#), "{health}");
     let ready = get("/readyz");
     assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+    // Each check with its reason.
+    let checks: serde_json::Value =
+        serde_json::from_str(ready.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    for check in ["log", "projection", "orchestrator", "queue"] {
+        assert_eq!(checks["checks"][check]["ok"], true, "{check}: {ready}");
+    }
+    assert_eq!(checks["checks"]["log"]["reason"], "open");
     let missing = get("/nope");
     assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
     assert!(missing.contains(r#""code":"not_found""#), "{missing}");

@@ -173,6 +173,44 @@ command = ["ebb", "example-app"]
     );
     assert_eq!(m.get("ebb_proxy_requests_held", &demo), Some(0.0));
     assert!(m.get("ebb_log_last_seq", &[]) >= Some(2.0));
+    // Five answers from the app, each timed from the pick to its head.
+    assert_eq!(
+        m.get(
+            "ebb_proxy_responses_total",
+            &[("route", "demo"), ("code_class", "2xx")]
+        ),
+        Some(5.0)
+    );
+    assert_eq!(
+        m.get(
+            "ebb_proxy_responses_total",
+            &[("route", "demo"), ("code_class", "5xx")]
+        ),
+        Some(0.0)
+    );
+    assert_eq!(
+        m.get("ebb_proxy_response_duration_seconds_count", &demo),
+        Some(5.0)
+    );
+    assert_eq!(
+        m.get(
+            "ebb_proxy_response_duration_seconds_bucket",
+            &[("route", "demo"), ("le", "inf")]
+        ),
+        Some(5.0)
+    );
+    // The first request was held for the wake; the rest found the replica free.
+    assert_eq!(
+        m.get("ebb_proxy_hold_duration_seconds_count", &[]),
+        Some(1.0)
+    );
+    // The log's own figures: the wake's events were synced in batches.
+    assert!(m.get("ebb_log_sync_duration_seconds_count", &[]) >= Some(1.0));
+    assert!(m.get("ebb_log_batch_events_count", &[]) >= Some(1.0));
+    assert_eq!(
+        m.get("ebb_queue_messages", &[("state", "ready")]),
+        Some(0.0)
+    );
     for state in [
         "queued",
         "running",

@@ -73,6 +73,7 @@ fn spawns(data: &Path, app: &str) -> usize {
     std::fs::read_dir(data.join("workloads").join(app)).map_or(0, |d| d.count())
 }
 
+use common::controlplane::wait_until;
 use common::events;
 
 fn count(
@@ -458,6 +459,59 @@ async fn a_graceful_shutdown_stops_the_apps_and_says_so() {
     );
 }
 
+/// SIGTERM while a request is under way and another is held for a replica still starting: ebb
+/// stops accepting connections, answers both, then stops the apps and exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_answers_the_requests_under_way_and_held_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!(
+        "{}{}",
+        app("busy", ""),
+        app_with("late", &["--startup-delay-ms", "1500"], "")
+    );
+    let mut ebb = start(dir.path(), &write_config(dir.path(), &config));
+    let c = client();
+    assert_eq!(
+        get(&c, ebb.proxy, "busy.localhost", "/pid").await.status,
+        200
+    );
+    let slow = {
+        let (c, proxy) = (c.clone(), ebb.proxy);
+        tokio::spawn(async move { get(&c, proxy, "busy.localhost", "/sleep?ms=1500").await })
+    };
+    let held = {
+        let (c, proxy) = (c.clone(), ebb.proxy);
+        tokio::spawn(async move { get(&c, proxy, "late.localhost", "/pid").await })
+    };
+    let admin = ebb.admin;
+    wait_until(
+        "one request under way and one held",
+        Duration::from_secs(30),
+        || {
+            let c = c.clone();
+            async move {
+                let m = common::http::send(&c, admin, "GET", "localhost", "/metrics", &[]).await;
+                (m.body
+                    .contains("ebb_proxy_requests_in_flight{route=\"busy\"} 1")
+                    && m.body.contains("ebb_proxy_requests_held{route=\"late\"} 1"))
+                .then_some(())
+            }
+        },
+    )
+    .await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(ebb.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let slow = slow.await.unwrap();
+    assert_eq!((slow.status, slow.body.as_str()), (200, "slept 1500 ms\n"));
+    let held = held.await.unwrap();
+    assert_eq!(held.status, 200, "{}", held.body);
+    let status = ebb.child.wait().unwrap();
+    assert!(status.success(), "ebb exits cleanly on SIGTERM: {status}");
+}
+
 /// One response read off a raw connection: status, headers (names lowercased), decoded body.
 struct Raw {
     status: u16,
@@ -698,6 +752,81 @@ async fn an_early_answer_to_an_unread_upload_reaches_the_client() {
         let text = String::from_utf8_lossy(&got);
         assert!(text.starts_with("HTTP/1.1 405"), "{text}");
         sender.abort();
+    }
+}
+
+/// `X-Request-Id`: a client's usable id reaches the app as it is, a missing or unusable one is
+/// replaced by one ebb makes, on both paths; with `--log-format json` the lines about a held
+/// request (held, woken, forwarded) are JSON objects carrying its id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_ids_reach_the_app_and_ebbs_json_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("ebb.log");
+    let config = write_config(dir.path(), &app("ids", ""));
+    let ebb = common::serve_logged(
+        &dir.path().join("data"),
+        Some(&config),
+        None,
+        &["--log-format", "json"],
+        &[("EBB_LOG", std::ffi::OsStr::new("info"))],
+        Some(&log),
+    );
+    let id_of = |raw: &Raw| -> Vec<String> {
+        raw.text()
+            .lines()
+            .filter_map(|l| l.strip_prefix("x-request-id: "))
+            .map(str::to_owned)
+            .collect()
+    };
+    // The first request wakes the app: held, with the client's id.
+    let (_s, _b, woke) = raw_exchange(
+        ebb.proxy,
+        b"GET /headers HTTP/1.1\r\nHost: ids.localhost\r\nX-Request-Id: trace-me-1\r\n\r\n",
+    )
+    .await;
+    assert_eq!(woke.status, 200);
+    assert_eq!(id_of(&woke), ["trace-me-1"]);
+    for version in ["HTTP/1.1", "HTTP/1.0"] {
+        let head = format!("GET /headers {version}\r\nHost: ids.localhost\r\n\r\n");
+        let (_s, _b, made) = raw_exchange(ebb.proxy, head.as_bytes()).await;
+        assert_eq!(made.status, 200, "{version}");
+        let ids = id_of(&made);
+        assert_eq!(ids.len(), 1, "{version}: {ids:?}");
+        assert!(
+            ids[0].len() == 32 && ids[0].bytes().all(|b| b.is_ascii_hexdigit()),
+            "{version}: {ids:?}"
+        );
+        let head = format!(
+            "GET /headers {version}\r\nHost: ids.localhost\r\nX-Request-Id: has space\r\nX-Request-Id: second-ok\r\n\r\n"
+        );
+        let (_s, _b, kept) = raw_exchange(ebb.proxy, head.as_bytes()).await;
+        assert_eq!(id_of(&kept), ["second-ok"], "{version}");
+    }
+    let lines: Vec<serde_json::Value> = wait_until("the forward logged", DEADLINE, || {
+        let log = log.clone();
+        async move {
+            let text = std::fs::read_to_string(&log).ok()?;
+            let lines: Vec<serde_json::Value> = text
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+                .collect();
+            lines
+                .iter()
+                .any(|l| l["fields"]["message"] == "forwarding")
+                .then_some(lines)
+        }
+    })
+    .await;
+    let about: Vec<&str> = lines
+        .iter()
+        .filter(|l| l["span"]["id"] == "trace-me-1")
+        .filter_map(|l| l["fields"]["message"].as_str())
+        .collect();
+    for said in ["held: no replica is free; waiting", "woken", "forwarding"] {
+        assert!(
+            about.iter().any(|m| m.starts_with(said)),
+            "{said:?} not among the request's lines {about:?}"
+        );
     }
 }
 

@@ -245,16 +245,78 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Ready for traffic: the readiness probe of ebb's pods.
-async fn readyz(Extract(app): Extract<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
-    match &app.ready {
-        Some(ready) if !ready() => Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not_ready",
-            "ebb has not yet listed the cluster's Services and EndpointSlices",
-        )),
-        _ => Ok(Json(json!({ "status": "ready" }))),
+/// Events the projection may trail the stored log by and still count as caught up (the writer
+/// applies each batch right after it is synced; a larger gap means it is stuck).
+const READY_MAX_LAG: u64 = 10_000;
+
+/// Ready for traffic, the readiness probe of ebb's pods: each check with its reason, 503 when
+/// one fails. The log is open and its writer has not failed; the projection has caught up with
+/// the stored log; the orchestrator has listed what it needs (on Kubernetes: the Services and
+/// EndpointSlices); the call queue answers (Kafka: the topic's metadata within a second).
+async fn readyz(Extract(app): Extract<AppState>) -> Response {
+    let mut checks = serde_json::Map::new();
+    let mut ready = true;
+    let mut check = |name: &str, ok: bool, reason: String| {
+        ready &= ok;
+        checks.insert(name.into(), json!({ "ok": ok, "reason": reason }));
+    };
+    match app.log.failure() {
+        None => check("log", true, "open".into()),
+        Some(why) => check("log", false, format!("storage failed: {why}")),
     }
+    let applied = app.log.applied_seq();
+    match app.log.store().last_seq() {
+        Ok(last) => check(
+            "projection",
+            last.saturating_sub(applied) <= READY_MAX_LAG,
+            format!("applied seq {applied} of {last}"),
+        ),
+        Err(e) => check("projection", false, format!("reading the log: {e}")),
+    }
+    match &app.ready {
+        Some(synced) if !synced() => check(
+            "orchestrator",
+            false,
+            "the cluster's Services and EndpointSlices are not listed yet".into(),
+        ),
+        Some(_) => check(
+            "orchestrator",
+            true,
+            "the cluster's Services and EndpointSlices are listed".into(),
+        ),
+        None => check("orchestrator", true, "local processes".into()),
+    }
+    if let Some(calls) = &app.calls {
+        let reached =
+            tokio::time::timeout(std::time::Duration::from_secs(2), calls.queue().reachable())
+                .await;
+        match reached {
+            Ok(Ok(())) => check("queue", true, "reachable".into()),
+            Ok(Err(e)) => check("queue", false, e.to_string()),
+            Err(_) => check("queue", false, "no answer within 2 s".into()),
+        }
+    }
+    let status = if ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let body = if ready {
+        json!({ "status": "ready", "checks": checks })
+    } else {
+        let failing: Vec<&String> = checks
+            .iter()
+            .filter(|(_, v)| v["ok"] == false)
+            .map(|(k, _)| k)
+            .collect();
+        json!({
+            "status": "not_ready",
+            "error": format!("not ready: {}", failing.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", ")),
+            "code": "not_ready",
+            "checks": checks,
+        })
+    };
+    (status, Json(body)).into_response()
 }
 
 /// The metrics in the OpenMetrics text format (Prometheus reads it).

@@ -129,9 +129,25 @@ pub struct Log<P: Projection = State> {
     store: Arc<dyn LogStore>,
     tail: broadcast::Sender<Arc<[Envelope]>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Set once by the writer when storage fails.
+    failed: Failure,
+    /// How long each sync to disk took.
+    syncs: prometheus_client::metrics::histogram::Histogram,
+}
+
+/// A histogram of sync times, in seconds: 100 µs to about 1.6 s.
+fn sync_histogram() -> prometheus_client::metrics::histogram::Histogram {
+    prometheus_client::metrics::histogram::Histogram::new(
+        prometheus_client::metrics::histogram::exponential_buckets(0.000_1, 2.0, 15),
+    )
 }
 
 impl<P: Projection> Log<P> {
+    /// How long each sync to disk took (`ebb_log_sync_duration_seconds`).
+    pub fn sync_durations(&self) -> &prometheus_client::metrics::histogram::Histogram {
+        &self.syncs
+    }
+
     /// Rebuilds the projection (newest snapshot + tail), then starts the writer.
     /// `progress(seq)` is called during long replays.
     pub fn open(
@@ -154,7 +170,10 @@ impl<P: Projection> Log<P> {
         let applied = Arc::new(AtomicU64::new(seq));
         let (tx, rx) = mpsc::channel(options.queue_max_requests.max(1));
         let (tail, _) = broadcast::channel(options.tail_max_batches.max(1));
+        let failed = Failure::default();
+        let syncs = sync_histogram();
         let writer = Writer {
+            syncs: syncs.clone(),
             rx,
             state: state.clone(),
             applied: applied.clone(),
@@ -164,7 +183,7 @@ impl<P: Projection> Log<P> {
             seq,
             last_at_ms,
             last_snapshot_seq: snapshot_seq,
-            failed: Failure::default(),
+            failed: failed.clone(),
             options,
         };
         let thread = std::thread::Builder::new()
@@ -178,6 +197,8 @@ impl<P: Projection> Log<P> {
             store,
             tail,
             thread: Mutex::new(Some(thread)),
+            failed,
+            syncs,
         })
     }
 
@@ -245,6 +266,11 @@ impl<P: Projection> Log<P> {
         self.state.read().expect("projection lock poisoned")
     }
 
+    /// Why the log's storage failed, once it has: the writer then takes no more events.
+    pub fn failure(&self) -> Option<String> {
+        self.failed.get()
+    }
+
     /// The seq of the last event applied to the projection: a cheap way to tell that nothing
     /// changed since a value was read (no lock).
     pub fn applied_seq(&self) -> u64 {
@@ -307,6 +333,7 @@ impl<P: Projection> Drop for Log<P> {
 }
 
 struct Writer<P: Projection> {
+    syncs: prometheus_client::metrics::histogram::Histogram,
     rx: mpsc::Receiver<Request<P>>,
     state: Arc<RwLock<P>>,
     applied: Arc<AtomicU64>,
@@ -391,6 +418,7 @@ fn run_syncer(
     failed: Failure,
     in_flight: Arc<AtomicUsize>,
     synced_seq: Arc<AtomicU64>,
+    syncs: prometheus_client::metrics::histogram::Histogram,
 ) {
     while let Ok(first) = rx.recv() {
         let mut group = vec![first];
@@ -401,7 +429,12 @@ fn run_syncer(
             Some(why) => Err(why),
             // An earlier sync covered it all (a group that wrote nothing new).
             None if synced_seq.load(Ordering::Acquire) >= up_to => Ok(()),
-            None => store.sync().map_err(|e| e.to_string()),
+            None => {
+                let watch = crate::clock::Stopwatch::start();
+                let r = store.sync().map_err(|e| e.to_string());
+                syncs.observe(watch.elapsed().as_secs_f64());
+                r
+            }
         };
         match synced {
             Ok(()) => {
@@ -434,9 +467,12 @@ impl<P: Projection> Writer<P> {
             let (store, tail, failed) =
                 (self.store.clone(), self.tail.clone(), self.failed.clone());
             let (in_flight, synced_seq) = (in_flight.clone(), synced_seq.clone());
+            let syncs = self.syncs.clone();
             std::thread::Builder::new()
                 .name("ebb-log-syncer".into())
-                .spawn(move || run_syncer(sync_rx, store, tail, failed, in_flight, synced_seq))
+                .spawn(move || {
+                    run_syncer(sync_rx, store, tail, failed, in_flight, synced_seq, syncs)
+                })
                 .expect("starting the log syncer thread")
         });
         let mut batch = RecordBatch::default();
@@ -540,7 +576,10 @@ impl<P: Projection> Writer<P> {
                 // save a thread hop. Every earlier group is acknowledged already, so
                 // acknowledgements stay in log order. (A batch nobody waits for goes to the
                 // syncer instead, so the writer is free for the decision likely to follow.)
-                match self.store.sync() {
+                let watch = crate::clock::Stopwatch::start();
+                let synced = self.store.sync();
+                self.syncs.observe(watch.elapsed().as_secs_f64());
+                match synced {
                     Ok(()) => {
                         synced_seq.fetch_max(self.seq, Ordering::AcqRel);
                         publish(vec![unsynced], &self.tail)

@@ -229,7 +229,8 @@ impl Slot {
 
     /// The replica answered with `status` (its head arrived now), reporting `load`
     /// (`X-Runner-Load`) if it did. A 5xx counts towards the replica's ejection.
-    pub fn answered(&self, status: u16, load: Option<f64>) {
+    /// Returns the time from the pick to the answer, in microseconds.
+    pub fn answered(&self, status: u16, load: Option<f64>) -> u64 {
         let rtt_us = discovery::now_us().saturating_sub(self.started_us);
         if let Some(l) = load {
             self.replica().inst.set_load_factor(l);
@@ -239,6 +240,7 @@ impl Slot {
             failed: status >= 500,
         };
         self.outcome.store(encode(outcome), Ordering::Relaxed);
+        rtt_us
     }
 
     /// No answer came: the connection failed or broke.

@@ -85,6 +85,8 @@ struct Request {
     close: bool,
     /// Its hash key, when its route's policy hashes on something of the request.
     key: Option<u64>,
+    /// Where its id (`X-Request-Id`, the client's or one made here) is in the backend head.
+    id: std::ops::Range<usize>,
 }
 
 enum Parsed {
@@ -369,7 +371,9 @@ async fn exchange(
     let mut pooled_allowed = true;
     loop {
         let ready = async {
-            let slot = proxy.endpoint(entry, avoid, req.key).await?;
+            let slot = proxy
+                .endpoint(entry, avoid, req.key, &head[req.id.clone()])
+                .await?;
             let conn =
                 backend_conn(proxy, slot.replica(), pooled_allowed, has_body, progress).await;
             Ok::<_, Refusal>((slot, conn))
@@ -378,6 +382,7 @@ async fn exchange(
             r = ready => match r {
                 Ok(got) => got,
                 Err(refusal) => {
+                    entry.traffic.answered(refusal.status.as_u16(), None);
                     return write_refusal(&mut cw, out, proxy, &refusal, has_body)
                         .await
                         .is_ok()
@@ -411,6 +416,7 @@ async fn exchange(
             Err(e) => {
                 slot.failed();
                 let refusal = Refusal::bad_gateway(format!("backend {addr}: {e}"));
+                entry.traffic.answered(refusal.status.as_u16(), None);
                 return write_refusal(&mut cw, out, proxy, &refusal, has_body)
                     .await
                     .is_ok()
@@ -452,6 +458,7 @@ async fn exchange(
                         client_wants_close: req.close,
                         opening,
                         slot: &slot,
+                        traffic: &entry.traffic,
                     };
                     relay_response(&mut br, bbuf, &mut cw, to).await
                 };
@@ -504,6 +511,7 @@ async fn exchange(
                 } else {
                     Refusal::bad_gateway(format!("backend {addr}: {}", e.message))
                 };
+                entry.traffic.answered(refusal.status.as_u16(), None);
                 let _ = write_refusal(&mut cw, out, proxy, &refusal, true).await;
                 return false;
             }
@@ -605,6 +613,7 @@ where
         client_wants_close: req.close,
         opening,
         slot,
+        traffic: &req.entry.traffic,
     };
     let recv = relay_response(&mut br, bbuf, cw, to);
     tokio::pin!(recv);
@@ -703,6 +712,8 @@ struct Relay<'a, 'c> {
     opening: Option<&'a Settling>,
     /// The request's slot, told of the answer's head.
     slot: &'a Slot,
+    /// The route's traffic, which counts the answer.
+    traffic: &'a super::RouteTraffic,
 }
 
 /// Reads the backend's response and writes it to the client.
@@ -724,6 +735,7 @@ where
         client_wants_close,
         opening,
         slot,
+        traffic,
     } = to;
     let mut got_any = false;
     loop {
@@ -760,7 +772,8 @@ where
         };
         bbuf.advance(resp.head_len);
         if !resp.interim {
-            slot.answered(resp.status, resp.load);
+            let rtt_us = slot.answered(resp.status, resp.load);
+            traffic.answered(resp.status, Some(rtt_us));
         }
         if resp.interim {
             if let Err(e) = cw.write_all(out).await {
@@ -1077,8 +1090,18 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(host.as_bytes());
     out.extend_from_slice(b"\r\n");
+    let mut id = 0..0;
     for h in headers {
         let name = h.name;
+        if name.eq_ignore_ascii_case(super::request_id::HEADER) {
+            // The first usable one is passed on; others are dropped.
+            if id.is_empty() && super::request_id::usable(h.value) {
+                let at = out.len() + name.len() + 2;
+                push_header(out, name.as_bytes(), h.value);
+                id = at..at + h.value.len();
+            }
+            continue;
+        }
         // The framing is written below from what was parsed, so `Connection` naming
         // Content-Length cannot take a body's framing away; Host was written above, from the
         // target's authority when it had one.
@@ -1102,6 +1125,13 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
         chunked.then_some(b"chunked".as_slice()),
         if chunked { None } else { length },
     );
+    if id.is_empty() {
+        out.extend_from_slice(b"x-request-id: ");
+        let at = out.len();
+        out.extend_from_slice(&super::request_id::make());
+        id = at..out.len();
+        out.extend_from_slice(b"\r\n");
+    }
     // X-Forwarded-For and Forwarded extend what earlier proxies said.
     out.extend_from_slice(b"x-forwarded-for: ");
     for h in headers
@@ -1157,6 +1187,7 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
             "GET" | "HEAD" | "OPTIONS" | "TRACE" | "PUT" | "DELETE"
         ),
         close: conn.close || (chunked && length.is_some()),
+        id,
     })
 }
 

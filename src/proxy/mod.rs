@@ -32,6 +32,7 @@ pub mod backends;
 pub mod chunked;
 mod h1;
 pub mod head;
+pub mod request_id;
 pub mod runtime;
 pub mod services;
 pub mod table;
@@ -60,6 +61,7 @@ use crate::scaler::{awake_replicas, decide_wake};
 use crate::state::State;
 use backends::{Backends, Slot};
 use table::{Entry, Table};
+use tracing::Instrument;
 pub use traffic::{InFlight, RouteTraffic, Traffic};
 
 /// Bodies the proxy sends and answers with.
@@ -91,6 +93,9 @@ pub struct ProxyOptions {
     /// What resolves their destinations (DNS, Kubernetes); none: only fixed addresses and
     /// `ebb://` destinations have instances.
     pub discovery: Option<Arc<crate::discovery::Cache>>,
+    /// At shutdown: how long requests under way and held requests may take to be answered once
+    /// ebb stops accepting connections; past it, the rest are cut.
+    pub drain_timeout_ms: u64,
 }
 
 impl Default for ProxyOptions {
@@ -105,6 +110,7 @@ impl Default for ProxyOptions {
             connect_attempt_ms: 50,
             services: Vec::new(),
             discovery: None,
+            drain_timeout_ms: 30_000,
         }
     }
 }
@@ -492,15 +498,48 @@ impl Proxy {
                                 }
                             };
                             proxy
+                                .clone()
                                 .serve(listener, async move {
                                     let _ = stop.changed().await;
                                 })
                                 .await;
+                            // The thread's connections go on until their requests are answered.
+                            proxy.drain().await;
                         });
                     })?,
             );
         }
         Ok(threads)
+    }
+
+    /// Requests under way or held, on every route.
+    pub fn busy(&self) -> u64 {
+        self.traffic
+            .all()
+            .iter()
+            .map(|(_, t)| t.in_flight() + u64::from(t.held()))
+            .sum()
+    }
+
+    /// Waits until no request is under way or held, for at most the drain timeout.
+    pub async fn drain(&self) {
+        let limit = Duration::from_millis(self.options.drain_timeout_ms);
+        let watch = crate::clock::Stopwatch::start();
+        loop {
+            let busy = self.busy();
+            if busy == 0 {
+                return;
+            }
+            if watch.elapsed() >= limit {
+                tracing::warn!(
+                    requests = busy,
+                    drain_timeout_ms = self.options.drain_timeout_ms,
+                    "shutting down with requests still under way: they are cut"
+                );
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Accepts connections until `shutdown` resolves.
@@ -597,6 +636,7 @@ impl Proxy {
             parts.headers.insert(header::UPGRADE, proto.clone());
         }
         add_forwarded(&mut parts.headers, peer, &host);
+        let id = ensure_request_id(&mut parts.headers);
         let key = key_of(&route.policy, &path, &parts.headers, peer);
         let path = match hyper::http::uri::PathAndQuery::try_from(path.as_str()) {
             Ok(p) => p,
@@ -606,9 +646,12 @@ impl Proxy {
         // A replica that refused or reset the connection is avoided on the retry.
         let mut failed: Option<SocketAddr> = None;
         loop {
-            let slot = match self.endpoint(&entry, failed, key).await {
+            let slot = match self.endpoint(&entry, failed, key, id.as_bytes()).await {
                 Ok(s) => s,
-                Err(refusal) => return refusal.into_response(self.options.retry_after_s),
+                Err(refusal) => {
+                    entry.traffic.answered(refusal.status.as_u16(), None);
+                    return refusal.into_response(self.options.retry_after_s);
+                }
             };
             let addr = slot.addr();
             let out = match to_backend(&parts, body.take().unwrap_or_else(empty), addr, &path) {
@@ -622,7 +665,10 @@ impl Proxy {
                             .headers()
                             .get("x-runner-load")
                             .and_then(|v| crate::discovery::parse_load(v.as_bytes()));
-                        slot.answered(resp.status().as_u16(), load);
+                        let rtt_us = slot.answered(resp.status().as_u16(), load);
+                        entry.traffic.answered(resp.status().as_u16(), Some(rtt_us));
+                    } else {
+                        entry.traffic.answered(101, None);
                     }
                     if resp.status() == StatusCode::SWITCHING_PROTOCOLS
                         && let Some(client_upgrade) = client_upgrade
@@ -657,6 +703,7 @@ impl Proxy {
                 }
                 Err(e) => {
                     slot.failed();
+                    entry.traffic.answered(502, None);
                     return json_error(
                         StatusCode::BAD_GATEWAY,
                         "backend_error",
@@ -717,6 +764,7 @@ impl Proxy {
         }
         change_headers(&mut parts.headers, &route.request_headers);
         add_forwarded(&mut parts.headers, peer, &host);
+        let id = ensure_request_id(&mut parts.headers);
         let key = key_of(&dest.policy, &target, &parts.headers, peer);
         let path = match hyper::http::uri::PathAndQuery::try_from(sent.as_str()) {
             Ok(p) => p,
@@ -734,7 +782,10 @@ impl Proxy {
         };
         loop {
             let slot = match &app {
-                Some(entry) => match self.endpoint_on(entry, failed, key, &ready).await {
+                Some(entry) => match self
+                    .endpoint_on(entry, failed, key, id.as_bytes(), &ready)
+                    .await
+                {
                     Ok(slot) => slot,
                     Err(r) => return r.into_response(self.options.retry_after_s),
                 },
@@ -764,7 +815,10 @@ impl Proxy {
                         .headers()
                         .get("x-runner-load")
                         .and_then(|v| crate::discovery::parse_load(v.as_bytes()));
-                    slot.answered(resp.status().as_u16(), load);
+                    let rtt_us = slot.answered(resp.status().as_u16(), load);
+                    if let Some(entry) = &app {
+                        entry.traffic.answered(resp.status().as_u16(), Some(rtt_us));
+                    }
                     let (mut parts, body) = resp.into_parts();
                     strip_hop_by_hop(&mut parts.headers);
                     change_headers(&mut parts.headers, &route.response_headers);
@@ -822,13 +876,15 @@ impl Proxy {
     /// none the request is held: the workload is woken when no replica is ready, and the request
     /// takes the first slot that a replica becoming ready or a request ending frees.
     /// `key`: the request's hash key, for a consistent-hash policy.
+    /// `id`: the request's id, for the lines logged about it while it is held.
     async fn endpoint(
         &self,
         entry: &Entry,
         avoid: Option<SocketAddr>,
         key: Option<u64>,
+        id: &[u8],
     ) -> Result<Slot, Refusal> {
-        self.endpoint_on(entry, avoid, key, &|| self.ready(entry))
+        self.endpoint_on(entry, avoid, key, id, &|| self.ready(entry))
             .await
     }
 
@@ -839,6 +895,7 @@ impl Proxy {
         entry: &Entry,
         avoid: Option<SocketAddr>,
         key: Option<u64>,
+        id: &[u8],
         ready: &(dyn Fn() -> Arc<backends::Ready> + Send + Sync),
     ) -> Result<Slot, Refusal> {
         let route = &entry.spec;
@@ -847,7 +904,13 @@ impl Proxy {
         if let Some(slot) = pick() {
             return Ok(slot);
         }
+        let span = tracing::info_span!(
+            "request",
+            id = %String::from_utf8_lossy(id),
+            route = %route.name
+        );
         let Some(_held) = entry.traffic.hold(route.hold_queue_max) else {
+            tracing::warn!(parent: &span, limit = route.hold_queue_max, "refused: the hold queue is full");
             return Err(Refusal::unavailable(
                 "hold_queue_full",
                 format!(
@@ -884,11 +947,14 @@ impl Proxy {
                     if let Some(guard) = entry.traffic.begin_wake() {
                         let (log, orch, route) =
                             (self.log.clone(), self.orch.clone(), route.clone());
-                        waking = Some(tokio::spawn(async move {
-                            let r = wake(&log, &*orch, &route).await;
-                            drop(guard);
-                            r
-                        }));
+                        waking = Some(tokio::spawn(
+                            async move {
+                                let r = wake(&log, &*orch, &route).await;
+                                drop(guard);
+                                r
+                            }
+                            .instrument(tracing::Span::current()),
+                        ));
                     }
                 }
                 tokio::select! {
@@ -908,7 +974,15 @@ impl Proxy {
                 }
             }
         };
-        match tokio::time::timeout(Duration::from_millis(route.hold_timeout_ms), wait).await {
+        tracing::info!(parent: &span, "held: no replica is free; waiting");
+        let watch = crate::clock::Stopwatch::start();
+        let waited = tokio::time::timeout(Duration::from_millis(route.hold_timeout_ms), wait)
+            .instrument(span.clone())
+            .await;
+        let held = watch.elapsed();
+        self.traffic.observe_hold(held);
+        let held_ms = held.as_millis() as u64;
+        let answer = match waited {
             Ok(Ok(slot)) => Ok(slot),
             Ok(Err(Some(e))) => Err(Refusal::unavailable("wake_failed", e)),
             _ if has_ready() => Err(Refusal::unavailable(
@@ -925,7 +999,16 @@ impl Proxy {
                     route.name, route.hold_timeout_ms
                 ),
             )),
+        };
+        match &answer {
+            Ok(slot) => {
+                tracing::info!(parent: &span, held_ms, replica = %slot.addr(), "forwarding")
+            }
+            Err(r) => {
+                tracing::warn!(parent: &span, held_ms, code = r.code, "refused: {}", r.message)
+            }
         }
+        answer
     }
 
     /// The route's ready replicas, read from the orchestrator only when it reported a change.
@@ -956,6 +1039,11 @@ async fn wake(log: &Log, orch: &dyn Orchestrator, route: &RouteSpec) -> Result<(
         orch.scale(&route.deployment, want)
             .map_err(|e| e.to_string())?;
     }
+    tracing::info!(
+        deployment = %route.deployment,
+        replicas = want.max(desired),
+        "woken: the wake is logged and the workload asked to scale"
+    );
     Ok(())
 }
 
@@ -1061,6 +1149,21 @@ fn backend_went_away(e: &hyper_util::client::legacy::Error) -> bool {
         source = s.source();
     }
     false
+}
+
+/// Keeps the client's first usable `X-Request-Id` (dropping any others) or adds one made here;
+/// returns it.
+fn ensure_request_id(headers: &mut HeaderMap) -> HeaderValue {
+    let given = headers
+        .get_all(request_id::HEADER)
+        .iter()
+        .find(|v| request_id::usable(v.as_bytes()))
+        .cloned();
+    let id = given.unwrap_or_else(|| {
+        HeaderValue::from_bytes(&request_id::make()).expect("hex digits are a header value")
+    });
+    headers.insert(request_id::HEADER, id.clone());
+    id
 }
 
 fn add_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: &str) {

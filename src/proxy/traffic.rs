@@ -7,10 +7,19 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 /// Traffic of every route this proxy has served.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Traffic {
     routes: RwLock<HashMap<String, Arc<RouteTraffic>>>,
+    /// How long held requests waited for a replica (`ebb_proxy_hold_duration_seconds`); only
+    /// requests that found no free replica are observed, off the fast path.
+    pub hold: prometheus_client::metrics::histogram::Histogram,
 }
+
+/// Buckets of the hold time, in seconds: a wake takes tens of milliseconds for a local process
+/// and seconds for a pod.
+pub const HOLD_BUCKETS: [f64; 12] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
 
 /// One route's traffic.
 #[derive(Debug, Default)]
@@ -22,6 +31,44 @@ pub struct RouteTraffic {
     flushed: AtomicU64,
     last_at_ms: AtomicU64,
     waking: std::sync::atomic::AtomicBool,
+    /// Answers by status class and the replicas' answer times.
+    answers: Answers,
+}
+
+/// Upper bounds of the answer-time buckets, in microseconds (one more bucket above them all).
+pub const ANSWER_BOUNDS_US: [u64; 12] = [
+    250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000, 5_000_000,
+];
+
+/// A route's answers: a counter per status class and a histogram of the time from a replica
+/// being picked to its answer's head, kept in atomics (three relaxed additions per answer).
+#[derive(Debug, Default)]
+struct Answers {
+    /// 1xx to 5xx.
+    classes: [AtomicU64; 5],
+    /// Answers from replicas by time bucket; the last counts those above every bound.
+    buckets: [AtomicU64; ANSWER_BOUNDS_US.len() + 1],
+    sum_us: AtomicU64,
+}
+
+/// A route's answer-time histogram as read: sum in seconds, count, and per bucket (upper bound
+/// in seconds, answers in it) with `+Inf` last.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AnswerTimes {
+    pub sum_s: f64,
+    pub count: u64,
+    pub buckets: Vec<(f64, u64)>,
+}
+
+impl AnswerTimes {
+    /// Adds another route's histogram (for the routes summed under one label).
+    pub fn add(&mut self, o: &AnswerTimes) {
+        self.sum_s += o.sum_s;
+        self.count += o.count;
+        for (a, b) in self.buckets.iter_mut().zip(&o.buckets) {
+            a.1 += b.1;
+        }
+    }
 }
 
 /// Marks a wake of the route under way until dropped.
@@ -54,7 +101,21 @@ impl Drop for Held {
     }
 }
 
+impl Default for Traffic {
+    fn default() -> Self {
+        Self {
+            routes: RwLock::default(),
+            hold: prometheus_client::metrics::histogram::Histogram::new(HOLD_BUCKETS),
+        }
+    }
+}
+
 impl Traffic {
+    /// Counts one held request's wait.
+    pub fn observe_hold(&self, held: std::time::Duration) {
+        self.hold.observe(held.as_secs_f64());
+    }
+
     /// The route's counters, created on first use.
     pub fn route(&self, name: &str) -> Arc<RouteTraffic> {
         if let Some(r) = self.routes.read().expect("traffic lock").get(name) {
@@ -80,6 +141,51 @@ impl Traffic {
 }
 
 impl RouteTraffic {
+    /// Counts an answer with `status`: from a replica `rtt_us` after it was picked, or made by
+    /// ebb itself (a refusal: `None`).
+    pub fn answered(&self, status: u16, rtt_us: Option<u64>) {
+        let class = usize::from((status / 100).clamp(1, 5)) - 1;
+        let a = &self.answers;
+        a.classes[class].fetch_add(1, Ordering::Relaxed);
+        if let Some(us) = rtt_us {
+            let i = ANSWER_BOUNDS_US
+                .iter()
+                .position(|b| us <= *b)
+                .unwrap_or(ANSWER_BOUNDS_US.len());
+            a.buckets[i].fetch_add(1, Ordering::Relaxed);
+            a.sum_us.fetch_add(us, Ordering::Relaxed);
+        }
+    }
+
+    /// Answers so far by status class (1xx to 5xx).
+    pub fn classes(&self) -> [u64; 5] {
+        std::array::from_fn(|i| self.answers.classes[i].load(Ordering::Relaxed))
+    }
+
+    /// The replicas' answer times so far.
+    pub fn answer_times(&self) -> AnswerTimes {
+        let a = &self.answers;
+        let mut count = 0;
+        let buckets = a
+            .buckets
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let n = n.load(Ordering::Relaxed);
+                count += n;
+                let le = ANSWER_BOUNDS_US
+                    .get(i)
+                    .map_or(f64::INFINITY, |b| *b as f64 / 1e6);
+                (le, n)
+            })
+            .collect();
+        AnswerTimes {
+            sum_s: a.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
+            count,
+            buckets,
+        }
+    }
+
     /// A request arrived at `now_ms`.
     pub fn begin(self: &Arc<Self>, now_ms: u64) -> InFlight {
         self.in_flight.fetch_add(1, Ordering::AcqRel);

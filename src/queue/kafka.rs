@@ -626,6 +626,21 @@ impl Queue for KafkaQueue {
         false
     }
 
+    fn reachable(&self) -> QueueFuture<'_, ()> {
+        let producer = self.producer.clone();
+        let topic = self.options.topic.clone();
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || {
+                rdkafka::producer::Producer::client(&producer)
+                    .fetch_metadata(Some(&topic), Duration::from_millis(1_000))
+                    .map(|_| ())
+                    .map_err(kafka)
+            })
+            .await
+            .map_err(kafka)?
+        })
+    }
+
     fn stats(&self) -> QueueStats {
         let books = self.books();
         let reserved = books

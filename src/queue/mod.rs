@@ -106,6 +106,12 @@ pub trait Queue: Send + Sync {
     /// Current counts.
     fn stats(&self) -> QueueStats;
 
+    /// Whether the queue can be reached now (`/readyz`); the error says why not. A queue inside
+    /// this process always can.
+    fn reachable(&self) -> QueueFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+
     /// Whether a message's partition decides which runner reads it, so the call service may
     /// steer a call to the least-loaded runner by naming it. On Kafka it is only the message's
     /// key: the consumer group decides who reads which partition, and calls steered to a few
