@@ -1099,6 +1099,19 @@ fn print_state(out: &mut impl Write, s: &State, snapshot: u64) -> Result<()> {
             },
             r.requests_total
         )?;
+        // The last decision about its replicas, and why.
+        if let Some(d) = d.filter(|d| d.desired_at_ms > 0) {
+            writeln!(
+                out,
+                "  {:<20} asked for {} at {}{}",
+                "",
+                d.desired,
+                format_time(d.desired_at_ms),
+                d.reason
+                    .map(|r| format!(" ({})", format!("{r:?}").to_lowercase()))
+                    .unwrap_or_default()
+            )?;
+        }
     }
     let mut by_status = std::collections::BTreeMap::new();
     for c in s.calls.by_id.values() {

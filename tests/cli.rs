@@ -187,6 +187,12 @@ fn stats_dump_replay_and_explain_read_the_history() {
     assert_eq!(at3["routes"]["deployments"]["demo-app"]["replicas"], 1);
     assert!(at3["calls"]["by_id"].as_object().unwrap().is_empty());
 
+    // Readable: each route with its replicas, and the last decision about them and why.
+    let at3_text = ok(&ebb(&dir, &["replay", "--until", "3"]));
+    assert!(
+        at3_text.contains("asked for 1 at 2026-01-01T00:00:01.000Z (wake)"),
+        "{at3_text}"
+    );
     // By time: events are one second apart from T0, so 00:00:05.5 includes seqs 1..=6.
     let at_time: serde_json::Value = serde_json::from_str(&ok(&ebb(
         &dir,

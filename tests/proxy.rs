@@ -184,6 +184,17 @@ async fn idle_apps_stop_and_wake_again_but_not_during_a_long_request() {
     eventually("the idle replica stops", || !alive(pid)).await;
     let ev = events(&ebb.data);
     assert_eq!(count(&ev, "ScaleRequested", |e| e["reason"] == "idle"), 1);
+    // `ebb explain` says why, from the route's last use and its idle bound.
+    let story = common::ebb_ok(&ebb.data, &["explain", "route", "idle"]);
+    let down = story
+        .lines()
+        .find(|l| l.contains("ScaleRequested   scale idle from 1 to 0: "))
+        .unwrap_or_else(|| panic!("no idle scale-down in:\n{story}"));
+    assert!(
+        down.contains(": no request for ")
+            && down.ends_with(" (it scales to zero after 300 ms idle)"),
+        "{down}"
+    );
     // The next request wakes it again.
     let b = get(&c, ebb.proxy, "idle.localhost", "/pid").await;
     assert_eq!(b.status, 200);
@@ -768,7 +779,7 @@ async fn request_ids_reach_the_app_and_ebbs_json_lines() {
         Some(&config),
         None,
         &["--log-format", "json"],
-        &[("EBB_LOG", std::ffi::OsStr::new("info"))],
+        &[("EBB_LOG", std::ffi::OsStr::new("info,ebb::proxy=debug"))],
         Some(&log),
     );
     let id_of = |raw: &Raw| -> Vec<String> {

@@ -585,8 +585,11 @@ impl Calls {
             specs.push(spec);
         }
         self.put_calls(&specs).await?;
-        let ids = specs.iter().map(|s| s.id.clone()).collect();
+        let ids: Vec<String> = specs.iter().map(|s| s.id.clone()).collect();
         self.record_queued(specs).await?;
+        for id in &ids {
+            tracing::debug!(call = %id, "queued");
+        }
         Ok(ids)
     }
 
@@ -1014,6 +1017,7 @@ impl Calls {
                     let state = s.calls.get(&id).map_or(CallStatus::Error, |c| c.status);
                     let code = match verdict {
                         Some(StartVerdict::Accepted) => {
+                            tracing::debug!(call = %id, runner, "started");
                             return Started {
                                 id,
                                 started: true,
@@ -1240,7 +1244,7 @@ impl Calls {
             return self.finish_through_owners(runner, finishes).await;
         }
         let ids: Vec<String> = finishes.iter().map(|f| f.id.clone()).collect();
-        let runner = runner.to_owned();
+        let who = runner.to_owned();
         self.log
             .decide(move |s: &State, _| {
                 let mut seen = HashSet::new();
@@ -1248,7 +1252,7 @@ impl Calls {
                     .into_iter()
                     .filter(|f| seen.insert(f.id.clone()))
                     .filter_map(|f| {
-                        decide_finish(&s.calls, &f.id, &runner, f.outcome, f.result, f.log)
+                        decide_finish(&s.calls, &f.id, &who, f.outcome, f.result, f.log)
                     })
                     .collect();
                 (events, ())
@@ -1262,6 +1266,7 @@ impl Calls {
             ids.into_iter()
                 .map(|id| {
                     let state = s.calls.get(&id).map_or(CallStatus::Error, |c| c.status);
+                    tracing::debug!(call = %id, runner, ?state, "finished");
                     (id, state)
                 })
                 .collect()

@@ -364,6 +364,15 @@ impl Executor for ProxyExecutor {
             for (k, v) in &p.headers {
                 req = req.header(k, v);
             }
+            // The call's id is its request's id unless the caller gave one: ebb's lines about
+            // the request and the app's own carry it.
+            if !p
+                .headers
+                .iter()
+                .any(|(k, _)| k.eq_ignore_ascii_case(crate::proxy::request_id::HEADER))
+            {
+                req = req.header(crate::proxy::request_id::HEADER, &id);
+            }
             let req = match req.body(Full::new(Bytes::from(p.body.into_vec()))) {
                 Ok(r) => r,
                 Err(e) => return failed(id, format!("bad request: {e}")),

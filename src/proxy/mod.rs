@@ -904,6 +904,8 @@ impl Proxy {
         if let Some(slot) = pick() {
             return Ok(slot);
         }
+        // A span at `info`, so the wake's line (once per wake) carries the id of the request that
+        // woke it; each held request's own lines are at `debug` (a cold burst holds thousands).
         let span = tracing::info_span!(
             "request",
             id = %String::from_utf8_lossy(id),
@@ -974,7 +976,7 @@ impl Proxy {
                 }
             }
         };
-        tracing::info!(parent: &span, "held: no replica is free; waiting");
+        tracing::debug!(parent: &span, "held: no replica is free; waiting");
         let watch = crate::clock::Stopwatch::start();
         let waited = tokio::time::timeout(Duration::from_millis(route.hold_timeout_ms), wait)
             .instrument(span.clone())
