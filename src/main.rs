@@ -1175,6 +1175,13 @@ fn print_story(out: &mut impl Write, ex: &tools::Explanation) -> Result<()> {
             n => format!("{n} events"),
         }
     )?;
+    if ex.compacted_through > 0 {
+        writeln!(
+            out,
+            "(the log was compacted: events up to seq {} are only in its snapshot)",
+            ex.compacted_through
+        )?;
+    }
     let mut day = String::new();
     for line in &ex.story {
         let at = chrono::DateTime::from_timestamp_millis(line.at_ms as i64).unwrap_or_default();

@@ -77,8 +77,8 @@ struct Decided {
     cleaner_firings: Counter,
     /// From a cleaner's TTL passing to its firing.
     cleaner_lateness_seconds: Histogram,
-    /// Each cleaner's creation time and TTL (by name; removed when it is deleted).
-    cleaner_due: Mutex<HashMap<String, (u64, u64)>>,
+    /// Each cleaner's uid, creation time and TTL (by name; removed when it is deleted).
+    cleaner_due: Mutex<HashMap<String, (String, u64, u64)>>,
     /// Functions with a label of their own.
     functions_seen: Mutex<std::collections::HashSet<String>>,
     /// Events per durable batch the log's tail delivered.
@@ -235,7 +235,10 @@ impl Metrics {
             }
             let mut due = decided.cleaner_due.lock().expect("cleaners lock");
             for c in s.cleaners.by_name.values() {
-                due.insert(c.spec.name.clone(), (c.created_at_ms, c.spec.ttl_ms));
+                due.insert(
+                    c.spec.name.clone(),
+                    (c.spec.uid.clone(), c.created_at_ms, c.spec.ttl_ms),
+                );
             }
         });
         tokio::spawn(async move {
@@ -249,6 +252,8 @@ impl Metrics {
                     // Missed batches are not counted; the counters go on.
                     Err(RecvError::Lagged(n)) => {
                         tracing::warn!(batches = n, "metrics fell behind the log's tail");
+                        // Their starts may be among the missed events: never observed now.
+                        decided.pending_calls.lock().expect("calls lock").clear();
                     }
                     Err(RecvError::Closed) => return,
                 }
@@ -366,6 +371,16 @@ impl Decided {
                 };
                 self.calls_ended.get_or_create(&EndLabels { state }).inc();
             }
+            Event::CallRejected {
+                id,
+                reason: crate::event::RejectReason::AlreadyRunning,
+                ..
+            } => {
+                // A second start of a running call ends it as an error.
+                self.pending_calls.lock().expect("calls lock").remove(id);
+                let state = "error";
+                self.calls_ended.get_or_create(&EndLabels { state }).inc();
+            }
             Event::CallTimedOut { id } | Event::CallCancelled { id } => {
                 self.pending_calls.lock().expect("calls lock").remove(id);
                 let state = if matches!(env.event, Event::CallTimedOut { .. }) {
@@ -395,17 +410,23 @@ impl Decided {
                 } else {
                     cleaner.created_at_ms
                 };
-                // A changed cleaner keeps the time it was first created.
+                // A changed cleaner keeps the time it was first created; one created again
+                // (another uid) starts anew.
                 let mut due = self.cleaner_due.lock().expect("cleaners lock");
-                let d = due.entry(cleaner.name.clone()).or_insert((created, 0));
-                d.1 = cleaner.ttl_ms;
+                let d =
+                    due.entry(cleaner.name.clone())
+                        .or_insert((cleaner.uid.clone(), created, 0));
+                if d.0 != cleaner.uid {
+                    *d = (cleaner.uid.clone(), created, 0);
+                }
+                d.2 = cleaner.ttl_ms;
             }
             Event::CleanerEvaluated { evaluations, .. } => {
                 self.cleaner_evaluations.inc_by(u64::from(*evaluations));
             }
             Event::CleanerFired { name } => {
                 self.cleaner_firings.inc();
-                if let Some((created, ttl)) =
+                if let Some((_, created, ttl)) =
                     self.cleaner_due.lock().expect("cleaners lock").get(name)
                 {
                     let ms = env.at_ms.saturating_sub(created.saturating_add(*ttl));

@@ -355,10 +355,10 @@ fn tell(before: &State, env: &Envelope) -> String {
             )
         }
         Event::CleanerUpserted { cleaner } => {
-            let verb = if before.cleaners.by_name.contains_key(&cleaner.name) {
-                "changed"
-            } else {
-                "created"
+            // The same name with another uid is a new cleaner.
+            let verb = match before.cleaners.by_name.get(&cleaner.name) {
+                Some(c) if c.spec.uid == cleaner.uid => "changed",
+                _ => "created",
             };
             let targets: Vec<&str> = cleaner.targets.iter().map(|t| t.name.as_str()).collect();
             let mut s = format!(

@@ -123,6 +123,8 @@ pub struct Explanation {
     pub events: Vec<Envelope>,
     /// The object now, as JSON (null when it no longer exists).
     pub current: serde_json::Value,
+    /// After a compaction: events up to this seq are only in the snapshot, not told (0: none).
+    pub compacted_through: u64,
 }
 
 impl ExplainKind {
@@ -169,17 +171,18 @@ fn concerns(kind: ExplainKind, id: &str, deployments: &[String], event: &Event) 
 }
 
 /// Tells the events that shaped `kind id`, each from the state just before it: the whole log is
-/// replayed once (from the snapshot under the first stored record, after compaction). `None`
-/// when the log never mentions the object.
+/// replayed once (after a compaction, from the snapshot at the first stored record: the events
+/// before it are gone). `None` when the log never mentions the object.
 pub fn explain(
     store: &dyn LogStore,
     kind: ExplainKind,
     id: &str,
     progress: &mut dyn FnMut(u64),
 ) -> Result<Option<Explanation>> {
+    // After a compaction the log starts at a snapshot's seq: tell what follows it, from it.
     let first = store.first_seq()?.unwrap_or(1);
     let mut state = if first > 1 {
-        open_state::<State>(store, Some(first - 1), &mut |_| {})?.0
+        open_state::<State>(store, Some(first), &mut |_| {})?.0
     } else {
         State::default()
     };
@@ -187,7 +190,7 @@ pub fn explain(
     let mut story = Vec::new();
     // A route's scaling events are its deployment's; remember every deployment it ever named.
     let mut deployments: Vec<String> = Vec::new();
-    for_each(store, first, u64::MAX, &mut |env, _| {
+    for_each(store, state.seq + 1, u64::MAX, &mut |env, _| {
         if env.seq % crate::log::replay::PROGRESS_EVERY == 0 {
             progress(env.seq);
         }
@@ -206,16 +209,18 @@ pub fn explain(
         }
         true
     })?;
-    if events.is_empty() {
+    let current = current(&state, kind, id);
+    // Unknown, unless its events were compacted away and it still stands.
+    if events.is_empty() && current.is_null() {
         return Ok(None);
     }
-    let current = current(&state, kind, id);
     Ok(Some(Explanation {
         kind: kind.name(),
         id: id.to_owned(),
         story,
         events,
         current,
+        compacted_through: if first > 1 { first } else { 0 },
     }))
 }
 

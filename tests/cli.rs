@@ -346,6 +346,13 @@ fn snapshot_and_compact_keep_the_state_and_drop_old_events() {
     assert!(ok(&ebb(&dir, &["log", "compact"])).contains("deleted 7 events before seq 8"));
     assert_eq!(ok(&ebb(&dir, &["replay", "--json"])), before);
     fails(&ebb(&dir, &["replay", "--until", "3"]), "compacted away");
+    // The route's events are gone but the route stands: explain says so.
+    let story = ok(&ebb(&dir, &["explain", "route", "demo"]));
+    assert!(
+        story.contains("route demo: 0 events")
+            && story.contains("events up to seq 8 are only in its snapshot"),
+        "{story}"
+    );
     let stats = ok(&ebb(&dir, &["log", "stats"]));
     assert!(stats.contains("8..=8 (1 events"), "{stats}");
 }

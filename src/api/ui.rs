@@ -323,7 +323,7 @@ async fn timeline(
     let store = app.log.store().clone();
     let route = q.route.clone();
     let (events, truncated) = tokio::task::spawn_blocking(move || {
-        let from = crate::tools::seq_at(&*store, since).unwrap_or(0) + 1;
+        let from = crate::tools::seq_at(&*store, since.saturating_sub(1)).unwrap_or(0) + 1;
         let mut out = std::collections::VecDeque::new();
         let mut truncated = false;
         crate::tools::for_each(&*store, from, u64::MAX, &mut |env, _| {
@@ -548,6 +548,23 @@ pub struct Told {
     pub replicas: Option<u32>,
 }
 
+impl Told {
+    /// The marker of skipped events (seq 0): dashboards read everything again.
+    fn resync() -> Told {
+        Told {
+            seq: 0,
+            at_ms: 0,
+            name: "",
+            kind: "other",
+            subject: String::new(),
+            routes: Vec::new(),
+            text: String::new(),
+            count: None,
+            replicas: None,
+        }
+    }
+}
+
 fn told(before: &State, env: &Envelope) -> Told {
     let (kind, subject) = env.event.subject();
     let routes = match kind {
@@ -636,6 +653,8 @@ async fn narrate(log: Weak<Log>, mut tail: crate::log::Tail, tx: broadcast::Send
                 );
                 let Some(s) = copy(&log) else { return };
                 state = s;
+                // Events were skipped: every dashboard reads it all again.
+                let _ = tx.send(Arc::new(Told::resync()));
             }
             Err(RecvError::Closed) => return,
         }
@@ -654,6 +673,7 @@ async fn events(Extract(app): Extract<AppState>, headers: HeaderMap) -> Result<R
         let event = tokio::select! {
             _ = stop.changed() => return None,
             r = rx.recv() => match r {
+                Ok(t) if t.seq == 0 => Sse::default().event("resync").data("{}"),
                 Ok(t) => Sse::default()
                     .event("log")
                     .id(t.seq.to_string())

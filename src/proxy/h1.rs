@@ -424,6 +424,7 @@ async fn exchange(
             }
         };
         let wrote = AtomicBool::new(false);
+        let counted = AtomicBool::new(false);
         // A new connection holds its opening until it answers or settles.
         let opening = opening.map(Opening::settling);
         let opening = opening.as_ref();
@@ -441,6 +442,7 @@ async fn exchange(
                     progress,
                     opening,
                     &slot,
+                    &counted,
                 )
                 .await
             } else {
@@ -459,6 +461,7 @@ async fn exchange(
                         opening,
                         slot: &slot,
                         traffic: &entry.traffic,
+                        counted: &counted,
                     };
                     relay_response(&mut br, bbuf, &mut cw, to).await
                 };
@@ -511,7 +514,9 @@ async fn exchange(
                 } else {
                     Refusal::bad_gateway(format!("backend {addr}: {}", e.message))
                 };
-                entry.traffic.answered(refusal.status.as_u16(), None);
+                if !counted.load(Ordering::Relaxed) {
+                    entry.traffic.answered(refusal.status.as_u16(), None);
+                }
                 let _ = write_refusal(&mut cw, out, proxy, &refusal, true).await;
                 return false;
             }
@@ -598,6 +603,7 @@ async fn relay_with_body<R, W>(
     progress: &Progress<'_>,
     opening: Option<&Settling>,
     slot: &Slot,
+    counted: &AtomicBool,
 ) -> Result<Relayed, RelayError>
 where
     R: AsyncRead + Unpin,
@@ -614,6 +620,7 @@ where
         opening,
         slot,
         traffic: &req.entry.traffic,
+        counted,
     };
     let recv = relay_response(&mut br, bbuf, cw, to);
     tokio::pin!(recv);
@@ -714,6 +721,8 @@ struct Relay<'a, 'c> {
     slot: &'a Slot,
     /// The route's traffic, which counts the answer.
     traffic: &'a super::RouteTraffic,
+    /// Set once the answer's head was counted: a failure after it is not another answer.
+    counted: &'a AtomicBool,
 }
 
 /// Reads the backend's response and writes it to the client.
@@ -736,6 +745,7 @@ where
         opening,
         slot,
         traffic,
+        counted,
     } = to;
     let mut got_any = false;
     loop {
@@ -774,6 +784,7 @@ where
         if !resp.interim {
             let rtt_us = slot.answered(resp.status, resp.load);
             traffic.answered(resp.status, Some(rtt_us));
+            counted.store(true, Ordering::Relaxed);
         }
         if resp.interim {
             if let Err(e) = cw.write_all(out).await {
@@ -1093,15 +1104,6 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
     let mut id = 0..0;
     for h in headers {
         let name = h.name;
-        if name.eq_ignore_ascii_case(super::request_id::HEADER) {
-            // The first usable one is passed on; others are dropped.
-            if id.is_empty() && super::request_id::usable(h.value) {
-                let at = out.len() + name.len() + 2;
-                push_header(out, name.as_bytes(), h.value);
-                id = at..at + h.value.len();
-            }
-            continue;
-        }
         // The framing is written below from what was parsed, so `Connection` naming
         // Content-Length cannot take a body's framing away; Host was written above, from the
         // target's authority when it had one.
@@ -1114,6 +1116,15 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
             || name.eq_ignore_ascii_case("x-forwarded-host")
             || name.eq_ignore_ascii_case("forwarded")
         {
+            continue;
+        }
+        if name.eq_ignore_ascii_case(super::request_id::HEADER) {
+            // The first usable one is passed on; others are dropped.
+            if id.is_empty() && super::request_id::usable(h.value) {
+                let at = out.len() + name.len() + 2;
+                push_header(out, name.as_bytes(), h.value);
+                id = at..at + h.value.len();
+            }
             continue;
         }
         push_header(out, name.as_bytes(), h.value);

@@ -512,13 +512,9 @@ impl Proxy {
         Ok(threads)
     }
 
-    /// Requests under way or held, on every route.
+    /// Requests under way on every route (held ones and open WebSocket tunnels included).
     pub fn busy(&self) -> u64 {
-        self.traffic
-            .all()
-            .iter()
-            .map(|(_, t)| t.in_flight() + u64::from(t.held()))
-            .sum()
+        self.traffic.all().iter().map(|(_, t)| t.in_flight()).sum()
     }
 
     /// Waits until no request is under way or held, for at most the drain timeout.
@@ -787,7 +783,10 @@ impl Proxy {
                     .await
                 {
                     Ok(slot) => slot,
-                    Err(r) => return r.into_response(self.options.retry_after_s),
+                    Err(r) => {
+                        entry.traffic.answered(r.status.as_u16(), None);
+                        return r.into_response(self.options.retry_after_s);
+                    }
                 },
                 None => match backends::take_slot(&ready(), failed, 0, key, &service.group) {
                     Some(slot) => slot,
@@ -838,6 +837,9 @@ impl Proxy {
                         tracing::debug!(service = %service.meta.id, %addr, error = %e, "instance went away; retrying");
                         failed = Some(addr);
                         continue;
+                    }
+                    if let Some(entry) = &app {
+                        entry.traffic.answered(502, None);
                     }
                     return json_error(
                         StatusCode::BAD_GATEWAY,

@@ -631,10 +631,14 @@ impl Queue for KafkaQueue {
         let topic = self.options.topic.clone();
         Box::pin(async move {
             tokio::task::spawn_blocking(move || {
-                rdkafka::producer::Producer::client(&producer)
+                let metadata = rdkafka::producer::Producer::client(&producer)
                     .fetch_metadata(Some(&topic), Duration::from_millis(1_000))
-                    .map(|_| ())
-                    .map_err(kafka)
+                    .map_err(kafka)?;
+                // A missing topic is an error of the topic's, not of the request.
+                match metadata.topics().iter().find_map(|t| t.error()) {
+                    Some(e) => Err(kafka(format!("topic {topic}: {e:?}"))),
+                    None => Ok(()),
+                }
             })
             .await
             .map_err(kafka)?

@@ -545,7 +545,9 @@ function onLogEvent(message) {
     mergeTimeline(state.route, [streamToTimeline(msg)]);
   }
   const s = state.story;
-  if (s && ((s.kind === msg.kind && s.id === msg.subject) || (s.kind === 'route' && routes.includes(s.id)))) {
+  // A route's story is read from the whole log: not again for each request count.
+  const counts = msg.name === 'RequestsSeen';
+  if (s && !counts && ((s.kind === msg.kind && s.id === msg.subject) || (s.kind === 'route' && routes.includes(s.id)))) {
     story.schedule();
   }
 }
