@@ -51,6 +51,21 @@ pub enum ScaleReason {
     Peer,
 }
 
+impl ScaleReason {
+    /// The reason's name, as in the log (`wake`, `idle`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            ScaleReason::Wake => "wake",
+            ScaleReason::Idle => "idle",
+            ScaleReason::Autoscale => "autoscale",
+            ScaleReason::Manual => "manual",
+            ScaleReason::Restart => "restart",
+            ScaleReason::Shutdown => "shutdown",
+            ScaleReason::Peer => "peer",
+        }
+    }
+}
+
 /// Whether a call's caller waits for its result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -181,6 +196,28 @@ pub struct RouteSpec {
     /// routes keep the default, and events stay small.
     #[serde(default, skip_serializing_if = "crate::discovery::Policy::is_default")]
     pub policy: Box<crate::discovery::Policy>,
+}
+
+#[cfg(test)]
+impl RouteSpec {
+    /// Route `name` on `domains` to deployment `NAME-dep`, idle after 1 s, 0..1 replicas, for
+    /// unit tests.
+    pub(crate) fn for_test(name: &str, domains: &[&str]) -> Self {
+        Self {
+            name: name.into(),
+            domains: domains.iter().map(|d| d.to_string()).collect(),
+            deployment: format!("{name}-dep"),
+            idle_after_ms: 1000,
+            min_replicas: 0,
+            max_replicas: 1,
+            hold_timeout_ms: 0,
+            hold_queue_max: 0,
+            process: None,
+            concurrency: 0,
+            max_connecting: 0,
+            policy: Default::default(),
+        }
+    }
 }
 
 /// Connections being opened to one replica at once when a route does not say.
@@ -498,16 +535,23 @@ pub enum Kind {
     Cleaner,
 }
 
-impl fmt::Display for Kind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
+impl Kind {
+    /// The kind's name (a template is a `function`).
+    pub fn name(self) -> &'static str {
+        match self {
             Kind::Route => "route",
             Kind::Deployment => "deployment",
             Kind::Call => "call",
             Kind::Template => "function",
             Kind::Instance => "instance",
             Kind::Cleaner => "cleaner",
-        })
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
     }
 }
 

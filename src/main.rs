@@ -1108,7 +1108,7 @@ fn print_state(out: &mut impl Write, s: &State, snapshot: u64) -> Result<()> {
                 d.desired,
                 format_time(d.desired_at_ms),
                 d.reason
-                    .map(|r| format!(" ({})", format!("{r:?}").to_lowercase()))
+                    .map(|r| format!(" ({})", r.name()))
                     .unwrap_or_default()
             )?;
         }

@@ -270,19 +270,6 @@ impl Metrics {
     }
 }
 
-/// The name of a scale reason, as in the log.
-fn reason_name(r: ScaleReason) -> &'static str {
-    match r {
-        ScaleReason::Wake => "wake",
-        ScaleReason::Idle => "idle",
-        ScaleReason::Autoscale => "autoscale",
-        ScaleReason::Manual => "manual",
-        ScaleReason::Restart => "restart",
-        ScaleReason::Shutdown => "shutdown",
-        ScaleReason::Peer => "peer",
-    }
-}
-
 impl Decided {
     fn new(max_functions: usize) -> Decided {
         Decided {
@@ -323,7 +310,7 @@ impl Decided {
                 let direction = if to > from { "up" } else { "down" };
                 self.scale_decisions
                     .get_or_create(&ScaleLabels {
-                        reason: reason_name(*reason),
+                        reason: reason.name(),
                         direction,
                     })
                     .inc();
@@ -499,16 +486,6 @@ impl EncodeMetric for ReadHistogram<'_> {
     }
 }
 
-/// Every call state's name, in order.
-const CALL_STATES: [(CallStatus, &str); 6] = [
-    (CallStatus::Queued, "queued"),
-    (CallStatus::Running, "running"),
-    (CallStatus::Success, "success"),
-    (CallStatus::Error, "error"),
-    (CallStatus::Timeout, "timeout"),
-    (CallStatus::Cancelled, "cancelled"),
-];
-
 impl Scraped {
     /// Seconds of events since the newest snapshot (its last event's time to the log's last);
     /// `None` before the first snapshot.
@@ -656,23 +633,15 @@ impl Collector for Scraped {
             gauge(|f| f.ready),
         )?;
 
-        let (calls, seq) = self.0.log.read(|st| {
-            let mut n = [0u64; CALL_STATES.len()];
-            for c in st.calls.by_id.values() {
-                if let Some(i) = CALL_STATES.iter().position(|(s, _)| *s == c.status) {
-                    n[i] += 1;
-                }
-            }
-            (n, st.seq)
-        });
+        let (calls, seq) = self.0.log.read(|st| (st.calls.count_by_status(), st.seq));
         let mut family = encoder.encode_descriptor(
             "ebb_calls",
             "Calls the log keeps, by state (ended ones until the retention forgets them).",
             None,
             MetricType::Gauge,
         )?;
-        for ((_, state), n) in CALL_STATES.iter().zip(calls) {
-            let labels = [("state", *state)];
+        for (state, n) in CallStatus::ALL.iter().zip(calls) {
+            let labels = [("state", state.name())];
             ConstGauge::new(n as i64).encode(family.encode_family(&labels)?)?;
         }
         if let Some(q) = &self.0.queue {

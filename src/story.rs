@@ -468,18 +468,9 @@ mod tests {
 
     fn route() -> RouteSpec {
         RouteSpec {
-            name: "demo".into(),
-            domains: vec!["demo.localhost".into()],
             deployment: "demo".into(),
             idle_after_ms: 300_000,
-            min_replicas: 0,
-            max_replicas: 1,
-            hold_timeout_ms: 0,
-            hold_queue_max: 0,
-            process: None,
-            concurrency: 0,
-            max_connecting: 0,
-            policy: Box::default(),
+            ..RouteSpec::for_test("demo", &["demo.localhost"])
         }
     }
 

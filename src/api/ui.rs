@@ -176,22 +176,11 @@ async fn overview(
             .map_or(0, |o| o.ready.len())
     };
     let (mut body, deployments) = app.log.read(|s| {
-        let mut by_state = serde_json::Map::new();
-        for st in [
-            "queued",
-            "running",
-            "success",
-            "error",
-            "timeout",
-            "cancelled",
-        ] {
-            by_state.insert(st.into(), json!(0));
-        }
-        for c in s.calls.by_id.values() {
-            let k = status_name(c.status);
-            let n = by_state[k].as_u64().unwrap_or(0) + 1;
-            by_state.insert(k.into(), json!(n));
-        }
+        let by_state: serde_json::Map<String, Value> = CallStatus::ALL
+            .iter()
+            .zip(s.calls.count_by_status())
+            .map(|(st, n)| (st.name().to_owned(), json!(n)))
+            .collect();
         let workloads: Vec<Value> = s
             .routes
             .by_name
@@ -286,17 +275,6 @@ async fn overview(
     Ok(no_store(body))
 }
 
-fn status_name(s: CallStatus) -> &'static str {
-    match s {
-        CallStatus::Queued => "queued",
-        CallStatus::Running => "running",
-        CallStatus::Success => "success",
-        CallStatus::Error => "error",
-        CallStatus::Timeout => "timeout",
-        CallStatus::Cancelled => "cancelled",
-    }
-}
-
 #[derive(Deserialize)]
 struct TimelineQuery {
     route: String,
@@ -377,7 +355,7 @@ fn timeline_item(env: &Envelope, route: &str, deployment: &str) -> Option<Value>
             "scale",
             None,
             None,
-            format!("asked to scale from {from} to {to} ({reason:?})").to_lowercase(),
+            format!("asked to scale from {from} to {to} ({})", reason.name()),
         ),
         Event::ScaledUp {
             deployment: d,
@@ -431,25 +409,15 @@ async fn calls(
         query.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_query", e.body_text()))?;
     let wanted = match q.state.as_deref() {
         None | Some("") | Some("all") => None,
-        Some(s) => Some(
-            [
-                CallStatus::Queued,
-                CallStatus::Running,
-                CallStatus::Success,
-                CallStatus::Error,
-                CallStatus::Timeout,
-                CallStatus::Cancelled,
-            ]
-            .into_iter()
-            .find(|st| status_name(*st) == s)
-            .ok_or_else(|| {
-                ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "bad_query",
-                    format!("unknown call state {s:?}: queued, running, success, error, timeout or cancelled"),
-                )
-            })?,
-        ),
+        Some(s) => Some(CallStatus::parse(s).ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_query",
+                format!(
+                    "unknown call state {s:?}: queued, running, success, error, timeout or cancelled"
+                ),
+            )
+        })?),
     };
     let limit = q.limit.unwrap_or(100).clamp(1, MAX_CALLS);
     let list: Vec<Value> = app.log.read(|s| {
@@ -465,7 +433,7 @@ async fn calls(
                     "id": c.spec.id,
                     "target": c.spec.target,
                     "kind": c.spec.kind,
-                    "status": status_name(c.status),
+                    "status": c.status.name(),
                     "queued_at_ms": c.created_at_ms,
                     "started_at_ms": c.started_at_ms,
                     "finished_at_ms": c.finished_at_ms,
@@ -588,14 +556,7 @@ fn told(before: &State, env: &Envelope) -> Told {
         seq: env.seq,
         at_ms: env.at_ms,
         name: env.event.name(),
-        kind: match kind {
-            Kind::Route => "route",
-            Kind::Deployment => "deployment",
-            Kind::Call => "call",
-            Kind::Template => "function",
-            Kind::Instance => "instance",
-            Kind::Cleaner => "cleaner",
-        },
+        kind: kind.name(),
         subject: subject.to_owned(),
         routes,
         text: crate::story::line(before, env).text,

@@ -40,6 +40,33 @@ pub enum StartVerdict {
 }
 
 impl CallStatus {
+    /// Every state, in order.
+    pub const ALL: [CallStatus; 6] = [
+        CallStatus::Queued,
+        CallStatus::Running,
+        CallStatus::Success,
+        CallStatus::Error,
+        CallStatus::Timeout,
+        CallStatus::Cancelled,
+    ];
+
+    /// The state's name, as in JSON (`queued`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            CallStatus::Queued => "queued",
+            CallStatus::Running => "running",
+            CallStatus::Success => "success",
+            CallStatus::Error => "error",
+            CallStatus::Timeout => "timeout",
+            CallStatus::Cancelled => "cancelled",
+        }
+    }
+
+    /// The state named `name`.
+    pub fn parse(name: &str) -> Option<CallStatus> {
+        Self::ALL.into_iter().find(|s| s.name() == name)
+    }
+
     /// Final states never change again.
     pub fn is_final(self) -> bool {
         !matches!(self, CallStatus::Queued | CallStatus::Running)
@@ -139,6 +166,15 @@ fn ended_before(c: &Call, before_ms: u64) -> bool {
 
 impl Calls {
     /// A call by id.
+    /// How many calls are in each state, in the order of [`CallStatus::ALL`].
+    pub fn count_by_status(&self) -> [u64; 6] {
+        let mut n = [0u64; 6];
+        for c in self.by_id.values() {
+            n[c.status as usize] += 1;
+        }
+        n
+    }
+
     pub fn get(&self, id: &str) -> Option<&Call> {
         self.by_id.get(id)
     }

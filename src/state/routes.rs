@@ -191,20 +191,7 @@ mod tests {
     use super::*;
 
     fn spec(name: &str, domains: &[&str]) -> RouteSpec {
-        RouteSpec {
-            name: name.into(),
-            domains: domains.iter().map(|d| d.to_string()).collect(),
-            deployment: format!("{name}-dep"),
-            idle_after_ms: 1000,
-            min_replicas: 0,
-            max_replicas: 1,
-            hold_timeout_ms: 0,
-            hold_queue_max: 0,
-            process: None,
-            concurrency: 0,
-            max_connecting: 0,
-            policy: Default::default(),
-        }
+        RouteSpec::for_test(name, domains)
     }
 
     #[test]
