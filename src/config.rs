@@ -135,11 +135,17 @@ impl Config {
             path: path.to_owned(),
             source,
         })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and checks the text of a config file; `path` names it in errors, and relative
+    /// working directories are taken from its directory.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, Error> {
         let invalid = |message: String| Error::Invalid {
             path: path.to_owned(),
             message,
         };
-        let mut cfg: Config = toml::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let mut cfg: Config = toml::from_str(text).map_err(|e| invalid(e.to_string()))?;
         let mut fn_names = std::collections::BTreeSet::new();
         for f in &cfg.functions {
             if !fn_names.insert(f.name.clone()) {

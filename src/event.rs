@@ -198,10 +198,9 @@ pub struct RouteSpec {
     pub policy: Box<crate::discovery::Policy>,
 }
 
-#[cfg(test)]
 impl RouteSpec {
     /// Route `name` on `domains` to deployment `NAME-dep`, idle after 1 s, 0..1 replicas, for
-    /// unit tests.
+    /// unit tests and the fuzz targets.
     pub(crate) fn for_test(name: &str, domains: &[&str]) -> Self {
         Self {
             name: name.into(),

@@ -14,6 +14,9 @@ pub mod discovery;
 pub mod event;
 pub mod example_app;
 pub mod functions;
+#[doc(hidden)]
+pub mod fuzzing;
+pub mod limits;
 pub mod log;
 pub mod metrics;
 pub mod mutation;
@@ -27,4 +30,5 @@ pub mod sim;
 pub mod state;
 pub mod story;
 pub mod timing;
+pub mod tls;
 pub mod tools;

@@ -93,6 +93,10 @@ enum Command {
         /// Bearer token for the functions API (`/api/funcs`); without one it is disabled.
         #[arg(long, env = "EBB_API_TOKEN", hide_env_values = true)]
         api_token: Option<String>,
+        /// Token that signs in to the dashboard (`/ui`, read-only); without one the admin token
+        /// does.
+        #[arg(long, env = "EBB_DASHBOARD_TOKEN", hide_env_values = true)]
+        dashboard_token: Option<String>,
         /// Calls the built-in runner runs at once (0: none; external runners only).
         #[arg(long, default_value_t = 64)]
         runner_capacity: usize,
@@ -206,6 +210,26 @@ enum Command {
         /// for `release` there.
         #[arg(long, hide = true, env = "EBB_TEST_DOWNSCALE_GATE")]
         downscale_gate: Option<PathBuf>,
+        /// Serve the proxy over TLS with this certificate chain (PEM), read again when it
+        /// changes; with --tls-key.
+        #[arg(long, env = "EBB_TLS_CERT", requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// The proxy's TLS private key (PEM: PKCS#8, PKCS#1 or SEC1); with --tls-cert.
+        #[arg(long, env = "EBB_TLS_KEY", requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+        /// Serve ebb's own endpoints (the admin, runner and functions APIs, the dashboard,
+        /// /metrics) over TLS with this certificate chain (PEM); with --admin-tls-key.
+        #[arg(long, env = "EBB_ADMIN_TLS_CERT", requires = "admin_tls_key")]
+        admin_tls_cert: Option<PathBuf>,
+        /// Their TLS private key (PEM); with --admin-tls-cert.
+        #[arg(long, env = "EBB_ADMIN_TLS_KEY", requires = "admin_tls_cert")]
+        admin_tls_key: Option<PathBuf>,
+        /// A snapshot of the projections every this many events, and the events before the
+        /// previous snapshot deleted, so the log stays bounded (0: neither).
+        #[arg(long, env = "EBB_SNAPSHOT_EVERY_EVENTS", default_value_t = 200_000)]
+        snapshot_every_events: u64,
+        #[command(flatten)]
+        limits: ebb::limits::Limits,
     },
     /// Run calls from a remote ebb: dequeue, start, execute through ebb's proxy, finish.
     Runner {
@@ -462,6 +486,7 @@ fn run(cli: Cli) -> Result<()> {
             proxy_threads,
             runner_token,
             api_token,
+            dashboard_token,
             runner_capacity,
             cleaner_helm,
             dns_server,
@@ -494,19 +519,31 @@ fn run(cli: Cli) -> Result<()> {
             metrics_max_routes,
             drain_timeout_ms,
             downscale_gate,
+            tls_cert,
+            tls_key,
+            admin_tls_cert,
+            admin_tls_key,
+            snapshot_every_events,
+            limits,
         } => {
+            limits.check().map_err(anyhow::Error::msg)?;
             if let Some(seed) = balance_seed {
                 ebb::discovery::set_seed(seed);
             }
             serve(
                 ebb::serve::ServeOptions {
                     data_dir: dir.clone(),
+                    limits,
+                    snapshot_every_events,
+                    tls: tls_cert.zip(tls_key),
+                    admin_tls: admin_tls_cert.zip(admin_tls_key),
                     config,
                     listen,
                     admin_listen,
                     admin_token,
                     runner_token,
                     api_token,
+                    dashboard_token,
                     runner_capacity,
                     cleaner_helm,
                     dns_server,
@@ -514,6 +551,7 @@ fn run(cli: Cli) -> Result<()> {
                         runner_lease_ms,
                         retention_ms: call_retention_ms,
                         forget_every_ms: call_retention_ms.clamp(1, 60_000),
+                        max_queued_per_target: limits.max_queued_per_target,
                         ..ebb::calls::CallOptions::default()
                     },
                     functions: ebb::functions::Autoscale {
@@ -795,6 +833,12 @@ fn serve(options: ebb::serve::ServeOptions, durability: Durability) -> Result<()
     let rt = runtime()?;
     rt.block_on(async { ebb::serve::run(options, log.clone(), shutdown_signal()).await })?;
     drop(rt);
+    if let Some(why) = log.failure() {
+        bail!(
+            "the log failed ({why}); ebb stopped. Start it again once the disk has room: it \
+             recovers from the log"
+        );
+    }
     if let Ok(log) = Arc::try_unwrap(log) {
         log.close();
     }

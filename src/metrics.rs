@@ -596,6 +596,16 @@ impl Collector for Scraped {
             gauge(|f| f.held),
         )?;
         let mut family = encoder.encode_descriptor(
+            "ebb_limit_refusals",
+            "What a limit refused (or stopped), by the limit's setting.",
+            None,
+            MetricType::Counter,
+        )?;
+        for limit in crate::limits::Limit::ALL {
+            let labels = [("limit", limit.name())];
+            ConstCounter::new(limit.hits()).encode(family.encode_family(&labels)?)?;
+        }
+        let mut family = encoder.encode_descriptor(
             "ebb_proxy_responses",
             "Answers to a route's requests by status class (ebb's own refusals included).",
             None,

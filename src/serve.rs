@@ -33,6 +33,16 @@ pub struct ServeOptions {
     pub data_dir: PathBuf,
     /// `ebb.toml`, if any.
     pub config: Option<PathBuf>,
+    /// The bounds clients can reach.
+    pub limits: crate::limits::Limits,
+    /// The proxy's TLS certificate chain and key (PEM), read again when they change; none:
+    /// plain HTTP.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// The same for ebb's own endpoints (the admin, runner and functions APIs, the dashboard).
+    pub admin_tls: Option<(PathBuf, PathBuf)>,
+    /// A snapshot of the projections every this many events, and the events before the
+    /// snapshot before it deleted (0: neither; the log grows).
+    pub snapshot_every_events: u64,
     /// Where the proxy listens.
     pub listen: SocketAddr,
     /// Where ebb's own endpoints (`/healthz`) listen.
@@ -47,6 +57,8 @@ pub struct ServeOptions {
     pub runner_token: Option<String>,
     /// Bearer token of the functions API (`None`: the functions API is disabled).
     pub api_token: Option<String>,
+    /// The dashboard's token (`None`: the admin token signs in).
+    pub dashboard_token: Option<String>,
     /// Bounds of the call service.
     pub calls: CallOptions,
     /// The function autoscaler.
@@ -98,6 +110,63 @@ fn peer_service(
     }
     crate::discovery::k8s::check(&id).map_err(|e| anyhow::anyhow!("--peer-service: {e}"))?;
     Ok(id)
+}
+
+/// How often `ebb serve` looks for a failure of its log.
+const LOG_FAILURE_CHECK: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// How often the compactor looks at the log's length.
+const COMPACTION_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Keeps the log bounded: each `every` events a snapshot of the projections, then the events
+/// (and snapshots) before the previous snapshot deleted. One interval of events stays readable
+/// for `ebb explain` and the dashboard's timeline; what is older is told from the snapshot.
+async fn run_compaction(log: Arc<Log>, every: u64, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(COMPACTION_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let store = log.store().clone();
+        let snapshots = match tokio::task::spawn_blocking(move || store.snapshot_seqs()).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "reading the log's snapshots failed");
+                continue;
+            }
+            Err(_) => continue,
+        };
+        let previous = snapshots.last().copied().unwrap_or(0);
+        if log.applied_seq().saturating_sub(previous) < every {
+            continue;
+        }
+        let seq = match log.snapshot().await {
+            Ok(seq) => seq,
+            Err(e) => {
+                tracing::warn!(error = %e, "taking a snapshot failed");
+                continue;
+            }
+        };
+        if previous == 0 {
+            tracing::info!(seq, "snapshot taken");
+            continue;
+        }
+        let store = log.store().clone();
+        match tokio::task::spawn_blocking(move || store.delete_before(previous)).await {
+            Ok(Ok(deleted)) => {
+                tracing::info!(
+                    seq,
+                    deleted,
+                    before = previous,
+                    "snapshot taken; log compacted"
+                )
+            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "compacting the log failed"),
+            Err(_) => {}
+        }
+    }
 }
 
 /// Routes from the config file that differ from the log's, as events.
@@ -303,6 +372,23 @@ pub async fn run(
         },
         balanced.clone(),
     ));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    // TLS: the certificates load now (a bad pair stops the start) and are watched for changes.
+    let certs = |what: &'static str, pair: &Option<(PathBuf, PathBuf)>, alpn: &[&[u8]]| {
+        pair.as_ref()
+            .map(|(cert, key)| {
+                let reloading = crate::tls::Reloading::new(cert, key)
+                    .map_err(|e| anyhow::anyhow!("{what} TLS: {e}"))?;
+                let acceptor = reloading
+                    .acceptor(alpn)
+                    .map_err(|e| anyhow::anyhow!("{what} TLS: {e}"))?;
+                tokio::spawn(reloading.watch(what, stop_rx.clone()));
+                anyhow::Ok(acceptor)
+            })
+            .transpose()
+    };
+    let proxy_tls = certs("proxy", &options.tls, &[b"h2", b"http/1.1"])?;
+    let admin_tls = certs("admin", &options.admin_tls, &[b"http/1.1"])?;
     let traffic = Arc::new(Traffic::default());
     let proxy = Arc::new(Proxy::new(
         log.clone(),
@@ -313,15 +399,24 @@ pub async fn run(
             services: config.meta.clone(),
             discovery: Some(discovery.clone()),
             drain_timeout_ms: options.drain_timeout_ms,
+            client_idle_timeout_ms: options.limits.client_idle_timeout_ms,
+            limits: options.limits,
+            tls: proxy_tls.map(crate::proxy::Tls),
             ..ProxyOptions::default()
         },
     ));
-    let (stop_tx, stop_rx) = watch::channel(false);
     // On Kubernetes: the Service, EndpointSlice, scale and sync loops.
     let kube_task = kube.clone().map(|k| {
         tokio::spawn(crate::orchestrator::kube::run(
             log.clone(),
             k,
+            stop_rx.clone(),
+        ))
+    });
+    let compactor = (options.snapshot_every_events > 0).then(|| {
+        tokio::spawn(run_compaction(
+            log.clone(),
+            options.snapshot_every_events,
             stop_rx.clone(),
         ))
     });
@@ -360,7 +455,10 @@ pub async fn run(
             log.clone(),
             clock.clone(),
             crate::cleaner::local::LocalTargets::new(log.clone(), clock.clone()),
-            crate::cleaner::runtime::Options::default(),
+            crate::cleaner::runtime::Options {
+                limits: options.limits.cel(),
+                ..crate::cleaner::runtime::Options::default()
+            },
         )
         .only(crate::cleaner::local::is_local),
     );
@@ -409,7 +507,10 @@ pub async fn run(
                 namespace: ko.namespace.clone(),
                 instance: ko.instance.clone(),
                 helm: options.cleaner_helm.clone(),
-                options: crate::cleaner::runtime::Options::default(),
+                options: crate::cleaner::runtime::Options {
+                    limits: options.limits.cel(),
+                    ..crate::cleaner::runtime::Options::default()
+                },
             },
             ko.shared.leading.clone(),
             stop_rx.clone(),
@@ -480,7 +581,8 @@ pub async fn run(
         calls.clone(),
         clock.clone(),
         options.functions,
-    );
+    )
+    .with_max_steps(options.limits.max_instance_steps);
     let functions = Arc::new(match &kube {
         Some(_) => functions.on_kubernetes(),
         None => functions,
@@ -539,6 +641,7 @@ pub async fn run(
         log: log.clone(),
         orchestrator: Some(dyn_orch.clone()),
         admin_token: options.admin_token.clone(),
+        dashboard_token: options.dashboard_token.clone(),
         ebb_exe: exe.clone(),
         calls: Some(calls.clone()),
         runner_token: options.runner_token.clone(),
@@ -552,6 +655,7 @@ pub async fn run(
         }),
         metrics: Some(metrics),
         feed: Arc::new(crate::api::ui::Feed::new(stop_rx.clone())),
+        max_body_bytes: options.limits.max_api_body_bytes,
     });
     let admin_stopped = {
         let mut rx = stop_rx.clone();
@@ -559,21 +663,56 @@ pub async fn run(
             let _ = rx.changed().await;
         }
     };
+    let handshake = std::time::Duration::from_millis(options.limits.header_read_timeout_ms);
     let admin_task = tokio::spawn(async move {
-        use axum::serve::ListenerExt;
-        let admin_listener = admin_listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        axum::serve(admin_listener, admin)
-            .with_graceful_shutdown(admin_stopped)
-            .await
+        match admin_tls {
+            None => {
+                let admin_listener = crate::api::strict::StrictListener(admin_listener);
+                axum::serve(admin_listener, admin)
+                    .with_graceful_shutdown(admin_stopped)
+                    .await
+            }
+            Some(acceptor) => {
+                let listener = crate::tls::TlsListener::new(admin_listener, acceptor, handshake)?;
+                axum::serve(listener, admin)
+                    .with_graceful_shutdown(admin_stopped)
+                    .await
+            }
+        }
     });
 
     // Ready: the addresses are the signal tests and scripts wait for.
     tracing::info!(%proxy_addr, %admin_addr, apps = config.apps.len(), seq = log.read(|s| s.seq), "ebb is serving");
-    println!("ebb proxy listening on http://{proxy_addr}");
-    println!("ebb admin listening on http://{admin_addr}");
-    shutdown.await;
+    let scheme = |tls: &Option<(PathBuf, PathBuf)>| if tls.is_some() { "https" } else { "http" };
+    println!(
+        "ebb proxy listening on {}://{proxy_addr}",
+        scheme(&options.tls)
+    );
+    println!(
+        "ebb admin listening on {}://{admin_addr}",
+        scheme(&options.admin_tls)
+    );
+    // Fail-stop: once the log cannot be written (a full disk, an I/O error), ebb stops as it
+    // would on SIGTERM, and `ebb serve` then exits with the reason; started again with room, it
+    // recovers from the log, where nothing acknowledged is missing and nothing is half-written.
+    let log_failed = {
+        let log = log.clone();
+        async move {
+            let mut tick = tokio::time::interval(LOG_FAILURE_CHECK);
+            loop {
+                tick.tick().await;
+                if let Some(why) = log.failure() {
+                    return why;
+                }
+            }
+        }
+    };
+    tokio::select! {
+        () = shutdown => {}
+        why = log_failed => {
+            tracing::error!(error = %why, "the log failed: ebb stops (start it again once the disk has room)");
+        }
+    }
     let _ = stop_tx.send(true);
     // Calls under way get a moment to end and be reported; the rest time out.
     if let Some(runner) = runner
@@ -595,6 +734,9 @@ pub async fn run(
     })
     .await;
     let _ = flusher.await;
+    if let Some(c) = compactor {
+        let _ = c.await;
+    }
     if let Some(task) = kube_task {
         let _ = task.await;
     }

@@ -106,7 +106,7 @@ impl From<FnError> for ApiError {
                 "unknown_next_function",
                 e.to_string(),
             ),
-            FnError::Bound(_) => ApiError::new(StatusCode::CONFLICT, "step_bound", e.to_string()),
+            FnError::Bound(..) => ApiError::new(StatusCode::CONFLICT, "step_bound", e.to_string()),
             FnError::Calls(CallError::Queue(crate::queue::QueueError::Duplicate(_))) => {
                 ApiError::new(
                     StatusCode::CONFLICT,

@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod funcs;
 pub mod runner;
+pub mod strict;
 pub mod ui;
 
 use std::sync::Arc;
@@ -34,6 +35,8 @@ pub struct AppState {
     pub orchestrator: Option<Arc<dyn crate::orchestrator::Orchestrator>>,
     /// The admin API's bearer token; `None` disables the admin API.
     pub admin_token: Option<String>,
+    /// The dashboard's token (`/ui`); `None`: the admin token signs in.
+    pub dashboard_token: Option<String>,
     /// The ebb binary, for workloads whose program is `ebb`.
     pub ebb_exe: std::path::PathBuf,
     /// The call service behind the runner API, if this ebb runs one.
@@ -57,9 +60,12 @@ pub struct AppState {
     pub metrics: Option<Arc<crate::metrics::Metrics>>,
     /// The log's tail told in words, for the dashboard's live updates.
     pub feed: Arc<ui::Feed>,
+    /// The most bytes of a request body (`--max-api-body-bytes`; a function's arguments and a
+    /// template have smaller bounds of their own).
+    pub max_body_bytes: usize,
 }
 
-/// Largest request body ebb's own endpoints read.
+/// Largest request body ebb's own endpoints read by default (`--max-api-body-bytes`).
 pub const MAX_BODY_BYTES: usize = 16 << 20;
 
 /// Checks a bearer token in constant time. `what` names the API, `how` how to give it a token.
@@ -72,6 +78,7 @@ pub fn authorize_token(
     let Some(token) = token else {
         let code = match what {
             "admin" => "admin_disabled",
+            "dashboard" => "dashboard_disabled",
             "functions" => "functions_disabled",
             _ => "runner_disabled",
         };
@@ -97,14 +104,18 @@ pub fn authorize_token(
     }
 }
 
-/// Whether `given` is `token`, compared in constant time.
+/// Whether `given` is `token`, compared in constant time: how long it takes depends on the
+/// length of `given` alone, never on `token` (not even its length) nor on where they differ.
 pub fn token_matches(given: &str, token: &str) -> bool {
-    given.len() == token.len()
-        && given
-            .bytes()
-            .zip(token.bytes())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+    let (g, t) = (given.as_bytes(), token.as_bytes());
+    if t.is_empty() {
+        return false;
+    }
+    let mut diff = u8::from(g.len() != t.len());
+    for (i, b) in g.iter().enumerate() {
+        diff |= b ^ t[i % t.len()];
+    }
+    diff == 0
 }
 
 /// An API error: an HTTP status, a stable machine-readable code and a message for people.
@@ -231,6 +242,7 @@ pub async fn through_owner(
 
 /// The router of ebb's own endpoints.
 pub fn router(state: AppState) -> Router {
+    let max_body_bytes = state.max_body_bytes;
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
@@ -241,8 +253,44 @@ pub fn router(state: AppState) -> Router {
         .merge(funcs::router())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::extract::DefaultBodyLimit::max(max_body_bytes))
+        .layer(axum::middleware::from_fn(origin_form_only))
         .with_state(state)
+}
+
+/// ebb's endpoints are not a proxy: a request whose target names a host (absolute or authority
+/// form, CONNECT's) is refused rather than served as if it were for this server. A body refused
+/// for its size is answered in JSON.
+async fn origin_form_only(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    if req.uri().authority().is_some() || req.method() == axum::http::Method::CONNECT {
+        return ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_target",
+            "ebb's API takes a path as the request target, not a URL or a host",
+        )
+        .into_response();
+    }
+    let resp = next.run(req).await;
+    // A body over the bound refused by an extractor before its handler ran: answered in JSON
+    // like every other error.
+    let json = resp
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if resp.status() == StatusCode::PAYLOAD_TOO_LARGE && !json {
+        crate::limits::Limit::ApiBodyBytes.hit();
+        return ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+            "the request body is over the bound (--max-api-body-bytes)",
+        )
+        .into_response();
+    }
+    resp
 }
 
 /// Events the projection may trail the stored log by and still count as caught up (the writer

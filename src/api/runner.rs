@@ -46,11 +46,21 @@ impl From<CallError> for ApiError {
             e @ CallError::UnknownTarget(_) => {
                 ApiError::new(StatusCode::NOT_FOUND, "unknown_target", e.to_string())
             }
-            CallError::Queue(q @ QueueError::Full(_)) => ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "queue_full",
-                q.to_string(),
-            ),
+            CallError::TargetFull(m) => ApiError {
+                retry_after_s: Some(1),
+                ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "target_queue_full", m)
+            },
+            CallError::Queue(q @ QueueError::Full(_)) => {
+                crate::limits::Limit::Queued.hit();
+                ApiError {
+                    retry_after_s: Some(1),
+                    ..ApiError::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "queue_full",
+                        format!("{q} (--max-queued)"),
+                    )
+                }
+            }
             CallError::Queue(q) => ApiError::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "queue_failed",
@@ -90,6 +100,7 @@ fn calls_of(app: &AppState) -> Result<&std::sync::Arc<Calls>, ApiError> {
 /// A body that could not be read, as a JSON error (413 when too large).
 pub(super) fn rejection(e: BytesRejection) -> ApiError {
     if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        crate::limits::Limit::ApiBodyBytes.hit();
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             "payload_too_large",
@@ -534,4 +545,47 @@ async fn list(
         let next = if page.len() == limit { last } else { None };
         json!({ "calls": page, "next": next })
     })))
+}
+
+/// The fuzz target's check of the runner API's bodies (`fuzz/`): any bytes give each body or a
+/// reason, never a panic; a call's payload that passes its checks makes a request a runner can
+/// send.
+#[doc(hidden)]
+pub fn fuzz_bodies(bytes: &[u8]) {
+    if let Ok(b) = serde_json::from_slice::<EnqueueBody>(bytes) {
+        let calls = match b {
+            EnqueueBody::Batch { calls } => calls,
+            EnqueueBody::One(c) => vec![c],
+        };
+        for c in calls {
+            if let Some(id) = &c.id {
+                let _ = crate::peers::parse_id(id);
+            }
+            if let Ok(p) = crate::calls::payload(c.payload.unwrap_or_default(), 1 << 20) {
+                let method = hyper::Method::from_bytes(p.method.as_bytes());
+                assert!(method.is_ok(), "method {:?} passed its check", p.method);
+                let uri = format!("http://fuzz.test{}", p.path).parse::<hyper::Uri>();
+                assert!(uri.is_ok(), "path {:?} passed its check: {uri:?}", p.path);
+            }
+        }
+    }
+    if let Ok(b) = serde_json::from_slice::<DequeueBody>(bytes) {
+        let _ = runner_id(&b.runner);
+    }
+    if let Ok(b) = serde_json::from_slice::<StartBody>(bytes) {
+        let _ = runner_id(&b.runner);
+        for id in b.id.iter().chain(b.ids.iter().flatten()) {
+            let _ = crate::peers::parse_id(id);
+        }
+    }
+    if let Ok(b) = serde_json::from_slice::<FinishBody>(bytes) {
+        let items = match b {
+            FinishBody::Batch { calls, .. } => calls,
+            FinishBody::One { call, .. } => vec![call],
+        };
+        for f in items {
+            let _ = f.finish();
+        }
+    }
+    let _ = serde_json::from_slice::<StatesBody>(bytes);
 }

@@ -83,19 +83,26 @@ async fn page(body: &'static str, content_type: &'static str) -> Response {
     r
 }
 
-/// The admin token from the bearer header or the sign-in cookie.
+/// The dashboard's token: `--dashboard-token`, else the admin token.
+fn dashboard_token(app: &AppState) -> Option<&str> {
+    app.dashboard_token
+        .as_deref()
+        .or(app.admin_token.as_deref())
+}
+
+/// The dashboard's token from the bearer header or the sign-in cookie.
 fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    if let Some(token) = &app.admin_token
+    if let Some(token) = dashboard_token(app)
         && let Some(given) = cookie(headers, COOKIE)
         && token_matches(given, token)
     {
         return Ok(());
     }
     authorize_token(
-        app.admin_token.as_deref(),
+        dashboard_token(app),
         headers,
-        "admin",
-        "--admin-token or EBB_ADMIN_TOKEN",
+        "dashboard",
+        "--dashboard-token or EBB_DASHBOARD_TOKEN (or --admin-token)",
     )
 }
 
@@ -116,10 +123,14 @@ struct Login {
 }
 
 async fn login(Extract(app): Extract<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let Some(token) = &app.admin_token else {
-        return Err(
-            authorize_token(None, &HeaderMap::new(), "admin", "--admin-token").unwrap_err(),
-        );
+    let Some(token) = dashboard_token(&app) else {
+        return Err(authorize_token(
+            None,
+            &HeaderMap::new(),
+            "dashboard",
+            "--dashboard-token or --admin-token",
+        )
+        .unwrap_err());
     };
     let login: Login = serde_json::from_slice(&body).map_err(|e| {
         ApiError::new(
@@ -137,7 +148,7 @@ async fn login(Extract(app): Extract<AppState>, body: Bytes) -> Result<Response,
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
-            "wrong admin token",
+            "wrong dashboard token",
         ));
     }
     let set = format!(

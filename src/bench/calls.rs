@@ -179,6 +179,7 @@ async fn setup(
             log,
             orchestrator: None,
             admin_token: None,
+            dashboard_token: None,
             ebb_exe: std::env::current_exe()?,
             calls: Some(calls.clone()),
             runner_token: Some(TOKEN.into()),
@@ -187,6 +188,7 @@ async fn setup(
             ready: None,
             metrics: None,
             feed: Arc::new(crate::api::ui::Feed::new(stop_rx.clone())),
+            max_body_bytes: crate::api::MAX_BODY_BYTES,
         });
         use axum::serve::ListenerExt;
         let listener = listener.tap_io(|tcp| {

@@ -66,6 +66,8 @@ pub struct CallOptions {
     pub retention_ms: u64,
     /// How often the retention is applied.
     pub forget_every_ms: u64,
+    /// Calls queued for one target at once (`--max-queued-per-target`).
+    pub max_queued_per_target: usize,
 }
 
 impl Default for CallOptions {
@@ -83,6 +85,7 @@ impl Default for CallOptions {
             max_runners: 10_000,
             retention_ms: 3_600_000,
             forget_every_ms: 60_000,
+            max_queued_per_target: 100_000,
         }
     }
 }
@@ -149,6 +152,54 @@ pub struct PayloadIn {
     pub body: Option<String>,
     #[serde(default)]
     pub body_base64: Option<String>,
+}
+
+/// Validates a call's HTTP request as given to the API: a method, an absolute path, valid
+/// headers and a body given once (as text or base64) within `max_payload_bytes`.
+pub fn payload(p: PayloadIn, max_payload_bytes: usize) -> Result<Payload, CallError> {
+    let body = match (p.body, p.body_base64) {
+        (Some(_), Some(_)) => {
+            return Err(CallError::Bad(
+                "give the payload body as body or body_base64, not both".into(),
+            ));
+        }
+        (Some(text), None) => text.into_bytes(),
+        (None, Some(b64)) => {
+            use base64::Engine as _;
+            base64::engine::general_purpose::STANDARD
+                .decode(b64.as_bytes())
+                .map_err(|e| CallError::Bad(format!("body_base64: {e}")))?
+        }
+        (None, None) => Vec::new(),
+    };
+    if body.len() > max_payload_bytes {
+        return Err(CallError::TooLarge(format!(
+            "the payload body has {} bytes; the bound is {}",
+            body.len(),
+            max_payload_bytes
+        )));
+    }
+    let method = p.method.unwrap_or_else(|| "POST".into());
+    if method.is_empty() || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
+        return Err(CallError::Bad(format!("bad method {method:?}")));
+    }
+    let path = p.path.unwrap_or_else(|| "/".into());
+    if !path.starts_with('/') || path.bytes().any(|b| b.is_ascii_control() || b == b' ') {
+        return Err(CallError::Bad(format!("bad path {path:?}")));
+    }
+    for (k, v) in &p.headers {
+        if hyper::header::HeaderName::from_bytes(k.as_bytes()).is_err()
+            || hyper::header::HeaderValue::from_str(v).is_err()
+        {
+            return Err(CallError::Bad(format!("bad header {k:?}")));
+        }
+    }
+    Ok(Payload {
+        method,
+        path,
+        headers: p.headers,
+        body: body.into(),
+    })
 }
 
 /// A call handed to a runner.
@@ -246,6 +297,9 @@ pub enum CallError {
     /// The request is malformed.
     #[error("{0}")]
     Bad(String),
+    /// The target has `--max-queued-per-target` calls queued already.
+    #[error("{0}")]
+    TargetFull(String),
     /// A body is over its bound.
     #[error("{0}")]
     TooLarge(String),
@@ -505,44 +559,10 @@ impl Calls {
                 self.options.max_timeout_ms
             )));
         }
-        let p = new.payload.unwrap_or_default();
-        let body = match (p.body, p.body_base64) {
-            (Some(_), Some(_)) => {
-                return Err(CallError::Bad(
-                    "give the payload body as body or body_base64, not both".into(),
-                ));
-            }
-            (Some(text), None) => text.into_bytes(),
-            (None, Some(b64)) => {
-                use base64::Engine as _;
-                base64::engine::general_purpose::STANDARD
-                    .decode(b64.as_bytes())
-                    .map_err(|e| CallError::Bad(format!("body_base64: {e}")))?
-            }
-            (None, None) => Vec::new(),
-        };
-        if body.len() > self.options.max_payload_bytes {
-            return Err(CallError::TooLarge(format!(
-                "the payload body has {} bytes; the bound is {}",
-                body.len(),
-                self.options.max_payload_bytes
-            )));
-        }
-        let method = p.method.unwrap_or_else(|| "POST".into());
-        if method.is_empty() || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
-            return Err(CallError::Bad(format!("bad method {method:?}")));
-        }
-        let path = p.path.unwrap_or_else(|| "/".into());
-        if !path.starts_with('/') || path.bytes().any(|b| b.is_ascii_control() || b == b' ') {
-            return Err(CallError::Bad(format!("bad path {path:?}")));
-        }
-        for (k, v) in &p.headers {
-            if hyper::header::HeaderName::from_bytes(k.as_bytes()).is_err()
-                || hyper::header::HeaderValue::from_str(v).is_err()
-            {
-                return Err(CallError::Bad(format!("bad header {k:?}")));
-            }
-        }
+        let payload = payload(
+            new.payload.unwrap_or_default(),
+            self.options.max_payload_bytes,
+        )?;
         let partition = match new.partition {
             Some(p) if !p.is_empty() => Some(p),
             _ => None,
@@ -553,13 +573,34 @@ impl Calls {
             kind: CallKind::Async,
             timeout_ms,
             partition,
-            payload: Payload {
-                method,
-                path,
-                headers: p.headers,
-                body: body.into(),
-            },
+            payload,
         })
+    }
+
+    /// Refuses calls whose target would have more than `max_queued_per_target` queued. Enqueues
+    /// under way at once may each pass before the others are recorded: the bound can be passed
+    /// by as many calls as are enqueued concurrently.
+    fn check_room(&self, specs: &[CallSpec]) -> Result<(), CallError> {
+        let max = self.options.max_queued_per_target;
+        let mut asked: HashMap<&str, usize> = HashMap::new();
+        for s in specs {
+            *asked.entry(s.target.as_str()).or_default() += 1;
+        }
+        let full = self.log.read(|s| {
+            asked
+                .iter()
+                .find(|(t, n)| s.calls.queued_for(t).saturating_add(**n) > max)
+                .map(|(t, _)| ((*t).to_owned(), s.calls.queued_for(t)))
+        });
+        match full {
+            None => Ok(()),
+            Some((target, queued)) => {
+                crate::limits::Limit::QueuedPerTarget.hit();
+                Err(CallError::TargetFull(format!(
+                    "{target:?} has {queued} calls queued; the bound is {max} (--max-queued-per-target)"
+                )))
+            }
+        }
     }
 
     /// Enqueues calls: on the queue first, then in the log. Returns their ids.
@@ -584,6 +625,7 @@ impl Calls {
             spec.partition = partition;
             specs.push(spec);
         }
+        self.check_room(&specs)?;
         self.put_calls(&specs).await?;
         let ids: Vec<String> = specs.iter().map(|s| s.id.clone()).collect();
         self.record_queued(specs).await?;

@@ -59,6 +59,7 @@ impl From<super::CallError> for RunnerError {
         let status = match &e {
             CallError::Bad(_) => Some(400),
             CallError::TooLarge(_) => Some(413),
+            CallError::TargetFull(_) => Some(503),
             CallError::UnknownTarget(_) => Some(404),
             CallError::Peer(crate::peers::PeerError::Unknown(_)) => Some(404),
             CallError::Peer(crate::peers::PeerError::Misdirected(..)) => Some(421),

@@ -181,7 +181,10 @@ pub fn decide(
     let failed = |e: EvalError, evaluations: u32| {
         let (reason, next) = match &e {
             EvalError::NotBoolean { .. } => (Reason::NotBoolean, None),
-            EvalError::Limit { .. } => (Reason::EvaluationLimitExceeded, None),
+            EvalError::Limit { .. } => {
+                crate::limits::Limit::CelCost.hit();
+                (Reason::EvaluationLimitExceeded, None)
+            }
             EvalError::Failed { .. } => (Reason::EvaluationError, Some(retry)),
         };
         Evaluation {

@@ -19,7 +19,8 @@ pub const RESERVED: [&str; 2] = ["template", "RETURN"];
 /// A step's timeout when the template names none.
 pub const DEFAULT_TIMEOUT_MS: u64 = 30_000;
 
-/// The most steps one instance runs; a chain that would run more ends in an error.
+/// The most steps one instance runs by default (`--max-instance-steps`); a chain that would run
+/// more ends in an error.
 pub const MAX_STEPS: usize = 64;
 
 /// The response header a function answers with to pick the next function.
@@ -335,7 +336,7 @@ pub enum Next {
 /// body as input, or ends with that body when the branch names none (or `RETURN`). A failed
 /// step, an unknown next function, one this ebb cannot run (`kubernetes`: its backend) or the
 /// step bound ends it in error.
-pub fn decide_next(state: &State, instance: &str, kubernetes: bool) -> Next {
+pub fn decide_next(state: &State, instance: &str, kubernetes: bool, max_steps: usize) -> Next {
     let Some(i) = state.functions.instances.get(instance) else {
         return Next::Wait;
     };
@@ -416,9 +417,12 @@ pub fn decide_next(state: &State, instance: &str, kubernetes: bool) -> Next {
             outcome: Outcome::Success,
             result: body,
         },
-        Some(_) if i.steps.len() >= MAX_STEPS => Next::Finish {
+        Some(_) if i.steps.len() >= max_steps => Next::Finish {
             outcome: Outcome::Error,
-            result: format!("the instance reached the bound of {MAX_STEPS} steps").into_bytes(),
+            result: format!(
+                "the instance reached the bound of {max_steps} steps (--max-instance-steps)"
+            )
+            .into_bytes(),
         },
         Some(n) if !state.functions.templates.contains_key(&n) => Next::Finish {
             outcome: Outcome::Error,

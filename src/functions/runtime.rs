@@ -47,8 +47,8 @@ pub enum FnError {
     #[error("instance {0} moved on meanwhile; try again")]
     Moved(String),
     /// The instance reached the step bound.
-    #[error("instance {0} has run {max} steps, the bound", max = super::MAX_STEPS)]
-    Bound(String),
+    #[error("instance {0} has run {1} steps, the bound (--max-instance-steps)")]
+    Bound(String, usize),
     /// The chain names a function that does not exist.
     #[error("{0}")]
     UnknownNext(String),
@@ -68,6 +68,8 @@ pub struct FunctionService {
     autoscale: Autoscale,
     /// Whether workloads run on Kubernetes (image templates run; command ones do not).
     kubernetes: bool,
+    /// Steps an instance may run (`--max-instance-steps`).
+    max_steps: usize,
     /// Steps queued per function since the autoscaler's last period.
     queued: Mutex<BTreeMap<String, u64>>,
 }
@@ -86,8 +88,15 @@ impl FunctionService {
             clock,
             autoscale,
             kubernetes: false,
+            max_steps: super::MAX_STEPS,
             queued: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// The service with instances bounded to `max_steps` steps each.
+    pub fn with_max_steps(mut self, max_steps: usize) -> Self {
+        self.max_steps = max_steps.max(1);
+        self
     }
 
     /// The service for an ebb whose workloads run on Kubernetes: templates run from their
@@ -196,8 +205,9 @@ impl FunctionService {
             .template(name)
             .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
         super::runnable(&template, self.kubernetes).map_err(FnError::NotRunnable)?;
-        if steps >= super::MAX_STEPS {
-            return Err(FnError::Bound(id.to_owned()));
+        if steps >= self.max_steps {
+            crate::limits::Limit::InstanceSteps.hit();
+            return Err(FnError::Bound(id.to_owned(), self.max_steps));
         }
         let number = steps + 1;
         let call = step_call(id, number, &template, body);
@@ -282,9 +292,10 @@ impl FunctionService {
     /// whether it changed.
     pub async fn advance(&self, id: &str) -> Result<bool, FnError> {
         let kubernetes = self.kubernetes;
+        let max_steps = self.max_steps;
         let (next, steps) = self.log.read(|s| {
             (
-                decide_next(s, id, kubernetes),
+                decide_next(s, id, kubernetes, max_steps),
                 s.functions.instances.get(id).map_or(0, |i| i.steps.len()),
             )
         });
@@ -294,19 +305,24 @@ impl FunctionService {
             Next::Finish { .. } => {
                 let (changed, _) = self
                     .log
-                    .decide(move |s: &State, _| match decide_next(s, &iid, kubernetes) {
-                        Next::Finish { outcome, result } => (
-                            vec![Event::InstanceFinished {
-                                id: iid,
-                                outcome,
-                                result: ByteBuf::from(result),
-                            }],
-                            true,
-                        ),
-                        _ => (Vec::new(), false),
-                    })
+                    .decide(
+                        move |s: &State, _| match decide_next(s, &iid, kubernetes, max_steps) {
+                            Next::Finish { outcome, result } => (
+                                vec![Event::InstanceFinished {
+                                    id: iid,
+                                    outcome,
+                                    result: ByteBuf::from(result),
+                                }],
+                                true,
+                            ),
+                            _ => (Vec::new(), false),
+                        },
+                    )
                     .await
                     .map_err(CallError::from)?;
+                if changed && steps >= max_steps {
+                    crate::limits::Limit::InstanceSteps.hit();
+                }
                 Ok(changed)
             }
             Next::Step { function, input } => {
@@ -318,7 +334,7 @@ impl FunctionService {
                 let changed = self
                     .calls
                     .put_and_decide(vec![call.clone()], move |s: &State, _| {
-                        let still = matches!(decide_next(s, &iid, kubernetes), Next::Step { function: ref f, .. } if *f == function)
+                        let still = matches!(decide_next(s, &iid, kubernetes, max_steps), Next::Step { function: ref f, .. } if *f == function)
                             && s.functions.instances.get(&iid).map(|i| i.steps.len()) == Some(steps);
                         if !still {
                             return (Vec::new(), false);

@@ -50,10 +50,11 @@ use super::chunked::Chunked;
 use super::table::Entry;
 use super::{Proxy, Refusal};
 use crate::clock::Clock;
+use crate::limits::Limit;
 
-/// Headers accepted in one head.
-const MAX_HEADERS: usize = 100;
-/// The largest head read here; a longer one goes to the general path (which answers 431).
+/// Headers parsed in one head (a request's are bounded further by `--max-headers`).
+const MAX_HEADERS: usize = crate::limits::MAX_HEADERS_CEILING;
+/// The largest response head read from a backend (a request's is `--max-head-bytes`).
 const MAX_HEAD: usize = 64 * 1024;
 /// How much of a body is read at once.
 const READ_CHUNK: usize = 64 * 1024;
@@ -111,15 +112,26 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
     let mut out = Vec::with_capacity(8 * 1024);
     let idle_ms = proxy.options.client_idle_timeout_ms;
     let stall_ms = proxy.options.request_stall_timeout_ms;
+    let limits = proxy.options.limits;
     let progress = Progress::new(&*proxy.clock);
     let mut watchdog = Watchdog::new(&progress, idle_ms);
     let peer_text = Peer::new(peer);
     loop {
+        // A read that begins a head marks the progress; the head's other reads do not, so that
+        // the whole head must arrive within the header-read timeout of its first byte. Whether
+        // the last mark is when the head began (or the previous request ended): if not, the
+        // head's completion is marked, as a request's start is read from it.
+        let mut fresh_mark = true;
         let req = loop {
             if !buf.is_empty() {
                 head.clear();
-                match parse_request(&buf, &peer_text, &proxy, &mut head) {
-                    Parsed::Request(r) => break r,
+                match parse_request(&buf, &peer_text, &*proxy, &mut head) {
+                    Parsed::Request(r) => {
+                        if !fresh_mark {
+                            progress.mark();
+                        }
+                        break r;
+                    }
                     Parsed::Refuse {
                         head_len,
                         refusal,
@@ -135,13 +147,31 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
                         }
                         continue;
                     }
-                    Parsed::Partial if buf.len() < MAX_HEAD => {}
-                    Parsed::Partial | Parsed::Elsewhere => {
+                    Parsed::Partial if buf.len() < limits.max_head_bytes => {}
+                    Parsed::Partial => {
+                        Limit::HeadBytes.hit();
+                        let refusal = Refusal::new(
+                            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                            "head_too_large",
+                            format!(
+                                "the request head is over {} bytes (--max-head-bytes)",
+                                limits.max_head_bytes
+                            ),
+                        );
+                        if write_refusal(&mut client, &mut out, &proxy, &refusal, true)
+                            .await
+                            .is_ok()
+                        {
+                            linger_close(client).await;
+                        }
+                        return;
+                    }
+                    Parsed::Elsewhere => {
                         let io = Prefixed {
                             prefix: buf.freeze(),
                             inner: client,
                         };
-                        proxy.serve_hyper(io, peer).await;
+                        proxy.serve_hyper(io, peer, false).await;
                         return;
                     }
                 }
@@ -149,13 +179,43 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
             if buf.capacity() - buf.len() < 1024 {
                 buf.reserve(8 * 1024);
             }
+            let in_head = !buf.is_empty();
+            let limit_ms = if in_head {
+                limits.header_read_timeout_ms
+            } else {
+                idle_ms
+            };
             tokio::select! {
                 biased;
                 read = client.read_buf(&mut buf) => match read {
-                    Ok(n) if n > 0 => progress.mark(),
+                    Ok(n) if n > 0 => {
+                        fresh_mark = !in_head;
+                        if fresh_mark {
+                            progress.mark();
+                        }
+                    }
                     _ => return,
                 },
-                () = watchdog.expired(&progress, idle_ms) => return,
+                () = watchdog.expired(&progress, limit_ms) => {
+                    if in_head {
+                        Limit::HeaderReadTimeout.hit();
+                        let refusal = Refusal::new(
+                            StatusCode::REQUEST_TIMEOUT,
+                            "header_read_timeout",
+                            format!(
+                                "the request head did not arrive within {} ms (--header-read-timeout-ms)",
+                                limits.header_read_timeout_ms
+                            ),
+                        );
+                        if write_refusal(&mut client, &mut out, &proxy, &refusal, true)
+                            .await
+                            .is_ok()
+                        {
+                            linger_close(client).await;
+                        }
+                    }
+                    return;
+                }
             }
         };
         buf.advance(req.head_len);
@@ -179,6 +239,24 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
             return;
         }
         progress.mark();
+    }
+}
+
+/// Answers a connection over `--max-connections` with a 503 and closes it.
+pub(super) async fn refuse_connection(proxy: Arc<Proxy>, mut client: TcpStream) {
+    let refusal = Refusal::unavailable(
+        "too_many_connections",
+        format!(
+            "{} client connections are open (--max-connections)",
+            proxy.options.limits.max_connections
+        ),
+    );
+    let mut out = Vec::with_capacity(512);
+    if write_refusal(&mut client, &mut out, &proxy, &refusal, true)
+        .await
+        .is_ok()
+    {
+        linger_close(client).await;
     }
 }
 
@@ -938,6 +1016,18 @@ fn hop_by_hop(name: &str) -> bool {
     NAMES.iter().any(|n| n.eq_ignore_ascii_case(name))
 }
 
+/// Whether a head has a line ending in LF alone.
+fn bare_lf(head: &[u8]) -> bool {
+    let mut prev = 0u8;
+    for &b in head {
+        if b == b'\n' && prev != b'\r' {
+            return true;
+        }
+        prev = b;
+    }
+    false
+}
+
 /// A request whose body cannot be delimited: 400, and the connection closed.
 fn bad_framing(head_len: usize, message: &str) -> Parsed {
     Parsed::Refuse {
@@ -977,6 +1067,32 @@ fn content_length(value: &[u8]) -> Option<u64> {
     std::str::from_utf8(v).ok()?.parse().ok()
 }
 
+/// What the head parser asks of the proxy: whether a Host is a meta service's, and its route.
+trait Routes {
+    fn serves_service(&self, host: &str) -> bool;
+    fn route(&self, host: &str) -> Option<Arc<Entry>>;
+    fn max_headers(&self) -> usize;
+    fn max_head_bytes(&self) -> usize;
+}
+
+impl Routes for Proxy {
+    fn max_headers(&self) -> usize {
+        self.options.limits.max_headers
+    }
+
+    fn max_head_bytes(&self) -> usize {
+        self.options.limits.max_head_bytes
+    }
+
+    fn serves_service(&self, host: &str) -> bool {
+        Proxy::serves_service(self, host)
+    }
+
+    fn route(&self, host: &str) -> Option<Arc<Entry>> {
+        Proxy::route(self, host)
+    }
+}
+
 /// The client's address as the forwarding headers write it, formatted once per connection.
 struct Peer {
     /// For `X-Forwarded-For`.
@@ -998,7 +1114,7 @@ impl Peer {
 }
 
 /// Parses a request head and, for a request this path serves, writes the backend's head to `out`.
-fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> Parsed {
+fn parse_request<R: Routes>(buf: &[u8], peer: &Peer, proxy: &R, out: &mut Vec<u8>) -> Parsed {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut headers);
     let head_len = match req.parse(buf) {
@@ -1008,6 +1124,7 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
         Err(httparse::Error::Version) => return Parsed::Elsewhere,
         Err(e) => {
             let (status, code) = if e == httparse::Error::TooManyHeaders {
+                Limit::Headers.hit();
                 (
                     StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
                     "too_many_headers",
@@ -1026,7 +1143,51 @@ fn parse_request(buf: &[u8], peer: &Peer, proxy: &Proxy, out: &mut Vec<u8>) -> P
     let (Some(method), Some(path), Some(1)) = (req.method, req.path, req.version) else {
         return Parsed::Elsewhere;
     };
+    if bare_lf(&buf[..head_len]) {
+        // httparse takes a lone LF as a line's end; a server behind may not: refused, so that
+        // the two can never disagree on where the head ends.
+        return Parsed::Refuse {
+            head_len,
+            refusal: Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                "a line of the request head ends in LF without CR".to_owned(),
+            ),
+            close: true,
+        };
+    }
+    if head_len > proxy.max_head_bytes() {
+        Limit::HeadBytes.hit();
+        return Parsed::Refuse {
+            head_len,
+            refusal: Refusal::new(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "head_too_large",
+                format!(
+                    "the request head is over {} bytes (--max-head-bytes)",
+                    proxy.max_head_bytes()
+                ),
+            ),
+            close: true,
+        };
+    }
     let headers = &*req.headers;
+    if headers.len() > proxy.max_headers() {
+        Limit::Headers.hit();
+        return Parsed::Refuse {
+            head_len,
+            refusal: Refusal::new(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "too_many_headers",
+                format!(
+                    "the request has {} header lines; the bound is {} (--max-headers)",
+                    headers.len(),
+                    proxy.max_headers()
+                ),
+            ),
+            close: true,
+        };
+    }
     let conn = ConnectionTokens::read(headers);
     if conn.upgrade || conn.overflow {
         return Parsed::Elsewhere;
@@ -1443,9 +1604,12 @@ fn pool_put(addr: SocketAddr, b: Backend, now_ms: u64, options: &super::ProxyOpt
         if now_ms.saturating_sub(p.swept_at_ms) >= 1_000 {
             p.swept_at_ms = now_ms;
             let timeout = options.pool_idle_timeout_ms;
+            // Connections past their idle time, and those the backend closed (a replica that
+            // stopped: its address may never be asked for again), are let go.
             p.idle.retain(|_, idle| {
-                idle.conns
-                    .retain(|(_, since)| now_ms.saturating_sub(*since) < timeout);
+                idle.conns.retain(|(b, since)| {
+                    now_ms.saturating_sub(*since) < timeout && alive(&b.stream)
+                });
                 // Nobody waits on a signal only the pool still holds.
                 if idle
                     .returned
@@ -1517,6 +1681,141 @@ impl AsyncWrite for Prefixed {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// The fuzz targets' checks of the HTTP/1.1 heads (`fuzz/`, and their regression tests).
+pub mod fuzzing {
+    use super::*;
+
+    /// One route, on `fuzz.test`, and a meta service on `svc.fuzz.test`.
+    struct OneRoute(Arc<Entry>);
+
+    impl Routes for OneRoute {
+        fn serves_service(&self, host: &str) -> bool {
+            host == "svc.fuzz.test"
+        }
+
+        fn route(&self, host: &str) -> Option<Arc<Entry>> {
+            (host == "fuzz.test").then(|| self.0.clone())
+        }
+
+        fn max_headers(&self) -> usize {
+            MAX_HEADERS
+        }
+
+        fn max_head_bytes(&self) -> usize {
+            64 * 1024
+        }
+    }
+
+    /// The headers named `name` in a parsed head.
+    fn values<'a>(headers: &'a [httparse::Header<'a>], name: &str) -> Vec<&'a [u8]> {
+        headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case(name))
+            .map(|h| h.value)
+            .collect()
+    }
+
+    /// Parses `data` as a client's request head. Whatever it is, nothing panics; a request
+    /// passed on becomes one well-formed HTTP/1.1 head with one Host, one X-Request-Id and one
+    /// framing header that says what the parser decided.
+    pub fn request_head(data: &[u8]) {
+        thread_local! {
+            static ROUTES: OneRoute = OneRoute(Entry::new(
+                crate::event::RouteSpec::for_test("fuzz", &["fuzz.test"]),
+                &super::super::traffic::Traffic::default(),
+                &super::super::backends::Backends::default(),
+            ));
+        }
+        let peer = Peer::new(SocketAddr::from(([127, 0, 0, 1], 40_000)));
+        let mut out = Vec::new();
+        let parsed = ROUTES.with(|r| parse_request(data, &peer, r, &mut out));
+        let r = match parsed {
+            Parsed::Request(r) => r,
+            Parsed::Refuse { head_len, .. } => {
+                assert!(
+                    head_len <= data.len(),
+                    "a refused head ends inside the input"
+                );
+                return;
+            }
+            Parsed::Partial | Parsed::Elsewhere => return,
+        };
+        assert!(r.head_len <= data.len(), "the head ends inside the input");
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS + 16];
+        let mut req = httparse::Request::new(&mut headers);
+        match req.parse(&out) {
+            Ok(httparse::Status::Complete(n)) => {
+                assert_eq!(n, out.len(), "the backend's head is one head")
+            }
+            other => panic!(
+                "the backend's head does not parse ({other:?}): {:?}",
+                String::from_utf8_lossy(&out)
+            ),
+        }
+        assert_eq!(req.version, Some(1));
+        let headers = &*req.headers;
+        assert_eq!(values(headers, "host"), [b"fuzz.test".as_slice()]);
+        let ids = values(headers, "x-request-id");
+        assert_eq!(ids.len(), 1, "one X-Request-Id");
+        assert_eq!(ids[0], &out[r.id.clone()], "the id's place in the head");
+        let lengths = values(headers, "content-length");
+        let codings = values(headers, "transfer-encoding");
+        match r.body {
+            Framing::Chunked => {
+                assert!(lengths.is_empty(), "chunked without Content-Length");
+                assert_eq!(codings, [b"chunked".as_slice()]);
+            }
+            Framing::Length(n) => {
+                assert!(codings.is_empty());
+                assert_eq!(lengths, [n.to_string().as_bytes()]);
+            }
+            Framing::Empty => {
+                assert!(codings.is_empty());
+                assert!(lengths.is_empty() || lengths == [b"0".as_slice()]);
+            }
+            Framing::Close => panic!("a request is never framed by the close"),
+        }
+        for h in [
+            "connection",
+            "keep-alive",
+            "upgrade",
+            "te",
+            "proxy-connection",
+        ] {
+            assert!(values(headers, h).is_empty(), "{h} is not passed on");
+        }
+    }
+
+    /// Parses `data` as a backend's response head, for a GET and for a HEAD: nothing panics, and
+    /// a response passed on is one well-formed head with at most one framing header.
+    pub fn response_head(data: &[u8]) {
+        for is_head in [false, true] {
+            let mut out = Vec::new();
+            let Ok(Some(resp)) = parse_response(data, &mut out, is_head, false) else {
+                continue;
+            };
+            assert!(resp.head_len <= data.len());
+            let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS + 16];
+            let mut parsed = httparse::Response::new(&mut headers);
+            match parsed.parse(&out) {
+                Ok(httparse::Status::Complete(n)) => assert_eq!(n, out.len()),
+                other => panic!(
+                    "the client's head does not parse ({other:?}): {:?}",
+                    String::from_utf8_lossy(&out)
+                ),
+            }
+            assert_eq!(parsed.code, Some(resp.status));
+            let headers = &*parsed.headers;
+            let framing = values(headers, "content-length").len()
+                + values(headers, "transfer-encoding").len();
+            assert!(framing <= 1, "one framing header at most");
+            if resp.body == Framing::Chunked {
+                assert!(values(headers, "content-length").is_empty());
+            }
+        }
     }
 }
 

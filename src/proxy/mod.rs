@@ -31,6 +31,9 @@
 pub mod backends;
 pub mod chunked;
 mod h1;
+/// The fuzz targets' entry points into the HTTP/1.1 head parser.
+#[doc(hidden)]
+pub use h1::fuzzing as h1_fuzzing;
 pub mod head;
 pub mod request_id;
 pub mod runtime;
@@ -67,6 +70,16 @@ pub use traffic::{InFlight, RouteTraffic, Traffic};
 /// Bodies the proxy sends and answers with.
 pub type Body = BoxBody<Bytes, hyper::Error>;
 
+/// The proxy's TLS acceptor (its certificate is read again when its files change).
+#[derive(Clone)]
+pub struct Tls(pub tokio_rustls::TlsAcceptor);
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tls")
+    }
+}
+
 /// Tuning of the proxy. Every bound is a named value.
 #[derive(Debug, Clone)]
 pub struct ProxyOptions {
@@ -96,6 +109,10 @@ pub struct ProxyOptions {
     /// At shutdown: how long requests under way and held requests may take to be answered once
     /// ebb stops accepting connections; past it, the rest are cut.
     pub drain_timeout_ms: u64,
+    /// Bounds on what clients send and hold.
+    pub limits: crate::limits::Limits,
+    /// Serve TLS with this (`--tls-cert`, `--tls-key`); none: plain HTTP.
+    pub tls: Option<Tls>,
 }
 
 impl Default for ProxyOptions {
@@ -111,6 +128,8 @@ impl Default for ProxyOptions {
             services: Vec::new(),
             discovery: None,
             drain_timeout_ms: 30_000,
+            limits: crate::limits::Limits::default(),
+            tls: None,
         }
     }
 }
@@ -192,6 +211,28 @@ pub struct Proxy {
     orch_version: tokio::sync::watch::Receiver<u64>,
     services: services::Services,
     options: ProxyOptions,
+    /// Client connections open now, across the proxy's threads (`--max-connections`).
+    connections: Arc<std::sync::atomic::AtomicUsize>,
+    /// Requests held now, across routes (`--max-held`).
+    held: std::sync::atomic::AtomicU64,
+}
+
+/// One client connection counted against `--max-connections`.
+struct ConnectionSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// One request counted against `--max-held`.
+struct HeldAll<'a>(&'a std::sync::atomic::AtomicU64);
+
+impl Drop for HeldAll<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 fn empty() -> Body {
@@ -420,6 +461,8 @@ impl Proxy {
             orch_version,
             services,
             options,
+            connections: Arc::default(),
+            held: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -550,29 +593,83 @@ impl Proxy {
                 accepted = listener.accept() => match accepted {
                     Ok(c) => c,
                     Err(e) => {
+                        // Out of file descriptors, most likely: try again a moment later rather
+                        // than at once, which would spin.
                         tracing::warn!(error = %e, "accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
                 },
                 _ = &mut shutdown => return,
             };
             let _ = stream.set_nodelay(true);
-            tokio::spawn(h1::serve_connection(self.clone(), stream, peer));
+            let max = self.options.limits.max_connections;
+            if self
+                .connections
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                >= max
+            {
+                self.connections
+                    .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                crate::limits::Limit::Connections.hit();
+                tokio::spawn(h1::refuse_connection(self.clone(), stream));
+                continue;
+            }
+            let counted = ConnectionSlot(self.connections.clone());
+            let proxy = self.clone();
+            match self.options.tls.clone() {
+                None => {
+                    tokio::spawn(async move {
+                        h1::serve_connection(proxy, stream, peer).await;
+                        drop(counted);
+                    });
+                }
+                // Over TLS every request takes the general path (hyper: HTTP/1.1 and h2 by ALPN).
+                Some(acceptor) => {
+                    let limit = Duration::from_millis(self.options.limits.header_read_timeout_ms);
+                    tokio::spawn(async move {
+                        match tokio::time::timeout(limit, acceptor.0.accept(stream)).await {
+                            Ok(Ok(tls)) => proxy.serve_hyper(tls, peer, true).await,
+                            Ok(Err(e)) => {
+                                tracing::debug!(%peer, error = %e, "TLS handshake failed")
+                            }
+                            Err(_) => {
+                                crate::limits::Limit::HeaderReadTimeout.hit();
+                                tracing::debug!(%peer, "TLS handshake timed out");
+                            }
+                        }
+                        drop(counted);
+                    });
+                }
+            }
         }
     }
 
     /// Serves a connection with hyper: HTTP/1.0 and 1.1, h2c, upgrades. The HTTP/1.1 path hands
     /// connections here when a request needs more than it does.
-    async fn serve_hyper<I>(self: Arc<Self>, io: I, peer: SocketAddr)
+    async fn serve_hyper<I>(self: Arc<Self>, io: I, peer: SocketAddr, https: bool)
     where
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
+        let limits = self.options.limits;
         let proxy = self;
-        let service = hyper::service::service_fn(move |req| {
+        let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
             let proxy = proxy.clone();
+            if https {
+                req.extensions_mut().insert(Https);
+            }
             async move { Ok::<_, std::convert::Infallible>(proxy.handle(req, peer).await) }
         });
-        let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(Duration::from_millis(limits.header_read_timeout_ms))
+            .max_buf_size(limits.max_head_bytes.max(8 * 1024));
+        builder
+            .http2()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .max_header_list_size(u32::try_from(limits.max_head_bytes).unwrap_or(u32::MAX));
         if let Err(e) = builder
             .serve_connection_with_upgrades(TokioIo::new(io), service)
             .await
@@ -631,7 +728,8 @@ impl Proxy {
                 .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
             parts.headers.insert(header::UPGRADE, proto.clone());
         }
-        add_forwarded(&mut parts.headers, peer, &host);
+        let https = parts.extensions.get::<Https>().is_some();
+        add_forwarded(&mut parts.headers, peer, &host, https);
         let id = ensure_request_id(&mut parts.headers);
         let key = key_of(&route.policy, &path, &parts.headers, peer);
         let path = match hyper::http::uri::PathAndQuery::try_from(path.as_str()) {
@@ -759,7 +857,8 @@ impl Proxy {
             parts.headers.insert(header::HOST, h);
         }
         change_headers(&mut parts.headers, &route.request_headers);
-        add_forwarded(&mut parts.headers, peer, &host);
+        let https = parts.extensions.get::<Https>().is_some();
+        add_forwarded(&mut parts.headers, peer, &host, https);
         let id = ensure_request_id(&mut parts.headers);
         let key = key_of(&dest.policy, &target, &parts.headers, peer);
         let path = match hyper::http::uri::PathAndQuery::try_from(sent.as_str()) {
@@ -913,7 +1012,19 @@ impl Proxy {
             id = %String::from_utf8_lossy(id),
             route = %route.name
         );
+        let max_held = self.options.limits.max_held;
+        if self.held.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= max_held {
+            self.held.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            crate::limits::Limit::Held.hit();
+            tracing::warn!(parent: &span, limit = max_held, "refused: too many requests held");
+            return Err(Refusal::unavailable(
+                "too_many_held",
+                format!("{max_held} requests already wait for workloads to wake (--max-held)"),
+            ));
+        }
+        let _held_all = HeldAll(&self.held);
         let Some(_held) = entry.traffic.hold(route.hold_queue_max) else {
+            crate::limits::Limit::HeldPerRoute.hit();
             tracing::warn!(parent: &span, limit = route.hold_queue_max, "refused: the hold queue is full");
             return Err(Refusal::unavailable(
                 "hold_queue_full",
@@ -1170,7 +1281,12 @@ fn ensure_request_id(headers: &mut HeaderMap) -> HeaderValue {
     id
 }
 
-fn add_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: &str) {
+/// Marks a request that came over TLS (the proxy terminated it).
+#[derive(Debug, Clone, Copy)]
+struct Https;
+
+fn add_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: &str, https: bool) {
+    let proto = if https { "https" } else { "http" };
     let ip = peer.ip().to_string();
     let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
         Some(prev) => format!("{prev}, {ip}"),
@@ -1181,14 +1297,14 @@ fn add_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: &str) {
     } else {
         ip
     };
-    let forwarded = format!("for={node};host=\"{host}\";proto=http");
+    let forwarded = format!("for={node};host=\"{host}\";proto={proto}");
     let forwarded = match headers.get("forwarded").and_then(|v| v.to_str().ok()) {
         Some(prev) => format!("{prev}, {forwarded}"),
         None => forwarded,
     };
     for (name, value) in [
         ("x-forwarded-for", xff),
-        ("x-forwarded-proto", "http".to_owned()),
+        ("x-forwarded-proto", proto.to_owned()),
         ("x-forwarded-host", host.to_owned()),
         ("forwarded", forwarded),
     ] {

@@ -91,6 +91,10 @@ pub async fn run_observer(
     let mut logged_failures: std::collections::HashMap<String, u64> = Default::default();
     loop {
         observe_once(&log, orch.as_ref(), &mut logged_failures).await;
+        if log.failure().is_some() {
+            // Nothing can be recorded any more: ebb is stopping.
+            return;
+        }
         tokio::select! {
             r = changes.changed() => if r.is_err() { return },
             _ = stop.changed() => {
@@ -121,7 +125,12 @@ async fn observe_once(
             .await
         {
             Ok(_) => *logged = seen.failures,
-            Err(e) => tracing::warn!(error = %e, "recording replicas failed"),
+            Err(e) => {
+                tracing::warn!(error = %e, "recording replicas failed");
+                if log.failure().is_some() {
+                    return;
+                }
+            }
         }
     }
 }

@@ -31,6 +31,17 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// Route `spec`'s entry, with its traffic counters and replica group.
+    pub fn new(spec: RouteSpec, traffic: &Traffic, backends: &Backends) -> Arc<Entry> {
+        Arc::new(Entry {
+            traffic: traffic.route(&spec.name),
+            group: backends.group(&spec.deployment),
+            // u64::MAX never matches an orchestrator version: read on first use.
+            ready: ReadyCache::new(u64::MAX, backends.ready(&spec.policy, &[], 0)),
+            spec,
+        })
+    }
+
     /// The cached ready list if it was read at `version`.
     pub fn ready_at(&self, version: u64) -> Option<Arc<Ready>> {
         self.ready.at(version)
@@ -59,13 +70,7 @@ impl Table {
         let mut domains = HashMap::new();
         let mut by_name = HashMap::new();
         for r in state.routes.by_name.values() {
-            let entry = Arc::new(Entry {
-                spec: r.spec.clone(),
-                traffic: traffic.route(&r.spec.name),
-                group: backends.group(&r.spec.deployment),
-                // u64::MAX never matches an orchestrator version: read on first use.
-                ready: ReadyCache::new(u64::MAX, backends.ready(&r.spec.policy, &[], 0)),
-            });
+            let entry = Entry::new(r.spec.clone(), traffic, backends);
             for d in &r.spec.domains {
                 domains.insert(d.to_ascii_lowercase(), entry.clone());
             }

@@ -146,6 +146,10 @@ pub struct Calls {
     /// Ids of the calls still queued (an index of `by_id`).
     #[serde(default)]
     pub queued: BTreeSet<String>,
+    /// How many of them each target has (an index of `queued`, for `--max-queued-per-target`).
+    /// A snapshot from before it was kept starts it empty: counts then err low, never high.
+    #[serde(default)]
+    pub queued_by_target: BTreeMap<String, usize>,
     /// Calls whose enqueue failed and that were never recorded, with when: their messages
     /// must not run. Kept as long as ended calls are (the retention).
     #[serde(default)]
@@ -221,17 +225,30 @@ impl Calls {
             _ => None,
         };
         if let Some(id) = id {
-            if self
-                .by_id
-                .get(id)
-                .is_some_and(|c| c.status == CallStatus::Queued)
-            {
-                self.queued.insert(id.clone());
+            let call = self.by_id.get(id);
+            let target = call.map(|c| c.spec.target.as_str());
+            let changed = if call.is_some_and(|c| c.status == CallStatus::Queued) {
+                self.queued.insert(id.clone()).then_some(true)
             } else {
-                self.queued.remove(id);
+                self.queued.remove(id).then_some(false)
+            };
+            if let (Some(now_queued), Some(target)) = (changed, target) {
+                if now_queued {
+                    *self.queued_by_target.entry(target.to_owned()).or_default() += 1;
+                } else if let Some(n) = self.queued_by_target.get_mut(target) {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 {
+                        self.queued_by_target.remove(target);
+                    }
+                }
             }
         }
         timer
+    }
+
+    /// Calls queued for `target` now.
+    pub fn queued_for(&self, target: &str) -> usize {
+        self.queued_by_target.get(target).copied().unwrap_or(0)
     }
 
     fn apply_call(&mut self, at_ms: u64, event: &Event) -> Timer {

@@ -91,6 +91,7 @@ pub fn serve_logged(
     let mut addr = |what: &str| -> SocketAddr {
         let line = lines.next().expect("serve printed its addresses").unwrap();
         line.strip_prefix(&format!("ebb {what} listening on http://"))
+            .or_else(|| line.strip_prefix(&format!("ebb {what} listening on https://")))
             .unwrap_or_else(|| panic!("unexpected line {line:?}"))
             .parse()
             .unwrap()

@@ -1,0 +1,4 @@
+//! `ebb::fuzzing::runner_body`: what it feeds and what must hold are said there.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| ebb::fuzzing::runner_body(data));
