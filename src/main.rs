@@ -225,8 +225,8 @@ enum Command {
         #[arg(long, env = "EBB_ADMIN_TLS_KEY", requires = "admin_tls_cert")]
         admin_tls_key: Option<PathBuf>,
         /// A snapshot of the projections every this many events, and the events before the
-        /// previous snapshot deleted, so the log stays bounded (0: neither).
-        #[arg(long, env = "EBB_SNAPSHOT_EVERY_EVENTS", default_value_t = 200_000)]
+        /// snapshot before the newest deleted, so the log stays bounded (0: neither).
+        #[arg(long, env = "EBB_SNAPSHOT_EVERY_EVENTS", default_value_t = 1_000_000)]
         snapshot_every_events: u64,
         #[command(flatten)]
         limits: ebb::limits::Limits,
@@ -808,27 +808,36 @@ fn open_reader(dir: &Path) -> Result<RocksStore> {
 }
 
 fn open_writer(dir: &Path, mode: OpenMode, durability: Durability) -> Result<Log> {
-    let store = Arc::new(RocksStore::open(dir, mode)?);
-    let last = store.last_seq()?;
-    let pb = progress(last, "replaying");
-    let log = Log::open(
-        store,
+    open_writer_with(
+        dir,
+        mode,
         Options {
             durability,
             ..Options::default()
         },
-        Arc::new(SystemClock),
-        &mut |seq| pb.set_position(seq),
-    )?;
+    )
+}
+
+fn open_writer_with(dir: &Path, mode: OpenMode, options: Options) -> Result<Log> {
+    let store = Arc::new(RocksStore::open(dir, mode)?);
+    let last = store.last_seq()?;
+    let pb = progress(last, "replaying");
+    let log = Log::open(store, options, Arc::new(SystemClock), &mut |seq| {
+        pb.set_position(seq)
+    })?;
     pb.finish_and_clear();
     Ok(log)
 }
 
 fn serve(options: ebb::serve::ServeOptions, durability: Durability) -> Result<()> {
-    let log = Arc::new(open_writer(
+    let log = Arc::new(open_writer_with(
         &options.data_dir,
         OpenMode::Create,
-        durability,
+        Options {
+            durability,
+            snapshot_every_events: options.snapshot_every_events,
+            ..Options::default()
+        },
     )?);
     let rt = runtime()?;
     rt.block_on(async { ebb::serve::run(options, log.clone(), shutdown_signal()).await })?;

@@ -40,8 +40,8 @@ pub struct ServeOptions {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// The same for ebb's own endpoints (the admin, runner and functions APIs, the dashboard).
     pub admin_tls: Option<(PathBuf, PathBuf)>,
-    /// A snapshot of the projections every this many events, and the events before the
-    /// snapshot before it deleted (0: neither; the log grows).
+    /// The log's writer takes a snapshot every this many events (`ebb serve` opens it so); the
+    /// events before the snapshot before the newest are then deleted (0: neither; the log grows).
     pub snapshot_every_events: u64,
     /// Where the proxy listens.
     pub listen: SocketAddr,
@@ -118,12 +118,14 @@ const LOG_FAILURE_CHECK: std::time::Duration = std::time::Duration::from_millis(
 /// How often the compactor looks at the log's length.
 const COMPACTION_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Keeps the log bounded: each `every` events a snapshot of the projections, then the events
-/// (and snapshots) before the previous snapshot deleted. One interval of events stays readable
-/// for `ebb explain` and the dashboard's timeline; what is older is told from the snapshot.
-async fn run_compaction(log: Arc<Log>, every: u64, mut stop: watch::Receiver<bool>) {
+/// Keeps the log bounded: the writer takes a snapshot every `--snapshot-every-events` events;
+/// once there are two, the events (and snapshots) before the older one are deleted. One interval
+/// of events stays readable for `ebb explain` and the dashboard's timeline; what is older is told
+/// from the snapshot.
+async fn run_compaction(log: Arc<Log>, mut stop: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(COMPACTION_CHECK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut compacted_to = 0;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -138,30 +140,21 @@ async fn run_compaction(log: Arc<Log>, every: u64, mut stop: watch::Receiver<boo
             }
             Err(_) => continue,
         };
-        let previous = snapshots.last().copied().unwrap_or(0);
-        if log.applied_seq().saturating_sub(previous) < every {
+        let Some(&before) = snapshots
+            .len()
+            .checked_sub(2)
+            .and_then(|i| snapshots.get(i))
+        else {
             continue;
-        }
-        let seq = match log.snapshot().await {
-            Ok(seq) => seq,
-            Err(e) => {
-                tracing::warn!(error = %e, "taking a snapshot failed");
-                continue;
-            }
         };
-        if previous == 0 {
-            tracing::info!(seq, "snapshot taken");
+        if before <= compacted_to {
             continue;
         }
         let store = log.store().clone();
-        match tokio::task::spawn_blocking(move || store.delete_before(previous)).await {
+        match tokio::task::spawn_blocking(move || store.delete_before(before)).await {
             Ok(Ok(deleted)) => {
-                tracing::info!(
-                    seq,
-                    deleted,
-                    before = previous,
-                    "snapshot taken; log compacted"
-                )
+                compacted_to = before;
+                tracing::info!(deleted, before, "log compacted");
             }
             Ok(Err(e)) => tracing::warn!(error = %e, "compacting the log failed"),
             Err(_) => {}
@@ -413,13 +406,8 @@ pub async fn run(
             stop_rx.clone(),
         ))
     });
-    let compactor = (options.snapshot_every_events > 0).then(|| {
-        tokio::spawn(run_compaction(
-            log.clone(),
-            options.snapshot_every_events,
-            stop_rx.clone(),
-        ))
-    });
+    let compactor = (options.snapshot_every_events > 0)
+        .then(|| tokio::spawn(run_compaction(log.clone(), stop_rx.clone())));
     let flusher = tokio::spawn(runtime::run_flusher(
         log.clone(),
         traffic.clone(),

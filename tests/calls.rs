@@ -485,13 +485,13 @@ async fn bad_input_gets_clear_errors_and_writes_nothing() {
     );
     assert_eq!(count_calls(&ebb).await, before, "no error wrote a call");
 
-    // The queue's put fails (it is full): 500, and no call recorded.
+    // The queue's put fails (it is full): 503, and no call recorded.
     enqueue(&ebb, json!({ "target": "work" })).await;
     enqueue(&ebb, json!({ "target": "work" })).await;
     let full = post(&ebb, "/runner/enqueue", json!({ "target": "work" })).await;
     assert_eq!(
         (full.status, full.json["code"].as_str()),
-        (500, Some("queue_full"))
+        (503, Some("queue_full"))
     );
     let batch = post(
         &ebb,
@@ -499,7 +499,7 @@ async fn bad_input_gets_clear_errors_and_writes_nothing() {
         json!({ "calls": [{ "target": "work" }] }),
     )
     .await;
-    assert_eq!(batch.status, 500);
+    assert_eq!(batch.status, 503);
     assert_eq!(count_calls(&ebb).await, before + 2);
 }
 

@@ -184,7 +184,8 @@ pub fn payload(p: PayloadIn, max_payload_bytes: usize) -> Result<Payload, CallEr
         return Err(CallError::Bad(format!("bad method {method:?}")));
     }
     let path = p.path.unwrap_or_else(|| "/".into());
-    if !path.starts_with('/') || path.bytes().any(|b| b.is_ascii_control() || b == b' ') {
+    // What a runner sends must be a request target: a path (and query) a URI takes as it is.
+    if !path.starts_with('/') || path.parse::<hyper::http::uri::PathAndQuery>().is_err() {
         return Err(CallError::Bad(format!("bad path {path:?}")));
     }
     for (k, v) in &p.headers {
