@@ -11,17 +11,9 @@ use std::time::Duration;
 use ebb::log::rocks::OpenMode;
 use ebb::log::{LogStore, RocksStore, decode_at};
 
-/// A small deterministic generator, so a failing run can be repeated.
-struct XorShift(u64);
+mod common;
 
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
+use common::XorShift;
 
 const ROUNDS: usize = 6;
 const DEADLINE: Duration = Duration::from_secs(120);

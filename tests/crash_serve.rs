@@ -17,18 +17,6 @@ use serde_json::{Value, json};
 const ROUNDS: usize = 5;
 const DEADLINE: Duration = Duration::from_secs(120);
 
-/// A small deterministic generator, so that a failing run can be repeated.
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
 /// The config of round `round`: a workload, a function chain, and a one-shot Cleaner for each
 /// round so far, each deleting a throwaway app once its TTL passes.
 fn config(dir: &Path, round: usize) -> std::path::PathBuf {
@@ -228,7 +216,7 @@ async fn serve_loses_nothing_acknowledged_across_sigkills() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let acked = Arc::new(Mutex::new(Acked::default()));
-    let mut rng = XorShift(0x5eed_c0ff_ee00_0001);
+    let mut rng = common::XorShift(0x5eed_c0ff_ee00_0001);
     for round in 0..ROUNDS {
         let mut ebb = serve(&data, &config(dir.path(), round));
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -262,42 +250,31 @@ async fn serve_loses_nothing_acknowledged_across_sigkills() {
         (a.calls.clone(), a.instances.clone())
     };
     assert!(!calls.is_empty() && !instances.is_empty());
-    for id in &calls {
-        common::controlplane::wait_until(&format!("call {id} ends"), DEADLINE, || {
+    let objects = calls
+        .iter()
+        .map(|id| (format!("/v1/calls/{id}"), "Bearer rt"))
+        .chain(
+            instances
+                .iter()
+                .map(|id| (format!("/api/funcs/{id}"), "Bearer fn")),
+        );
+    for (path, auth) in objects {
+        common::controlplane::wait_until(&format!("{path} ends"), DEADLINE, || {
             let c = c.clone();
+            let path = path.clone();
             async move {
                 let r = send(
                     &c,
                     ebb.admin,
                     "GET",
                     "localhost",
-                    &format!("/v1/calls/{id}"),
-                    &[("authorization", "Bearer rt")],
+                    &path,
+                    &[("authorization", auth)],
                 )
                 .await;
-                assert_eq!(r.status, 200, "acknowledged call {id}: {}", r.body);
+                assert_eq!(r.status, 200, "acknowledged {path}: {}", r.body);
                 let v: Value = serde_json::from_str(&r.body).unwrap();
                 (!matches!(v["state"].as_str(), Some("queued" | "running"))).then_some(())
-            }
-        })
-        .await;
-    }
-    for id in &instances {
-        common::controlplane::wait_until(&format!("instance {id} ends"), DEADLINE, || {
-            let c = c.clone();
-            async move {
-                let r = send(
-                    &c,
-                    ebb.admin,
-                    "GET",
-                    "localhost",
-                    &format!("/api/funcs/{id}"),
-                    &[("authorization", "Bearer fn")],
-                )
-                .await;
-                assert_eq!(r.status, 200, "acknowledged instance {id}: {}", r.body);
-                let v: Value = serde_json::from_str(&r.body).unwrap();
-                (v["state"].as_str() != Some("running")).then_some(())
             }
         })
         .await;

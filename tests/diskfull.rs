@@ -58,22 +58,6 @@ fn serve_args(data: &Path) -> Vec<String> {
     .collect()
 }
 
-/// Reads `ebb serve`'s two address lines from `out`.
-fn addresses(out: impl std::io::Read + Send + 'static) -> (SocketAddr, SocketAddr) {
-    let mut lines = BufReader::new(out).lines();
-    let mut addr = |what: &str| -> SocketAddr {
-        let line = lines.next().expect("serve printed its addresses").unwrap();
-        line.strip_prefix(&format!("ebb {what} listening on http://"))
-            .unwrap_or_else(|| panic!("unexpected line {line:?}"))
-            .parse()
-            .unwrap()
-    };
-    let proxy = addr("proxy");
-    let admin = addr("admin");
-    std::thread::spawn(move || for _ in lines {});
-    (proxy, admin)
-}
-
 /// Route `ri`, with enough domains to weigh a few KiB in the log.
 fn route(i: usize) -> Value {
     let pad = "x".repeat(48);
@@ -123,7 +107,7 @@ async fn a_full_disk_stops_ebb_and_it_recovers_when_space_returns() {
     let stdout = holder.stdout.take().unwrap();
     let stderr = holder.stderr.take().unwrap();
     let ns = Namespace { holder };
-    let (_, admin) = addresses(stdout);
+    let (_, admin) = common::addresses(stdout);
     // ebb's log lines, kept to be read once it stopped.
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     std::thread::spawn(move || {
@@ -187,7 +171,7 @@ async fn a_full_disk_stops_ebb_and_it_recovers_when_space_returns() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let (_, admin) = addresses(again.stdout.take().unwrap());
+    let (_, admin) = common::addresses(again.stdout.take().unwrap());
     let r = send(&c, admin, "GET", "localhost", "/admin/routes", &auth).await;
     assert_eq!(r.status, 200, "{}", r.body);
     let routes: Value = serde_json::from_str(&r.body).unwrap();

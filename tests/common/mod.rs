@@ -87,7 +87,19 @@ pub fn serve_logged(
     }
     cmd.envs(env.iter().copied());
     let mut child = cmd.spawn().unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let (proxy, admin) = addresses(child.stdout.take().unwrap());
+    Ebb {
+        child,
+        proxy,
+        admin,
+        data: data.to_owned(),
+    }
+}
+
+/// The proxy's and the admin listener's addresses, from the lines `ebb serve` prints first; the
+/// rest of its output is read and dropped.
+pub fn addresses(out: impl std::io::Read + Send + 'static) -> (SocketAddr, SocketAddr) {
+    let mut lines = BufReader::new(out).lines();
     let mut addr = |what: &str| -> SocketAddr {
         let line = lines.next().expect("serve printed its addresses").unwrap();
         line.strip_prefix(&format!("ebb {what} listening on http://"))
@@ -99,11 +111,18 @@ pub fn serve_logged(
     let proxy = addr("proxy");
     let admin = addr("admin");
     std::thread::spawn(move || for _ in lines {});
-    Ebb {
-        child,
-        proxy,
-        admin,
-        data: data.to_owned(),
+    (proxy, admin)
+}
+
+/// A small deterministic generator, so that a failing run can be repeated with its seed.
+pub struct XorShift(pub u64);
+
+impl XorShift {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
     }
 }
 
