@@ -1,5 +1,5 @@
-//! A bounded soak of a real `ebb serve`: proxy traffic in bursts, with pauses long enough for the
-//! workload to scale to zero and be woken again under the next burst, and calls flowing through
+//! A bounded soak of a real `ebb serve`: proxy traffic in bursts, each pause lasting until the
+//! workload has scaled to zero, so that the next burst wakes it again, and calls flowing through
 //! the built-in runner to a second workload all along. It runs `EBB_SOAK_SECONDS` (default 90; longer by setting it) and checks:
 //! no request failed, every call succeeded, ebb's resident memory and open file descriptors are
 //! flat (the last third of the run's peak against the first third's), and the log stays bounded
@@ -61,8 +61,23 @@ struct Counts {
     calls: AtomicU64,
 }
 
-async fn traffic(c: Http, proxy: SocketAddr, counts: Arc<Counts>, running: Arc<AtomicBool>) {
-    // Bursts of 4 s, then 3 s without a request: the app (idle after 1 s) goes to zero.
+/// Whether route `soak`'s workload has no ready replica, from `/metrics`.
+async fn at_zero(c: &Http, admin: SocketAddr) -> Option<()> {
+    let m = send(c, admin, "GET", "localhost", "/metrics", &[]).await;
+    m.body
+        .lines()
+        .any(|l| l == "ebb_workload_replicas_ready{route=\"soak\"} 0")
+        .then_some(())
+}
+
+async fn traffic(
+    c: Http,
+    proxy: SocketAddr,
+    admin: SocketAddr,
+    counts: Arc<Counts>,
+    running: Arc<AtomicBool>,
+) {
+    // Bursts of 4 s, then no request until the app (idle after 1 s) is at zero.
     while running.load(Ordering::Relaxed) {
         let burst = ebb::clock::Stopwatch::start();
         while burst.elapsed() < Duration::from_secs(4) && running.load(Ordering::Relaxed) {
@@ -73,7 +88,10 @@ async fn traffic(c: Http, proxy: SocketAddr, counts: Arc<Counts>, running: Arc<A
                 eprintln!("failed request: {} {}", a.status, a.body);
             }
         }
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        common::controlplane::wait_until("the app at zero", Duration::from_secs(60), || {
+            at_zero(&c, admin)
+        })
+        .await;
     }
 }
 
@@ -130,6 +148,7 @@ async fn soak_keeps_serving_with_flat_memory_and_a_bounded_log() {
         tasks.push(tokio::spawn(traffic(
             client(),
             ebb.proxy,
+            ebb.admin,
             counts.clone(),
             running.clone(),
         )));

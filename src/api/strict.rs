@@ -57,15 +57,14 @@ impl<S> Strict<S> {
 
 /// What a complete head says of the connection after it, or why it is refused.
 fn check_head(head: &[u8]) -> Result<State, &'static str> {
-    let mut prev = 0u8;
-    for &b in head {
-        if b == b'\n' && prev != b'\r' {
-            return Err("a line of the head ends in LF without CR");
-        }
-        if b == 0 || (b < b' ' && !matches!(b, b'\r' | b'\n' | b'\t')) || b == 0x7f {
-            return Err("a control byte in the head");
-        }
-        prev = b;
+    if crate::proxy::bare_lf(head) {
+        return Err("a line of the head ends in LF without CR");
+    }
+    if head
+        .iter()
+        .any(|&b| (b < b' ' && !matches!(b, b'\r' | b'\n' | b'\t')) || b == 0x7f)
+    {
+        return Err("a control byte in the head");
     }
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut req = httparse::Request::new(&mut headers);
@@ -79,22 +78,13 @@ fn check_head(head: &[u8]) -> Result<State, &'static str> {
     let mut upgrade = req.method == Some("CONNECT");
     for h in req.headers.iter() {
         if h.name.eq_ignore_ascii_case("content-length") {
-            let mut one = None;
-            for part in h.value.split(|b| *b == b',') {
-                let part = part.trim_ascii();
-                if part.is_empty() || part.len() > 19 || !part.iter().all(u8::is_ascii_digit) {
-                    return Err("a Content-Length that does not parse");
-                }
-                let n: u64 = std::str::from_utf8(part)
-                    .ok()
-                    .and_then(|s| s.parse().ok())
-                    .ok_or("a Content-Length that does not parse")?;
-                if one.is_some_and(|o| o != n) || length.is_some_and(|l| l != n) {
-                    return Err("Content-Lengths that disagree");
-                }
-                one = Some(n);
+            // The proxy's own reading: one length, or a list of the same one.
+            let n = crate::proxy::content_lengths(h.value)
+                .ok_or("a Content-Length that does not parse or disagrees with itself")?;
+            if length.is_some_and(|l| l != n) {
+                return Err("Content-Lengths that disagree");
             }
-            length = one;
+            length = Some(n);
         } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
             if chunked || !h.value.trim_ascii().eq_ignore_ascii_case(b"chunked") {
                 return Err("a Transfer-Encoding other than one chunked");

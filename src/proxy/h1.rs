@@ -1017,7 +1017,7 @@ fn hop_by_hop(name: &str) -> bool {
 }
 
 /// Whether a head has a line ending in LF alone.
-fn bare_lf(head: &[u8]) -> bool {
+pub(crate) fn bare_lf(head: &[u8]) -> bool {
     let mut prev = 0u8;
     for &b in head {
         if b == b'\n' && prev != b'\r' {
@@ -1046,7 +1046,7 @@ fn last_coding_is_chunked(te: &[u8]) -> bool {
 
 /// A `Content-Length` field value: one length, or a list of the same one (RFC 9112 section 6.3
 /// lets a recipient take `5, 5` as 5).
-fn content_lengths(value: &[u8]) -> Option<u64> {
+pub(crate) fn content_lengths(value: &[u8]) -> Option<u64> {
     let mut n = None;
     for v in value.split(|b| *b == b',') {
         let v = content_length(v)?;

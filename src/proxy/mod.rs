@@ -34,6 +34,8 @@ mod h1;
 /// The fuzz targets' entry points into the HTTP/1.1 head parser.
 #[doc(hidden)]
 pub use h1::fuzzing as h1_fuzzing;
+/// The HTTP/1 framing rules ebb's endpoints check too (`api::strict`).
+pub(crate) use h1::{bare_lf, content_lengths};
 pub mod head;
 pub mod request_id;
 pub mod runtime;
