@@ -97,6 +97,22 @@ enum Command {
         /// does.
         #[arg(long, env = "EBB_DASHBOARD_TOKEN", hide_env_values = true)]
         dashboard_token: Option<String>,
+        /// On Kubernetes: a bearer token that is none of the above is checked with a TokenReview,
+        /// and the request allowed if RBAC (a SubjectAccessReview) lets its user do the verb on
+        /// the API's resource (`admin`, `dashboard`, `functions`, `runner`) of group
+        /// `api.ebb.dev` in ebb's namespace. An API without a token of its own is then open to
+        /// those users only.
+        #[arg(long, env = "EBB_KUBE_AUTH")]
+        kube_auth: bool,
+        /// With --kube-auth: the audiences a token must be for, comma-separated (default: the
+        /// API server's own).
+        #[arg(long, env = "EBB_KUBE_AUTH_AUDIENCES", value_delimiter = ',')]
+        kube_auth_audiences: Vec<String>,
+        /// With --kube-auth: how long Kubernetes' answer about a token is kept, in seconds (a
+        /// grant or a revocation counts within that).
+        #[arg(long, env = "EBB_KUBE_AUTH_CACHE_SECONDS", default_value_t = 10,
+              value_parser = clap::value_parser!(u64).range(0..=3600))]
+        kube_auth_cache_seconds: u64,
         /// Calls the built-in runner runs at once (0: none; external runners only).
         #[arg(long, default_value_t = 64)]
         runner_capacity: usize,
@@ -487,6 +503,9 @@ fn run(cli: Cli) -> Result<()> {
             runner_token,
             api_token,
             dashboard_token,
+            kube_auth,
+            kube_auth_audiences,
+            kube_auth_cache_seconds,
             runner_capacity,
             cleaner_helm,
             dns_server,
@@ -527,6 +546,11 @@ fn run(cli: Cli) -> Result<()> {
             limits,
         } => {
             limits.check().map_err(anyhow::Error::msg)?;
+            if kube_auth && orchestrator != Backend::Kubernetes {
+                anyhow::bail!(
+                    "--kube-auth checks tokens with Kubernetes: it needs --orchestrator kubernetes"
+                );
+            }
             if let Some(seed) = balance_seed {
                 ebb::discovery::set_seed(seed);
             }
@@ -544,6 +568,10 @@ fn run(cli: Cli) -> Result<()> {
                     runner_token,
                     api_token,
                     dashboard_token,
+                    kube_auth: kube_auth.then(|| ebb::api::access::KubeAuthOptions {
+                        audiences: kube_auth_audiences,
+                        cache: std::time::Duration::from_secs(kube_auth_cache_seconds),
+                    }),
                     runner_capacity,
                     cleaner_helm,
                     dns_server,

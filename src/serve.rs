@@ -59,6 +59,8 @@ pub struct ServeOptions {
     pub api_token: Option<String>,
     /// The dashboard's token (`None`: the admin token signs in).
     pub dashboard_token: Option<String>,
+    /// On Kubernetes: bearer tokens are also checked with a TokenReview and RBAC.
+    pub kube_auth: Option<crate::api::access::KubeAuthOptions>,
     /// Bounds of the call service.
     pub calls: CallOptions,
     /// The function autoscaler.
@@ -625,15 +627,33 @@ pub async fn run(
         queue: Some(calls.queue().clone()),
     }));
     metrics.follow(&log);
+    let kube_access = match (&options.kube_auth, &kube, &options.kubernetes) {
+        (None, ..) => None,
+        (Some(auth), Some(k), Some(ko)) => Some(crate::api::access::KubeAccess::new(
+            k.client(),
+            ko.shared.lease_namespace.clone(),
+            auth.audiences.clone(),
+            auth.cache,
+        )),
+        (Some(_), ..) => anyhow::bail!(
+            "--kube-auth checks tokens with Kubernetes: it needs --orchestrator kubernetes"
+        ),
+    };
+    let access = crate::api::access::Access::new(
+        crate::api::access::Tokens {
+            admin: options.admin_token.clone(),
+            dashboard: options.dashboard_token.clone(),
+            functions: options.api_token.clone(),
+            runner: options.runner_token.clone(),
+        },
+        kube_access,
+    );
     let admin = crate::api::router(crate::api::AppState {
         log: log.clone(),
         orchestrator: Some(dyn_orch.clone()),
-        admin_token: options.admin_token.clone(),
-        dashboard_token: options.dashboard_token.clone(),
+        access: Arc::new(access),
         ebb_exe: exe.clone(),
         calls: Some(calls.clone()),
-        runner_token: options.runner_token.clone(),
-        api_token: options.api_token.clone(),
         functions: Some(functions.clone()),
         peers: peers.clone(),
         templates: templates.clone(),

@@ -116,4 +116,25 @@ async fn every_token_opens_its_own_api_and_no_other() {
         let v: Value = serde_json::from_str(&r.body).unwrap();
         assert_eq!(v["code"], code, "{path}");
     }
+
+    // Kubernetes' tokens need Kubernetes.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(dir.path().join("other"))
+        .arg("--kube-auth")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--kube-auth") && err.contains("--orchestrator kubernetes"),
+        "{err}"
+    );
 }

@@ -751,6 +751,7 @@ patches:
       value:
       - serve
       - --orchestrator=kubernetes
+      - --kube-auth
       - --api-token={FN_TOKEN}
       - --listen=$(POD_IP):8080
       - --admin-listen=$(POD_IP):8081{data_dir}
@@ -1019,6 +1020,156 @@ async fn a_missing_permission_is_one_log_line_and_a_warning_event_not_a_crash() 
     assert!(ready.contains(r#""code":"not_ready""#), "{ready}");
     let health = http_get(&blind.admin.to_string(), "/healthz").expect("ebb answers");
     assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+}
+
+/// `kubectl create serviceaccount NAME -n ebb` bound to `role` (one of deploy/'s Roles over ebb's
+/// APIs, none for no binding), and a token of it from the TokenRequest API.
+fn api_user(cp: &ControlPlane, name: &str, role: Option<&str>) -> String {
+    cp.kubectl(&["create", "serviceaccount", name, "-n", "ebb"]);
+    if let Some(role) = role {
+        cp.kubectl(&[
+            "create",
+            "rolebinding",
+            name,
+            "-n",
+            "ebb",
+            &format!("--role={role}"),
+            &format!("--serviceaccount=ebb:{name}"),
+        ]);
+    }
+    let token = cp.kubectl(&["create", "token", name, "-n", "ebb", "--duration", "1h"]);
+    token.trim().to_owned()
+}
+
+#[tokio::test]
+async fn service_account_tokens_open_what_rbac_allows_them() {
+    let cp = ControlPlane::start().await;
+    let kubeconfig = deployed_service_account(&cp);
+    let viewer = api_user(&cp, "viewer", Some("ebb-viewer"));
+    let runner = api_user(&cp, "runner", Some("ebb-runner"));
+    let outsider = api_user(&cp, "outsider", None);
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("ebb.log");
+    let ebb = common::serve_logged(
+        data.path(),
+        None,
+        None,
+        &[
+            "--orchestrator",
+            "kubernetes",
+            "--pod-namespace",
+            "ebb",
+            "--kube-auth",
+            "--kube-auth-cache-seconds",
+            "1",
+            "--admin-token",
+            "static-admin-token",
+        ],
+        &[
+            ("KUBECONFIG", kubeconfig.as_os_str()),
+            ("EBB_LOG", std::ffi::OsStr::new("ebb=debug")),
+        ],
+        Some(&log),
+    );
+    let admin = ebb.admin;
+    let api =
+        move |method: &'static str, path: &'static str, token: Option<&str>, body: &'static str| {
+            let token = token.map(str::to_owned);
+            async move { send(admin, method, "ebb", path, token.as_deref(), body).await }
+        };
+    let code = |body: &str| json(body)["code"].as_str().unwrap_or_default().to_owned();
+
+    // ebb-viewer reads the admin API, the functions API (which has no token of its own) and the
+    // calls, and changes nothing.
+    let (status, body) = api("GET", "/admin/routes", Some(viewer.as_str()), "").await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = api("GET", "/api/funcs/template", Some(viewer.as_str()), "").await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = api("GET", "/v1/calls", Some(viewer.as_str()), "").await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = api("DELETE", "/admin/routes/nothing", Some(viewer.as_str()), "").await;
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(code(&body), "forbidden", "{body}");
+    assert!(body.contains("system:serviceaccount:ebb:viewer"), "{body}");
+    assert!(body.contains("delete"), "{body}");
+    let (status, body) = api(
+        "POST",
+        "/runner/states",
+        Some(viewer.as_str()),
+        r#"{"ids":[]}"#,
+    )
+    .await;
+    assert_eq!((status, code(&body)), (403, "forbidden".into()), "{body}");
+
+    // ebb-runner works the queue and reads calls, but cannot touch routes.
+    let (status, body) = api(
+        "POST",
+        "/runner/states",
+        Some(runner.as_str()),
+        r#"{"ids":[]}"#,
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = api("GET", "/v1/calls", Some(runner.as_str()), "").await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = api("GET", "/admin/routes", Some(runner.as_str()), "").await;
+    assert_eq!((status, code(&body)), (403, "forbidden".into()), "{body}");
+
+    // A ServiceAccount bound to nothing is known but allowed nothing; a token Kubernetes does not
+    // know, or none, is unauthorized.
+    let (status, body) = api("GET", "/admin/routes", Some(outsider.as_str()), "").await;
+    assert_eq!((status, code(&body)), (403, "forbidden".into()), "{body}");
+    // The viewer's token with one character of its claims changed: its signature no longer holds.
+    let at = viewer.find('.').expect("a JWT") + 8;
+    let other = if &viewer[at..=at] == "A" { "B" } else { "A" };
+    let forged = format!("{}{other}{}", &viewer[..at], &viewer[at + 1..]);
+    for token in [Some(forged.as_str()), Some("not-a-token"), None] {
+        let (status, body) = api("GET", "/admin/routes", token, "").await;
+        assert_eq!(
+            (status, code(&body)),
+            (401, "unauthorized".into()),
+            "{body}"
+        );
+    }
+    // The static token works beside them: allowed, and the route is simply not there.
+    let (status, body) = api(
+        "DELETE",
+        "/admin/routes/nothing",
+        Some("static-admin-token"),
+        "",
+    )
+    .await;
+    assert_eq!((status, code(&body)), (404, "not_found".into()), "{body}");
+
+    // The dashboard signs in with a token RBAC lets read it.
+    let (status, body) = api("POST", "/ui/login", None, "").await;
+    assert_eq!(status, 400, "{body}");
+    let login = |token: &str| format!(r#"{{"token":"{token}"}}"#);
+    let viewer_login = login(&viewer);
+    let (status, body) = send(ebb.admin, "POST", "ebb", "/ui/login", None, &viewer_login).await;
+    assert_eq!(status, 204, "{body}");
+    let runner_login = login(&runner);
+    let (status, body) = send(ebb.admin, "POST", "ebb", "/ui/login", None, &runner_login).await;
+    assert_eq!((status, code(&body)), (403, "forbidden".into()), "{body}");
+
+    // A revoked binding closes the API once the cached answer is older than its second.
+    cp.kubectl(&["delete", "rolebinding", "viewer", "-n", "ebb"]);
+    wait_until("the viewer refused", Duration::from_secs(30), || async {
+        let (status, _) = api("GET", "/admin/routes", Some(viewer.as_str()), "").await;
+        (status == 403).then_some(())
+    })
+    .await;
+
+    // The log, at debug, tells whose tokens were reviewed, and holds no token.
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("system:serviceaccount:ebb:runner"), "{text}");
+    for token in [&viewer, &runner, &outsider, &forged] {
+        assert!(
+            !text.contains(token.as_str()),
+            "a token is in the log:\n{text}"
+        );
+    }
 }
 
 /// Waits for a Warning Event with `reason` on the object `name` in ebb's namespace.
@@ -2234,4 +2385,312 @@ async fn a_cleaner_uninstalls_a_real_helm_release() {
         .find_map(|e| e["event"].get("CleanerFiring").cloned())
         .unwrap();
     assert_eq!(firing["targets"], serde_json::json!(["helm/default/rel1"]));
+}
+
+/// `METHOD path` to `addr` for `host`, as [`send`], or `None` when ebb is gone or slow (within
+/// 5 s): for load that runs across a SIGKILL.
+async fn try_send(
+    addr: std::net::SocketAddr,
+    method: &str,
+    host: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: {}\r\n\
+             Connection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.ok()?;
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).await.ok()?;
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        let status = answer.split(' ').nth(1)?.parse().ok()?;
+        let (_, body) = answer.split_once("\r\n\r\n")?;
+        Some((status, body.to_owned()))
+    };
+    tokio::time::timeout(Duration::from_secs(5), exchange)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// What ebb acknowledged: call and instance ids.
+#[derive(Default)]
+struct Acked {
+    calls: std::collections::BTreeSet<String>,
+    instances: std::collections::BTreeSet<String>,
+}
+
+/// Requests through the proxy to `hello.test` (waking it), calls to it, and invocations of the
+/// image function `function`, until `stop`.
+async fn kube_load(
+    ebb: (std::net::SocketAddr, std::net::SocketAddr),
+    function: String,
+    acked: std::sync::Arc<std::sync::Mutex<Acked>>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let (proxy, admin) = ebb;
+    let traffic = async {
+        let mut pace = tokio::time::interval(Duration::from_millis(20));
+        while !*stop.borrow() {
+            pace.tick().await;
+            let _ = try_send(proxy, "GET", "hello.test", "/pid", None, "").await;
+        }
+    };
+    let calls = async {
+        let mut pace = tokio::time::interval(Duration::from_millis(25));
+        let body = r#"{"target": "default/hello", "timeout_ms": 20000, "payload": {"method": "GET", "path": "/pid"}}"#;
+        while !*stop.borrow() {
+            pace.tick().await;
+            let r = try_send(
+                admin,
+                "POST",
+                "ebb",
+                "/runner/enqueue",
+                Some(RUNNER_TOKEN),
+                body,
+            );
+            if let Some((200, body)) = r.await {
+                let id = json(&body)["id"].as_str().unwrap().to_owned();
+                acked.lock().unwrap().calls.insert(id);
+            }
+        }
+    };
+    let instances = async {
+        let mut pace = tokio::time::interval(Duration::from_millis(100));
+        let path = format!("/api/funcs/{function}");
+        while !*stop.borrow() {
+            pace.tick().await;
+            let r = try_send(admin, "POST", "ebb", &path, Some(FN_TOKEN), "abc");
+            if let Some((202, body)) = r.await {
+                let id = json(&body)["instanceId"].as_str().unwrap().to_owned();
+                acked.lock().unwrap().instances.insert(id);
+            }
+        }
+    };
+    tokio::join!(traffic, calls, instances);
+}
+
+/// The pods of the workloads ebb scales and the functions it runs (not deploy/'s own, which stay
+/// Pending without volumes), with their phase.
+fn workload_pods(cp: &ControlPlane) -> Vec<String> {
+    let default = json(&cp.kubectl(&["get", "pods", "-n", "default", "-o", "json"]));
+    let functions = json(&cp.kubectl(&[
+        "get",
+        "pods",
+        "-n",
+        "ebb",
+        "-l",
+        "ebb.dev/function",
+        "-o",
+        "json",
+    ]));
+    [default, functions]
+        .iter()
+        .flat_map(|list| list["items"].as_array().cloned().unwrap_or_default())
+        .map(|p| {
+            format!(
+                "{}/{} {}",
+                p["metadata"]["namespace"].as_str().unwrap_or_default(),
+                p["metadata"]["name"].as_str().unwrap_or_default(),
+                p["status"]["phase"].as_str().unwrap_or_default()
+            )
+        })
+        .collect()
+}
+
+/// ebb on Kubernetes killed with SIGKILL at random moments, several rounds on one data directory,
+/// while proxy traffic wakes a Deployment from zero, calls run against it, an image function is
+/// invoked and a Cleaner comes due each round. Pods outlive a killed ebb (Kubernetes owns them);
+/// what must not happen is one left behind: after the last restart ebb finishes everything it
+/// acknowledged (each call started once, each Cleaner fired once), scales the idle workload back
+/// to zero, and deleting the templates deletes their functions' Deployments: no pod is left.
+#[tokio::test]
+async fn sigkilled_on_kubernetes_ebb_loses_nothing_and_leaves_no_pod_behind() {
+    const ROUNDS: usize = 3;
+    let (cp, _, _agent) = cluster().await;
+    apply(&cp, &serverless_hello("2s"));
+    // Only ebb's route leads to the Deployment (proxless' has the default idle time).
+    cp.kubectl(&["delete", "service", "legacy"]);
+    deployed_service_account(&cp);
+    grant(
+        &cp,
+        "ebb-cleaner-targets",
+        "get,list,watch,delete",
+        "configmaps",
+    );
+    let data = tempfile::tempdir().unwrap();
+    let mut args = TEST_TIMING.to_vec();
+    args.extend([
+        "--api-token",
+        FN_TOKEN,
+        "--runner-token",
+        RUNNER_TOKEN,
+        "--snapshot-every-events",
+        "0",
+    ]);
+    let acked = std::sync::Arc::new(std::sync::Mutex::new(Acked::default()));
+    let mut rng = common::XorShift(0x6b75_6265_c0ff_ee01);
+    for round in 0..ROUNDS {
+        let mut ebb = serve_deployed(&cp, data.path(), &args);
+        let function = format!("f{round}");
+        create_template(&ebb, &image_template(&function, "upper")).await;
+        let targets = format!(
+            "  - name: cm\n    reference: {{apiVersion: v1, kind: ConfigMap, name: c{round}}}\n    delete: true\n    includeWhenEvaluating: true\n"
+        );
+        apply(
+            &cp,
+            &format!(
+                "{}---\n{}",
+                config_map(&format!("c{round}"), "yes", &[]),
+                cleaner(
+                    &format!("c{round}"),
+                    "",
+                    &targets,
+                    &["cm.data.done == 'yes'"]
+                )
+            ),
+        );
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let load = kube_load((ebb.proxy, ebb.admin), function, acked.clone(), stop_rx);
+        tokio::pin!(load);
+        let kill_after = Duration::from_millis(1_500 + rng.next() % 3_000);
+        let _ = tokio::time::timeout(kill_after, &mut load).await;
+        ebb.child.kill().unwrap();
+        ebb.child.wait().unwrap();
+        stop_tx.send(true).unwrap();
+        load.await;
+    }
+
+    // The last run: everything acknowledged ends.
+    let logs = tempfile::tempdir().unwrap();
+    let text_log = logs.path().join("ebb.log");
+    let kubeconfig = deployed_service_account(&cp);
+    let mut last_args = vec!["--orchestrator", "kubernetes", "--pod-namespace", "ebb"];
+    last_args.extend_from_slice(&args);
+    let ebb = common::serve_logged(
+        data.path(),
+        None,
+        None,
+        &last_args,
+        &[
+            ("KUBECONFIG", kubeconfig.as_os_str()),
+            ("EBB_LOG", std::ffi::OsStr::new("ebb=info")),
+        ],
+        Some(&text_log),
+    );
+    let (calls, instances) = {
+        let a = acked.lock().unwrap();
+        (a.calls.clone(), a.instances.clone())
+    };
+    assert!(!calls.is_empty() && !instances.is_empty());
+    let objects = calls
+        .iter()
+        .map(|id| (format!("/v1/calls/{id}"), RUNNER_TOKEN))
+        .chain(
+            instances
+                .iter()
+                .map(|id| (format!("/api/funcs/{id}"), FN_TOKEN)),
+        );
+    for (path, token) in objects {
+        wait_until(
+            &format!("{path} ends"),
+            Duration::from_secs(120),
+            || async {
+                let (status, body) = send(ebb.admin, "GET", "ebb", &path, Some(token), "").await;
+                assert_eq!(status, 200, "acknowledged {path}: {body}");
+                let state = json(&body)["state"].as_str().unwrap_or_default().to_owned();
+                (!matches!(state.as_str(), "queued" | "running")).then_some(())
+            },
+        )
+        .await;
+    }
+    wait_for("every Cleaner fired", Duration::from_secs(60), || {
+        (0..ROUNDS)
+            .all(|r| cleaner_events(data.path(), &format!("default/c{r}"), "CleanerFired") == 1)
+    })
+    .await;
+
+    // No pod left behind: the idle workload goes back to zero, the functions' objects go with
+    // their templates.
+    for round in 0..ROUNDS {
+        let path = format!("/api/funcs/template/f{round}");
+        assert_eq!(fn_api(&ebb, "DELETE", &path, "").await.0, 200);
+    }
+    let none_left = wait_until("no pod left", Duration::from_secs(120), || async {
+        workload_pods(&cp).is_empty().then_some(())
+    });
+    if tokio::time::timeout(Duration::from_secs(110), none_left)
+        .await
+        .is_err()
+    {
+        let hello = cp.kubectl(&["get", "deployment", "hello", "-n", "default", "-o", "yaml"]);
+        let all = common::events(data.path());
+        let hellos: Vec<String> = all
+            .iter()
+            .filter(|e| e.to_string().contains("default/hello"))
+            .map(|e| e.to_string())
+            .collect();
+        let last = &hellos[hellos.len().saturating_sub(25)..];
+        let text = std::fs::read_to_string(&text_log).unwrap_or_default();
+        panic!(
+            "pods left: {:?}\n{hello}\nthe log's last events of default/hello: {last:#?}\n\
+             ebb's log:\n{text}",
+            workload_pods(&cp)
+        );
+    }
+    let hello = json(&cp.kubectl(&["get", "deployment", "hello", "-n", "default", "-o", "json"]));
+    assert_eq!(hello["spec"]["replicas"], 0, "{hello}");
+    for round in 0..ROUNDS {
+        assert!(function_objects_gone(&cp, &format!("fn-f{round}")));
+    }
+    drop(ebb);
+
+    // The log: every acknowledged call and instance, none started twice, no Cleaner fired twice.
+    let mut queued = std::collections::BTreeSet::new();
+    let mut created = std::collections::BTreeSet::new();
+    let mut started: std::collections::BTreeMap<String, usize> = Default::default();
+    for e in common::events(data.path()) {
+        let e = &e["event"];
+        if let Some(q) = e.get("CallQueued") {
+            queued.insert(q["call"]["id"].as_str().unwrap().to_owned());
+        } else if let Some(s) = e.get("CallStarted") {
+            *started
+                .entry(s["id"].as_str().unwrap().to_owned())
+                .or_default() += 1;
+        } else if let Some(i) = e.get("InstanceCreated") {
+            created.insert(i["id"].as_str().unwrap().to_owned());
+        }
+    }
+    let lost: Vec<_> = calls.difference(&queued).collect();
+    assert!(
+        lost.is_empty(),
+        "acknowledged calls not in the log: {lost:?}"
+    );
+    let lost: Vec<_> = instances.difference(&created).collect();
+    assert!(
+        lost.is_empty(),
+        "acknowledged instances not in the log: {lost:?}"
+    );
+    let twice: Vec<_> = started.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "calls started twice: {twice:?}");
+    for r in 0..ROUNDS {
+        assert_eq!(
+            cleaner_events(data.path(), &format!("default/c{r}"), "CleanerFiring"),
+            1
+        );
+    }
+    println!(
+        "kube crash: {ROUNDS} kills; {} calls and {} instances acknowledged",
+        calls.len(),
+        instances.len()
+    );
 }

@@ -6,7 +6,7 @@ use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Path, State as Extract};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::StatusCode;
 use axum::routing::get;
 use serde_json::{Value, json};
 
@@ -16,19 +16,11 @@ use crate::event::{Event, RouteSpec};
 use crate::orchestrator::WorkloadSpec;
 use crate::state::State;
 
-pub(super) fn router() -> Router<AppState> {
-    Router::new()
+pub(super) fn router(app: &AppState) -> Router<AppState> {
+    let routes = Router::new()
         .route("/admin/routes", get(list))
-        .route("/admin/routes/{name}", get(show).put(put).delete(delete))
-}
-
-fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    super::authorize_token(
-        app.admin_token.as_deref(),
-        headers,
-        "admin",
-        "--admin-token or EBB_ADMIN_TOKEN",
-    )
+        .route("/admin/routes/{name}", get(show).put(put).delete(delete));
+    super::access::guarded(routes, app, &[super::access::Api::Admin])
 }
 
 fn view(state: &State, spec: &RouteSpec) -> Value {
@@ -43,11 +35,7 @@ fn view(state: &State, spec: &RouteSpec) -> Value {
     })
 }
 
-async fn list(
-    Extract(app): Extract<AppState>,
-    headers: HeaderMap,
-) -> Result<Json<Value>, ApiError> {
-    authorize(&app, &headers)?;
+async fn list(Extract(app): Extract<AppState>) -> Result<Json<Value>, ApiError> {
     Ok(Json(app.log.read(|s| {
         Value::Array(
             s.routes
@@ -61,10 +49,8 @@ async fn list(
 
 async fn show(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     Path(name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    authorize(&app, &headers)?;
     app.log
         .read(|s| s.routes.by_name.get(&name).map(|r| view(s, &r.spec)))
         .map(Json)
@@ -73,11 +59,9 @@ async fn show(
 
 async fn put(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     Path(name): Path<String>,
     body: Bytes,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    authorize(&app, &headers)?;
     let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", m);
     let mut value: Value =
         serde_json::from_slice(&body).map_err(|e| bad(format!("the body is not JSON: {e}")))?;
@@ -144,10 +128,8 @@ async fn put(
 
 async fn delete(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     Path(name): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    authorize(&app, &headers)?;
     let n = name.clone();
     let (outcome, _) = app
         .log

@@ -54,8 +54,8 @@ use crate::orchestrator::kube_templates::{self, KubeTemplates, StoreError};
 use crate::state::State;
 use crate::state::functions::ChangeKind;
 
-pub(super) fn router() -> Router<AppState> {
-    Router::new()
+pub(super) fn router(app: &AppState) -> Router<AppState> {
+    let routes = Router::new()
         .route("/api/funcs/template", get(list_or_watch).post(create))
         .route(
             "/api/funcs/template/{name}",
@@ -67,7 +67,8 @@ pub(super) fn router() -> Router<AppState> {
                 .route("/api/funcs/{name}", get(instance).post(invoke))
                 .route("/api/funcs/{name}/{id}", axum::routing::put(step))
                 .layer(DefaultBodyLimit::max(MAX_ARGS_BYTES)),
-        )
+        );
+    super::access::guarded(routes, app, &[super::access::Api::Functions])
 }
 
 /// The most bytes of arguments (or a step's input) an invocation takes.
@@ -216,7 +217,6 @@ async fn invoke(
     q: Result<Query<InvokeQuery>, QueryRejection>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    authorize(&app, &headers)?;
     let Query(q) = q.map_err(bad_query)?;
     let wait = wait_of(&q, &headers)?;
     let args = args(body)?;
@@ -241,7 +241,6 @@ async fn instance(
     uri: axum::http::Uri,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    authorize(&app, &headers)?;
     if let Some(r) = super::through_owner(
         &app,
         &id,
@@ -267,7 +266,6 @@ async fn step(
     Path((name, id)): Path<(String, String)>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    authorize(&app, &headers)?;
     let body = body.map_err(super::runner::rejection)?;
     if let Some(r) = super::through_owner(
         &app,
@@ -295,15 +293,6 @@ async fn step(
         Json(json!({ "instanceId": id, "step": number, "function": name })),
     )
         .into_response())
-}
-
-fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    super::authorize_token(
-        app.api_token.as_deref(),
-        headers,
-        "functions",
-        "--api-token or EBB_API_TOKEN",
-    )
 }
 
 /// A template as the API shows it: the serverless seed's `Func` object, its revision as
@@ -419,10 +408,8 @@ struct WatchQuery {
 
 async fn list_or_watch(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     q: Result<Query<WatchQuery>, QueryRejection>,
 ) -> Result<Response, ApiError> {
-    authorize(&app, &headers)?;
     let Query(q) = q.map_err(bad_query)?;
     let since = match q.since.as_deref() {
         None => None,
@@ -959,10 +946,8 @@ fn store_error(e: StoreError) -> ApiError {
 
 async fn create(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    authorize(&app, &headers)?;
     let spec = parse(body)?.into_spec().map_err(invalid)?;
     let autoscale = autoscale_of(&app);
     if let Some(store) = &app.templates {
@@ -992,10 +977,8 @@ async fn create(
 
 async fn show(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     Path(name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    authorize(&app, &headers)?;
     if let Some(store) = &app.templates {
         // A name no template can have is not asked of the API server (a path in it would be).
         if functions::check_name("template name", &name).is_err() {
@@ -1021,11 +1004,9 @@ async fn show(
 
 async fn put(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     Path(name): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<Value>), ApiError> {
-    authorize(&app, &headers)?;
     let mut j = parse(body)?;
     if j.name.is_empty() {
         j.name = name.clone();
@@ -1079,10 +1060,8 @@ async fn put(
 
 async fn delete(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     Path(name): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    authorize(&app, &headers)?;
     if let Some(store) = &app.templates {
         let before = store.delete(&app.log, &name).await.map_err(store_error)?;
         // Gone already (deleted through another replica, which this one had not seen yet).

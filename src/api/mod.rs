@@ -3,10 +3,11 @@
 //! Handlers read the live projection and ask the log for decisions; they never touch storage
 //! directly.
 //!
-//! Admin API (bearer token, `ebb serve --admin-token` / `EBB_ADMIN_TOKEN`; disabled without one):
-//! `GET /admin/routes`, `GET|PUT|DELETE /admin/routes/{name}`. A PUT body has the fields of an app
+//! Each API is behind [`access::guard`] (its bearer token, or Kubernetes' RBAC with
+//! `--kube-auth`). Admin API: `GET /admin/routes`, `GET|PUT|DELETE /admin/routes/{name}`. A PUT body has the fields of an app
 //! in `ebb.toml` (JSON); the route and how to run it go into the log, so they survive restarts.
 
+pub mod access;
 pub mod admin;
 pub mod funcs;
 pub mod runner;
@@ -33,18 +34,13 @@ pub struct AppState {
     pub log: Arc<Log>,
     /// Runs the workloads of routes created through the admin API.
     pub orchestrator: Option<Arc<dyn crate::orchestrator::Orchestrator>>,
-    /// The admin API's bearer token; `None` disables the admin API.
-    pub admin_token: Option<String>,
-    /// The dashboard's token (`/ui`); `None`: the admin token signs in.
-    pub dashboard_token: Option<String>,
+    /// Who may use which API: the APIs' bearer tokens, and Kubernetes' answers with
+    /// `--kube-auth`.
+    pub access: Arc<access::Access>,
     /// The ebb binary, for workloads whose program is `ebb`.
     pub ebb_exe: std::path::PathBuf,
     /// The call service behind the runner API, if this ebb runs one.
     pub calls: Option<Arc<crate::calls::Calls>>,
-    /// The runner API's bearer token; `None` disables the runner API.
-    pub runner_token: Option<String>,
-    /// The functions API's bearer token; `None` disables the functions API.
-    pub api_token: Option<String>,
     /// The functions runtime (instances), if this ebb runs calls.
     pub functions: Option<Arc<crate::functions::runtime::FunctionService>>,
     /// On Kubernetes: function templates are `Func` resources, written there (the log follows
@@ -67,42 +63,6 @@ pub struct AppState {
 
 /// Largest request body ebb's own endpoints read by default (`--max-api-body-bytes`).
 pub const MAX_BODY_BYTES: usize = 16 << 20;
-
-/// Checks a bearer token in constant time. `what` names the API, `how` how to give it a token.
-pub fn authorize_token(
-    token: Option<&str>,
-    headers: &axum::http::HeaderMap,
-    what: &str,
-    how: &str,
-) -> Result<(), ApiError> {
-    let Some(token) = token else {
-        let code = match what {
-            "admin" => "admin_disabled",
-            "dashboard" => "dashboard_disabled",
-            "functions" => "functions_disabled",
-            _ => "runner_disabled",
-        };
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            code,
-            format!("the {what} API is disabled: start ebb with {how}"),
-        ));
-    };
-    let given = headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    if token_matches(given, token) {
-        Ok(())
-    } else {
-        Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "missing or wrong bearer token",
-        ))
-    }
-}
 
 /// Whether `given` is `token`, compared in constant time: how long it takes depends on the
 /// length of `given` alone, never on `token` (not even its length) nor on where they differ.
@@ -247,10 +207,10 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .merge(admin::router())
-        .merge(ui::router())
-        .merge(runner::router())
-        .merge(funcs::router())
+        .merge(admin::router(&state))
+        .merge(ui::router(&state))
+        .merge(runner::router(&state))
+        .merge(funcs::router(&state))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(max_body_bytes))

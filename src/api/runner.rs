@@ -17,22 +17,27 @@ use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::{ApiError, AppState, authorize_token};
+use super::access::Api;
+use super::{ApiError, AppState};
 use crate::calls::wire::{FinishJson, JobJson, MessageJson};
 use crate::calls::{CallError, Calls, Load, NewCall};
 use crate::state::calls::{Call, CallStatus};
 
-pub(super) fn router() -> Router<AppState> {
-    Router::new()
+pub(super) fn router(app: &AppState) -> Router<AppState> {
+    use super::access::guarded;
+    let runner = Router::new()
         .route("/runner/enqueue", post(enqueue))
         .route("/runner/dequeue", post(dequeue))
         .route("/runner/start", post(start))
         .route("/runner/finish", post(finish))
-        .route("/runner/states", post(states))
+        .route("/runner/states", post(states));
+    // The calls' own endpoints take the runner's or the admin's access.
+    let calls = Router::new()
         .route("/v1/calls", get(list))
         .route("/v1/calls/{id}", get(show))
         .route("/v1/calls/{id}/log", get(show_log))
-        .route("/v1/calls/{id}/cancel", post(cancel))
+        .route("/v1/calls/{id}/cancel", post(cancel));
+    guarded(runner, app, &[Api::Runner]).merge(guarded(calls, app, &[Api::Runner, Api::Admin]))
 }
 
 impl From<CallError> for ApiError {
@@ -70,20 +75,6 @@ impl From<CallError> for ApiError {
             CallError::Peer(p) => p.into(),
         }
     }
-}
-
-/// The call service, if this ebb runs one, after the runner token is checked.
-fn service<'a>(
-    app: &'a AppState,
-    headers: &HeaderMap,
-) -> Result<&'a std::sync::Arc<Calls>, ApiError> {
-    authorize_token(
-        app.runner_token.as_deref(),
-        headers,
-        "runner",
-        "--runner-token or EBB_RUNNER_TOKEN",
-    )?;
-    calls_of(app)
 }
 
 /// The call service, if this ebb runs one.
@@ -169,7 +160,7 @@ async fn enqueue(
     headers: HeaderMap,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let calls = service(&app, &headers)?;
+    let calls = calls_of(&app)?;
     let bytes = bytes.map_err(rejection)?;
     // A call given alone with an id another replica owns is enqueued there (an enqueue retried
     // with the id its first answer gave is the same call, whichever replica it reaches).
@@ -239,7 +230,7 @@ async fn dequeue(
     headers: HeaderMap,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let calls = service(&app, &headers)?;
+    let calls = calls_of(&app)?;
     let b: DequeueBody = body(bytes)?;
     let runner = runner_id(&b.runner)?;
     calls.seen(runner, None);
@@ -270,7 +261,7 @@ async fn start(
     headers: HeaderMap,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let calls = service(&app, &headers)?;
+    let calls = calls_of(&app)?;
     let b: StartBody = body(bytes)?;
     let runner = runner_id(&b.runner)?;
     let (batch, ids) = match (b.id, b.ids) {
@@ -339,7 +330,7 @@ async fn finish(
     headers: HeaderMap,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let calls = service(&app, &headers)?;
+    let calls = calls_of(&app)?;
     let (batch, runner, items) = match body::<FinishBody>(bytes)? {
         FinishBody::Batch { runner, calls } => (true, runner, calls),
         FinishBody::One { runner, call } => (false, runner, vec![call]),
@@ -373,10 +364,9 @@ struct StatesBody {
 /// messages: `{"results": [{"state", "deadline_at_ms"} or null, ...]}` in the order asked.
 async fn states(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let calls = service(&app, &headers)?;
+    let calls = calls_of(&app)?;
     let b: StatesBody = body(bytes)?;
     if b.ids.len() > calls.options().max_batch {
         return Err(ApiError::new(
@@ -391,30 +381,6 @@ async fn states(
     }
     let results = calls.states(&b.ids);
     Ok(Json(ResultsAnswer { results: &results }).into_response())
-}
-
-/// `/v1/calls` takes the runner token or the admin token.
-fn reader<'a>(
-    app: &'a AppState,
-    headers: &HeaderMap,
-) -> Result<&'a std::sync::Arc<Calls>, ApiError> {
-    let runner = authorize_token(
-        app.runner_token.as_deref(),
-        headers,
-        "runner",
-        "--runner-token or EBB_RUNNER_TOKEN",
-    );
-    if runner.is_err() && app.admin_token.is_some() {
-        authorize_token(
-            app.admin_token.as_deref(),
-            headers,
-            "admin",
-            "--admin-token or EBB_ADMIN_TOKEN",
-        )?;
-    } else {
-        runner?;
-    }
-    calls_of(app)
 }
 
 fn view(c: &Call) -> Value {
@@ -442,7 +408,7 @@ async fn show(
     uri: Uri,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    reader(&app, &headers)?;
+    calls_of(&app)?;
     if let Some(r) =
         super::through_owner(&app, &id, Method::GET, &uri, &headers, Bytes::new()).await?
     {
@@ -460,7 +426,7 @@ async fn show_log(
     uri: Uri,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    reader(&app, &headers)?;
+    calls_of(&app)?;
     if let Some(r) =
         super::through_owner(&app, &id, Method::GET, &uri, &headers, Bytes::new()).await?
     {
@@ -479,7 +445,7 @@ async fn cancel(
     uri: Uri,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let calls = reader(&app, &headers)?;
+    let calls = calls_of(&app)?;
     if let Some(r) =
         super::through_owner(&app, &id, Method::POST, &uri, &headers, Bytes::new()).await?
     {
@@ -515,10 +481,9 @@ const MAX_PAGE: usize = 1_000;
 
 async fn list(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     query: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    reader(&app, &headers)?;
+    calls_of(&app)?;
     let Query(q) =
         query.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_query", e.body_text()))?;
     let limit = q.limit.unwrap_or(100).clamp(1, MAX_PAGE);

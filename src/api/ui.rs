@@ -1,8 +1,9 @@
 //! The dashboard at `/ui` and what it reads, and `ebb explain` over HTTP.
 //!
 //! The page (`src/ui/`: HTML, CSS and JS, no dependencies) is compiled into the binary and
-//! served to anyone; everything it shows comes from `/ui/api/*`, behind the admin token: a bearer
-//! header, or the `ebb_admin` cookie that `POST /ui/login` sets (HttpOnly, SameSite=Strict, on
+//! served to anyone; everything it shows comes from `/ui/api/*`, behind the dashboard's access
+//! ([`super::access`]: its token, else the admin token, or RBAC's `get` on `dashboard` with
+//! `--kube-auth`): a bearer header, or the `ebb_admin` cookie that `POST /ui/login` sets (HttpOnly, SameSite=Strict, on
 //! `/ui` only), since a browser's `EventSource` cannot send headers. The live updates are
 //! server-sent events from the log's tail, each told in words by one narrator task ([`Feed`]),
 //! which keeps its own copy of the projection so each line is told from the state before it.
@@ -23,7 +24,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, watch};
 
-use super::{ApiError, AppState, authorize_token, token_matches};
+use super::access::{Api, COOKIE, guarded};
+use super::{ApiError, AppState};
 use crate::event::{Envelope, Event, Kind};
 use crate::log::Log;
 use crate::state::State;
@@ -34,8 +36,6 @@ const INDEX: &str = include_str!("../ui/index.html");
 const SCRIPT: &str = include_str!("../ui/app.js");
 const STYLE: &str = include_str!("../ui/app.css");
 
-/// The cookie the sign-in sets.
-const COOKIE: &str = "ebb_admin";
 /// Events one timeline answer carries at most (the newest are kept).
 const MAX_TIMELINE: usize = 2_000;
 /// Calls one page of the call list carries at most.
@@ -43,7 +43,14 @@ const MAX_CALLS: usize = 500;
 /// Told events waiting for slow dashboards; one that falls further behind is told to re-read.
 const FEED_BOUND: usize = 1_024;
 
-pub(super) fn router() -> Router<AppState> {
+pub(super) fn router(app: &AppState) -> Router<AppState> {
+    let dashboard = Router::new()
+        .route("/ui/api/overview", get(overview))
+        .route("/ui/api/timeline", get(timeline))
+        .route("/ui/api/calls", get(calls))
+        .route("/ui/api/explain/{kind}/{*id}", get(ui_explain))
+        .route("/ui/api/events", get(events));
+    let admin = Router::new().route("/admin/explain/{kind}/{*id}", get(admin_explain));
     Router::new()
         .route("/ui", get(|| page(INDEX, "text/html; charset=utf-8")))
         .route("/ui/", get(|| page(INDEX, "text/html; charset=utf-8")))
@@ -57,12 +64,8 @@ pub(super) fn router() -> Router<AppState> {
         )
         .route("/ui/login", post(login))
         .route("/ui/api/session", get(session))
-        .route("/ui/api/overview", get(overview))
-        .route("/ui/api/timeline", get(timeline))
-        .route("/ui/api/calls", get(calls))
-        .route("/ui/api/explain/{kind}/{*id}", get(ui_explain))
-        .route("/ui/api/events", get(events))
-        .route("/admin/explain/{kind}/{*id}", get(admin_explain))
+        .merge(guarded(dashboard, app, &[Api::Dashboard]))
+        .merge(guarded(admin, app, &[Api::Admin]))
 }
 
 async fn page(body: &'static str, content_type: &'static str) -> Response {
@@ -83,55 +86,15 @@ async fn page(body: &'static str, content_type: &'static str) -> Response {
     r
 }
 
-/// The dashboard's token: `--dashboard-token`, else the admin token.
-fn dashboard_token(app: &AppState) -> Option<&str> {
-    app.dashboard_token
-        .as_deref()
-        .or(app.admin_token.as_deref())
-}
-
-/// The dashboard's token from the bearer header or the sign-in cookie.
-fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    if let Some(token) = dashboard_token(app)
-        && let Some(given) = cookie(headers, COOKIE)
-        && token_matches(given, token)
-    {
-        return Ok(());
-    }
-    authorize_token(
-        dashboard_token(app),
-        headers,
-        "dashboard",
-        "--dashboard-token or EBB_DASHBOARD_TOKEN (or --admin-token)",
-    )
-}
-
-fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|kv| kv.trim().split_once('='))
-        .find(|(k, _)| *k == name)
-        .map(|(_, v)| v)
-}
-
 #[derive(Deserialize)]
 struct Login {
     token: String,
 }
 
 async fn login(Extract(app): Extract<AppState>, body: Bytes) -> Result<Response, ApiError> {
-    let Some(token) = dashboard_token(&app) else {
-        return Err(authorize_token(
-            None,
-            &HeaderMap::new(),
-            "dashboard",
-            "--dashboard-token or --admin-token",
-        )
-        .unwrap_err());
-    };
+    if !app.access.enabled(Api::Dashboard) {
+        return Err(Api::Dashboard.disabled());
+    }
     let login: Login = serde_json::from_slice(&body).map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -144,13 +107,16 @@ async fn login(Extract(app): Extract<AppState>, body: Bytes) -> Result<Response,
         .token
         .bytes()
         .all(|b| b.is_ascii_graphic() && b != b';');
-    if !printable || !token_matches(&login.token, token) {
+    if !printable {
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
             "wrong dashboard token",
         ));
     }
+    app.access
+        .check(&[Api::Dashboard], "get", Some(&login.token))
+        .await?;
     let set = format!(
         "{COOKIE}={}; Path=/ui; HttpOnly; SameSite=Strict",
         login.token
@@ -165,7 +131,13 @@ async fn login(Extract(app): Extract<AppState>, body: Bytes) -> Result<Response,
 }
 
 async fn session(Extract(app): Extract<AppState>, headers: HeaderMap) -> Json<Value> {
-    Json(json!({ "signed_in": authorize(&app, &headers).is_ok() }))
+    let given = super::access::cookie(&headers, COOKIE).or_else(|| super::access::bearer(&headers));
+    let signed_in = app
+        .access
+        .check(&[Api::Dashboard], "get", given)
+        .await
+        .is_ok();
+    Json(json!({ "signed_in": signed_in }))
 }
 
 fn no_store(body: Value) -> Response {
@@ -175,11 +147,7 @@ fn no_store(body: Value) -> Response {
     r
 }
 
-async fn overview(
-    Extract(app): Extract<AppState>,
-    headers: HeaderMap,
-) -> Result<Response, ApiError> {
-    authorize(&app, &headers)?;
+async fn overview(Extract(app): Extract<AppState>) -> Result<Response, ApiError> {
     let ready = |deployment: &str| {
         app.orchestrator
             .as_ref()
@@ -294,10 +262,8 @@ struct TimelineQuery {
 
 async fn timeline(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     query: Result<Query<TimelineQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    authorize(&app, &headers)?;
     let Query(q) =
         query.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_query", e.body_text()))?;
     let Some(deployment) = app.log.read(|s| {
@@ -412,10 +378,8 @@ struct CallsQuery {
 
 async fn calls(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     query: Result<Query<CallsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Response, ApiError> {
-    authorize(&app, &headers)?;
     let Query(q) =
         query.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_query", e.body_text()))?;
     let wanted = match q.state.as_deref() {
@@ -458,24 +422,15 @@ async fn calls(
 
 async fn ui_explain(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     Path((kind, id)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    authorize(&app, &headers)?;
     explain(&app, &kind, &id).await
 }
 
 async fn admin_explain(
     Extract(app): Extract<AppState>,
-    headers: HeaderMap,
     Path((kind, id)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    authorize_token(
-        app.admin_token.as_deref(),
-        &headers,
-        "admin",
-        "--admin-token or EBB_ADMIN_TOKEN",
-    )?;
     explain(&app, &kind, &id).await
 }
 
@@ -633,8 +588,7 @@ async fn narrate(log: Weak<Log>, mut tail: crate::log::Tail, tx: broadcast::Send
     }
 }
 
-async fn events(Extract(app): Extract<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
-    authorize(&app, &headers)?;
+async fn events(Extract(app): Extract<AppState>) -> Result<Response, ApiError> {
     use broadcast::error::RecvError;
     let rx = app.feed.subscribe(&app.log);
     let stop = app.feed.stop.clone();

@@ -178,12 +178,14 @@ async fn setup(
             templates: None,
             log,
             orchestrator: None,
-            admin_token: None,
-            dashboard_token: None,
+            access: Arc::new(crate::api::access::Access::tokens(
+                crate::api::access::Tokens {
+                    runner: Some(TOKEN.into()),
+                    ..Default::default()
+                },
+            )),
             ebb_exe: std::env::current_exe()?,
             calls: Some(calls.clone()),
-            runner_token: Some(TOKEN.into()),
-            api_token: None,
             functions: None,
             ready: None,
             metrics: None,
