@@ -1,6 +1,6 @@
 //! A bounded soak of a real `ebb serve`: proxy traffic in bursts, each pause lasting until the
 //! workload has scaled to zero, so that the next burst wakes it again, and calls flowing through
-//! the built-in runner to a second workload all along. It runs `EBB_SOAK_SECONDS` (default 90; longer by setting it) and checks:
+//! the built-in runner to a second workload all along. It runs `EBB_SOAK_SECONDS` (default 180; longer by setting it) and checks:
 //! no request failed, every call succeeded, ebb's resident memory and open file descriptors are
 //! flat (the last third of the run's peak against the first third's), and the log stays bounded
 //! by snapshots and compaction. It prints the figures.
@@ -23,7 +23,7 @@ fn seconds() -> u64 {
     std::env::var("EBB_SOAK_SECONDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(90)
+        .unwrap_or(180)
 }
 
 /// Resident memory (KiB) and open file descriptors of a process.
