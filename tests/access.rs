@@ -118,21 +118,7 @@ async fn every_token_opens_its_own_api_and_no_other() {
     }
 
     // Kubernetes' tokens need Kubernetes.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ebb"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .arg("--data-dir")
-        .arg(dir.path().join("other"))
-        .arg("--kube-auth")
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = common::serve_refused(&dir.path().join("other"), ["--kube-auth"]);
     assert!(
         err.contains("--kube-auth") && err.contains("--orchestrator kubernetes"),
         "{err}"

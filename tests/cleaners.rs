@@ -5,7 +5,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use common::controlplane::wait_for;
@@ -165,22 +164,8 @@ fn a_bad_cleaner_in_ebb_toml_is_a_clear_error() {
             format!("[[cleaner]]\nname = \"bad\"\n{ttl}\ntargets = {targets}\nconditions = {conditions}\n"),
         )
         .unwrap();
-        let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--config",
-            ])
-            .arg(&config)
-            .arg("--data-dir")
-            .arg(dir.path().join("data"))
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{needle}: ebb serve took it");
+        let config = ["--config".as_ref(), config.as_os_str()];
+        let err = common::serve_refused(&dir.path().join("data"), config);
         assert!(
             err.contains("cleaner \"bad\"") && err.contains(needle),
             "{needle}: {err}"

@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -290,26 +290,12 @@ async fn serve_loses_nothing_acknowledged_across_sigkills() {
     drop(ebb);
 
     let events = common::events(&data);
-    let mut queued = BTreeSet::new();
-    let mut created = BTreeSet::new();
-    let mut started: BTreeMap<String, usize> = BTreeMap::new();
-    let mut fired: BTreeMap<String, usize> = BTreeMap::new();
-    for e in &events {
-        let e = &e["event"];
-        if let Some(q) = e.get("CallQueued") {
-            queued.insert(q["call"]["id"].as_str().unwrap().to_owned());
-        } else if let Some(s) = e.get("CallStarted") {
-            *started
-                .entry(s["id"].as_str().unwrap().to_owned())
-                .or_default() += 1;
-        } else if let Some(i) = e.get("InstanceCreated") {
-            created.insert(i["id"].as_str().unwrap().to_owned());
-        } else if let Some(f) = e.get("CleanerFired") {
-            *fired
-                .entry(f["name"].as_str().unwrap().to_owned())
-                .or_default() += 1;
-        }
-    }
+    let common::Tally {
+        queued,
+        created,
+        started,
+        fired,
+    } = common::tally(&events);
     let lost: Vec<&String> = calls.difference(&queued).collect();
     assert!(
         lost.is_empty(),

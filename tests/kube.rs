@@ -10,7 +10,7 @@ use common::controlplane::{ControlPlane, NOBODY_TOKEN, http_get, wait_for, wait_
 use common::ebbkube::{
     TEST_TIMING, apply, client, cluster, deployed_service_account, get, grant, hello_deployment,
     hello_service, json, pid_of, routes, send, serve_deployed, serve_on, serverless_hello,
-    test_image,
+    test_image, try_send,
 };
 
 /// A Deployment of the example app at one replica and a plain Service in front of it.
@@ -2387,41 +2387,6 @@ async fn a_cleaner_uninstalls_a_real_helm_release() {
     assert_eq!(firing["targets"], serde_json::json!(["helm/default/rel1"]));
 }
 
-/// `METHOD path` to `addr` for `host`, as [`send`], or `None` when ebb is gone or slow (within
-/// 5 s): for load that runs across a SIGKILL.
-async fn try_send(
-    addr: std::net::SocketAddr,
-    method: &str,
-    host: &str,
-    path: &str,
-    token: Option<&str>,
-    body: &str,
-) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: {}\r\n\
-             Connection: close\r\n\r\n{body}",
-            body.len()
-        );
-        s.write_all(head.as_bytes()).await.ok()?;
-        let mut answer = Vec::new();
-        s.read_to_end(&mut answer).await.ok()?;
-        let answer = String::from_utf8_lossy(&answer).into_owned();
-        let status = answer.split(' ').nth(1)?.parse().ok()?;
-        let (_, body) = answer.split_once("\r\n\r\n")?;
-        Some((status, body.to_owned()))
-    };
-    tokio::time::timeout(Duration::from_secs(5), exchange)
-        .await
-        .ok()
-        .flatten()
-}
-
 /// What ebb acknowledged: call and instance ids.
 #[derive(Default)]
 struct Acked {
@@ -2655,21 +2620,12 @@ async fn sigkilled_on_kubernetes_ebb_loses_nothing_and_leaves_no_pod_behind() {
     drop(ebb);
 
     // The log: every acknowledged call and instance, none started twice, no Cleaner fired twice.
-    let mut queued = std::collections::BTreeSet::new();
-    let mut created = std::collections::BTreeSet::new();
-    let mut started: std::collections::BTreeMap<String, usize> = Default::default();
-    for e in common::events(data.path()) {
-        let e = &e["event"];
-        if let Some(q) = e.get("CallQueued") {
-            queued.insert(q["call"]["id"].as_str().unwrap().to_owned());
-        } else if let Some(s) = e.get("CallStarted") {
-            *started
-                .entry(s["id"].as_str().unwrap().to_owned())
-                .or_default() += 1;
-        } else if let Some(i) = e.get("InstanceCreated") {
-            created.insert(i["id"].as_str().unwrap().to_owned());
-        }
-    }
+    let common::Tally {
+        queued,
+        created,
+        started,
+        ..
+    } = common::tally(&common::events(data.path()));
     let lost: Vec<_> = calls.difference(&queued).collect();
     assert!(
         lost.is_empty(),

@@ -296,21 +296,7 @@ fn bad_limit_values_are_refused_at_start() {
             "--max-connections must be at least 1",
         ),
     ] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ebb"))
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ])
-            .arg("--data-dir")
-            .arg(dir.path().join("data"))
-            .args([flag, value])
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{flag} {value} refused");
-        let err = String::from_utf8_lossy(&out.stderr);
+        let err = common::serve_refused(&dir.path().join("data"), [flag, value]);
         assert!(err.contains(says), "{flag} {value}: {err}");
     }
 }

@@ -295,24 +295,13 @@ fn a_bad_pair_stops_the_start() {
     let dir = tempfile::tempdir().unwrap();
     let (cert, _) = issue(dir.path(), "one", 1);
     let (_, other_key) = issue(dir.path(), "two", 2);
-    let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
-        .arg("--tls-cert")
-        .arg(&cert)
-        .arg("--tls-key")
-        .arg(&other_key)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let tls = [
+        "--tls-cert".as_ref(),
+        cert.as_os_str(),
+        "--tls-key".as_ref(),
+        other_key.as_os_str(),
+    ];
+    let err = common::serve_refused(&dir.path().join("data"), tls);
     assert!(err.contains("proxy TLS"), "{err}");
     let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
         .args(["serve", "--tls-cert"])

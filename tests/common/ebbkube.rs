@@ -123,39 +123,58 @@ pub async fn send(
     token: Option<&str>,
     body: &str,
 ) -> (u16, String) {
+    let limit = Duration::from_secs(90);
+    exchange(addr, method, host, path, token, body, limit)
+        .await
+        .unwrap_or_else(|| panic!("no HTTP answer to {method} {host}{path} within 90 s"))
+}
+
+/// [`send`], or `None` when ebb is gone or slow (within 5 s): for load that runs across a
+/// SIGKILL.
+pub async fn try_send(
+    addr: std::net::SocketAddr,
+    method: &str,
+    host: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> Option<(u16, String)> {
+    let limit = Duration::from_secs(5);
+    exchange(addr, method, host, path, token, body, limit).await
+}
+
+async fn exchange(
+    addr: std::net::SocketAddr,
+    method: &str,
+    host: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+    limit: Duration,
+) -> Option<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let auth = token
         .map(|t| format!("Authorization: Bearer {t}\r\n"))
         .unwrap_or_default();
     let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        s.write_all(
-            format!(
-                "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: {}\r\n\
-                 Connection: close\r\n\r\n{body}",
-                body.len()
-            )
-            .as_bytes(),
-        )
-        .await?;
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: {}\r\n\
+             Connection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.ok()?;
         let mut answer = Vec::new();
-        s.read_to_end(&mut answer).await?;
-        std::io::Result::Ok(String::from_utf8_lossy(&answer).into_owned())
+        s.read_to_end(&mut answer).await.ok()?;
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        let status = answer.split(' ').nth(1)?.parse().ok()?;
+        let body = answer
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        Some((status, body))
     };
-    let answer = tokio::time::timeout(Duration::from_secs(90), exchange)
-        .await
-        .unwrap_or_else(|_| panic!("no answer for {host}{path} within 90 s"))
-        .unwrap_or_else(|e| panic!("{method} {host}{path}: {e}"));
-    let status = answer
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("not an HTTP answer: {answer:?}"));
-    let body = answer
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
+    tokio::time::timeout(limit, exchange).await.ok().flatten()
 }
 
 /// `deploy/`, applied as it is (its StatefulSet's pods stay Pending: no PersistentVolume is there

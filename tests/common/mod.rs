@@ -271,7 +271,6 @@ impl KafkaPair {
     }
 }
 
-/// Every event of the log in `data`, as `ebb log dump --json` prints them.
 /// Runs `ebb ARGS --data-dir DATA`, which must succeed; returns what it printed.
 pub fn ebb_ok(data: &Path, args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
@@ -288,6 +287,63 @@ pub fn ebb_ok(data: &Path, args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// `ebb serve` on loopback ports with its log in `data` and `extra` arguments, which must refuse
+/// to start (what it printed to stderr is returned).
+pub fn serve_refused<S: AsRef<std::ffi::OsStr>>(
+    data: &Path,
+    extra: impl IntoIterator<Item = S>,
+) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(data)
+        .args(extra)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "ebb serve started: {err}");
+    err
+}
+
+/// What a log's events say of calls, instances and Cleaners.
+#[derive(Default)]
+pub struct Tally {
+    /// Ids of the calls queued.
+    pub queued: std::collections::BTreeSet<String>,
+    /// Ids of the instances created.
+    pub created: std::collections::BTreeSet<String>,
+    /// Each call's starts.
+    pub started: std::collections::BTreeMap<String, usize>,
+    /// Each Cleaner's firings completed.
+    pub fired: std::collections::BTreeMap<String, usize>,
+}
+
+/// Counts `events` (as [`events`] reads them).
+pub fn tally(events: &[serde_json::Value]) -> Tally {
+    let mut t = Tally::default();
+    let id = |v: &serde_json::Value| v.as_str().unwrap().to_owned();
+    for e in events {
+        let e = &e["event"];
+        if let Some(q) = e.get("CallQueued") {
+            t.queued.insert(id(&q["call"]["id"]));
+        } else if let Some(s) = e.get("CallStarted") {
+            *t.started.entry(id(&s["id"])).or_default() += 1;
+        } else if let Some(i) = e.get("InstanceCreated") {
+            t.created.insert(id(&i["id"]));
+        } else if let Some(f) = e.get("CleanerFired") {
+            *t.fired.entry(id(&f["name"])).or_default() += 1;
+        }
+    }
+    t
+}
+
+/// Every event of the log in `data`, as `ebb log dump --json` prints them.
 pub fn events(data: &Path) -> Vec<serde_json::Value> {
     ebb_ok(data, &["log", "dump", "--json"])
         .lines()
