@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::event::{ProcessSpec, RouteSpec};
+use crate::event::{ProcessSpec, RouteSpec, WarmWindow};
 
 /// The whole file.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -92,6 +92,188 @@ pub struct AppConfig {
     /// EWMA).
     #[serde(default)]
     pub policy: crate::discovery::Policy,
+    /// Replicas an idle app is scaled down to, and runs from ebb's start (absent:
+    /// `min_replicas`).
+    #[serde(default)]
+    pub idle_replicas: Option<u32>,
+    /// Keep-warm windows: `[{ schedule = "0 8 * * 1-5", for = "10h", min = 1, timezone =
+    /// "Europe/Paris" }]`.
+    #[serde(default)]
+    pub warm: Vec<WarmConfig>,
+    /// How long a replica may take to begin answering (0: no bound): 504 `response_timeout`.
+    #[serde(default)]
+    pub response_timeout_ms: u64,
+    /// How long a request under way may move no byte either way (0: `--request-stall-timeout-ms`):
+    /// 504 `stream_idle_timeout` before the answer began, else closed.
+    #[serde(default)]
+    pub stream_idle_timeout_ms: u64,
+    /// How long a client connection may sit idle after a request of this app, and a WebSocket
+    /// may move no byte (0: `--client-idle-timeout-ms`, and no bound on WebSockets).
+    #[serde(default)]
+    pub connection_idle_timeout_ms: u64,
+    /// A page for browsers while the app wakes (`{}`: ebb's built-in page).
+    #[serde(default)]
+    pub waiting_page: Option<WaitingPageConfig>,
+}
+
+/// A waiting page as written in `ebb.toml` and the admin API.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WaitingPageConfig {
+    /// The page's HTML (`{{route}}`, `{{expected_wait}}`, `{{expected_wait_s}}` and
+    /// `{{refresh_s}}` are filled in).
+    #[serde(default)]
+    pub template: Option<String>,
+    /// A file holding the page's HTML, relative to the config file (not in the admin API).
+    #[serde(default)]
+    pub template_file: Option<PathBuf>,
+    /// Seconds between the page's reloads (default 1, at most 60).
+    #[serde(default)]
+    pub refresh_s: u32,
+}
+
+impl WaitingPageConfig {
+    /// The page, its file read (relative to `base`) and checked.
+    pub fn page(&self, base: Option<&Path>) -> Result<crate::event::WaitingPage, String> {
+        let template = match (&self.template, &self.template_file) {
+            (Some(_), Some(_)) => {
+                return Err("waiting_page: give template or template_file, not both".into());
+            }
+            (Some(t), None) => Some(t.clone()),
+            (None, Some(f)) => {
+                let Some(base) = base else {
+                    return Err(
+                        "waiting_page: template_file is for ebb.toml; give the template itself"
+                            .into(),
+                    );
+                };
+                let path = base.join(f);
+                let meta = std::fs::metadata(&path)
+                    .map_err(|e| format!("waiting_page: {}: {e}", path.display()))?;
+                if meta.len() > crate::proxy::waiting::MAX_TEMPLATE_BYTES as u64 {
+                    return Err(format!(
+                        "waiting_page: {} has {} bytes; at most {}",
+                        path.display(),
+                        meta.len(),
+                        crate::proxy::waiting::MAX_TEMPLATE_BYTES
+                    ));
+                }
+                Some(
+                    std::fs::read_to_string(&path)
+                        .map_err(|e| format!("waiting_page: {}: {e}", path.display()))?,
+                )
+            }
+            (None, None) => None,
+        };
+        let page = crate::event::WaitingPage {
+            template,
+            refresh_s: self.refresh_s,
+        };
+        crate::proxy::waiting::check(&page)?;
+        Ok(page)
+    }
+}
+
+/// A keep-warm window as written in `ebb.toml`, the admin API, annotations and function templates.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WarmConfig {
+    /// When the window opens: cron, 5 fields or 6 with seconds first.
+    pub schedule: String,
+    /// How long it stays open: `10h`, `90m`, `1h30m`, `30s`.
+    #[serde(rename = "for")]
+    pub open_for: String,
+    /// Replicas kept while it is open.
+    #[serde(default = "default_warm_min")]
+    pub min: u32,
+    /// The IANA time zone the schedule is read in (absent: UTC).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timezone: Option<String>,
+}
+
+fn default_warm_min() -> u32 {
+    1
+}
+
+/// Keep-warm windows one route may have.
+pub const MAX_WARM_WINDOWS: usize = 16;
+
+/// The longest a keep-warm window may stay open: a year and a day.
+pub const MAX_WARM_MS: u64 = 366 * 24 * 3_600_000;
+
+impl WarmConfig {
+    /// How a window is written: its time open in the largest unit that is whole.
+    pub fn from_window(w: &WarmWindow) -> Self {
+        let ms = w.for_ms;
+        let open_for = if ms > 0 && ms.is_multiple_of(3_600_000) {
+            format!("{}h", ms / 3_600_000)
+        } else if ms > 0 && ms.is_multiple_of(60_000) {
+            format!("{}m", ms / 60_000)
+        } else if ms.is_multiple_of(1_000) {
+            format!("{}s", ms / 1_000)
+        } else {
+            format!("{ms}ms")
+        };
+        Self {
+            schedule: w.schedule.clone(),
+            open_for,
+            min: w.min,
+            timezone: w.timezone.clone(),
+        }
+    }
+
+    /// The window, checked (see [`check_warm`]).
+    pub fn window(&self) -> Result<WarmWindow, String> {
+        let for_ms = crate::cleaner::spec::parse_duration(&self.open_for)
+            .map_err(|e| format!("warm window {:?}: for: {e}", self.schedule))?;
+        Ok(WarmWindow {
+            schedule: self.schedule.trim().to_owned(),
+            for_ms,
+            min: self.min,
+            timezone: self.timezone.clone(),
+        })
+    }
+}
+
+/// Turns windows as written into checked ones for a route of at most `max_replicas`.
+pub fn warm_windows(written: &[WarmConfig], max_replicas: u32) -> Result<Vec<WarmWindow>, String> {
+    let windows = written
+        .iter()
+        .map(WarmConfig::window)
+        .collect::<Result<Vec<_>, _>>()?;
+    check_warm(&windows, max_replicas)?;
+    Ok(windows)
+}
+
+/// A route's keep-warm windows can be kept: at most [`MAX_WARM_WINDOWS`], each with a cron
+/// schedule, a known time zone, an open time of 1 s to a year, and a `min` of 1 to `max_replicas`.
+pub fn check_warm(windows: &[WarmWindow], max_replicas: u32) -> Result<(), String> {
+    if windows.len() > MAX_WARM_WINDOWS {
+        return Err(format!(
+            "{} keep-warm windows; at most {MAX_WARM_WINDOWS}",
+            windows.len()
+        ));
+    }
+    for w in windows {
+        crate::timing::parse_schedule(&w.schedule).map_err(|e| format!("warm window: {e}"))?;
+        if let Some(tz) = &w.timezone {
+            crate::timing::parse_timezone(tz)
+                .map_err(|e| format!("warm window {:?}: {e}", w.schedule))?;
+        }
+        if !(1_000..=MAX_WARM_MS).contains(&w.for_ms) {
+            return Err(format!(
+                "warm window {:?}: it must stay open between 1s and 366d (for)",
+                w.schedule
+            ));
+        }
+        if w.min == 0 || w.min > max_replicas {
+            return Err(format!(
+                "warm window {:?}: min {} must be between 1 and max_replicas ({max_replicas})",
+                w.schedule, w.min
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn default_health() -> Option<String> {
@@ -175,6 +357,16 @@ impl Config {
             if !names.insert(app.name.clone()) {
                 return Err(invalid(format!("app {:?} is defined twice", app.name)));
             }
+            if let Some(w) = &mut app.waiting_page {
+                let page = w
+                    .page(Some(base))
+                    .map_err(|e| invalid(format!("app {:?}: {e}", app.name)))?;
+                *w = WaitingPageConfig {
+                    template: page.template,
+                    template_file: None,
+                    refresh_s: page.refresh_s,
+                };
+            }
             app.validate().map_err(invalid)?;
             for d in &app.domains {
                 if let Some(other) = domains.insert(d.clone(), app.name.clone()) {
@@ -239,6 +431,18 @@ impl AppConfig {
                 self.name
             ));
         }
+        if self.idle_replicas.is_some_and(|n| n > self.max_replicas) {
+            return Err(format!(
+                "app {:?}: need idle_replicas <= max_replicas",
+                self.name
+            ));
+        }
+        warm_windows(&self.warm, self.max_replicas)
+            .map_err(|e| format!("app {:?}: {e}", self.name))?;
+        if let Some(w) = &self.waiting_page {
+            w.page(None)
+                .map_err(|e| format!("app {:?}: {e}", self.name))?;
+        }
         for d in &mut self.domains {
             *d = d.to_ascii_lowercase();
             if !crate::state::routes::valid_domain(d) {
@@ -271,6 +475,14 @@ impl AppConfig {
             concurrency: self.concurrency,
             max_connecting: self.max_connecting,
             policy: Box::new(self.policy.clone()),
+            idle_replicas: self.idle_replicas,
+            // Checked by `validate`.
+            warm: warm_windows(&self.warm, self.max_replicas).unwrap_or_default(),
+            response_timeout_ms: self.response_timeout_ms,
+            stream_idle_timeout_ms: self.stream_idle_timeout_ms,
+            connection_idle_timeout_ms: self.connection_idle_timeout_ms,
+            // Read and checked by `validate` (a file of ebb.toml's becomes its text at load).
+            waiting_page: self.waiting_page.as_ref().and_then(|w| w.page(None).ok()),
         }
     }
 }

@@ -49,6 +49,8 @@ pub enum ScaleReason {
     Shutdown,
     /// Another ebb replica changed the shared deployment's replica count; this replica saw it.
     Peer,
+    /// A keep-warm window opened and asks for more replicas than run.
+    Warm,
 }
 
 impl ScaleReason {
@@ -62,6 +64,7 @@ impl ScaleReason {
             ScaleReason::Restart => "restart",
             ScaleReason::Shutdown => "shutdown",
             ScaleReason::Peer => "peer",
+            ScaleReason::Warm => "warm",
         }
     }
 }
@@ -161,7 +164,7 @@ pub struct CallResult {
 }
 
 /// A route: the domains that lead to a workload, and how that workload scales.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct RouteSpec {
     /// Unique route name.
     pub name: String,
@@ -196,6 +199,60 @@ pub struct RouteSpec {
     /// routes keep the default, and events stay small.
     #[serde(default, skip_serializing_if = "crate::discovery::Policy::is_default")]
     pub policy: Box<crate::discovery::Policy>,
+    /// Replicas an idle deployment is scaled down to, and runs from ebb's start (absent:
+    /// `min_replicas`). Below `min_replicas`, a wake raises it to `min_replicas` and idleness
+    /// takes it back down to this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_replicas: Option<u32>,
+    /// Keep-warm windows: while one is open the deployment runs at least its `min` replicas.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warm: Vec<WarmWindow>,
+    /// How long a replica may take to begin its answer once the request is sent (0: no bound):
+    /// past it, 504 `response_timeout`.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub response_timeout_ms: u64,
+    /// How long a request under way may move no byte either way (0: the proxy's
+    /// `--request-stall-timeout-ms`): past it, 504 `stream_idle_timeout` before the answer began,
+    /// else both connections are closed.
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub stream_idle_timeout_ms: u64,
+    /// How long a client connection may sit idle after a request of this route, and an upgraded
+    /// connection (WebSocket) may move no byte (0: the proxy's `--client-idle-timeout-ms`; an
+    /// upgraded connection has no bound then).
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    pub connection_idle_timeout_ms: u64,
+    /// A browser's cold request (a GET or HEAD that accepts `text/html`) gets this page, which
+    /// reloads itself, instead of being held; other clients are held as ever.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waiting_page: Option<WaitingPage>,
+}
+
+/// The page a browser gets while a route's workload wakes.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct WaitingPage {
+    /// HTML with `{{route}}`, `{{expected_wait}}`, `{{expected_wait_s}}` and `{{refresh_s}}`
+    /// filled in (absent: ebb's built-in page).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    /// Seconds between the page's reloads (0: 1).
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub refresh_s: u32,
+}
+
+/// A keep-warm window: from each occurrence of `schedule` (cron, 5 fields or 6 with seconds
+/// first, read in `timezone`), for `for_ms`, the route's deployment runs at least `min` replicas
+/// whatever its traffic. Its starts and ends are `WarmStarted` / `WarmEnded` events.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct WarmWindow {
+    /// When the window opens.
+    pub schedule: String,
+    /// How long it stays open.
+    pub for_ms: u64,
+    /// Replicas kept while it is open.
+    pub min: u32,
+    /// The IANA time zone the schedule is read in (absent: UTC).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timezone: Option<String>,
 }
 
 impl RouteSpec {
@@ -215,6 +272,7 @@ impl RouteSpec {
             concurrency: 0,
             max_connecting: 0,
             policy: Default::default(),
+            ..Default::default()
         }
     }
 }
@@ -227,6 +285,11 @@ fn is_zero(n: &u32) -> bool {
 }
 
 impl RouteSpec {
+    /// Replicas an idle deployment keeps for this route: `idle_replicas`, else `min_replicas`.
+    pub fn idle_floor(&self) -> u32 {
+        self.idle_replicas.unwrap_or(self.min_replicas)
+    }
+
     /// Connections being opened to one replica at once.
     pub fn max_connecting(&self) -> u32 {
         if self.max_connecting == 0 {
@@ -314,6 +377,9 @@ pub struct TemplateSpec {
     /// How an instance of its function server is picked for each call (absent: the default).
     #[serde(default, skip_serializing_if = "crate::discovery::Policy::is_default")]
     pub policy: Box<crate::discovery::Policy>,
+    /// Keep-warm windows of the function's workload (its route's `warm`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warm: Vec<WarmWindow>,
 }
 
 /// An object a cleaner watches or deletes.
@@ -521,6 +587,19 @@ pub enum Event {
     /// `apiVersion/Kind/namespace/name@uid`, the Helm release as `helm/namespace/release`): a
     /// firing cut short completes from here after a restart.
     CleanerFiring { name: String, targets: Vec<String> },
+    // Keep-warm windows.
+    /// A keep-warm window of a route opened (or its next occurrence renewed it): the route's
+    /// deployment runs at least `min` replicas until `until_ms`. `scheduled_at_ms` is the
+    /// occurrence it opened for (earlier than the event's time when ebb was down then).
+    WarmStarted {
+        route: String,
+        window: u32,
+        min: u32,
+        scheduled_at_ms: u64,
+        until_ms: u64,
+    },
+    /// A keep-warm window of a route closed: its time passed, or the route no longer has it.
+    WarmEnded { route: String, window: u32 },
 }
 
 /// The kinds of object an event can shape; `ebb explain` selects events by them.
@@ -565,6 +644,8 @@ impl Event {
             Event::ScaledUp { .. } => "ScaledUp",
             Event::ScaledDown { .. } => "ScaledDown",
             Event::ScaleFailed { .. } => "ScaleFailed",
+            Event::WarmStarted { .. } => "WarmStarted",
+            Event::WarmEnded { .. } => "WarmEnded",
             Event::CallQueued { .. } => "CallQueued",
             Event::CallStarted { .. } => "CallStarted",
             Event::CallRejected { .. } => "CallRejected",
@@ -595,7 +676,9 @@ impl Event {
         match self {
             Event::RouteUpserted { route } => (Kind::Route, &route.name),
             Event::RouteRemoved { name } => (Kind::Route, name),
-            Event::RequestsSeen { route, .. } => (Kind::Route, route),
+            Event::RequestsSeen { route, .. }
+            | Event::WarmStarted { route, .. }
+            | Event::WarmEnded { route, .. } => (Kind::Route, route),
             Event::ScaleRequested { deployment, .. }
             | Event::ScaledUp { deployment, .. }
             | Event::ScaledDown { deployment, .. }
@@ -729,6 +812,7 @@ pub fn examples() -> Vec<Event> {
                 concurrency: 0,
                 max_connecting: 0,
                 policy: Default::default(),
+                ..Default::default()
             },
         },
         Event::RouteRemoved {
@@ -800,6 +884,7 @@ pub fn examples() -> Vec<Event> {
                 concurrency: 8,
                 schedule: Some("0 */5 * * * *".into()),
                 policy: Default::default(),
+                warm: Vec::new(),
             },
         },
         Event::TemplateDeleted {
@@ -885,6 +970,17 @@ pub fn examples() -> Vec<Event> {
                     .into(),
                 "helm/previews/preview-42".into(),
             ],
+        },
+        Event::WarmStarted {
+            route: "demo".into(),
+            window: 0,
+            min: 1,
+            scheduled_at_ms: 1_767_254_400_000,
+            until_ms: 1_767_290_400_000,
+        },
+        Event::WarmEnded {
+            route: "demo".into(),
+            window: 0,
         },
     ]
 }

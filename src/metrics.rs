@@ -448,6 +448,8 @@ struct RouteFigures {
     /// Answers by status class, 1xx to 5xx.
     classes: [u64; 5],
     times: AnswerTimes,
+    /// Timeouts by kind ([`crate::proxy::traffic::Timeout`]).
+    timeouts: [u64; 4],
 }
 
 impl RouteFigures {
@@ -458,6 +460,9 @@ impl RouteFigures {
         self.desired += o.desired;
         self.ready += o.ready;
         for (a, b) in self.classes.iter_mut().zip(o.classes) {
+            *a += b;
+        }
+        for (a, b) in self.timeouts.iter_mut().zip(o.timeouts) {
             *a += b;
         }
         self.times.add(&o.times);
@@ -527,6 +532,7 @@ impl Scraped {
                 ready: o.ready.len() as u64,
                 classes: t.classes(),
                 times: t.answer_times(),
+                timeouts: t.timeouts(),
             };
             if i < s.max_routes {
                 out.push((name, f));
@@ -616,6 +622,18 @@ impl Collector for Scraped {
                 let class = ["1xx", "2xx", "3xx", "4xx", "5xx"][i];
                 let labels = [("route", route.as_str()), ("code_class", class)];
                 ConstCounter::new(*n).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "ebb_proxy_timeouts",
+            "A route's requests and connections cut by a timeout, by kind (hold, response, stream_idle, connection_idle).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (route, f) in routes {
+            for (kind, n) in crate::proxy::traffic::Timeout::ALL.iter().zip(f.timeouts) {
+                let labels = [("route", route.as_str()), ("kind", kind.name())];
+                ConstCounter::new(n).encode(family.encode_family(&labels)?)?;
             }
         }
         let mut family = encoder.encode_descriptor(

@@ -27,17 +27,21 @@ pub enum Mutation {
     /// call yet (put, not yet recorded), instead of holding it back a moment: the owner refuses
     /// the start as unknown and the message is deleted before the call is recorded as queued.
     HandOutUnknown,
+    /// The idle scale-down keeps only the idle floor, not the replicas of the keep-warm windows
+    /// open now.
+    IdleIgnoresWarm,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 6] = [
+    pub const ALL: [Mutation; 7] = [
         Mutation::DownscaleWithoutCas,
         Mutation::StartWithoutCondition,
         Mutation::FinishNotIdempotent,
         Mutation::NoRetryOnStopping,
         Mutation::DecideForOthers,
         Mutation::HandOutUnknown,
+        Mutation::IdleIgnoresWarm,
     ];
 
     /// The name used on the command line.
@@ -49,6 +53,7 @@ impl Mutation {
             Mutation::NoRetryOnStopping => "no-retry-on-stopping",
             Mutation::DecideForOthers => "decide-for-others",
             Mutation::HandOutUnknown => "hand-out-unknown",
+            Mutation::IdleIgnoresWarm => "idle-ignores-warm",
         }
     }
 

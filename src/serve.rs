@@ -302,7 +302,8 @@ pub async fn run(
         for (deployment, process) in &workloads {
             orch.register(WorkloadSpec::from_process(deployment, process, &exe))?;
         }
-        log.decide(|s: &State, _| (decide_restart(s), ())).await?;
+        log.decide(|s: &State, now| (decide_restart(s, now), ()))
+            .await?;
         // Deployments with a minimum run it from the start.
         let minimums: Vec<(String, u32)> = log.read(|s| {
             s.routes
@@ -506,6 +507,14 @@ pub async fn run(
             stop_rx.clone(),
         ));
     }
+    // Keep-warm windows, on every replica and backend.
+    tokio::spawn(runtime::run_warmer(
+        log.clone(),
+        dyn_orch.clone(),
+        clock.clone(),
+        options.runtime.clone(),
+        stop_rx.clone(),
+    ));
     match (&kube, &options.kubernetes) {
         // On Kubernetes, several ebb replicas may serve the same workloads: only the holder of
         // the lease scales down, conditioned on what it read.

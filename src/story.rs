@@ -124,6 +124,44 @@ fn scale_reason(before: &State, deployment: &str, at_ms: u64, reason: ScaleReaso
         }
         ScaleReason::Shutdown => "ebb is shutting down".into(),
         ScaleReason::Peer => "another ebb replica changed the shared replica count".into(),
+        ScaleReason::Warm => {
+            let open: Vec<String> = before
+                .routes
+                .routes_of(deployment)
+                .flat_map(|r| {
+                    r.warm.iter().map(move |(i, w)| {
+                        format!(
+                            "{} of {} keeps {} until {}",
+                            window_name(r, *i),
+                            r.spec.name,
+                            w.min,
+                            clock(w.until_ms)
+                        )
+                    })
+                })
+                .collect();
+            if open.is_empty() {
+                "a keep-warm window is open".into()
+            } else {
+                format!("keep-warm window {}", open.join("; "))
+            }
+        }
+    }
+}
+
+/// A keep-warm window as the route has it: its number and schedule.
+fn window_name(r: &crate::state::Route, i: u32) -> String {
+    match usize::try_from(i).ok().and_then(|i| r.spec.warm.get(i)) {
+        Some(w) => format!(
+            "{} ({:?}{}, for {})",
+            i + 1,
+            w.schedule,
+            w.timezone
+                .as_deref()
+                .map_or(String::new(), |tz| format!(" {tz}")),
+            duration(w.for_ms)
+        ),
+        None => format!("{}", i + 1),
     }
 }
 
@@ -172,6 +210,45 @@ fn tell(before: &State, env: &Envelope) -> String {
             "scale {deployment} from {from} to {to}: {}",
             scale_reason(before, deployment, at, *reason)
         ),
+        Event::WarmStarted {
+            route,
+            window,
+            min,
+            scheduled_at_ms,
+            until_ms,
+        } => {
+            let r = before.routes.by_name.get(route);
+            let name = r.map_or(format!("{}", window + 1), |r| window_name(r, *window));
+            let renewed = r.is_some_and(|r| r.warm.contains_key(window));
+            let late = at.saturating_sub(*scheduled_at_ms);
+            let how = if renewed {
+                format!("renewed by its occurrence at {}", clock(*scheduled_at_ms))
+            } else if late >= 1_000 {
+                format!(
+                    "opened {} after its time, {} (ebb was not running then)",
+                    duration(late),
+                    clock(*scheduled_at_ms)
+                )
+            } else {
+                "opened".to_owned()
+            };
+            format!(
+                "keep-warm window {name} of {route} {how}: at least {} until {}",
+                plural(u64::from(*min), "replica", "replicas"),
+                clock(*until_ms)
+            )
+        }
+        Event::WarmEnded { route, window } => {
+            let r = before.routes.by_name.get(route);
+            let name = r.map_or(format!("{}", window + 1), |r| window_name(r, *window));
+            let why = match r.and_then(|r| r.warm.get(window)) {
+                Some(w) if at >= w.until_ms => format!("its time ended at {}", clock(w.until_ms)),
+                _ => "the route no longer has it as it was".to_owned(),
+            };
+            format!(
+                "keep-warm window {name} of {route} closed: {why}; idleness decides from now on"
+            )
+        }
         Event::ScaledUp {
             deployment,
             replicas,

@@ -13,6 +13,31 @@ pub fn parse_schedule(s: &str) -> Result<croner::Cron, String> {
         .map_err(|e| format!("schedule {s:?} is not a cron expression: {e}"))
 }
 
+/// Schedules parsed lately, per thread: keep-warm floors are read on every idle check, and a
+/// cron expression is parsed once, not each time. Bounded: cleared past [`PARSED_MAX`].
+const PARSED_MAX: usize = 256;
+
+thread_local! {
+    static PARSED: std::cell::RefCell<std::collections::HashMap<String, Option<croner::Cron>>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+/// [`parse_schedule`], remembered (a bad schedule as `None`).
+fn parsed(s: &str) -> Option<croner::Cron> {
+    PARSED.with(|m| {
+        let mut m = m.borrow_mut();
+        if let Some(c) = m.get(s) {
+            return c.clone();
+        }
+        if m.len() >= PARSED_MAX {
+            m.clear();
+        }
+        let c = parse_schedule(s).ok();
+        m.insert(s.to_owned(), c.clone());
+        c
+    })
+}
+
 /// The whole second `ms` falls in, as a UTC time (cron has no finer unit).
 fn utc(ms: u64) -> Option<chrono::DateTime<chrono::Utc>> {
     chrono::DateTime::from_timestamp_millis(i64::try_from(ms / 1_000 * 1_000).ok()?)
@@ -20,16 +45,57 @@ fn utc(ms: u64) -> Option<chrono::DateTime<chrono::Utc>> {
 
 /// The first occurrence of `schedule` strictly after `after_ms` (pure: same input, same answer).
 pub fn next_firing(schedule: &str, after_ms: u64) -> Option<u64> {
-    let cron = parse_schedule(schedule).ok()?;
+    let cron = parsed(schedule)?;
     let t = cron.find_next_occurrence(&utc(after_ms)?, false).ok()?;
     u64::try_from(t.timestamp_millis()).ok()
 }
 
 /// The latest occurrence of `schedule` at or before `now_ms`.
 pub fn last_firing(schedule: &str, now_ms: u64) -> Option<u64> {
-    let cron = parse_schedule(schedule).ok()?;
+    let cron = parsed(schedule)?;
     let t = cron.find_previous_occurrence(&utc(now_ms)?, true).ok()?;
     u64::try_from(t.timestamp_millis()).ok()
+}
+
+/// A named time zone (`Europe/Paris`, `America/New_York`, `UTC`), from the IANA database that
+/// ebb carries (chrono-tz): no file of the machine's is read, so every replica agrees.
+pub fn parse_timezone(name: &str) -> Result<chrono_tz::Tz, String> {
+    name.parse::<chrono_tz::Tz>().map_err(|_| {
+        format!("time zone {name:?} is not an IANA time zone name (e.g. Europe/Paris)")
+    })
+}
+
+/// The first occurrence of `schedule`, read in time zone `tz` (none: UTC), strictly after
+/// `after_ms`.
+pub fn next_firing_in(schedule: &str, tz: Option<&str>, after_ms: u64) -> Option<u64> {
+    let Some(tz) = tz else {
+        return next_firing(schedule, after_ms);
+    };
+    let (cron, tz) = (parsed(schedule)?, parse_timezone(tz).ok()?);
+    let t = cron
+        .find_next_occurrence(&utc(after_ms)?.with_timezone(&tz), false)
+        .ok()?;
+    u64::try_from(t.timestamp_millis()).ok()
+}
+
+/// The latest occurrence of `schedule`, read in time zone `tz` (none: UTC), at or before `now_ms`.
+pub fn last_firing_in(schedule: &str, tz: Option<&str>, now_ms: u64) -> Option<u64> {
+    let Some(tz) = tz else {
+        return last_firing(schedule, now_ms);
+    };
+    let (cron, tz) = (parsed(schedule)?, parse_timezone(tz).ok()?);
+    let t = cron
+        .find_previous_occurrence(&utc(now_ms)?.with_timezone(&tz), true)
+        .ok()?;
+    u64::try_from(t.timestamp_millis()).ok()
+}
+
+/// The occurrence whose window of `for_ms` covers `now_ms`: the latest occurrence at or before
+/// `now_ms`, if `now_ms` is before its end. A window longer than the schedule's period is covered
+/// by its latest occurrence, so consecutive windows join into one.
+pub fn window_covering(schedule: &str, tz: Option<&str>, for_ms: u64, now_ms: u64) -> Option<u64> {
+    let start = last_firing_in(schedule, tz, now_ms)?;
+    (now_ms < start.saturating_add(for_ms)).then_some(start)
 }
 
 /// How far ahead the search for a monotonic condition's first true time looks: a year and a day.

@@ -79,6 +79,7 @@ fn route() -> RouteSpec {
         concurrency: 0,
         max_connecting: 0,
         policy: Default::default(),
+        ..Default::default()
     }
 }
 

@@ -7,8 +7,6 @@
 //! call's story, and finds no serious accessibility violation and no console error. Its
 //! screenshots are kept in `$EBB_ARTIFACTS` (default: `dashboard/` under Cargo's target tmp dir).
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -114,42 +112,18 @@ async fn the_dashboard_shows_a_wake_live_and_a_failed_calls_story_in_a_real_brow
     let ebb = start(dir.path());
     let failed = calls(&c, &ebb).await;
 
-    let artifacts = std::env::var_os("EBB_ARTIFACTS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard"));
-    let _ = std::fs::remove_dir_all(&artifacts);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/browser/dashboard.mjs");
-    let chromium = std::env::var("EBB_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
-    assert!(
-        std::path::Path::new(&chromium).exists(),
-        "no Chromium at {chromium}: ./scripts/test installs Debian's chromium"
-    );
-    let ebb_admin = ebb.admin;
-    let ebb_proxy = ebb.proxy;
-    let failed_call = failed.clone();
-    let out = tokio::task::spawn_blocking(move || {
-        Command::new("node")
-            .arg(script)
-            .env("EBB_UI", format!("http://{ebb_admin}/ui"))
-            .env("EBB_ADMIN_TOKEN", ADMIN)
-            .env("EBB_PROXY", format!("http://{ebb_proxy}"))
-            .env("EBB_WAKE_HOST", "demo.localhost")
-            .env("EBB_WAKE_ROUTE", "demo")
-            .env("EBB_FAILED_CALL", &failed_call)
-            .env("EBB_CHROMIUM", &chromium)
-            .env("EBB_ARTIFACTS", &artifacts)
-            .output()
-    })
-    .await
-    .unwrap()
-    .expect("node runs (./scripts/test installs tests/browser's packages)");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    println!("{stdout}");
-    assert!(
-        out.status.success(),
-        "the browser test failed:\n{stdout}\n{stderr}"
-    );
+    common::browser_test(
+        "dashboard",
+        vec![
+            ("EBB_UI", format!("http://{}/ui", ebb.admin)),
+            ("EBB_ADMIN_TOKEN", ADMIN.to_owned()),
+            ("EBB_PROXY", format!("http://{}", ebb.proxy)),
+            ("EBB_WAKE_HOST", "demo.localhost".to_owned()),
+            ("EBB_WAKE_ROUTE", "demo".to_owned()),
+            ("EBB_FAILED_CALL", failed.clone()),
+        ],
+    )
+    .await;
 
     // The same stories over the admin API: the wake says why, the failed call who ran it and its log.
     let (status, route) = admin_get(&c, &ebb, "/admin/explain/route/demo").await;

@@ -99,6 +99,7 @@ fn route_spec() -> impl Strategy<Value = RouteSpec> {
                     concurrency,
                     max_connecting,
                     policy: Box::new(policy),
+                    ..Default::default()
                 }
             },
         )
@@ -181,6 +182,7 @@ fn template() -> impl Strategy<Value = TemplateSpec> {
                     concurrency: nums.4,
                     schedule,
                     policy: Default::default(),
+                    warm: Vec::new(),
                 }
             },
         )

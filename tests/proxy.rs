@@ -44,16 +44,10 @@ fn start(dir: &Path, config: &Path) -> Ebb {
 }
 
 use common::http::{Answer, client};
+use common::{alive, children_with};
 
 async fn get(c: &common::http::Http, proxy: SocketAddr, host: &str, path: &str) -> Answer {
     common::http::send(c, proxy, "GET", host, path, &[]).await
-}
-
-fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => stat.split(' ').nth(2).is_none_or(|s| s != "Z"),
-        Err(_) => false,
-    }
 }
 
 /// Polls `cond` until it holds or the deadline passes.
@@ -1047,7 +1041,11 @@ async fn a_cold_burst_reaches_an_app_with_a_tiny_accept_backlog_whole() {
     let apps = format!(
         "{}{}",
         app_with("tiny", &fragile, ""),
-        app_with("tiny4", &fragile, "min_replicas = 4\nmax_replicas = 4"),
+        app_with(
+            "tiny4",
+            &fragile,
+            "min_replicas = 4\nmax_replicas = 4\nidle_replicas = 0",
+        ),
     );
     let ebb = start(dir.path(), &write_config(dir.path(), &apps));
     for (name, replicas) in [("tiny", 1), ("tiny4", 4)] {
@@ -1069,31 +1067,6 @@ async fn a_cold_burst_reaches_an_app_with_a_tiny_accept_backlog_whole() {
 }
 
 /// The processes `ebb` runs whose command line contains `needle`.
-fn children_with(ebb: u32, needle: &str) -> Vec<u32> {
-    let mut pids = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // The fields after the command name (which may hold spaces): state, ppid, ...
-        let after = stat.rsplit_once(')').map_or("", |(_, a)| a);
-        let ppid: u32 = after
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse().ok())
-            .unwrap_or(0);
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        if ppid == ebb && cmdline.contains(needle) && alive(pid) {
-            pids.push(pid);
-        }
-    }
-    pids
-}
-
 fn now_ms() -> u64 {
     use ebb::clock::Clock;
     ebb::clock::SystemClock.now_ms()

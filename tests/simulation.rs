@@ -66,8 +66,13 @@ fn every_scenario_holds_its_invariants_and_exercises_what_it_is_about() {
             seen.crashes += out.stats.crashes;
             seen.forwarded += out.stats.forwarded;
             seen.held_unknown += out.stats.held_unknown;
+            seen.warm_started += out.stats.warm_started;
         }
     }
+    assert!(
+        seen.warm_started > 20,
+        "keep-warm windows hardly opened: {seen:?}"
+    );
     // The races the invariants are about did happen.
     assert!(seen.scale_downs > 10, "{seen:?}");
     assert!(seen.wakes > 10, "{seen:?}");
@@ -126,6 +131,7 @@ fn the_simulator_finds_every_deliberately_broken_decision() {
             "calls-replicas",
             "call_reaches_final",
         ),
+        (Mutation::IdleIgnoresWarm, "keep-warm", "warm_floor_held"),
     ];
     for (mutation, name, invariant) in cases {
         let sc = scenario(name);

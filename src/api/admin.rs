@@ -32,6 +32,17 @@ fn view(state: &State, spec: &RouteSpec) -> Value {
         "requests_total": route.map_or(0, |r| r.requests_total),
         "replicas": d.map_or(0, |d| d.replicas),
         "desired": d.map_or(0, |d| d.desired),
+        "warm_open": route.map_or(Vec::new(), |r| {
+            r.warm
+                .iter()
+                .map(|(i, w)| json!({
+                    "window": i,
+                    "min": w.min,
+                    "scheduled_at_ms": w.scheduled_at_ms,
+                    "until_ms": w.until_ms,
+                }))
+                .collect()
+        }),
     })
 }
 

@@ -102,6 +102,7 @@ fn route_events() -> Vec<Event> {
                 concurrency: 0,
                 max_connecting: 0,
                 policy: Default::default(),
+                ..Default::default()
             },
         })
         .collect()
@@ -122,6 +123,7 @@ pub(crate) fn bench_route(name: &str, process: Option<crate::event::ProcessSpec>
         concurrency: 0,
         max_connecting: 0,
         policy: Default::default(),
+        ..Default::default()
     }
 }
 

@@ -191,6 +191,8 @@ pub fn route_of(t: &TemplateSpec) -> Option<RouteSpec> {
         concurrency: 0,
         max_connecting: 0,
         policy: t.policy.clone(),
+        warm: t.warm.clone(),
+        ..Default::default()
     })
 }
 
@@ -524,6 +526,10 @@ pub struct TemplateJson {
     /// `{"balancer": "least_request"}`; absent: peak EWMA).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traffic_policy: Option<crate::discovery::Policy>,
+    /// Keep-warm windows of the function server: `[{"schedule": "0 8 * * 1-5", "for": "10h",
+    /// "min": 1, "timezone": "Europe/Paris"}]`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warm: Vec<crate::config::WarmConfig>,
 }
 
 impl TemplateJson {
@@ -551,6 +557,7 @@ impl TemplateJson {
             concurrency: self.concurrency.unwrap_or(1),
             schedule: self.schedule,
             policy: Box::new(self.traffic_policy.unwrap_or_default()),
+            warm: crate::config::warm_windows(&self.warm, max).map_err(|e| format!("warm: {e}"))?,
         };
         spec.policy.validate()?;
         validate(&spec)?;
@@ -575,6 +582,11 @@ impl TemplateJson {
             concurrency: Some(s.concurrency),
             schedule: s.schedule.clone(),
             traffic_policy: (!s.policy.is_default()).then(|| (*s.policy).clone()),
+            warm: s
+                .warm
+                .iter()
+                .map(crate::config::WarmConfig::from_window)
+                .collect(),
         }
     }
 }

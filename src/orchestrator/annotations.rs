@@ -7,7 +7,12 @@
 //! present. Per-route settings: `ebb.dev/idle-after` and `ebb.dev/hold-timeout` (durations such
 //! as `90s`, `5m`, `1h30m`, `500ms`), `ebb.dev/min-replicas`, `ebb.dev/max-replicas`,
 //! `ebb.dev/concurrency`, and `ebb.dev/traffic-policy` (how a replica is picked: a JSON object
-//! of [`crate::discovery::Policy`], such as `{"balancer": "least_request"}`).
+//! of [`crate::discovery::Policy`], such as `{"balancer": "least_request"}`),
+//! `ebb.dev/idle-replicas` (replicas kept when idle) and `ebb.dev/warm` (keep-warm windows: a JSON
+//! list such as `[{"schedule": "0 8 * * 1-5", "for": "10h", "min": 1, "timezone": "Europe/Paris"}]`),
+//! the timeouts `ebb.dev/response-timeout`, `ebb.dev/stream-idle-timeout` and
+//! `ebb.dev/connection-idle-timeout` (durations), and `ebb.dev/waiting-page` (`true` for ebb's
+//! page while the workload wakes, or the page's own HTML).
 //!
 //! A Service with none of the route annotations is not ebb's ([`Ok(None)`]); one with some but
 //! not all, or with a malformed value, is an [`AnnotationError`] that names the annotation, for
@@ -28,6 +33,12 @@ pub const MIN_REPLICAS: &str = "ebb.dev/min-replicas";
 pub const MAX_REPLICAS: &str = "ebb.dev/max-replicas";
 pub const CONCURRENCY: &str = "ebb.dev/concurrency";
 pub const TRAFFIC_POLICY: &str = "ebb.dev/traffic-policy";
+pub const IDLE_REPLICAS: &str = "ebb.dev/idle-replicas";
+pub const WARM: &str = "ebb.dev/warm";
+pub const RESPONSE_TIMEOUT: &str = "ebb.dev/response-timeout";
+pub const STREAM_IDLE_TIMEOUT: &str = "ebb.dev/stream-idle-timeout";
+pub const CONNECTION_IDLE_TIMEOUT: &str = "ebb.dev/connection-idle-timeout";
+pub const WAITING_PAGE: &str = "ebb.dev/waiting-page";
 
 /// Settings of a route whose Service does not say.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,6 +197,42 @@ pub fn route(
             p
         }
     };
+    let idle_replicas = annotations
+        .get(IDLE_REPLICAS)
+        .map(|_| count(IDLE_REPLICAS, 0))
+        .transpose()?;
+    if let Some(n) = idle_replicas.filter(|n| *n > max_replicas) {
+        return Err(bad(
+            IDLE_REPLICAS,
+            format!("{n} is above max-replicas ({max_replicas})"),
+        ));
+    }
+    let warm = match annotations.get(WARM) {
+        None => Vec::new(),
+        Some(v) => {
+            let written: Vec<crate::config::WarmConfig> = serde_json::from_str(v)
+                .map_err(|e| bad(WARM, format!("not a list of keep-warm windows: {e}")))?;
+            crate::config::warm_windows(&written, max_replicas).map_err(|e| bad(WARM, e))?
+        }
+    };
+    let waiting_page = match annotations.get(WAITING_PAGE).map(|v| v.trim()) {
+        None | Some("false") => None,
+        Some("true" | "builtin") => Some(crate::event::WaitingPage::default()),
+        Some(html) if html.starts_with('<') => {
+            let page = crate::event::WaitingPage {
+                template: Some(html.to_owned()),
+                refresh_s: 0,
+            };
+            crate::proxy::waiting::check(&page).map_err(|e| bad(WAITING_PAGE, e))?;
+            Some(page)
+        }
+        Some(other) => {
+            return Err(bad(
+                WAITING_PAGE,
+                format!("{other:?} is neither true, false, builtin nor an HTML page"),
+            ));
+        }
+    };
     let spec = RouteSpec {
         name: format!("{namespace}/{service}"),
         domains: hosts,
@@ -199,6 +246,12 @@ pub fn route(
         concurrency: count(CONCURRENCY, 0)?,
         max_connecting: 0,
         policy: Box::new(policy),
+        idle_replicas,
+        warm,
+        response_timeout_ms: duration(RESPONSE_TIMEOUT, 0)?,
+        stream_idle_timeout_ms: duration(STREAM_IDLE_TIMEOUT, 0)?,
+        connection_idle_timeout_ms: duration(CONNECTION_IDLE_TIMEOUT, 0)?,
+        waiting_page,
     };
     Ok(Some((spec, workload)))
 }

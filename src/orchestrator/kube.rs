@@ -837,6 +837,7 @@ fn explain(reason: Option<crate::event::ScaleReason>) -> (&'static str, &'static
         Some(Restart) => ("Restart", "ebb restarted"),
         Some(Shutdown) => ("Shutdown", "ebb is shutting down"),
         Some(Peer) => ("Peer", "another ebb replica or an operator changed it"),
+        Some(Warm) => ("Warm", "a keep-warm window is open"),
         None => ("Scaled", "asked by ebb"),
     }
 }
@@ -1132,12 +1133,12 @@ impl Driver {
                     attempt = a;
                 }
                 Next::Record(decision) => {
-                    let (deployment, to) = match &decision {
+                    let (deployment, to) = match &*decision {
                         Event::ScaleRequested { deployment, to, .. } => (deployment.clone(), *to),
                         _ => return,
                     };
                     tracing::info!(%deployment, to, "idle: scaled down");
-                    if let Err(e) = self.log.append(decision).await {
+                    if let Err(e) = self.log.append(*decision).await {
                         tracing::warn!(error = %e, "recording a scale-down failed");
                     }
                     self.orch.scaled(&deployment, to);
@@ -1389,6 +1390,7 @@ mod tests {
             concurrency: 0,
             max_connecting: 0,
             policy: Default::default(),
+            ..Default::default()
         }
     }
 

@@ -88,6 +88,8 @@ struct Request {
     key: Option<u64>,
     /// Where its id (`X-Request-Id`, the client's or one made here) is in the backend head.
     id: std::ops::Range<usize>,
+    /// A browser's page load, which gets the route's waiting page while it wakes.
+    wants_page: bool,
 }
 
 enum Parsed {
@@ -110,8 +112,9 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
     let mut buf = BytesMut::with_capacity(8 * 1024);
     let mut head = Vec::with_capacity(1024);
     let mut out = Vec::with_capacity(8 * 1024);
-    let idle_ms = proxy.options.client_idle_timeout_ms;
-    let stall_ms = proxy.options.request_stall_timeout_ms;
+    // The bound between requests: the last request's route's, else the proxy's.
+    let mut idle_ms = proxy.options.client_idle_timeout_ms;
+    let mut last_route: Option<Arc<Entry>> = None;
     let limits = proxy.options.limits;
     let progress = Progress::new(&*proxy.clock);
     let mut watchdog = Watchdog::new(&progress, idle_ms);
@@ -197,6 +200,9 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
                     _ => return,
                 },
                 () = watchdog.expired(&progress, limit_ms) => {
+                    if !in_head && let Some(entry) = &last_route {
+                        entry.traffic.timed_out(super::traffic::Timeout::ConnectionIdle);
+                    }
                     if in_head {
                         Limit::HeaderReadTimeout.hit();
                         let refusal = Refusal::new(
@@ -219,16 +225,65 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
             }
         };
         buf.advance(req.head_len);
-        let keep = tokio::select! {
-            biased;
-            keep = exchange(
-                &proxy, &req.entry, &mut client, &mut buf, &head, &req, &mut out, &progress,
-            ) => keep,
-            () = watchdog.expired(&progress, stall_ms) => {
-                tracing::debug!(%peer, route = %req.entry.spec.name, "request stalled; closing");
+        let route = &req.entry.spec;
+        let stall_ms = match route.stream_idle_timeout_ms {
+            0 => proxy.options.request_stall_timeout_ms,
+            ms => ms,
+        };
+        let ended = {
+            let exchanged = exchange(
+                &proxy,
+                &req.entry,
+                &mut client,
+                &mut buf,
+                &head,
+                &req,
+                &mut out,
+                &progress,
+            );
+            tokio::pin!(exchanged);
+            loop {
+                tokio::select! {
+                    biased;
+                    keep = &mut exchanged => break Some(keep),
+                    () = watchdog.expired(&progress, stall_ms) => {
+                        if progress.held.load(Ordering::Relaxed) {
+                            // Held for a replica: the hold timeout bounds that, not this.
+                            progress.mark();
+                            continue;
+                        }
+                        break None;
+                    }
+                }
+            }
+        };
+        let keep = match ended {
+            Some(keep) => keep,
+            None => {
+                tracing::debug!(%peer, route = %route.name, "request stalled; closing");
+                req.entry
+                    .traffic
+                    .timed_out(super::traffic::Timeout::StreamIdle);
+                if !progress.wrote.load(Ordering::Relaxed) {
+                    // Nothing of an answer went out yet: say why before closing.
+                    let refusal = Refusal::new(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "stream_idle_timeout",
+                        format!(
+                            "the request moved no byte either way for {stall_ms} ms (stream_idle_timeout_ms)"
+                        ),
+                    );
+                    req.entry.traffic.answered(refusal.status.as_u16(), None);
+                    let _ = write_refusal(&mut client, &mut out, &proxy, &refusal, true).await;
+                }
                 false
             }
         };
+        idle_ms = match route.connection_idle_timeout_ms {
+            0 => proxy.options.client_idle_timeout_ms,
+            ms => ms,
+        };
+        last_route = Some(req.entry.clone());
         if !keep && req.body != Framing::Empty {
             // The client may still be sending a body nobody reads: close gently, so that the
             // answer it was sent is not lost to a reset.
@@ -289,10 +344,14 @@ struct Backend {
     buf: BytesMut,
 }
 
-/// When a connection last moved bytes, for the stall and idle bounds.
+/// When a connection last moved bytes, for the stall and idle bounds, and whether anything went
+/// to the client for the request under way.
 struct Progress<'a> {
     clock: &'a dyn Clock,
     at_ms: AtomicU64,
+    wrote: AtomicBool,
+    /// The request under way waits for a replica.
+    held: AtomicBool,
 }
 
 impl<'a> Progress<'a> {
@@ -300,6 +359,8 @@ impl<'a> Progress<'a> {
         Self {
             at_ms: AtomicU64::new(clock.now_ms()),
             clock,
+            wrote: AtomicBool::new(false),
+            held: AtomicBool::new(false),
         }
     }
 
@@ -364,6 +425,8 @@ struct RelayError {
     client_fault: bool,
     /// The client left before the answer was done.
     client_gone: bool,
+    /// The replica did not begin its answer within the route's `response_timeout_ms`.
+    timed_out: bool,
     message: String,
 }
 
@@ -373,6 +436,7 @@ impl RelayError {
             got_any,
             client_fault: false,
             client_gone: false,
+            timed_out: false,
             message,
         }
     }
@@ -382,7 +446,20 @@ impl RelayError {
             got_any: true,
             client_fault: false,
             client_gone: true,
+            timed_out: false,
             message: "the client left".into(),
+        }
+    }
+
+    fn response_timeout(ms: u64) -> Self {
+        Self {
+            got_any: false,
+            client_fault: false,
+            client_gone: false,
+            timed_out: true,
+            message: format!(
+                "the replica did not begin its answer within {ms} ms (response_timeout_ms)"
+            ),
         }
     }
 }
@@ -443,15 +520,19 @@ async fn exchange(
     progress: &Progress<'_>,
 ) -> bool {
     let _in_flight = entry.traffic.begin(progress.at());
+    progress.wrote.store(false, Ordering::Relaxed);
     let has_body = req.body != Framing::Empty;
     let (mut cr, mut cw) = client.split();
     let mut avoid: Option<SocketAddr> = None;
     let mut pooled_allowed = true;
     loop {
         let ready = async {
+            progress.held.store(true, Ordering::Relaxed);
             let slot = proxy
-                .endpoint(entry, avoid, req.key, &head[req.id.clone()])
-                .await?;
+                .endpoint(entry, avoid, req.key, &head[req.id.clone()], req.wants_page)
+                .await;
+            progress.held.store(false, Ordering::Relaxed);
+            let slot = slot?;
             let conn =
                 backend_conn(proxy, slot.replica(), pooled_allowed, has_body, progress).await;
             Ok::<_, Refusal>((slot, conn))
@@ -501,12 +582,26 @@ async fn exchange(
                     && !has_body;
             }
         };
-        let wrote = AtomicBool::new(false);
+        // Whether anything went to the client for this request (the connection's flag, which
+        // the stream-idle bound reads too).
+        let wrote = &progress.wrote;
+        wrote.store(false, Ordering::Relaxed);
         let counted = AtomicBool::new(false);
         // A new connection holds its opening until it answers or settles.
         let opening = opening.map(Opening::settling);
         let opening = opening.as_ref();
-        let result = {
+        let response_ms = entry.spec.response_timeout_ms;
+        // Resolves once the route's response timeout passed without the answer's head.
+        let head_late = async {
+            if response_ms == 0 {
+                return std::future::pending().await;
+            }
+            tokio::time::sleep(Duration::from_millis(response_ms)).await;
+            if counted.load(Ordering::Relaxed) {
+                std::future::pending::<()>().await;
+            }
+        };
+        let relayed = async {
             if has_body {
                 relay_with_body(
                     &mut cr,
@@ -516,7 +611,7 @@ async fn exchange(
                     head,
                     req,
                     out,
-                    &wrote,
+                    wrote,
                     progress,
                     opening,
                     &slot,
@@ -532,7 +627,7 @@ async fn exchange(
                         .map_err(|e| RelayError::backend(false, e.to_string()))?;
                     let to = Relay {
                         out: &mut *out,
-                        wrote: &wrote,
+                        wrote,
                         progress,
                         is_head: req.is_head,
                         client_wants_close: req.close,
@@ -549,6 +644,11 @@ async fn exchange(
                 }
             }
         };
+        let result = tokio::select! {
+            biased;
+            r = relayed => r,
+            () = head_late => Err(RelayError::response_timeout(response_ms)),
+        };
         let wrote = wrote.load(Ordering::Relaxed);
         match result {
             Ok(r) => {
@@ -560,6 +660,22 @@ async fn exchange(
             Err(e) if e.client_gone => {
                 tracing::debug!(route = %entry.spec.name, %addr, "the client left before its answer was done");
                 return false;
+            }
+            Err(e) if e.timed_out => {
+                // The backend connection is dropped (its answer may still come); the client gets
+                // a 504, and its connection ends when it sent a body nobody finished reading.
+                entry.traffic.timed_out(super::traffic::Timeout::Response);
+                tracing::debug!(route = %entry.spec.name, %addr, "{}", e.message);
+                let refusal =
+                    Refusal::new(StatusCode::GATEWAY_TIMEOUT, "response_timeout", e.message);
+                entry.traffic.answered(refusal.status.as_u16(), None);
+                if wrote {
+                    return false;
+                }
+                return write_refusal(&mut cw, out, proxy, &refusal, has_body)
+                    .await
+                    .is_ok()
+                    && !has_body;
             }
             Err(e) if !wrote && !e.got_any && !has_body && reused && pooled_allowed => {
                 // A pooled connection the backend closed while it sat idle: the request did not
@@ -713,7 +829,7 @@ where
             r = &mut send => match r {
                 Ok(()) => true,
                 Err(SendError::Client(e)) => {
-                    return Err(RelayError { got_any: true, client_fault: true, client_gone: false, message: e.to_string() });
+                    return Err(RelayError { got_any: true, client_fault: true, client_gone: false, timed_out: false, message: e.to_string() });
                 }
                 // The backend stopped reading: it may have answered already (413, say).
                 Err(SendError::Backend(e)) => {
@@ -1331,6 +1447,7 @@ fn parse_request<R: Routes>(buf: &[u8], peer: &Peer, proxy: &R, out: &mut Vec<u8
     out.extend_from_slice(b";host=\"");
     out.extend_from_slice(host.as_bytes());
     out.extend_from_slice(b"\";proto=http\r\n\r\n");
+    let entry_wants_page = entry.spec.waiting_page.is_some();
     let key = entry.spec.policy.hash_on.as_ref().and_then(|h| {
         let client = peer
             .ip
@@ -1360,6 +1477,14 @@ fn parse_request<R: Routes>(buf: &[u8], peer: &Peer, proxy: &R, out: &mut Vec<u8
         ),
         close: conn.close || (chunked && length.is_some()),
         id,
+        wants_page: entry_wants_page
+            && super::waiting::wanted(
+                method.as_bytes(),
+                headers
+                    .iter()
+                    .find(|h| h.name.eq_ignore_ascii_case("accept"))
+                    .map(|h| h.value),
+            ),
     })
 }
 
@@ -1499,7 +1624,14 @@ async fn write_refusal<W: AsyncWrite + Unpin>(
     refusal: &Refusal,
     close: bool,
 ) -> io::Result<()> {
-    let body = refusal.json();
+    let json;
+    let (body, content_type) = match &refusal.page {
+        Some((html, _)) => (html.as_str(), &b"text/html; charset=utf-8"[..]),
+        None => {
+            json = refusal.json();
+            (json.as_str(), &b"application/json"[..])
+        }
+    };
     out.clear();
     out.extend_from_slice(b"HTTP/1.1 ");
     push_display(out, &refusal.status.as_u16());
@@ -1511,9 +1643,16 @@ async fn write_refusal<W: AsyncWrite + Unpin>(
             .unwrap_or("Error")
             .as_bytes(),
     );
-    out.extend_from_slice(b"\r\ncontent-type: application/json\r\ncontent-length: ");
+    out.extend_from_slice(b"\r\ncontent-type: ");
+    out.extend_from_slice(content_type);
+    out.extend_from_slice(b"\r\ncontent-length: ");
     push_display(out, &body.len());
     out.extend_from_slice(b"\r\n");
+    if let Some((_, refresh_s)) = &refusal.page {
+        out.extend_from_slice(b"cache-control: no-store\r\nrefresh: ");
+        push_display(out, refresh_s);
+        out.extend_from_slice(b"\r\n");
+    }
     if refusal.retry_after {
         out.extend_from_slice(b"retry-after: ");
         push_display(out, &proxy.options.retry_after_s);

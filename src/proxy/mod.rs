@@ -40,8 +40,10 @@ pub mod head;
 pub mod request_id;
 pub mod runtime;
 pub mod services;
+pub mod splice;
 pub mod table;
 pub mod traffic;
+pub mod waiting;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -59,10 +61,10 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 use crate::clock::Clock;
-use crate::event::RouteSpec;
+use crate::event::{Event, RouteSpec};
 use crate::log::Log;
 use crate::orchestrator::Orchestrator;
-use crate::scaler::{awake_replicas, decide_wake};
+use crate::scaler::{awake_replicas, decide_wake, warm_min};
 use crate::state::State;
 use backends::{Backends, Slot};
 use table::{Entry, Table};
@@ -285,6 +287,8 @@ struct Refusal {
     message: String,
     /// Whether the answer carries `Retry-After`.
     retry_after: bool,
+    /// A waiting page (HTML, and seconds between its reloads) instead of the JSON body.
+    page: Option<(String, u32)>,
 }
 
 impl Refusal {
@@ -294,6 +298,15 @@ impl Refusal {
             code,
             message,
             retry_after: false,
+            page: None,
+        }
+    }
+
+    /// A browser's cold request: 503 with the route's waiting page, which reloads itself.
+    fn waiting(html: String, refresh_s: u32) -> Self {
+        Self {
+            page: Some((html, refresh_s)),
+            ..Self::unavailable("waking", "the workload is waking up".into())
         }
     }
 
@@ -315,7 +328,25 @@ impl Refusal {
     }
 
     fn into_response(self, retry_after_s: u32) -> Response<Body> {
-        let mut r = json_error(self.status, self.code, &self.message);
+        let mut r = match self.page {
+            None => json_error(self.status, self.code, &self.message),
+            Some((html, refresh_s)) => {
+                let mut r =
+                    Response::new(Full::new(Bytes::from(html)).map_err(|e| match e {}).boxed());
+                *r.status_mut() = self.status;
+                let h = r.headers_mut();
+                h.insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/html; charset=utf-8"),
+                );
+                h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                h.insert(
+                    HeaderName::from_static("refresh"),
+                    HeaderValue::from(refresh_s),
+                );
+                r
+            }
+        };
         if self.retry_after {
             r.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
@@ -734,6 +765,12 @@ impl Proxy {
         add_forwarded(&mut parts.headers, peer, &host, https);
         let id = ensure_request_id(&mut parts.headers);
         let key = key_of(&route.policy, &path, &parts.headers, peer);
+        let wants_page = route.waiting_page.is_some()
+            && upgrade_to.is_none()
+            && waiting::wanted(
+                parts.method.as_str().as_bytes(),
+                parts.headers.get(header::ACCEPT).map(|v| v.as_bytes()),
+            );
         let path = match hyper::http::uri::PathAndQuery::try_from(path.as_str()) {
             Ok(p) => p,
             Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_target", &e.to_string()),
@@ -742,7 +779,10 @@ impl Proxy {
         // A replica that refused or reset the connection is avoided on the retry.
         let mut failed: Option<SocketAddr> = None;
         loop {
-            let slot = match self.endpoint(&entry, failed, key, id.as_bytes()).await {
+            let slot = match self
+                .endpoint(&entry, failed, key, id.as_bytes(), wants_page)
+                .await
+            {
                 Ok(s) => s,
                 Err(refusal) => {
                     entry.traffic.answered(refusal.status.as_u16(), None);
@@ -754,7 +794,25 @@ impl Proxy {
                 Ok(r) => r,
                 Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
             };
-            match client(&self.options, &self.backends).request(out).await {
+            let sent = client(&self.options, &self.backends).request(out);
+            let answered = match route.response_timeout_ms {
+                0 => sent.await,
+                ms => match tokio::time::timeout(Duration::from_millis(ms), sent).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        entry.traffic.timed_out(traffic::Timeout::Response);
+                        entry.traffic.answered(504, None);
+                        return json_error(
+                            StatusCode::GATEWAY_TIMEOUT,
+                            "response_timeout",
+                            &format!(
+                                "the replica did not begin its answer within {ms} ms (response_timeout_ms)"
+                            ),
+                        );
+                    }
+                },
+            };
+            match answered {
                 Ok(mut resp) => {
                     if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
                         let load = resp
@@ -770,7 +828,16 @@ impl Proxy {
                         && let Some(client_upgrade) = client_upgrade
                     {
                         let backend_upgrade = hyper::upgrade::on(&mut resp);
-                        tokio::spawn(tunnel(client_upgrade, backend_upgrade, (in_flight, slot)));
+                        let idle = (route.connection_idle_timeout_ms > 0)
+                            .then(|| Duration::from_millis(route.connection_idle_timeout_ms));
+                        tokio::spawn(tunnel(
+                            client_upgrade,
+                            backend_upgrade,
+                            (in_flight, slot),
+                            idle,
+                            entry.traffic.clone(),
+                            self.clock.clone(),
+                        ));
                         let (parts, _) = resp.into_parts();
                         return Response::from_parts(parts, empty());
                     }
@@ -880,7 +947,7 @@ impl Proxy {
         loop {
             let slot = match &app {
                 Some(entry) => match self
-                    .endpoint_on(entry, failed, key, id.as_bytes(), &ready)
+                    .endpoint_on(entry, failed, key, id.as_bytes(), false, &ready)
                     .await
                 {
                     Ok(slot) => slot,
@@ -980,14 +1047,17 @@ impl Proxy {
     /// takes the first slot that a replica becoming ready or a request ending frees.
     /// `key`: the request's hash key, for a consistent-hash policy.
     /// `id`: the request's id, for the lines logged about it while it is held.
+    /// `page`: a browser's page load, answered with the route's waiting page (if it has one)
+    /// instead of being held.
     async fn endpoint(
         &self,
         entry: &Entry,
         avoid: Option<SocketAddr>,
         key: Option<u64>,
         id: &[u8],
+        page: bool,
     ) -> Result<Slot, Refusal> {
-        self.endpoint_on(entry, avoid, key, id, &|| self.ready(entry))
+        self.endpoint_on(entry, avoid, key, id, page, &|| self.ready(entry))
             .await
     }
 
@@ -999,6 +1069,7 @@ impl Proxy {
         avoid: Option<SocketAddr>,
         key: Option<u64>,
         id: &[u8],
+        page: bool,
         ready: &(dyn Fn() -> Arc<backends::Ready> + Send + Sync),
     ) -> Result<Slot, Refusal> {
         let route = &entry.spec;
@@ -1006,6 +1077,32 @@ impl Proxy {
         let has_ready = || ready().items().iter().any(|r| Some(r.addr) != avoid);
         if let Some(slot) = pick() {
             return Ok(slot);
+        }
+        if page
+            && let Some(wp) = &route.waiting_page
+            && !has_ready()
+        {
+            // A browser's page load while the workload is down: wake it (once, whoever asks)
+            // and answer with the page, which comes back until a replica is ready.
+            if let Some(guard) = entry.traffic.begin_wake() {
+                let (log, orch, route) = (self.log.clone(), self.orch.clone(), route.clone());
+                tokio::spawn(async move {
+                    if let Err(e) = wake(&log, &*orch, &route).await {
+                        tracing::warn!(route = %route.name, error = %e, "wake failed");
+                    }
+                    drop(guard);
+                });
+            }
+            let cold_ms = self.log.read(|s| {
+                s.routes
+                    .deployments
+                    .get(&route.deployment)
+                    .map_or(0, |d| d.cold_start_ms)
+            });
+            return Err(Refusal::waiting(
+                waiting::render(wp, &route.name, cold_ms),
+                waiting::refresh_s(wp),
+            ));
         }
         // A span at `info`, so the wake's line (once per wake) carries the id of the request that
         // woke it; each held request's own lines are at `debug` (a cold burst holds thousands).
@@ -1099,6 +1196,9 @@ impl Proxy {
         let held = watch.elapsed();
         self.traffic.observe_hold(held);
         let held_ms = held.as_millis() as u64;
+        if waited.is_err() {
+            entry.traffic.timed_out(traffic::Timeout::Hold);
+        }
         let answer = match waited {
             Ok(Ok(slot)) => Ok(slot),
             Ok(Err(Some(e))) => Err(Refusal::unavailable("wake_failed", e)),
@@ -1147,10 +1247,21 @@ impl Proxy {
 /// workload.
 async fn wake(log: &Log, orch: &dyn Orchestrator, route: &RouteSpec) -> Result<(), String> {
     let name = route.name.clone();
-    log.decide(move |s: &State, _| (decide_wake(s, &name).into_iter().collect(), ()))
+    let (want, _) = log
+        .decide(move |s: &State, now| {
+            let wake = decide_wake(s, &name, now);
+            let want = match &wake {
+                Some(Event::ScaleRequested { to, .. }) => *to,
+                _ => s
+                    .routes
+                    .by_name
+                    .get(&name)
+                    .map_or(1, |r| awake_replicas(&r.spec).max(warm_min(&r.spec, now))),
+            };
+            (wake.into_iter().collect(), want)
+        })
         .await
         .map_err(|e| e.to_string())?;
-    let want = awake_replicas(route.min_replicas);
     let desired = orch.observe(&route.deployment).map_or(0, |o| o.desired);
     if desired < want {
         orch.scale(&route.deployment, want)
@@ -1223,10 +1334,14 @@ fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
 
 /// Copies bytes both ways between an upgraded client and backend connection; the connection counts
 /// as in flight (so its workload is never idle) until both sides are done.
+/// Past the route's `connection_idle_timeout_ms` without a byte either way, both are closed.
 async fn tunnel(
     client: hyper::upgrade::OnUpgrade,
     backend: hyper::upgrade::OnUpgrade,
     guards: (InFlight, Slot),
+    idle: Option<Duration>,
+    counts: Arc<traffic::RouteTraffic>,
+    clock: Arc<dyn Clock>,
 ) {
     let (client, backend) = match tokio::try_join!(client, backend) {
         Ok(pair) => pair,
@@ -1235,10 +1350,13 @@ async fn tunnel(
             return;
         }
     };
-    let mut client = TokioIo::new(client);
-    let mut backend = TokioIo::new(backend);
-    if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut backend).await {
-        tracing::debug!(error = %e, "upgraded connection ended with an error");
+    match splice::splice(TokioIo::new(client), TokioIo::new(backend), idle, &*clock).await {
+        Ok(splice::Ended::Idle) => {
+            counts.timed_out(traffic::Timeout::ConnectionIdle);
+            tracing::debug!("upgraded connection idle past connection_idle_timeout_ms; closed");
+        }
+        Ok(splice::Ended::Closed { .. }) => {}
+        Err(e) => tracing::debug!(error = %e, "upgraded connection ended with an error"),
     }
     drop(guards);
 }

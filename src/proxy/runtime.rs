@@ -156,14 +156,8 @@ pub async fn run_downscaler(
     options: RuntimeOptions,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut tick =
-        tokio::time::interval(Duration::from_millis(options.idle_check_interval_ms.max(1)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.changed() => return,
-        }
+    let mut tick = ticker(options.idle_check_interval_ms);
+    while next_tick(&mut tick, &mut stop).await {
         let now = clock.now_ms();
         // Deployments asked to run, with the routes that lead to them.
         let candidates: Vec<(String, Vec<String>)> = log.read(|s| {
@@ -208,5 +202,99 @@ pub async fn run_downscaler(
                 Err(e) => tracing::warn!(error = %e, "idle decision failed"),
             }
         }
+    }
+}
+
+/// Opens and closes keep-warm windows as they fall due (the schedule's `RouteWarm` deadlines,
+/// looked at every `idle_check_interval_ms`), and scales a deployment up to its floor when a
+/// window asks for more than it runs. Runs on every replica: each records the windows in its own
+/// log, and a scale-up is written only when the orchestrator shows fewer replicas asked for, so
+/// replicas doing the same thing agree and a deployment scaled higher is never lowered.
+pub async fn run_warmer(
+    log: Arc<Log>,
+    orch: Arc<dyn Orchestrator>,
+    clock: Arc<dyn Clock>,
+    options: RuntimeOptions,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut tick = ticker(options.idle_check_interval_ms);
+    while next_tick(&mut tick, &mut stop).await {
+        warm_due(&log, orch.as_ref(), clock.now_ms()).await;
+        if log.failure().is_some() {
+            return;
+        }
+    }
+}
+
+/// Decides every route whose keep-warm deadline is at or before `now_ms`; returns how many
+/// decisions logged events.
+pub async fn warm_due(log: &Log, orch: &dyn Orchestrator, now_ms: u64) -> usize {
+    let due: Vec<String> = log.read(|s| {
+        s.schedule
+            .due_of(crate::state::schedule::DueKind::RouteWarm, now_ms)
+            .filter_map(|(_, d)| match d {
+                crate::state::Due::RouteWarm(route) => Some(route.clone()),
+                _ => None,
+            })
+            .collect()
+    });
+    let mut decided = 0;
+    for route in due {
+        let r = route.clone();
+        let events = match log
+            .decide(move |s: &State, now| {
+                let events = crate::scaler::decide_warm(s, &r, now);
+                (events.clone(), events)
+            })
+            .await
+        {
+            Ok((events, _)) => events,
+            Err(e) => {
+                tracing::warn!(%route, error = %e, "keep-warm decision failed");
+                continue;
+            }
+        };
+        if !events.is_empty() {
+            decided += 1;
+        }
+        for e in &events {
+            match e {
+                Event::WarmStarted {
+                    window,
+                    min,
+                    until_ms,
+                    ..
+                } => tracing::info!(%route, window, min, until_ms, "keep-warm window open"),
+                Event::WarmEnded { window, .. } => {
+                    tracing::info!(%route, window, "keep-warm window closed")
+                }
+                Event::ScaleRequested { deployment, to, .. } => {
+                    let desired = orch.observe(deployment).map_or(0, |o| o.desired);
+                    if desired < *to {
+                        tracing::info!(%deployment, to, "keep-warm: scaling up");
+                        if let Err(e) = orch.scale(deployment, *to) {
+                            tracing::warn!(%deployment, error = %e, "keep-warm scale-up failed");
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    decided
+}
+
+/// An interval of `ms` (at least 1) whose missed ticks are not made up for.
+fn ticker(ms: u64) -> tokio::time::Interval {
+    let mut tick = tokio::time::interval(Duration::from_millis(ms.max(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick
+}
+
+/// Waits for the next tick; false once `stop` changed.
+async fn next_tick(tick: &mut tokio::time::Interval, stop: &mut watch::Receiver<bool>) -> bool {
+    tokio::select! {
+        _ = tick.tick() => true,
+        _ = stop.changed() => false,
     }
 }

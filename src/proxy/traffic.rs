@@ -33,6 +33,41 @@ pub struct RouteTraffic {
     waking: std::sync::atomic::AtomicBool,
     /// Answers by status class and the replicas' answer times.
     answers: Answers,
+    /// Requests and connections cut by a timeout, by [`Timeout`].
+    timeouts: [AtomicU64; 4],
+}
+
+/// The timeouts a route's requests and connections can meet (`ebb_proxy_timeouts_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Timeout {
+    /// No ready replica within `hold_timeout_ms` (503 `wake_timeout` / `replicas_busy`).
+    Hold = 0,
+    /// The replica did not begin its answer within `response_timeout_ms` (504).
+    Response = 1,
+    /// A request under way moved no byte for `stream_idle_timeout_ms` (504 or a close).
+    StreamIdle = 2,
+    /// A client or upgraded connection sat idle for `connection_idle_timeout_ms`.
+    ConnectionIdle = 3,
+}
+
+impl Timeout {
+    /// Every kind, in label order.
+    pub const ALL: [Timeout; 4] = [
+        Timeout::Hold,
+        Timeout::Response,
+        Timeout::StreamIdle,
+        Timeout::ConnectionIdle,
+    ];
+
+    /// The `kind` label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Timeout::Hold => "hold",
+            Timeout::Response => "response",
+            Timeout::StreamIdle => "stream_idle",
+            Timeout::ConnectionIdle => "connection_idle",
+        }
+    }
 }
 
 /// Upper bounds of the answer-time buckets, in microseconds (one more bucket above them all).
@@ -155,6 +190,16 @@ impl RouteTraffic {
             a.buckets[i].fetch_add(1, Ordering::Relaxed);
             a.sum_us.fetch_add(us, Ordering::Relaxed);
         }
+    }
+
+    /// Counts a request or connection cut by timeout `t`.
+    pub fn timed_out(&self, t: Timeout) {
+        self.timeouts[t as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Timeouts so far, by [`Timeout`].
+    pub fn timeouts(&self) -> [u64; 4] {
+        std::array::from_fn(|i| self.timeouts[i].load(Ordering::Relaxed))
     }
 
     /// Answers so far by status class (1xx to 5xx).

@@ -67,7 +67,7 @@ pub enum Next {
     /// Send this request (a follow-up, or the same one again: `attempt` is its attempt number).
     Send { request: Request, attempt: u32 },
     /// The scale-down took effect: record its decision in the log.
-    Record(Event),
+    Record(Box<Event>),
     /// The scale-down was refused: the deployment changed since it was read.
     Refused,
 }
@@ -300,7 +300,7 @@ impl Member {
             ) => {
                 self.deployments.entry(deployment).or_default().downscaling = false;
                 match answer {
-                    Ok(_) => Next::Record(*decision),
+                    Ok(_) => Next::Record(decision),
                     Err(CoordError::Conflict) => Next::Refused,
                     Err(_) => Next::Done,
                 }
@@ -447,7 +447,7 @@ mod tests {
         );
         assert_eq!(
             answer(&mut m, write, Ok(Answer::Version(5)), 0),
-            Next::Record(decision)
+            Next::Record(Box::new(decision))
         );
     }
 }

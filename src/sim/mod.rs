@@ -20,11 +20,15 @@
 //!   `settle_ms`.
 //! * `replay_equals_live`, `schedule_rebuilt_equals_live`: each log replayed from its store
 //!   equals the live projection, schedule heap included.
+//! * `warm_on_time`, `warm_floor_held`, `in_flight_served`: keep-warm windows open, renew and
+//!   close at their time, across restarts, and hold their replicas, without scaling below the
+//!   traffic in flight ([`warm`]).
 
 pub mod cluster;
 pub mod log;
 pub mod queue;
 pub mod scenario;
+pub mod warm;
 pub mod world;
 
 use std::collections::BTreeSet;
@@ -36,7 +40,10 @@ pub use world::{Outcome, Stats, Violation};
 
 /// Runs one seed of a scenario (faults as the scenario has them), with `mutation` on.
 pub fn run(scenario: &Scenario, seed: u64, mutation: Option<Mutation>) -> Outcome {
-    crate::mutation::with(mutation, || world::World::new(scenario, seed).run())
+    crate::mutation::with(mutation, || match &scenario.warm {
+        Some(w) => warm::run(scenario, w, seed),
+        None => world::World::new(scenario, seed).run(),
+    })
 }
 
 /// Reads scenarios: each path a file, or a directory whose `*.toml` files are read in name

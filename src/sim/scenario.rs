@@ -31,6 +31,8 @@ pub struct Scenario {
     pub proxy: Option<ProxyScenario>,
     /// A calls node with runners.
     pub calls: Option<CallsScenario>,
+    /// A route with keep-warm windows on one replica (run alone: [`super::warm`]).
+    pub warm: Option<super::warm::WarmScenario>,
     /// Fault rates (all off when absent).
     #[serde(default)]
     pub faults: Faults,
@@ -245,8 +247,29 @@ impl Scenario {
     }
 
     fn validate(&self) -> Result<(), String> {
+        if let Some(w) = &self.warm {
+            if self.proxy.is_some() || self.calls.is_some() {
+                return Err("[warm] runs alone: no [proxy] or [calls] beside it".into());
+            }
+            crate::config::warm_windows(&w.windows, w.max_replicas)
+                .map_err(|e| format!("warm.windows: {e}"))?;
+            if w.tick_ms == 0 || w.flush_ms == 0 {
+                return Err("warm intervals must be above 0".into());
+            }
+            for (name, [lo, hi]) in [
+                ("warm.gap_ms", w.gap_ms),
+                ("warm.burst", w.burst),
+                ("warm.serve_ms", w.serve_ms),
+                ("faults.restart_ms", self.faults.restart_ms),
+            ] {
+                if lo > hi {
+                    return Err(format!("{name}: [{lo}, {hi}] is empty"));
+                }
+            }
+            return Ok(());
+        }
         if self.proxy.is_none() && self.calls.is_none() {
-            return Err("a scenario needs [proxy], [calls] or both".into());
+            return Err("a scenario needs [proxy], [calls], both, or [warm]".into());
         }
         let mut ranges: Vec<(&str, Range)> = vec![("api.latency_ms", self.api.latency_ms)];
         if self.faults.pause_chance > 0.0 {

@@ -77,6 +77,8 @@ pub struct Stats {
     /// Messages of another node's call held back because its owner had put but not yet
     /// recorded it.
     pub held_unknown: u64,
+    /// Keep-warm windows opened or renewed.
+    pub warm_started: u64,
     /// Steps (actions run).
     pub steps: u64,
 }
@@ -422,6 +424,7 @@ impl World {
                 concurrency: 0,
                 max_connecting: 0,
                 policy: Default::default(),
+                ..Default::default()
             };
             for i in 0..p.replicas {
                 let skew = if self.faults.skew && p.max_skew_ms > 0 {
@@ -813,12 +816,13 @@ impl World {
     /// As the proxy's wake: log the decision (once per wake), then make sure the deployment is
     /// asked to run, as far as this replica's view of it tells.
     fn wake(&mut self, r: usize) {
-        if let Some(event) = decide_wake(&self.replicas[r].log.state, ROUTE)
+        if let Some(event) =
+            decide_wake(&self.replicas[r].log.state, ROUTE, self.replicas[r].local())
             && !self.append(r, vec![event])
         {
             return;
         }
-        let want = crate::scaler::awake_replicas(0);
+        let want = crate::scaler::awake_replicas(&crate::event::RouteSpec::default());
         if self.replicas[r].view_desired < want {
             self.replicas[r].view_desired = want;
             self.stats.wakes += 1;
@@ -1050,7 +1054,7 @@ impl World {
             }
             Next::Send { request, attempt } => self.api(r, ApiOp::Member(request), attempt, 0),
             Next::Record(decision) => {
-                self.append(r, vec![decision]);
+                self.append(r, vec![*decision]);
             }
             Next::Refused => {
                 self.stats.conflicts += 1;

@@ -59,11 +59,38 @@ impl State {
                 self.routes.upsert(route);
                 self.routes.changed_at_seq = env.seq;
                 self.schedule_idle(&route.name);
+                self.schedule_warm(&route.name, at);
             }
             Event::RouteRemoved { name } => {
                 self.routes.remove(name);
                 self.routes.changed_at_seq = env.seq;
                 self.schedule.clear(&Due::RouteIdle(name.clone()));
+                self.schedule.clear(&Due::RouteWarm(name.clone()));
+            }
+            Event::WarmStarted {
+                route,
+                window,
+                min,
+                scheduled_at_ms,
+                until_ms,
+            } => {
+                if let Some(r) = self.routes.by_name.get_mut(route) {
+                    r.warm.insert(
+                        *window,
+                        routes::ActiveWarm {
+                            min: *min,
+                            scheduled_at_ms: *scheduled_at_ms,
+                            until_ms: *until_ms,
+                        },
+                    );
+                    self.schedule_warm(route, at);
+                }
+            }
+            Event::WarmEnded { route, window } => {
+                if let Some(r) = self.routes.by_name.get_mut(route) {
+                    r.warm.remove(window);
+                    self.schedule_warm(route, at);
+                }
             }
             Event::RequestsSeen {
                 route,
@@ -102,6 +129,9 @@ impl State {
                     .deployments
                     .entry(deployment.clone())
                     .or_default();
+                if d.replicas == 0 && *replicas > 0 && d.desired > 0 && d.desired_at_ms > 0 {
+                    d.cold_start_ms = at.saturating_sub(d.desired_at_ms);
+                }
                 d.replicas = *replicas;
                 d.scaled_at_ms = at;
                 let names: Vec<String> = self
@@ -268,12 +298,27 @@ impl State {
             return;
         };
         match self.routes.deployments.get(&r.spec.deployment) {
-            Some(d) if d.replicas > r.spec.min_replicas => {
+            Some(d) if d.replicas > r.spec.idle_floor() => {
                 let from = r.last_used_ms.max(d.scaled_at_ms);
                 self.schedule
                     .set(key, from.saturating_add(r.spec.idle_after_ms));
             }
             _ => self.schedule.clear(&key),
+        }
+    }
+
+    /// A route's next keep-warm decision: a window's start or end, or now when what is recorded
+    /// is not what is open (the route changed, or ebb was down across an edge).
+    fn schedule_warm(&mut self, route: &str, at: u64) {
+        let key = Due::RouteWarm(route.to_owned());
+        match self
+            .routes
+            .by_name
+            .get(route)
+            .and_then(|r| routes::next_warm_edge(r, at))
+        {
+            Some(next) => self.schedule.set(key, next),
+            None => self.schedule.clear(&key),
         }
     }
 

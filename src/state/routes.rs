@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::event::RouteSpec;
+use crate::event::{RouteSpec, WarmWindow};
 
 /// A route and its traffic.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -16,6 +16,65 @@ pub struct Route {
     pub last_used_ms: u64,
     /// Requests counted over the route's life.
     pub requests_total: u64,
+    /// The keep-warm windows open as the log recorded them, by their index in `spec.warm`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub warm: BTreeMap<u32, ActiveWarm>,
+}
+
+/// The occurrence of window `w` open at `now_ms` (none: the window is closed then), as the
+/// route's projection records it when it opens.
+pub fn warm_wanted(w: &WarmWindow, now_ms: u64) -> Option<ActiveWarm> {
+    let start =
+        crate::timing::window_covering(&w.schedule, w.timezone.as_deref(), w.for_ms, now_ms)?;
+    Some(ActiveWarm {
+        min: w.min,
+        scheduled_at_ms: start,
+        until_ms: start.saturating_add(w.for_ms),
+    })
+}
+
+/// When route `r`'s keep-warm windows next need a decision, looked at from `at_ms`: `at_ms`
+/// itself when what is recorded differs from what is open then, else the earliest end of an
+/// open window or start of a closed one. `None`: the route has no window and none recorded.
+pub fn next_warm_edge(r: &Route, at_ms: u64) -> Option<u64> {
+    if r.warm
+        .keys()
+        .any(|&i| usize::try_from(i).map_or(true, |i| i >= r.spec.warm.len()))
+    {
+        return Some(at_ms);
+    }
+    let mut next: Option<u64> = None;
+    for (i, w) in r.spec.warm.iter().enumerate() {
+        let have = u32::try_from(i).ok().and_then(|i| r.warm.get(&i));
+        let want = warm_wanted(w, at_ms);
+        if want.as_ref() != have {
+            return Some(at_ms);
+        }
+        // The next occurrence opens the window, or renews it when it is still open; an open
+        // window's end closes it.
+        let start = crate::timing::next_firing_in(&w.schedule, w.timezone.as_deref(), at_ms);
+        let edge = match (have, start) {
+            (Some(open), Some(s)) => Some(open.until_ms.min(s)),
+            (Some(open), None) => Some(open.until_ms),
+            (None, s) => s,
+        };
+        next = match (next, edge) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    next
+}
+
+/// An open keep-warm window (`WarmStarted`, until its `WarmEnded`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActiveWarm {
+    /// Replicas it keeps.
+    pub min: u32,
+    /// The schedule's occurrence it opened for.
+    pub scheduled_at_ms: u64,
+    /// When it closes, unless the next occurrence renews it.
+    pub until_ms: u64,
 }
 
 /// What the log says about a deployment's replicas.
@@ -35,6 +94,10 @@ pub struct Deployment {
     pub scaled_at_ms: u64,
     /// Failed scale requests over the deployment's life.
     pub failures: u64,
+    /// How long its last start from zero took, from the scale request to the first ready replica
+    /// (0: none seen yet): the wait a waiting page tells.
+    #[serde(default)]
+    pub cold_start_ms: u64,
 }
 
 /// Routes by name, with indexes by domain and by deployment.
@@ -57,13 +120,16 @@ impl Routes {
     pub(crate) fn upsert(&mut self, spec: &RouteSpec) {
         let last_used_ms;
         let requests_total;
+        let warm;
         if let Some(old) = self.by_name.get(&spec.name).cloned() {
             self.unindex(&old.spec);
             last_used_ms = old.last_used_ms;
             requests_total = old.requests_total;
+            warm = old.warm;
         } else {
             last_used_ms = 0;
             requests_total = 0;
+            warm = BTreeMap::new();
         }
         for d in &spec.domains {
             // A domain moves to the route that names it last; the admin API refuses conflicts
@@ -87,6 +153,7 @@ impl Routes {
                 spec: spec.clone(),
                 last_used_ms,
                 requests_total,
+                warm,
             },
         );
     }

@@ -19,6 +19,8 @@ pub enum Due {
     CleanerEval(String),
     /// A function template's next cron firing.
     TemplateFire(String),
+    /// A route's next keep-warm window start or end.
+    RouteWarm(String),
 }
 
 impl Due {
@@ -29,6 +31,7 @@ impl Due {
             Due::RouteIdle(_) => 1,
             Due::CleanerEval(_) => 2,
             Due::TemplateFire(_) => 3,
+            Due::RouteWarm(_) => 4,
         }
     }
 }
@@ -41,6 +44,7 @@ pub enum DueKind {
     RouteIdle = 1,
     CleanerEval = 2,
     TemplateFire = 3,
+    RouteWarm = 4,
 }
 
 /// Deadlines ordered by time (then key, so ties are deterministic).
@@ -48,7 +52,7 @@ pub enum DueKind {
 #[serde(from = "Vec<(Due, u64)>", into = "Vec<(Due, u64)>")]
 pub struct Schedule {
     by_key: BTreeMap<Due, u64>,
-    queues: [BTreeSet<(u64, Due)>; 4],
+    queues: [BTreeSet<(u64, Due)>; 5],
 }
 
 impl Schedule {

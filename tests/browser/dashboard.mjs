@@ -8,20 +8,12 @@ import os from 'node:os';
 import path from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { chromium } from 'playwright-core';
+import { CHROMIUM_ARGS, harness } from './harness.mjs';
 
 const here = path.dirname(fileURLToPath(import.meta.url));
 const TIMEOUT = 30_000;
 
-function env(name, fallback) {
-  const value = process.env[name] ?? fallback;
-  if (value == null || value === '') fail(`environment variable ${name} is not set`);
-  return value;
-}
-
-function fail(message) {
-  console.error(`dashboard test failed: ${message}`);
-  process.exit(1);
-}
+const { env, fail } = harness('dashboard test');
 
 const ui = env('EBB_UI');
 const token = env('EBB_ADMIN_TOKEN');
@@ -89,8 +81,7 @@ try {
     executablePath,
     headless: true,
     viewport: { width: 1400, height: 1000 },
-    args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-      '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+    args: CHROMIUM_ARGS,
   });
   context.setDefaultTimeout(TIMEOUT);
   page = context.pages()[0] ?? await context.newPage();

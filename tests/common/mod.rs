@@ -350,3 +350,73 @@ pub fn events(data: &Path) -> Vec<serde_json::Value> {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
 }
+
+/// Whether process `pid` runs (a zombie does not).
+pub fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => stat.split(' ').nth(2).is_none_or(|s| s != "Z"),
+        Err(_) => false,
+    }
+}
+
+/// The live children of process `ebb` whose command line contains `needle`.
+pub fn children_with(ebb: u32, needle: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // The fields after the command name (which may hold spaces): state, ppid, ...
+        let after = stat.rsplit_once(')').map_or("", |(_, a)| a);
+        let ppid: u32 = after
+            .split_whitespace()
+            .nth(1)
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if ppid == ebb && cmdline.contains(needle) && alive(pid) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Runs the browser test `tests/browser/NAME.mjs` with node against headless Chromium, with
+/// `env` beside `EBB_CHROMIUM` and `EBB_ARTIFACTS` (its screenshots: `EBB_ARTIFACTS/NAME`, else
+/// the target's tmp dir); fails the test with what it printed unless it passed.
+pub async fn browser_test(name: &str, env: Vec<(&'static str, String)>) {
+    let artifacts = std::env::var_os("EBB_ARTIFACTS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")))
+        .join(name);
+    let _ = std::fs::remove_dir_all(&artifacts);
+    let chromium = std::env::var("EBB_CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".into());
+    assert!(
+        Path::new(&chromium).exists(),
+        "no Chromium at {chromium}: ./scripts/test installs Debian's chromium"
+    );
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/browser/{name}.mjs"));
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new("node")
+            .arg(script)
+            .envs(env)
+            .env("EBB_CHROMIUM", &chromium)
+            .env("EBB_ARTIFACTS", &artifacts)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("node runs (./scripts/test installs tests/browser's packages)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "the browser test {name} failed:\n{stdout}\n{stderr}"
+    );
+}
