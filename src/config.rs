@@ -114,6 +114,10 @@ pub struct AppConfig {
     /// A page for browsers while the app wakes (`{}`: ebb's built-in page).
     #[serde(default)]
     pub waiting_page: Option<WaitingPageConfig>,
+    /// A TCP app: the address ebb listens on for it (`127.0.0.1:6380`); `domains` may be empty
+    /// and its readiness is a TCP connect.
+    #[serde(default)]
+    pub listen: Option<String>,
 }
 
 /// A waiting page as written in `ebb.toml` and the admin API.
@@ -353,6 +357,7 @@ impl Config {
         let base = path.parent().unwrap_or(Path::new("."));
         let mut names = std::collections::BTreeSet::new();
         let mut domains = std::collections::BTreeMap::new();
+        let mut listens = std::collections::BTreeMap::new();
         for app in &mut cfg.apps {
             if !names.insert(app.name.clone()) {
                 return Err(invalid(format!("app {:?} is defined twice", app.name)));
@@ -368,6 +373,14 @@ impl Config {
                 };
             }
             app.validate().map_err(invalid)?;
+            if let Some(l) = &app.listen
+                && let Some(other) = listens.insert(l.clone(), app.name.clone())
+            {
+                return Err(invalid(format!(
+                    "listen {l:?} belongs to both {other:?} and {:?}",
+                    app.name
+                )));
+            }
             for d in &app.domains {
                 if let Some(other) = domains.insert(d.clone(), app.name.clone()) {
                     return Err(invalid(format!(
@@ -419,8 +432,19 @@ impl AppConfig {
         if self.command.is_empty() {
             return Err(format!("app {:?}: command is empty", self.name));
         }
-        if self.domains.is_empty() {
-            return Err(format!("app {:?}: no domains", self.name));
+        if self.domains.is_empty() && self.listen.is_none() {
+            return Err(format!(
+                "app {:?}: no domains (and no listen address of a TCP app)",
+                self.name
+            ));
+        }
+        if let Some(l) = &self.listen {
+            l.parse::<std::net::SocketAddr>().map_err(|_| {
+                format!(
+                    "app {:?}: listen {l:?} is not an IP:port address",
+                    self.name
+                )
+            })?;
         }
         self.policy
             .validate()
@@ -467,7 +491,11 @@ impl AppConfig {
                 command: self.command.clone(),
                 env: self.env.clone().into_iter().collect(),
                 cwd: self.cwd.as_ref().map(|c| c.to_string_lossy().into_owned()),
-                readiness_path: self.readiness_path.clone().filter(|p| !p.is_empty()),
+                // A TCP app is ready when it accepts a connection.
+                readiness_path: self
+                    .readiness_path
+                    .clone()
+                    .filter(|p| !p.is_empty() && self.listen.is_none()),
                 startup_timeout_ms: self.startup_timeout_ms,
                 stop_grace_ms: self.stop_grace_ms,
                 pre_run: None,
@@ -483,6 +511,7 @@ impl AppConfig {
             connection_idle_timeout_ms: self.connection_idle_timeout_ms,
             // Read and checked by `validate` (a file of ebb.toml's becomes its text at load).
             waiting_page: self.waiting_page.as_ref().and_then(|w| w.page(None).ok()),
+            listen: self.listen.clone(),
         }
     }
 }

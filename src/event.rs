@@ -225,6 +225,10 @@ pub struct RouteSpec {
     /// reloads itself, instead of being held; other clients are held as ever.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting_page: Option<WaitingPage>,
+    /// A TCP route: the address ebb listens on for it (`IP:port`); its connections are spliced
+    /// to the replicas as they are, and its domains may be empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
 }
 
 /// The page a browser gets while a route's workload wakes.

@@ -549,6 +549,13 @@ pub async fn run(
     let admin_addr = admin_listener.local_addr()?;
 
     let proxy_threads = proxy.spawn_workers(proxy_listeners, stop_rx.clone())?;
+    // TCP routes: their ports now (a taken one stops the start), then as the routes change.
+    let tcp_bound = crate::proxy::tcp::bind_all(&proxy).context("opening the TCP routes' ports")?;
+    tokio::spawn(crate::proxy::tcp::run(
+        proxy.clone(),
+        tcp_bound,
+        stop_rx.clone(),
+    ));
 
     // Calls: the embedded queue, the service behind the runner API, the expiry loop and the
     // built-in runner.

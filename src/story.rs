@@ -182,13 +182,14 @@ fn tell(before: &State, env: &Envelope) -> String {
                     duration(route.idle_after_ms)
                 )
             };
+            let from = match &route.listen {
+                Some(addr) if route.domains.is_empty() => format!("TCP {addr}"),
+                Some(addr) => format!("{}, TCP {addr}", route.domains.join(", ")),
+                None => route.domains.join(", "),
+            };
             format!(
-                "route {} {verb}: {} -> workload {}; {}..{} replicas, {idle}",
-                route.name,
-                route.domains.join(", "),
-                route.deployment,
-                route.min_replicas,
-                route.max_replicas
+                "route {} {verb}: {from} -> workload {}; {}..{} replicas, {idle}",
+                route.name, route.deployment, route.min_replicas, route.max_replicas
             )
         }
         Event::RouteRemoved { name } => format!("route {name} removed"),

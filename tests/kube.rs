@@ -457,6 +457,111 @@ async fn an_idle_deployment_goes_to_zero_and_no_request_across_the_scale_down_is
     assert!(reasons.iter().any(|r| r == "wake"), "{reasons:?}");
 }
 
+/// One raw exchange with `addr` (a request or a TCP route's bytes), read to the close.
+async fn raw(addr: std::net::SocketAddr, bytes: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(90), s.read_to_end(&mut got))
+        .await
+        .expect("an answer and a close in time")
+        .unwrap();
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+#[tokio::test]
+async fn waiting_pages_timeouts_tcp_routes_and_keep_warm_windows_on_kubernetes() {
+    let (cp, _, _agent) = cluster().await;
+    // The TCP route's port, in this test's own network namespace.
+    let tcp: std::net::SocketAddr = "127.0.0.1:16380".parse().unwrap();
+    let listen = format!("\"{tcp}\"");
+    apply(
+        &cp,
+        &(hello_deployment(0)
+            + &hello_service(
+                "hello",
+                &[
+                    ("ebb.dev/domains", "hello.test"),
+                    ("ebb.dev/deployment", "hello"),
+                    ("ebb.dev/idle-after", "1s"),
+                    ("ebb.dev/hold-timeout", "60s"),
+                    ("ebb.dev/waiting-page", "\"true\""),
+                    ("ebb.dev/response-timeout", "500ms"),
+                    ("ebb.dev/listen", listen.as_str()),
+                ],
+            )),
+    );
+    let data = tempfile::tempdir().unwrap();
+    let ebb = serve_on(&cp, data.path(), &[]);
+    wait_for("the route in the log", Duration::from_secs(30), || {
+        routes(data.path()).contains("default/hello")
+    })
+    .await;
+    let replicas = || {
+        json(&cp.kubectl(&["get", "deployment", "hello", "-o", "json"]))["spec"]["replicas"].clone()
+    };
+
+    // A browser's page load at zero: the waiting page at once, and the wake it started.
+    let page = raw(
+        ebb.proxy,
+        "GET /pid HTTP/1.1\r\nHost: hello.test\r\nAccept: text/html\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(page.starts_with("HTTP/1.1 503"), "{page}");
+    assert!(
+        page.contains("<h1>default/hello is starting</h1>"),
+        "{page}"
+    );
+    wait_for(
+        "the page's wake scales the Deployment",
+        Duration::from_secs(30),
+        || replicas() == 1,
+    )
+    .await;
+    // An API client is held and served; a slow answer meets the response timeout.
+    let (status, body) = get(ebb.proxy, "hello.test", "/pid").await;
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = get(ebb.proxy, "hello.test", "/sleep?ms=5000").await;
+    assert_eq!(status, 504, "{body}");
+    assert!(body.contains("response_timeout"), "{body}");
+    // The TCP route: bytes spliced to the pod as they are.
+    let answer = raw(tcp, "GET /pid HTTP/1.0\r\nHost: x\r\n\r\n").await;
+    assert!(answer.contains(" 200 "), "{answer}");
+
+    // Idle, it goes to zero; a keep-warm window open now brings it back without a request.
+    wait_for("the idle scale-down", Duration::from_secs(60), || {
+        replicas() == 0
+    })
+    .await;
+    cp.kubectl(&[
+        "annotate",
+        "service",
+        "hello",
+        "--overwrite",
+        r#"ebb.dev/warm=[{"schedule": "0 0 * * * *", "for": "2h", "min": 1, "timezone": "Asia/Tokyo"}]"#,
+    ]);
+    wait_for(
+        "the window scales the Deployment up",
+        Duration::from_secs(60),
+        || replicas() == 1,
+    )
+    .await;
+    let events = common::events(data.path());
+    assert!(
+        events
+            .iter()
+            .any(|e| e["event"]["WarmStarted"]["route"] == "default/hello"),
+        "no WarmStarted in the log"
+    );
+    assert!(
+        events
+            .iter()
+            .any(|e| e["event"]["ScaleRequested"]["reason"] == "warm"),
+        "no scale-up for the window"
+    );
+}
+
 /// The holder of the scale-down Lease, if any.
 fn lease_holder(cp: &ControlPlane) -> Option<String> {
     let lease = cp

@@ -109,21 +109,30 @@ async fn put(
         .register(workload)
         .map_err(|e| bad(e.to_string()))?;
     let decided = spec.clone();
-    let (outcome, _) = app
-        .log
-        .decide(move |s: &State, _| {
-            for d in &decided.domains {
-                if let Some(owner) = s.routes.by_domain.get(d)
-                    && owner != &decided.name
+    let (outcome, _) =
+        app.log
+            .decide(move |s: &State, _| {
+                if let Some(l) = &decided.listen
+                    && let Some(owner) =
+                        s.routes.by_name.values().find(|r| {
+                            r.spec.name != decided.name && r.spec.listen.as_ref() == Some(l)
+                        })
                 {
-                    let why = format!("domain {d:?} belongs to route {owner:?}");
+                    let why = format!("listen {l:?} belongs to route {:?}", owner.spec.name);
                     return (vec![], Err(why));
                 }
-            }
-            let created = !s.routes.by_name.contains_key(&decided.name);
-            (vec![Event::RouteUpserted { route: decided }], Ok(created))
-        })
-        .await?;
+                for d in &decided.domains {
+                    if let Some(owner) = s.routes.by_domain.get(d)
+                        && owner != &decided.name
+                    {
+                        let why = format!("domain {d:?} belongs to route {owner:?}");
+                        return (vec![], Err(why));
+                    }
+                }
+                let created = !s.routes.by_name.contains_key(&decided.name);
+                (vec![Event::RouteUpserted { route: decided }], Ok(created))
+            })
+            .await?;
     match outcome {
         Ok(created) => {
             let status = if created {

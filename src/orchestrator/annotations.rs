@@ -12,7 +12,9 @@
 //! list such as `[{"schedule": "0 8 * * 1-5", "for": "10h", "min": 1, "timezone": "Europe/Paris"}]`),
 //! the timeouts `ebb.dev/response-timeout`, `ebb.dev/stream-idle-timeout` and
 //! `ebb.dev/connection-idle-timeout` (durations), and `ebb.dev/waiting-page` (`true` for ebb's
-//! page while the workload wakes, or the page's own HTML).
+//! page while the workload wakes, or the page's own HTML). With `ebb.dev/listen` (`IP:port`) the
+//! Service is a TCP route on that address of every ebb replica, and `ebb.dev/domains` may be left
+//! out.
 //!
 //! A Service with none of the route annotations is not ebb's ([`Ok(None)`]); one with some but
 //! not all, or with a malformed value, is an [`AnnotationError`] that names the annotation, for
@@ -39,6 +41,7 @@ pub const RESPONSE_TIMEOUT: &str = "ebb.dev/response-timeout";
 pub const STREAM_IDLE_TIMEOUT: &str = "ebb.dev/stream-idle-timeout";
 pub const CONNECTION_IDLE_TIMEOUT: &str = "ebb.dev/connection-idle-timeout";
 pub const WAITING_PAGE: &str = "ebb.dev/waiting-page";
+pub const LISTEN: &str = "ebb.dev/listen";
 
 /// Settings of a route whose Service does not say.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -136,8 +139,19 @@ pub fn route(
     };
     let domains = pick(DOMAINS, PROXLESS_DOMAINS);
     let target = pick(DEPLOYMENT, PROXLESS_DEPLOYMENT);
+    let listen = match annotations.get(LISTEN) {
+        None => None,
+        Some(v) => Some(
+            v.trim()
+                .parse::<std::net::SocketAddr>()
+                .map_err(|_| bad(LISTEN, format!("{v:?} is not an IP:port address")))?
+                .to_string(),
+        ),
+    };
+    let no_hosts = (DOMAINS, String::new());
     let (domains, target) = match (domains, target) {
         (None, None) => return Ok(None),
+        (None, Some(t)) if listen.is_some() => ((no_hosts.0, &no_hosts.1), t),
         (Some(_), None) => {
             return Err(bad(
                 DEPLOYMENT,
@@ -163,7 +177,7 @@ pub fn route(
             hosts.push(d);
         }
     }
-    if hosts.is_empty() {
+    if hosts.is_empty() && listen.is_none() {
         return Err(bad(domains.0, "no host names"));
     }
     let duration = |key: &'static str, default: u64| {
@@ -252,6 +266,7 @@ pub fn route(
         stream_idle_timeout_ms: duration(STREAM_IDLE_TIMEOUT, 0)?,
         connection_idle_timeout_ms: duration(CONNECTION_IDLE_TIMEOUT, 0)?,
         waiting_page,
+        listen,
     };
     Ok(Some((spec, workload)))
 }

@@ -30,6 +30,7 @@
 
 pub mod backends;
 pub mod chunked;
+pub mod grpc;
 mod h1;
 /// The fuzz targets' entry points into the HTTP/1.1 head parser.
 #[doc(hidden)]
@@ -42,6 +43,7 @@ pub mod runtime;
 pub mod services;
 pub mod splice;
 pub mod table;
+pub mod tcp;
 pub mod traffic;
 pub mod waiting;
 
@@ -148,19 +150,47 @@ thread_local! {
 fn client(options: &ProxyOptions, backends: &Arc<Backends>) -> Client<PacedConnector, Body> {
     CLIENT.with(|c| {
         c.borrow_mut()
-            .get_or_insert_with(|| {
-                let connector = PacedConnector {
-                    backends: backends.clone(),
-                    attempt_ms: options.connect_attempt_ms,
-                    timeout_ms: options.connect_timeout_ms,
-                };
-                Client::builder(TokioExecutor::new())
-                    .pool_max_idle_per_host(options.pool_max_idle_per_host)
-                    .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
-                    .build(connector)
-            })
+            .get_or_insert_with(|| build_client(options, backends, false))
             .clone()
     })
+}
+
+thread_local! {
+    /// Each proxy thread's pool of HTTP/2 (h2c) backend connections, for gRPC.
+    static CLIENT_H2: std::cell::RefCell<Option<Client<PacedConnector, Body>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// The thread's client of backends that speak h2c (gRPC servers): one multiplexed connection per
+/// replica.
+fn client_h2(options: &ProxyOptions, backends: &Arc<Backends>) -> Client<PacedConnector, Body> {
+    CLIENT_H2.with(|c| {
+        c.borrow_mut()
+            .get_or_insert_with(|| build_client(options, backends, true))
+            .clone()
+    })
+}
+
+fn build_client(
+    options: &ProxyOptions,
+    backends: &Arc<Backends>,
+    h2: bool,
+) -> Client<PacedConnector, Body> {
+    let connector = PacedConnector {
+        backends: backends.clone(),
+        attempt_ms: options.connect_attempt_ms,
+        timeout_ms: options.connect_timeout_ms,
+    };
+    let mut builder = Client::builder(TokioExecutor::new());
+    builder
+        .pool_max_idle_per_host(options.pool_max_idle_per_host)
+        .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms));
+    if h2 {
+        builder
+            .http2_only(true)
+            .timer(hyper_util::rt::TokioTimer::new());
+    }
+    builder.build(connector)
 }
 
 /// The general path's connector: connections to a replica are opened within its bound on
@@ -745,15 +775,26 @@ impl Proxy {
         let upgrade_to = upgrade_protocol(req.headers());
         let client_upgrade = upgrade_to.is_some().then(|| hyper::upgrade::on(&mut req));
         let (mut parts, body) = req.into_parts();
+        let grpc = grpc::is_grpc(&parts);
         strip_hop_by_hop(&mut parts.headers);
-        // Backends speak HTTP/1.1 whatever the client spoke (h2c included), with the client's Host.
-        parts.version = hyper::Version::HTTP_11;
         // The Host the request was routed by (the target's authority, when it had one).
         match HeaderValue::from_str(&host) {
             Ok(h) => {
                 parts.headers.insert(header::HOST, h);
             }
             Err(_) => return json_error(StatusCode::BAD_REQUEST, "bad_host", "invalid Host"),
+        }
+        if grpc {
+            // gRPC goes on over HTTP/2 (h2c to the replica), with its trailers, and the routed
+            // host as `:authority`'s stand-in in `Host`.
+            parts.version = hyper::Version::HTTP_2;
+            parts
+                .headers
+                .insert(header::TE, HeaderValue::from_static("trailers"));
+        } else {
+            // Backends speak HTTP/1.1 whatever the client spoke (h2c included), with the
+            // client's Host.
+            parts.version = hyper::Version::HTTP_11;
         }
         if let Some(proto) = &upgrade_to {
             parts
@@ -776,16 +817,35 @@ impl Proxy {
             Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_target", &e.to_string()),
         };
         let mut body = Some(body.boxed());
+        // A gRPC call's deadline bounds its wait for a replica too.
+        let deadline = grpc.then(|| grpc::timeout(&parts.headers)).flatten();
         // A replica that refused or reset the connection is avoided on the retry.
         let mut failed: Option<SocketAddr> = None;
         loop {
-            let slot = match self
-                .endpoint(&entry, failed, key, id.as_bytes(), wants_page)
-                .await
-            {
+            let endpoint = self.endpoint(&entry, failed, key, id.as_bytes(), wants_page);
+            let found = match deadline {
+                None => endpoint.await,
+                Some(d) => match tokio::time::timeout(d, endpoint).await {
+                    Ok(found) => found,
+                    Err(_) => {
+                        entry.traffic.answered(200, None);
+                        return grpc::status(
+                            grpc::DEADLINE_EXCEEDED,
+                            &format!(
+                                "no replica of {} was ready within the call's deadline",
+                                route.name
+                            ),
+                        );
+                    }
+                },
+            };
+            let slot = match found {
                 Ok(s) => s,
                 Err(refusal) => {
                     entry.traffic.answered(refusal.status.as_u16(), None);
+                    if grpc {
+                        return grpc::status(grpc::UNAVAILABLE, &refusal.message);
+                    }
                     return refusal.into_response(self.options.retry_after_s);
                 }
             };
@@ -794,7 +854,12 @@ impl Proxy {
                 Ok(r) => r,
                 Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
             };
-            let sent = client(&self.options, &self.backends).request(out);
+            let out = if grpc { grpc::for_backend(out) } else { out };
+            let sent = if grpc {
+                client_h2(&self.options, &self.backends).request(out)
+            } else {
+                client(&self.options, &self.backends).request(out)
+            };
             let answered = match route.response_timeout_ms {
                 0 => sent.await,
                 ms => match tokio::time::timeout(Duration::from_millis(ms), sent).await {
@@ -802,6 +867,12 @@ impl Proxy {
                     Err(_) => {
                         entry.traffic.timed_out(traffic::Timeout::Response);
                         entry.traffic.answered(504, None);
+                        if grpc {
+                            return grpc::status(
+                                grpc::DEADLINE_EXCEEDED,
+                                &format!("the replica did not begin its answer within {ms} ms"),
+                            );
+                        }
                         return json_error(
                             StatusCode::GATEWAY_TIMEOUT,
                             "response_timeout",
@@ -867,6 +938,9 @@ impl Proxy {
                 Err(e) => {
                     slot.failed();
                     entry.traffic.answered(502, None);
+                    if grpc {
+                        return grpc::status(grpc::UNAVAILABLE, &format!("backend {addr}: {e}"));
+                    }
                     return json_error(
                         StatusCode::BAD_GATEWAY,
                         "backend_error",

@@ -239,6 +239,12 @@ impl RouteTraffic {
         InFlight(self.clone())
     }
 
+    /// Marks `now_ms` as the route's last use (a TCP connection's end) without counting a
+    /// request.
+    pub fn touch(&self, now_ms: u64) {
+        self.last_at_ms.fetch_max(now_ms, Ordering::Relaxed);
+    }
+
     /// Holds a request, unless `max` are held already.
     pub fn hold(self: &Arc<Self>, max: u32) -> Option<Held> {
         let prev = self.held.fetch_add(1, Ordering::AcqRel);

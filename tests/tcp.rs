@@ -1,0 +1,197 @@
+//! TCP routes with a real server from Debian: `redis-server` behind ebb, woken from zero by
+//! `redis-cli PING`, stopped when idle, no command lost across its stops; 50 concurrent cold
+//! connections make one spawn and all get their answer; an open connection keeps it awake.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+mod common;
+
+use common::controlplane::wait_until;
+
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn redis_app(name: &str, port: u16, idle_after_ms: u64) -> String {
+    format!(
+        "[[app]]\nname = \"{name}\"\ndomains = []\nlisten = \"127.0.0.1:{port}\"\ncommand = [\"sh\", \"-c\", \"exec redis-server --port $PORT --bind 127.0.0.1 --save '' --appendonly no\"]\nidle_after_ms = {idle_after_ms}\nstop_grace_ms = 2000\nhold_timeout_ms = 30000\n"
+    )
+}
+
+fn config(dir: &Path, apps: &str) -> PathBuf {
+    let path = dir.join("ebb.toml");
+    std::fs::write(&path, apps).unwrap();
+    path
+}
+
+/// `redis-cli -p PORT ARGS...`, its output trimmed (an error answer fails the test).
+fn redis_cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli runs (./scripts/test installs Debian's redis-server and redis-tools)");
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    assert!(
+        out.status.success()
+            && !text.starts_with("Could not connect")
+            && !text.starts_with("Error"),
+        "redis-cli {args:?}: {text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+fn scale_events(data: &Path, deployment: &str, reason: &str) -> usize {
+    common::events(data)
+        .iter()
+        .filter(|e| {
+            let s = &e["event"]["ScaleRequested"];
+            s["deployment"] == deployment && s["reason"] == reason
+        })
+        .count()
+}
+
+/// One inline `PING` on a connection of its own; the answer.
+async fn ping(port: u16) -> String {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    s.write_all(b"PING\r\n").await.unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 64];
+    while !got.ends_with(b"\r\n") {
+        let n = tokio::time::timeout(LIMIT, s.read(&mut chunk))
+            .await
+            .expect("an answer in time")
+            .unwrap();
+        assert!(n > 0, "closed before answering: {got:?}");
+        got.extend_from_slice(&chunk[..n]);
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_wakes_on_ping_goes_idle_and_loses_no_command_across_its_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let port = common::free_port();
+    let cfg = config(dir.path(), &redis_app("redis", port, 300));
+    let _ebb = common::serve(&data, Some(&cfg), None);
+
+    // From zero: the first PING wakes it.
+    assert_eq!(redis_cli(port, &["PING"]), "PONG");
+    assert_eq!(scale_events(&data, "redis", "wake"), 1);
+    wait_until("redis is stopped when idle", LIMIT, || async {
+        (scale_events(&data, "redis", "idle") >= 1).then_some(())
+    })
+    .await;
+    // Commands at moments around the idle stops: each is answered, by a replica woken again when
+    // it meets one stopping or stopped.
+    let mut tick = tokio::time::interval(Duration::from_millis(170));
+    for i in 0..24 {
+        tick.tick().await;
+        let key = format!("k{i}");
+        assert_eq!(redis_cli(port, &["SET", &key, "v"]), "OK", "command {i}");
+        assert_eq!(redis_cli(port, &["PING"]), "PONG", "command {i}");
+    }
+    let wakes = scale_events(&data, "redis", "wake");
+    assert!(wakes >= 2, "it went idle and woke again: {wakes} wakes");
+    let story = common::ebb_ok(&data, &["explain", "route", "redis"]);
+    assert!(story.contains(&format!("TCP 127.0.0.1:{port}")), "{story}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_cold_connections_spawn_once_and_an_open_one_keeps_it_awake() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let port = common::free_port();
+    let cfg = config(dir.path(), &redis_app("burst", port, 400));
+    let _ebb = common::serve(&data, Some(&cfg), None);
+
+    let tasks: Vec<_> = (0..50).map(|_| tokio::spawn(ping(port))).collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), "+PONG\r\n");
+    }
+    assert_eq!(
+        scale_events(&data, "burst", "wake"),
+        1,
+        "one spawn for the burst"
+    );
+    let spawned = std::fs::read_dir(data.join("workloads").join("burst"))
+        .unwrap()
+        .count();
+    assert_eq!(spawned, 1);
+
+    // An open connection is in flight: three idle periods pass under it without a stop.
+    let mut held = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let mut tick = tokio::time::interval(Duration::from_millis(400));
+    tick.tick().await;
+    for _ in 0..3 {
+        tick.tick().await;
+    }
+    assert_eq!(
+        scale_events(&data, "burst", "idle"),
+        0,
+        "stopped under an open connection"
+    );
+    held.write_all(b"PING\r\n").await.unwrap();
+    let mut got = [0u8; 7];
+    held.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"+PONG\r\n");
+    drop(held);
+    // Closed: idle from its end.
+    wait_until(
+        "redis is stopped once the connection closed",
+        LIMIT,
+        || async { (scale_events(&data, "burst", "idle") == 1).then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_routes_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port();
+    for (apps, want) in [
+        (
+            redis_app("a", port, 1000).replace(&format!("127.0.0.1:{port}"), "localhost"),
+            "is not an IP:port address",
+        ),
+        (
+            format!(
+                "{}{}",
+                redis_app("a", port, 1000),
+                redis_app("b", port, 1000)
+            ),
+            "belongs to both",
+        ),
+        (
+            redis_app("a", port, 1000).replace(&format!("listen = \"127.0.0.1:{port}\"\n"), ""),
+            "no domains",
+        ),
+    ] {
+        let cfg = config(dir.path(), &apps);
+        let err = common::serve_refused(
+            &dir.path().join("data"),
+            ["--config".as_ref(), cfg.as_os_str()],
+        );
+        assert!(err.contains(want), "{err}");
+    }
+    // A port another process holds stops the start with the reason.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy = taken.local_addr().unwrap().port();
+    let cfg = config(dir.path(), &redis_app("a", busy, 1000));
+    let err = common::serve_refused(
+        &dir.path().join("data2"),
+        ["--config".as_ref(), cfg.as_os_str()],
+    );
+    assert!(
+        err.contains(&format!("TCP route a: listening on 127.0.0.1:{busy}")),
+        "{err}"
+    );
+}
