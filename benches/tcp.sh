@@ -57,8 +57,12 @@ for _ in $(seq 1 100); do
   redis-cli -p "$direct_port" PING >/dev/null 2>&1 && break
   sleep 0.1
 done
-# Wakes the route's redis (held until it is ready).
-redis-cli -p "$route_port" PING >/dev/null
+# Waits for ebb's port, whose first PING wakes the route's redis (held until it is ready).
+for _ in $(seq 1 300); do
+  [ "$(redis-cli -p "$route_port" PING 2>/dev/null)" = PONG ] && break
+  sleep 0.1
+done
+[ "$(redis-cli -p "$route_port" PING)" = PONG ] || { echo "ebb's TCP route does not answer" >&2; cat "$work/ebb.log" >&2; exit 1; }
 
 rps() { # port -> requests/s of PING, SET and GET together (redis-benchmark's CSV)
   redis-benchmark -h 127.0.0.1 -p "$1" -n "$requests" -c "$clients" -P "$pipeline" -t ping_mbulk,set,get --csv 2>/dev/null |
