@@ -221,7 +221,7 @@ pub struct RouteSpec {
     /// upgraded connection has no bound then).
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     pub connection_idle_timeout_ms: u64,
-    /// A browser's cold request (a GET or HEAD that accepts `text/html`) gets this page, which
+    /// A browser's cold request (a GET that accepts `text/html`) gets this page, which
     /// reloads itself, instead of being held; other clients are held as ever.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub waiting_page: Option<WaitingPage>,

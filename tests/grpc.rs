@@ -34,7 +34,8 @@ fn config(dir: &Path) -> PathBuf {
         )
     };
     let path = dir.join("ebb.toml");
-    std::fs::write(&path, [app("echo", 0), app("slow", 4000)].concat()).unwrap();
+    let quiet = app("quiet", 0) + "stream_idle_timeout_ms = 500\n";
+    std::fs::write(&path, [app("echo", 0), app("slow", 4000), quiet].concat()).unwrap();
     path
 }
 
@@ -146,4 +147,94 @@ async fn a_deadline_shorter_than_the_wake_is_deadline_exceeded_not_a_hang() {
         "{v}"
     );
     assert_eq!(scale_events(&data, "slow", "wake"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_idle_past_its_bound_is_cut_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = common::serve(&dir.path().join("data"), Some(&config(dir.path())), None);
+    // Messages every 200 ms keep the stream under its 500 ms bound; 1.5 s apart, it is cut.
+    let v = call(
+        ebb.proxy,
+        "quiet.localhost",
+        &["chat", "4", "--pause-ms", "200"],
+    )
+    .await;
+    assert_eq!(v["code"], "OK", "{v}");
+    let v = call(
+        ebb.proxy,
+        "quiet.localhost",
+        &["chat", "3", "--pause-ms", "1500"],
+    )
+    .await;
+    assert_ne!(v["code"], "OK", "{v}");
+    let c = common::http::client();
+    let m = common::http::send(&c, ebb.admin, "GET", "localhost", "/metrics", &[]).await;
+    assert!(
+        m.body
+            .contains("ebb_proxy_timeouts_total{route=\"quiet\",kind=\"stream_idle\"} 1"),
+        "{}",
+        m.body
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_over_tls_h2_passes_through_from_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "key.pem",
+            "-out",
+            "cert.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=echo.localhost",
+            "-addext",
+            "subjectAltName=DNS:echo.localhost",
+        ])
+        .current_dir(dir.path())
+        .output()
+        .expect("openssl runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cert = dir.path().join("cert.pem");
+    let key = dir.path().join("key.pem");
+    let ebb = common::serve_with(
+        &dir.path().join("data"),
+        Some(&config(dir.path())),
+        None,
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let ca = cert.to_str().unwrap();
+    let v = call(
+        ebb.proxy,
+        "echo.localhost",
+        &["unary", "secret", "--tls-ca", ca],
+    )
+    .await;
+    assert_eq!(
+        (v["code"].as_str(), v["answer"].as_str()),
+        (Some("OK"), Some("SECRET")),
+        "{v}"
+    );
+    let v = call(ebb.proxy, "echo.localhost", &["chat", "3", "--tls-ca", ca]).await;
+    assert_eq!(v["code"], "OK", "{v}");
+    assert_eq!(v["answers"][2], "MESSAGE 2", "{v}");
 }

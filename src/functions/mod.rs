@@ -1025,6 +1025,32 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn a_templates_keep_warm_windows_reach_its_route_and_bad_ones_are_refused() {
+        let t = TemplateJson::from_body(
+            br#"{"name":"a","command":["ebb","example-app"],"maxInstanceNum":2,
+                "warm":[{"schedule":"0 8 * * 1-5","for":"10h","min":2,"timezone":"Europe/Paris"}]}"#,
+        )
+        .unwrap();
+        let spec = t.clone().into_spec().unwrap();
+        let route = route_of(&spec).unwrap();
+        assert_eq!(route.warm.len(), 1);
+        assert_eq!(
+            (route.warm[0].for_ms, route.warm[0].min),
+            (10 * 3_600_000, 2)
+        );
+        assert_eq!(TemplateJson::from_spec(&spec).warm, t.warm);
+        let over = TemplateJson::from_body(
+            br#"{"name":"a","command":["x"],"warm":[{"schedule":"0 8 * * *","for":"1h","min":3}]}"#,
+        )
+        .unwrap();
+        assert!(over.into_spec().unwrap_err().contains("max_replicas (1)"));
+        assert!(matches!(
+            TemplateJson::from_body(br#"{"name":"a","warm":[{"schedule":"0 8 * * *"}]}"#),
+            Err(BodyError::Json(_))
+        ));
+    }
+
     fn good() -> TemplateJson {
         TemplateJson {
             name: "resize".into(),

@@ -42,6 +42,7 @@ pub mod request_id;
 pub mod runtime;
 pub mod services;
 pub mod splice;
+pub mod stream_idle;
 pub mod table;
 pub mod tcp;
 pub mod traffic;
@@ -74,7 +75,10 @@ use tracing::Instrument;
 pub use traffic::{InFlight, RouteTraffic, Traffic};
 
 /// Bodies the proxy sends and answers with.
-pub type Body = BoxBody<Bytes, hyper::Error>;
+pub type Body = BoxBody<Bytes, BoxError>;
+
+/// A body's error: hyper's, or the proxy's own (a stream cut for idleness).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The proxy's TLS acceptor (its certificate is read again when its files change).
 #[derive(Clone)]
@@ -483,12 +487,12 @@ struct Counted {
 
 impl HttpBody for Counted {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         Pin::new(&mut self.inner).poll_frame(cx)
     }
 
@@ -816,7 +820,19 @@ impl Proxy {
             Ok(p) => p,
             Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_target", &e.to_string()),
         };
-        let mut body = Some(body.boxed());
+        // The stream-idle bound: frames of either body mark it, from a replica being found on.
+        let stall_ms = match route.stream_idle_timeout_ms {
+            0 => self.options.request_stall_timeout_ms,
+            ms => ms,
+        };
+        let progress = stream_idle::Progress::new(self.clock.clone(), stall_ms);
+        let mut body = Some(
+            stream_idle::Marking {
+                inner: body.map_err(BoxError::from).boxed(),
+                progress: progress.clone(),
+            }
+            .boxed(),
+        );
         // A gRPC call's deadline bounds its wait for a replica too.
         let deadline = grpc.then(|| grpc::timeout(&parts.headers)).flatten();
         // A replica that refused or reset the connection is avoided on the retry.
@@ -860,10 +876,34 @@ impl Proxy {
             } else {
                 client(&self.options, &self.backends).request(out)
             };
+            progress.mark_now();
+            // Until the answer's head, the stream-idle bound holds too.
+            let sent = async {
+                tokio::select! {
+                    r = sent => Some(r),
+                    () = progress.stalled() => None,
+                }
+            };
+            let stalled = || {
+                entry.traffic.timed_out(traffic::Timeout::StreamIdle);
+                entry.traffic.answered(504, None);
+                let message = format!(
+                    "the request moved no byte either way for {stall_ms} ms (stream_idle_timeout_ms)"
+                );
+                if grpc {
+                    grpc::status(grpc::DEADLINE_EXCEEDED, &message)
+                } else {
+                    json_error(StatusCode::GATEWAY_TIMEOUT, "stream_idle_timeout", &message)
+                }
+            };
             let answered = match route.response_timeout_ms {
-                0 => sent.await,
+                0 => match sent.await {
+                    Some(r) => r,
+                    None => return stalled(),
+                },
                 ms => match tokio::time::timeout(Duration::from_millis(ms), sent).await {
-                    Ok(r) => r,
+                    Ok(Some(r)) => r,
+                    Ok(None) => return stalled(),
                     Err(_) => {
                         entry.traffic.timed_out(traffic::Timeout::Response);
                         entry.traffic.answered(504, None);
@@ -914,8 +954,14 @@ impl Proxy {
                     }
                     let (mut parts, body) = resp.into_parts();
                     strip_hop_by_hop(&mut parts.headers);
+                    let counts = entry.traffic.clone();
+                    let bounded = stream_idle::Bounded::new(
+                        body.map_err(BoxError::from).boxed(),
+                        progress.clone(),
+                        Box::new(move || counts.timed_out(traffic::Timeout::StreamIdle)),
+                    );
                     let body = Counted {
-                        inner: body.boxed(),
+                        inner: bounded.boxed(),
                         _in_flight: Some(in_flight),
                         _slot: slot,
                     };
@@ -1008,7 +1054,7 @@ impl Proxy {
             Ok(p) => p,
             Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_target", &e.to_string()),
         };
-        let mut body = Some(body.boxed());
+        let mut body = Some(body.map_err(BoxError::from).boxed());
         let mut failed: Option<SocketAddr> = None;
         // An `ebb://app` destination is the app's traffic: counted as its requests (its idle
         // timer, the downscale's in-flight check), woken from zero and held as they are.
@@ -1064,7 +1110,7 @@ impl Proxy {
                     strip_hop_by_hop(&mut parts.headers);
                     change_headers(&mut parts.headers, &route.response_headers);
                     let body = Counted {
-                        inner: body.boxed(),
+                        inner: body.map_err(BoxError::from).boxed(),
                         _in_flight: in_flight.take(),
                         _slot: slot,
                     };

@@ -1,7 +1,7 @@
 //! Waiting pages: a browser's cold request gets a page that reloads itself until the workload is
 //! ready, instead of a connection that hangs (Sablier's dynamic strategy, KEDA's cold-start
-//! placeholder). API clients are held as ever: only a `GET` or `HEAD` whose `Accept` names
-//! `text/html` gets the page.
+//! placeholder). API clients are held as ever: only a `GET` whose `Accept` names `text/html` gets
+//! the page.
 
 use crate::event::WaitingPage;
 
@@ -38,9 +38,9 @@ pub const BUILT_IN: &str = r#"<!doctype html>
 </html>
 "#;
 
-/// Whether a request is a browser's page load: `GET` or `HEAD`, accepting `text/html`.
+/// Whether a request is a browser's page load: a `GET` accepting `text/html`.
 pub fn wanted(method: &[u8], accept: Option<&[u8]>) -> bool {
-    (method == b"GET" || method == b"HEAD")
+    method == b"GET"
         && accept.is_some_and(|a| a.windows(9).any(|w| w.eq_ignore_ascii_case(b"text/html")))
 }
 
@@ -113,7 +113,8 @@ mod tests {
     fn only_page_loads_of_browsers_get_the_page() {
         let html = Some(&b"text/html,application/xhtml+xml,*/*;q=0.8"[..]);
         assert!(wanted(b"GET", html));
-        assert!(wanted(b"HEAD", Some(b"TEXT/HTML")));
+        assert!(wanted(b"GET", Some(b"TEXT/HTML")));
+        assert!(!wanted(b"HEAD", html));
         assert!(!wanted(b"POST", html));
         assert!(!wanted(b"GET", Some(b"application/json")));
         assert!(!wanted(b"GET", Some(b"*/*")));

@@ -2,8 +2,10 @@
 the channel's authority. Prints one JSON line of what happened, exits 0 unless the call broke in
 a way the test did not ask for.
 
-  echo_client.py PROXY AUTHORITY unary TEXT [--deadline-s S]
-  echo_client.py PROXY AUTHORITY chat N [--pause-ms MS]
+  echo_client.py PROXY AUTHORITY unary TEXT [--deadline-s S] [--tls-ca PEM]
+  echo_client.py PROXY AUTHORITY chat N [--pause-ms MS] [--tls-ca PEM]
+
+With --tls-ca, the channel is TLS (h2 by ALPN), trusting that certificate for the authority.
 """
 
 import argparse
@@ -21,8 +23,16 @@ def main():
     parser.add_argument("arg")
     parser.add_argument("--deadline-s", type=float, default=60)
     parser.add_argument("--pause-ms", type=int, default=0)
+    parser.add_argument("--tls-ca")
     args = parser.parse_args()
-    channel = grpc.insecure_channel(args.proxy, options=(("grpc.default_authority", args.authority),))
+    options = (("grpc.default_authority", args.authority),)
+    if args.tls_ca:
+        with open(args.tls_ca, "rb") as f:
+            credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+        options += (("grpc.ssl_target_name_override", args.authority),)
+        channel = grpc.secure_channel(args.proxy, credentials, options=options)
+    else:
+        channel = grpc.insecure_channel(args.proxy, options=options)
     started = time.monotonic()
     out = {}
     try:
