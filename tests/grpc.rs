@@ -59,16 +59,6 @@ async fn call(proxy: std::net::SocketAddr, authority: &str, args: &[&str]) -> se
     serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
 }
 
-fn scale_events(data: &Path, deployment: &str, reason: &str) -> usize {
-    common::events(data)
-        .iter()
-        .filter(|e| {
-            let s = &e["event"]["ScaleRequested"];
-            s["deployment"] == deployment && s["reason"] == reason
-        })
-        .count()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unary_and_streaming_calls_wake_the_server_and_pass_through() {
     let dir = tempfile::tempdir().unwrap();
@@ -80,12 +70,12 @@ async fn unary_and_streaming_calls_wake_the_server_and_pass_through() {
     assert_eq!(v["code"], "OK", "{v}");
     assert_eq!(v["answer"], "HELLO", "{v}");
     assert_eq!(v["trailers"]["x-echo"], "said", "{v}");
-    assert_eq!(scale_events(&data, "echo", "wake"), 1);
+    assert_eq!(common::scale_events(&data, "echo", "wake"), 1);
     wait_until("echo goes idle", LIMIT, || async {
-        (scale_events(&data, "echo", "idle") >= 1).then_some(())
+        (common::scale_events(&data, "echo", "idle") >= 1).then_some(())
     })
     .await;
-    let idle_before = scale_events(&data, "echo", "idle");
+    let idle_before = common::scale_events(&data, "echo", "idle");
 
     // A bidirectional stream from zero that stays open for several idle periods (a message every
     // 500 ms, idle after 300 ms): every message comes back, and the open stream keeps the server
@@ -99,7 +89,7 @@ async fn unary_and_streaming_calls_wake_the_server_and_pass_through() {
     assert_eq!(v["code"], "OK", "{v}");
     let answers: Vec<String> = (0..6).map(|i| format!("MESSAGE {i}")).collect();
     assert_eq!(v["answers"], serde_json::json!(answers), "{v}");
-    assert_eq!(scale_events(&data, "echo", "wake"), 2);
+    assert_eq!(common::scale_events(&data, "echo", "wake"), 2);
     // No idle scale-down from the stream's wake until its last answer came.
     let last_answer_ms = v["last_answer_ms"].as_u64().unwrap();
     let events = common::events(&data);
@@ -123,7 +113,7 @@ async fn unary_and_streaming_calls_wake_the_server_and_pass_through() {
         early.is_empty(),
         "scaled down under an open stream: {early:?}"
     );
-    assert!(scale_events(&data, "echo", "idle") >= idle_before);
+    assert!(common::scale_events(&data, "echo", "idle") >= idle_before);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -146,7 +136,7 @@ async fn a_deadline_shorter_than_the_wake_is_deadline_exceeded_not_a_hang() {
         (Some("OK"), Some("AGAIN")),
         "{v}"
     );
-    assert_eq!(scale_events(&data, "slow", "wake"), 1);
+    assert_eq!(common::scale_events(&data, "slow", "wake"), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -44,16 +44,6 @@ fn redis_cli(port: u16, args: &[&str]) -> String {
     text
 }
 
-fn scale_events(data: &Path, deployment: &str, reason: &str) -> usize {
-    common::events(data)
-        .iter()
-        .filter(|e| {
-            let s = &e["event"]["ScaleRequested"];
-            s["deployment"] == deployment && s["reason"] == reason
-        })
-        .count()
-}
-
 /// One inline `PING` on a connection of its own; the answer.
 async fn ping(port: u16) -> String {
     let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
@@ -83,9 +73,9 @@ async fn redis_wakes_on_ping_goes_idle_and_loses_no_command_across_its_stops() {
 
     // From zero: the first PING wakes it.
     assert_eq!(redis_cli(port, &["PING"]), "PONG");
-    assert_eq!(scale_events(&data, "redis", "wake"), 1);
+    assert_eq!(common::scale_events(&data, "redis", "wake"), 1);
     wait_until("redis is stopped when idle", LIMIT, || async {
-        (scale_events(&data, "redis", "idle") >= 1).then_some(())
+        (common::scale_events(&data, "redis", "idle") >= 1).then_some(())
     })
     .await;
     // Commands at moments around the idle stops: each is answered, by a replica woken again when
@@ -97,7 +87,7 @@ async fn redis_wakes_on_ping_goes_idle_and_loses_no_command_across_its_stops() {
         assert_eq!(redis_cli(port, &["SET", &key, "v"]), "OK", "command {i}");
         assert_eq!(redis_cli(port, &["PING"]), "PONG", "command {i}");
     }
-    let wakes = scale_events(&data, "redis", "wake");
+    let wakes = common::scale_events(&data, "redis", "wake");
     assert!(wakes >= 2, "it went idle and woke again: {wakes} wakes");
     let story = common::ebb_ok(&data, &["explain", "route", "redis"]);
     assert!(story.contains(&format!("TCP 127.0.0.1:{port}")), "{story}");
@@ -116,7 +106,7 @@ async fn fifty_cold_connections_spawn_once_and_an_open_one_keeps_it_awake() {
         assert_eq!(t.await.unwrap(), "+PONG\r\n");
     }
     assert_eq!(
-        scale_events(&data, "burst", "wake"),
+        common::scale_events(&data, "burst", "wake"),
         1,
         "one spawn for the burst"
     );
@@ -135,7 +125,7 @@ async fn fifty_cold_connections_spawn_once_and_an_open_one_keeps_it_awake() {
         tick.tick().await;
     }
     assert_eq!(
-        scale_events(&data, "burst", "idle"),
+        common::scale_events(&data, "burst", "idle"),
         0,
         "stopped under an open connection"
     );
@@ -148,7 +138,7 @@ async fn fifty_cold_connections_spawn_once_and_an_open_one_keeps_it_awake() {
     wait_until(
         "redis is stopped once the connection closed",
         LIMIT,
-        || async { (scale_events(&data, "burst", "idle") == 1).then_some(()) },
+        || async { (common::scale_events(&data, "burst", "idle") == 1).then_some(()) },
     )
     .await;
 }

@@ -420,3 +420,14 @@ pub async fn browser_test(name: &str, env: Vec<(&'static str, String)>) {
         "the browser test {name} failed:\n{stdout}\n{stderr}"
     );
 }
+
+/// How many `ScaleRequested` of `deployment` with `reason` the log in `data` holds.
+pub fn scale_events(data: &Path, deployment: &str, reason: &str) -> usize {
+    events(data)
+        .iter()
+        .filter(|e| {
+            let s = &e["event"]["ScaleRequested"];
+            s["deployment"] == deployment && s["reason"] == reason
+        })
+        .count()
+}
