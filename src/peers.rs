@@ -29,71 +29,10 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-/// The header a forwarded request carries: the replica that forwarded it.
-pub const FORWARDED_BY: &str = "x-ebb-forwarded-by";
-
-/// How long a client is told to wait before asking again when an owner is down, in seconds.
-pub const RETRY_AFTER_S: u64 = 2;
-
-/// Whether `name` may name a replica: a DNS label (1 to 63 of `a-z`, `0-9`, `-`, starting and
-/// ending with a letter or digit), as a StatefulSet pod's hostname is.
-pub fn valid_replica(name: &str) -> bool {
-    crate::functions::check_name("replica", name).is_ok()
-}
-
-/// The owner an id names (`None`: no owner, this replica's).
-pub fn owner_of(id: &str) -> Option<&str> {
-    id.rsplit_once('.').map(|(owner, _)| owner)
-}
-
-/// The UUID part of an id.
-pub fn uuid_part(id: &str) -> &str {
-    id.rsplit_once('.').map_or(id, |(_, u)| u)
-}
-
-/// Checks an id: an optional owner (a replica name) and a UUID.
-pub fn parse_id(id: &str) -> Result<(Option<&str>, uuid::Uuid), String> {
-    let owner = owner_of(id);
-    if let Some(o) = owner
-        && !valid_replica(o)
-    {
-        return Err(format!(
-            "id {id:?}: the owner {o:?} is not a replica name (a DNS label)"
-        ));
-    }
-    let u = uuid::Uuid::parse_str(uuid_part(id))
-        .map_err(|e| format!("id {id:?} is not a UUID (or OWNER.UUID): {e}"))?;
-    Ok((owner, u))
-}
-
-/// Whether replica `me` decides for `id`: it owns it, or the id names no owner. (The
-/// simulator's `decide-for-others` mutation makes every replica decide for every id.)
-pub fn decides_here(me: Option<&str>, id: &str) -> bool {
-    owner_of(id).is_none_or(|o| Some(o) == me)
-        || crate::mutation::active(crate::mutation::Mutation::DecideForOthers)
-}
-
-/// The id of `uuid` owned by `owner`.
-pub fn qualify(owner: Option<&str>, uuid: &str) -> String {
-    match owner {
-        Some(o) => format!("{o}.{uuid}"),
-        None => uuid.to_owned(),
-    }
-}
-
-/// Why a request could not be forwarded.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PeerError {
-    /// The owner is not reachable now (down, restarting, not ready): ask again later.
-    #[error("replica {0} owns this and cannot be reached now: {1}")]
-    Unavailable(String, String),
-    /// No replica of that name is known.
-    #[error("no replica named {0:?} is known")]
-    Unknown(String),
-    /// The request named another owner and came forwarded: refused rather than forwarded again.
-    #[error("replica {0} does not own this (it was forwarded here by {1})")]
-    Misdirected(String, String),
-}
+pub use ebb_core::ids::{
+    FORWARDED_BY, PeerError, RETRY_AFTER_S, decides_here, owner_of, parse_id, qualify, uuid_part,
+    valid_replica,
+};
 
 /// How replicas are found by name: each replica is a service, resolved and watched through
 /// discovery.

@@ -133,7 +133,7 @@ impl Reloading {
 }
 
 /// A connection of ebb's own endpoints: TLS, checked head by head.
-pub type TlsStream = crate::api::strict::Strict<tokio_rustls::server::TlsStream<TcpStream>>;
+pub type TlsStream = crate::strict::Strict<tokio_rustls::server::TlsStream<TcpStream>>;
 
 /// A listener of ebb's own endpoints that hands out connections once their TLS handshake is done
 /// (each handshake a task of its own, bounded in time and in number, so that a slow client does
@@ -176,7 +176,7 @@ impl TlsListener {
                     let _permit = permit;
                     match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
                         Ok(Ok(tls)) => {
-                            let _ = tx.send((crate::api::strict::Strict::new(tls), peer)).await;
+                            let _ = tx.send((crate::strict::Strict::new(tls), peer)).await;
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),

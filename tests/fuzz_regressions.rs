@@ -24,13 +24,13 @@ fn inputs(dir: &Path) -> Vec<(String, Vec<u8>)> {
 fn every_target_has_its_program_and_seeds() {
     let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
     let manifest = std::fs::read_to_string(fuzz.join("Cargo.toml")).unwrap();
-    for (name, _) in ebb::fuzzing::TARGETS {
+    for (name, _) in ebb_fuzz_checks::TARGETS {
         let program = fuzz.join("fuzz_targets").join(format!("{name}.rs"));
         let text = std::fs::read_to_string(&program)
             .unwrap_or_else(|e| panic!("{}: {e}", program.display()));
         assert!(
-            text.contains(&format!("ebb::fuzzing::{name}(data)")),
-            "{} runs ebb::fuzzing::{name}",
+            text.contains(&format!("ebb_fuzz_checks::{name}(data)")),
+            "{} runs ebb_fuzz_checks::{name}",
             program.display()
         );
         assert!(
@@ -47,7 +47,7 @@ fn every_target_has_its_program_and_seeds() {
         .count();
     assert_eq!(
         programs,
-        ebb::fuzzing::TARGETS.len(),
+        ebb_fuzz_checks::TARGETS.len(),
         "every program is a target"
     );
 }
@@ -56,7 +56,7 @@ fn every_target_has_its_program_and_seeds() {
 fn seeds_and_found_inputs_pass() {
     let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz");
     let mut ran = 0;
-    for (name, check) in ebb::fuzzing::TARGETS {
+    for (name, check) in ebb_fuzz_checks::TARGETS {
         for dir in ["corpus", "regressions"] {
             for (path, bytes) in inputs(&fuzz.join(dir).join(name)) {
                 let outcome = std::panic::catch_unwind(|| check(&bytes));
@@ -65,5 +65,5 @@ fn seeds_and_found_inputs_pass() {
             }
         }
     }
-    assert!(ran >= ebb::fuzzing::TARGETS.len());
+    assert!(ran >= ebb_fuzz_checks::TARGETS.len());
 }

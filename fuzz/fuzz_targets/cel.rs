@@ -1,4 +1,4 @@
-//! `ebb::fuzzing::cel`: what it feeds and what must hold are said there.
+//! `ebb_fuzz_checks::cel`: what it feeds and what must hold are said there.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| ebb::fuzzing::cel(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| ebb_fuzz_checks::cel(data));

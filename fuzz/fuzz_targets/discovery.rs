@@ -1,4 +1,4 @@
-//! `ebb::fuzzing::discovery`: what it feeds and what must hold are said there.
+//! `ebb_fuzz_checks::discovery`: what it feeds and what must hold are said there.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| ebb::fuzzing::discovery(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| ebb_fuzz_checks::discovery(data));

@@ -1,4 +1,4 @@
-//! `ebb::fuzzing::functions_body`: what it feeds and what must hold are said there.
+//! `ebb_fuzz_checks::functions_body`: what it feeds and what must hold are said there.
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| ebb::fuzzing::functions_body(data));
+libfuzzer_sys::fuzz_target!(|data: &[u8]| ebb_fuzz_checks::functions_body(data));

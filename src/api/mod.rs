@@ -11,7 +11,6 @@ pub mod access;
 pub mod admin;
 pub mod funcs;
 pub mod runner;
-pub mod strict;
 pub mod ui;
 
 use std::sync::Arc;

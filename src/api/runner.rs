@@ -19,7 +19,9 @@ use serde_json::{Value, json};
 
 use super::access::Api;
 use super::{ApiError, AppState};
-use crate::calls::wire::{FinishJson, JobJson, MessageJson};
+use crate::calls::wire::{
+    DequeueBody, EnqueueBody, FinishBody, FinishJson, JobJson, MessageJson, StartBody, StatesBody,
+};
 use crate::calls::{CallError, Calls, Load, NewCall};
 use crate::state::calls::{Call, CallStatus};
 
@@ -113,19 +115,8 @@ pub(super) fn body<T: serde::de::DeserializeOwned>(
 
 /// A runner id: 1 to 128 of `A-Za-z0-9._-`.
 fn runner_id(id: &str) -> Result<&str, ApiError> {
-    if id.is_empty()
-        || id.len() > 128
-        || !id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
-    {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "bad_runner",
-            format!("runner id {id:?}: 1 to 128 of A-Z a-z 0-9 . _ -"),
-        ));
-    }
-    Ok(id)
+    crate::calls::wire::check_runner(id)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_runner", e))
 }
 
 /// Notes the runner's load and answers with the load recorded for it.
@@ -146,13 +137,6 @@ fn with_load(calls: &Calls, runner: &str, headers: &HeaderMap, resp: Response) -
         resp.headers_mut().insert("x-runner-load", v);
     }
     resp
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum EnqueueBody {
-    Batch { calls: Vec<NewCall> },
-    One(NewCall),
 }
 
 async fn enqueue(
@@ -215,16 +199,6 @@ struct ResultsAnswer<'a, T> {
     results: &'a [T],
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DequeueBody {
-    runner: String,
-    #[serde(default)]
-    max: Option<usize>,
-    #[serde(default)]
-    wait_ms: Option<u64>,
-}
-
 async fn dequeue(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
@@ -244,16 +218,6 @@ async fn dequeue(
         Json(JobsAnswer { calls: &jobs }).into_response()
     };
     Ok(with_load(calls, runner, &headers, resp))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct StartBody {
-    runner: String,
-    #[serde(default)]
-    id: Option<String>,
-    #[serde(default)]
-    ids: Option<Vec<String>>,
 }
 
 async fn start(
@@ -311,20 +275,6 @@ async fn start(
     Ok(with_load(calls, runner, &headers, resp))
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum FinishBody {
-    Batch {
-        runner: String,
-        calls: Vec<FinishJson>,
-    },
-    One {
-        runner: String,
-        #[serde(flatten)]
-        call: FinishJson,
-    },
-}
-
 async fn finish(
     Extract(app): Extract<AppState>,
     headers: HeaderMap,
@@ -352,12 +302,6 @@ async fn finish(
         Json(&results[0]).into_response()
     };
     Ok(with_load(calls, &runner, &headers, resp))
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct StatesBody {
-    ids: Vec<String>,
 }
 
 /// What became of calls this replica owns, for another replica about to hand out their
@@ -510,47 +454,4 @@ async fn list(
         let next = if page.len() == limit { last } else { None };
         json!({ "calls": page, "next": next })
     })))
-}
-
-/// The fuzz target's check of the runner API's bodies (`fuzz/`): any bytes give each body or a
-/// reason, never a panic; a call's payload that passes its checks makes a request a runner can
-/// send.
-#[doc(hidden)]
-pub fn fuzz_bodies(bytes: &[u8]) {
-    if let Ok(b) = serde_json::from_slice::<EnqueueBody>(bytes) {
-        let calls = match b {
-            EnqueueBody::Batch { calls } => calls,
-            EnqueueBody::One(c) => vec![c],
-        };
-        for c in calls {
-            if let Some(id) = &c.id {
-                let _ = crate::peers::parse_id(id);
-            }
-            if let Ok(p) = crate::calls::payload(c.payload.unwrap_or_default(), 1 << 20) {
-                let method = hyper::Method::from_bytes(p.method.as_bytes());
-                assert!(method.is_ok(), "method {:?} passed its check", p.method);
-                let uri = format!("http://fuzz.test{}", p.path).parse::<hyper::Uri>();
-                assert!(uri.is_ok(), "path {:?} passed its check: {uri:?}", p.path);
-            }
-        }
-    }
-    if let Ok(b) = serde_json::from_slice::<DequeueBody>(bytes) {
-        let _ = runner_id(&b.runner);
-    }
-    if let Ok(b) = serde_json::from_slice::<StartBody>(bytes) {
-        let _ = runner_id(&b.runner);
-        for id in b.id.iter().chain(b.ids.iter().flatten()) {
-            let _ = crate::peers::parse_id(id);
-        }
-    }
-    if let Ok(b) = serde_json::from_slice::<FinishBody>(bytes) {
-        let items = match b {
-            FinishBody::Batch { calls, .. } => calls,
-            FinishBody::One { call, .. } => vec![call],
-        };
-        for f in items {
-            let _ = f.finish();
-        }
-    }
-    let _ = serde_json::from_slice::<StatesBody>(bytes);
 }

@@ -370,9 +370,9 @@ impl Executor for ProxyExecutor {
             if !p
                 .headers
                 .iter()
-                .any(|(k, _)| k.eq_ignore_ascii_case(crate::proxy::request_id::HEADER))
+                .any(|(k, _)| k.eq_ignore_ascii_case(ebb_http::request_id::HEADER))
             {
-                req = req.header(crate::proxy::request_id::HEADER, &id);
+                req = req.header(ebb_http::request_id::HEADER, &id);
             }
             let req = match req.body(Full::new(Bytes::from(p.body.into_vec()))) {
                 Ok(r) => r,

@@ -663,7 +663,7 @@ pub async fn run(
         );
         let cleaners = Arc::new(
             Cleaners::new(log.clone(), clock.clone(), targets.clone(), options.options)
-                .only(|n| !super::local::is_local(n)),
+                .only(|n| !super::config::is_local(n)),
         );
         let looping = tokio::spawn(super::runtime::run(
             cleaners.clone(),
@@ -727,7 +727,7 @@ async fn watch_cleaners(
                         .by_name
                         .iter()
                         .filter(|(n, c)| {
-                            !super::local::is_local(n)
+                            !super::config::is_local(n)
                                 && !c.spec.namespace.is_empty()
                                 && !listing.contains(*n)
                         })

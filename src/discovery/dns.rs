@@ -24,8 +24,7 @@ pub const MIN_REFRESH: Duration = Duration::from_secs(1);
 /// The longest time between two refreshes of one service (and the longest back-off).
 pub const MAX_REFRESH: Duration = Duration::from_secs(300);
 
-/// The schemes DNS discovery resolves, with their default ports.
-pub const SCHEMES: [(&str, u16); 4] = [("http", 80), ("ws", 80), ("https", 443), ("wss", 443)];
+pub use ebb_core::discovery::id::{SCHEMES, literal};
 
 /// Resolves names through a DNS server.
 #[derive(Clone)]
@@ -112,15 +111,6 @@ impl Dns {
         addrs.dedup();
         Ok((addrs, ttl))
     }
-}
-
-/// The one instance of an id of DNS's schemes whose host is an IP address (`http://10.0.0.7`,
-/// `ws://[::1]:8080`; the scheme's port when unsaid): nothing to ask a name server.
-pub fn literal(id: &ServiceId) -> Option<SocketAddr> {
-    let &(_, default_port) = SCHEMES.iter().find(|(s, _)| *s == id.scheme())?;
-    let host = id.host()?.trim_start_matches('[').trim_end_matches(']');
-    let ip: std::net::IpAddr = host.parse().ok()?;
-    Some(SocketAddr::new(ip, id.port().unwrap_or(default_port)))
 }
 
 fn schemes() -> String {

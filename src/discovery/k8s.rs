@@ -26,6 +26,7 @@ use tokio::sync::watch;
 
 use super::id::ServiceId;
 use super::{Discovery, Resolved, publish};
+pub use ebb_core::discovery::k8s::{Target, check, env_names, parts};
 
 /// A Service's EndpointSlices, watched.
 #[derive(Clone)]
@@ -44,46 +45,6 @@ impl Endpoints {
     pub fn in_zone(mut self, zone: Option<String>) -> Endpoints {
         self.zone = zone;
         self
-    }
-}
-
-/// What a `k8s://` id names.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Target {
-    /// The endpoint's hostname or pod name, when it names one.
-    member: Option<String>,
-    service: String,
-    namespace: String,
-    port: Option<u16>,
-}
-
-/// The parts of a `k8s://[MEMBER.]SERVICE.NAMESPACE[:PORT]` id.
-fn parts(id: &ServiceId) -> Result<Target, String> {
-    let host = id.host().ok_or_else(|| format!("{id}: no host"))?;
-    let labels: Vec<&str> = host.split('.').collect();
-    let bad = || format!("{id}: expected k8s://[MEMBER.]SERVICE.NAMESPACE[:PORT]");
-    if labels.iter().any(|l| l.is_empty()) {
-        return Err(bad());
-    }
-    let (member, service, namespace) = match labels[..] {
-        [s, n] => (None, s, n),
-        [m, s, n] => (Some(m.to_owned()), s, n),
-        _ => return Err(bad()),
-    };
-    Ok(Target {
-        member,
-        service: service.to_owned(),
-        namespace: namespace.to_owned(),
-        port: id.port(),
-    })
-}
-
-/// Checks a `k8s://` id's shape (at load).
-pub fn check(id: &ServiceId) -> Result<(), String> {
-    match id.scheme() {
-        "k8s" => parts(id).map(|_| ()),
-        "k8s-env" => env_names(id).map(|_| ()),
-        _ => Ok(()),
     }
 }
 
@@ -280,14 +241,6 @@ impl Endpoints {
 /// A Service's environment variables, as Kubernetes sets them in every container.
 #[derive(Debug, Clone, Default)]
 pub struct Env;
-
-fn env_names(id: &ServiceId) -> Result<(String, String), String> {
-    let host = id
-        .host()
-        .ok_or_else(|| format!("{id}: expected k8s-env://NAME[:PORT]"))?;
-    let key = host.to_ascii_uppercase().replace(['-', '.'], "_");
-    Ok((format!("{key}_SERVICE_HOST"), format!("{key}_SERVICE_PORT")))
-}
 
 /// The instance `k8s-env://NAME[:PORT]` names in `env`.
 pub fn from_env(

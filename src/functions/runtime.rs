@@ -20,9 +20,9 @@ use crate::calls::{CallError, Calls};
 use crate::clock::Clock;
 use crate::event::{Event, Outcome};
 use crate::log::Log;
-use crate::orchestrator::Orchestrator;
 use crate::state::Due;
 use crate::state::{InstanceStatus, State};
+use ebb_core::orchestrator::Orchestrator;
 
 /// The special function name that ends an instance with the body as its result.
 pub const RETURN: &str = "RETURN";

@@ -244,7 +244,7 @@ impl KubeOrchestrator {
             namespace: workload.namespace.clone(),
             name: workload.name.clone(),
         };
-        let port = Some(super::kube_functions::PORT_NAME.to_owned());
+        let port = Some(PORT_NAME.to_owned());
         self.track_as(&workload.name, workload, service, port, true);
     }
 
@@ -1296,15 +1296,18 @@ pub async fn run_shared(
     }
 }
 
-/// Runs the backend's loops until `stop` turns true.
+/// The name of the container port a function server listens on (`kube_functions::PORT`).
+pub const PORT_NAME: &str = "http";
+
+/// Runs the backend's loops until `stop` turns true (the functions' objects have their own,
+/// `kube_functions::run`).
 pub async fn run(log: Arc<Log>, orch: Arc<KubeOrchestrator>, stop: watch::Receiver<bool>) {
     tokio::join!(
         orch.limiter.refill(stop.clone()),
         run_routes(log.clone(), orch.clone(), stop.clone()),
         run_endpoints(orch.clone(), stop.clone()),
         run_scaler(log.clone(), orch.clone(), stop.clone()),
-        run_sync(log.clone(), orch.clone(), stop.clone()),
-        super::kube_functions::run(log, orch.clone(), stop.clone()),
+        run_sync(log, orch.clone(), stop),
     );
 }
 

@@ -33,9 +33,9 @@ use tokio::sync::watch;
 use super::annotations::{Workload, WorkloadKind};
 use super::kube::{Complaints, KubeOrchestrator};
 use crate::event::{Event, TemplateSpec};
-use crate::functions::workload_of;
 use crate::log::Log;
 use crate::state::State;
+use ebb_core::functions::workload_of;
 
 /// The label naming the function whose Deployment, Service and pods an object is.
 pub const FUNCTION_LABEL: &str = "ebb.dev/function";
@@ -45,7 +45,7 @@ pub const OWNER_ANNOTATION: &str = "ebb.dev/owner";
 pub const FIELD_MANAGER: &str = "ebb";
 /// The container port a function server listens on (`$PORT`), and its name.
 pub const PORT: i32 = 8080;
-pub const PORT_NAME: &str = "http";
+pub use super::kube::PORT_NAME;
 /// How often failed applies and deletions are tried again.
 const RETRY_EVERY: Duration = Duration::from_secs(5);
 
@@ -489,7 +489,7 @@ mod tests {
     use super::*;
 
     fn template() -> TemplateSpec {
-        crate::functions::TemplateJson {
+        ebb_core::functions::TemplateJson {
             name: "resize".into(),
             function: "thumb".into(),
             image: Some("registry.example/resize:1".into()),

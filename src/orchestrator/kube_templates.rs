@@ -1,5 +1,5 @@
 //! Function templates shared by every ebb replica on Kubernetes: each template is a `Func`
-//! resource (`functions.ebb.dev`, generated from [`crate::functions::TemplateJson`]) in the
+//! resource (`functions.ebb.dev`, generated from [`ebb_core::functions::TemplateJson`]) in the
 //! functions' namespace, and the resource is the store.
 //!
 //! * **Writes** through the functions API are checked against the replica's log as they would be
@@ -33,9 +33,9 @@ use kube::api::{
 };
 use kube::runtime::watcher;
 
-use crate::functions::{Autoscale, Func, FuncStatus, Refused, TemplateJson};
 use crate::log::Log;
 use crate::state::State;
+use ebb_core::functions::{Autoscale, Func, FuncStatus, Refused, TemplateJson};
 
 /// The field manager of ebb's writes.
 const MANAGER: &str = "ebb";
@@ -98,7 +98,7 @@ impl KubeTemplates {
         spec: crate::event::TemplateSpec,
         a: &Autoscale,
     ) -> Result<Func, StoreError> {
-        log.read(|s| crate::functions::decide_create(s, spec.clone(), a))
+        log.read(|s| ebb_core::functions::decide_create(s, spec.clone(), a))
             .map_err(StoreError::Refused)?;
         let written = match self
             .api
@@ -124,7 +124,7 @@ impl KubeTemplates {
         a: &Autoscale,
     ) -> Result<(bool, Func), StoreError> {
         let (_, created) = log
-            .read(|s| crate::functions::decide_put(s, spec.clone(), a))
+            .read(|s| ebb_core::functions::decide_put(s, spec.clone(), a))
             .map_err(StoreError::Refused)?;
         let written = self
             .api
@@ -261,7 +261,7 @@ async fn record(
         names.insert(spec.name.clone());
         let (refused, _) = log
             .decide(
-                move |s: &State, _| match crate::functions::decide_put(s, spec, &a) {
+                move |s: &State, _| match ebb_core::functions::decide_put(s, spec, &a) {
                     Ok((events, _)) => (events, None),
                     Err(r) => (Vec::new(), Some(r)),
                 },
@@ -283,7 +283,7 @@ async fn record(
             let mut events = Vec::new();
             for name in gone {
                 // Each template's events touch only its own name and route.
-                events.extend(crate::functions::decide_delete(s, &name).unwrap_or_default());
+                events.extend(ebb_core::functions::decide_delete(s, &name).unwrap_or_default());
             }
             (events, ())
         })
@@ -337,7 +337,7 @@ pub async fn run_mirror(
                 let name = f.metadata.name.clone().unwrap_or_default();
                 log.decide(move |s: &State, _| {
                     (
-                        crate::functions::decide_delete(s, &name).unwrap_or_default(),
+                        ebb_core::functions::decide_delete(s, &name).unwrap_or_default(),
                         (),
                     )
                 })
@@ -399,7 +399,7 @@ pub async fn run_status(
             s.functions
                 .templates
                 .keys()
-                .map(|n| (n.clone(), crate::functions::status_of(s, n)))
+                .map(|n| (n.clone(), ebb_core::functions::status_of(s, n)))
                 .collect()
         });
         for (name, status) in statuses {

@@ -4,7 +4,7 @@
 //! * **Routing** reads where a request goes with [`head::target`] (exactly one valid `Host`, or
 //!   400; an absolute-form target's authority wins over `Host`), then looks the host up in the
 //!   routing table ([`table`], a snapshot of the route store matched with
-//!   `state::routes::match_host`: port and case ignored, exact names before `*.suffix`
+//!   `ids::match_host`: port and case ignored, exact names before `*.suffix`
 //!   wildcards); an unknown host gets 404 with a JSON error.
 //! * **Hold-and-wake**: a request for a workload with no ready replica waits in a bounded per-route
 //!   hold (beyond `hold_queue_max`: 503 at once). The first waiter's wake decision is logged once
@@ -29,16 +29,8 @@
 //!   per request.
 
 pub mod backends;
-pub mod chunked;
 pub mod grpc;
 mod h1;
-/// The fuzz targets' entry points into the HTTP/1.1 head parser.
-#[doc(hidden)]
-pub use h1::fuzzing as h1_fuzzing;
-/// The HTTP/1 framing rules ebb's endpoints check too (`api::strict`).
-pub(crate) use h1::{bare_lf, content_lengths};
-pub mod head;
-pub mod request_id;
 pub mod runtime;
 pub mod services;
 pub mod splice;
@@ -46,7 +38,10 @@ pub mod stream_idle;
 pub mod table;
 pub mod tcp;
 pub mod traffic;
-pub mod waiting;
+pub use ebb_core::scaler::{BackendMiss, retry_after_miss};
+pub use ebb_core::waiting;
+/// The HTTP/1.x framing (heads, chunked bodies, request ids): its own crate, `ebb_http`.
+pub use ebb_http::{chunked, head, request_id};
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -66,10 +61,10 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use crate::clock::Clock;
 use crate::event::{Event, RouteSpec};
 use crate::log::Log;
-use crate::orchestrator::Orchestrator;
 use crate::scaler::{awake_replicas, decide_wake, warm_min};
 use crate::state::State;
 use backends::{Backends, Slot};
+use ebb_core::orchestrator::Orchestrator;
 use table::{Entry, Table};
 use tracing::Instrument;
 pub use traffic::{InFlight, RouteTraffic, Traffic};
@@ -290,29 +285,6 @@ fn json_error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
         .expect("valid response")
 }
 
-/// How a forwarded request met a replica that did not serve it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BackendMiss {
-    /// The connection was refused: nothing of the request left ebb.
-    Refused,
-    /// The replica closed or reset the connection before a byte of answer; `replayable` when the
-    /// request can be sent again safely (idempotent, and no body was sent).
-    WentAway { replayable: bool },
-}
-
-/// The retry rule of both paths (and of the simulator's proxy): a request that met a stopping or
-/// gone replica is tried once more, on another replica (waking the workload again if none is
-/// ready), when it can be sent again safely. `retried`: this request was already tried again.
-pub fn retry_after_miss(miss: BackendMiss, retried: bool) -> bool {
-    if retried || crate::mutation::active(crate::mutation::Mutation::NoRetryOnStopping) {
-        return false;
-    }
-    match miss {
-        BackendMiss::Refused => true,
-        BackendMiss::WentAway { replayable } => replayable,
-    }
-}
-
 /// A request the proxy answers itself, with a JSON error.
 #[derive(Debug)]
 struct Refusal {
@@ -323,6 +295,12 @@ struct Refusal {
     retry_after: bool,
     /// A waiting page (HTML, and seconds between its reloads) instead of the JSON body.
     page: Option<(String, u32)>,
+}
+
+impl From<ebb_http::h1::Refused> for Refusal {
+    fn from(r: ebb_http::h1::Refused) -> Self {
+        Self::new(r.status, r.code, r.message)
+    }
 }
 
 impl Refusal {
@@ -1009,7 +987,7 @@ impl Proxy {
         service: Arc<services::ServiceEntry>,
     ) -> Response<Body> {
         let (mut parts, body) = req.into_parts();
-        let bare_host = crate::state::routes::host_without_port(&host).to_ascii_lowercase();
+        let bare_host = crate::ids::host_without_port(&host).to_ascii_lowercase();
         let matched = {
             let headers = &parts.headers;
             let header = |n: &str| headers.get(n).map(|v| v.as_bytes());

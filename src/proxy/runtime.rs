@@ -12,9 +12,9 @@ use super::Traffic;
 use crate::clock::Clock;
 use crate::event::Event;
 use crate::log::Log;
-use crate::orchestrator::Orchestrator;
 use crate::scaler::{Live, Report, decide_idle, decide_observed};
 use crate::state::State;
+use ebb_core::orchestrator::Orchestrator;
 
 /// Intervals of the loops.
 #[derive(Debug, Clone)]

@@ -79,7 +79,7 @@ impl Services {
         if self.by_domain.is_empty() {
             return None;
         }
-        crate::state::routes::match_host(host, |d| self.by_domain.get(d).cloned())
+        crate::ids::match_host(host, |d| self.by_domain.get(d).cloned())
     }
 }
 

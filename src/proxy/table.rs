@@ -13,8 +13,8 @@ use std::sync::Arc;
 use super::backends::{Backends, Group, Ready, ReadyCache};
 use super::traffic::{RouteTraffic, Traffic};
 use crate::event::RouteSpec;
+use crate::ids::match_host;
 use crate::state::State;
-use crate::state::routes::match_host;
 
 /// One route as the proxy sees it.
 #[derive(Debug)]

@@ -1,0 +1,263 @@
+//! The runner API's JSON shapes. Bodies travel as text when they are UTF-8 and as base64
+//! (`body_base64`) when they are not, so people can read them and bytes survive.
+
+use base64::Engine as _;
+use serde::{Deserialize, Serialize};
+
+use super::{Finish, Job, NewCall};
+use crate::event::{CallKind, CallResult, CallSpec, Outcome, Payload};
+
+/// A body as JSON.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BodyJson {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_base64: Option<String>,
+}
+
+impl BodyJson {
+    /// Text when the bytes are UTF-8, base64 otherwise.
+    pub fn of(bytes: &[u8]) -> Self {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => Self {
+                body: Some(text.to_owned()),
+                body_base64: None,
+            },
+            Err(_) => Self {
+                body: None,
+                body_base64: Some(base64::engine::general_purpose::STANDARD.encode(bytes)),
+            },
+        }
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> Result<Vec<u8>, String> {
+        match (&self.body, &self.body_base64) {
+            (Some(_), Some(_)) => Err("give a body as body or body_base64, not both".into()),
+            (Some(t), None) => Ok(t.clone().into_bytes()),
+            (None, Some(b)) => base64::engine::general_purpose::STANDARD
+                .decode(b.as_bytes())
+                .map_err(|e| format!("body_base64: {e}")),
+            (None, None) => Ok(Vec::new()),
+        }
+    }
+}
+
+/// An HTTP request or answer as JSON.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MessageJson {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    #[serde(default)]
+    pub headers: Vec<(String, String)>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub body_base64: Option<String>,
+}
+
+impl MessageJson {
+    fn body_json(&self) -> BodyJson {
+        BodyJson {
+            body: self.body.clone(),
+            body_base64: self.body_base64.clone(),
+        }
+    }
+
+    /// A call's request.
+    pub fn of_payload(p: &Payload) -> Self {
+        let b = BodyJson::of(&p.body);
+        Self {
+            method: Some(p.method.clone()),
+            path: Some(p.path.clone()),
+            status: None,
+            headers: p.headers.clone(),
+            body: b.body,
+            body_base64: b.body_base64,
+        }
+    }
+
+    /// A call's result.
+    pub fn of_result(r: &CallResult) -> Self {
+        let b = BodyJson::of(&r.body);
+        Self {
+            method: None,
+            path: None,
+            status: Some(r.status),
+            headers: r.headers.clone(),
+            body: b.body,
+            body_base64: b.body_base64,
+        }
+    }
+
+    /// Back to a call's request.
+    pub fn payload(&self) -> Result<Payload, String> {
+        Ok(Payload {
+            method: self.method.clone().unwrap_or_else(|| "POST".into()),
+            path: self.path.clone().unwrap_or_else(|| "/".into()),
+            headers: self.headers.clone(),
+            body: self.body_json().bytes()?.into(),
+        })
+    }
+
+    /// Back to a call's result.
+    pub fn result(&self) -> Result<CallResult, String> {
+        Ok(CallResult {
+            status: self.status.ok_or("a result needs a status")?,
+            headers: self.headers.clone(),
+            body: self.body_json().bytes()?.into(),
+        })
+    }
+}
+
+/// A job as JSON.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobJson {
+    pub id: String,
+    pub target: String,
+    pub host: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<crate::discovery::Policy>,
+    pub timeout_ms: u64,
+    pub deliveries: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partition: Option<String>,
+    pub payload: MessageJson,
+}
+
+impl JobJson {
+    pub fn of(job: &Job) -> Self {
+        Self {
+            id: job.call.id.clone(),
+            target: job.call.target.clone(),
+            host: job.host.clone(),
+            address: job.address.clone(),
+            policy: job.policy.clone(),
+            timeout_ms: job.call.timeout_ms,
+            deliveries: job.deliveries,
+            partition: job.call.partition.clone(),
+            payload: MessageJson::of_payload(&job.call.payload),
+        }
+    }
+
+    pub fn job(&self) -> Result<Job, String> {
+        Ok(Job {
+            call: CallSpec {
+                id: self.id.clone(),
+                target: self.target.clone(),
+                kind: CallKind::Async,
+                timeout_ms: self.timeout_ms,
+                partition: self.partition.clone(),
+                payload: self.payload.payload()?,
+            },
+            host: self.host.clone(),
+            address: self.address.clone(),
+            policy: self.policy.clone(),
+            deliveries: self.deliveries,
+        })
+    }
+}
+
+/// A finish as JSON.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FinishJson {
+    pub id: String,
+    pub outcome: Outcome,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<MessageJson>,
+    #[serde(default)]
+    pub log: String,
+}
+
+impl FinishJson {
+    pub fn of(f: &Finish) -> Self {
+        Self {
+            id: f.id.clone(),
+            outcome: f.outcome,
+            result: f.result.as_ref().map(MessageJson::of_result),
+            log: f.log.clone(),
+        }
+    }
+
+    pub fn finish(self) -> Result<Finish, String> {
+        Ok(Finish {
+            id: self.id,
+            outcome: self.outcome,
+            result: self.result.map(|r| r.result()).transpose()?,
+            log: self.log,
+        })
+    }
+}
+
+/// `POST /runner/enqueue`: one call or `{"calls": [...]}`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum EnqueueBody {
+    Batch { calls: Vec<NewCall> },
+    One(NewCall),
+}
+
+/// `POST /runner/dequeue`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DequeueBody {
+    pub runner: String,
+    #[serde(default)]
+    pub max: Option<usize>,
+    #[serde(default)]
+    pub wait_ms: Option<u64>,
+}
+
+/// `POST /runner/start`: one id or several.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartBody {
+    pub runner: String,
+    #[serde(default)]
+    pub id: Option<String>,
+    #[serde(default)]
+    pub ids: Option<Vec<String>>,
+}
+
+/// `POST /runner/finish`: one result or `{"calls": [...]}`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum FinishBody {
+    Batch {
+        runner: String,
+        calls: Vec<FinishJson>,
+    },
+    One {
+        runner: String,
+        #[serde(flatten)]
+        call: FinishJson,
+    },
+}
+
+/// `POST /runner/states`: the states of calls this replica owns (asked by another replica).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StatesBody {
+    pub ids: Vec<String>,
+}
+
+/// Checks a runner's id: 1 to 128 of `A-Z a-z 0-9 . _ -`.
+pub fn check_runner(id: &str) -> Result<&str, String> {
+    if id.is_empty()
+        || id.len() > 128
+        || !id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    {
+        return Err(format!("runner id {id:?}: 1 to 128 of A-Z a-z 0-9 . _ -"));
+    }
+    Ok(id)
+}

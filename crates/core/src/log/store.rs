@@ -1,0 +1,144 @@
+//! The storage contract of the log, implemented by RocksDB ([`super::RocksStore`]) and by memory
+//! for the simulator ([`super::MemStore`]). One contract test suite runs against both.
+
+use super::Result;
+
+/// Encoded records to write atomically: `(seq, value)` pairs sharing one buffer.
+#[derive(Debug, Default)]
+pub struct RecordBatch {
+    data: Vec<u8>,
+    records: Vec<(u64, usize, usize)>,
+}
+
+impl RecordBatch {
+    /// Adds a record whose value `encode` writes into the batch's buffer.
+    pub fn push_with(&mut self, seq: u64, encode: impl FnOnce(&mut Vec<u8>)) {
+        let start = self.data.len();
+        encode(&mut self.data);
+        self.records.push((seq, start, self.data.len()));
+    }
+
+    /// Adds an already encoded record.
+    pub fn push(&mut self, seq: u64, value: &[u8]) {
+        self.push_with(seq, |buf| buf.extend_from_slice(value));
+    }
+
+    /// The records, in the order added.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &[u8])> {
+        self.records
+            .iter()
+            .map(|&(seq, a, b)| (seq, &self.data[a..b]))
+    }
+
+    /// Number of records.
+    pub fn len(&self) -> usize {
+        self.records.len()
+    }
+
+    /// No records.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    /// Empties the batch, keeping its buffers.
+    pub fn clear(&mut self) {
+        self.data.clear();
+        self.records.clear();
+    }
+}
+
+/// Key of a record: its seq, big-endian, so keys sort in log order.
+pub fn seq_key(seq: u64) -> [u8; 8] {
+    seq.to_be_bytes()
+}
+
+/// Storage for records and snapshots. Implementations are blocking; the log's writer thread and
+/// tooling call them, never an async task directly.
+pub trait LogStore: Send + Sync + 'static {
+    /// Writes the batch atomically. With `sync`, it is durable when this returns.
+    fn write(&self, batch: &RecordBatch, sync: bool) -> Result<()>;
+    /// Makes everything written so far durable.
+    fn sync(&self) -> Result<()>;
+    /// The last seq written, 0 for an empty log.
+    fn last_seq(&self) -> Result<u64>;
+    /// The first seq still stored (after compaction), `None` for an empty log.
+    fn first_seq(&self) -> Result<Option<u64>>;
+    /// One record's bytes.
+    fn get(&self, seq: u64) -> Result<Option<Vec<u8>>>;
+    /// Visits records with `from <= seq <= to` in order until `visit` returns false.
+    fn scan(&self, from: u64, to: u64, visit: &mut dyn FnMut(u64, &[u8]) -> bool) -> Result<()>;
+    /// Stores a snapshot of the projections covering every record up to `seq`, durably.
+    fn put_snapshot(&self, seq: u64, bytes: &[u8]) -> Result<()>;
+    /// Seqs of the stored snapshots, oldest first.
+    fn snapshot_seqs(&self) -> Result<Vec<u64>>;
+    /// A stored snapshot.
+    fn get_snapshot(&self, seq: u64) -> Result<Option<Vec<u8>>>;
+    /// Deletes records with seq < `before` and snapshots older than `before`; returns how many
+    /// records were deleted.
+    fn delete_before(&self, before: u64) -> Result<u64>;
+}
+
+/// The contract every [`LogStore`] must keep; run by each implementation's tests.
+#[doc(hidden)]
+pub mod contract {
+    use super::*;
+
+    fn batch(range: std::ops::RangeInclusive<u64>) -> RecordBatch {
+        let mut b = RecordBatch::default();
+        for seq in range {
+            b.push(seq, format!("value-{seq}").as_bytes());
+        }
+        b
+    }
+
+    fn collect(store: &dyn LogStore, from: u64, to: u64) -> Vec<u64> {
+        let mut out = Vec::new();
+        store
+            .scan(from, to, &mut |seq, v| {
+                assert_eq!(v, format!("value-{seq}").as_bytes());
+                out.push(seq);
+                true
+            })
+            .unwrap();
+        out
+    }
+
+    pub fn run(store: &dyn LogStore) {
+        assert_eq!(store.last_seq().unwrap(), 0);
+        assert_eq!(store.first_seq().unwrap(), None);
+        assert!(collect(store, 1, u64::MAX).is_empty());
+
+        store.write(&batch(1..=10), true).unwrap();
+        store.write(&batch(11..=300), false).unwrap();
+        store.sync().unwrap();
+        assert_eq!(store.last_seq().unwrap(), 300);
+        assert_eq!(store.first_seq().unwrap(), Some(1));
+        assert_eq!(store.get(7).unwrap().unwrap(), b"value-7");
+        assert_eq!(store.get(301).unwrap(), None);
+        assert_eq!(collect(store, 255, 260), vec![255, 256, 257, 258, 259, 260]);
+        assert_eq!(collect(store, 299, u64::MAX), vec![299, 300]);
+        // Big-endian keys sort numerically across byte boundaries.
+        assert_eq!(collect(store, 1, u64::MAX), (1..=300).collect::<Vec<_>>());
+        let mut first_two = Vec::new();
+        store
+            .scan(1, u64::MAX, &mut |seq, _| {
+                first_two.push(seq);
+                first_two.len() < 2
+            })
+            .unwrap();
+        assert_eq!(first_two, vec![1, 2]);
+
+        assert!(store.snapshot_seqs().unwrap().is_empty());
+        store.put_snapshot(100, b"snap-100").unwrap();
+        store.put_snapshot(200, b"snap-200").unwrap();
+        assert_eq!(store.snapshot_seqs().unwrap(), vec![100, 200]);
+        assert_eq!(store.get_snapshot(200).unwrap().unwrap(), b"snap-200");
+        assert_eq!(store.get_snapshot(150).unwrap(), None);
+
+        assert_eq!(store.delete_before(200).unwrap(), 199);
+        assert_eq!(store.first_seq().unwrap(), Some(200));
+        assert_eq!(store.last_seq().unwrap(), 300);
+        assert_eq!(store.snapshot_seqs().unwrap(), vec![200]);
+        assert_eq!(collect(store, 1, 201), vec![200, 201]);
+    }
+}

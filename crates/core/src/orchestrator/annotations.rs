@@ -1,0 +1,637 @@
+//! Routes from annotated Kubernetes Services: what the Kubernetes backend turns a Service into.
+//!
+//! A Service with `ebb.dev/domains` (a comma-separated list of host names, `*.suffix` allowed)
+//! and `ebb.dev/deployment` (the workload: `NAME` or `deployment/NAME` for a Deployment,
+//! `statefulset/NAME` for a StatefulSet, in the Service's namespace) is a route. proxless'
+//! `proxless/domains` and `proxless/deployment` are understood too; ebb's own win when both are
+//! present. Per-route settings: `ebb.dev/idle-after` and `ebb.dev/hold-timeout` (durations such
+//! as `90s`, `5m`, `1h30m`, `500ms`), `ebb.dev/min-replicas`, `ebb.dev/max-replicas`,
+//! `ebb.dev/concurrency`, and `ebb.dev/traffic-policy` (how a replica is picked: a JSON object
+//! of [`crate::discovery::Policy`], such as `{"balancer": "least_request"}`),
+//! `ebb.dev/idle-replicas` (replicas kept when idle) and `ebb.dev/warm` (keep-warm windows: a JSON
+//! list such as `[{"schedule": "0 8 * * 1-5", "for": "10h", "min": 1, "timezone": "Europe/Paris"}]`),
+//! the timeouts `ebb.dev/response-timeout`, `ebb.dev/stream-idle-timeout` and
+//! `ebb.dev/connection-idle-timeout` (durations), and `ebb.dev/waiting-page` (`true` for ebb's
+//! page while the workload wakes, or the page's own HTML). With `ebb.dev/listen` (`IP:port`) the
+//! Service is a TCP route on that address of every ebb replica, and `ebb.dev/domains` may be left
+//! out.
+//!
+//! A Service with none of the route annotations is not ebb's ([`Ok(None)`]); one with some but
+//! not all, or with a malformed value, is an [`AnnotationError`] that names the annotation, for
+//! a Warning Event on the Service. A domain claimed by two Services ([`resolve`]) stays with the
+//! older one; the newer gets no route and an error naming the domain and the older Service.
+
+use std::collections::BTreeMap;
+
+use crate::event::RouteSpec;
+
+pub const DOMAINS: &str = "ebb.dev/domains";
+pub const DEPLOYMENT: &str = "ebb.dev/deployment";
+pub const PROXLESS_DOMAINS: &str = "proxless/domains";
+pub const PROXLESS_DEPLOYMENT: &str = "proxless/deployment";
+pub const IDLE_AFTER: &str = "ebb.dev/idle-after";
+pub const HOLD_TIMEOUT: &str = "ebb.dev/hold-timeout";
+pub const MIN_REPLICAS: &str = "ebb.dev/min-replicas";
+pub const MAX_REPLICAS: &str = "ebb.dev/max-replicas";
+pub const CONCURRENCY: &str = "ebb.dev/concurrency";
+pub const TRAFFIC_POLICY: &str = "ebb.dev/traffic-policy";
+pub const IDLE_REPLICAS: &str = "ebb.dev/idle-replicas";
+pub const WARM: &str = "ebb.dev/warm";
+pub const RESPONSE_TIMEOUT: &str = "ebb.dev/response-timeout";
+pub const STREAM_IDLE_TIMEOUT: &str = "ebb.dev/stream-idle-timeout";
+pub const CONNECTION_IDLE_TIMEOUT: &str = "ebb.dev/connection-idle-timeout";
+pub const WAITING_PAGE: &str = "ebb.dev/waiting-page";
+pub const LISTEN: &str = "ebb.dev/listen";
+
+/// Settings of a route whose Service does not say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteDefaults {
+    pub idle_after_ms: u64,
+    pub hold_timeout_ms: u64,
+    pub hold_queue_max: u32,
+    pub max_replicas: u32,
+}
+
+impl Default for RouteDefaults {
+    /// The defaults of an app in `ebb.toml`.
+    fn default() -> Self {
+        Self {
+            idle_after_ms: crate::config::default_idle(),
+            hold_timeout_ms: crate::config::default_hold_timeout(),
+            hold_queue_max: crate::config::default_hold_queue(),
+            max_replicas: crate::config::default_max(),
+        }
+    }
+}
+
+/// The kind of workload a route scales (both have the `/scale` subresource).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkloadKind {
+    Deployment,
+    StatefulSet,
+}
+
+/// The workload a route scales.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Workload {
+    pub kind: WorkloadKind,
+    pub namespace: String,
+    pub name: String,
+}
+
+impl Workload {
+    /// The workload of a route's `deployment` key ([`Workload::key`]).
+    pub fn from_key(key: &str) -> Option<Self> {
+        let mut parts = key.split('/');
+        let (kind, namespace, name) = match (parts.next(), parts.next(), parts.next(), parts.next())
+        {
+            (Some(ns), Some(name), None, None) => (WorkloadKind::Deployment, ns, name),
+            (Some(ns), Some("statefulset"), Some(name), None) => {
+                (WorkloadKind::StatefulSet, ns, name)
+            }
+            _ => return None,
+        };
+        Some(Self {
+            kind,
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+
+    /// The workload's key, the `deployment` of its route: `NAMESPACE/NAME` for a Deployment,
+    /// `NAMESPACE/statefulset/NAME` for a StatefulSet.
+    pub fn key(&self) -> String {
+        match self.kind {
+            WorkloadKind::Deployment => format!("{}/{}", self.namespace, self.name),
+            WorkloadKind::StatefulSet => format!("{}/statefulset/{}", self.namespace, self.name),
+        }
+    }
+}
+
+/// A Service's annotations that do not make a route.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("annotation {annotation}: {message}")]
+pub struct AnnotationError {
+    /// The annotation at fault.
+    pub annotation: &'static str,
+    pub message: String,
+}
+
+fn bad(annotation: &'static str, message: impl Into<String>) -> AnnotationError {
+    AnnotationError {
+        annotation,
+        message: message.into(),
+    }
+}
+
+/// The route of Service `namespace/service` with `annotations`, and the workload it scales.
+pub fn route(
+    namespace: &str,
+    service: &str,
+    annotations: &BTreeMap<String, String>,
+    defaults: &RouteDefaults,
+) -> Result<Option<(RouteSpec, Workload)>, AnnotationError> {
+    let pick = |ours: &'static str, proxless: &'static str| {
+        annotations
+            .get(ours)
+            .map(|v| (ours, v))
+            .or_else(|| annotations.get(proxless).map(|v| (proxless, v)))
+    };
+    let domains = pick(DOMAINS, PROXLESS_DOMAINS);
+    let target = pick(DEPLOYMENT, PROXLESS_DEPLOYMENT);
+    let listen = match annotations.get(LISTEN) {
+        None => None,
+        Some(v) => Some(
+            v.trim()
+                .parse::<std::net::SocketAddr>()
+                .map_err(|_| bad(LISTEN, format!("{v:?} is not an IP:port address")))?
+                .to_string(),
+        ),
+    };
+    let no_hosts = (DOMAINS, String::new());
+    let (domains, target) = match (domains, target) {
+        (None, None) => return Ok(None),
+        (None, Some(t)) if listen.is_some() => ((no_hosts.0, &no_hosts.1), t),
+        (Some(_), None) => {
+            return Err(bad(
+                DEPLOYMENT,
+                "missing: which workload serves the domains",
+            ));
+        }
+        (None, Some(_)) => return Err(bad(DOMAINS, "missing: which host names the route serves")),
+        (Some(d), Some(t)) => (d, t),
+    };
+    let workload = workload(namespace, target)?;
+    let mut hosts = Vec::new();
+    for d in domains
+        .1
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+    {
+        let d = d.to_ascii_lowercase();
+        if !crate::ids::valid_domain(&d) {
+            return Err(bad(domains.0, format!("{d:?} is not a host name")));
+        }
+        if !hosts.contains(&d) {
+            hosts.push(d);
+        }
+    }
+    if hosts.is_empty() && listen.is_none() {
+        return Err(bad(domains.0, "no host names"));
+    }
+    let duration = |key: &'static str, default: u64| {
+        annotations.get(key).map_or(Ok(default), |v| {
+            parse_duration_ms(v).map_err(|e| bad(key, e))
+        })
+    };
+    let count = |key: &'static str, default: u32| {
+        annotations.get(key).map_or(Ok(default), |v| {
+            v.trim()
+                .parse::<u32>()
+                .map_err(|_| bad(key, format!("{v:?} is not a whole number")))
+        })
+    };
+    let min_replicas = count(MIN_REPLICAS, 0)?;
+    let max_replicas = count(MAX_REPLICAS, defaults.max_replicas.max(min_replicas))?;
+    if max_replicas == 0 || min_replicas > max_replicas {
+        return Err(bad(
+            MAX_REPLICAS,
+            format!(
+                "need 1 <= max-replicas and min-replicas <= max-replicas (min {min_replicas}, max {max_replicas})"
+            ),
+        ));
+    }
+    let policy = match annotations.get(TRAFFIC_POLICY) {
+        None => Default::default(),
+        Some(v) => {
+            let p: crate::discovery::Policy = serde_json::from_str(v)
+                .map_err(|e| bad(TRAFFIC_POLICY, format!("not a traffic policy: {e}")))?;
+            p.validate().map_err(|e| bad(TRAFFIC_POLICY, e))?;
+            p
+        }
+    };
+    let idle_replicas = annotations
+        .get(IDLE_REPLICAS)
+        .map(|_| count(IDLE_REPLICAS, 0))
+        .transpose()?;
+    if let Some(n) = idle_replicas.filter(|n| *n > max_replicas) {
+        return Err(bad(
+            IDLE_REPLICAS,
+            format!("{n} is above max-replicas ({max_replicas})"),
+        ));
+    }
+    let warm = match annotations.get(WARM) {
+        None => Vec::new(),
+        Some(v) => {
+            let written: Vec<crate::warm::WarmConfig> = serde_json::from_str(v)
+                .map_err(|e| bad(WARM, format!("not a list of keep-warm windows: {e}")))?;
+            crate::warm::warm_windows(&written, max_replicas).map_err(|e| bad(WARM, e))?
+        }
+    };
+    let waiting_page = match annotations.get(WAITING_PAGE).map(|v| v.trim()) {
+        None | Some("false") => None,
+        Some("true" | "builtin") => Some(crate::event::WaitingPage::default()),
+        Some(html) if html.starts_with('<') => {
+            let page = crate::event::WaitingPage {
+                template: Some(html.to_owned()),
+                refresh_s: 0,
+            };
+            crate::waiting::check(&page).map_err(|e| bad(WAITING_PAGE, e))?;
+            Some(page)
+        }
+        Some(other) => {
+            return Err(bad(
+                WAITING_PAGE,
+                format!("{other:?} is neither true, false, builtin nor an HTML page"),
+            ));
+        }
+    };
+    let spec = RouteSpec {
+        name: format!("{namespace}/{service}"),
+        domains: hosts,
+        deployment: workload.key(),
+        idle_after_ms: duration(IDLE_AFTER, defaults.idle_after_ms)?,
+        min_replicas,
+        max_replicas,
+        hold_timeout_ms: duration(HOLD_TIMEOUT, defaults.hold_timeout_ms)?,
+        hold_queue_max: defaults.hold_queue_max,
+        process: None,
+        concurrency: count(CONCURRENCY, 0)?,
+        max_connecting: 0,
+        policy: Box::new(policy),
+        idle_replicas,
+        warm,
+        response_timeout_ms: duration(RESPONSE_TIMEOUT, 0)?,
+        stream_idle_timeout_ms: duration(STREAM_IDLE_TIMEOUT, 0)?,
+        connection_idle_timeout_ms: duration(CONNECTION_IDLE_TIMEOUT, 0)?,
+        waiting_page,
+        listen,
+    };
+    Ok(Some((spec, workload)))
+}
+
+fn workload(
+    namespace: &str,
+    (key, value): (&'static str, &String),
+) -> Result<Workload, AnnotationError> {
+    let value = value.trim();
+    let (kind, name) = match value.split_once('/') {
+        None => (WorkloadKind::Deployment, value),
+        Some((kind, name)) => match kind.to_ascii_lowercase().as_str() {
+            "deployment" | "deployments" | "deploy" => (WorkloadKind::Deployment, name),
+            "statefulset" | "statefulsets" | "sts" => (WorkloadKind::StatefulSet, name),
+            _ => {
+                return Err(bad(
+                    key,
+                    format!("{value:?}: the workload is NAME, deployment/NAME or statefulset/NAME"),
+                ));
+            }
+        },
+    };
+    // A Kubernetes object name (RFC 1123 subdomain).
+    let ok = !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|l| {
+            !l.is_empty()
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        });
+    if !ok {
+        return Err(bad(
+            key,
+            format!("{name:?} is not a Kubernetes object name"),
+        ));
+    }
+    Ok(Workload {
+        kind,
+        namespace: namespace.to_owned(),
+        name: name.to_owned(),
+    })
+}
+
+/// A Service's route with the Service's creation time, for [`resolve`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub route: RouteSpec,
+    /// When the Service was created (Unix ms); the older claim keeps a contested domain.
+    pub created_ms: u64,
+}
+
+/// The routes of all annotated Services, with a domain claimed twice left to the older Service
+/// (ties: the smaller name): a newer Service that claims a taken domain gets no route at all
+/// (none of its domains, so that it never half-serves), and an error for its Warning Event.
+pub fn resolve(mut claims: Vec<Claim>) -> (Vec<RouteSpec>, Vec<(String, AnnotationError)>) {
+    claims.sort_by(|a, b| (a.created_ms, &a.route.name).cmp(&(b.created_ms, &b.route.name)));
+    let mut owner: BTreeMap<String, String> = BTreeMap::new();
+    let mut routes = Vec::new();
+    let mut refused = Vec::new();
+    for claim in claims {
+        let taken = claim
+            .route
+            .domains
+            .iter()
+            .find_map(|d| owner.get(d).map(|o| (d.clone(), o.clone())));
+        if let Some((domain, other)) = taken {
+            let message = format!("{domain:?} is served by Service {other} already");
+            refused.push((claim.route.name.clone(), bad(DOMAINS, message)));
+            continue;
+        }
+        for d in &claim.route.domains {
+            owner.insert(d.clone(), claim.route.name.clone());
+        }
+        routes.push(claim.route);
+    }
+    (routes, refused)
+}
+
+/// Milliseconds in a duration written as whole numbers with units, Go's way: `500ms`, `90s`,
+/// `5m`, `1h30m`. At most a week.
+pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
+    const WEEK_MS: u64 = 7 * 24 * 3_600_000;
+    let s = text.trim();
+    let bad = || format!("{text:?} is not a duration (such as 500ms, 90s, 5m or 1h30m)");
+    if s.is_empty() {
+        return Err(bad());
+    }
+    let mut total: u64 = 0;
+    let mut rest = s;
+    while !rest.is_empty() {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 || digits > 12 {
+            return Err(bad());
+        }
+        let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let (unit_ms, len) = if rest.starts_with("ms") {
+            (1, 2)
+        } else if rest.starts_with('s') {
+            (1_000, 1)
+        } else if rest.starts_with('m') {
+            (60_000, 1)
+        } else if rest.starts_with('h') {
+            (3_600_000, 1)
+        } else {
+            return Err(bad());
+        };
+        rest = &rest[len..];
+        total = n
+            .checked_mul(unit_ms)
+            .and_then(|ms| total.checked_add(ms))
+            .filter(|t| *t <= WEEK_MS)
+            .ok_or_else(|| format!("{text:?} is longer than a week"))?;
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    fn of(pairs: &[(&str, &str)]) -> Result<Option<(RouteSpec, Workload)>, AnnotationError> {
+        route(
+            "shop",
+            "web",
+            &annotations(pairs),
+            &RouteDefaults::default(),
+        )
+    }
+
+    #[test]
+    fn a_service_without_route_annotations_is_not_ebbs() {
+        assert_eq!(of(&[("app", "web")]), Ok(None));
+    }
+
+    #[test]
+    fn ebb_and_proxless_annotations_make_a_route_with_its_settings() {
+        let (r, w) = of(&[
+            (
+                DOMAINS,
+                "Web.Example.com, *.web.example.com,web.example.com",
+            ),
+            (DEPLOYMENT, "web-v2"),
+            (IDLE_AFTER, "1m30s"),
+            (HOLD_TIMEOUT, "500ms"),
+            (MIN_REPLICAS, "1"),
+            (MAX_REPLICAS, "3"),
+            (CONCURRENCY, "8"),
+            (
+                TRAFFIC_POLICY,
+                r#"{"balancer": "least_request", "choices": 3}"#,
+            ),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(r.name, "shop/web");
+        assert_eq!(
+            (r.policy.balancer, r.policy.choices),
+            (crate::discovery::Balancer::LeastRequest, 3)
+        );
+        assert_eq!(r.domains, ["web.example.com", "*.web.example.com"]);
+        assert_eq!(r.deployment, "shop/web-v2");
+        assert_eq!((r.idle_after_ms, r.hold_timeout_ms), (90_000, 500));
+        assert_eq!((r.min_replicas, r.max_replicas, r.concurrency), (1, 3, 8));
+        assert_eq!(w.kind, WorkloadKind::Deployment);
+
+        let (r, w) = of(&[
+            (PROXLESS_DOMAINS, "legacy.example.com"),
+            (PROXLESS_DEPLOYMENT, "statefulset/db-api"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(r.domains, ["legacy.example.com"]);
+        assert_eq!(r.deployment, "shop/statefulset/db-api");
+        assert_eq!(w.kind, WorkloadKind::StatefulSet);
+        assert_eq!(r.idle_after_ms, RouteDefaults::default().idle_after_ms);
+
+        // ebb's own annotations win over proxless'.
+        let (r, _) = of(&[
+            (DOMAINS, "new.example.com"),
+            (PROXLESS_DOMAINS, "old.example.com"),
+            (DEPLOYMENT, "new"),
+            (PROXLESS_DEPLOYMENT, "old"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (r.domains[0].as_str(), r.deployment.as_str()),
+            ("new.example.com", "shop/new")
+        );
+    }
+
+    #[test]
+    fn bad_annotations_name_the_annotation_at_fault() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[(DOMAINS, "a.example.com")], DEPLOYMENT),
+            (&[(DEPLOYMENT, "web")], DOMAINS),
+            (
+                &[(DOMAINS, "a b.example.com"), (DEPLOYMENT, "web")],
+                DOMAINS,
+            ),
+            (&[(DOMAINS, " , "), (DEPLOYMENT, "web")], DOMAINS),
+            (
+                &[(PROXLESS_DOMAINS, "x_y.com"), (DEPLOYMENT, "web")],
+                PROXLESS_DOMAINS,
+            ),
+            (&[(DOMAINS, "a.com"), (DEPLOYMENT, "Web")], DEPLOYMENT),
+            (
+                &[
+                    (DOMAINS, "a.com"),
+                    (DEPLOYMENT, "web"),
+                    (TRAFFIC_POLICY, r#"{"balancer": "fastest"}"#),
+                ],
+                TRAFFIC_POLICY,
+            ),
+            (
+                &[
+                    (DOMAINS, "a.com"),
+                    (DEPLOYMENT, "web"),
+                    (TRAFFIC_POLICY, r#"{"balancer": "consistent_hash"}"#),
+                ],
+                TRAFFIC_POLICY,
+            ),
+            (
+                &[(DOMAINS, "a.com"), (DEPLOYMENT, "daemonset/web")],
+                DEPLOYMENT,
+            ),
+            (
+                &[(DOMAINS, "a.com"), (DEPLOYMENT, "deployment/")],
+                DEPLOYMENT,
+            ),
+            (
+                &[
+                    (DOMAINS, "a.com"),
+                    (DEPLOYMENT, "web"),
+                    (IDLE_AFTER, "5 minutes"),
+                ],
+                IDLE_AFTER,
+            ),
+            (
+                &[
+                    (DOMAINS, "a.com"),
+                    (DEPLOYMENT, "web"),
+                    (HOLD_TIMEOUT, "9999h"),
+                ],
+                HOLD_TIMEOUT,
+            ),
+            (
+                &[
+                    (DOMAINS, "a.com"),
+                    (DEPLOYMENT, "web"),
+                    (MIN_REPLICAS, "-1"),
+                ],
+                MIN_REPLICAS,
+            ),
+            (
+                &[
+                    (DOMAINS, "a.com"),
+                    (DEPLOYMENT, "web"),
+                    (MIN_REPLICAS, "3"),
+                    (MAX_REPLICAS, "2"),
+                ],
+                MAX_REPLICAS,
+            ),
+            (
+                &[(DOMAINS, "a.com"), (DEPLOYMENT, "web"), (MAX_REPLICAS, "0")],
+                MAX_REPLICAS,
+            ),
+            (
+                &[
+                    (DOMAINS, "a.com"),
+                    (DEPLOYMENT, "web"),
+                    (CONCURRENCY, "lots"),
+                ],
+                CONCURRENCY,
+            ),
+        ];
+        for (pairs, at_fault) in cases {
+            let err = of(pairs).expect_err(&format!("{pairs:?} makes a route"));
+            assert_eq!(err.annotation, *at_fault, "{pairs:?}: {err}");
+            assert!(!err.message.is_empty());
+        }
+    }
+
+    #[test]
+    fn durations_are_read_the_way_go_writes_them() {
+        for (text, ms) in [
+            ("500ms", 500),
+            ("90s", 90_000),
+            ("5m", 300_000),
+            ("1h30m", 5_400_000),
+            ("1m1s1ms", 61_001),
+            (" 2s ", 2_000),
+        ] {
+            assert_eq!(parse_duration_ms(text), Ok(ms), "{text}");
+        }
+        for text in [
+            "",
+            "5",
+            "m",
+            "1.5s",
+            "-1s",
+            "1d",
+            "5 m",
+            "169h",
+            "9999999999999s",
+        ] {
+            assert!(
+                parse_duration_ms(text).is_err(),
+                "{text:?} read as a duration"
+            );
+        }
+    }
+
+    #[test]
+    fn a_domain_claimed_twice_stays_with_the_older_service() {
+        let claim = |service: &str, domains: &str, created_ms: u64| {
+            let a = annotations(&[(DOMAINS, domains), (DEPLOYMENT, service)]);
+            let (route, _) = route("shop", service, &a, &RouteDefaults::default())
+                .unwrap()
+                .unwrap();
+            Claim { route, created_ms }
+        };
+        let (routes, refused) = resolve(vec![
+            claim("newer", "b.example.com,a.example.com", 20),
+            claim("older", "a.example.com", 10),
+            claim("other", "c.example.com", 30),
+            claim("tie-b", "d.example.com", 40),
+            claim("tie-a", "d.example.com", 40),
+        ]);
+        let names: Vec<&str> = routes.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["shop/older", "shop/other", "shop/tie-a"]);
+        let refused: Vec<(&str, &str)> = refused
+            .iter()
+            .map(|(n, e)| (n.as_str(), e.message.as_str()))
+            .collect();
+        assert_eq!(
+            refused,
+            [
+                (
+                    "shop/newer",
+                    "\"a.example.com\" is served by Service shop/older already"
+                ),
+                (
+                    "shop/tie-b",
+                    "\"d.example.com\" is served by Service shop/tie-a already"
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn min_replicas_above_the_default_maximum_raises_it() {
+        let (r, _) = of(&[(DOMAINS, "a.com"), (DEPLOYMENT, "web"), (MIN_REPLICAS, "2")])
+            .unwrap()
+            .unwrap();
+        assert_eq!((r.min_replicas, r.max_replicas), (2, 2));
+    }
+}

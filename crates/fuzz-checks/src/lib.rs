@@ -1,0 +1,237 @@
+//! What the fuzz targets check (`fuzz/`). Each target takes arbitrary bytes, must not panic,
+//! and asserts what its parser promises. They live in this crate, on the core and the framing
+//! crates alone, so the targets stay one line each and build without RocksDB, librdkafka, the
+//! Kubernetes client or an IO runtime; `tests/fuzz_regressions.rs` runs them on stable over the
+//! seed corpus and every input a fuzzer once found failing (`fuzz/regressions/TARGET/`).
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use ebb_core::calls::wire::{
+    DequeueBody, EnqueueBody, FinishBody, StartBody, StatesBody, check_runner,
+};
+
+/// A target's check.
+pub type Check = fn(&[u8]);
+
+/// Every target, by the name of its `fuzz/fuzz_targets/NAME.rs`.
+pub const TARGETS: &[(&str, Check)] = &[
+    ("event_decode", event_decode),
+    ("config", config),
+    ("http_request_head", http_request_head),
+    ("http_response_head", http_response_head),
+    ("chunked", chunked),
+    ("discovery", discovery),
+    ("cel", cel),
+    ("runner_body", runner_body),
+    ("functions_body", functions_body),
+    ("annotations", annotations),
+];
+
+/// The log's record decoder: bytes give an envelope or an error; what decodes re-encodes to
+/// the same envelope.
+pub fn event_decode(data: &[u8]) {
+    if let Ok(env) = ebb_core::event::decode(data) {
+        let again = ebb_core::event::decode(&ebb_core::event::encode(&env))
+            .expect("a re-encoded envelope decodes");
+        assert_eq!(again, env);
+    }
+}
+
+/// `ebb.toml`: any text is a config or an error; a config's apps give routes and its meta
+/// services were built.
+pub fn config(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(cfg) = ebb_core::config::Config::parse(text, Path::new("fuzz/ebb.toml")) {
+        for app in &cfg.apps {
+            let route = app.route();
+            assert_eq!(route.name, app.name);
+        }
+        assert_eq!(cfg.meta.len(), cfg.services.len());
+    }
+}
+
+/// The proxy's HTTP/1.1 request head parser ([`ebb_http::h1::fuzzing::request_head`]).
+pub fn http_request_head(data: &[u8]) {
+    ebb_http::h1::fuzzing::request_head(data);
+}
+
+/// The proxy's HTTP/1.1 response head parser ([`ebb_http::h1::fuzzing::response_head`]).
+pub fn http_response_head(data: &[u8]) {
+    ebb_http::h1::fuzzing::response_head(data);
+}
+
+/// The chunked body scanner: the same bytes give the same answer whether they come at once or
+/// cut anywhere (the first byte says where), and it never claims more bytes than it was given.
+pub fn chunked(data: &[u8]) {
+    use ebb_http::chunked::Chunked;
+    let Some((&cut, body)) = data.split_first() else {
+        return;
+    };
+    let whole = {
+        let mut c = Chunked::new();
+        c.advance(body).map(|n| (n, c.is_done()))
+    };
+    if let Ok((n, done)) = whole {
+        assert!(n <= body.len());
+        assert!(
+            done || n == body.len(),
+            "an unfinished body takes every byte"
+        );
+    }
+    let step = usize::from(cut).max(1);
+    let mut c = Chunked::new();
+    let mut taken = 0;
+    let mut pieces = Ok(());
+    for piece in body.chunks(step) {
+        match c.advance(piece) {
+            Ok(n) => {
+                assert!(n <= piece.len());
+                taken += n;
+                if c.is_done() {
+                    break;
+                }
+            }
+            Err(e) => {
+                pieces = Err(e);
+                break;
+            }
+        }
+    }
+    match (whole, pieces) {
+        (Ok((n, done)), Ok(())) => {
+            assert_eq!(n, taken, "the same bytes belong to the body");
+            assert_eq!(done, c.is_done());
+        }
+        (Err(_), Err(_)) => {}
+        (w, p) => panic!("at once: {w:?}; in pieces of {step}: {p:?}"),
+    }
+}
+
+/// Service ids and meta services' path patterns: text is an id or an error, an id's text
+/// parses back to the same id; a pattern matches paths without panicking.
+pub fn discovery(data: &[u8]) {
+    use ebb_core::discovery::id::ServiceId;
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let (first, rest) = text.split_once('\n').unwrap_or((text, "/"));
+    for id in [ServiceId::parse(first), ServiceId::parse_address(first)]
+        .into_iter()
+        .flatten()
+    {
+        let again = ServiceId::parse(&id.to_string())
+            .unwrap_or_else(|e| panic!("{id} does not parse again: {e}"));
+        assert_eq!(again, id);
+        if id.scheme() == "k8s" {
+            let _ = ebb_core::discovery::k8s::check(&id);
+        }
+    }
+    if let Ok(p) = ebb_core::discovery::meta::PathPattern::parse(first)
+        && let Some(caps) = p.matches(rest)
+    {
+        let names = p.names();
+        for (name, _) in &caps {
+            assert!(names.contains(&name.as_str()), "{name} is the pattern's");
+        }
+    }
+    let _ = ebb_core::discovery::parse_load(data);
+}
+
+/// CEL: a condition (the text before the first NUL) over an object (JSON after it) compiles or
+/// gives an error, and its evaluation under small bounds gives an answer or an error.
+pub fn cel(data: &[u8]) {
+    use ebb_core::cleaner::cel::{Conditions, Limits};
+    let (source, object) = match data.iter().position(|b| *b == 0) {
+        Some(i) => (&data[..i], &data[i + 1..]),
+        None => (data, &b"{}"[..]),
+    };
+    let Ok(source) = std::str::from_utf8(source) else {
+        return;
+    };
+    let Ok(conditions) = Conditions::compile(&[source.to_owned()], &["object"]) else {
+        return;
+    };
+    let object: serde_json::Value =
+        serde_json::from_slice(object).unwrap_or(serde_json::Value::Null);
+    let mut bound = conditions.bind(&[("object", &object)]);
+    let limits = Limits {
+        max_steps: 10_000,
+        max_time_ms: 1_000,
+    };
+    if let Ok(results) = bound.evaluate(1_800_000_000_000, limits) {
+        assert_eq!(results.len(), 1);
+    }
+}
+
+/// The fuzz target's check of the runner API's bodies (`fuzz/`): any bytes give each body or a
+/// reason, never a panic; a call's payload that passes its checks makes a request a runner can
+/// send.
+pub fn runner_body(bytes: &[u8]) {
+    if let Ok(b) = serde_json::from_slice::<EnqueueBody>(bytes) {
+        let calls = match b {
+            EnqueueBody::Batch { calls } => calls,
+            EnqueueBody::One(c) => vec![c],
+        };
+        for c in calls {
+            if let Some(id) = &c.id {
+                let _ = ebb_core::ids::parse_id(id);
+            }
+            if let Ok(p) = ebb_core::calls::payload(c.payload.unwrap_or_default(), 1 << 20) {
+                let method = http::Method::from_bytes(p.method.as_bytes());
+                assert!(method.is_ok(), "method {:?} passed its check", p.method);
+                let uri = format!("http://fuzz.test{}", p.path).parse::<http::Uri>();
+                assert!(uri.is_ok(), "path {:?} passed its check: {uri:?}", p.path);
+            }
+        }
+    }
+    if let Ok(b) = serde_json::from_slice::<DequeueBody>(bytes) {
+        let _ = check_runner(&b.runner);
+    }
+    if let Ok(b) = serde_json::from_slice::<StartBody>(bytes) {
+        let _ = check_runner(&b.runner);
+        for id in b.id.iter().chain(b.ids.iter().flatten()) {
+            let _ = ebb_core::ids::parse_id(id);
+        }
+    }
+    if let Ok(b) = serde_json::from_slice::<FinishBody>(bytes) {
+        let items = match b {
+            FinishBody::Batch { calls, .. } => calls,
+            FinishBody::One { call, .. } => vec![call],
+        };
+        for f in items {
+            let _ = f.finish();
+        }
+    }
+    let _ = serde_json::from_slice::<StatesBody>(bytes);
+}
+
+/// The functions API's template bodies: JSON is a template or an error, and a template that
+/// passes gives a spec or a reason.
+pub fn functions_body(data: &[u8]) {
+    if let Ok(t) = ebb_core::functions::TemplateJson::from_body(data) {
+        let _ = t.into_spec();
+    }
+}
+
+/// Kubernetes Service annotations (`name=value` lines): a route and its workload, nothing, or
+/// an error naming the annotation; a route has its Service's name and a domain.
+pub fn annotations(data: &[u8]) {
+    use ebb_core::orchestrator::annotations::{RouteDefaults, parse_duration_ms, route};
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let map: BTreeMap<String, String> = text
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+    for v in map.values() {
+        let _ = parse_duration_ms(v);
+    }
+    if let Ok(Some((spec, _workload))) = route("ns", "svc", &map, &RouteDefaults::default()) {
+        assert!(spec.max_replicas >= spec.min_replicas);
+    }
+}

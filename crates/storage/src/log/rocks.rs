@@ -1,0 +1,330 @@
+//! [`LogStore`] on RocksDB: column family `events` (seq big-endian -> envelope), `snapshots`
+//! (seq -> encoded projections) and `meta` (the format marker that makes a directory an ebb log).
+
+use std::path::{Path, PathBuf};
+
+use rocksdb::{
+    ColumnFamilyDescriptor, DB, DBCompressionType, IteratorMode, Options as DbOptions, ReadOptions,
+    WriteBatch, WriteOptions,
+};
+
+use ebb_core::log::store::{LogStore, RecordBatch, seq_key};
+use ebb_core::log::{Error, Result};
+
+const CF_EVENTS: &str = "events";
+const CF_SNAPSHOTS: &str = "snapshots";
+const CF_META: &str = "meta";
+const FORMAT_KEY: &[u8] = b"format";
+const FORMAT: &[u8] = b"ebb-log/1";
+
+/// How to open a data directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenMode {
+    /// Open for writing, creating the log if the directory is missing or empty.
+    Create,
+    /// Open an existing log for writing.
+    Existing,
+    /// Open an existing log read-only; works while another process writes it, and sees what was
+    /// written up to the moment of opening.
+    ReadOnly,
+}
+
+/// The RocksDB-backed store.
+pub struct RocksStore {
+    db: DB,
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for RocksStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RocksStore")
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+fn storage(e: rocksdb::Error) -> Error {
+    Error::Storage(e.into_string())
+}
+
+fn db_options() -> DbOptions {
+    let mut o = DbOptions::default();
+    o.create_if_missing(true);
+    o.create_missing_column_families(true);
+    o.increase_parallelism(2);
+    o.set_compression_type(DBCompressionType::Lz4);
+    o.set_write_buffer_size(64 << 20);
+    o.set_max_total_wal_size(256 << 20);
+    o.set_keep_log_file_num(4);
+    o
+}
+
+fn cf_descriptors() -> Vec<ColumnFamilyDescriptor> {
+    [CF_EVENTS, CF_SNAPSHOTS, CF_META]
+        .into_iter()
+        .map(|n| ColumnFamilyDescriptor::new(n, db_options()))
+        .collect()
+}
+
+fn key_seq(key: &[u8]) -> Result<u64> {
+    let bytes: [u8; 8] = key
+        .try_into()
+        .map_err(|_| Error::BadKey { len: key.len() })?;
+    Ok(u64::from_be_bytes(bytes))
+}
+
+impl RocksStore {
+    /// Opens the log in `path`.
+    pub fn open(path: impl AsRef<Path>, mode: OpenMode) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let exists = path.exists();
+        let is_db = path.join("CURRENT").is_file();
+        if !exists && mode != OpenMode::Create {
+            return Err(Error::Missing { path });
+        }
+        if exists && !path.is_dir() {
+            return Err(Error::NotALog {
+                path,
+                why: "it is a file, not a directory".into(),
+            });
+        }
+        if exists && !is_db {
+            let empty = std::fs::read_dir(&path)
+                .map_err(|e| Error::Storage(format!("reading {}: {e}", path.display())))?
+                .next()
+                .is_none();
+            if mode != OpenMode::Create || !empty {
+                return Err(Error::NotALog {
+                    path,
+                    why: "it holds no ebb database".into(),
+                });
+            }
+        }
+        if is_db {
+            let cfs = DB::list_cf(&DbOptions::default(), &path).map_err(|e| Error::NotALog {
+                path: path.clone(),
+                why: e.into_string(),
+            })?;
+            if !cfs.iter().any(|c| c == CF_META) || !cfs.iter().any(|c| c == CF_EVENTS) {
+                return Err(Error::NotALog {
+                    path,
+                    why: "it is a RocksDB database, but not ebb's".into(),
+                });
+            }
+        }
+        let opts = db_options();
+        let db = match mode {
+            OpenMode::ReadOnly => {
+                DB::open_cf_descriptors_read_only(&opts, &path, cf_descriptors(), false)
+            }
+            _ => DB::open_cf_descriptors(&opts, &path, cf_descriptors()),
+        }
+        .map_err(|e| {
+            let msg = e.into_string();
+            if msg.contains("lock") || msg.contains("Resource temporarily unavailable") {
+                Error::Locked { path: path.clone() }
+            } else {
+                Error::Storage(msg)
+            }
+        })?;
+        let store = RocksStore { db, path };
+        let meta = store.cf(CF_META);
+        match store.db.get_cf(meta, FORMAT_KEY).map_err(storage)? {
+            Some(f) if f == FORMAT => {}
+            Some(f) => {
+                return Err(Error::NotALog {
+                    path: store.path.clone(),
+                    why: format!("unknown format {:?}", String::from_utf8_lossy(&f)),
+                });
+            }
+            None if is_db => {
+                return Err(Error::NotALog {
+                    path: store.path.clone(),
+                    why: "its format marker is missing".into(),
+                });
+            }
+            None => {
+                let mut wo = WriteOptions::default();
+                wo.set_sync(true);
+                store
+                    .db
+                    .put_cf_opt(meta, FORMAT_KEY, FORMAT, &wo)
+                    .map_err(storage)?;
+            }
+        }
+        Ok(store)
+    }
+
+    /// Opens a follower of a log that another process writes: it sees what the writer has written
+    /// up to the last [`RocksStore::catch_up`]. `scratch` holds the follower's own small files.
+    pub fn open_follower(path: impl AsRef<Path>, scratch: impl AsRef<Path>) -> Result<Self> {
+        // Validates the directory the same way a reader does.
+        drop(Self::open(path.as_ref(), OpenMode::ReadOnly)?);
+        let path = path.as_ref().to_path_buf();
+        let mut opts = db_options();
+        opts.set_max_open_files(-1);
+        let names = [CF_EVENTS, CF_SNAPSHOTS, CF_META];
+        let db = DB::open_cf_as_secondary(&opts, &path, &scratch.as_ref().to_path_buf(), names)
+            .map_err(storage)?;
+        Ok(RocksStore { db, path })
+    }
+
+    /// Catches a follower up with what the writer has written since.
+    pub fn catch_up(&self) -> Result<()> {
+        self.db.try_catch_up_with_primary().map_err(storage)
+    }
+
+    /// The directory this store lives in.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn cf(&self, name: &str) -> &rocksdb::ColumnFamily {
+        self.db
+            .cf_handle(name)
+            .expect("column families are created at open")
+    }
+
+    fn last_key(&self, cf: &str) -> Result<Option<u64>> {
+        let mut it = self.db.raw_iterator_cf(self.cf(cf));
+        it.seek_to_last();
+        it.status().map_err(storage)?;
+        it.key().map(key_seq).transpose()
+    }
+}
+
+impl LogStore for RocksStore {
+    fn write(&self, batch: &RecordBatch, sync: bool) -> Result<()> {
+        let cf = self.cf(CF_EVENTS);
+        let mut wb = WriteBatch::default();
+        for (seq, value) in batch.iter() {
+            wb.put_cf(cf, seq_key(seq), value);
+        }
+        let mut wo = WriteOptions::default();
+        wo.set_sync(sync);
+        self.db.write_opt(wb, &wo).map_err(storage)
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.db.flush_wal(true).map_err(storage)
+    }
+
+    fn last_seq(&self) -> Result<u64> {
+        Ok(self.last_key(CF_EVENTS)?.unwrap_or(0))
+    }
+
+    fn first_seq(&self) -> Result<Option<u64>> {
+        let mut it = self.db.raw_iterator_cf(self.cf(CF_EVENTS));
+        it.seek_to_first();
+        it.status().map_err(storage)?;
+        it.key().map(key_seq).transpose()
+    }
+
+    fn get(&self, seq: u64) -> Result<Option<Vec<u8>>> {
+        self.db
+            .get_cf(self.cf(CF_EVENTS), seq_key(seq))
+            .map_err(storage)
+    }
+
+    fn scan(&self, from: u64, to: u64, visit: &mut dyn FnMut(u64, &[u8]) -> bool) -> Result<()> {
+        let mut ro = ReadOptions::default();
+        ro.fill_cache(false);
+        ro.set_readahead_size(4 << 20);
+        let mut it = self.db.raw_iterator_cf_opt(self.cf(CF_EVENTS), ro);
+        it.seek(seq_key(from));
+        while let (Some(k), Some(v)) = (it.key(), it.value()) {
+            let seq = key_seq(k)?;
+            if seq > to || !visit(seq, v) {
+                return Ok(());
+            }
+            it.next();
+        }
+        it.status().map_err(storage)
+    }
+
+    fn put_snapshot(&self, seq: u64, bytes: &[u8]) -> Result<()> {
+        let mut wo = WriteOptions::default();
+        wo.set_sync(true);
+        self.db
+            .put_cf_opt(self.cf(CF_SNAPSHOTS), seq_key(seq), bytes, &wo)
+            .map_err(storage)
+    }
+
+    fn snapshot_seqs(&self) -> Result<Vec<u64>> {
+        let mut out = Vec::new();
+        for item in self
+            .db
+            .iterator_cf(self.cf(CF_SNAPSHOTS), IteratorMode::Start)
+        {
+            let (k, _) = item.map_err(storage)?;
+            out.push(key_seq(&k)?);
+        }
+        Ok(out)
+    }
+
+    fn get_snapshot(&self, seq: u64) -> Result<Option<Vec<u8>>> {
+        self.db
+            .get_cf(self.cf(CF_SNAPSHOTS), seq_key(seq))
+            .map_err(storage)
+    }
+
+    fn delete_before(&self, before: u64) -> Result<u64> {
+        let first = self.first_seq()?.unwrap_or(before);
+        let deleted = before.saturating_sub(first);
+        let events = self.cf(CF_EVENTS);
+        let snaps = self.cf(CF_SNAPSHOTS);
+        let mut wb = WriteBatch::default();
+        wb.delete_range_cf(events, seq_key(0), seq_key(before));
+        wb.delete_range_cf(snaps, seq_key(0), seq_key(before));
+        let mut wo = WriteOptions::default();
+        wo.set_sync(true);
+        self.db.write_opt(wb, &wo).map_err(storage)?;
+        self.db
+            .compact_range_cf(events, None::<&[u8]>, Some(&seq_key(before)[..]));
+        Ok(deleted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contract() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = RocksStore::open(dir.path().join("log"), OpenMode::Create).unwrap();
+        ebb_core::log::store::contract::run(&store);
+    }
+
+    #[test]
+    fn refuses_what_is_not_an_ebb_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("nope");
+        assert!(matches!(
+            RocksStore::open(&missing, OpenMode::Existing),
+            Err(Error::Missing { .. })
+        ));
+        let stuff = dir.path().join("stuff");
+        std::fs::create_dir(&stuff).unwrap();
+        std::fs::write(stuff.join("notes.txt"), "hello").unwrap();
+        let err = RocksStore::open(&stuff, OpenMode::Create).unwrap_err();
+        assert!(matches!(err, Error::NotALog { .. }), "{err}");
+        let other = dir.path().join("other-rocks");
+        {
+            let mut o = DbOptions::default();
+            o.create_if_missing(true);
+            DB::open(&o, &other).unwrap();
+        }
+        let err = RocksStore::open(&other, OpenMode::ReadOnly).unwrap_err();
+        assert!(err.to_string().contains("not an ebb log"), "{err}");
+    }
+
+    #[test]
+    fn second_writer_is_refused_but_readers_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let _w = RocksStore::open(dir.path(), OpenMode::Create).unwrap();
+        let err = RocksStore::open(dir.path(), OpenMode::Existing).unwrap_err();
+        assert!(matches!(err, Error::Locked { .. }), "{err}");
+        RocksStore::open(dir.path(), OpenMode::ReadOnly).unwrap();
+    }
+}

@@ -1,0 +1,660 @@
+//! The Kafka queue: calls on a topic with N partitions (rdkafka, bundled librdkafka).
+//!
+//! * [`Queue::put`] produces with `acks=all` and returns once the broker has every message; a
+//!   message's key is the partition its enqueue named (calls sharing it share a Kafka
+//!   partition), or else shared by runs of [`KEY_RUN`] calls put together (the producer batches
+//!   each run onto one Kafka partition), so calls spread over every partition and every
+//!   runner's consumer; ebb does not steer calls to runners by name here ([`Queue::steers_to_runners`]).
+//! * Each runner that asks for work gets a consumer of its own in one consumer group, created on
+//!   its first dequeue; the group spreads the partitions over the live runners, and when a runner
+//!   is released its consumer leaves the group and its partitions move to the others.
+//! * Offsets are committed only after finish or reject ([`Queue::delete`]): per partition, up to
+//!   the oldest message still outstanding. A message read again (after a rebalance or a restart)
+//!   whose call is handed out or held already is not handed out twice.
+//! * Messages handed out are kept in memory until deleted, so a runner's reserved-but-not-started
+//!   messages can go to another runner at once when it is released, and after the visibility
+//!   timeout, without waiting for Kafka to redeliver them.
+//! * A runner that stops asking for work (its capacity is full) gives up its consumer after
+//!   `idle_consumer_ms`, so its partitions move to runners that ask instead of waiting for it.
+//! * Holds live in memory: after a restart or a rebalance a started call's message is read
+//!   again, and the call service holds it again from its owner's log (`CallStarted` and its
+//!   deadline), never hands it out twice.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::Message as _;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::{Offset, TopicPartitionList};
+use serde::{Deserialize, Serialize};
+
+use ebb_core::clock::Clock;
+use ebb_core::queue::{Message, Queue, QueueError, QueueFuture, QueueStats};
+
+/// How many calls put together without a partition share a key (and so a Kafka partition).
+pub const KEY_RUN: usize = 250;
+
+/// How to reach Kafka and shape the topic.
+#[derive(Debug, Clone)]
+pub struct KafkaOptions {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// The calls topic.
+    pub topic: String,
+    /// Partitions of the topic when ebb creates it.
+    pub partitions: i32,
+    /// The runners' consumer group.
+    pub group: String,
+    /// `session.timeout.ms` of the consumers: how soon a gone consumer's partitions move.
+    pub session_timeout_ms: u32,
+    /// How long a put may take before it fails.
+    pub put_timeout_ms: u64,
+    /// How long a runner may keep a message it did not start before another runner gets it.
+    pub visibility_timeout_ms: u64,
+    /// The most messages handed out and not yet deleted.
+    pub max_out: usize,
+    /// A runner that has not asked for work for this long (it is busy: its calls fill its
+    /// capacity) gives up its consumer, so its partitions move to runners that ask; it joins
+    /// again when it asks next.
+    pub idle_consumer_ms: u64,
+}
+
+impl Default for KafkaOptions {
+    fn default() -> Self {
+        Self {
+            brokers: "127.0.0.1:9092".into(),
+            topic: "ebb-calls".into(),
+            partitions: 8,
+            group: "ebb-runners".into(),
+            session_timeout_ms: 6_000,
+            put_timeout_ms: 5_000,
+            visibility_timeout_ms: 30_000,
+            max_out: 1_000_000,
+            idle_consumer_ms: 3_000,
+        }
+    }
+}
+
+/// What a Kafka message carries.
+#[derive(Debug, Serialize, Deserialize)]
+struct Envelope {
+    id: String,
+    partition: String,
+    #[serde(with = "serde_bytes")]
+    body: Vec<u8>,
+}
+
+impl Out {
+    /// When the message is anyone's again.
+    fn due_ms(self) -> u64 {
+        match self {
+            Out::Reserved { until_ms } | Out::Held { until_ms } => until_ms,
+            Out::Free => 0,
+        }
+    }
+}
+
+impl Books {
+    /// Changes an entry's state, keeping its timer.
+    fn set_out(&mut self, id: &str, out: Out) {
+        if let Some(e) = self.entries.get_mut(id) {
+            self.timers.remove(&(e.out.due_ms(), id.to_owned()));
+            e.out = out;
+            self.timers.insert((out.due_ms(), id.to_owned()));
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Out {
+    /// Handed to a runner until the time; then anyone's again.
+    Reserved { until_ms: u64 },
+    /// A started call's message, kept until the time.
+    Held { until_ms: u64 },
+    /// Its runner is gone: the next runner to ask gets it.
+    Free,
+}
+
+#[derive(Debug)]
+struct Entry {
+    out: Out,
+    runner: String,
+    partition: String,
+    body: Vec<u8>,
+    deliveries: u32,
+    /// Where it sits: (partition, offset).
+    at: (i32, i64),
+}
+
+/// One partition's offsets read and not yet done, whichever consumer read them.
+#[derive(Debug, Default)]
+struct Tracker {
+    outstanding: BTreeSet<i64>,
+    /// Offsets done (deleted) before their partition was read up to them again.
+    next: i64,
+    /// The commit point last committed.
+    committed: i64,
+}
+
+impl Tracker {
+    fn seen(&mut self, offset: i64) {
+        self.outstanding.insert(offset);
+        self.next = self.next.max(offset + 1);
+    }
+
+    fn done(&mut self, offset: i64) {
+        self.outstanding.remove(&offset);
+    }
+
+    /// Where consumption resumes: the oldest offset not done, or past the newest read.
+    fn point(&self) -> i64 {
+        self.outstanding.first().copied().unwrap_or(self.next)
+    }
+}
+
+#[derive(Default)]
+struct Books {
+    entries: HashMap<String, Entry>,
+    /// Every entry once, by when it is anyone's again (free ones at 0): (time, id).
+    timers: BTreeSet<(u64, String)>,
+    trackers: HashMap<i32, Tracker>,
+    consumers: HashMap<String, Arc<StreamConsumer>>,
+    /// Each runner's reserves under way and when it last asked.
+    asking: HashMap<String, Asking>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Asking {
+    under_way: u32,
+    last_ms: u64,
+}
+
+/// The Kafka queue.
+pub struct KafkaQueue {
+    producer: FutureProducer,
+    clock: Arc<dyn Clock>,
+    options: KafkaOptions,
+    books: Mutex<Books>,
+}
+
+impl std::fmt::Debug for KafkaQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaQueue")
+            .field("brokers", &self.options.brokers)
+            .field("topic", &self.options.topic)
+            .finish()
+    }
+}
+
+fn kafka(e: impl std::fmt::Display) -> QueueError {
+    QueueError::Storage(format!("kafka: {e}"))
+}
+
+impl KafkaQueue {
+    /// Connects, creating the topic if it is missing.
+    pub async fn open(clock: Arc<dyn Clock>, options: KafkaOptions) -> Result<Self, QueueError> {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &options.brokers)
+            .create()
+            .map_err(kafka)?;
+        let topic = NewTopic::new(
+            &options.topic,
+            options.partitions,
+            TopicReplication::Fixed(1),
+        );
+        let created = admin
+            .create_topics(
+                [&topic],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+            )
+            .await
+            .map_err(kafka)?;
+        for r in created {
+            match r {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((t, e)) => return Err(kafka(format!("creating topic {t}: {e}"))),
+            }
+        }
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", &options.brokers)
+            .set("acks", "all")
+            .set("linger.ms", "1")
+            .set("message.timeout.ms", options.put_timeout_ms.to_string())
+            .set("enable.idempotence", "true")
+            .create()
+            .map_err(kafka)?;
+        Ok(Self {
+            producer,
+            clock,
+            options,
+            books: Mutex::new(Books::default()),
+        })
+    }
+
+    fn books(&self) -> std::sync::MutexGuard<'_, Books> {
+        self.books.lock().expect("kafka queue lock")
+    }
+
+    /// The runner's consumer, joining the group on first use.
+    fn consumer(&self, runner: &str) -> Result<Arc<StreamConsumer>, QueueError> {
+        if let Some(c) = self.books().consumers.get(runner) {
+            return Ok(c.clone());
+        }
+        let c: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.options.brokers)
+            .set("group.id", &self.options.group)
+            .set("client.id", format!("ebb-runner-{runner}"))
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .set(
+                "session.timeout.ms",
+                self.options.session_timeout_ms.to_string(),
+            )
+            .set("heartbeat.interval.ms", "500")
+            // Hand calls over as soon as they are on the broker.
+            .set("fetch.wait.max.ms", "5")
+            .set("fetch.min.bytes", "1")
+            .create()
+            .map_err(kafka)?;
+        c.subscribe(&[&self.options.topic]).map_err(kafka)?;
+        let c = Arc::new(c);
+        Ok(self
+            .books()
+            .consumers
+            .entry(runner.to_owned())
+            .or_insert(c)
+            .clone())
+    }
+
+    /// Notes a reserve of `runner` under way until the guard is dropped.
+    fn asking(&self, runner: &str) -> AskingGuard<'_> {
+        let now = self.clock.now_ms();
+        let mut books = self.books();
+        let a = books.asking.entry(runner.to_owned()).or_default();
+        a.under_way += 1;
+        a.last_ms = now;
+        AskingGuard {
+            queue: self,
+            runner: runner.to_owned(),
+        }
+    }
+
+    /// Closes the consumers of runners that have not asked for work for `idle_consumer_ms`
+    /// (busy ones): their partitions move to the consumers of runners that ask.
+    async fn release_idle(&self) {
+        let now = self.clock.now_ms();
+        let idle: Vec<(String, Arc<StreamConsumer>)> = {
+            let mut books = self.books();
+            let names: Vec<String> = books
+                .consumers
+                .keys()
+                .filter(|r| {
+                    books.asking.get(*r).is_none_or(|a| {
+                        a.under_way == 0
+                            && now.saturating_sub(a.last_ms) >= self.options.idle_consumer_ms
+                    })
+                })
+                .cloned()
+                .collect();
+            names
+                .into_iter()
+                .filter_map(|r| {
+                    books.asking.remove(&r);
+                    books.consumers.remove(&r).map(|c| (r, c))
+                })
+                .collect()
+        };
+        for (runner, c) in idle {
+            tracing::debug!(%runner, "a busy runner gives up its partitions");
+            // Closing leaves the group; it blocks, so off the runtime.
+            let _ = tokio::task::spawn_blocking(move || drop(c)).await;
+        }
+    }
+
+    /// Hands out messages already in memory: those whose runner is gone and those whose time is
+    /// up.
+    fn take_known(&self, runner: &str, max: usize, now: u64) -> Vec<Message> {
+        let until_ms = now + self.options.visibility_timeout_ms;
+        let mut books = self.books();
+        let due: Vec<String> = books
+            .timers
+            .iter()
+            .take_while(|(at, _)| *at <= now)
+            .take(max)
+            .map(|(_, id)| id.clone())
+            .collect();
+        let mut out = Vec::with_capacity(due.len());
+        for id in due {
+            books.set_out(&id, Out::Reserved { until_ms });
+            let Some(e) = books.entries.get_mut(&id) else {
+                continue;
+            };
+            e.runner = runner.to_owned();
+            e.deliveries += 1;
+            out.push(Message {
+                id,
+                partition: e.partition.clone(),
+                body: e.body.clone(),
+                deliveries: e.deliveries,
+            });
+        }
+        out
+    }
+
+    /// Books a message read from Kafka; returns it when it is to be handed out.
+    fn read(&self, runner: &str, partition: i32, offset: i64, payload: &[u8]) -> Option<Message> {
+        let mut books = self.books();
+        let tracker = books.trackers.entry(partition).or_default();
+        if offset < tracker.committed {
+            return None; // done already
+        }
+        tracker.seen(offset);
+        let env: Envelope = match rmp_serde::from_slice(payload) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(partition, offset, error = %e, "a kafka message is not an ebb message; skipping it");
+                tracker.done(offset);
+                return None;
+            }
+        };
+        if let Some(e) = books.entries.get(&env.id) {
+            // Read again after a rebalance (same place): handed out or held already. A second
+            // copy elsewhere (a producer retry, an id put twice) is done at once.
+            if e.at != (partition, offset)
+                && let Some(t) = books.trackers.get_mut(&partition)
+            {
+                t.done(offset);
+            }
+            return None;
+        }
+        let until_ms = self.clock.now_ms() + self.options.visibility_timeout_ms;
+        books.timers.insert((until_ms, env.id.clone()));
+        books.entries.insert(
+            env.id.clone(),
+            Entry {
+                out: Out::Reserved { until_ms },
+                runner: runner.to_owned(),
+                partition: env.partition.clone(),
+                body: env.body.clone(),
+                deliveries: 1,
+                at: (partition, offset),
+            },
+        );
+        Some(Message {
+            id: env.id,
+            partition: env.partition,
+            body: env.body,
+            deliveries: 1,
+        })
+    }
+
+    /// Commits every partition whose point moved, through the consumer that owns it now, and
+    /// waits for the broker (off the runtime: the call blocks). A partition owned by nobody yet
+    /// (a rebalance is under way) is committed on a later call.
+    async fn commit(&self) {
+        let (work, consumers): (Vec<(i32, i64)>, Vec<Arc<StreamConsumer>>) = {
+            let books = self.books();
+            let work = books
+                .trackers
+                .iter()
+                .filter(|(_, t)| t.point() > t.committed)
+                .map(|(p, t)| (*p, t.point()))
+                .collect();
+            (work, books.consumers.values().cloned().collect())
+        };
+        if work.is_empty() {
+            return;
+        }
+        let topic = self.options.topic.clone();
+        let committed = tokio::task::spawn_blocking(move || {
+            let mut committed = Vec::new();
+            for (partition, offset) in work {
+                let owner = consumers.iter().find(|c| {
+                    c.assignment().is_ok_and(|a| {
+                        a.elements_for_topic(&topic)
+                            .iter()
+                            .any(|e| e.partition() == partition)
+                    })
+                });
+                let Some(owner) = owner else {
+                    continue;
+                };
+                let mut tpl = TopicPartitionList::new();
+                if tpl
+                    .add_partition_offset(&topic, partition, Offset::Offset(offset))
+                    .is_err()
+                {
+                    continue;
+                }
+                match owner.commit(&tpl, CommitMode::Sync) {
+                    Ok(()) => committed.push((partition, offset)),
+                    Err(e) => tracing::debug!(partition, offset, error = %e, "commit failed"),
+                }
+            }
+            committed
+        })
+        .await
+        .unwrap_or_default();
+        let mut books = self.books();
+        for (partition, offset) in committed {
+            if let Some(t) = books.trackers.get_mut(&partition) {
+                t.committed = t.committed.max(offset);
+            }
+        }
+    }
+}
+
+/// A reserve under way (see [`KafkaQueue::asking`]).
+struct AskingGuard<'a> {
+    queue: &'a KafkaQueue,
+    runner: String,
+}
+
+impl Drop for AskingGuard<'_> {
+    fn drop(&mut self) {
+        let now = self.queue.clock.now_ms();
+        if let Some(a) = self.queue.books().asking.get_mut(&self.runner) {
+            a.under_way = a.under_way.saturating_sub(1);
+            a.last_ms = now;
+        }
+    }
+}
+
+impl Queue for KafkaQueue {
+    fn put(&self, messages: Vec<Message>) -> QueueFuture<'_, ()> {
+        Box::pin(async move {
+            let timeout = Duration::from_millis(self.options.put_timeout_ms);
+            let mut sends = Vec::with_capacity(messages.len());
+            // Messages put together without a partition share a key (the id of the first of each
+            // KEY_RUN of them): the producer batches each run onto one Kafka partition, and runs
+            // spread over all partitions and so over every runner's consumer.
+            let mut run_key = String::new();
+            let mut in_run = 0;
+            for m in messages {
+                let key = if m.partition.is_empty() {
+                    if in_run % KEY_RUN == 0 {
+                        run_key = m.id.clone();
+                    }
+                    in_run += 1;
+                    run_key.clone()
+                } else {
+                    m.partition.clone()
+                };
+                let payload = rmp_serde::to_vec(&Envelope {
+                    id: m.id,
+                    partition: m.partition,
+                    body: m.body,
+                })
+                .map_err(kafka)?;
+                let producer = self.producer.clone();
+                let topic = self.options.topic.clone();
+                sends.push(async move {
+                    producer
+                        .send(
+                            FutureRecord::to(&topic).key(&key).payload(&payload),
+                            timeout,
+                        )
+                        .await
+                        .map(|_| ())
+                        .map_err(|(e, _)| kafka(e))
+                });
+            }
+            for r in futures_util::future::join_all(sends).await {
+                r?;
+            }
+            Ok(())
+        })
+    }
+
+    fn reserve(&self, runner: &str, max: usize, wait: Duration) -> QueueFuture<'_, Vec<Message>> {
+        let runner = runner.to_owned();
+        Box::pin(async move {
+            let _asking = self.asking(&runner);
+            self.release_idle().await;
+            let max = max.max(1);
+            let mut got = self.take_known(&runner, max, self.clock.now_ms());
+            if got.len() >= max {
+                return Ok(got);
+            }
+            if self.books().entries.len() >= self.options.max_out {
+                // Over the bound: nothing more is read until calls end.
+                return Ok(got);
+            }
+            let consumer = self.consumer(&runner)?;
+            let deadline = tokio::time::sleep(wait);
+            tokio::pin!(deadline);
+            while got.len() < max {
+                // Once something came, take only what is already fetched.
+                let next = if got.is_empty() {
+                    tokio::select! {
+                        m = consumer.recv() => Some(m),
+                        () = &mut deadline => None,
+                    }
+                } else {
+                    tokio::time::timeout(Duration::ZERO, consumer.recv())
+                        .await
+                        .ok()
+                };
+                let Some(m) = next else {
+                    break;
+                };
+                let m = match m {
+                    Ok(m) => m,
+                    Err(e) if got.is_empty() => return Err(kafka(e)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "kafka receive failed");
+                        break;
+                    }
+                };
+                got.extend(self.read(
+                    &runner,
+                    m.partition(),
+                    m.offset(),
+                    m.payload().unwrap_or(&[]),
+                ));
+            }
+            Ok(got)
+        })
+    }
+
+    fn hold(&self, holds: Vec<(String, u64)>) -> QueueFuture<'_, ()> {
+        Box::pin(async move {
+            let mut books = self.books();
+            for (id, until_ms) in holds {
+                books.set_out(&id, Out::Held { until_ms });
+            }
+            Ok(())
+        })
+    }
+
+    fn delete(&self, ids: Vec<String>) -> QueueFuture<'_, ()> {
+        Box::pin(async move {
+            {
+                let mut books = self.books();
+                for id in &ids {
+                    if let Some(e) = books.entries.remove(id) {
+                        books.timers.remove(&(e.out.due_ms(), id.clone()));
+                        if let Some(t) = books.trackers.get_mut(&e.at.0) {
+                            t.done(e.at.1);
+                        }
+                    }
+                }
+            }
+            self.commit().await;
+            Ok(())
+        })
+    }
+
+    fn release(&self, runner: &str) -> QueueFuture<'_, ()> {
+        let runner = runner.to_owned();
+        Box::pin(async move {
+            let consumer = {
+                let mut books = self.books();
+                let theirs: Vec<String> = books
+                    .entries
+                    .iter()
+                    .filter(|(_, e)| e.runner == runner && matches!(e.out, Out::Reserved { .. }))
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                for id in theirs {
+                    books.set_out(&id, Out::Free);
+                }
+                books.asking.remove(&runner);
+                books.consumers.remove(&runner)
+            };
+            // Closing leaves the group (the others get its partitions); it blocks, so off the
+            // runtime.
+            if let Some(c) = consumer {
+                let _ = tokio::task::spawn_blocking(move || drop(c)).await;
+            }
+            Ok(())
+        })
+    }
+
+    fn owners(&self) -> Vec<String> {
+        // The consumer group moves a gone runner's partitions; nothing to release by name.
+        Vec::new()
+    }
+
+    fn steers_to_runners(&self) -> bool {
+        false
+    }
+
+    fn reachable(&self) -> QueueFuture<'_, ()> {
+        let producer = self.producer.clone();
+        let topic = self.options.topic.clone();
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || {
+                let metadata = rdkafka::producer::Producer::client(&producer)
+                    .fetch_metadata(Some(&topic), Duration::from_millis(1_000))
+                    .map_err(kafka)?;
+                // A missing topic is an error of the topic's, not of the request.
+                match metadata.topics().iter().find_map(|t| t.error()) {
+                    Some(e) => Err(kafka(format!("topic {topic}: {e:?}"))),
+                    None => Ok(()),
+                }
+            })
+            .await
+            .map_err(kafka)?
+        })
+    }
+
+    fn stats(&self) -> QueueStats {
+        let books = self.books();
+        let reserved = books
+            .entries
+            .values()
+            .filter(|e| !matches!(e.out, Out::Free))
+            .count();
+        QueueStats {
+            ready: books.entries.len() - reserved,
+            reserved,
+        }
+    }
+}

@@ -1,0 +1,573 @@
+//! `ebb bench calls`: durable calls end to end on this machine. Producers enqueue batches through
+//! the HTTP runner API; runners (in process, or over HTTP) dequeue, start and finish them with a
+//! no-op target. Reports calls/s from the first enqueue until every call has finished, then the
+//! enqueue-to-start latency (from just before the enqueue request to the moment the runner holds
+//! the accepted start) at half that rate: the median of `--rounds` phases, each on a fresh log
+//! and queue.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use serde_json::json;
+
+use ebb::calls::runner::{self, Executor, HttpApi, NoopExecutor, RunnerApi, RunnerOptions};
+use ebb::calls::{CallOptions, Calls, Finish, Job};
+use ebb::clock::{Clock, Stopwatch, SystemClock};
+use ebb::event::Event;
+use ebb::log::Durability;
+use ebb::queue::Queue;
+use ebb::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
+use ebb::queue::kafka::{KafkaOptions, KafkaQueue};
+
+/// Arguments of `ebb bench calls`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CallsBenchArgs {
+    /// Seconds each phase enqueues for.
+    #[arg(long, default_value_t = 5)]
+    pub seconds: u64,
+    /// Concurrent producers.
+    #[arg(long, default_value_t = 4)]
+    pub producers: usize,
+    /// Calls per enqueue request in the throughput phase.
+    #[arg(long, default_value_t = 250)]
+    pub batch: usize,
+    /// Runners.
+    #[arg(long, default_value_t = 2)]
+    pub runners: usize,
+    /// Calls each runner runs at once (and asks for per dequeue).
+    #[arg(long, default_value_t = 500)]
+    pub capacity: usize,
+    /// Calls/s of the latency phase (default: half the measured throughput).
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Latency phases per row (each on a fresh log and queue); the row shows their medians and
+    /// the p99's range.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Also measure the Kafka queue, on this broker (`bootstrap.servers`).
+    #[arg(long)]
+    pub kafka: Option<String>,
+}
+
+const TOKEN: &str = "bench";
+
+/// Records when each call started (relative to one stopwatch), then finishes it at once.
+struct Recorder {
+    clock: Stopwatch,
+    started: Mutex<HashMap<String, f64>>,
+}
+
+impl Executor for Recorder {
+    fn execute(&self, job: Job, t: Duration) -> Pin<Box<dyn Future<Output = Finish> + Send>> {
+        self.started
+            .lock()
+            .expect("recorder lock")
+            .insert(job.call.id.clone(), self.clock.elapsed().as_secs_f64());
+        NoopExecutor.execute(job, t)
+    }
+}
+
+/// One ebb replica of a setup: its call service and its runner API.
+struct Replica {
+    calls: Arc<Calls>,
+    api: std::net::SocketAddr,
+}
+
+struct Setup {
+    replicas: Vec<Replica>,
+    stop: tokio::sync::watch::Sender<bool>,
+    recorder: Arc<Recorder>,
+    runners: Vec<tokio::task::JoinHandle<()>>,
+    servers: Vec<tokio::task::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Setup {
+    /// The replica that owns `id`.
+    fn owner(&self, id: &str) -> &Replica {
+        let i = ebb::peers::owner_of(id)
+            .and_then(|o| o.strip_prefix("bench-"))
+            .and_then(|n| n.parse::<usize>().ok())
+            .unwrap_or(0);
+        &self.replicas[i.min(self.replicas.len() - 1)]
+    }
+}
+
+/// `replicas` ebb replicas (each with its own log and API, sharing the Kafka topic when there
+/// are several, forwarding to each other) with `args.runners` runners spread over them.
+async fn setup(
+    args: &CallsBenchArgs,
+    over_http: bool,
+    kafka: Option<&str>,
+    replicas: usize,
+) -> Result<Setup> {
+    let dir = tempfile::Builder::new()
+        .prefix("ebb-bench-calls-")
+        .tempdir()?;
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    // A topic and group of their own per setup: nothing left over from the last.
+    let topic = format!("ebb-bench-{}", uuid::Uuid::now_v7().simple());
+    let group = format!("ebb-bench-{}", uuid::Uuid::now_v7().simple());
+    let mut listeners = Vec::new();
+    for _ in 0..replicas {
+        listeners.push(tokio::net::TcpListener::bind("127.0.0.1:0").await?);
+    }
+    let addrs: Vec<std::net::SocketAddr> = listeners
+        .iter()
+        .map(|l| l.local_addr())
+        .collect::<std::io::Result<_>>()?;
+    let names: Vec<String> = (0..replicas).map(|i| format!("bench-{i}")).collect();
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let mut set = Vec::new();
+    let mut servers = Vec::new();
+    for (i, listener) in listeners.into_iter().enumerate() {
+        let log = Arc::new(super::open(
+            &dir.path().join(format!("log-{i}")),
+            Durability::Sync,
+        )?);
+        let queue: Arc<dyn Queue> = match kafka {
+            Some(brokers) => Arc::new(
+                KafkaQueue::open(
+                    clock.clone(),
+                    KafkaOptions {
+                        brokers: brokers.to_owned(),
+                        topic: topic.clone(),
+                        group: group.clone(),
+                        ..KafkaOptions::default()
+                    },
+                )
+                .await?,
+            ),
+            None => Arc::new(EmbeddedQueue::open(
+                dir.path().join(format!("queue-{i}")),
+                clock.clone(),
+                EmbeddedOptions::default(),
+            )?),
+        };
+        log.append(Event::RouteUpserted {
+            route: super::bench_route("noop", None),
+        })
+        .await?;
+        let peers = if replicas > 1 {
+            let others = (0..replicas)
+                .filter(|j| *j != i)
+                .map(|j| {
+                    let id = ebb::discovery::ServiceId::parse(&format!("http://{}", addrs[j]))
+                        .expect("a socket address is a service id");
+                    (names[j].clone(), id)
+                })
+                .collect();
+            ebb::peers::Peers::with_static(Some(names[i].clone()), others)
+        } else {
+            ebb::peers::Peers::alone()
+        };
+        let calls = Arc::new(
+            Calls::new(log.clone(), queue, clock.clone(), CallOptions::default())
+                .with_peers(Arc::new(peers), Some(TOKEN.into())),
+        );
+        let router = ebb::api::router(ebb::api::AppState {
+            peers: calls.peers().clone(),
+            templates: None,
+            log,
+            orchestrator: None,
+            access: Arc::new(ebb::api::access::Access::tokens(ebb::api::access::Tokens {
+                runner: Some(TOKEN.into()),
+                ..Default::default()
+            })),
+            ebb_exe: std::env::current_exe()?,
+            calls: Some(calls.clone()),
+            functions: None,
+            ready: None,
+            metrics: None,
+            feed: Arc::new(ebb::api::ui::Feed::new(stop_rx.clone())),
+            max_body_bytes: ebb::api::MAX_BODY_BYTES,
+        });
+        use axum::serve::ListenerExt;
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        let mut stopped = stop_rx.clone();
+        servers.push(tokio::spawn(async move {
+            let _ = axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = stopped.changed().await;
+                })
+                .await;
+        }));
+        set.push(Replica {
+            calls,
+            api: addrs[i],
+        });
+    }
+    let recorder = Arc::new(Recorder {
+        clock: Stopwatch::start(),
+        started: Mutex::new(HashMap::new()),
+    });
+    let mut runners = Vec::new();
+    for i in 0..args.runners {
+        let r = &set[i % replicas];
+        let client: Arc<dyn RunnerApi> = if over_http {
+            Arc::new(HttpApi::new(
+                ebb::discovery::ServiceId::parse(&format!("http://{}", r.api))
+                    .expect("a socket address is a service id"),
+                TOKEN,
+                Arc::new(ebb::discovery::Balanced::dns_only()),
+            ))
+        } else {
+            Arc::new(r.calls.clone())
+        };
+        let options = RunnerOptions {
+            id: format!("bench-{i}"),
+            capacity: args.capacity,
+            batch: args.capacity.min(CallOptions::default().max_batch),
+            wait_ms: 1_000,
+            ..RunnerOptions::default()
+        };
+        runners.push(tokio::spawn(runner::run(
+            client,
+            recorder.clone(),
+            options,
+            stop_rx.clone(),
+        )));
+    }
+    Ok(Setup {
+        replicas: set,
+        stop,
+        recorder,
+        runners,
+        servers,
+        _dir: dir,
+    })
+}
+
+/// POSTs `body` to the runner API at `api`; returns the answer's body, an error unless 2xx.
+async fn post(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    api: std::net::SocketAddr,
+    path: &str,
+    body: serde_json::Value,
+) -> Result<Bytes> {
+    let req = hyper::Request::post(format!("http://{api}{path}"))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))?;
+    let resp = client.request(req).await?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    anyhow::ensure!(
+        status.is_success(),
+        "{path}: {status} {}",
+        String::from_utf8_lossy(&body)
+    );
+    Ok(body)
+}
+
+/// Enqueues `batch` calls; returns their ids.
+async fn enqueue(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    api: std::net::SocketAddr,
+    batch: usize,
+) -> Result<Vec<String>> {
+    let calls: Vec<_> = (0..batch)
+        .map(|_| json!({ "target": "noop", "payload": { "body": "x" } }))
+        .collect();
+    let body = post(client, api, "/runner/enqueue", json!({ "calls": calls })).await?;
+    let v: serde_json::Value = serde_json::from_slice(&body)?;
+    Ok(v["ids"]
+        .as_array()
+        .context("ids")?
+        .iter()
+        .filter_map(|i| i.as_str().map(str::to_owned))
+        .collect())
+}
+
+/// Waits until every call in `ids` has finished (bounded). Calls finish about in the order they
+/// were enqueued, so each look starts at the first one not yet seen finished.
+async fn drain(s: &Setup, ids: &[String]) -> Result<()> {
+    let wait = async {
+        let mut done = 0;
+        while done < ids.len() {
+            while done < ids.len()
+                && s.owner(&ids[done]).calls.log().read(|st| {
+                    st.calls
+                        .get(&ids[done])
+                        .is_some_and(|c| c.status.is_final())
+                })
+            {
+                done += 1;
+            }
+            if done < ids.len() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(120), wait)
+        .await
+        .is_err()
+    {
+        // Which calls, and what became of them: the first few not ended.
+        let stuck: Vec<String> = ids
+            .iter()
+            .filter_map(|id| {
+                let c = s.owner(id).calls.log().read(|st| {
+                    st.calls
+                        .get(id)
+                        .map(|c| (c.status, c.runner.clone(), c.starts))
+                });
+                match c {
+                    Some((st, _, _)) if st.is_final() => None,
+                    other => Some(format!("{id}: {other:?}")),
+                }
+            })
+            .take(5)
+            .collect();
+        let queues: Vec<String> = s
+            .replicas
+            .iter()
+            .map(|r| format!("{:?}", r.calls.queue().stats()))
+            .collect();
+        anyhow::bail!("calls did not finish within 120 s: {stuck:?}; queues: {queues:?}");
+    }
+    Ok(())
+}
+
+/// Throughput: producers enqueue as fast as they can for the phase; the clock stops when the last
+/// call has finished.
+async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<f64> {
+    let clock = Stopwatch::start();
+    let phase = Duration::from_secs(args.seconds);
+    let mut producers = Vec::new();
+    for p in 0..args.producers {
+        let api = s.replicas[p % s.replicas.len()].api;
+        let batch = args.batch;
+        producers.push(tokio::spawn(async move {
+            let client = runner::http_client();
+            let clock = Stopwatch::start();
+            let mut ids = Vec::new();
+            while clock.elapsed() < phase {
+                ids.extend(enqueue(&client, api, batch).await?);
+            }
+            anyhow::Ok(ids)
+        }));
+    }
+    let mut ids = Vec::new();
+    for p in producers {
+        ids.extend(p.await??);
+    }
+    drain(s, &ids).await?;
+    Ok(ids.len() as f64 / clock.elapsed().as_secs_f64())
+}
+
+/// Latency at `rate` calls/s: small batches sent on a fixed schedule; returns (p50, p99) in ms.
+async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f64)> {
+    const PER_REQUEST: usize = 10;
+    // Warm up (runners joined, connections open) before measuring.
+    let mut warm = Vec::new();
+    for r in &s.replicas {
+        warm.extend(enqueue(&runner::http_client(), r.api, PER_REQUEST).await?);
+    }
+    drain(s, &warm).await?;
+    // Sized up front: growing the map under the runners would be the bench's own pause.
+    *s.recorder.started.lock().expect("recorder lock") =
+        HashMap::with_capacity((rate * args.seconds as f64 * 1.5) as usize);
+    let requests_per_s = (rate / PER_REQUEST as f64).max(1.0);
+    let per_producer = requests_per_s / args.producers as f64;
+    let interval = Duration::from_secs_f64(1.0 / per_producer);
+    let phase = Duration::from_secs(args.seconds);
+    let mut producers = Vec::new();
+    for p in 0..args.producers {
+        let api = s.replicas[p % s.replicas.len()].api;
+        let recorder = s.recorder.clone();
+        producers.push(tokio::spawn(async move {
+            let client = runner::http_client();
+            let clock = Stopwatch::start();
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let mut sent = Vec::new();
+            while clock.elapsed() < phase {
+                tick.tick().await;
+                let at = recorder.clock.elapsed().as_secs_f64();
+                for id in enqueue(&client, api, PER_REQUEST).await? {
+                    sent.push((id, at));
+                }
+            }
+            anyhow::Ok(sent)
+        }));
+    }
+    let mut sent = Vec::new();
+    for p in producers {
+        sent.extend(p.await??);
+    }
+    let ids: Vec<String> = sent.iter().map(|(id, _)| id.clone()).collect();
+    drain(s, &ids).await?;
+    let started = s.recorder.started.lock().expect("recorder lock");
+    let mut ms: Vec<f64> = sent
+        .iter()
+        .filter_map(|(id, at)| started.get(id).map(|t| (t - at) * 1e3))
+        .collect();
+    anyhow::ensure!(!ms.is_empty(), "no call started");
+    ms.sort_by(f64::total_cmp);
+    let pick = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
+    Ok((pick(0.50), pick(0.99)))
+}
+
+/// Stops the runners and the API, so the phase's log and queue close (their RocksDB background
+/// work would otherwise go on under the next phase), removes the phase's files, and syncs the
+/// file system, so the next phase does not measure this one's writeback.
+async fn teardown(s: Setup) {
+    teardown_services(s).await;
+    let _ = tokio::task::spawn_blocking(nix::unistd::sync).await;
+}
+
+/// The stopping half of [`teardown`]; the whole `Setup` (its log, queue and files) is gone when it
+/// returns.
+async fn teardown_services(s: Setup) {
+    let _ = s.stop.send(true);
+    for r in s.runners {
+        let _ = tokio::time::timeout(Duration::from_secs(10), r).await;
+    }
+    for mut server in s.servers {
+        if tokio::time::timeout(Duration::from_secs(10), &mut server)
+            .await
+            .is_err()
+        {
+            server.abort();
+        }
+    }
+}
+
+/// One start over HTTP through `api`; returns its latency in ms.
+async fn start_one(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    api: std::net::SocketAddr,
+    id: &str,
+) -> Result<f64> {
+    let clock = Stopwatch::start();
+    post(
+        client,
+        api,
+        "/runner/start",
+        json!({ "runner": "direct", "id": id }),
+    )
+    .await?;
+    Ok(clock.elapsed().as_secs_f64() * 1e3)
+}
+
+/// The cost of a forwarded start: calls owned by one of two replicas started one at a time over
+/// HTTP, alternately through their owner and through the other replica (which forwards). Returns
+/// ((p50, p99) through the owner, (p50, p99) forwarded) in ms.
+async fn start_cost(
+    args: &CallsBenchArgs,
+    kafka: Option<&str>,
+) -> Result<((f64, f64), (f64, f64))> {
+    const CALLS: usize = 2_000;
+    let quiet = CallsBenchArgs {
+        runners: 0,
+        ..args.clone()
+    };
+    let s = setup(&quiet, true, kafka, 2).await?;
+    let client = runner::http_client();
+    let mut ids = Vec::with_capacity(CALLS);
+    while ids.len() < CALLS {
+        ids.extend(enqueue(&client, s.replicas[0].api, 250).await?);
+    }
+    let (mut local, mut forwarded) = (Vec::new(), Vec::new());
+    for (i, id) in ids.iter().enumerate() {
+        // Warm-up: the first of each kind opens its connections.
+        if i % 2 == 0 {
+            local.push(start_one(&client, s.replicas[0].api, id).await?);
+        } else {
+            forwarded.push(start_one(&client, s.replicas[1].api, id).await?);
+        }
+    }
+    teardown(s).await;
+    let pick = |v: &mut Vec<f64>| {
+        v.remove(0);
+        v.sort_by(f64::total_cmp);
+        let q = |q: f64| v[((v.len() as f64 * q) as usize).min(v.len() - 1)];
+        (q(0.50), q(0.99))
+    };
+    Ok((pick(&mut local), pick(&mut forwarded)))
+}
+
+/// Runs the benchmark and prints its tables.
+pub async fn run(args: CallsBenchArgs) -> Result<()> {
+    println!(
+        "ebb bench calls: no-op target, {} producers (HTTP, {} calls a request), {} runners x {} capacity, {} s phases",
+        args.producers, args.batch, args.runners, args.capacity, args.seconds
+    );
+    println!("| queue | replicas | runners | calls/s end to end | enqueue-to-start p50 | p99 |");
+    println!("|---|---|---|---|---|---|");
+    let mut rows = vec![("embedded", None, 1, false), ("embedded", None, 1, true)];
+    if let Some(k) = &args.kafka {
+        rows.push(("kafka", Some(k.as_str()), 1, false));
+        rows.push(("kafka", Some(k.as_str()), 1, true));
+        rows.push(("kafka", Some(k.as_str()), 2, true));
+    }
+    let mut measured = Vec::new();
+    for (queue, kafka, replicas, over_http) in rows {
+        // Each phase on a fresh log and queue, so one does not pay for the other's
+        // compactions.
+        let s = setup(&args, over_http, kafka, replicas).await?;
+        let rate = throughput(&args, &s).await?;
+        teardown(s).await;
+        let at = args.rate.unwrap_or(rate / 2.0);
+        let mut p50s = Vec::new();
+        let mut p99s = Vec::new();
+        for _ in 0..args.rounds.max(1) {
+            let s = setup(&args, over_http, kafka, replicas).await?;
+            let (p50, p99) = latency(&args, &s, at).await?;
+            teardown(s).await;
+            p50s.push(p50);
+            p99s.push(p99);
+        }
+        p50s.sort_by(f64::total_cmp);
+        p99s.sort_by(f64::total_cmp);
+        let (p50, p99) = (p50s[p50s.len() / 2], p99s[p99s.len() / 2]);
+        let (lo, hi) = (p99s[0], p99s[p99s.len() - 1]);
+        let name = if over_http { "over HTTP" } else { "in process" };
+        println!(
+            "| {queue} | {replicas} | {name} | {rate:.0} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {} rounds: {lo:.2}-{hi:.2}) |",
+            p99s.len()
+        );
+        measured.push((queue, replicas, over_http, rate, p50, p99));
+    }
+    let row = |q: &str, r: usize| {
+        measured
+            .iter()
+            .find(|m| m.0 == q && m.1 == r && m.2)
+            .copied()
+    };
+    if let (Some(one), Some(two)) = (row("kafka", 1), row("kafka", 2)) {
+        println!(
+            "kafka, 2 replicas / 1 replica (over HTTP): calls/s {:.2}x, enqueue-to-start p50 {:.2}x, p99 {:.2}x",
+            two.3 / one.3,
+            two.4 / one.4,
+            two.5 / one.5
+        );
+    }
+    let (queue, kafka) = match &args.kafka {
+        Some(k) => ("kafka", Some(k.as_str())),
+        None => ("embedded", None),
+    };
+    let ((lp50, lp99), (fp50, fp99)) = start_cost(&args, kafka).await?;
+    println!();
+    println!("| start of one call over HTTP ({queue}, 2 replicas) | p50 | p99 |");
+    println!("|---|---|---|");
+    println!("| through its owner | {lp50:.3} ms | {lp99:.3} ms |");
+    println!("| through the other replica (forwarded) | {fp50:.3} ms | {fp99:.3} ms |");
+    println!(
+        "forwarded / through the owner: p50 {:.2}x, p99 {:.2}x",
+        fp50 / lp50,
+        fp99 / lp99
+    );
+    Ok(())
+}

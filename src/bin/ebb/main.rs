@@ -1,0 +1,180 @@
+//! The `ebb` command line: `serve`, the tools that read the log (`log`, `replay`, `explain`),
+//! the simulator, the remote runner and `bench`, one module a subcommand. Errors are one line on
+//! stderr and a non-zero exit.
+
+mod bench;
+mod debug;
+mod logs;
+mod runner;
+mod serve;
+mod simulate;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+
+/// mimalloc instead of the system allocator: replay decodes on one thread and frees on another,
+/// and glibc's allocator spends a fifth of the replay there (see `ebb bench log`).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+#[derive(Parser)]
+#[command(
+    name = "ebb",
+    version,
+    about = "Serverless HTTP workloads and functions on one event log",
+    args_override_self = true
+)]
+struct Cli {
+    #[command(flatten)]
+    data: DataDir,
+    /// How ebb's own log lines (stderr) are written: `text` for people, `json` (one object per
+    /// line, with the spans' fields such as a request's id) for a log collector.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "EBB_LOG_FORMAT")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Args, Clone)]
+struct DataDir {
+    /// The data directory holding ebb's log.
+    #[arg(
+        long,
+        global = true,
+        env = "EBB_DATA_DIR",
+        default_value = "./ebb-data",
+        value_name = "DIR"
+    )]
+    data_dir: PathBuf,
+}
+
+// Parsed once per run: the size of `serve`'s flags does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Subcommand)]
+enum Command {
+    /// Run ebb: open (or create) the log, start the apps' workloads on demand, and proxy HTTP to
+    /// them by Host.
+    Serve(ebb::serve::ServeOptions),
+    /// Run calls from a remote ebb: dequeue, start, execute through ebb's proxy, finish.
+    Runner(runner::RunnerArgs),
+    /// Inspect the log.
+    #[command(subcommand)]
+    Log(logs::LogCommand),
+    /// Print the state the projections had at a point of the log (default: its end).
+    Replay(logs::ReplayArgs),
+    /// List the events that shaped an object, and the object as it is now.
+    Explain(logs::ExplainArgs),
+    /// Measure ebb on this machine.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+    /// Run the deterministic simulator: scenarios (files or directories; default `simulations/`)
+    /// over many seeds, checking ebb's invariants after every step.
+    Simulate(simulate::SimulateArgs),
+    /// A small HTTP app for demos, tests and benchmarks (echo, /sleep, /bytes, /ws, /health).
+    ExampleApp(ebb::example_app::ExampleAppArgs),
+    /// The custom resource definitions of ebb's Kubernetes API, generated from its types: each
+    /// as `NAME.json` in --out (what deploy/ holds), or all on stdout.
+    Crds {
+        /// Write one file per definition into this directory.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Test helpers.
+    #[command(subcommand, hide = true)]
+    Debug(debug::DebugCommand),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("EBB_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let lines = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => lines.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => lines
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
+    }
+    if let Err(e) = run(cli) {
+        if is_broken_pipe(&e) {
+            std::process::exit(0);
+        }
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = std::env::var("EBB_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        b.worker_threads(n.max(1));
+    }
+    b.enable_all().build().context("starting the async runtime")
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let dir = cli.data.data_dir;
+    match cli.command {
+        Command::Serve(mut options) => {
+            options.check().map_err(anyhow::Error::msg)?;
+            if let Some(seed) = options.balance_seed {
+                ebb::discovery::set_seed(seed);
+            }
+            options.data_dir = dir.clone();
+            serve::run(options)
+        }
+        Command::Log(cmd) => logs::log_command(&dir, cmd),
+        Command::Replay(args) => logs::replay(&dir, args),
+        Command::Explain(args) => logs::explain(&dir, args),
+        Command::Bench(cmd) => bench::run(cmd),
+        Command::ExampleApp(args) => runtime()?.block_on(ebb::example_app::run(args)),
+        Command::Crds { out } => crds(out.as_deref()),
+        Command::Simulate(args) => simulate::run(args),
+        Command::Runner(args) => runtime()?.block_on(runner::run(args)),
+        Command::Debug(cmd) => debug::run(&dir, cmd),
+    }
+}
+
+/// `ebb crds`: the definitions as pretty JSON (which kubectl and kustomize read as YAML).
+fn crds(out: Option<&std::path::Path>) -> anyhow::Result<()> {
+    for crd in ebb::functions::crds()
+        .into_iter()
+        .chain(ebb::cleaner::crds())
+    {
+        let name = crd.metadata.name.clone().unwrap_or_default();
+        let mut text = serde_json::to_string_pretty(&crd)?;
+        text.push('\n');
+        match out {
+            Some(dir) => {
+                let path = dir.join(format!("{name}.json"));
+                std::fs::write(&path, text)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            None => print!("{text}"),
+        }
+    }
+    Ok(())
+}
