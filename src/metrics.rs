@@ -4,15 +4,23 @@
 //! Two sources, so that the proxy's hot path gains no work:
 //!
 //! * What ebb counts anyway is read when scraped ([`Sources`]): each route's requests, requests in
-//!   flight and held (the proxy's per-route atomics), each workload's desired and ready replicas
-//!   (the orchestrator), calls by state and the log's last seq (the projection).
+//!   flight and held, answers by status class and answer times (the proxy's per-route atomics,
+//!   `RouteTraffic`), each workload's desired and ready replicas (the orchestrator), calls by
+//!   state and the log's last seq (the projection), the queue's depth, running instances per
+//!   function and the snapshot's age.
 //! * What the log decides is counted from its live tail ([`Metrics::follow`]): every event by
 //!   type, scale decisions by reason and direction, failed scale operations, cold starts (a wake
-//!   from zero) and their duration, from the wake's `ScaleRequested` to its `ScaledUp`.
+//!   from zero) and their duration, from the wake's `ScaleRequested` to its `ScaledUp` (pending
+//!   wakes bounded); enqueue-to-start, from `CallQueued` to `CallStarted` (pending calls
+//!   bounded); calls ended by state; instances by function; cleaner evaluations, firings and
+//!   their lateness (from the upsert's creation time and TTL); events per durable batch.
+//!
+//! The proxy's hold time is observed where a request found no free replica, off the fast path.
 //!
 //! Labels are bounded: event types, reasons and call states are enums; the `route` label is a
-//! configured route's name (never a request's Host), for at most `max_routes` routes, the rest
-//! summed under `route="_other"`.
+//! configured route's name (never a request's Host), for at most `max_routes` routes
+//! (`--metrics-max-routes`, which bounds the `function` label too), the rest summed under
+//! `route="_other"`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

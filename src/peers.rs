@@ -15,6 +15,16 @@
 //! (`k8s://NAME.SERVICE.NAMESPACE:PORT`: the endpoint whose hostname, or pod, is the owner).
 //! A forwarded request carries `X-Ebb-Forwarded-By`, and a replica never forwards a request that
 //! carries it (a misdirected one is refused), so forwarding never loops.
+//!
+//! [`Peers::send`] forwards a request to an owner, picked through [`crate::discovery::Balanced`]
+//! (a connection that fails is tried once more if the owner's endpoints change within
+//! `RESOLVE_WAIT`). `api::through_owner` answers any request about an id through its owner (the
+//! owner's status, content type and body): 503 `owner_unavailable` with `Retry-After` when it
+//! cannot be reached, 421 when a forwarded request names another owner.
+//!
+//! The design: the StatefulSet's stable pod names and volumes make an owner unique and durable,
+//! so no consensus beyond Kubernetes' and Kafka's is needed; the cost is that an owner's calls
+//! wait while it is down (Kafka keeps their messages; nothing is decided for them).
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -5,6 +5,9 @@
 //! that disagree or do not parse, a Transfer-Encoding other than `chunked`, obsolete line folding.
 //! It follows each body (by its Content-Length or its chunks) to find the next head, and passes
 //! every byte on unchanged.
+//!
+//! It sits under hyper on every connection of the admin address: [`StrictListener`] for plain
+//! TCP, and inside `tls::TlsListener` after the handshake. The framing itself is `ebb_http`'s.
 
 use std::io;
 use std::pin::Pin;

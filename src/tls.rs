@@ -3,6 +3,12 @@
 //! certificate (cert-manager's, say) takes effect on the next handshake without a restart. A pair
 //! that does not load (a key that does not match, a file half-written) leaves the last good one
 //! in place, and says so.
+//!
+//! [`Reloading`] is the certificate resolver: it holds the current `CertifiedKey` and, every
+//! [`RELOAD_CHECK`], reads the PEM pair again when either file's modification time or length
+//! changed. The proxy hands TLS connections straight to its general path (hyper; h2 or HTTP/1.1
+//! by ALPN) and marks their requests as HTTPS for `X-Forwarded-Proto`; the admin address uses
+//! [`TlsListener`], whose handshakes run as tasks of their own, bounded in number and time.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};

@@ -1,5 +1,12 @@
 //! Operator tooling over a log: statistics, finding a seq by time, and explaining an object by the
-//! events that shaped it. Read-only; the command line in `main.rs` formats what these return.
+//! events that shaped it. Read-only; the command line (`ebb log stats | dump | tail | snapshot |
+//! compact`, `ebb replay --until | --at`, `ebb explain KIND ID`, in the binary's `logs.rs`)
+//! parses arguments and formats what these return.
+//!
+//! [`seq_at`] finds a seq by time with a binary search, which works because the writer never lets
+//! time go backwards along the log. [`explain`] replays the whole log once (from the snapshot
+//! under the first record still stored, after compaction), telling the events that concern the
+//! object ([`ebb_core::story`]).
 
 use std::collections::BTreeMap;
 

@@ -1,6 +1,21 @@
 //! ebb against the real Kubernetes control plane: etcd, kube-apiserver, kube-controller-manager
 //! and kube-scheduler built from their Go modules (`scripts/controlplane build`), started by the
-//! harness in `tests/common/controlplane.rs`.
+//! harness in `tests/common/controlplane.rs`, with pods run as local processes by the test node
+//! agent (`tests/common/node.rs`) and published by the real EndpointSlice controller.
+//!
+//! The tests prove the control plane (Deployment to ReplicaSet to Pod, the scheduler, `/scale`
+//! through kube-rs, RBAC, the audit log), the agent (a pod's process answering on the address its
+//! EndpointSlice lists, stopped at zero), and ebb on it, run as `deploy/`'s ServiceAccount with a
+//! TokenRequest token: annotated Services as routes, one scale write for 100 cold requests, idle
+//! scale-down, two ebbs sharing the Lease with a 409 race held open at the gate, `kubectl apply
+//! -k` of `deploy/` through the StatefulSet controller (with an image function owned by the
+//! StatefulSet; and with Apache Kafka beside the pods, calls on both replicas decided by their
+//! owners, an owner's process SIGKILLed and its pod made again), image functions made, woken,
+//! rolled, refused a foreign name and deleted, the API server stopped and restarted, a missing
+//! permission; and `k8s://` discovery following the EndpointSlice controller as pods become ready
+//! and terminate. Against a cluster of one's own (`EBB_TEST_KUBECONFIG`), tests that need the
+//! harness itself say so and end (`needs_harness`); one test runs two others in a second process
+//! of the test binary against the harness's own cluster in that mode.
 
 mod common;
 

@@ -15,7 +15,8 @@
 //! | `/runner/*`, `/v1/calls` | `runner` | `get`, `create` (POST); `/v1/calls` also takes `admin` |
 //!
 //! Both answers are kept for `--kube-auth-cache-seconds` (a grant or a revocation counts within
-//! that), at most [`MAX_CACHED`] of each, and at most [`MAX_ASKING`] reviews are asked at once.
+//! that), at most [`MAX_CACHED`] of each, and at most [`MAX_ASKING`] reviews are asked at once,
+//! each within 5 s. The dashboard's token is `--dashboard-token`, else the admin token.
 //! Every API is checked by one middleware ([`guard`]) before its handlers run, so a handler
 //! cannot be reached without it.
 

@@ -24,7 +24,8 @@
 //! nothing); the status is the one the scale-down lease holder wrote. A watch maps onto the
 //! resources' watch: without `since`, a list as `ADDED` lines, a `BOOKMARK` with the list's
 //! revision, then the watch from it; with `since`, a `BOOKMARK` at that revision, then the
-//! changes after it. A revision the API server no longer keeps is `410` (`revision_compacted`)
+//! changes after it. When the API server ends the resources' watch, it is resumed from the last
+//! revision seen. A revision the API server no longer keeps is `410` (`revision_compacted`)
 //! when the API server says so at once, else the `ERROR` line. A resource ebb cannot take is
 //! left out (a change that makes it so is a `DELETED` line).
 

@@ -1,11 +1,22 @@
-//! ebb's own HTTP endpoints (axum), apart from the proxy: `/healthz` and the admin API, and the one
-//! place where errors become HTTP answers with a JSON body `{"error": "...", "code": "..."}`.
-//! Handlers read the live projection and ask the log for decisions; they never touch storage
-//! directly.
+//! ebb's own HTTP endpoints (axum), apart from the proxy, on the admin address, and the one place
+//! where errors become HTTP answers ([`ApiError`], a JSON body `{"error": "...", "code": "..."}`
+//! with a 4xx or 5xx status). Handlers read the live projection and ask the log for decisions;
+//! they never touch storage directly.
+//!
+//! * `/healthz`: alive. `/readyz`: ready for traffic, each check with its reason (the log's
+//!   writer has not failed, the projection has caught up with the stored log, the orchestrator
+//!   has listed what it needs, the queue answers `Queue::reachable`), else 503 `not_ready`.
+//! * `/metrics` ([`crate::metrics`]); the dashboard and `/admin/explain` ([`ui`]).
+//! * The admin API ([`admin`]): `GET /admin/routes`, `GET|PUT|DELETE /admin/routes/{name}`. A PUT
+//!   body has the fields of an app in `ebb.toml` (JSON); the route and how to run it go into the
+//!   log, so they survive restarts.
+//! * The functions API ([`funcs`]), the runner and calls API ([`runner`]).
 //!
 //! Each API is behind [`access::guard`] (its bearer token, or Kubernetes' RBAC with
-//! `--kube-auth`). Admin API: `GET /admin/routes`, `GET|PUT|DELETE /admin/routes/{name}`. A PUT body has the fields of an app
-//! in `ebb.toml` (JSON); the route and how to run it go into the log, so they survive restarts.
+//! `--kube-auth`). One middleware refuses absolute-form and CONNECT targets (ebb's endpoints are
+//! not a proxy) and turns an extractor's plain 413 into JSON. Under hyper, every connection of
+//! the admin address passes through [`crate::strict`]'s framing checks. A request about an id
+//! another replica owns is answered through the owner ([`through_owner`]).
 
 pub mod access;
 pub mod admin;

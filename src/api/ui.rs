@@ -6,7 +6,8 @@
 //! `--kube-auth`): a bearer header, or the `ebb_admin` cookie that `POST /ui/login` sets (HttpOnly, SameSite=Strict, on
 //! `/ui` only), since a browser's `EventSource` cannot send headers. The live updates are
 //! server-sent events from the log's tail, each told in words by one narrator task ([`Feed`]),
-//! which keeps its own copy of the projection so each line is told from the state before it.
+//! started on the first subscriber and ended with the server, which keeps its own copy of the
+//! projection so each line is told from the state before it.
 //!
 //! `GET /admin/explain/{kind}/{id}` (bearer only) answers what `ebb explain KIND ID --json` prints.
 

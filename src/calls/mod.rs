@@ -4,18 +4,45 @@
 //! * **enqueue** puts calls on the [`Queue`] first and records `CallQueued` after; a failed put
 //!   records nothing. A call the queue has but the log does not (ebb stopped in between) is
 //!   recorded when it is delivered, so a runner never meets a call the log does not know.
-//! * **dequeue** hands out up to `max` calls, waiting up to `wait_ms` for one.
+//! * **dequeue** hands out up to `max` calls, waiting up to `wait_ms` for one. A delivered
+//!   message of a call the log knows is handed out with the log's copy of the call. An aborted
+//!   put's message is dropped only if the call was never recorded.
 //! * **start** is the conditional transition of [`crate::state::calls`], decided on the log's
-//!   writer: `queued -> running` is accepted (and the message is held until the deadline, so it is
-//!   not redelivered while the call may still run); `running` -> the call becomes `error`, the
-//!   message is deleted, refused; final -> the message is deleted, refused.
+//!   writer: `queued -> running` is accepted (and the message is held until the deadline plus
+//!   `hold_grace_ms`, so it is not redelivered while the call may still run); `running` -> the
+//!   call becomes `error`, the message is deleted, refused; final -> the message is deleted,
+//!   refused.
 //! * **finish** records the first result and deletes the message; repeating it changes nothing
 //!   and answers the same.
 //! * Runners report their load (`in_flight/capacity`) on every request; work without a partition
 //!   goes to the least-loaded live runner (on a queue that steers by runner name, the embedded
 //!   one; on Kafka the consumer group spreads the calls over the runners). A runner not heard
-//!   from for `runner_lease_ms` is gone: its reserved calls go back to the queue for others. Running calls past their deadline become
-//!   `timeout` ([`Calls::expire`], driven by the schedule).
+//!   from for `runner_lease_ms` is gone (a runner inside a long poll counts as heard from): its
+//!   reserved calls go back to the queue for others.
+//! * **expire** ([`Calls::expire`], every 100 ms): running calls past their deadline (from the
+//!   schedule) become `timeout`; every 5 s, queued calls whose message is gone (the projection's
+//!   index of queued calls, [`Calls::recover`]) are put back; runners not heard from for the
+//!   lease are released.
+//! * [`Calls::put_and_decide`] puts calls built elsewhere (function steps) and records them in a
+//!   decision of the caller's; what the decision does not record is deleted from the queue.
+//!
+//! Ended calls leave the projection with the retention, a standing cleaner
+//! (`ebb_core::cleaner::config`), so memory is bounded by the retention.
+//!
+//! **Several replicas** ([`Calls::with_peers`]): a call belongs to the replica that accepted it
+//! ([`crate::peers`]: its id is `OWNER.UUID`). `start` and `finish` of another's calls go to the
+//! owner's runner API, one request per owner and batch: the message is held here first, then
+//! held to the deadline, deleted or, while the owner cannot be asked, held back for
+//! `RETRY_AFTER_S` and answered `owner_unavailable`. `dequeue` asks the owner
+//! (`/runner/states`) what became of another's calls before handing them out, as it asks its own
+//! log for its own; one the owner does not know yet (an enqueue puts, then records) is held back
+//! (`hold_back_unknown`: 20 ms, doubling, ten times) rather than handed out, since the owner would
+//! refuse its start as unknown and delete the message of a call it is about to record. A failed
+//! put is recorded (`CallsAborted`), so its message never runs should it land after all, across
+//! restarts too. On Kafka a message's key is the partition the enqueue named, else shared by runs
+//! of `KEY_RUN` calls of a put: calls spread over every partition, so every replica's runners
+//! share them (`Queue::steers_to_runners` is false there: steering to the least-loaded runner is
+//! the embedded queue's).
 
 pub mod runner;
 

@@ -2,6 +2,16 @@
 //! with bounded concurrency and reports each finish. The same loop runs inside `ebb serve` (the
 //! built-in runner, calling the service in process) and as `ebb runner --api URL --token T`
 //! (over HTTP).
+//!
+//! The loop dequeues up to its free capacity, starts the batch (while asking for more), runs each
+//! accepted call with a bounded [`Executor`] and reports finishes in batches with bounded
+//! retries. [`ProxyExecutor`] runs a call through ebb's proxy or, for a function served
+//! elsewhere, sends it to the instance of its `serviceAddress` that its traffic policy picks
+//! (through [`crate::discovery::Balanced`]); [`NoopExecutor`] is for benchmarks. [`RunnerApi`]
+//! has an in-process face and an HTTP one ([`HttpApi`]: `--api` a service id, the replica picked
+//! by consistent hashing on the runner's id, so a runner stays on one replica while it is there).
+//! The hidden `--fault kill-after-dequeue|kill-after-start` ([`Fault`]) makes `ebb runner`
+//! SIGKILL itself there, for the fault tests.
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -5,6 +5,10 @@
 //! a fresh read and a delete conditioned on its uid and resourceVersion, with foreground
 //! propagation (the TTL-after-finished controller's way), then the Cleaner.
 //!
+//! A Cleaner is recorded (`CleanerUpserted`) only when its spec changed, so a restart moves no
+//! schedule. Each target kind is discovered and watched once. Status and Events are written as
+//! evaluations are recorded, and a Cleaner holds a finalizer only while firing.
+//!
 //! Only the holder of ebb's lease runs it, so one replica decides.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};

@@ -7,6 +7,13 @@
 //! before its planned time. A firing is logged (`CleanerFiring`) before its first deletion and
 //! completed (`CleanerFired`) after its last, so one cut short by a crash completes after the
 //! restart, and deleting again what is already gone is no error.
+//!
+//! A [`Backend`] resolves targets from cached reads, begins, deletes and finishes a firing, and
+//! reports each recorded evaluation. An evaluation is recorded (`CleanerEvaluated`, with
+//! `CleanerFiring` before any deletion) before the firing; `CleanerFired` ends it, and a firing
+//! without one is completed at start. Two loops share the log's cleaners by name
+//! ([`Cleaners::only`]): `ebb.toml`'s (`config/`) on every replica, the `Cleaner` resources on the
+//! lease holder. The CEL bounds (`--cel-max-steps`, `--cel-max-time-ms`) go to every evaluation.
 
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;

@@ -2,7 +2,7 @@
 //! elsewhere, a runner reaching ebb's API, one replica forwarding to another): a [`Balanced`] keeps
 //! one [`Picker`] per watched service, rebuilt when discovery's generation moves (instances still
 //! listed keep what was learnt of them), and hands out [`Chosen`] instances that report how their
-//! request ended.
+//! request ended (or, dropped without a report, only end their count of requests under way).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

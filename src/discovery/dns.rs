@@ -1,5 +1,9 @@
 //! DNS discovery and the cache of resolved services.
 //!
+//! Resolution goes through hickory-resolver with its own cache off (this module's refreshes on
+//! the records' TTL, where the resolver's would hide changes), one refresh task per watched
+//! service.
+//!
 //! * [`Dns`] resolves `http`, `https`, `ws` and `wss` ids (`http://name:port`) to one instance per
 //!   address of the name (A and AAAA records), with the time the answer stays valid (the records'
 //!   TTL) — a headless Kubernetes Service resolves to its ready pods this way. The name server

@@ -9,7 +9,9 @@
 //!   ready, the serving ones that are terminating (a rollout's last pods keep answering); an
 //!   unknown `ready` counts as ready, an unknown `serving` as `ready` says. With a zone
 //!   ([`Endpoints::in_zone`]) and every chosen endpoint carrying hints, only those hinted for
-//!   the zone are used when there are any (KEP-2433).
+//!   the zone are used when there are any (KEP-2433). The choice is a pure function of the slices
+//!   ([`serving`]); the slices come from a kube-runtime watcher and are published once each
+//!   relist is complete, so a relist never shows a partial list.
 //! * [`Env`] resolves `k8s-env://NAME[:PORT]` from the environment Kubernetes gives every
 //!   container: `NAME_SERVICE_HOST` and `NAME_SERVICE_PORT` (`NAME` upper case, `-` as `_`),
 //!   read once.

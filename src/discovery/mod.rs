@@ -16,6 +16,13 @@
 //! The module is a library: it records no events. What it decides per request (which instance)
 //! is not a decision of the log; what it learns (latency, load, failures) lives in memory with
 //! the instance.
+//!
+//! [`Discovery::watch`] gives a `watch::Receiver<Resolved>` whose generation counter readers
+//! compare to rebuild their picker only when the instances changed. [`Cache`] keeps one watch per
+//! service id, shared by every destination that names it. The pickers' monotonic clock
+//! ([`now_us`]) and the per-thread seeded generators ([`with_rng`], [`set_seed`]) are here too.
+//! The policies, balancers, service ids and meta services are the core's (`ebb_core::discovery`),
+//! re-exported here.
 
 pub mod client;
 pub mod dns;

@@ -4,6 +4,13 @@
 //! so two drivers (or a driver and an explicit step) never add the same step twice; a step's call
 //! id is derived from the instance and the step's number, so a step decided again after a crash
 //! is the same call, not a second run.
+//!
+//! [`FunctionService`] has `invoke`, `step` (explicit steps and `RETURN`), `advance` (each change
+//! decided again on the writer, so no step is added twice) and `fire`. Steps go on the queue
+//! through `Calls::put_and_decide`: put first, then the instance's events and `CallQueued` in one
+//! decision. Three loops: the driver ([`run_driver`]: moves instances on when calls end, and
+//! sweeps every 500 ms), the autoscaler ([`run_autoscaler`]) and the cron loop ([`run_cron`]:
+//! fires what is due in the schedule heap, every 250 ms).
 
 use std::sync::Arc;
 use std::time::Duration;

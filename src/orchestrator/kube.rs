@@ -6,24 +6,40 @@
 //! * **Routes.** A watcher on Services (one namespace or all) keeps every Service's annotations;
 //!   once the first list is complete and after every change, the annotated ones
 //!   ([`super::annotations`]) become the routes named `NAMESPACE/SERVICE`, decided on the log
-//!   against its routes: `RouteUpserted` for a new or changed one, `RouteRemoved` for a Service
-//!   gone or no longer annotated. A Service whose annotations make no route gets one Warning Event
-//!   per distinct problem, and no route.
+//!   against its routes ([`decide_routes`]): `RouteUpserted` for a new or changed one,
+//!   `RouteRemoved` for a Service gone or no longer annotated. A name with `/` is a Service's,
+//!   never one of `ebb.toml` or the admin API, and a Service never takes a domain of those. A
+//!   Service whose annotations make no route gets one Warning Event per distinct problem, and no
+//!   route.
 //! * **Endpoints.** A watcher on EndpointSlices keeps the slices of the Services behind routes; a
 //!   route's ready replicas are the addresses of the endpoints that are ready (KEP-1669: `ready`,
-//!   absent meaning ready, and not `terminating`) on the Service's first port, the moment a slice
-//!   lists them. The watchers resume from their resourceVersion, relist after a 410 and back off
-//!   on errors (kube-runtime's watcher).
+//!   absent meaning ready, and not `terminating`) on the Service's first port, each address once
+//!   across slices, the moment a slice lists them. The watchers resume from their
+//!   resourceVersion, relist after a 410 and back off on errors (kube-runtime's watcher).
 //! * **Scale writes.** [`KubeOrchestrator::scale`] records the replicas wanted and returns; one
 //!   writer patches `/scale` with the newest value per workload (so a burst of asks is one
-//!   write), rate limited, retried with backoff a bounded number of times.
+//!   write), rate limited (a permit per request, refilled at `--kube-qps`), retried with a
+//!   doubling backoff a bounded number of times. A success is a Normal Event named by the reason
+//!   of the log's last `ScaleRequested` (the projection keeps it), a failure a `ScaleFailed`
+//!   Warning Event.
 //! * **Sync.** Every `sync_interval_ms` each workload's `/scale` is read: replicas changed by
 //!   someone else (an operator, another ebb) are recorded as `ScaleRequested { reason: peer }`,
 //!   and the workload is labelled `ebb.dev/managed=true` once. A read that overlaps one of ebb's
 //!   own writes is discarded, so it never undoes a wake.
 //!
-//! ebb does not own annotated workloads: it never scales one at its own shutdown or restart, and a
-//! route removed leaves its workload as it is.
+//! [`KubeOrchestrator::synced`] (the Services listed and their routes decided, the EndpointSlices
+//! listed) is what `/readyz` answers. A failure that repeats is one log line until it changes
+//! (`Complaints`).
+//!
+//! ebb does not own annotated workloads: it never scales one at its own shutdown or restart (the
+//! cluster's replicas are the truth, read back by the sync loop), and a route removed leaves its
+//! workload as it is.
+//!
+//! **Shared scaling.** [`run_shared`] replaces the single-machine downscaler here: it drives
+//! `ebb_core::scaler::member` against [`super::kube_coordinator`], the `Coordinator` on the API
+//! server. The leader reads a workload only when its own view already says idle (the last-used
+//! annotation only grows). A hidden `--downscale-gate` directory holds each scale-down before its
+//! write, for the test that races a bump against it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};

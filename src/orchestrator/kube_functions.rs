@@ -17,6 +17,12 @@
 //! * **Removed** when the template is deleted, and, when ebb starts, for every template deleted
 //!   while it was away (functions this replica made, by the owner annotation): deleted with the
 //!   UID read as a precondition, so a newer object of the same name is never removed.
+//!
+//! The loop (joined by `kube::run`) is woken by `TemplateUpserted` and `TemplateDeleted` on the
+//! log's tail, and every 5 s while something failed. Each function's workload is tracked
+//! (`KubeOrchestrator::track_function`; the route loop leaves function workloads alone). On
+//! Kubernetes the function autoscaler only raises replicas (each ebb replica counts only its own
+//! calls); lowering them is left to idleness.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;

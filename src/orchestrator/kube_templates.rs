@@ -11,11 +11,14 @@
 //!   `TemplateDeleted`, and the route of the template's workload): the rest of ebb (the
 //!   autoscaler, the runners, the image functions' objects, the watch API, explain) reads
 //!   templates from the log as before, and every replica's log follows the same resources. After
-//!   a relist, templates the resources no longer have are deleted. A resource ebb cannot take (a
-//!   spec it refuses) gets a Warning Event saying why and is left out.
+//!   a relist, templates the resources no longer have are deleted. A resource ebb cannot take (its
+//!   `spec.name` not its name, a host another route has, a bad spec) gets a `FuncRefused` Warning
+//!   Event saying why and is left out.
+//! * **Configuration**: templates from `ebb.toml` are applied as resources (field manager
+//!   `ebb-config`).
 //! * **Status**: the template's `FuncStatus` (counter, last call counted, replicas asked for) is
-//!   written to the resource's status by the replica holding the scale-down lease, when it
-//!   changes ([`run_status`]).
+//!   written to the resource's status by the replica holding the scale-down lease
+//!   (`SharedScaling::leading`), when it changes ([`run_status`]).
 //! * **Reads**: the functions API lists, gets and watches the resources themselves
 //!   ([`KubeTemplates::list`], [`KubeTemplates::get`], [`KubeTemplates::watch`]), so a template's
 //!   `resourceVersion` is the resource's and means the same on every replica: a list through one

@@ -6,11 +6,14 @@
 //! it to exit. A replica that exits while wanted is a failure: it is counted, reported, and
 //! replaced after a backoff that doubles with consecutive failures and resets on readiness.
 //! Stopping sends SIGTERM to the replica's process group, then SIGKILL after the grace period.
-//! stdout and stderr go to `<log_dir>/<workload>/replica-<id>.log`.
+//! stdout and stderr go to `<log_dir>/<workload>/replica-<id>.log`. Readiness is an HTTP path or
+//! a TCP connect, polled. A workload's `pre_run` (`sh -c`) runs once before its first replica
+//! starts and again only when it changes; a failing one fails the replica's start.
 //!
 //! No child outlives ebb: every replica runs in its own process group, is killed with it when its
 //! task ends, and carries a parent-death signal (SIGKILL) bound to a long-lived spawner thread, so
-//! even a SIGKILL of ebb takes its children with it.
+//! even a SIGKILL of ebb takes its children with it. The `pre_exec` hook that sets the signal is
+//! the workspace's only `unsafe` code.
 
 use std::collections::BTreeMap;
 use std::net::{Ipv4Addr, SocketAddr};

@@ -5,10 +5,12 @@
 //! * **Requests per replica** (a route's `concurrency`, like Knative's `containerConcurrency`;
 //!   0 means no bound): a request takes a slot on the replica its route's traffic policy picks
 //!   ([`crate::discovery`]; by default peak EWMA) among those below the bound, and holds it until
-//!   its response is done; how the request ended (its latency, a 5xx, a failed connection) is
-//!   told to the policy when it ends. When every replica is full the request waits, held
-//!   like a request for a sleeping workload (the route's hold queue and hold timeout), and takes
-//!   the first slot freed.
+//!   its response is done; how the request ended (its latency, a 5xx, a failed connection, the
+//!   `X-Runner-Load` its answer reported) is told to the policy when it ends. The route's
+//!   [`Picker`](crate::discovery::Picker) is rebuilt only when its ready list changes. When
+//!   every replica is full the request waits, held like a request for a sleeping workload (the
+//!   route's hold queue and hold timeout), until the deployment's [`Group`] reports a freed
+//!   slot, and takes it.
 //! * **Connections being opened per replica** (`max_connecting`): a request that finds no idle
 //!   keep-alive connection opens one only while fewer than the replica's window of openings are
 //!   being opened; otherwise it waits for whichever comes first, an idle connection coming back
@@ -16,7 +18,9 @@
 //!   it answers (or [`OPEN_SETTLE_MS`] pass), so connections the app has not accepted never
 //!   outnumber the window; the window starts at one, grows by one with each connection that
 //!   answered up to `max_connecting`, and halves when an attempt goes unanswered. An app with a
-//!   small accept backlog is never sent more connections than it takes.
+//!   small accept backlog is never sent more connections than it takes. Each new connection has
+//!   one [`Settling`] timer, on both paths; a request woken by an opening it does not take passes
+//!   it on, and every wait looks again each [`RECHECK_MS`].
 //! * **Connects are retried quickly** ([`connect`]): an attempt that gets no answer within
 //!   `connect_attempt_ms` (the SYN was dropped, typically by a full accept queue) is abandoned and
 //!   made again, the bound doubling up to a second, within `connect_timeout_ms` in all; nothing

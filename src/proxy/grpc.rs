@@ -2,7 +2,12 @@
 //! terminates TLS) with a `application/grpc` content type goes on to the replica over h2c, with
 //! `te: trailers`, its streams both ways and its trailers untouched. Its `grpc-timeout` bounds the
 //! wait for a replica (a wake longer than the call's deadline answers `DEADLINE_EXCEEDED` at the
-//! deadline, not later), and what ebb itself refuses is a gRPC status a client understands.
+//! deadline, not later), and what ebb itself refuses is a gRPC status a client understands (a
+//! trailers-only answer).
+//!
+//! The hop to the replica uses a second per-thread client (`http2_only`) through the same
+//! `PacedConnector` as the general path, so its connections are paced like any other;
+//! `te: trailers` is put back after the hop-by-hop headers are stripped.
 
 use std::time::Duration;
 

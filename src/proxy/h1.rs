@@ -1,8 +1,9 @@
 //! The HTTP/1.1 forwarding path: the common case (an HTTP/1.1 request without upgrade) handled
 //! on the raw connections, the way nginx does it, without building request and response objects.
 //!
-//! * The request head is parsed with `httparse` and rewritten once into the backend's head:
-//!   routed by [`head::target`](super::head::target) (one valid `Host`, or 400; an absolute-form
+//! * The request head is parsed with `httparse` and rewritten once into the backend's head (by
+//!   `ebb_http::h1`, which also writes the request id there and keeps its range): routed by
+//!   [`head::target`](super::head::target) (one valid `Host`, or 400; an absolute-form
 //!   target's authority wins and the backend gets the origin form with it as `Host`), hop-by-hop
 //!   headers (and those named in `Connection`) dropped, `X-Forwarded-For`, `-Proto`, `-Host` and
 //!   `Forwarded` added. The response head is rewritten the same way. A head that does not parse,
@@ -14,12 +15,23 @@
 //!   chunked ones passed through as they are, with [`Chunked`] finding where they end. A response
 //!   without framing is read to the backend's close and ends the client connection too.
 //! * Backend connections are kept per thread in a bounded pool of idle keep-alive connections.
-//!   A request meets a backend connection in one task: small responses cost one read and one
-//!   write on each side. A request that finds no idle connection opens one within the replica's
-//!   bound on openings, or waits for an idle one to come back ([`backends`]).
+//!   A request meets a backend connection in one task: a small response costs one read and one
+//!   write on each side and no allocation beyond the connection's buffers. A pooled connection
+//!   is checked for a close first only for a request with a body (a body-less request that meets
+//!   a closed one is retried on a fresh one). A request that finds no idle connection opens one
+//!   within the replica's bound on openings, or waits for an idle one to come back ([`backends`]).
+//! * A request body is sent while the response is relayed, so `100 Continue` and early answers
+//!   pass; a response that ends before the body was sent ends both connections.
 //! * A client that leaves (its connection reaches its end or fails) while its request is held,
 //!   waits for a connection or waits for the answer abandons the request at once: the backend
-//!   connection is closed and the request no longer counts as in flight.
+//!   connection is closed and the request no longer counts as in flight. To notice it, the
+//!   client's side is read ahead while the request waits (bounded).
+//! * One timer per connection (a watchdog, moved only when it fires) bounds an idle keep-alive
+//!   connection (`client_idle_timeout_ms`, or after a request its route's
+//!   `connection_idle_timeout_ms`), the reading of a head (`header_read_timeout_ms`) and a
+//!   request under way that moves no byte either way (its route's `stream_idle_timeout_ms`, else
+//!   `request_stall_timeout_ms`; a held request re-arms it, since the hold has its own bound).
+//!   The wait for the answer's head is bounded by the route's `response_timeout_ms` (a 504).
 //! * Everything else (h2c, HTTP/1.0, upgrades such as WebSocket, transfer codings besides
 //!   chunked) is handed, with the bytes read so far, to the general path on hyper
 //!   ([`Proxy::serve_hyper`]), which serves the rest of that connection.

@@ -1,6 +1,9 @@
 //! The proxy: routes HTTP requests by Host to a ready replica of the route's workload, holding
 //! and waking when there is none.
 //!
+//! * **Threads**: each core runs a proxy thread with its own single-threaded runtime, an
+//!   `SO_REUSEPORT` listener and its own backend pool ([`Proxy::spawn_workers`]), so a request
+//!   never wakes another thread.
 //! * **Routing** reads where a request goes with [`head::target`] (exactly one valid `Host`, or
 //!   400; an absolute-form target's authority wins over `Host`), then looks the host up in the
 //!   routing table ([`table`], a snapshot of the route store matched with
@@ -10,23 +13,45 @@
 //!   hold (beyond `hold_queue_max`: 503 at once). The first waiter's wake decision is logged once
 //!   (single flight, decided on the log's writer, in a task of its own so an abandoned request
 //!   cannot cut it short) before the orchestrator is asked to scale; every waiter goes out the
-//!   moment a replica is ready; past `hold_timeout_ms` it gets 503 with `Retry-After`.
-//! * **Pacing** ([`backends`]): a request takes a slot on the least busy ready replica (at most
-//!   the route's `concurrency` each; the others wait in the hold), and connections to a replica
-//!   are opened at most `max_connecting` at a time, an unanswered connect attempt being made
-//!   again within `connect_attempt_ms`, so a burst released by a wake never floods an app with a
-//!   small accept backlog.
+//!   moment a replica is ready; past `hold_timeout_ms` it gets 503 with `Retry-After`. Held
+//!   requests are also bounded across routes (`--max-held`). Only a request that must be held
+//!   opens a `request` span (its id, the route), under which the wake task runs too, so the
+//!   held, woken, forwarded or refused lines about it carry its id. A browser's page load for a
+//!   route with a waiting page ([`waiting`]) is answered with the page after the wake starts,
+//!   instead of being held. `Proxy::endpoint` is this for a route's replicas, and
+//!   `Proxy::endpoint_on` for any list of them (a meta service's `ebb://app` destination).
+//! * **Pacing** ([`backends`]): a request takes a slot on the ready replica the route's traffic
+//!   policy picks (at most the route's `concurrency` each; the others wait in the hold), and
+//!   connections to a replica are opened at most `max_connecting` at a time, an unanswered
+//!   connect attempt being made again within `connect_attempt_ms`, so a burst released by a wake
+//!   never floods an app with a small accept backlog.
 //! * **Forwarding**: HTTP/1.1 requests take the raw-socket path in [`h1`] (per-thread pools of
 //!   keep-alive backend connections, bodies streamed byte for byte); h2c, HTTP/1.0 and upgrades
-//!   (WebSocket) take the general path on hyper ([`Proxy::handle`]). Both add `X-Forwarded-For`,
-//!   `-Proto`, `-Host` and `Forwarded`. A request that meets a backend refusing the connection, or
-//!   a body-less one whose connection is reset before an answer (the replica is stopping), wakes
-//!   the workload again and is retried once on another replica.
+//!   (WebSocket) take the general path on hyper ([`Proxy::handle`]), which serves the rest of
+//!   the connection and tunnels upgrades ([`splice`]). Both add `X-Forwarded-For`, `-Proto`,
+//!   `-Host` and `Forwarded`. The general path's backend connections come from hyper's pool
+//!   through `PacedConnector`, which opens them within the same per-replica bound; hyper drops a
+//!   request whose client left. Its bodies are [`Body`] (`BoxBody<Bytes, BoxError>`), so the
+//!   proxy can end one itself ([`stream_idle`]). gRPC ([`grpc`]) takes the general path; TCP
+//!   routes ([`tcp`]) have listeners of their own; meta services ([`services`]) route by their
+//!   own rules. A request that meets a backend refusing the connection (its body untouched), or
+//!   a body-less one whose connection is reset or closed before an answer (the replica is
+//!   stopping), wakes the workload again and is retried once on another replica
+//!   ([`retry_after_miss`]); a stale pooled connection is first retried on a fresh one.
+//! * **Timeouts**, per route, on both paths: the wait for the answer's head
+//!   (`response_timeout_ms`, a 504), a request moving no byte (`stream_idle_timeout_ms`), an
+//!   idle connection (`connection_idle_timeout_ms`: keep-alive after a request, upgraded and TCP
+//!   connections); and the proxy's own bounds on an idle client connection
+//!   (`client_idle_timeout_ms`) and a stalled request (`request_stall_timeout_ms`).
 //! * **Traffic** is counted in memory ([`Traffic`]): in-flight requests per route (held ones
 //!   included; a response counts until its body is done, a request whose client left stops
 //!   counting at once) and requests since the last flush. The runtime loops in [`runtime`] flush
 //!   it as `RequestsSeen` aggregates and scale idle workloads down. The proxy never writes the log
 //!   per request.
+//! * **Shutdown**: each proxy thread stops accepting, then waits ([`Proxy::drain`], polling the
+//!   per-route in-flight and held counters) until no request is under way or held, for at most
+//!   `--drain-timeout-ms`; the wake machinery and the apps keep running meanwhile, and only then
+//!   are the apps stopped.
 
 pub mod backends;
 pub mod grpc;

@@ -1,7 +1,9 @@
-//! The proxy's background loops: flush traffic into `RequestsSeen` aggregates, record what the
-//! orchestrator reports as `ScaledUp` / `ScaledDown`, and scale idle workloads down. Each loop
-//! decides on the log's writer (serialized with every other decision) and acts only after its
-//! events are durable.
+//! The proxy's background loops: flush traffic into `RequestsSeen` aggregates ([`run_flusher`],
+//! one per active route per flush interval), record what the orchestrator reports as `ScaledUp` /
+//! `ScaledDown` ([`run_observer`]), scale idle workloads down ([`run_downscaler`]), and open and
+//! close keep-warm windows when their `RouteWarm` deadline falls due, scaling a deployment up to
+//! its floor ([`run_warmer`]). Each loop decides on the log's writer (serialized with every other
+//! decision) and acts only after its events are durable.
 
 use std::sync::Arc;
 use std::time::Duration;

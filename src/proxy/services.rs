@@ -4,6 +4,14 @@
 //! destination's policy picks one of its instances (fixed addresses, or the ready replicas of an
 //! ebb workload, `ebb://app`). Instances share the proxy's replicas ([`Backends`]): their
 //! connection pacing and what load balancing learns of them.
+//!
+//! `Proxy::handle_service` matches the route, rewrites, draws the destination by weight and takes
+//! a slot on the instance the destination's policy picks: fixed addresses (`http://IP:port`), or
+//! an `ebb://app`'s ready replicas, read again when the orchestrator's change counter moves. A
+//! request to an `ebb://app` destination is the app's: counted in its traffic (its idle timer,
+//! the downscale's in-flight check) and, through `Proxy::endpoint_on` (the route's
+//! hold-and-wake over the destination's replicas), held and woken from zero under the app's
+//! concurrency and hold bounds.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -1,7 +1,7 @@
 //! Byte splicing between two connections with an idle bound: an upgraded connection (WebSocket)
 //! through the general path. Each side is wrapped so that every read or write that moves bytes
 //! marks the pair's last activity (by ebb's clock); one timer, moved only when it fires, ends the
-//! splice once nothing moved for the bound.
+//! splice once nothing moved for the bound (the route's `connection_idle_timeout_ms`).
 
 use std::io;
 use std::pin::Pin;

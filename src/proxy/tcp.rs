@@ -1,13 +1,16 @@
 //! TCP routes: a route with a `listen` address is a port instead of a Host. ebb accepts each
 //! connection there, wakes the workload from zero and holds the connection (through the same
 //! hold-and-wake as a request: one wake however many connections wait, `hold_timeout_ms`,
-//! `hold_queue_max`), then splices bytes both ways to the replica the route's policy picks. An
-//! open connection is in flight (the workload is never idle under it) and its end is the route's
-//! last use, so the workload goes idle `idle_after_ms` after its last connection closed.
+//! `hold_queue_max`, a slot taken through `Proxy::endpoint`), then connects to the replica the
+//! route's policy picks (a refused connect is retried once, after a wake) and splices bytes both
+//! ways ([`super::splice`]). An open connection is in flight (the workload is never idle under it)
+//! and its end is the route's last use ([`super::traffic::RouteTraffic::touch`]), so the workload
+//! goes idle `idle_after_ms` after its last connection closed.
 //! `connection_idle_timeout_ms` closes a connection that moves no byte for that long.
 //!
 //! The listeners follow the routes: [`run`] opens one per TCP route in the log and closes it when
-//! the route goes or moves elsewhere, looking again whenever the routes change.
+//! the route goes or moves elsewhere, looking again whenever the routes change (the route store's
+//! `changed_at_seq` moves).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

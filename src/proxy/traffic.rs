@@ -1,6 +1,14 @@
 //! In-memory traffic per route: requests in flight (held ones included), requests since the last
 //! flush, and the newest request time. The hot path only touches atomics; the flusher turns the
 //! counts into `RequestsSeen` aggregates.
+//!
+//! [`RouteTraffic`] also holds what `/metrics` reads when scraped: the request counter the flusher
+//! swaps plus what it has flushed (a monotonic total), answers by status class and a histogram of
+//! the time from a pick to the answer's head (three relaxed additions per answer, with the time
+//! the picker already measured: no lock, no extra clock read), and the timeouts each route's
+//! requests met ([`Timeout`]). The hold time is observed where a request found no free replica,
+//! off the fast path ([`Traffic::observe_hold`]). A TCP connection's end marks the route's last
+//! use ([`RouteTraffic::touch`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

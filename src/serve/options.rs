@@ -63,6 +63,7 @@ pub struct ServeOptions {
 
 /// Where ebb listens, with how many proxy threads, over TLS or not.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Listening")]
 pub struct NetOptions {
     /// Address of the proxy.
     #[arg(long, default_value = "127.0.0.1:8080", env = "EBB_LISTEN")]
@@ -91,6 +92,7 @@ pub struct NetOptions {
 
 /// The APIs' bearer tokens, and Kubernetes' own (`--kube-auth`).
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Access")]
 pub struct AccessOptions {
     /// Bearer token for the admin API (`/admin/routes`); without one it is disabled.
     #[arg(long, env = "EBB_ADMIN_TOKEN", hide_env_values = true)]
@@ -125,6 +127,7 @@ pub struct AccessOptions {
 
 /// The log's durability and snapshots, and how often traffic is written to it.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Log")]
 pub struct LogOptions {
     /// Sync every acknowledged append to disk, or leave flushing to the OS.
     #[arg(long, value_enum, default_value_t = Durability::Sync)]
@@ -140,6 +143,7 @@ pub struct LogOptions {
 
 /// The call service, its queue (embedded or Kafka) and the built-in runner.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Calls")]
 pub struct CallFlags {
     /// Calls the built-in runner runs at once (0: none; external runners only).
     #[arg(long, default_value_t = 64)]
@@ -170,6 +174,7 @@ pub struct CallFlags {
 
 /// The function autoscaler.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Functions")]
 pub struct FunctionFlags {
     /// The function autoscaler's period, in ms.
     #[arg(long, default_value_t = 1_000)]
@@ -190,6 +195,7 @@ pub struct FunctionFlags {
 
 /// What runs the workloads, and the Kubernetes backend's settings.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Kubernetes")]
 pub struct KubeFlags {
     /// What runs the workloads: local processes, or Kubernetes (routes from annotated
     /// Services, replicas through `/scale`, addresses from EndpointSlices; the client is
@@ -233,6 +239,7 @@ pub struct KubeFlags {
 
 /// This replica's name and how it finds the others.
 #[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Replicas")]
 pub struct ReplicaFlags {
     /// This replica's name, when several ebb share calls (a Kafka queue) and functions: the
     /// ids of the calls and instances it accepts carry it (`NAME.UUID`), and other replicas

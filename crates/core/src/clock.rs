@@ -2,6 +2,10 @@
 //! that reads the operating system's clocks (`clippy.toml` forbids `SystemTime::now` and
 //! `Instant::now` everywhere else). Projections never read a clock at all: the time of an event is
 //! the `at_ms` of its envelope.
+//!
+//! [`SystemClock`] is the real one; [`SimClock`] moves only when told; [`SkewedClock`] is a
+//! [`SimClock`] off by a fixed skew (a simulated replica's clock); [`Stopwatch`] measures
+//! elapsed time on the monotonic clock (benchmarks, the load balancers' clock, cache ages).
 #![allow(clippy::disallowed_methods)]
 
 use std::sync::Arc;

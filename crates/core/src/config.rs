@@ -9,6 +9,8 @@
 //! ```
 //!
 //! Parsing is strict (unknown keys are errors) and every error names the file and the problem.
+//! The admin API validates a route's JSON with the same rules ([`AppConfig`]), so a route is the
+//! same whichever way it came.
 
 use std::path::{Path, PathBuf};
 

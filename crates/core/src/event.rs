@@ -7,6 +7,12 @@
 //! error, and keeps a decoder for every older version (`schema/events.md` documents each one and
 //! `schema/fixtures/` holds encoded samples that must decode forever). Event bodies are encoded with
 //! named fields, so a field added later with `#[serde(default)]` still reads old records.
+//! Changing an event's shape in any other way means a new [`SCHEMA_VERSION`], a decoder for the
+//! old one, and new fixtures beside the old ones; [`examples`] gives one event of each kind, whose
+//! encodings are the fixtures, and `tests/schema.rs` decodes the fixtures of every version.
+//!
+//! [`Event::subject`] names the object an event is about (its [`Kind`] and id), which is how
+//! `ebb explain` finds an object's events.
 //!
 //! This module is pure: no IO, no clock.
 

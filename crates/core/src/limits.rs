@@ -2,6 +2,16 @@
 //! README's configuration reference lists them), and how often each refused something
 //! (`ebb_limit_refusals_total{limit}` in `/metrics`). Reaching one gives a clear 4xx or 503 with
 //! a JSON body, never a crash or unbounded memory.
+//!
+//! [`Limits`] is one `clap::Args` struct flattened into `ebb serve`, so each bound is a flag and an
+//! environment variable, checked at start ([`Limits::check`]); each refusal is counted with
+//! [`Limit::hit`]. Where each is enforced: the proxy (its `ProxyOptions::limits`) bounds a head's
+//! bytes and header lines and the time to read it on both forwarding paths (hyper's
+//! `max_buf_size` and `header_read_timeout` on the general one), counts connections at accept
+//! (over the bound, a 503 is written and the connection closed) and held requests across routes,
+//! beside each route's `hold_queue_max`; the call service bounds the calls queued per target from
+//! the projection's index ([`crate::state::Calls::queued_by_target`]); the function service bounds
+//! an instance's steps; the cleaner loop passes the CEL bounds to every evaluation.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -80,6 +90,7 @@ static HITS: [AtomicU64; Limit::ALL.len()] = [const { AtomicU64::new(0) }; Limit
 
 /// Every limit's setting: `ebb serve --NAME` or `EBB_NAME`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::Args)]
+#[command(next_help_heading = "Limits")]
 pub struct Limits {
     /// The most bytes of a request head the proxy reads (request line and header lines): 431
     /// past it.

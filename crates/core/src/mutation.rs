@@ -4,6 +4,12 @@
 //! A mutation is switched on for the current thread only, by [`with`]. Only the simulator, which
 //! runs a seed on one thread, does that; nothing else in ebb ever switches one on, so every check
 //! of [`active`] outside a simulation is false.
+//!
+//! The seven ([`Mutation::ALL`]): `downscale-without-cas`, `start-without-condition`,
+//! `finish-not-idempotent`, `no-retry-on-stopping`, `decide-for-others`, `hand-out-unknown` and
+//! `idle-ignores-warm`. Each is checked inside the production decision it breaks, and
+//! `tests/simulation.rs` asserts that each is found as a violation of the invariant it breaks
+//! (`ebb simulate --mutation` is hidden).
 
 use std::cell::Cell;
 

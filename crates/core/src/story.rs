@@ -3,6 +3,13 @@
 //! state just before its event, so it can say what the decision was based on: the idle time from
 //! the route's last use, how long a call waited in the queue, how late a cleaner fired.
 //! `ebb explain`, `/admin/explain` and the dashboard show these lines.
+//!
+//! What a line says by event: an idle scale-down, the route's last use and idle bound; a
+//! `ScaledUp`, how long after its request; a call's start, its time in the queue; a finish, its
+//! runner, run time and log; a repeated finish, that the first one stands; a cleaner's firing,
+//! its lateness. `ebb explain` replays the whole log once (from the snapshot under the first
+//! record still stored, after compaction), telling the events that concern the object; the
+//! dashboard tells the log's tail the same way from a copy of the projection of its own.
 
 use serde::Serialize;
 

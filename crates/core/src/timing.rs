@@ -1,6 +1,10 @@
-//! The timing rules of the pure core: when a cron schedule fires, and when a cleaner whose
-//! conditions are monotonic in time will first hold. No IO and no clock: every function takes
-//! the time it reasons about, so the projections and the simulator get the same answers.
+//! The timing rules of the pure core: when a cron schedule fires ([`next_firing`],
+//! [`last_firing`]; croner, whole seconds, UTC or a named time zone), which keep-warm window
+//! occurrence covers a time ([`window_covering`]), and when a cleaner whose conditions are
+//! monotonic in time will first hold ([`earliest_true`]: a binary search over
+//! [`SEARCH_HORIZON_MS`] down to [`SEARCH_PRECISION_MS`]). The projections call these, not
+//! `functions`. No IO and no clock: every function takes the time it reasons about, so the
+//! projections and the simulator get the same answers.
 
 /// Parses a cron schedule: 5 fields (minute hour day-of-month month day-of-week) or 6 with
 /// seconds first, as croner (the parser tokio-cron-scheduler uses) reads them, in UTC.

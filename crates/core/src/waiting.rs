@@ -1,7 +1,12 @@
 //! Waiting pages: a browser's cold request gets a page that reloads itself until the workload is
 //! ready, instead of a connection that hangs (Sablier's dynamic strategy, KEDA's cold-start
 //! placeholder). API clients are held as ever: only a `GET` whose `Accept` names `text/html` gets
-//! the page.
+//! the page ([`wanted`]).
+//!
+//! The proxy answers such a request, for a route that has a page and no ready replica, with the
+//! page ([`render`]: a 503 with `Refresh`, every [`refresh_s`] seconds) after starting the wake,
+//! instead of holding it. A route's own template is checked when the route is ([`check`]), at
+//! most [`MAX_TEMPLATE_BYTES`], since it travels in every `RouteUpserted`.
 
 use crate::event::WaitingPage;
 

@@ -1,6 +1,18 @@
 //! Keep-warm windows as they are written (`ebb.toml`, the admin API, annotations, function
-//! templates) and the checks that make them the log's [`WarmWindow`]s. Whether a window is open
-//! at a time is [`crate::timing`]'s and the scaler's.
+//! templates) and the checks that make them the log's [`WarmWindow`]s (at most
+//! [`MAX_WARM_WINDOWS`] a route, each at most [`MAX_WARM_MS`] long, none asking for more than the
+//! route's `max_replicas`). Whether a window is open at a time is [`crate::timing`]'s and the
+//! scaler's.
+//!
+//! How the windows act: whether one is open is a pure function of its schedule, time zone, length
+//! and the time ([`crate::state::routes::warm_wanted`]), so every idle decision reads the floor
+//! from the time itself ([`crate::scaler::floor`]): no replica can scale below an open window
+//! because it has not logged the window's start yet. The log records each start, renewal and end
+//! (`WarmStarted`, `WarmEnded`) for the story and for the schedule heap (`Due::RouteWarm`, the
+//! next edge, recomputed by `apply`); [`crate::scaler::decide_warm`] makes the log agree with the
+//! windows open now and asks for the floor. The simulator's `keep-warm` scenario
+//! (`crates/sim/src/warm.rs`) checks, tick by tick across crashes with torn writes, that the
+//! record is what is open, the floor holds and nothing scales down under a request in flight.
 
 use serde::Deserialize;
 

@@ -5,6 +5,10 @@
 //! * [`h1`]: request and response heads parsed and rewritten for the other side.
 //! * [`chunked`]: where a chunked body ends, without decoding it.
 //! * [`request_id`]: `X-Request-Id`, kept or made.
+//!
+//! Its users are ebb's proxy (`src/proxy/`), the framing checks in front of hyper on ebb's own
+//! endpoints (`src/strict.rs`) and the fuzz checks. It reads the route's settings, the limits and
+//! the traffic policy's hash key from `ebb_core`, and nothing else of ebb.
 
 pub mod chunked;
 pub mod h1;

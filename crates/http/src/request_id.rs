@@ -5,6 +5,10 @@
 //!
 //! Made ids are 32 hex digits: a random 64-bit base per thread, then that thread's count. Making
 //! one takes no lock and no system call.
+//!
+//! The HTTP/1.1 fast path ([`crate::h1`]) writes the id into the backend's head while rewriting
+//! it (the client's first usable one, others dropped) and keeps its byte range, so the proxy has
+//! the id without parsing the head again.
 
 use std::cell::Cell;
 

@@ -2,6 +2,10 @@
 //! (start delay, readiness, termination) and the leadership lease. It is the simulator's
 //! [`Coordinator`] (the Kubernetes API, atomic per request; latency and errors are added by the
 //! simulator around each request) and its [`Orchestrator`] (what a replica's watch shows).
+//!
+//! A stopping pod refuses new connections, and exits once its requests are done or is killed
+//! after the grace period, when a request it still held meets a connection closed without an
+//! answer: the two misses the proxy's retry rule must cover.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Mutex;

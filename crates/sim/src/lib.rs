@@ -5,7 +5,11 @@
 //! [`ebb_core::orchestrator::Orchestrator`]), the queue ([`queue::SimQueue`], a
 //! [`ebb_core::queue::Queue`]) and the log store ([`ebb_core::log::MemStore`], which loses the
 //! unsynced tail in a crash). A run is one thread and one seed: the same seed gives the same
-//! trace, byte for byte ([`Outcome::hash`]). Scenarios are TOML files in `simulations/`.
+//! trace, byte for byte ([`Outcome::hash`]): a trace line is hashed as it is written. Scenarios
+//! are TOML files in `simulations/` ([`scenario`]); [`search`] runs seeds on several threads and
+//! a violation comes with the command that replays it ([`replay_command`]). A run reads no clock,
+//! spawns nothing and iterates no unordered collection in a way that reaches its trace:
+//! everything it does follows from the seed. Of ebb's crates it depends on `ebb-core` alone.
 //!
 //! The invariants, by name:
 //! * `request_not_lost`: every request is answered by a ready replica (a request that met a

@@ -2,6 +2,27 @@
 //! timed actions from one seed. Proxy replicas, the cluster, the calls node and its runners use
 //! the production decisions and projections; only the world around them (network, pods, time,
 //! faults) is simulated. The invariants are checked as the steps happen and at the end.
+//!
+//! The parts, all on one `SimClock` and one generator (ChaCha8):
+//!
+//! * Proxy replicas behind a random load balancer, each with its own log, `SkewedClock`, traffic
+//!   counters, view of the ready pods, and lease and last-used state; each drives the production
+//!   `Member` of the shared-scaling protocol.
+//! * The cluster ([`crate::cluster`]) and the coordination API's latency and errors around every
+//!   request.
+//! * A calls node (its log and a [`crate::queue::SimQueue`]) serving the runner API's semantics
+//!   with the production `decide_start`, `decide_finish` and `decide_timeouts`: own and shared
+//!   partitions, runner leases, a machine crash that loses unsynced queue writes, and the queued
+//!   calls put back from the log at restart. With `nodes = N` there are N such replicas, each with
+//!   its own log, deciding only for the calls it owns and asking the owner otherwise, as the call
+//!   service does; an enqueue puts its message and records the call a moment later, as the call
+//!   service does, so another replica can read the message in between and must hold it back.
+//! * Runners that crash, lose answers and retry, talking to any replica.
+//!
+//! The checks: as steps happen (a scale-down taking effect, a start accepted, a finish recorded,
+//! a request failing); every log replayed against its live state every 5,000 steps, after each
+//! restart and at the end; and the end state (every request answered, every acknowledged call
+//! final).
 
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BTreeSet, BinaryHeap, HashMap, VecDeque};

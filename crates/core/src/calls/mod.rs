@@ -1,7 +1,7 @@
 //! Calls' pure half: what a runner sends and gets (the runner API's bodies, [`wire`]), how a
 //! payload is checked, the job a call becomes, its queue message, and the rules the call service
 //! applies to calls the log does not know yet. The call service itself (enqueue, dequeue, start,
-//! finish over the queue and the log) is the binary's.
+//! finish over the queue and the log) is the `ebb` crate's (`src/calls/`).
 
 pub mod wire;
 

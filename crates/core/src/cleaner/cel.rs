@@ -1,5 +1,9 @@
 //! A cleaner's conditions: CEL compiled once, evaluated within a bound.
 //!
+//! Conditions are compiled with the `cel` crate (its standard library and the strings extension)
+//! once per change of the cleaner, refusing any free variable that is neither [`TIME`] nor the
+//! name of a target passed to the conditions.
+//!
 //! The `cel` crate has no cost accounting of its own, so compilation rewrites every
 //! comprehension (`all`, `exists`, `exists_one`, `map`, `filter`) to pass each step through a
 //! function that counts it: an evaluation that takes more than [`Limits::max_steps`] steps, or

@@ -1,6 +1,15 @@
 //! The cleaners of `ebb.toml` (`[[cleaner]]`): their configuration, their log names, and the
 //! standing retention of ended calls and instances. Their targets are ebb's own objects (run by
-//! the binary's local cleaner backend).
+//! the `ebb` crate's local cleaner backend, `src/cleaner/local.rs`).
+//!
+//! Their log names start with [`PREFIX`] (`config/`), which is how the two cleaner loops split the
+//! log's cleaners ([`is_local`]): these run on every replica, the `Cleaner` resources only on the
+//! lease holder. They are standing (`repeat`): `CleanerFired` arms them again after their retry
+//! period. The retention ([`retention`], `config/retention`) is one of them: its firing decides
+//! `CallsForgotten { finished_before_ms }`, which drops ended calls from the projection (except a
+//! running instance's current step, which the instance has yet to read), and `InstancesForgotten`,
+//! which drops ended instances; their events stay in the log, and memory is bounded by the
+//! retention.
 
 use crate::event::{CleanerSpec, CleanerTarget};
 use serde::Deserialize;

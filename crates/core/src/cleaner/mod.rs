@@ -1,10 +1,17 @@
 //! Cleaners: delete ephemeral objects once their TTL has passed and CEL conditions over them
 //! hold (the cleaner proposal, built in full).
 //!
-//! * [`spec`]: the `Cleaner` custom resource and its translation into the log's `CleanerSpec`.
+//! * [`spec`]: the `Cleaner` custom resource and its translation into the log's `CleanerSpec`
+//!   ([`crds`] gives its definition to `ebb crds`).
+//! * [`config`]: the cleaners of `ebb.toml`, over ebb's own objects, and the standing retention.
 //! * [`cel`]: conditions compiled once, evaluated within a bound.
-//! * [`decide`]: the pure evaluation of one cleaner at one time: fire, or when to look again
-//!   (binary search for monotonic conditions, [`crate::timing::earliest_true`]).
+//! * [`decide`]: the pure evaluation of one cleaner at one time. Nothing is evaluated before the
+//!   TTL; when every condition holds it fires; else, when the conditions are monotonic, it looks
+//!   again at the earliest time they all hold (a binary search, [`crate::timing::earliest_true`],
+//!   over [`crate::timing::SEARCH_HORIZON_MS`] to [`crate::timing::SEARCH_PRECISION_MS`]), else
+//!   after the retry period. Each failure is a [`Reason`], retried after the retry period (an
+//!   evaluation error, a target not resolved) or not (an invalid spec, a compile error, a result
+//!   that is not a boolean, an evaluation past its limits: the cleaner or a target must change).
 //!
 //! The schedule is the projection's (`state::Schedule`, `Due::CleanerEval`), rebuilt from
 //! `CleanerUpserted`, `CleanerEvaluated {next_at_ms}`, `CleanerFiring` and `CleanerFired`.

@@ -1,5 +1,11 @@
 //! The `Cleaner` custom resource (`cleaner.ebb.dev/v1alpha1`), its durations and references,
 //! and its translation into the log's [`CleanerSpec`].
+//!
+//! The resource's type, `CleanerResource`, is derived here and its definition generated into
+//! `deploy/base/crds/` (`ebb crds`). [`to_spec`] turns one into the log's `CleanerSpec`: durations
+//! parsed, references in the log's form (`apiVersion/Kind/name`, or `apiVersion/Kind?k=v` for a
+//! label selector, [`Ref`]), and whatever is wrong kept in `invalid` rather than refused, so the
+//! cleaner is recorded and its status can say why it does not run.
 
 use std::collections::BTreeMap;
 

@@ -9,7 +9,7 @@
 //! The scheme says what kind of service it is and who resolves it: `http`, `https`, `ws`, `wss`
 //! (DNS), `conf` (a descriptor in ebb's configuration), `k8s` (a Service's EndpointSlices),
 //! `k8s-env` (a Kubernetes Service's environment variables), `ebb` (one of ebb's own workloads).
-//! Schemes and hosts are compared in lower case.
+//! Schemes and hosts are compared in lower case. Parsing is the `url` crate's.
 
 use std::fmt;
 

@@ -1,6 +1,6 @@
 //! What a Kubernetes service id (`k8s://[MEMBER.]SERVICE.NAMESPACE[:PORT]`,
-//! `k8s-env://NAME[:PORT]`) names, checked at load. The watches that resolve them are the
-//! binary's.
+//! `k8s-env://NAME[:PORT]`) names, checked at load. The watches that resolve them are the `ebb`
+//! crate's (`src/discovery/k8s.rs`).
 
 use super::id::ServiceId;
 

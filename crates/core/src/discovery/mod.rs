@@ -1,7 +1,7 @@
 //! Service discovery's pure half: what names a service ([`ServiceId`]), which balancer picks and
 //! how ([`Policy`], [`Picker`] over [`Instance`]s), meta services' matching ([`meta`]), what a
 //! Kubernetes id names ([`k8s`]) and a request's hash key. The resolvers that watch DNS and
-//! EndpointSlices, and the clients that use them, are the binary's.
+//! EndpointSlices, and the clients that use them, are the `ebb` crate's (`src/discovery/`).
 
 pub mod balance;
 pub mod id;

@@ -3,6 +3,30 @@
 //! serverless seed's, camelCase: `name`, `preRun`, `function`, `command`, `image`,
 //! `serviceAddress`, `left`, `right`, `initInstanceNum`, `minInstanceNum`, `maxInstanceNum`,
 //! `timeoutMs`, `concurrency`, `schedule`.
+//!
+//! * **Templates.** [`TemplateJson::from_body`] takes the seed's `Func` object or its spec alone,
+//!   empty strings as absent; [`TemplateJson`] also derives the custom resource
+//!   `functions.ebb.dev`, kind `Func`, with [`FuncStatus`] ([`crds`] hands it to `ebb crds`;
+//!   [`status_of`] fills the status from the state). The template decisions ([`decide_create`],
+//!   [`decide_put`], [`decide_delete`]) carry the template's route `fn-NAME` for the templates ebb
+//!   runs, and seed the counter with the initial instances.
+//! * **Chains.** [`decide_next`]: the last step's answer picks `left` or `right` by
+//!   `X-Ebb-Branch`; no next function, or `RETURN`, ends the instance; a failed step, an unknown
+//!   function or [`MAX_STEPS`] steps end it in error. [`check_chain`]: every function an
+//!   invocation may reach exists. A step is a call ([`step_call`]) whose id is derived from the
+//!   instance's id and the step's number ([`step_call_id`]), so a step decided again after a
+//!   crash is the same call.
+//! * **Autoscaling.** [`decide_autoscale`]: each period, the calls counted and the decay as at
+//!   most two aggregated counter events (`CounterAdded`, `CounterDecayed`) per function, and the
+//!   replicas each function needs from its counter and its steps in flight.
+//! * **Cron.** [`next_firing`] and [`last_firing`] (croner, whole seconds, UTC) and
+//!   [`decide_fire`]: the latest occurrence at or before now, newer than the last one fired. A
+//!   template's next firing is a `Due::TemplateFire` entry of the schedule heap, set by the
+//!   projection from `TemplateUpserted` and `TemplateFired`, so a restart rebuilds it from the
+//!   log; a firing's instance id is derived from the template and the occurrence
+//!   ([`firing_instance_id`]). ebb uses tokio-cron-scheduler's parser (croner) but not its job
+//!   runner, which reads the system clock and keeps no memory across restarts: the schedule heap
+//!   is clock-injected, replayable, and exactly-once per occurrence.
 
 use serde::{Deserialize, Serialize};
 

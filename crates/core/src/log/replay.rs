@@ -1,5 +1,11 @@
-//! Folding the log into projections: from scratch, or from the newest usable snapshot plus the
-//! records after it. The writer, `ebb replay` and `ebb explain` all rebuild state through here.
+//! Folding the log into projections: from scratch, or from the newest snapshot that decodes at
+//! or before the target seq plus the records after it. The writer, `ebb replay` and `ebb explain`
+//! all rebuild state through here.
+//!
+//! [`read_envelopes`] is the one reader of records (replay, `ebb log`, `ebb explain`): it checks
+//! that seqs are contiguous and that every record decodes, and names the seq when one does not.
+//! Long replays run on two threads, one reading and decoding, the other applying, since the two
+//! cost about the same.
 
 use super::store::LogStore;
 use super::{Error, Result, decode_at};

@@ -1,5 +1,11 @@
-//! The storage contract of the log, implemented by RocksDB ([`super::RocksStore`]) and by memory
-//! for the simulator ([`super::MemStore`]). One contract test suite runs against both.
+//! The storage contract of the log, implemented by RocksDB (`ebb_storage`'s `RocksStore`) and by
+//! memory for the simulator ([`super::MemStore`]). One contract test suite (`contract::run`)
+//! runs against both.
+//!
+//! Records are keyed by seq (big-endian, so keys sort in log order), snapshots by the seq they
+//! cover. [`LogStore::delete_before`] is retention: `ebb serve` compacts with it once the store
+//! holds two snapshots, deleting the records and snapshots before the older one, so the log holds
+//! one to two snapshot intervals of records and always a snapshot to start a replay from.
 
 use super::Result;
 

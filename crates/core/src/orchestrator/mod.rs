@@ -2,10 +2,11 @@
 //! are ready and where they listen, and tell waiters when that changes.
 //!
 //! The trait is small on purpose: `scale` records what is wanted and returns at once; the backend
-//! converges in the background; `observe` and `changes` report what is. The binary's `process` backend runs
-//! local processes (one machine, nothing else installed), its Kubernetes backend Deployments; the
-//! simulator has its own. Decisions about *when* to scale are not made here: they are pure
-//! functions in the core; this module only carries them out.
+//! converges in the background; `observe` and `changes` report what is. The `ebb` crate's
+//! `process` backend runs local processes (one machine, nothing else installed), its Kubernetes
+//! backend Deployments; the simulator has its own. Decisions about *when* to scale are not made
+//! here: they are pure functions of the core ([`crate::scaler`]); the backends only carry them
+//! out.
 
 pub mod annotations;
 

@@ -9,7 +9,8 @@
 //! ends `timeout`, not `error`.
 //!
 //! Two implementations pass one contract (`tests/queue.rs`): the embedded queue (RocksDB, the
-//! default) and the Kafka queue; the simulator has a third.
+//! default) and the Kafka queue (against Apache Kafka and against tansu), both `ebb-storage`'s;
+//! the simulator has a third.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,7 +1,7 @@
 //! One ebb replica's side of the shared-scaling protocol ([`super::shared`]) as a sans-IO state
 //! machine: it is told what happens (a tick, its traffic, the answer to a request) and says which
 //! request to make to the coordination store next. It does no IO and reads no clock; its driver
-//! does both. Two drivers run it: the simulator (`src/sim/world.rs`), which delivers requests
+//! does both. Two drivers run it: the simulator (`crates/sim/src/world.rs`), which delivers requests
 //! with latency, errors, pauses and crashes, and the Kubernetes backend
 //! (`orchestrator::kube`), which sends them to the API server. So the simulator proves the code
 //! that runs in the cluster.
@@ -12,7 +12,7 @@
 //!   renew it when [`super::shared::decide_lease`] says so, conditioned on the version read.
 //! * **Bump** ([`Member::touch_check`], on traffic and every half sync interval): publish the
 //!   replica's last use when the annotation it knows is a sync interval behind
-//!   ([`super::shared::decide_touch`]); retried a bounded number of times.
+//!   ([`super::shared::decide_touch`]); retried up to [`TOUCH_ATTEMPTS`] times.
 //! * **Downscale** ([`Member::downscale_tick`], only while leading): read the deployment, decide
 //!   with [`super::shared::decide_downscale`], write the scale-down conditioned on the version
 //!   read; once the write took effect the decision is the driver's to record

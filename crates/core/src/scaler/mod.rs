@@ -2,6 +2,25 @@
 //! and scale idle workloads down. Pure functions of `(state, inputs, now)` returning events; the
 //! runtime in `proxy` runs them on the log's writer (so they are serialized) and performs the
 //! scaling only after the events are durable.
+//!
+//! * [`decide_wake`]: the first request for a deployment not asked to run decides the scale-up;
+//!   every later one finds it decided (single flight).
+//! * [`decide_idle`]: a deployment is idle when none of its routes had a request for its
+//!   `idle_after_ms`, counting from the newest of the logged last use, the proxy's unflushed last
+//!   use ([`Live`]) and the last scaling, and none is in flight; it is scaled down to its floor.
+//! * [`decide_observed`]: the orchestrator's ready count becomes `ScaledUp` / `ScaledDown`, its
+//!   failures `ScaleFailed`.
+//! * [`decide_warm`]: the log made to agree with the keep-warm windows open now, and the floor
+//!   asked for (`ScaleReason::Warm`). The floor ([`floor`]: idle replicas, or more while a window
+//!   is open) is read from the windows and the time itself, never from what the log has recorded,
+//!   so no replica scales below an open window because it has not logged the window's start yet.
+//! * [`decide_restart`] and [`decide_shutdown`]: after a restart nothing ebb ran is running and
+//!   each deployment's floor is asked for again; at shutdown every deployment is asked to stop.
+//! * [`retry_after_miss`]: the retry rule of both proxy paths and of the simulator's proxy, for a
+//!   request that met a stopping or gone replica.
+//!
+//! [`shared`] is the protocol for several ebb replicas in front of one deployment, and
+//! [`member`] one replica's side of it as a sans-IO state machine.
 
 pub mod member;
 pub mod shared;

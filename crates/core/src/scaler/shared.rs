@@ -12,13 +12,19 @@
 //!   still at the version it read ([`decide_downscale`]). A bump that lands between the read and
 //!   the write changes the version, so the write fails and the leader decides again.
 //! * **Retry.** A request that still meets a stopping replica is retried after a wake
-//!   ([`crate::proxy::retry_after_miss`]), never dropped.
+//!   ([`super::retry_after_miss`], the proxy's rule), never dropped.
+//! * **Others' changes.** Each replica records a change of replicas made by someone else (another
+//!   ebb, an operator) as `ScaleRequested { reason: peer }` ([`decide_peer`]).
 //!
 //! What makes it exact: with `sync_lag_ms` at least `sync_ms` plus twice the clock skew between
 //! replicas plus the time a bump takes to land (with its retries), a request seen more than
-//! `sync_lag_ms` before a scale-down always counted. The simulator (`src/sim/`) checks this under
-//! API latency, errors, pauses and skew; the Kubernetes backend implements [`Coordinator`]
-//! against the API server and inherits the proof.
+//! `sync_lag_ms` before a scale-down always counted. The simulator (`crates/sim/`) checks this
+//! under API latency, errors, pauses and skew, and each half of the pair (the conditioned write,
+//! the retry) has a mutation ([`crate::mutation`]) it must catch.
+//!
+//! [`Coordinator`] is async: the simulator's cluster answers at once; the Kubernetes backend
+//! (`src/orchestrator/kube_coordinator.rs`) implements it against the API server and inherits the
+//! proof.
 
 use crate::event::Event;
 use crate::scaler::{Live, decide_idle};

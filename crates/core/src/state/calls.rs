@@ -9,8 +9,15 @@
 //! | final     | refused, unchanged                      | unchanged (first wins)    | -               |
 //!
 //! A call enters `running` at most once: `running` is reachable only from `queued`, and nothing
-//! leads back to `queued`. The decisions (`decide_*`) and the projection (`apply`) step the same
-//! machine, so replaying the log reproduces exactly what was decided.
+//! leads back to `queued`. The machine is an explicit enum, [`CallStatus`], stepped by
+//! [`CallStatus::on_start`], [`CallStatus::on_finish`] and [`CallStatus::on_deadline`]. The
+//! decisions ([`decide_start`], [`decide_finish`], [`decide_timeouts`], run on the log's writer)
+//! and the projection (`apply`) step the same machine, so replaying the log reproduces exactly
+//! what was decided, and a call in a final state never changes, whatever events arrive.
+//!
+//! The projection also keeps indexes of the queued calls ([`Calls::queued`], whose messages the
+//! call service puts back when the queue lost them) and of their count by target
+//! ([`Calls::queued_by_target`], the bound `--max-queued-per-target`).
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -1,4 +1,9 @@
 //! Function templates and their instances (chains of steps), as the log describes them.
+//!
+//! Besides templates (each with its revision, the seq of its last change) and instances, it keeps
+//! the last [`CHANGES_KEPT`] template changes by seq: the watch cache that
+//! `GET /api/funcs/template?watch=true&since=SEQ` serves from. A watch from an older revision is
+//! refused (`410`): list again and watch from the list's revision.
 
 use std::collections::BTreeMap;
 

@@ -4,6 +4,17 @@
 //! `at_ms`. Replaying the same envelopes always gives an equal (`==`) state, which is how snapshots,
 //! replay tooling and the simulator are checked. Projections never refuse an event: decisions
 //! refuse bad commands before anything is logged, and `apply` is total so that any log replays.
+//!
+//! [`State::apply`] folds each event into one of:
+//!
+//! * [`routes`]: the route store (domain and deployment indexes, last-used times, the replica
+//!   facts the log knows, keep-warm windows recorded);
+//! * [`counters`]: the functions' call counters;
+//! * [`calls`]: every call and its state machine, and the pure call decisions that step it;
+//! * [`schedule`]: every future deadline, earliest first (call timeouts, route idle deadlines and
+//!   keep-warm edges, cleaner evaluations, cron firings of templates);
+//! * [`functions`]: templates with their revision, instances with their steps;
+//! * [`cleaners`]: cleaners, their evaluations and firings.
 
 pub mod calls;
 pub mod cleaners;

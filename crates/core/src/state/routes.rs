@@ -1,5 +1,10 @@
 //! The route store: which route a Host leads to, which routes a deployment serves, when each route
 //! was last used, and how many replicas each deployment has as far as the log knows.
+//!
+//! It also keeps the keep-warm windows the log has opened (`WarmStarted`, until `WarmEnded`) and
+//! computes each route's next keep-warm edge for the schedule ([`next_warm_edge`]). Whether a
+//! window is open is [`warm_wanted`]: a pure function of the window and the time, which the
+//! scaler reads too, so no decision depends on whether the log has recorded a window's start yet.
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -1,8 +1,9 @@
 //! The schedule heap: every future deadline ebb has to act on, earliest first.
 //!
-//! Cleaner evaluations, route idle deadlines and call timeouts live here. It is a projection like
-//! any other: rebuilt from the log, never written to directly. Each key has at most one deadline;
-//! setting it again moves it.
+//! Call timeouts, route idle deadlines, the next edges of routes' keep-warm windows, cleaner
+//! evaluations and the next cron firings of function templates live here ([`Due`]). It is a
+//! projection like any other: rebuilt from the log, never written to directly, so a restart
+//! rebuilds every deadline. Each key has at most one deadline; setting it again moves it.
 
 use std::collections::{BTreeMap, BTreeSet};
 

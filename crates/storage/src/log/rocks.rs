@@ -1,5 +1,9 @@
 //! [`LogStore`] on RocksDB: column family `events` (seq big-endian -> envelope), `snapshots`
 //! (seq -> encoded projections) and `meta` (the format marker that makes a directory an ebb log).
+//!
+//! One process writes a data directory (RocksDB's lock enforces it). Tools read it while it runs:
+//! read-only ([`OpenMode::ReadOnly`], what was written up to the opening) or as a follower
+//! ([`RocksStore::open_follower`], caught up on demand).
 
 use std::path::{Path, PathBuf};
 

@@ -7,8 +7,13 @@
 //! written since its previous sync, and only then acknowledges each request with the seqs it got.
 //! While one sync runs, the next batch forms and is written, so a sync covers every appender that
 //! was waiting, however many there are, and no appender waits for a sync that started before it.
-//! A batch of submitted decisions (nobody waits for them) is always left to the syncer; a batch
-//! that wrote nothing since the last completed sync is acknowledged without another.
+//! A batch of submitted decisions (nobody waits for them) is always left to the syncer, so the
+//! writer is free for the decision likely to follow; a batch that wrote nothing since the last
+//! completed sync is acknowledged without another. When somebody waits, nothing else is queued
+//! and no sync is in flight, the writer syncs inline, saving a thread hop for a lone appender.
+//!
+//! Snapshots are taken on the writer thread every `snapshot_every_events` and on request, always
+//! after a sync, so a snapshot never covers records a crash could take away.
 //!
 //! A decision is a closure run on the writer thread against the projection as it is at that point
 //! in the log, so two decisions never see the same state: that is what makes "start a queued call"

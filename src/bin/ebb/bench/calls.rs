@@ -3,7 +3,9 @@
 //! no-op target. Reports calls/s from the first enqueue until every call has finished, then the
 //! enqueue-to-start latency (from just before the enqueue request to the moment the runner holds
 //! the accepted start) at half that rate: the median of `--rounds` phases, each on a fresh log
-//! and queue.
+//! and queue. Rows for the embedded queue and Kafka, one and two ebb replicas (starts and
+//! finishes of the other's calls forwarded), and the cost of a start forwarded to the call's
+//! owner against one sent to the owner.
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -1,5 +1,16 @@
 //! `ebb bench`: measurements on this machine, printed as a table. Benchmarks are the only place
 //! timings are taken; tests never assert on time.
+//!
+//! * `ebb bench log` (here): append throughput by durability and concurrency, replay speed, and
+//!   open time with and without a snapshot.
+//! * `ebb bench cold-start` (here): the first byte through ebb for a workload at zero, minus the
+//!   app's own start-to-ready time.
+//! * `ebb bench calls` ([`calls`]), `functions` ([`functions`]), `cleaners` ([`cleaners`]) and
+//!   `discovery` ([`discovery`]).
+//!
+//! The scripts in `benches/` run these and add what needs other programs: `benches/proxy.sh`
+//! runs wrk against the app, ebb, nginx and HAProxy; `benches/calls.sh` starts Apache Kafka
+//! (`scripts/kafka run`) for the Kafka rows.
 
 pub mod calls;
 pub mod cleaners;
