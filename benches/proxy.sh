@@ -10,7 +10,8 @@
 #      minus the app's own start-to-ready time, and a cold burst of 200 requests against an app
 #      with a tiny accept backlog, through ebb against the same burst sent to the app directly.
 # Installs wrk, nginx and haproxy (Debian packages) when missing.
-# Usage: benches/proxy.sh [SECONDS] [CONNS]
+# Usage: benches/proxy.sh [SECONDS] [CONNS]   (EBB_BIN: an ebb binary to use instead of building
+# the release one)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -24,8 +25,12 @@ if [ ${#need[@]} -gt 0 ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
 fi
-cargo build --locked --release --bin ebb
-ebb="$CARGO_TARGET_DIR/release/ebb"
+if [ -n "${EBB_BIN:-}" ]; then
+  ebb="$EBB_BIN"
+else
+  cargo build --locked --release --bin ebb
+  ebb="$CARGO_TARGET_DIR/release/ebb"
+fi
 
 work="$(mktemp -d)"
 pids=()
