@@ -143,7 +143,7 @@ pub async fn run(
     log: Arc<Log>,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> anyhow::Result<()> {
-    options.check().map_err(anyhow::Error::msg)?;
+    // The command line checked the options (`ServeOptions::check`) before the log was opened.
     let kubernetes = options.kube.options();
     let peer_list = options.replicas.peers().map_err(anyhow::Error::msg)?;
     let call_options = options.call_options();
