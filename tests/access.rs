@@ -2,7 +2,7 @@
 //! cannot change a route, the dashboard's reads and changes nothing), a missing or wrong one is a
 //! 401 in JSON, an API without a token is disabled (403), and no token is ever logged.
 
-mod common;
+use crate::common;
 
 use common::http::{client, send, send_body};
 use serde_json::Value;

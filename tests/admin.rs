@@ -12,7 +12,7 @@ use serde_json::{Value, json};
 
 const TOKEN: &str = "s3cret-token";
 
-mod common;
+use crate::common;
 
 use common::Ebb;
 

@@ -2,7 +2,7 @@
 //! calls and instances) cleaned by the same core as the Kubernetes `Cleaner`, through a real
 //! `ebb serve` (RocksDB log, the example app as a child process, HTTP over loopback).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::time::Duration;

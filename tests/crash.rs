@@ -11,7 +11,7 @@ use std::time::Duration;
 use ebb::log::rocks::OpenMode;
 use ebb::log::{LogStore, RocksStore, decode_at};
 
-mod common;
+use crate::common;
 
 use common::XorShift;
 

@@ -4,7 +4,7 @@
 //! after the last round ebb runs until everything acknowledged has ended, and its log shows every
 //! acknowledged call and instance, no call started twice, no Cleaner fired twice.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeSet;
 use std::path::Path;

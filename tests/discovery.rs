@@ -14,7 +14,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-mod common;
+use crate::common;
 
 use common::controlplane::wait_until;
 use common::http::{Http, client, send, send_body, send_json};

@@ -4,7 +4,7 @@
 //! the reason (fail-stop), and started again once the filler is gone it has every route it
 //! acknowledged, its log reads whole, and it takes writes again.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-mod common;
+use crate::common;
 
 use common::controlplane::wait_until;
 

@@ -6,7 +6,7 @@
 //! the server must then answer a good request, on the same connection when it stayed open, and
 //! on a new one.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! The limits clients can reach, each set low on a real `ebb serve`: each gives its clear 4xx or
 //! 503 with a JSON body, counts in `ebb_limit_refusals_total{limit}`, and ebb goes on serving.
 
-mod common;
+use crate::common;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-mod common;
+use crate::common;
 
 use common::controlplane::wait_until;
 use common::http::{Http, client, send};

@@ -15,7 +15,7 @@ use hyper_util::rt::TokioExecutor;
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
-mod common;
+use crate::common;
 
 use common::Ebb;
 

@@ -7,7 +7,7 @@ use ebb::clock::{Clock, SystemClock};
 use ebb::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
 use ebb::queue::kafka::{KafkaOptions, KafkaQueue};
 
-mod common;
+use crate::common;
 use ebb::queue::{Message, Queue};
 
 const WAIT: Duration = Duration::from_secs(30);

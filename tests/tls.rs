@@ -3,7 +3,7 @@
 //! without a restart; a broken pair leaves the last good one in use; a bad pair at start stops
 //! ebb with a clear message.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-mod common;
+use crate::common;
 
 use common::controlplane::wait_until;
 use common::{Ebb, children_with, events};

@@ -9,9 +9,8 @@
 use serde::{Deserialize, Serialize};
 
 /// The load balancers.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, schemars::JsonSchema,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Balancer {
     /// Uniformly at random.
@@ -126,7 +125,8 @@ impl std::fmt::Display for HashOn {
 }
 
 /// A traffic policy. Fractions are in per cent so that a policy compares exactly.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(default, deny_unknown_fields)]
 pub struct Policy {
     /// The load balancer.
@@ -147,7 +147,7 @@ pub struct Policy {
         serialize_with = "ser_hash_on",
         deserialize_with = "de_hash_on"
     )]
-    #[schemars(with = "Option<String>")]
+    #[cfg_attr(feature = "crd", schemars(with = "Option<String>"))]
     pub hash_on: Option<HashOn>,
     /// Slow start: a new instance's share grows over this long (0: off).
     pub slow_start_ms: u64,

@@ -19,7 +19,8 @@ use serde::Deserialize;
 use crate::event::WarmWindow;
 
 /// A keep-warm window as written in `ebb.toml`, the admin API, annotations and function templates.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct WarmConfig {
     /// When the window opens: cron, 5 fields or 6 with seconds first.

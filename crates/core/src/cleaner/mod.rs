@@ -38,6 +38,7 @@ pub const PROPOSAL_EXAMPLE: &str = r#"!revisions.items.exists(r,
 )"#;
 
 /// The `Cleaner` custom resource's definition (`ebb crds`).
+#[cfg(feature = "crd")]
 pub fn crds()
 -> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
 {

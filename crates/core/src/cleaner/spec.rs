@@ -9,7 +9,6 @@
 
 use std::collections::BTreeMap;
 
-use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::event::{CleanerSpec, CleanerTarget};
@@ -21,21 +20,23 @@ pub const DEFAULT_RETRY_PERIOD_MS: u64 = 3_600_000;
 pub const MIN_RETRY_PERIOD_MS: u64 = 1_000;
 
 /// What a cleaner deletes, and when.
-#[derive(
-    Debug, Clone, Default, PartialEq, Serialize, Deserialize, kube::CustomResource, JsonSchema,
-)]
-#[kube(
-    group = "cleaner.ebb.dev",
-    version = "v1alpha1",
-    kind = "Cleaner",
-    root = "CleanerResource",
-    plural = "cleaners",
-    singular = "cleaner",
-    namespaced,
-    status = "CleanerStatus",
-    printcolumn = r#"{"name":"TTL","type":"string","jsonPath":".spec.ttl"}"#,
-    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
-    printcolumn = r#"{"name":"Next","type":"string","jsonPath":".status.nextScheduledEvaluation"}"#
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(kube::CustomResource, schemars::JsonSchema))]
+#[cfg_attr(
+    feature = "crd",
+    kube(
+        group = "cleaner.ebb.dev",
+        version = "v1alpha1",
+        kind = "Cleaner",
+        root = "CleanerResource",
+        plural = "cleaners",
+        singular = "cleaner",
+        namespaced,
+        status = "CleanerStatus",
+        printcolumn = r#"{"name":"TTL","type":"string","jsonPath":".spec.ttl"}"#,
+        printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+        printcolumn = r#"{"name":"Next","type":"string","jsonPath":".status.nextScheduledEvaluation"}"#
+    )
 )]
 #[serde(rename_all = "camelCase")]
 pub struct CleanerResourceSpec {
@@ -61,7 +62,8 @@ pub struct CleanerResourceSpec {
 }
 
 /// How conditions that do not hold are evaluated again.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Retry {
     /// How often, besides on every change of a target (default `1h`).
@@ -74,7 +76,8 @@ pub struct Retry {
 }
 
 /// A Helm release the cleaner uninstalls.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Helm {
     /// The release's name, in the cleaner's namespace.
@@ -85,7 +88,8 @@ pub struct Helm {
 }
 
 /// One object, or the objects matching labels, in the cleaner's namespace.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Target {
     /// The name conditions know the target by (not `time`).
@@ -103,7 +107,8 @@ pub struct Target {
 
 /// A reference by `apiVersion` (or `apiGroup` and `version`) and `kind`, and either `name` or
 /// `matchLabels`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Reference {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -121,7 +126,8 @@ pub struct Reference {
 }
 
 /// What ebb says of a cleaner.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct CleanerStatus {
     /// Every object the targets resolve to (`name.kind.group/version`), indexed so a change to
@@ -146,7 +152,8 @@ pub struct CleanerStatus {
 }
 
 /// The last evaluation of a cleaner's conditions.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct LastEvaluation {
     /// When (RFC 3339).
@@ -157,7 +164,8 @@ pub struct LastEvaluation {
 }
 
 /// One condition's result.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ConditionResult {
     /// The condition's index in `spec.conditions`.
@@ -168,7 +176,8 @@ pub struct ConditionResult {
 }
 
 /// A status condition, as Kubernetes' own (`metav1.Condition`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct StatusCondition {
     #[serde(rename = "type")]

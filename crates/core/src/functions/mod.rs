@@ -475,29 +475,23 @@ pub fn decide_next(state: &State, instance: &str, kubernetes: bool, max_steps: u
 /// A template as the API reads and writes it: the spec of the seed's `Func` object, which is
 /// also the custom resource `functions.ebb.dev` (`Func`, generated from these types by
 /// `ebb crds`).
-#[derive(
-    Debug,
-    Clone,
-    PartialEq,
-    Eq,
-    Default,
-    Serialize,
-    Deserialize,
-    kube::CustomResource,
-    schemars::JsonSchema,
-)]
-#[kube(
-    group = "ebb.dev",
-    version = "v1alpha1",
-    kind = "Func",
-    plural = "functions",
-    singular = "function",
-    shortname = "fn",
-    namespaced,
-    status = "FuncStatus",
-    printcolumn = r#"{"name":"Function","type":"string","jsonPath":".spec.function"}"#,
-    printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".status.replicas"}"#,
-    printcolumn = r#"{"name":"Counter","type":"integer","jsonPath":".status.counter"}"#
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(kube::CustomResource, schemars::JsonSchema))]
+#[cfg_attr(
+    feature = "crd",
+    kube(
+        group = "ebb.dev",
+        version = "v1alpha1",
+        kind = "Func",
+        plural = "functions",
+        singular = "function",
+        shortname = "fn",
+        namespaced,
+        status = "FuncStatus",
+        printcolumn = r#"{"name":"Function","type":"string","jsonPath":".spec.function"}"#,
+        printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".status.replicas"}"#,
+        printcolumn = r#"{"name":"Counter","type":"integer","jsonPath":".status.counter"}"#
+    )
 )]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct TemplateJson {
@@ -614,7 +608,8 @@ impl TemplateJson {
 }
 
 /// A template's status, as the seed's `FuncStatus` has it.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct FuncStatus {
     /// The autoscaler's call counter.
@@ -653,6 +648,7 @@ pub fn status_of(s: &State, name: &str) -> FuncStatus {
 pub use crate::timing::kube_time;
 
 /// The custom resources ebb defines, as Kubernetes takes them (`ebb crds`).
+#[cfg(feature = "crd")]
 pub fn crds()
 -> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
 {
