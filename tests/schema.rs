@@ -1,7 +1,7 @@
 //! Old logs must replay forever: every event's encoding at every schema version is kept in
 //! `schema/fixtures/v{N}/`, and each must still decode to the event it was written from.
-//! `EBB_BLESS=1 cargo test --test schema` writes the fixtures of the current version; fixtures of
-//! older versions are never rewritten.
+//! `EBB_BLESS=1 cargo test --test integration schema::` writes the fixtures of the current
+//! version; fixtures of older versions are never rewritten.
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
