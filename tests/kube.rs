@@ -1880,17 +1880,29 @@ async fn templates_are_func_resources_that_every_replica_follows() {
     assert_eq!(f["spec"]["serviceAddress"], "127.0.0.1:9", "{f}");
     assert!(listed(&e1).await.contains(&"shout".to_owned()));
 
-    // One revision everywhere: the resource's.
-    let revision = f["metadata"]["resourceVersion"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    for e in [&e0, &e1] {
-        let (status, v) = fn_api(e, "GET", "/api/funcs/template/shout", "").await;
-        assert_eq!(status, 200, "{v}");
-        assert_eq!(v["metadata"]["resourceVersion"], revision.as_str(), "{v}");
-        assert_eq!(v["metadata"]["uid"], f["metadata"]["uid"], "{v}");
-    }
+    // One revision everywhere: the resource's. Its status may still be written once after the
+    // create, so the API server and both replicas are read again until they agree.
+    wait_until(
+        "one revision everywhere",
+        Duration::from_secs(30),
+        || async {
+            let f = json(&cp.kubectl(&["get", "fn", "shout", "-n", "ebb", "-o", "json"]));
+            let revision = f["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap()
+                .to_owned();
+            for e in [&e0, &e1] {
+                let (status, v) = fn_api(e, "GET", "/api/funcs/template/shout", "").await;
+                assert_eq!(status, 200, "{v}");
+                assert_eq!(v["metadata"]["uid"], f["metadata"]["uid"], "{v}");
+                if v["metadata"]["resourceVersion"] != revision.as_str() {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await;
     // A list through one replica, a watch from its revision through the other: the next
     // change, made through the first, arrives.
     let (status, list) = fn_api(&e0, "GET", "/api/funcs/template", "").await;
