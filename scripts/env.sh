@@ -37,7 +37,7 @@ export CARGO_INCREMENTAL=0
 # sccache caches the workspace's own crates, which a fresh clone compiles again (cargo goes by the
 # files' times), as the workspace wrapper. Not every crate: the dependencies stay built in the
 # target dir, a cold cache only slows a first build, and through RUSTC_WRAPPER `cc` would put the
-# C and C++ through it too (RocksDB then took 11 minutes on 2 cores instead of 7).
+# C and C++ through it too (RocksDB then took 11 minutes on 2 cores instead of 8.5, cold).
 if command -v sccache >/dev/null 2>&1 && [ -z "${RUSTC_WRAPPER:-}" ]; then
   export RUSTC_WORKSPACE_WRAPPER="${RUSTC_WORKSPACE_WRAPPER:-sccache}"
   export SCCACHE_CACHE_SIZE="${SCCACHE_CACHE_SIZE:-20G}"
