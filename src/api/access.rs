@@ -20,7 +20,7 @@
 //! Every API is checked by one middleware ([`guard`]) before its handlers run, so a handler
 //! cannot be reached without it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::Mutex;
 use std::time::Duration;
@@ -29,10 +29,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, Method, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
-use k8s_openapi::api::authorization::v1::{
-    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
-};
+use ebb_kube::reviews::{self, User};
 
 use super::{ApiError, AppState};
 use crate::clock::Stopwatch;
@@ -230,15 +227,6 @@ pub async fn guard(
     }
 }
 
-/// Who a token is, as Kubernetes told.
-#[derive(Debug, Clone)]
-struct User {
-    name: String,
-    uid: Option<String>,
-    groups: Option<Vec<String>>,
-    extra: Option<BTreeMap<String, Vec<String>>>,
-}
-
 /// Answers kept for a while, at most [`MAX_CACHED`].
 struct Cache<K, V> {
     entries: HashMap<K, (Stopwatch, V)>,
@@ -341,33 +329,14 @@ impl KubeAccess {
         if let Some(user) = known {
             return Ok(user);
         }
-        let review = TokenReview {
-            spec: TokenReviewSpec {
-                token: token.to_owned(),
-                audiences: (!self.audiences.is_empty()).then(|| self.audiences.clone()),
-            },
-            ..Default::default()
-        };
-        let api: kube::Api<TokenReview> = kube::Api::all(self.client.clone());
-        let answer = self
-            .ask("TokenReview", api.create(&Default::default(), &review))
+        let user = self
+            .ask(
+                "TokenReview",
+                reviews::user_of(&self.client, token, &self.audiences),
+            )
             .await?;
-        let status = answer.status.unwrap_or_default();
-        let user = match (status.authenticated, status.user) {
-            (Some(true), Some(u)) => u.username.map(|name| User {
-                name,
-                uid: u.uid,
-                groups: u.groups,
-                extra: u.extra,
-            }),
-            _ => None,
-        };
-        match &user {
-            Some(u) => tracing::debug!(user = %u.name, "a Kubernetes token was reviewed"),
-            None => tracing::debug!(
-                why = status.error.as_deref().unwrap_or("not authenticated"),
-                "a bearer token is no Kubernetes user's"
-            ),
+        if let Some(u) = &user {
+            tracing::debug!(user = %u.name, "a Kubernetes token was reviewed");
         }
         lock(&self.users).put(token.to_owned(), user.clone(), self.ttl);
         Ok(user)
@@ -386,31 +355,18 @@ impl KubeAccess {
         if let Some(allowed) = known {
             return Ok(allowed);
         }
-        let review = SubjectAccessReview {
-            spec: SubjectAccessReviewSpec {
-                user: Some(user.name.clone()),
-                uid: user.uid.clone(),
-                groups: user.groups.clone(),
-                extra: user.extra.clone(),
-                resource_attributes: Some(ResourceAttributes {
-                    group: Some(GROUP.to_owned()),
-                    resource: Some(api.name().to_owned()),
-                    verb: Some(verb.to_owned()),
-                    namespace: Some(self.namespace.clone()),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-            ..Default::default()
+        let request = reviews::Request {
+            group: GROUP,
+            resource: api.name(),
+            verb,
+            namespace: &self.namespace,
         };
-        let sar: kube::Api<SubjectAccessReview> = kube::Api::all(self.client.clone());
-        let answer = self
+        let allowed = self
             .ask(
                 "SubjectAccessReview",
-                sar.create(&Default::default(), &review),
+                reviews::allowed(&self.client, user, request),
             )
             .await?;
-        let allowed = answer.status.is_some_and(|s| s.allowed);
         tracing::debug!(user = %user.name, api = api.name(), verb, allowed, "RBAC was asked");
         lock(&self.decisions).put(key, allowed, self.ttl);
         Ok(allowed)

@@ -1,9 +1,5 @@
 //! The event log: an append-only sequence of envelopes on disk, the projections kept live beside
-//! it, and snapshots of those projections. The storage contract, the in-memory store and the
-//! readers are the core's (`ebb_core::log`); the RocksDB store and the one writer (group commit)
-//! are `ebb_storage`'s. Both are re-exported here under one path.
+//! it, and snapshots of those projections: `ebb_storage::log` (the RocksDB store and the one
+//! writer) with the core's contract, in-memory store and readers (`ebb_core::log`).
 
-pub use ebb_core::log::*;
-pub use ebb_storage::log::{rocks, writer};
-pub use rocks::RocksStore;
-pub use writer::{Committed, Log, Options, Tail};
+pub use ebb_storage::log::*;

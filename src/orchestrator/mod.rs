@@ -1,13 +1,14 @@
 //! The orchestrators that run the workloads behind routes: [`process`] (local processes, one
 //! machine, nothing else installed) and [`kube`] (Deployments, with the Lease and the shared
 //! scaling protocol in [`kube_coordinator`]; functions' objects in [`kube_functions`] and
-//! [`kube_templates`]). The [`Orchestrator`] contract is the core's (`ebb_core::orchestrator`).
+//! [`kube_templates`]): the Kubernetes ones are `ebb_kube`'s, re-exported under these names. The
+//! [`Orchestrator`] contract is the core's (`ebb_core::orchestrator`).
 
-pub mod kube;
-pub mod kube_coordinator;
-pub mod kube_functions;
-pub mod kube_templates;
 pub mod process;
 
 pub use ebb_core::orchestrator::*;
+pub use ebb_kube::{
+    coordinator as kube_coordinator, functions as kube_functions, orchestrator as kube,
+    templates as kube_templates,
+};
 pub use process::{ProcessOptions, ProcessOrchestrator};

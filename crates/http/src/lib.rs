@@ -6,7 +6,7 @@
 //! * [`chunked`]: where a chunked body ends, without decoding it.
 //! * [`request_id`]: `X-Request-Id`, kept or made.
 //!
-//! Its users are ebb's proxy (`src/proxy/`), the framing checks in front of hyper on ebb's own
+//! Its users are ebb's proxy (`crates/proxy`), the framing checks in front of hyper on ebb's own
 //! endpoints (`src/strict.rs`) and the fuzz checks. It reads the route's settings, the limits and
 //! the traffic policy's hash key from `ebb_core`, and nothing else of ebb.
 

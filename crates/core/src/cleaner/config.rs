@@ -1,6 +1,6 @@
 //! The cleaners of `ebb.toml` (`[[cleaner]]`): their configuration, their log names, and the
 //! standing retention of ended calls and instances. Their targets are ebb's own objects (run by
-//! the `ebb` crate's local cleaner backend, `src/cleaner/local.rs`).
+//! ebb-cleaner's local cleaner backend, `crates/cleaner/src/local.rs`).
 //!
 //! Their log names start with [`PREFIX`] (`config/`), which is how the two cleaner loops split the
 //! log's cleaners ([`is_local`]): these run on every replica, the `Cleaner` resources only on the

@@ -1,6 +1,6 @@
 //! What a Kubernetes service id (`k8s://[MEMBER.]SERVICE.NAMESPACE[:PORT]`,
-//! `k8s-env://NAME[:PORT]`) names, checked at load. The watches that resolve them are the `ebb`
-//! crate's (`src/discovery/k8s.rs`).
+//! `k8s-env://NAME[:PORT]`) names, checked at load. The watches that resolve them are
+//! ebb-kube's (`crates/kube/src/endpoints.rs`).
 
 use super::id::ServiceId;
 

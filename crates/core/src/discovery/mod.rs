@@ -1,7 +1,8 @@
 //! Service discovery's pure half: what names a service ([`ServiceId`]), which balancer picks and
 //! how ([`Policy`], [`Picker`] over [`Instance`]s), meta services' matching ([`meta`]), what a
 //! Kubernetes id names ([`k8s`]) and a request's hash key. The resolvers that watch DNS and
-//! EndpointSlices, and the clients that use them, are the `ebb` crate's (`src/discovery/`).
+//! the clients that use them are ebb-proxy's (`crates/proxy/src/discovery/`), the EndpointSlice
+//! watches ebb-kube's (`crates/kube/src/endpoints.rs`).
 
 pub mod balance;
 pub mod id;

@@ -23,7 +23,7 @@
 //! the retry) has a mutation ([`crate::mutation`]) it must catch.
 //!
 //! [`Coordinator`] is async: the simulator's cluster answers at once; the Kubernetes backend
-//! (`src/orchestrator/kube_coordinator.rs`) implements it against the API server and inherits the
+//! (`crates/kube/src/coordinator.rs`) implements it against the API server and inherits the
 //! proof.
 
 use crate::event::Event;

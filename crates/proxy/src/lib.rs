@@ -53,7 +53,12 @@
 //!   `--drain-timeout-ms`; the wake machinery and the apps keep running meanwhile, and only then
 //!   are the apps stopped.
 
+// The core's modules under the paths the proxy's files name them by.
+use ebb_core::{clock, event, ids, limits, scaler, state};
+use ebb_storage::log;
+
 pub mod backends;
+pub mod discovery;
 pub mod grpc;
 mod h1;
 pub mod runtime;

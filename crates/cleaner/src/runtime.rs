@@ -719,7 +719,7 @@ mod tests {
         assert_eq!(b.len(), 2, "{b:?}");
         assert_eq!(b[0], 5 * MIN);
         assert!(
-            (50 * MIN..=50 * MIN + crate::timing::SEARCH_PRECISION_MS).contains(&b[1]),
+            (50 * MIN..=50 * MIN + ebb_core::timing::SEARCH_PRECISION_MS).contains(&b[1]),
             "{b:?}"
         );
         assert_eq!(evals.iter().filter(|(n, _, r)| n == "b" && *r).count(), 1);

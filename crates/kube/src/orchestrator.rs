@@ -5,7 +5,7 @@
 //!
 //! * **Routes.** A watcher on Services (one namespace or all) keeps every Service's annotations;
 //!   once the first list is complete and after every change, the annotated ones
-//!   ([`super::annotations`]) become the routes named `NAMESPACE/SERVICE`, decided on the log
+//!   ([`ebb_core::orchestrator::annotations`]) become the routes named `NAMESPACE/SERVICE`, decided on the log
 //!   against its routes ([`decide_routes`]): `RouteUpserted` for a new or changed one,
 //!   `RouteRemoved` for a Service gone or no longer annotated. A name with `/` is a Service's,
 //!   never one of `ebb.toml` or the admin API, and a Service never takes a domain of those. A
@@ -36,7 +36,7 @@
 //! workload as it is.
 //!
 //! **Shared scaling.** [`run_shared`] replaces the single-machine downscaler here: it drives
-//! `ebb_core::scaler::member` against [`super::kube_coordinator`], the `Coordinator` on the API
+//! `ebb_core::scaler::member` against [`crate::coordinator`], the `Coordinator` on the API
 //! server. The leader reads a workload only when its own view already says idle (the last-used
 //! annotation only grows). A hidden `--downscale-gate` directory holds each scale-down before its
 //! write, for the test that races a bump against it.
@@ -55,17 +55,17 @@ use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Notify, watch};
 
-use super::annotations::{self, Claim, RouteDefaults, Workload};
-use super::kube_coordinator::{KubeCoordinator, patch_replicas, workload_api, workload_reference};
-use super::{Error, Observed, Orchestrator, Result, WorkloadSpec};
 use crate::clock::Clock;
+use crate::coordinator::{KubeCoordinator, patch_replicas, workload_api, workload_reference};
 use crate::event::{Event, RouteSpec};
 use crate::log::Log;
-use crate::proxy::Traffic;
 use crate::scaler::Live;
 use crate::scaler::member::{self, Member, Next, Request};
 use crate::scaler::shared::SharedOptions;
 use crate::state::State;
+use ebb_core::orchestrator::annotations::{self, Claim, RouteDefaults, Workload};
+use ebb_core::orchestrator::{Error, Observed, Orchestrator, Result, WorkloadSpec};
+use ebb_proxy::Traffic;
 
 /// The label ebb puts on the workloads it scales.
 pub const MANAGED_LABEL: &str = "ebb.dev/managed";
@@ -143,7 +143,7 @@ struct Tracked {
 
 /// Requests per second with a burst: a request takes a permit; [`Limiter::refill`] puts one back
 /// every `interval`, up to `burst`.
-pub(super) struct Limiter {
+pub(crate) struct Limiter {
     interval: Duration,
     burst: usize,
     permits: tokio::sync::Semaphore,
@@ -159,7 +159,7 @@ impl Limiter {
         }
     }
 
-    pub(super) async fn acquire(&self) {
+    pub(crate) async fn acquire(&self) {
         if let Ok(p) = self.permits.acquire().await {
             p.forget();
         }
@@ -189,15 +189,15 @@ struct Inner {
 
 /// Runs workloads on Kubernetes: the [`Orchestrator`] for routes of annotated Services.
 pub struct KubeOrchestrator {
-    pub(super) client: kube::Client,
-    pub(super) options: KubeOptions,
+    pub(crate) client: kube::Client,
+    pub(crate) options: KubeOptions,
     inner: Mutex<Inner>,
     changes: watch::Sender<u64>,
     /// Wakes the scale writer.
     scale_asked: Notify,
     /// Wakes the sync loop (a workload newly tracked).
     sync_asked: Notify,
-    pub(super) limiter: Limiter,
+    pub(crate) limiter: Limiter,
     recorder: Recorder,
     /// Whether the Services (routes decided) and the EndpointSlices have been listed.
     services_listed: std::sync::atomic::AtomicBool,
@@ -255,7 +255,7 @@ impl KubeOrchestrator {
 
     /// Tracks the workload of an image function: its route's deployment key is the Deployment's
     /// name, and its Service has that name too.
-    pub(super) fn track_function(&self, workload: &Workload) {
+    pub(crate) fn track_function(&self, workload: &Workload) {
         let service = ServiceKey {
             namespace: workload.namespace.clone(),
             name: workload.name.clone(),
@@ -303,7 +303,7 @@ impl KubeOrchestrator {
     }
 
     /// Stops tracking the workloads of Services (`function`: of image functions) not in `keep`.
-    pub(super) fn retain(&self, keep: &HashSet<String>, function: bool) {
+    pub(crate) fn retain(&self, keep: &HashSet<String>, function: bool) {
         let mut inner = self.lock();
         let before = inner.workloads.len();
         inner
@@ -334,7 +334,7 @@ impl KubeOrchestrator {
         self.changed();
     }
 
-    pub(super) async fn publish(
+    pub(crate) async fn publish(
         &self,
         reference: &ObjectReference,
         kind: EventType,
@@ -385,10 +385,10 @@ impl KubeOrchestrator {
 /// and whenever its text changes, and one line when it stops; the same failure repeating (a
 /// missing permission, an API server away) does not flood the log.
 #[derive(Default)]
-pub(super) struct Complaints(HashMap<String, String>);
+pub(crate) struct Complaints(HashMap<String, String>);
 
 impl Complaints {
-    pub(super) fn failed(&mut self, what: &str, error: &dyn std::fmt::Display) {
+    pub(crate) fn failed(&mut self, what: &str, error: &dyn std::fmt::Display) {
         let text = error.to_string();
         if self.0.get(what) != Some(&text) {
             tracing::warn!(error = %text, "{what} failed (reported again only if it changes)");
@@ -396,7 +396,7 @@ impl Complaints {
         }
     }
 
-    pub(super) fn worked(&mut self, what: &str) {
+    pub(crate) fn worked(&mut self, what: &str) {
         if self.0.remove(what).is_some() {
             tracing::info!("{what} works again");
         }
@@ -1092,7 +1092,7 @@ impl Driver {
                 .map(|r| r.spec.name.clone())
                 .collect()
         });
-        crate::proxy::runtime::live_of(&self.traffic, &routes)
+        ebb_proxy::runtime::live_of(&self.traffic, &routes)
     }
 
     /// Sends `request` and whatever the protocol asks next, until it is done.
@@ -1312,11 +1312,11 @@ pub async fn run_shared(
     }
 }
 
-/// The name of the container port a function server listens on (`kube_functions::PORT`).
+/// The name of the container port a function server listens on ([`crate::functions`]).
 pub const PORT_NAME: &str = "http";
 
 /// Runs the backend's loops until `stop` turns true (the functions' objects have their own,
-/// `kube_functions::run`).
+/// `crate::functions::run`).
 pub async fn run(log: Arc<Log>, orch: Arc<KubeOrchestrator>, stop: watch::Receiver<bool>) {
     tokio::join!(
         orch.limiter.refill(stop.clone()),

@@ -30,9 +30,9 @@ use crate::event::CleanerSpec;
 use crate::log::Log;
 use crate::state::State;
 
-use super::rfc3339;
-use super::runtime::{Backend, Cleaners, Deleted, Options, Resolved};
-use super::spec::{
+use ebb_cleaner::rfc3339;
+use ebb_cleaner::runtime::{Backend, Cleaners, Deleted, Options, Resolved};
+use ebb_cleaner::spec::{
     CleanerResource, CleanerStatus, ConditionResult, LastEvaluation, Ref, StatusCondition, to_spec,
 };
 
@@ -667,9 +667,9 @@ pub async fn run(
         );
         let cleaners = Arc::new(
             Cleaners::new(log.clone(), clock.clone(), targets.clone(), options.options)
-                .only(|n| !super::config::is_local(n)),
+                .only(|n| !ebb_cleaner::config::is_local(n)),
         );
-        let looping = tokio::spawn(super::runtime::run(
+        let looping = tokio::spawn(ebb_cleaner::runtime::run(
             cleaners.clone(),
             changed_rx,
             term_rx.clone(),
@@ -731,7 +731,7 @@ async fn watch_cleaners(
                         .by_name
                         .iter()
                         .filter(|(n, c)| {
-                            !super::config::is_local(n)
+                            !ebb_cleaner::config::is_local(n)
                                 && !c.spec.namespace.is_empty()
                                 && !listing.contains(*n)
                         })

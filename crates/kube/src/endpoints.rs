@@ -26,9 +26,9 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, Client};
 use tokio::sync::watch;
 
-use super::id::ServiceId;
-use super::{Discovery, Resolved, publish};
 pub use ebb_core::discovery::k8s::{Target, check, env_names, parts};
+use ebb_proxy::discovery::id::ServiceId;
+use ebb_proxy::discovery::{Discovery, Resolved, publish};
 
 /// A Service's EndpointSlices, watched.
 #[derive(Clone)]
@@ -183,7 +183,7 @@ impl Endpoints {
             tracing::warn!(service = %id, error = %found, "not resolved yet");
             tx.send_modify(|r| r.error = Some(found));
             tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(super::dns::MAX_REFRESH);
+            backoff = (backoff * 2).min(ebb_proxy::discovery::dns::MAX_REFRESH);
         }
     }
 

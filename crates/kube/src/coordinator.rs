@@ -23,8 +23,8 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 
-use super::annotations::{Workload, WorkloadKind};
 use crate::scaler::shared::{CoordError, Coordinator, Lease, SharedDeployment};
+use ebb_core::orchestrator::annotations::{Workload, WorkloadKind};
 
 /// The annotation holding a workload's last use (Unix ms).
 pub const LAST_USED: &str = "ebb.dev/last-used";

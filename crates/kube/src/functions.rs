@@ -36,12 +36,12 @@ use kube::runtime::events::EventType;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
-use super::annotations::{Workload, WorkloadKind};
-use super::kube::{Complaints, KubeOrchestrator};
 use crate::event::{Event, TemplateSpec};
 use crate::log::Log;
+use crate::orchestrator::{Complaints, KubeOrchestrator};
 use crate::state::State;
 use ebb_core::functions::workload_of;
+use ebb_core::orchestrator::annotations::{Workload, WorkloadKind};
 
 /// The label naming the function whose Deployment, Service and pods an object is.
 pub const FUNCTION_LABEL: &str = "ebb.dev/function";
@@ -51,7 +51,7 @@ pub const OWNER_ANNOTATION: &str = "ebb.dev/owner";
 pub const FIELD_MANAGER: &str = "ebb";
 /// The container port a function server listens on (`$PORT`), and its name.
 pub const PORT: i32 = 8080;
-pub use super::kube::PORT_NAME;
+pub use crate::orchestrator::PORT_NAME;
 /// How often failed applies and deletions are tried again.
 const RETRY_EVERY: Duration = Duration::from_secs(5);
 

@@ -228,7 +228,7 @@ async fn mirrored(
 }
 
 /// The template a resource holds, or why ebb cannot take it.
-pub(crate) fn spec_of(f: &Func) -> Result<crate::event::TemplateSpec, String> {
+pub fn spec_of(f: &Func) -> Result<crate::event::TemplateSpec, String> {
     let name = f.metadata.name.clone().unwrap_or_default();
     let mut j = f.spec.clone();
     if j.name.is_empty() {
@@ -308,7 +308,7 @@ pub async fn run_mirror(
     templates: KubeTemplates,
     log: Arc<Log>,
     autoscale: Autoscale,
-    events: Arc<super::kube::KubeOrchestrator>,
+    events: Arc<crate::orchestrator::KubeOrchestrator>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     use kube::runtime::WatchStreamExt;
