@@ -4,6 +4,7 @@
 
 mod bench;
 mod debug;
+mod log_filter;
 mod logs;
 mod runner;
 mod serve;
@@ -95,8 +96,10 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_env("EBB_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = std::env::var("EBB_LOG")
+        .ok()
+        .and_then(|spec| tracing_subscriber::EnvFilter::try_new(log_filter::translate(&spec)).ok())
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info"));
     let lines = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
