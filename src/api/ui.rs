@@ -534,7 +534,7 @@ fn told(before: &State, env: &Envelope) -> Told {
 
 /// The log's tail told in words, for every dashboard at once: one narrator task, started when the
 /// first dashboard connects, with its own copy of the projection. A dashboard that falls more than
-/// [`FEED_BOUND`] events behind is told to re-read (`resync`) and goes on from the newest.
+/// `FEED_BOUND` events behind is told to re-read (`resync`) and goes on from the newest.
 pub struct Feed {
     stop: watch::Receiver<bool>,
     tx: OnceLock<broadcast::Sender<Arc<Told>>>,

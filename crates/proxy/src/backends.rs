@@ -7,7 +7,7 @@
 //!   ([`crate::discovery`]; by default peak EWMA) among those below the bound, and holds it until
 //!   its response is done; how the request ended (its latency, a 5xx, a failed connection, the
 //!   `X-Runner-Load` its answer reported) is told to the policy when it ends. The route's
-//!   [`Picker`](crate::discovery::Picker) is rebuilt only when its ready list changes. When
+//!   [`Picker`] is rebuilt only when its ready list changes. When
 //!   every replica is full the request waits, held like a request for a sleeping workload (the
 //!   route's hold queue and hold timeout), until the deployment's [`Group`] reports a freed
 //!   slot, and takes it.

@@ -25,7 +25,7 @@
 //!   connections to a replica are opened at most `max_connecting` at a time, an unanswered
 //!   connect attempt being made again within `connect_attempt_ms`, so a burst released by a wake
 //!   never floods an app with a small accept backlog.
-//! * **Forwarding**: HTTP/1.1 requests take the raw-socket path in [`h1`] (per-thread pools of
+//! * **Forwarding**: HTTP/1.1 requests take the raw-socket path in `h1` (per-thread pools of
 //!   keep-alive backend connections, bodies streamed byte for byte); h2c, HTTP/1.0 and upgrades
 //!   (WebSocket) take the general path on hyper ([`Proxy::handle`]), which serves the rest of
 //!   the connection and tunnels upgrades ([`splice`]). Both add `X-Forwarded-For`, `-Proto`,

@@ -46,7 +46,7 @@ pub enum PickError {
     NoInstance(String),
 }
 
-/// An instance picked for one request. Dropped without [`Chosen::report`], the request is not a
+/// An instance picked for one request. Dropped without `Chosen::report`, the request is not a
 /// sample (only its count under way ends).
 pub struct Chosen {
     picker: Arc<Picker<Arc<Instance>>>,
