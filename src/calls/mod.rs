@@ -108,6 +108,30 @@ pub struct Calls {
     peers: Arc<Peers>,
     /// The runner token, sent with what is forwarded to an owner.
     peer_token: Option<String>,
+    /// Per target, the ids of enqueues under way: put or being put, not yet recorded. They
+    /// count against `max_queued_per_target` with the log's queued calls.
+    reserved: Mutex<HashMap<String, HashSet<String>>>,
+}
+
+/// Room reserved by an enqueue under way for its calls; dropping it gives the room back (by
+/// then the log counts the calls, or they were never queued).
+struct Reserved<'a> {
+    calls: &'a Calls,
+    held: Vec<(String, String)>,
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        let mut reserved = self.calls.reserved.lock().expect("reserved lock");
+        for (t, id) in self.held.drain(..) {
+            if let Some(r) = reserved.get_mut(&t) {
+                r.remove(&id);
+                if r.is_empty() {
+                    reserved.remove(&t);
+                }
+            }
+        }
+    }
 }
 
 /// Most failed-put ids remembered.
@@ -191,6 +215,7 @@ impl Calls {
             stale: Arc::new(Mutex::new(IdSet::new(MAX_STALE))),
             peers: Arc::new(Peers::alone()),
             peer_token: None,
+            reserved: Mutex::new(HashMap::new()),
         }
     }
 
@@ -326,30 +351,46 @@ impl Calls {
         })
     }
 
-    /// Refuses calls whose target would have more than `max_queued_per_target` queued. Enqueues
-    /// under way at once may each pass before the others are recorded: the bound can be passed
-    /// by as many calls as are enqueued concurrently.
-    fn check_room(&self, specs: &[CallSpec]) -> Result<(), CallError> {
+    /// Refuses calls whose target would have more than `max_queued_per_target` queued, counting
+    /// the calls of enqueues under way (put, not yet recorded) with those the log has queued.
+    /// What passes is reserved until the returned guard is dropped (after the record), so
+    /// concurrent enqueues never pass the bound together.
+    fn check_room(&self, specs: &[CallSpec]) -> Result<Reserved<'_>, CallError> {
         let max = self.options.max_queued_per_target;
-        let mut asked: HashMap<&str, usize> = HashMap::new();
+        let mut asked: HashMap<&str, Vec<&str>> = HashMap::new();
         for s in specs {
-            *asked.entry(s.target.as_str()).or_default() += 1;
-        }
-        let full = self.log.read(|s| {
             asked
-                .iter()
-                .find(|(t, n)| s.calls.queued_for(t).saturating_add(**n) > max)
-                .map(|(t, _)| ((*t).to_owned(), s.calls.queued_for(t)))
+                .entry(s.target.as_str())
+                .or_default()
+                .push(s.id.as_str());
+        }
+        let mut reserved = self.reserved.lock().expect("reserved lock");
+        let full = self.log.read(|s| {
+            asked.iter().find_map(|(t, ids)| {
+                // Reserved ids the log knows by now are in `queued_for` already.
+                let pending = reserved.get(*t).map_or(0, |r| {
+                    r.iter().filter(|id| s.calls.get(id).is_none()).count()
+                });
+                let have = s.calls.queued_for(t).saturating_add(pending);
+                (have.saturating_add(ids.len()) > max).then(|| ((*t).to_owned(), have))
+            })
         });
-        match full {
-            None => Ok(()),
-            Some((target, queued)) => {
-                crate::limits::Limit::QueuedPerTarget.hit();
-                Err(CallError::TargetFull(format!(
-                    "{target:?} has {queued} calls queued; the bound is {max} (--max-queued-per-target)"
-                )))
+        if let Some((target, queued)) = full {
+            crate::limits::Limit::QueuedPerTarget.hit();
+            return Err(CallError::TargetFull(format!(
+                "{target:?} has {queued} calls queued; the bound is {max} (--max-queued-per-target)"
+            )));
+        }
+        let mut held = Vec::new();
+        for (t, ids) in asked {
+            let r = reserved.entry(t.to_owned()).or_default();
+            for id in ids {
+                if r.insert(id.to_owned()) {
+                    held.push((t.to_owned(), id.to_owned()));
+                }
             }
         }
+        Ok(Reserved { calls: self, held })
     }
 
     /// Enqueues calls: on the queue first, then in the log. Returns their ids.
@@ -374,10 +415,11 @@ impl Calls {
             spec.partition = partition;
             specs.push(spec);
         }
-        self.check_room(&specs)?;
+        let reserved = self.check_room(&specs)?;
         self.put_calls(&specs).await?;
         let ids: Vec<String> = specs.iter().map(|s| s.id.clone()).collect();
         self.record_queued(specs).await?;
+        drop(reserved);
         for id in &ids {
             tracing::debug!(call = %id, "queued");
         }
@@ -1336,6 +1378,73 @@ mod tests {
         assert_eq!(again.len(), 1, "the message comes back at once");
         let started = calls.start("r", vec![id.clone()]).await.unwrap();
         assert!(started[0].started, "{started:?}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+        /// Enqueuers at once never pass the per-target bound together, and none is refused
+        /// while there is room: exactly `min(asked, bound)` calls are queued.
+        #[test]
+        fn concurrent_enqueues_fill_a_target_exactly_to_its_bound(
+            max in 1usize..12,
+            enqueuers in 2usize..8,
+            each in 1usize..6,
+        ) {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(4)
+                .enable_all()
+                .build()
+                .unwrap();
+            let (accepted, queued) = rt.block_on(async move {
+                let dir = tempfile::tempdir().unwrap();
+                let clock = SimClock::new(1_000);
+                let (log, queue) = open(&Arc::new(MemStore::new()), dir.path(), &clock);
+                let route = crate::event::RouteSpec::for_test("work", &["work.localhost"]);
+                log.decide(move |_: &State, _| (vec![Event::RouteUpserted { route }], ()))
+                    .await
+                    .unwrap();
+                let calls = Arc::new(Calls::new(
+                    log.clone(),
+                    queue,
+                    Arc::new(clock),
+                    CallOptions {
+                        max_queued_per_target: max,
+                        ..CallOptions::default()
+                    },
+                ));
+                let start = Arc::new(tokio::sync::Barrier::new(enqueuers));
+                let tasks: Vec<_> = (0..enqueuers)
+                    .map(|_| {
+                        let (calls, start) = (calls.clone(), start.clone());
+                        tokio::spawn(async move {
+                            start.wait().await;
+                            let mut ok = 0usize;
+                            for _ in 0..each {
+                                let one = vec![NewCall {
+                                    target: "work".into(),
+                                    ..NewCall::default()
+                                }];
+                                match calls.enqueue(one).await {
+                                    Ok(_) => ok += 1,
+                                    Err(CallError::TargetFull(_)) => {}
+                                    Err(e) => panic!("{e}"),
+                                }
+                            }
+                            ok
+                        })
+                    })
+                    .collect();
+                let mut accepted = 0;
+                for t in tasks {
+                    accepted += t.await.unwrap();
+                }
+                (accepted, log.read(|s| s.calls.queued_for("work")))
+            });
+            let want = (enqueuers * each).min(max);
+            proptest::prop_assert_eq!(accepted, want);
+            proptest::prop_assert_eq!(queued, want);
+        }
     }
 
     /// A queue whose puts land and then report failure, as a Kafka produce that timed out on
