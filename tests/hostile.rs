@@ -483,3 +483,73 @@ async fn proxy_and_apis_survive_hostile_http() {
         survive(api).await;
     }
 }
+
+/// Everything the server sends on a connection until it closes it.
+async fn until_closed(addr: SocketAddr, bytes: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(bytes).await.unwrap();
+    let mut out = Vec::new();
+    match tokio::time::timeout(DEADLINE, s.read_to_end(&mut out)).await {
+        Ok(_) => String::from_utf8_lossy(&out).into_owned(),
+        Err(_) => panic!(
+            "not closed within {DEADLINE:?}: {:?}",
+            String::from_utf8_lossy(&out)
+        ),
+    }
+}
+
+/// A head with a line ending in LF alone gets the same 400 on the proxy's HTTP/1.1 path and on
+/// its general path (hyper: HTTP/1.0, and what follows a request handed over on a connection),
+/// and the connection ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_lf_is_refused_alike_on_both_proxy_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ebb.toml");
+    std::fs::write(
+        &config,
+        "[[app]]\nname = \"edge\"\ndomains = [\"edge.localhost\"]\n\
+         command = [\"ebb\", \"example-app\"]\nidle_after_ms = 60000\n",
+    )
+    .unwrap();
+    let ebb = common::serve_with(&dir.path().join("data"), Some(&config), None, &[]);
+    let refused = |what: &str, got: &str| {
+        let last = got
+            .rfind("HTTP/1.")
+            .unwrap_or_else(|| panic!("{what}: no answer: {got:?}"));
+        let answer = &got[last..];
+        assert!(
+            answer.starts_with("HTTP/1.1 400 "),
+            "{what}: the last answer is not a 400: {got:?}"
+        );
+        assert!(
+            answer.contains("\"code\":\"bad_request\"") && answer.contains("LF without CR"),
+            "{what}: {got:?}"
+        );
+    };
+    let fast = until_closed(
+        ebb.proxy,
+        b"GET /pid HTTP/1.1\nHost: edge.localhost\n\nGET /smuggled HTTP/1.1\r\nHost: edge.localhost\r\n\r\n",
+    )
+    .await;
+    refused("HTTP/1.1 path", &fast);
+    let general = until_closed(
+        ebb.proxy,
+        b"GET /pid HTTP/1.0\nHost: edge.localhost\n\nGET /smuggled HTTP/1.1\r\nHost: edge.localhost\r\n\r\n",
+    )
+    .await;
+    refused("HTTP/1.0 (general path)", &general);
+    let handed_over = until_closed(
+        ebb.proxy,
+        b"GET /pid HTTP/1.0\r\nHost: edge.localhost\r\nConnection: keep-alive\r\n\r\n\
+          GET /pid HTTP/1.1\r\nHost: edge.localhost\nX-Late: 1\r\n\r\n",
+    )
+    .await;
+    assert!(
+        handed_over.starts_with("HTTP/1.0 200") || handed_over.starts_with("HTTP/1.1 200"),
+        "the first request is answered: {handed_over:?}"
+    );
+    refused("after a handed-over request", &handed_over);
+    for got in [&fast, &general, &handed_over] {
+        assert!(!got.contains("/smuggled"), "{got:?}");
+    }
+}

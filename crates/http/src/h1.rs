@@ -174,6 +174,9 @@ pub fn hop_by_hop(name: &str) -> bool {
     NAMES.iter().any(|n| n.eq_ignore_ascii_case(name))
 }
 
+/// What a head refused for a line ending in LF alone is told.
+pub const LONE_LF: &str = "a line of the request head ends in LF without CR";
+
 /// Whether a head has a line ending in LF alone.
 pub fn bare_lf(head: &[u8]) -> bool {
     let mut prev = 0u8;
@@ -297,11 +300,7 @@ pub fn parse_request<R: Routes>(
         // the two can never disagree on where the head ends.
         return Parsed::Refuse {
             head_len,
-            refusal: Refused::new(
-                StatusCode::BAD_REQUEST,
-                "bad_request",
-                "a line of the request head ends in LF without CR".to_owned(),
-            ),
+            refusal: Refused::new(StatusCode::BAD_REQUEST, "bad_request", LONE_LF.to_owned()),
             close: true,
         };
     }

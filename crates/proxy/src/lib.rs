@@ -65,6 +65,7 @@ pub mod runtime;
 pub mod services;
 pub mod splice;
 pub mod stream_idle;
+pub mod strict;
 pub mod table;
 pub mod tcp;
 pub mod traffic;
@@ -733,7 +734,16 @@ impl Proxy {
             if https {
                 req.extensions_mut().insert(Https);
             }
-            async move { Ok::<_, std::convert::Infallible>(proxy.handle(req, peer).await) }
+            async move {
+                if strict::is_refusal(req.headers()) {
+                    // A head with a lone LF, refused as the HTTP/1.1 path refuses it.
+                    let mut r = json_error(StatusCode::BAD_REQUEST, "bad_request", strict::LONE_LF);
+                    r.headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    return Ok(r);
+                }
+                Ok::<_, std::convert::Infallible>(proxy.handle(req, peer).await)
+            }
         });
         let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
         builder
@@ -745,6 +755,8 @@ impl Proxy {
             .http2()
             .timer(hyper_util::rt::TokioTimer::new())
             .max_header_list_size(u32::try_from(limits.max_head_bytes).unwrap_or(u32::MAX));
+        // The HTTP/1.1 path's refusal of a lone LF holds here too.
+        let io = strict::Strict::for_proxy(io);
         if let Err(e) = builder
             .serve_connection_with_upgrades(TokioIo::new(io), service)
             .await
