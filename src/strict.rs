@@ -5,8 +5,9 @@ use std::io;
 
 pub use ebb_proxy::strict::Strict;
 
-/// ebb's endpoints' plain listener: each connection checked, without Nagle's delay.
-pub struct StrictListener(pub tokio::net::TcpListener);
+/// ebb's endpoints' plain listener: each connection checked, without Nagle's delay, and ended
+/// if its first head is not in within the header-read timeout (the second field).
+pub struct StrictListener(pub tokio::net::TcpListener, pub std::time::Duration);
 
 impl axum::serve::Listener for StrictListener {
     type Io = Strict<tokio::net::TcpStream>;
@@ -17,7 +18,7 @@ impl axum::serve::Listener for StrictListener {
             match self.0.accept().await {
                 Ok((stream, peer)) => {
                     let _ = stream.set_nodelay(true);
-                    return (Strict::new(stream), peer);
+                    return (Strict::new(stream).first_within(self.1), peer);
                 }
                 Err(e) => {
                     // Out of file descriptors, most likely: a moment's pause rather than a spin.

@@ -182,7 +182,9 @@ impl TlsListener {
                     let _permit = permit;
                     match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
                         Ok(Ok(tls)) => {
-                            let _ = tx.send((crate::strict::Strict::new(tls), peer)).await;
+                            let strict =
+                                crate::strict::Strict::new(tls).first_within(handshake_timeout);
+                            let _ = tx.send((strict, peer)).await;
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),

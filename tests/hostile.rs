@@ -484,13 +484,18 @@ async fn proxy_and_apis_survive_hostile_http() {
     }
 }
 
-/// Everything the server sends on a connection until it closes it.
+/// Everything the server sends on a connection until it closes it, as text.
 async fn until_closed(addr: SocketAddr, bytes: &[u8]) -> String {
+    String::from_utf8_lossy(&bytes_until_closed(addr, bytes).await).into_owned()
+}
+
+/// Everything the server sends on a connection until it closes it.
+async fn bytes_until_closed(addr: SocketAddr, bytes: &[u8]) -> Vec<u8> {
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.write_all(bytes).await.unwrap();
     let mut out = Vec::new();
     match tokio::time::timeout(DEADLINE, s.read_to_end(&mut out)).await {
-        Ok(_) => String::from_utf8_lossy(&out).into_owned(),
+        Ok(_) => out,
         Err(_) => panic!(
             "not closed within {DEADLINE:?}: {:?}",
             String::from_utf8_lossy(&out)
@@ -551,5 +556,51 @@ async fn a_lone_lf_is_refused_alike_on_both_proxy_paths() {
     refused("after a handed-over request", &handed_over);
     for got in [&fast, &general, &handed_over] {
         assert!(!got.contains("/smuggled"), "{got:?}");
+    }
+}
+
+/// The frame types of HTTP/2 frames, in order.
+fn frame_types(mut got: &[u8]) -> Vec<u8> {
+    let mut types = Vec::new();
+    while got.len() >= 9 {
+        let len = u32::from_be_bytes([0, got[0], got[1], got[2]]) as usize;
+        types.push(got[3]);
+        got = &got[(9 + len).min(got.len())..];
+    }
+    types
+}
+
+/// The same HTTP/2 rules on every port: a protocol error right after the preface is answered
+/// GOAWAY and the connection closed; a connection that sends nothing valid (the preface alone,
+/// bytes that never make a head) is closed within the header-read timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_port_ends_a_broken_h2_connection_and_one_that_sends_nothing_valid() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = common::serve_with(
+        &dir.path().join("data"),
+        None,
+        Some("admin-secret"),
+        &[
+            "--runner-token",
+            "runner-secret",
+            "--header-read-timeout-ms",
+            "1000",
+        ],
+    );
+    const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    // A SETTINGS frame five bytes long: a FRAME_SIZE_ERROR of the connection.
+    let mut malformed = PREFACE.to_vec();
+    malformed.extend_from_slice(b"\x00\x00\x05\x04\x00\x00\x00\x00\x00abcde");
+    for (port, addr) in [("proxy", ebb.proxy), ("admin and runner", ebb.admin)] {
+        let got = bytes_until_closed(addr, &malformed).await;
+        let types = frame_types(&got);
+        assert_eq!(
+            types.last(),
+            Some(&7),
+            "{port}: a malformed first frame is answered GOAWAY, then the connection closes: {types:?}"
+        );
+        // Closed (until_closed returns only at the end) though it sent nothing more.
+        bytes_until_closed(addr, PREFACE).await;
+        bytes_until_closed(addr, b"\x00\x01\x02").await;
     }
 }

@@ -639,7 +639,7 @@ pub async fn run(
     let admin_task = tokio::spawn(async move {
         match admin_tls {
             None => {
-                let admin_listener = crate::strict::StrictListener(admin_listener);
+                let admin_listener = crate::strict::StrictListener(admin_listener, handshake);
                 axum::serve(admin_listener, admin)
                     .with_graceful_shutdown(admin_stopped)
                     .await

@@ -756,7 +756,8 @@ impl Proxy {
             .timer(hyper_util::rt::TokioTimer::new())
             .max_header_list_size(u32::try_from(limits.max_head_bytes).unwrap_or(u32::MAX));
         // The HTTP/1.1 path's refusal of a lone LF holds here too.
-        let io = strict::Strict::for_proxy(io);
+        let io = strict::Strict::for_proxy(io)
+            .first_within(Duration::from_millis(limits.header_read_timeout_ms));
         if let Err(e) = builder
             .serve_connection_with_upgrades(TokioIo::new(io), service)
             .await

@@ -16,8 +16,14 @@
 //! Everything else is hyper's to answer, as it is on that path.
 //!
 //! An HTTP/2 preface (h2c with prior knowledge) passes everything after it unchecked.
+//!
+//! With a deadline ([`Strict::first_within`], the header-read timeout), a connection that has
+//! not sent a whole first head, or the HTTP/2 preface and the first frame's header, by then is
+//! ended: hyper bounds the later heads of HTTP/1 itself, not HTTP/2's first frames, nor (on the
+//! admin address, served by axum) any head.
 //! The framing itself is `ebb_http`'s.
 
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -67,6 +73,10 @@ pub struct Strict<S> {
     buf: BytesMut,
     ready: usize,
     rules: Rules,
+    /// Until the first head (or the preface and a frame header): the connection ends at it.
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Bytes read from `inner` so far.
+    total: u64,
 }
 
 impl<S> Strict<S> {
@@ -78,7 +88,16 @@ impl<S> Strict<S> {
             buf: BytesMut::with_capacity(8 * 1024),
             ready: 0,
             rules: Rules::Endpoint,
+            deadline: None,
+            total: 0,
         }
+    }
+
+    /// Ends the connection if its first head (or its HTTP/2 preface and first frame header) is
+    /// not read within `limit`.
+    pub fn first_within(mut self, limit: std::time::Duration) -> Self {
+        self.deadline = Some(Box::pin(tokio::time::sleep(limit)));
+        self
     }
 
     /// Checks what is read from `inner` by the proxy's rules: a head with a line ending in LF
@@ -217,7 +236,13 @@ impl<S> Strict<S> {
             let rest = &self.buf[self.ready..];
             match &mut self.state {
                 State::Refused(_) => return,
-                State::Through => self.ready = self.buf.len(),
+                State::Through => {
+                    // HTTP/2: the preface (24 bytes) and a frame's header (9) are in.
+                    if self.deadline.is_some() && self.total >= 33 {
+                        self.deadline = None;
+                    }
+                    self.ready = self.buf.len();
+                }
                 State::Body(n) => {
                     let take = usize::try_from(*n).unwrap_or(usize::MAX).min(rest.len());
                     *n -= take as u64;
@@ -253,6 +278,9 @@ impl<S> Strict<S> {
                     };
                     match check_head(&rest[..end], self.rules) {
                         Ok(next) => {
+                            if !matches!(next, State::Through) || !rest.starts_with(H2_PREFACE) {
+                                self.deadline = None;
+                            }
                             self.ready += end;
                             self.state = next;
                         }
@@ -335,11 +363,24 @@ impl<S: AsyncRead + Unpin> AsyncRead for Strict<S> {
             let mut chunk = [0u8; 8 * 1024];
             let mut read = ReadBuf::new(&mut chunk);
             match Pin::new(&mut this.inner).poll_read(cx, &mut read) {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    if let Some(d) = this.deadline.as_mut()
+                        && d.as_mut().poll(cx).is_ready()
+                    {
+                        return Poll::Ready(Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "nothing valid within the header-read timeout",
+                        )));
+                    }
+                    return Poll::Pending;
+                }
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 // The end: what was not checked is not handed on.
                 Poll::Ready(Ok(())) if read.filled().is_empty() => return Poll::Ready(Ok(())),
-                Poll::Ready(Ok(())) => this.buf.extend_from_slice(read.filled()),
+                Poll::Ready(Ok(())) => {
+                    this.total += read.filled().len() as u64;
+                    this.buf.extend_from_slice(read.filled());
+                }
             }
             this.check();
         }
