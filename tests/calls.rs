@@ -787,6 +787,57 @@ fn replica_running(pair: &common::KafkaPair, me: usize, capacity: u32) -> Ebb {
     common::serve_with(&data.join("data"), Some(&config(&data)), None, &args)
 }
 
+/// An owner that put a call's message but records the call only after every other replica
+/// has stopped holding the message back (its record stalled): the replica that hands the
+/// message out sends the owner its copy with the start, the owner records the call from it,
+/// and the call runs. (Before, the owner refused the start as unknown, the message was
+/// deleted, and the owner's late record left an acknowledged call no runner could get.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_whose_owner_records_it_late_still_runs_on_kafka() {
+    use ebb::queue::Queue as _;
+    let pair = common::KafkaPair::start().await;
+    let e0 = replica(&pair, 0);
+    let e1 = replica(&pair, 1);
+    // ebb-0's put, without its record: the message as ebb-0 puts it, on the shared topic.
+    let q = ebb::queue::kafka::KafkaQueue::open(
+        std::sync::Arc::new(ebb::clock::SystemClock),
+        ebb::queue::kafka::KafkaOptions {
+            brokers: pair.broker.addr.to_string(),
+            partitions: 4,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let id = format!("ebb-0.{}", uuid::Uuid::now_v7().hyphenated());
+    let mut spec = ebb::event::CallSpec::for_test(&id);
+    spec.target = "work".into();
+    spec.timeout_ms = 20_000;
+    spec.payload.method = "POST".into();
+    spec.payload.path = "/".into();
+    spec.payload.body = b"late".to_vec().into();
+    q.put(vec![ebb::calls::message_of(&spec)]).await.unwrap();
+    // The only runner is ebb-1's: ebb-0 never hands the message out itself.
+    let _r1 = runner(&e1, "r1", None);
+    let ran = wait_until(
+        "the late-recorded call ran",
+        Duration::from_secs(90),
+        || async {
+            let a = get(&e0, &format!("/v1/calls/{id}")).await;
+            (a.status == 200 && a.json["state"] == "success").then_some(a.json)
+        },
+    )
+    .await;
+    assert_eq!(ran["runner"], "r1", "{ran}");
+    assert_eq!(events_of(&e0.data, &id, "CallQueued"), 1);
+    assert_eq!(events_of(&e0.data, &id, "CallStarted"), 1);
+    assert_eq!(
+        events_of(&e1.data, &id, "CallQueued"),
+        0,
+        "only the owner records it"
+    );
+}
+
 /// Each replica's built-in runner takes calls from the shared topic, its own replica's and the
 /// other's (whose starts and finishes go to their owner).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -66,6 +66,7 @@ fn every_scenario_holds_its_invariants_and_exercises_what_it_is_about() {
             seen.crashes += out.stats.crashes;
             seen.forwarded += out.stats.forwarded;
             seen.held_unknown += out.stats.held_unknown;
+            seen.recorded_from_copy += out.stats.recorded_from_copy;
             seen.warm_started += out.stats.warm_started;
         }
     }
@@ -93,6 +94,10 @@ fn every_scenario_holds_its_invariants_and_exercises_what_it_is_about() {
     assert!(
         seen.held_unknown > 0,
         "no replica read another's message between its put and its record: {seen:?}"
+    );
+    assert!(
+        seen.recorded_from_copy > 0,
+        "no owner stalled past the hold-back bound: {seen:?}"
     );
 }
 
@@ -128,6 +133,11 @@ fn the_simulator_finds_every_deliberately_broken_decision() {
         ),
         (
             Mutation::HandOutUnknown,
+            "calls-replicas",
+            "call_reaches_final",
+        ),
+        (
+            Mutation::RefuseUnknownCopy,
             "calls-replicas",
             "call_reaches_final",
         ),

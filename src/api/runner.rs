@@ -239,7 +239,12 @@ async fn start(
             ));
         }
     };
-    let results = calls.start(runner, ids).await?;
+    let copies = match b.copies {
+        None => Vec::new(),
+        Some(copies) => crate::calls::decode_copies(copies)
+            .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", &e))?,
+    };
+    let results = calls.start_with_copies(runner, ids, copies).await?;
     let resp = if batch {
         Json(ResultsAnswer { results: &results }).into_response()
     } else {

@@ -37,7 +37,11 @@
 //! (`/runner/states`) what became of another's calls before handing them out, as it asks its own
 //! log for its own; one the owner does not know yet (an enqueue puts, then records) is held back
 //! (`hold_back_unknown`: 20 ms, doubling, ten times) rather than handed out, since the owner would
-//! refuse its start as unknown and delete the message of a call it is about to record. A failed
+//! refuse its start as unknown and delete the message of a call it is about to record. Past
+//! that bound the message is handed out with its copy remembered, and the forwarded start sends
+//! the owner the copy: an owner that still does not know the call (its record stalled between
+//! the put and the record) records it from the copy, as it would a delivered message of its own,
+//! so an acknowledged call never loses its message. A failed
 //! put is recorded (`CallsAborted`), so its message never runs should it land after all, across
 //! restarts too. On Kafka a message's key is the partition the enqueue named, else shared by runs
 //! of `KEY_RUN` calls of a put: calls spread over every partition, so every replica's runners
@@ -111,6 +115,65 @@ pub struct Calls {
     /// Per target, the ids of enqueues under way: put or being put, not yet recorded. They
     /// count against `max_queued_per_target` with the log's queued calls.
     reserved: Mutex<HashMap<String, HashSet<String>>>,
+    /// Other replicas' calls handed out while their owner did not know them (past the hold-back
+    /// bound), by id: a forwarded start sends the owner the copy, which it records if it still
+    /// does not know the call (its record stalled), so the call is not lost.
+    handed_unknown: Mutex<Copies>,
+}
+
+/// Most handed-out copies of unknown calls remembered (each is forgotten at its start).
+const MAX_COPIES: usize = 10_000;
+
+/// Call copies by id, bounded: beyond the bound the oldest are forgotten first.
+#[derive(Debug, Default)]
+struct Copies {
+    by_id: HashMap<String, CallSpec>,
+    order: std::collections::VecDeque<String>,
+}
+
+impl Copies {
+    fn insert(&mut self, spec: CallSpec) {
+        let id = spec.id.clone();
+        if self.by_id.insert(id.clone(), spec).is_none() {
+            self.order.push_back(id);
+        }
+        while self.order.len() > MAX_COPIES {
+            if let Some(old) = self.order.pop_front() {
+                self.by_id.remove(&old);
+            }
+        }
+    }
+
+    fn get(&self, id: &str) -> Option<&CallSpec> {
+        self.by_id.get(id)
+    }
+
+    fn take(&mut self, id: &str) -> Option<CallSpec> {
+        let spec = self.by_id.remove(id)?;
+        self.order.retain(|o| o != id);
+        Some(spec)
+    }
+}
+
+/// Decodes the copies a forwarded start carries (`wire::StartBody::copies`).
+pub fn decode_copies(
+    copies: std::collections::BTreeMap<String, String>,
+) -> Result<Vec<CallSpec>, String> {
+    use base64::Engine as _;
+    copies
+        .into_iter()
+        .map(|(id, b64)| {
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(b64.as_bytes())
+                .map_err(|e| format!("the copy of call {id} is not base64: {e}"))?;
+            let spec: CallSpec = rmp_serde::from_slice(&bytes)
+                .map_err(|e| format!("the copy of call {id} is not a call: {e}"))?;
+            if spec.id != id {
+                return Err(format!("the copy given for call {id} is call {}", spec.id));
+            }
+            Ok(spec)
+        })
+        .collect()
 }
 
 /// Room reserved by an enqueue under way for its calls; dropping it gives the room back (by
@@ -216,6 +279,7 @@ impl Calls {
             peers: Arc::new(Peers::alone()),
             peer_token: None,
             reserved: Mutex::new(HashMap::new()),
+            handed_unknown: Mutex::new(Copies::default()),
         }
     }
 
@@ -732,6 +796,15 @@ impl Calls {
                             .max(now.saturating_add(grace));
                         running.push((spec.id, until));
                     }
+                    None => {
+                        // Handed out although its owner does not know it: should the owner's
+                        // record be stalled still, the start sends it this copy.
+                        self.handed_unknown
+                            .lock()
+                            .expect("copies lock")
+                            .insert(spec.clone());
+                        give.push((spec, deliveries))
+                    }
                     _ => give.push((spec, deliveries)),
                 }
             }
@@ -754,6 +827,43 @@ impl Calls {
 
     /// Starts calls for `runner`: the conditional transition, one answer per id.
     pub async fn start(&self, runner: &str, ids: Vec<String>) -> Result<Vec<Started>, CallError> {
+        self.start_with_copies(runner, ids, Vec::new()).await
+    }
+
+    /// [`Calls::start`], with the copies another replica forwarding the start sends of calls of
+    /// this replica's it handed out unknown: those this replica still does not know (its
+    /// record stalled between the put and the record) and did not abort are recorded from the
+    /// copy first, as a delivered message of its own would be.
+    pub async fn start_with_copies(
+        &self,
+        runner: &str,
+        ids: Vec<String>,
+        copies: Vec<CallSpec>,
+    ) -> Result<Vec<Started>, CallError> {
+        if !copies.is_empty()
+            && !crate::mutation::active(crate::mutation::Mutation::RefuseUnknownCopy)
+        {
+            let unknown: Vec<CallSpec> = {
+                let aborted = self.aborted.lock().expect("aborted lock");
+                self.log.read(|s| {
+                    copies
+                        .into_iter()
+                        .filter(|c| ids.contains(&c.id))
+                        .filter(|c| self.peers.other_owner(&c.id).is_none())
+                        .filter(|c| s.calls.get(&c.id).is_none() && !s.calls.is_aborted(&c.id))
+                        .filter(|c| !aborted.contains(&c.id))
+                        .filter(|c| s.routes.by_name.contains_key(&c.target))
+                        .collect()
+                })
+            };
+            if !unknown.is_empty() {
+                tracing::info!(
+                    calls = unknown.len(),
+                    "recording calls from the copies another replica handed out (their record here was late)"
+                );
+                self.record_queued(unknown).await?;
+            }
+        }
         if ids.len() > self.options.max_batch {
             return Err(CallError::Bad(format!(
                 "{} ids in one batch; the bound is {}",
@@ -918,13 +1028,29 @@ impl Calls {
             self.queue
                 .hold(ids.iter().map(|id| (id.clone(), until)).collect())
                 .await?;
+            let copies: std::collections::BTreeMap<String, String> = {
+                use base64::Engine as _;
+                let handed = self.handed_unknown.lock().expect("copies lock");
+                ids.iter()
+                    .filter_map(|id| handed.get(id))
+                    .map(|spec| {
+                        let body = message_of(spec).body;
+                        let b64 = base64::engine::general_purpose::STANDARD.encode(&body);
+                        (spec.id.clone(), b64)
+                    })
+                    .collect()
+            };
+            let mut body = serde_json::json!({ "runner": runner, "ids": ids });
+            if !copies.is_empty() {
+                body["copies"] = serde_json::json!(copies);
+            }
             let asked = self
                 .peers
                 .post_json::<Results<Started>>(
                     &owner,
                     "/runner/start",
                     self.peer_token.as_deref(),
-                    &serde_json::json!({ "runner": runner, "ids": ids }),
+                    &body,
                 )
                 .await;
             let results = match asked {
@@ -947,6 +1073,15 @@ impl Calls {
             };
             let (mut holds, mut refused) = (Vec::new(), Vec::new());
             let back = now.saturating_add(crate::peers::RETRY_AFTER_S * 1000);
+            if !copies.is_empty() {
+                // Decided: the owner knows these calls now (or refused them for good).
+                let mut handed = self.handed_unknown.lock().expect("copies lock");
+                for r in &results {
+                    if r.code.as_deref() != Some(OWNER_UNAVAILABLE) {
+                        handed.take(&r.id);
+                    }
+                }
+            }
             for r in &results {
                 match r.code.as_deref() {
                     None if r.started => holds.push((

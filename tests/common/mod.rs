@@ -68,7 +68,10 @@ pub fn serve_logged(
     ])
     .args(["--flush-interval-ms", "100", "--data-dir"])
     .arg(data)
-    .env("EBB_LOG", "warn")
+    .env(
+        "EBB_LOG",
+        std::env::var("EBB_TEST_LOG").unwrap_or("warn".into()),
+    )
     .args(extra)
     .env_remove("EBB_ADMIN_TOKEN")
     .env_remove("EBB_RUNNER_TOKEN")
@@ -220,7 +223,10 @@ pub fn ebb_runner(
         ])
         .args(["--proxy", &proxy.to_string()])
         .args(extra)
-        .env("EBB_LOG", "warn")
+        .env(
+            "EBB_LOG",
+            std::env::var("EBB_TEST_LOG").unwrap_or("warn".into()),
+        )
         .stdout(Stdio::null())
         .stderr(Stdio::inherit())
         .spawn()

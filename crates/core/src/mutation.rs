@@ -33,6 +33,11 @@ pub enum Mutation {
     /// call yet (put, not yet recorded), instead of holding it back a moment: the owner refuses
     /// the start as unknown and the message is deleted before the call is recorded as queued.
     HandOutUnknown,
+    /// An owner asked to start a call it does not know yet ignores the copy of the call the
+    /// forwarding replica handed out past the hold-back bound, and refuses the start as
+    /// unknown: the message is deleted, and the owner, stalled between its put and its record,
+    /// then records a call that no runner can ever get.
+    RefuseUnknownCopy,
     /// The idle scale-down keeps only the idle floor, not the replicas of the keep-warm windows
     /// open now.
     IdleIgnoresWarm,
@@ -40,13 +45,14 @@ pub enum Mutation {
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 7] = [
+    pub const ALL: [Mutation; 8] = [
         Mutation::DownscaleWithoutCas,
         Mutation::StartWithoutCondition,
         Mutation::FinishNotIdempotent,
         Mutation::NoRetryOnStopping,
         Mutation::DecideForOthers,
         Mutation::HandOutUnknown,
+        Mutation::RefuseUnknownCopy,
         Mutation::IdleIgnoresWarm,
     ];
 
@@ -59,6 +65,7 @@ impl Mutation {
             Mutation::NoRetryOnStopping => "no-retry-on-stopping",
             Mutation::DecideForOthers => "decide-for-others",
             Mutation::HandOutUnknown => "hand-out-unknown",
+            Mutation::RefuseUnknownCopy => "refuse-unknown-copy",
             Mutation::IdleIgnoresWarm => "idle-ignores-warm",
         }
     }

@@ -185,10 +185,15 @@ pub struct Faults {
     /// `rebalances`: chance per second that a shared queue's partitions move between consumers
     /// (every message handed out may be read again by another replica's runner).
     pub rebalance_per_s: f64,
+    /// `owner-stall`: chance that a replica stalls between putting an enqueued call's message
+    /// and recording the call (past the bound other replicas hold such a message back for).
+    pub owner_stall_chance: f64,
+    /// How long such a stall lasts.
+    pub owner_stall_ms: Range,
 }
 
 /// The fault kinds, by name.
-pub const FAULT_KINDS: [&str; 10] = [
+pub const FAULT_KINDS: [&str; 11] = [
     "api-errors",
     "pauses",
     "replica-crash",
@@ -198,6 +203,7 @@ pub const FAULT_KINDS: [&str; 10] = [
     "duplicates",
     "skew",
     "rebalances",
+    "owner-stall",
     "none",
 ];
 
@@ -231,6 +237,9 @@ impl Faults {
         }
         if !keep("rebalances") {
             self.rebalance_per_s = 0.0;
+        }
+        if !keep("owner-stall") {
+            self.owner_stall_chance = 0.0;
         }
     }
 }

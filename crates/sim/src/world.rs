@@ -98,6 +98,9 @@ pub struct Stats {
     /// Messages of another node's call held back because its owner had put but not yet
     /// recorded it.
     pub held_unknown: u64,
+    /// Calls an owner recorded from the copy another node handed out (it stalled between its
+    /// put and its record past the hold-back bound).
+    pub recorded_from_copy: u64,
     /// Keep-warm windows opened or renewed.
     pub warm_started: u64,
     /// Steps (actions run).
@@ -283,6 +286,10 @@ struct Node {
     log: SimLog,
     /// When each runner was last heard from, for its lease.
     heard: std::collections::BTreeMap<String, u64>,
+    /// Other nodes' calls handed out while their owner did not know them (past the hold-back
+    /// bound), by id: a start of one sends the owner the message's copy (as
+    /// `Calls::start_through_owners`). Memory: gone with a crash.
+    handed_unknown: HashMap<String, CallSpec>,
 }
 
 struct Runner {
@@ -395,6 +402,7 @@ impl World {
                 epoch: 0,
                 log: SimLog::new(),
                 heard: std::collections::BTreeMap::new(),
+                handed_unknown: HashMap::new(),
             })
             .collect();
         let mut w = World {
@@ -1480,6 +1488,30 @@ impl World {
         Some(accepted)
     }
 
+    /// [`Self::start_on`] on the owner `j`, which first records the call from the message's
+    /// copy a forwarding node sent along if its log does not know it yet (as `Calls::start`
+    /// does with the copies `Calls::start_through_owners` sends): put by `j`, not recorded yet.
+    fn start_with_copy(
+        &mut self,
+        j: usize,
+        id: &str,
+        runner: &str,
+        copy: Option<CallSpec>,
+    ) -> Option<bool> {
+        if let Some(spec) = copy
+            && !ebb_core::mutation::active(ebb_core::mutation::Mutation::RefuseUnknownCopy)
+            && self.node_state(j).calls.get(id).is_none()
+        {
+            let who = self.nodes[j].name.clone();
+            self.note(&who, format_args!("records {id} from the copy handed out"));
+            self.stats.recorded_from_copy += 1;
+            if !self.node_append(j, vec![Event::CallQueued { call: spec }]) {
+                return None;
+            }
+        }
+        self.start_on(j, id, runner)
+    }
+
     /// The finish of `id` by `runner`, recorded by node `j` (as `Calls::finish`): the call as
     /// recorded afterwards, or `None` when `j` crashed on its write.
     fn finish_on(
@@ -1560,8 +1592,19 @@ impl World {
                     Some(Ok(())) | Some(Err(ebb_core::queue::QueueError::Duplicate(_))) => {}
                     _ => return NodeAnswer::Down,
                 }
-                // Recorded a moment later: the message may be read in between.
-                let lat = self.latency();
+                // Recorded a moment later: the message may be read in between. A stalled
+                // owner records it much later.
+                let lat = if self.strikes(self.faults.owner_stall_chance) {
+                    let stall = self.draw(self.faults.owner_stall_ms);
+                    let who = self.nodes[k].name.clone();
+                    self.note(
+                        &who,
+                        format_args!("stalls {stall} ms before recording {}", spec.id),
+                    );
+                    stall
+                } else {
+                    self.latency()
+                };
                 let epoch = self.nodes[k].epoch;
                 self.at(lat, Action::EnqueueRecord(k, epoch, spec.clone(), attempt));
                 NodeAnswer::Pending
@@ -1605,7 +1648,12 @@ impl World {
                                 self.stats.held_unknown += 1;
                                 holds.push((spec.id, until));
                             }
-                            None => jobs.push(spec),
+                            None => {
+                                self.nodes[k]
+                                    .handed_unknown
+                                    .insert(spec.id.clone(), spec.clone());
+                                jobs.push(spec)
+                            }
                         },
                         Some(s) if s.is_final() => done.push(spec.id),
                         Some(CallStatus::Running) => {
@@ -1635,8 +1683,11 @@ impl World {
                     if j != k {
                         self.stats.forwarded += 1;
                     }
+                    let copy = (j != k)
+                        .then(|| self.nodes[k].handed_unknown.remove(id))
+                        .flatten();
                     let accepted = if self.nodes[j].up {
-                        self.start_on(j, id, &runner)
+                        self.start_with_copy(j, id, &runner, copy)
                     } else {
                         None
                     };
@@ -1924,6 +1975,7 @@ impl World {
         let node = &mut self.nodes[k];
         node.up = false;
         node.epoch += 1;
+        node.handed_unknown.clear();
         let queue = self.queue();
         let lost = if machine && !shared {
             queue.machine_crash()

@@ -23,7 +23,8 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub seed: Option<u64>,
     /// Keep only these fault kinds (comma-separated: api-errors, pauses, replica-crash,
-    /// torn-writes, runner-crash, lost-replies, duplicates, skew, rebalances; or none).
+    /// torn-writes, runner-crash, lost-replies, duplicates, skew, rebalances, owner-stall; or
+    /// none).
     #[arg(long)]
     pub faults: Option<String>,
     /// Threads (default: one per core).
@@ -85,6 +86,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
                 out.sim_ms as f64 / 1e3,
                 out.hash
             );
+            println!("{:?}", out.stats);
             if let Some(v) = &out.violation {
                 println!("VIOLATION {}: {}", v.invariant, v.detail);
                 failed = true;

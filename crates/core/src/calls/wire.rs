@@ -225,6 +225,12 @@ pub struct StartBody {
     pub id: Option<String>,
     #[serde(default)]
     pub ids: Option<Vec<String>>,
+    /// From another replica forwarding a start: the copies (base64 of the queue message's
+    /// body) of calls it handed out while this replica, their owner, did not know them yet.
+    /// The owner records such a call from its copy before deciding the start, so a call whose
+    /// record was stalled past the hold-back bound still runs.
+    #[serde(default)]
+    pub copies: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// `POST /runner/finish`: one result or `{"calls": [...]}`.
