@@ -335,6 +335,7 @@ fn event() -> impl Strategy<Value = Event> {
                 results: vec![result],
                 evaluations: 1,
                 would_delete: Vec::new(),
+                folded: 0,
             }
         ),
         name().prop_map(|name| Event::CleanerFired { name }),

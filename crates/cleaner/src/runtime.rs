@@ -93,6 +93,10 @@ pub struct Options {
     pub limits: Limits,
     /// Tries of a deletion before the firing is left for the next pass.
     pub delete_attempts: u32,
+    /// Records an evaluation only when it finds something other than the cleaner's last record
+    /// (its result, reason or a condition's result); the others are counted into the next
+    /// record (`folded`). Off, every evaluation is recorded.
+    pub fold_unchanged: bool,
 }
 
 impl Default for Options {
@@ -101,6 +105,7 @@ impl Default for Options {
             max_per_second: 200,
             limits: Limits::default(),
             delete_attempts: 5,
+            fold_unchanged: true,
         }
     }
 }
@@ -128,6 +133,22 @@ pub struct Cleaners<B: Backend> {
     owns: fn(&str) -> bool,
     /// Unfinished firings: failed tries and when to try next.
     retries: Mutex<HashMap<String, (u32, u64)>>,
+    /// Evaluations not recorded (they found what the last record says), by cleaner: how many,
+    /// and when the next is due. It holds while the log's schedule still has the cleaner due
+    /// at the time it had then (a change of the cleaner moves that, and the fold ends); memory
+    /// only: after a restart the cleaner is evaluated at the log's time once more.
+    folded: Mutex<HashMap<String, Folded>>,
+}
+
+/// Unrecorded evaluations of one cleaner.
+#[derive(Debug, Clone, Copy)]
+struct Folded {
+    /// How many since the last record.
+    count: u32,
+    /// When the log's schedule has the cleaner due (the last record's `next_at_ms`).
+    logged_at_ms: u64,
+    /// When the next evaluation is due instead.
+    next_at_ms: u64,
 }
 
 impl<B: Backend> Cleaners<B> {
@@ -145,6 +166,7 @@ impl<B: Backend> Cleaners<B> {
             compiled: Mutex::new(HashMap::new()),
             owns: |_| true,
             retries: Mutex::new(HashMap::new()),
+            folded: Mutex::new(HashMap::new()),
         }
     }
 
@@ -278,7 +300,54 @@ impl<B: Backend> Cleaners<B> {
         } else {
             Vec::new()
         };
-        let mut events = vec![evaluation.event(name, would_delete)];
+        // Found what the last record says, and not firing: counted, not recorded; due again at
+        // its own next time.
+        if self.options.fold_unchanged
+            && !firing
+            && let Some(next) = evaluation.next_at_ms
+            && let Some(logged) = cleaner.next_at_ms
+            && cleaner.evaluated_at_ms.is_some()
+            && cleaner.last_result == Some(evaluation.fire)
+            && cleaner.reason == evaluation.reason.as_str()
+            && cleaner.results == evaluation.results
+            && cleaner.would_delete == would_delete
+        {
+            let count = {
+                let mut folded = self.folded.lock().expect("folded lock");
+                let f = folded.entry(name.to_owned()).or_insert(Folded {
+                    count: 0,
+                    logged_at_ms: logged,
+                    next_at_ms: next,
+                });
+                if f.logged_at_ms != logged {
+                    // The log moved the cleaner since: a fold of its own.
+                    *f = Folded {
+                        count: 0,
+                        logged_at_ms: logged,
+                        next_at_ms: next,
+                    };
+                }
+                f.count = f.count.saturating_add(1);
+                f.next_at_ms = next;
+                f.count
+            };
+            // The status says what the log would have said.
+            let mut now_is = cleaner;
+            now_is.evaluated_at_ms = Some(now);
+            now_is.next_at_ms = Some(next);
+            now_is.message = evaluation.message.clone();
+            now_is.evaluations += u64::from(count);
+            self.backend.report(name, &now_is, &resolved.objects).await;
+            return Ok(Some(evaluation));
+        }
+        let folded = self
+            .folded
+            .lock()
+            .expect("folded lock")
+            .remove(name)
+            .filter(|f| Some(f.logged_at_ms) == cleaner.next_at_ms)
+            .map_or(0, |f| f.count);
+        let mut events = vec![evaluation.event(name, would_delete, folded)];
         if firing {
             events.push(Event::CleanerFiring {
                 name: name.to_owned(),
@@ -439,11 +508,16 @@ impl<B: Backend> Cleaners<B> {
 
     /// The cleaners due now, earliest first, at most `max`.
     fn due(&self, now_ms: u64, max: usize) -> Vec<String> {
+        let folded = self.folded.lock().expect("folded lock");
         self.log.read(|s| {
             s.schedule
                 .due_of(crate::state::schedule::DueKind::CleanerEval, now_ms)
-                .filter_map(|(_, d)| match d {
-                    Due::CleanerEval(n) if (self.owns)(n) => Some(n.clone()),
+                .filter_map(|(at, d)| match d {
+                    Due::CleanerEval(n)
+                        if (self.owns)(n) && folded_due(&folded, n, at) <= now_ms =>
+                    {
+                        Some(n.clone())
+                    }
                     _ => None,
                 })
                 .take(max)
@@ -452,13 +526,26 @@ impl<B: Backend> Cleaners<B> {
     }
 
     /// When the next of this loop's cleaners is due.
-    fn next_due(&self) -> Option<u64> {
+    pub fn next_due(&self) -> Option<u64> {
+        let folded = self.folded.lock().expect("folded lock");
         self.log.read(|s| {
             s.schedule
                 .due_of(crate::state::schedule::DueKind::CleanerEval, u64::MAX)
-                .find(|(_, d)| matches!(d, Due::CleanerEval(n) if (self.owns)(n)))
-                .map(|(at, _)| at)
+                .filter_map(|(at, d)| match d {
+                    Due::CleanerEval(n) if (self.owns)(n) => Some(folded_due(&folded, n, at)),
+                    _ => None,
+                })
+                .min()
         })
+    }
+}
+
+/// When cleaner `name`, due at `logged_at` by the log's schedule, is due: later, while its
+/// unrecorded evaluations stand.
+fn folded_due(folded: &HashMap<String, Folded>, name: &str, logged_at: u64) -> u64 {
+    match folded.get(name) {
+        Some(f) if f.logged_at_ms == logged_at => f.next_at_ms.max(logged_at),
+        _ => logged_at,
     }
 }
 
@@ -636,6 +723,14 @@ mod tests {
         out
     }
 
+    /// Options recording every evaluation, unchanged or not.
+    fn every_evaluation() -> Options {
+        Options {
+            fold_unchanged: false,
+            ..Options::default()
+        }
+    }
+
     /// Runs cleaners over two simulated hours, a minute at a time, restarting the log at
     /// `restart_at` (if any): the evaluations and firings must be the same as without it.
     fn run_through(restart_at: Option<u64>) -> (Vec<(String, u64, bool)>, Vec<String>) {
@@ -667,7 +762,7 @@ mod tests {
             log.clone(),
             Arc::new(clock.clone()),
             backend.clone(),
-            Options::default(),
+            every_evaluation(),
         );
         for s in specs {
             rt.block_on(cleaners.upsert(s)).unwrap();
@@ -686,7 +781,7 @@ mod tests {
                     log.clone(),
                     Arc::new(clock.clone()),
                     backend.clone(),
-                    Options::default(),
+                    every_evaluation(),
                 );
                 rt.block_on(cleaners.complete_firings());
             }
@@ -739,6 +834,93 @@ mod tests {
                 run_through(Some(restart)),
                 (evals.clone(), deleted.clone()),
                 "restart at {restart}"
+            );
+        }
+    }
+
+    /// A standing cleaner whose evaluations keep finding the same is recorded once; the
+    /// evaluations after it are counted into the record of the first that finds something
+    /// else, and a restart in between records nothing more.
+    #[test]
+    fn unchanged_evaluations_are_folded_into_the_next_record() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        for restart_at in [None, Some(20 * MIN)] {
+            let clock = SimClock::new(T0);
+            let store = Arc::new(MemStore::new());
+            let backend = Arc::new(SimTargets::default());
+            backend
+                .objects
+                .lock()
+                .unwrap()
+                .insert("v1/ConfigMap/c".into(), json!({"v": 0}));
+            let mut log = open(&store, &clock);
+            let mut cleaners = Cleaners::new(
+                log.clone(),
+                Arc::new(clock.clone()),
+                backend.clone(),
+                Options::default(),
+            );
+            rt.block_on(cleaners.upsert(cleaner("c", 3 * MIN, "obj.v == 1", false)))
+                .unwrap();
+            let mut now = T0;
+            while now <= T0 + 60 * MIN {
+                clock.set(now);
+                if now == T0 + 42 * MIN {
+                    // The condition holds from here: the next evaluation (minute 45) fires.
+                    backend
+                        .objects
+                        .lock()
+                        .unwrap()
+                        .insert("v1/ConfigMap/c".into(), json!({"v": 1}));
+                }
+                if restart_at == Some(now - T0) {
+                    drop(cleaners);
+                    Arc::try_unwrap(log).ok().unwrap().close();
+                    log = open(&store, &clock);
+                    cleaners = Cleaners::new(
+                        log.clone(),
+                        Arc::new(clock.clone()),
+                        backend.clone(),
+                        Options::default(),
+                    );
+                }
+                rt.block_on(cleaners.evaluate_due(1_000)).unwrap();
+                let minute = (now - T0) / MIN * MIN + T0 + MIN;
+                now = cleaners
+                    .next_due()
+                    .map_or(minute, |d| d.clamp(now + 1, minute));
+            }
+            let records: Vec<(u64, bool, u32)> = {
+                let store = log.store().clone();
+                let mut out = Vec::new();
+                crate::log::read_envelopes(store.as_ref(), 1, log.applied_seq(), &mut |e, _| {
+                    if let Event::CleanerEvaluated { result, folded, .. } = e.event {
+                        out.push(((e.at_ms - T0) / MIN, result, folded));
+                    }
+                    true
+                })
+                .unwrap();
+                out
+            };
+            let what = format!("restart at {restart_at:?}");
+            assert_eq!(records.len(), 2, "{what}: {records:?}");
+            assert_eq!(records[0], (3, false, 0), "{what}");
+            let (at, result, folded) = records[1];
+            assert!(result, "{what}: {records:?}");
+            match restart_at {
+                // Minutes 10, 17, 24, 31, 38 found the same; 45 fires.
+                None => assert_eq!((at, folded), (45, 5), "{what}"),
+                // Minutes 10, 17 folded before the restart and forgotten with it; the restart
+                // evaluates at once (20) and every retry period after (27, 34, 41): folded;
+                // 48 fires.
+                Some(_) => assert_eq!((at, folded), (48, 4), "{what}"),
+            }
+            assert_eq!(
+                backend.deleted.lock().unwrap().clone(),
+                vec!["v1/ConfigMap/c".to_owned()]
             );
         }
     }

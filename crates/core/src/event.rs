@@ -589,6 +589,10 @@ pub enum Event {
         /// In dry run: what firing would delete.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         would_delete: Vec<String>,
+        /// Evaluations since the cleaner's last record that found what it said (the same result,
+        /// reason and condition results) and so were not recorded.
+        #[serde(default, skip_serializing_if = "is_zero_u32")]
+        folded: u32,
     },
     /// A cleaner's conditions held past its TTL and its targets were released.
     CleanerFired { name: String },
@@ -950,6 +954,7 @@ pub fn examples() -> Vec<Event> {
             results: Vec::new(),
             evaluations: 0,
             would_delete: Vec::new(),
+            folded: 0,
         },
         Event::CleanerFired {
             name: "preview-42".into(),

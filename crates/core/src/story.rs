@@ -458,6 +458,7 @@ fn tell(before: &State, env: &Envelope) -> String {
             message,
             results,
             would_delete,
+            folded,
             ..
         } => {
             let mut s = if *result {
@@ -484,6 +485,12 @@ fn tell(before: &State, env: &Envelope) -> String {
             match next_at_ms {
                 Some(n) => s.push_str(&format!("; next evaluation at {}", clock(*n))),
                 None => s.push_str("; not evaluated again"),
+            }
+            if *folded > 0 {
+                s.push_str(&format!(
+                    " ({folded} evaluation{} before it found the same and were not recorded)",
+                    if *folded == 1 { "" } else { "s" }
+                ));
             }
             s
         }
@@ -676,6 +683,7 @@ mod tests {
                     results: vec![false],
                     evaluations: 1,
                     would_delete: vec![],
+                    folded: 5,
                 },
             ),
             (
@@ -693,7 +701,7 @@ mod tests {
         );
         assert_eq!(
             lines[1],
-            "its conditions did not hold (false): WaitingForConditions: a condition is false; next evaluation at 12:01:10"
+            "its conditions did not hold (false): WaitingForConditions: a condition is false; next evaluation at 12:01:10 (5 evaluations before it found the same and were not recorded)"
         );
         assert_eq!(
             lines[2],

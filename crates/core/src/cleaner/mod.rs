@@ -116,8 +116,9 @@ impl Evaluation {
         }
     }
 
-    /// The event that records it (`would_delete` only in dry run).
-    pub fn event(&self, name: &str, would_delete: Vec<String>) -> Event {
+    /// The event that records it (`would_delete` only in dry run; `folded`: the unchanged
+    /// evaluations before it that were not recorded).
+    pub fn event(&self, name: &str, would_delete: Vec<String>, folded: u32) -> Event {
         Event::CleanerEvaluated {
             name: name.to_owned(),
             result: self.fire,
@@ -127,6 +128,7 @@ impl Evaluation {
             results: self.results.clone(),
             evaluations: self.evaluations,
             would_delete,
+            folded,
         }
     }
 }

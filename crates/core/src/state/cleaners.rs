@@ -27,7 +27,8 @@ pub struct Cleaner {
     /// When it was last evaluated.
     #[serde(default)]
     pub evaluated_at_ms: Option<u64>,
-    /// Evaluations so far (one per evaluation, however many CEL evaluations it made).
+    /// Evaluations so far (one per evaluation, however many CEL evaluations it made; the
+    /// unrecorded ones counted when the next is recorded).
     pub evaluations: u64,
     /// In dry run: what firing would delete, as the last evaluation found.
     #[serde(default)]
@@ -62,6 +63,7 @@ pub(crate) struct Evaluated<'a> {
     pub message: &'a str,
     pub results: &'a [bool],
     pub would_delete: &'a [String],
+    pub folded: u32,
 }
 
 /// All cleaners by name.
@@ -117,7 +119,7 @@ impl Cleaners {
         c.message = e.message.to_owned();
         c.would_delete = e.would_delete.to_vec();
         c.evaluated_at_ms = Some(at_ms);
-        c.evaluations += 1;
+        c.evaluations += 1 + u64::from(e.folded);
         c.next_at_ms = if c.is_pending() { e.next_at_ms } else { None };
         c.next_at_ms
     }

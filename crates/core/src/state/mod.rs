@@ -271,6 +271,7 @@ impl State {
                 results,
                 evaluations: _,
                 would_delete,
+                folded,
             } => {
                 let e = cleaners::Evaluated {
                     result: *result,
@@ -279,6 +280,7 @@ impl State {
                     message,
                     results,
                     would_delete,
+                    folded: *folded,
                 };
                 if self.cleaners.by_name.contains_key(name) {
                     let next = self.cleaners.evaluated(name, &e, at);

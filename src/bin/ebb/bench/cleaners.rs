@@ -9,6 +9,9 @@
 //! * Lateness: cleaners whose TTLs pass over a few seconds, run by the loop on the system clock
 //!   (a log in memory, targets from memory): how late each evaluation is against its planned
 //!   time, against the lateness of a bare tokio timer for the same times.
+//! * Log growth: a standing cleaner evaluated every second whose conditions never hold, over a
+//!   simulated day, as events a day: recording only evaluations that find something new
+//!   (ebb's default) against recording every evaluation.
 
 use std::collections::BinaryHeap;
 use std::sync::Arc;
@@ -173,6 +176,7 @@ pub async fn run(args: CleanersBenchArgs) -> Result<()> {
                 results: vec![false],
                 evaluations: 1,
                 would_delete: Vec::new(),
+                folded: 0,
             },
         );
         state.apply(&e);
@@ -339,5 +343,64 @@ pub async fn run(args: CleanersBenchArgs) -> Result<()> {
     if let Ok(log) = Arc::try_unwrap(log) {
         log.close();
     }
+    log_growth().await
+}
+
+/// Events a day a standing cleaner evaluated every second writes, over a simulated day.
+async fn log_growth() -> Result<()> {
+    const DAY: u64 = 86_400_000;
+    println!("Log growth, a standing cleaner evaluated every second (its conditions never hold):");
+    let mut per_day = Vec::new();
+    for fold in [false, true] {
+        let t0 = 1_795_132_800_000;
+        let clock = ebb::clock::SimClock::new(t0);
+        let store: Arc<dyn ebb::log::LogStore> = Arc::new(MemStore::new());
+        let log = Arc::new(Log::<State>::open(
+            store.clone(),
+            ebb::log::Options::default(),
+            Arc::new(clock.clone()),
+            &mut |_| {},
+        )?);
+        let cleaners = Cleaners::new(
+            log.clone(),
+            Arc::new(clock.clone()),
+            Arc::new(Nothing),
+            Options {
+                fold_unchanged: fold,
+                max_per_second: u32::MAX,
+                ..Options::default()
+            },
+        );
+        let mut s = spec(0, 1_000, "false");
+        s.retry_period_ms = 1_000;
+        s.created_at_ms = t0;
+        cleaners.upsert(s).await?;
+        let before = log.applied_seq();
+        let mut now = t0;
+        let mut evaluated = 0u64;
+        while now < t0 + DAY {
+            clock.set(now);
+            evaluated += cleaners.evaluate_due(1_000).await?.len() as u64;
+            now = cleaners.next_due().map_or(now + 1_000, |d| d.max(now + 1));
+        }
+        let events = log.applied_seq() - before;
+        per_day.push(events);
+        println!(
+            "  {}: {evaluated} evaluations, {events} events in the day",
+            if fold {
+                "recording what changed (ebb)"
+            } else {
+                "anchor, recording every evaluation"
+            },
+        );
+        drop(cleaners);
+        if let Ok(log) = Arc::try_unwrap(log) {
+            log.close();
+        }
+    }
+    println!(
+        "  ratio: {:.5}x the anchor's events",
+        per_day[1] as f64 / per_day[0].max(1) as f64
+    );
     Ok(())
 }
