@@ -642,7 +642,7 @@ async fn with_kafka_a_killed_runners_partitions_move_to_the_other_runner() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_kafka_down_an_enqueue_fails_with_500_and_records_nothing() {
+async fn with_kafka_down_an_enqueue_fails_with_503_and_records_nothing() {
     let broker = common::broker().await;
     let dir = tempfile::tempdir().unwrap();
     let brokers = broker.addr.to_string();
@@ -655,7 +655,7 @@ async fn with_kafka_down_an_enqueue_fails_with_500_and_records_nothing() {
     let failed = post(&ebb, "/runner/enqueue", json!({ "target": "work" })).await;
     assert_eq!(
         (failed.status, failed.json["code"].as_str()),
-        (500, Some("queue_failed")),
+        (503, Some("queue_unavailable")),
         "{}",
         failed.json
     );
@@ -1009,17 +1009,52 @@ async fn with_kafka_broker_and_ebb_restarts_lose_no_call_and_run_none_twice() {
     let mut ids = enqueue_bodies(&ebb, 10).await;
     // The broker killed and back on its data: every acknowledged call is still there.
     broker.kill();
-    // Meanwhile ebb is not ready, and says the queue is why.
-    let down = wait_until("ebb unready without its broker", DEADLINE, || async {
-        let r = get(&ebb, "/readyz").await;
-        (r.status == 503).then_some(r.json)
-    })
+    // Meanwhile the calls API is not ready, and says the queue is why; an enqueue is refused
+    // 503 `queue_unavailable`.
+    let down = wait_until(
+        "the calls API unready without its broker",
+        DEADLINE,
+        || async {
+            let r = get(&ebb, "/readyz/calls").await;
+            (r.status == 503).then_some(r.json)
+        },
+    )
     .await;
     assert_eq!(down["checks"]["queue"]["ok"], false, "{down}");
     assert_eq!(down["checks"]["log"]["ok"], true, "{down}");
+    let refused = post(&ebb, "/runner/enqueue", json!({ "target": "work" })).await;
+    assert_eq!(
+        (refused.status, refused.json["code"].as_str()),
+        (503, Some("queue_unavailable")),
+        "{}",
+        refused.json
+    );
+    assert!(refused.headers.contains_key("retry-after"));
+    // The proxy stays ready (the pod's readiness, so it stays in its Service) and serves.
+    let ready = get(&ebb, "/readyz").await;
+    assert_eq!(ready.status, 200, "{}", ready.json);
+    assert!(
+        ready.json["checks"].get("queue").is_none(),
+        "{}",
+        ready.json
+    );
+    let served = {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(&proxy).await.unwrap();
+        s.write_all(b"GET /pid HTTP/1.1\r\nHost: work.localhost\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(DEADLINE, s.read_to_end(&mut out))
+            .await
+            .expect("the proxy answers")
+            .unwrap();
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    assert!(served.starts_with("HTTP/1.1 200"), "{served}");
     broker.start().await;
     wait_until("ebb ready with its broker back", DEADLINE, || async {
-        (get(&ebb, "/readyz").await.status == 200).then_some(())
+        (get(&ebb, "/readyz/calls").await.status == 200).then_some(())
     })
     .await;
     let _runner = runner(&ebb, "r", None);

@@ -489,10 +489,18 @@ fn serve_answers_healthz_and_unknown_paths_with_json() {
     // Each check with its reason.
     let checks: serde_json::Value =
         serde_json::from_str(ready.split("\r\n\r\n").nth(1).unwrap()).unwrap();
-    for check in ["log", "projection", "orchestrator", "queue"] {
+    for check in ["log", "projection", "orchestrator"] {
         assert_eq!(checks["checks"][check]["ok"], true, "{check}: {ready}");
     }
     assert_eq!(checks["checks"]["log"]["reason"], "open");
+    // The calls API's readiness adds the queue's.
+    let calls = get("/readyz/calls");
+    assert!(calls.starts_with("HTTP/1.1 200"), "{calls}");
+    let checks: serde_json::Value =
+        serde_json::from_str(calls.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    for check in ["log", "projection", "orchestrator", "queue"] {
+        assert_eq!(checks["checks"][check]["ok"], true, "{check}: {calls}");
+    }
     let missing = get("/nope");
     assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
     assert!(missing.contains(r#""code":"not_found""#), "{missing}");

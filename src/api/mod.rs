@@ -3,9 +3,11 @@
 //! with a 4xx or 5xx status). Handlers read the live projection and ask the log for decisions;
 //! they never touch storage directly.
 //!
-//! * `/healthz`: alive. `/readyz`: ready for traffic, each check with its reason (the log's
-//!   writer has not failed, the projection has caught up with the stored log, the orchestrator
-//!   has listed what it needs, the queue answers `Queue::reachable`), else 503 `not_ready`.
+//! * `/healthz`: alive. `/readyz`: the proxy is ready for traffic, each check with its reason
+//!   (the log's writer has not failed, the projection has caught up with the stored log, the
+//!   orchestrator has listed what it needs), else 503 `not_ready`: the pod's readiness, so app
+//!   traffic never stops because the call queue is down. `/readyz/calls`: the calls API is
+//!   ready, the same checks and the queue's (`Queue::reachable`).
 //! * `/metrics` ([`crate::metrics`]); the dashboard and `/admin/explain` ([`ui`]).
 //! * The admin API ([`admin`]): `GET /admin/routes`, `GET|PUT|DELETE /admin/routes/{name}`. A PUT
 //!   body has the fields of an app in `ebb.toml` (JSON); the route and how to run it go into the
@@ -216,6 +218,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
+        .route("/readyz/calls", get(readyz_calls))
         .route("/metrics", get(metrics))
         .merge(admin::router(&state))
         .merge(ui::router(&state))
@@ -267,11 +270,22 @@ async fn origin_form_only(
 /// applies each batch right after it is synced; a larger gap means it is stuck).
 const READY_MAX_LAG: u64 = 10_000;
 
-/// Ready for traffic, the readiness probe of ebb's pods: each check with its reason, 503 when
-/// one fails. The log is open and its writer has not failed; the projection has caught up with
-/// the stored log; the orchestrator has listed what it needs (on Kubernetes: the Services and
-/// EndpointSlices); the call queue answers (Kafka: the topic's metadata within a second).
+/// The proxy is ready for traffic, the readiness probe of ebb's pods: each check with its
+/// reason, 503 when one fails. The log is open and its writer has not failed; the projection has
+/// caught up with the stored log; the orchestrator has listed what it needs (on Kubernetes: the
+/// Services and EndpointSlices). The call queue is not among them: a broker away stops calls,
+/// not app traffic ([`readyz_calls`]).
 async fn readyz(Extract(app): Extract<AppState>) -> Response {
+    readiness(&app, false).await
+}
+
+/// The calls API is ready: [`readyz`]'s checks and the call queue's (Kafka: the topic's
+/// metadata within a second).
+async fn readyz_calls(Extract(app): Extract<AppState>) -> Response {
+    readiness(&app, true).await
+}
+
+async fn readiness(app: &AppState, calls: bool) -> Response {
     let mut checks = serde_json::Map::new();
     let mut ready = true;
     let mut check = |name: &str, ok: bool, reason: String| {
@@ -304,7 +318,7 @@ async fn readyz(Extract(app): Extract<AppState>) -> Response {
         ),
         None => check("orchestrator", true, "local processes".into()),
     }
-    if let Some(calls) = &app.calls {
+    if let Some(calls) = app.calls.as_ref().filter(|_| calls) {
         let reached =
             tokio::time::timeout(std::time::Duration::from_secs(2), calls.queue().reachable())
                 .await;

@@ -68,11 +68,15 @@ impl From<CallError> for ApiError {
                     )
                 }
             }
-            CallError::Queue(q) => ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "queue_failed",
-                q.to_string(),
-            ),
+            // The broker cannot be reached (or failed): nothing was recorded; try again.
+            CallError::Queue(q) => ApiError {
+                retry_after_s: Some(1),
+                ..ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "queue_unavailable",
+                    q.to_string(),
+                )
+            },
             CallError::Log(l) => l.into(),
             CallError::Peer(p) => p.into(),
         }
