@@ -173,6 +173,89 @@ async fn the_dashboard_shows_a_wake_live_and_a_failed_calls_story_in_a_real_brow
     assert_eq!(wrong.status, 401, "{}", wrong.body);
 }
 
+/// Signs in to the dashboard with the admin token; returns the session cookie's value.
+async fn sign_in(c: &Http, ebb: &common::Ebb) -> String {
+    let r = send_json(
+        c,
+        ebb.admin,
+        "POST",
+        "/ui/login",
+        &[],
+        &json!({ "token": ADMIN }),
+    )
+    .await;
+    assert_eq!(r.status, 204, "{}", r.body);
+    let set = r.header("set-cookie");
+    set.strip_prefix("ebb_session=")
+        .and_then(|v| v.split(';').next())
+        .unwrap_or_else(|| panic!("no session cookie: {set:?}"))
+        .to_owned()
+}
+
+/// Signing in exchanges the token for a random session id (the cookie never carries the
+/// token), and signing out ends the session on the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signing_in_gives_a_session_not_the_token_and_signing_out_ends_it() {
+    let c = client();
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path());
+    let login = send_json(
+        &c,
+        ebb.admin,
+        "POST",
+        "/ui/login",
+        &[],
+        &json!({ "token": ADMIN }),
+    )
+    .await;
+    let set = login.header("set-cookie").to_owned();
+    assert!(!set.contains(ADMIN), "the cookie carries the token: {set}");
+    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/ui", "Max-Age="] {
+        assert!(set.contains(attribute), "{attribute}: {set}");
+    }
+    assert!(!set.contains("Secure"), "plain HTTP: {set}");
+    let id = sign_in(&c, &ebb).await;
+    assert_eq!(id.len(), 64, "{id}");
+    let other = sign_in(&c, &ebb).await;
+    assert_ne!(id, other, "each sign-in is a session of its own");
+    let c = &c;
+    let with = |cookie: String| async move {
+        let cookie = format!("ebb_session={cookie}");
+        send(
+            c,
+            ebb.admin,
+            "GET",
+            "localhost",
+            "/ui/api/overview",
+            &[("cookie", cookie.as_str())],
+        )
+        .await
+        .status
+    };
+    assert_eq!(with(id.clone()).await, 200);
+    // The token itself is no session.
+    assert_eq!(with(ADMIN.to_owned()).await, 401);
+    assert_eq!(with("0".repeat(64)).await, 401);
+    let cookie = format!("ebb_session={id}");
+    let out = send(
+        c,
+        ebb.admin,
+        "POST",
+        "localhost",
+        "/ui/logout",
+        &[("cookie", cookie.as_str())],
+    )
+    .await;
+    assert_eq!(out.status, 204, "{}", out.body);
+    assert!(
+        out.header("set-cookie").contains("Max-Age=0"),
+        "{:?}",
+        out.headers
+    );
+    assert_eq!(with(id).await, 401, "the session ended");
+    assert_eq!(with(other).await, 200, "the other session goes on");
+}
+
 /// The event stream tells each decision in words as it is logged, and only to the signed in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_event_stream_tells_the_logs_tail() {
@@ -181,10 +264,11 @@ async fn the_event_stream_tells_the_logs_tail() {
     let dir = tempfile::tempdir().unwrap();
     let ebb = start(dir.path());
 
+    let session = sign_in(&c, &ebb).await;
     let mut tcp = tokio::net::TcpStream::connect(ebb.admin).await.unwrap();
     tcp.write_all(
         format!(
-            "GET /ui/api/events HTTP/1.1\r\nHost: localhost\r\nCookie: ebb_admin={ADMIN}\r\n\r\n"
+            "GET /ui/api/events HTTP/1.1\r\nHost: localhost\r\nCookie: ebb_session={session}\r\n\r\n"
         )
         .as_bytes(),
     )

@@ -232,6 +232,35 @@ async fn proxy_and_apis_serve_tls_and_reload_certificates() {
     )
     .await;
     assert!(status.contains(" 200 "), "{status}: {body}");
+    // The dashboard's session cookie is Secure over TLS.
+    {
+        let tcp = tokio::net::TcpStream::connect(ebb.admin).await.unwrap();
+        let mut s = h1
+            .connect(ServerName::try_from("localhost").unwrap(), tcp)
+            .await
+            .unwrap();
+        let body = r#"{"token":"admin-secret"}"#;
+        s.write_all(
+            format!(
+                "POST /ui/login HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(DEADLINE, s.read_to_end(&mut out))
+            .await
+            .expect("an answer in time")
+            .ok();
+        let text = String::from_utf8_lossy(&out).to_ascii_lowercase();
+        let cookie = text
+            .lines()
+            .find(|l| l.starts_with("set-cookie: ebb_session="))
+            .unwrap_or_else(|| panic!("no session cookie: {text}"));
+        assert!(cookie.contains("; secure"), "{cookie}");
+    }
 
     // h2 by ALPN through the proxy.
     let h2 = connector(&certs, &[b"h2"]);

@@ -45,7 +45,64 @@ pub const MAX_TOKEN_BYTES: usize = 8_192;
 /// How long a request waits for its turn to ask, and then for the answer.
 const ASK_WAIT: Duration = Duration::from_secs(5);
 /// The cookie the dashboard's sign-in sets.
-pub const COOKIE: &str = "ebb_admin";
+pub const COOKIE: &str = "ebb_session";
+
+/// Dashboard sessions kept at most; beyond, the one nearest its end goes.
+pub const MAX_SESSIONS: usize = 10_000;
+
+/// How long a dashboard session lasts (its token is checked again on every request).
+pub const SESSION_TTL: std::time::Duration = std::time::Duration::from_secs(8 * 3600);
+
+/// The dashboard's sign-ins: a random id (the cookie) for the token it was signed in with,
+/// kept in memory only, bounded ([`MAX_SESSIONS`]) and ending after [`SESSION_TTL`] or at
+/// sign-out. The token never leaves the server again; a replica restarted forgets its sessions.
+#[derive(Default)]
+pub struct Sessions {
+    by_id: std::sync::Mutex<HashMap<String, (String, Stopwatch)>>,
+}
+
+impl Sessions {
+    /// A new session for `token`; returns its id.
+    pub fn open(&self, token: &str) -> String {
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes).expect("the OS's randomness");
+        let id: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let mut by_id = self.by_id.lock().expect("sessions lock");
+        by_id.retain(|_, (_, at)| at.elapsed() < SESSION_TTL);
+        if by_id.len() >= MAX_SESSIONS
+            && let Some(oldest) = by_id
+                .iter()
+                .max_by_key(|(_, (_, at))| at.elapsed())
+                .map(|(k, _)| k.clone())
+        {
+            by_id.remove(&oldest);
+        }
+        by_id.insert(id.clone(), (token.to_owned(), Stopwatch::start()));
+        id
+    }
+
+    /// The token of live session `id`.
+    pub fn token(&self, id: &str) -> Option<String> {
+        let mut by_id = self.by_id.lock().expect("sessions lock");
+        match by_id.get(id) {
+            Some((token, at)) if at.elapsed() < SESSION_TTL => Some(token.clone()),
+            Some(_) => {
+                by_id.remove(id);
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Ends session `id`; whether it was live.
+    pub fn close(&self, id: &str) -> bool {
+        self.by_id
+            .lock()
+            .expect("sessions lock")
+            .remove(id)
+            .is_some()
+    }
+}
 
 /// One of ebb's APIs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -120,6 +177,10 @@ pub struct Tokens {
 pub struct Access {
     tokens: Tokens,
     kube: Option<KubeAccess>,
+    /// The dashboard's sign-ins.
+    pub sessions: Sessions,
+    /// Whether the session cookie is `Secure` (ebb's endpoints are served over TLS).
+    pub secure_cookies: bool,
 }
 
 impl Access {
@@ -128,7 +189,26 @@ impl Access {
         if tokens.dashboard.is_none() {
             tokens.dashboard = tokens.admin.clone();
         }
-        Self { tokens, kube }
+        Self {
+            tokens,
+            kube,
+            sessions: Sessions::default(),
+            secure_cookies: false,
+        }
+    }
+
+    /// Marks the session cookie `Secure` (ebb's endpoints are served over TLS).
+    pub fn with_secure_cookies(mut self, secure: bool) -> Self {
+        self.secure_cookies = secure;
+        self
+    }
+
+    /// The dashboard's credential in `headers`: the token of the session its cookie names, else
+    /// its bearer token.
+    pub fn dashboard_token(&self, headers: &HeaderMap) -> Option<String> {
+        cookie(headers, COOKIE)
+            .and_then(|id| self.sessions.token(id))
+            .or_else(|| bearer(headers).map(str::to_owned))
     }
 
     /// Static tokens only.
@@ -207,8 +287,8 @@ pub fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 }
 
 /// The middleware in front of an API's routes: the request goes on only if [`Access::check`]
-/// lets it. The dashboard's token may come in its sign-in cookie (a browser's `EventSource`
-/// cannot send headers).
+/// lets it. The dashboard's token may come as its sign-in session's cookie (a browser's
+/// `EventSource` cannot send headers).
 pub async fn guard(
     State((app, apis)): State<(AppState, &'static [Api])>,
     req: Request,
@@ -216,10 +296,9 @@ pub async fn guard(
 ) -> Response {
     let headers = req.headers();
     let given = match apis.first() {
-        Some(Api::Dashboard) => cookie(headers, COOKIE).or_else(|| bearer(headers)),
-        _ => bearer(headers),
-    }
-    .map(str::to_owned);
+        Some(Api::Dashboard) => app.access.dashboard_token(headers),
+        _ => bearer(headers).map(str::to_owned),
+    };
     let verb = apis.first().map_or("get", |api| api.verb(req.method()));
     match app.access.check(apis, verb, given.as_deref()).await {
         Ok(()) => next.run(req).await,

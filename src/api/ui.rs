@@ -3,8 +3,11 @@
 //! The page (`src/ui/`: HTML, CSS and JS, no dependencies) is compiled into the binary and
 //! served to anyone; everything it shows comes from `/ui/api/*`, behind the dashboard's access
 //! ([`super::access`]: its token, else the admin token, or RBAC's `get` on `dashboard` with
-//! `--kube-auth`): a bearer header, or the `ebb_admin` cookie that `POST /ui/login` sets (HttpOnly, SameSite=Strict, on
-//! `/ui` only), since a browser's `EventSource` cannot send headers. The live updates are
+//! `--kube-auth`): a bearer header, or the `ebb_session` cookie that `POST /ui/login` sets
+//! (HttpOnly, SameSite=Strict, `Secure` over TLS, on `/ui` only), since a browser's
+//! `EventSource` cannot send headers. The cookie is a random session id for the token signed in
+//! with ([`super::access::Sessions`]: in memory, bounded, ending after 8 h or at
+//! `POST /ui/logout`), never the token itself. The live updates are
 //! server-sent events from the log's tail, each told in words by one narrator task ([`Feed`]),
 //! started on the first subscriber and ended with the server, which keeps its own copy of the
 //! projection so each line is told from the state before it.
@@ -64,6 +67,7 @@ pub(super) fn router(app: &AppState) -> Router<AppState> {
             get(|| page(STYLE, "text/css; charset=utf-8")),
         )
         .route("/ui/login", post(login))
+        .route("/ui/logout", post(logout))
         .route("/ui/api/session", get(session))
         .merge(guarded(dashboard, app, &[Api::Dashboard]))
         .merge(guarded(admin, app, &[Api::Admin]))
@@ -118,24 +122,44 @@ async fn login(Extract(app): Extract<AppState>, body: Bytes) -> Result<Response,
     app.access
         .check(&[Api::Dashboard], "get", Some(&login.token))
         .await?;
-    let set = format!(
-        "{COOKIE}={}; Path=/ui; HttpOnly; SameSite=Strict",
-        login.token
-    );
+    let id = app.access.sessions.open(&login.token);
+    Ok(with_cookie(
+        &app,
+        &format!(
+            "{COOKIE}={id}; Max-Age={}",
+            super::access::SESSION_TTL.as_secs()
+        ),
+    ))
+}
+
+/// Ends the dashboard session its cookie names (if any) and clears the cookie.
+async fn logout(Extract(app): Extract<AppState>, headers: HeaderMap) -> Response {
+    if let Some(id) = super::access::cookie(&headers, COOKIE) {
+        app.access.sessions.close(id);
+    }
+    with_cookie(&app, &format!("{COOKIE}=; Max-Age=0"))
+}
+
+/// 204 setting the session cookie to `value` (with its attributes).
+fn with_cookie(app: &AppState, value: &str) -> Response {
+    let secure = if app.access.secure_cookies {
+        "; Secure"
+    } else {
+        ""
+    };
+    let set = format!("{value}; Path=/ui; HttpOnly; SameSite=Strict{secure}");
     let mut r = StatusCode::NO_CONTENT.into_response();
-    r.headers_mut().insert(
-        header::SET_COOKIE,
-        HeaderValue::from_str(&set)
-            .map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "bad_token", "bad token"))?,
-    );
-    Ok(r)
+    if let Ok(v) = HeaderValue::from_str(&set) {
+        r.headers_mut().insert(header::SET_COOKIE, v);
+    }
+    r
 }
 
 async fn session(Extract(app): Extract<AppState>, headers: HeaderMap) -> Json<Value> {
-    let given = super::access::cookie(&headers, COOKIE).or_else(|| super::access::bearer(&headers));
+    let given = app.access.dashboard_token(&headers);
     let signed_in = app
         .access
-        .check(&[Api::Dashboard], "get", given)
+        .check(&[Api::Dashboard], "get", given.as_deref())
         .await
         .is_ok();
     Json(json!({ "signed_in": signed_in }))

@@ -611,7 +611,8 @@ pub async fn run(
             runner: options.access.runner_token.clone(),
         },
         kube_access,
-    );
+    )
+    .with_secure_cookies(admin_tls.is_some());
     let admin = crate::api::router(crate::api::AppState {
         log: log.clone(),
         orchestrator: Some(dyn_orch.clone()),

@@ -191,8 +191,18 @@ function showLogin() {
   closeStream();
   $('#dashboard').hidden = true;
   $('#nav').hidden = true;
+  $('#logout').hidden = true;
   $('#login').hidden = false;
   $('#token').focus();
+}
+
+// Ends the session on the server (its cookie cleared), then shows the sign-in again.
+async function signOut() {
+  try {
+    await fetch('/ui/logout', { method: 'POST', credentials: 'same-origin' });
+  } finally {
+    showLogin();
+  }
 }
 
 async function signIn(event) {
@@ -571,6 +581,7 @@ async function start() {
   $('#login').hidden = true;
   $('#dashboard').hidden = false;
   $('#nav').hidden = false;
+  $('#logout').hidden = false;
   calls.run();
   openStream();
 }
@@ -582,6 +593,7 @@ function tick() {
 
 document.addEventListener('DOMContentLoaded', () => {
   $('#login-form').addEventListener('submit', signIn);
+  $('#logout').addEventListener('click', signOut);
   $('#call-state').addEventListener('change', () => calls.run());
   $('#window').addEventListener('change', (e) => { state.windowMs = Number(e.target.value); timeline.run(); });
   setInterval(tick, 1000);
