@@ -1199,3 +1199,138 @@ async fn a_client_that_leaves_abandons_its_request_and_the_app_still_goes_idle()
         "every app stopped"
     );
 }
+
+/// The next response on a keep-alive connection: `None` when the connection closed before any
+/// byte of it (the request was never taken: a client sends it again elsewhere); a connection
+/// closed inside a response is a request cut, and fails the test.
+async fn next_or_closed(stream: &mut tokio::net::TcpStream) -> Option<(u16, bool)> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    loop {
+        let mut hs = [httparse::EMPTY_HEADER; 32];
+        let mut r = httparse::Response::new(&mut hs);
+        if let httparse::Status::Complete(n) = r.parse(&buf).unwrap() {
+            let header = |name: &str| {
+                r.headers
+                    .iter()
+                    .find(|h| h.name.eq_ignore_ascii_case(name))
+                    .map(|h| String::from_utf8_lossy(h.value).to_ascii_lowercase())
+            };
+            let len: usize = header("content-length").unwrap().trim().parse().unwrap();
+            let close = header("connection").is_some_and(|v| v.contains("close"));
+            let status = r.code.unwrap();
+            while buf.len() < n + len {
+                let mut chunk = [0u8; 4096];
+                let k = stream.read(&mut chunk).await.unwrap_or(0);
+                assert!(
+                    k > 0,
+                    "a response was cut: {:?}",
+                    String::from_utf8_lossy(&buf)
+                );
+                buf.extend_from_slice(&chunk[..k]);
+            }
+            return Some((status, close));
+        }
+        let mut chunk = [0u8; 4096];
+        let k = stream.read(&mut chunk).await.unwrap_or(0);
+        if k == 0 {
+            assert!(
+                buf.is_empty(),
+                "a response was cut: {:?}",
+                String::from_utf8_lossy(&buf)
+            );
+            return None;
+        }
+        buf.extend_from_slice(&chunk[..k]);
+    }
+}
+
+/// SIGTERM under steady keep-alive traffic with a WebSocket open: answers from then on say
+/// `Connection: close`, idle connections close at once, the tunnel is cut after its short bound
+/// (`TUNNEL_DRAIN`, 1 s), and ebb exits long before its drain bound (60 s here) with no response
+/// cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_under_keep_alive_load_closes_connections_instead_of_waiting() {
+    use tokio::io::AsyncWriteExt;
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &app("steady", ""));
+    let mut ebb = common::serve_with(
+        &dir.path().join("data"),
+        Some(&config),
+        None,
+        &["--drain-timeout-ms", "60000"],
+    );
+    let c = client();
+    assert_eq!(
+        get(&c, ebb.proxy, "steady.localhost", "/pid").await.status,
+        200
+    );
+    let mut req = format!("ws://{}/ws", ebb.proxy)
+        .into_client_request()
+        .unwrap();
+    req.headers_mut()
+        .insert("host", "steady.localhost".parse().unwrap());
+    let (ws, _) = tokio_tungstenite::connect_async(req).await.unwrap();
+    // Keep-alive clients, each sending its next request as soon as the last is answered.
+    let (answered_tx, mut answered) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let proxy = ebb.proxy;
+            let answered = answered_tx.clone();
+            tokio::spawn(async move {
+                let mut s = tokio::net::TcpStream::connect(proxy).await.unwrap();
+                let mut told_to_close = false;
+                loop {
+                    if s.write_all(b"GET /pid HTTP/1.1\r\nHost: steady.localhost\r\n\r\n")
+                        .await
+                        .is_err()
+                    {
+                        break;
+                    }
+                    match next_or_closed(&mut s).await {
+                        Some((status, close)) => {
+                            assert_eq!(status, 200);
+                            let _ = answered.send(());
+                            if close {
+                                told_to_close = true;
+                                break;
+                            }
+                        }
+                        None => break,
+                    }
+                }
+                told_to_close
+            })
+        })
+        .collect();
+    drop(answered_tx);
+    // The load is on.
+    for _ in 0..40 {
+        answered.recv().await.expect("answers");
+    }
+    let stopping = std::time::Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(ebb.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    // Far sooner than the drain bound: the connections were closed, not waited for.
+    let exited = loop {
+        if let Some(status) = ebb.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            stopping.elapsed() < Duration::from_secs(30),
+            "ebb still draining its keep-alive connections and tunnel"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(exited.success(), "{exited}");
+    let mut told = 0;
+    for client in clients {
+        told += usize::from(client.await.expect("no response was cut"));
+    }
+    eprintln!("{told} of 4 keep-alive clients were told Connection: close");
+    drop(ws);
+}

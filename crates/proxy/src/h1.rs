@@ -166,6 +166,8 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
                     }
                     _ => return,
                 },
+                // Shutting down: an idle connection closes at once.
+                () = proxy.drained(), if !in_head => return,
                 () = watchdog.expired(&progress, limit_ms) => {
                     if !in_head && let Some(entry) = &last_route {
                         entry.traffic.timed_out(super::traffic::Timeout::ConnectionIdle);
@@ -257,7 +259,7 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
             linger_close(client).await;
             return;
         }
-        if !keep || req.close {
+        if !keep || req.close || proxy.is_draining() {
             return;
         }
         progress.mark();
@@ -583,6 +585,7 @@ async fn exchange(
                     opening,
                     &slot,
                     &counted,
+                    proxy.is_draining(),
                 )
                 .await
             } else {
@@ -597,7 +600,7 @@ async fn exchange(
                         wrote,
                         progress,
                         is_head: req.is_head,
-                        client_wants_close: req.close,
+                        client_wants_close: req.close || proxy.is_draining(),
                         opening,
                         slot: &slot,
                         traffic: &entry.traffic,
@@ -765,6 +768,7 @@ async fn relay_with_body<R, W>(
     opening: Option<&Settling>,
     slot: &Slot,
     counted: &AtomicBool,
+    draining: bool,
 ) -> Result<Relayed, RelayError>
 where
     R: AsyncRead + Unpin,
@@ -777,7 +781,7 @@ where
         wrote,
         progress,
         is_head: req.is_head,
-        client_wants_close: req.close,
+        client_wants_close: req.close || draining,
         opening,
         slot,
         traffic: &req.entry.traffic,

@@ -48,10 +48,13 @@
 //!   counting at once) and requests since the last flush. The runtime loops in [`runtime`] flush
 //!   it as `RequestsSeen` aggregates and scale idle workloads down. The proxy never writes the log
 //!   per request.
-//! * **Shutdown**: each proxy thread stops accepting, then waits ([`Proxy::drain`], polling the
-//!   per-route in-flight and held counters) until no request is under way or held, for at most
-//!   `--drain-timeout-ms`; the wake machinery and the apps keep running meanwhile, and only then
-//!   are the apps stopped.
+//! * **Shutdown**: each proxy thread stops accepting and the proxy drains
+//!   ([`Proxy::start_draining`]): every answer from then on says `Connection: close` (HTTP/1.1;
+//!   HTTP/2 connections get GOAWAY), and connections idle between requests close at once. It
+//!   waits ([`Proxy::drain`], polling the per-route in-flight and held counters) until no
+//!   request is under way or held, for at most `--drain-timeout-ms`, and for open tunnels
+//!   (WebSocket, TCP routes) [`TUNNEL_DRAIN`] at most; the wake machinery and the apps keep
+//!   running meanwhile, and only then are the apps stopped.
 
 // The core's modules under the paths the proxy's files name them by.
 use ebb_core::{clock, event, ids, limits, scaler, state};
@@ -279,6 +282,25 @@ pub struct Proxy {
     connections: Arc<std::sync::atomic::AtomicUsize>,
     /// Requests held now, across routes (`--max-held`).
     held: std::sync::atomic::AtomicU64,
+    /// Set once shutdown begins: answers say `Connection: close` (HTTP/1.1) or the connection
+    /// sends GOAWAY (HTTP/2), and idle connections close at once.
+    draining: tokio::sync::watch::Sender<bool>,
+    /// Open tunnels (upgraded connections, TCP routes), across the proxy's threads: a shutdown
+    /// waits for them [`TUNNEL_DRAIN`] at most.
+    tunnels: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// How long a shutdown waits for open tunnels (WebSocket and other upgrades, TCP routes) once
+/// no request is under way: they have no end of their own to wait for, so they are cut then.
+pub const TUNNEL_DRAIN: Duration = Duration::from_secs(1);
+
+/// One open tunnel, counted while it lives.
+pub(crate) struct TunnelGuard(Arc<std::sync::atomic::AtomicU64>);
+
+impl Drop for TunnelGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// One client connection counted against `--max-connections`.
@@ -539,7 +561,33 @@ impl Proxy {
             options,
             connections: Arc::default(),
             held: std::sync::atomic::AtomicU64::new(0),
+            draining: tokio::sync::watch::channel(false).0,
+            tunnels: Arc::default(),
         }
+    }
+
+    /// Begins the shutdown's drain: answers from now on close their connections, idle ones
+    /// close at once.
+    pub fn start_draining(&self) {
+        self.draining.send_replace(true);
+    }
+
+    /// Whether the shutdown's drain has begun.
+    pub fn is_draining(&self) -> bool {
+        *self.draining.borrow()
+    }
+
+    /// Resolves once the shutdown's drain has begun.
+    pub(crate) async fn drained(&self) {
+        let mut rx = self.draining.subscribe();
+        let _ = rx.wait_for(|d| *d).await;
+    }
+
+    /// Counts an open tunnel until the guard is dropped.
+    pub(crate) fn tunnel_guard(&self) -> TunnelGuard {
+        self.tunnels
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        TunnelGuard(self.tunnels.clone())
     }
 
     /// The route a Host leads to ([`Proxy::table`]).
@@ -622,7 +670,9 @@ impl Proxy {
                                     let _ = stop.changed().await;
                                 })
                                 .await;
-                            // The thread's connections go on until their requests are answered.
+                            // The thread's connections go on until their requests are answered;
+                            // from now on they close after their answer.
+                            proxy.start_draining();
                             proxy.drain().await;
                         });
                     })?,
@@ -636,13 +686,21 @@ impl Proxy {
         self.traffic.all().iter().map(|(_, t)| t.in_flight()).sum()
     }
 
-    /// Waits until no request is under way or held, for at most the drain timeout.
+    /// Waits until no request is under way or held, for at most the drain timeout, and for
+    /// open tunnels [`TUNNEL_DRAIN`] at most (they are cut when the proxy's threads end).
     pub async fn drain(&self) {
         let limit = Duration::from_millis(self.options.drain_timeout_ms);
         let watch = crate::clock::Stopwatch::start();
         loop {
             let busy = self.busy();
-            if busy == 0 {
+            let tunnels = self.tunnels.load(std::sync::atomic::Ordering::Acquire);
+            if busy <= tunnels && (tunnels == 0 || watch.elapsed() >= TUNNEL_DRAIN.min(limit)) {
+                if tunnels > 0 {
+                    tracing::info!(
+                        tunnels,
+                        "shutting down: open tunnels (WebSocket, TCP) are cut"
+                    );
+                }
                 return;
             }
             if watch.elapsed() >= limit {
@@ -728,6 +786,7 @@ impl Proxy {
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         let limits = self.options.limits;
+        let draining = self.clone();
         let proxy = self;
         let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
             let proxy = proxy.clone();
@@ -758,10 +817,18 @@ impl Proxy {
         // The HTTP/1.1 path's refusal of a lone LF holds here too.
         let io = strict::Strict::for_proxy(io)
             .first_within(Duration::from_millis(limits.header_read_timeout_ms));
-        if let Err(e) = builder
-            .serve_connection_with_upgrades(TokioIo::new(io), service)
-            .await
-        {
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), service);
+        tokio::pin!(conn);
+        // Once draining: HTTP/1 answers with `Connection: close` (an idle connection closes at
+        // once), HTTP/2 sends GOAWAY and ends after the streams under way.
+        let ended = tokio::select! {
+            r = conn.as_mut() => r,
+            () = draining.drained() => {
+                conn.as_mut().graceful_shutdown();
+                conn.await
+            }
+        };
+        if let Err(e) = ended {
             tracing::debug!(error = %e, %peer, "connection ended with an error");
         }
     }
@@ -965,7 +1032,7 @@ impl Proxy {
                         tokio::spawn(tunnel(
                             client_upgrade,
                             backend_upgrade,
-                            (in_flight, slot),
+                            (in_flight, slot, self.tunnel_guard()),
                             idle,
                             entry.traffic.clone(),
                             self.clock.clone(),
@@ -1479,7 +1546,7 @@ fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
 async fn tunnel(
     client: hyper::upgrade::OnUpgrade,
     backend: hyper::upgrade::OnUpgrade,
-    guards: (InFlight, Slot),
+    guards: (InFlight, Slot, TunnelGuard),
     idle: Option<Duration>,
     counts: Arc<traffic::RouteTraffic>,
     clock: Arc<dyn Clock>,

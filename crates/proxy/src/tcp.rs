@@ -157,6 +157,7 @@ async fn accept(
 async fn connection(proxy: &Proxy, entry: &Entry, client: TcpStream, peer: SocketAddr) {
     let route = &entry.spec;
     let in_flight = entry.traffic.begin(proxy.clock.now_ms());
+    let _tunnel = proxy.tunnel_guard();
     let id = super::request_id::make();
     let mut avoid: Option<SocketAddr> = None;
     let backend = loop {
