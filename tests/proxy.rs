@@ -1309,7 +1309,7 @@ async fn a_shutdown_under_keep_alive_load_closes_connections_instead_of_waiting(
     for _ in 0..40 {
         answered.recv().await.expect("answers");
     }
-    let stopping = std::time::Instant::now();
+    let stopping = ebb::clock::Stopwatch::start();
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(ebb.child.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
