@@ -44,6 +44,61 @@ pub use ebb_core::ids::{
     valid_replica,
 };
 
+/// The bearer token a replica presents when it forwards a request to another.
+#[derive(Debug)]
+pub enum PeerToken {
+    /// None: the others' APIs are open.
+    None,
+    /// The runner token, which every replica shares.
+    Static(String),
+    /// A file read again whenever it changes (a projected ServiceAccount token, which
+    /// Kubernetes rotates): the others check it with a TokenReview.
+    File {
+        path: std::path::PathBuf,
+        /// The token read, with the file's modification time then.
+        read: std::sync::Mutex<Option<(std::time::SystemTime, String)>>,
+    },
+}
+
+impl PeerToken {
+    /// A token read from `path`.
+    pub fn file(path: std::path::PathBuf) -> Self {
+        PeerToken::File {
+            path,
+            read: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The token to present now (`None` when there is none, or the file cannot be read: the
+    /// owner then answers 401, logged by the caller).
+    pub fn get(&self) -> Option<String> {
+        match self {
+            PeerToken::None => None,
+            PeerToken::Static(t) => Some(t.clone()),
+            PeerToken::File { path, read } => {
+                let modified = std::fs::metadata(path).and_then(|m| m.modified()).ok()?;
+                let mut read = read.lock().expect("peer token lock");
+                if let Some((at, token)) = read.as_ref()
+                    && *at == modified
+                {
+                    return Some(token.clone());
+                }
+                match std::fs::read_to_string(path) {
+                    Ok(t) => {
+                        let token = t.trim().to_owned();
+                        *read = Some((modified, token.clone()));
+                        Some(token)
+                    }
+                    Err(e) => {
+                        tracing::warn!(path = %path.display(), error = %e, "the peer token file cannot be read");
+                        None
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// How replicas are found by name: each replica is a service, resolved and watched through
 /// discovery.
 #[derive(Debug, Clone)]
@@ -276,6 +331,32 @@ impl Peers {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A projected ServiceAccount token rotates: the file is read again when it changes.
+    #[test]
+    fn a_peer_token_file_is_read_again_when_it_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        let token = PeerToken::file(path.clone());
+        assert_eq!(token.get(), None, "no file yet");
+        std::fs::write(&path, "first\n").unwrap();
+        assert_eq!(token.get().as_deref(), Some("first"));
+        // Rotated as the kubelet does: a new file in its place.
+        let next = dir.path().join("token.new");
+        std::fs::write(&next, "second").unwrap();
+        let later = std::fs::metadata(&path).unwrap().modified().unwrap()
+            + std::time::Duration::from_secs(1);
+        std::fs::File::options()
+            .write(true)
+            .open(&next)
+            .unwrap()
+            .set_modified(later)
+            .unwrap();
+        std::fs::rename(&next, &path).unwrap();
+        assert_eq!(token.get().as_deref(), Some("second"));
+        assert_eq!(PeerToken::Static("s".into()).get().as_deref(), Some("s"));
+        assert_eq!(PeerToken::None.get(), None);
+    }
 
     #[test]
     fn ids_name_their_owner() {

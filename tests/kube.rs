@@ -2782,3 +2782,120 @@ async fn sigkilled_on_kubernetes_ebb_loses_nothing_and_leaves_no_pod_behind() {
         instances.len()
     );
 }
+
+/// With `--kube-auth` and no runner token, a replica forwards a call's state, start and finish
+/// to the owner presenting its own ServiceAccount token (`--peer-token-file`, as a pod's projected
+/// token), which the owner checks with the same TokenReview and RBAC (`deploy/`'s `ebb-peers`).
+/// Before, the replicas sent no token and got 401 from each other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_kube_auth_alone_replicas_forward_to_their_owner_with_their_own_token() {
+    let (cp, _, _agent) = cluster().await;
+    apply(&cp, &serverless_hello("1h"));
+    let broker = common::broker().await;
+    let kubeconfig = deployed_service_account(&cp);
+    let work = tempfile::tempdir().unwrap();
+    let token_file = work.path().join("token");
+    let own = cp.kubectl(&["create", "token", "ebb", "-n", "ebb", "--duration", "1h"]);
+    std::fs::write(&token_file, own.trim()).unwrap();
+    let ports = [common::free_port(), common::free_port()];
+    let brokers = broker.addr.to_string();
+    let ebbs: Vec<common::Ebb> = (0..2)
+        .map(|me| {
+            let data = work.path().join(format!("ebb-{me}"));
+            let admin = format!("127.0.0.1:{}", ports[me]);
+            let name = format!("ebb-{me}");
+            let peer = format!("ebb-{}=http://127.0.0.1:{}", 1 - me, ports[1 - me]);
+            let mut args = TEST_TIMING.to_vec();
+            args.extend_from_slice(&[
+                "--orchestrator",
+                "kubernetes",
+                "--pod-namespace",
+                "ebb",
+                "--namespace",
+                "default",
+                "--kube-auth",
+                "--admin-listen",
+                &admin,
+                "--replica",
+                &name,
+                "--peer",
+                &peer,
+                "--kafka-brokers",
+                &brokers,
+                "--kafka-partitions",
+                "4",
+                "--runner-capacity",
+                "0",
+                "--peer-token-file",
+                token_file.to_str().unwrap(),
+            ]);
+            common::serve_env(
+                &data,
+                None,
+                None,
+                &args,
+                &[("KUBECONFIG", kubeconfig.as_os_str())],
+            )
+        })
+        .collect();
+    let worker = api_user(&cp, "worker", Some("ebb-runner"));
+    let api = |me: usize, path: &'static str, body: String| {
+        let (addr, worker) = (ebbs[me].admin, worker.clone());
+        async move { send(addr, "POST", "ebb", path, Some(&worker), &body).await }
+    };
+    wait_for("the route on ebb-0", Duration::from_secs(30), || {
+        routes(&work.path().join("ebb-0")).contains("default/hello")
+    })
+    .await;
+    let (status, body) = api(0, "/runner/enqueue", r#"{"target":"default/hello"}"#.into()).await;
+    assert_eq!(status, 200, "{body}");
+    let id = json(&body)["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{body}"))
+        .to_owned();
+    assert!(id.starts_with("ebb-0."), "{id}");
+    // A runner of ebb-1 gets ebb-0's call: ebb-1 asked ebb-0 what became of it.
+    let job = wait_until(
+        "ebb-0's call handed out by ebb-1",
+        Duration::from_secs(60),
+        || {
+            let api = &api;
+            async move {
+                let (status, body) = api(
+                    1,
+                    "/runner/dequeue",
+                    r#"{"runner":"w1","max":1,"wait_ms":500}"#.into(),
+                )
+                .await;
+                (status == 200).then(|| json(&body))
+            }
+        },
+    )
+    .await;
+    assert_eq!(job["calls"][0]["id"], id.as_str(), "{job}");
+    let (status, body) = api(
+        1,
+        "/runner/start",
+        format!(r#"{{"runner":"w1","id":"{id}"}}"#),
+    )
+    .await;
+    assert_eq!(status, 200, "the owner took the forwarded start: {body}");
+    let (status, body) = api(
+        1,
+        "/runner/finish",
+        format!(r#"{{"runner":"w1","id":"{id}","outcome":"success"}}"#),
+    )
+    .await;
+    assert_eq!(status, 200, "the owner took the forwarded finish: {body}");
+    let (status, body) = send(
+        ebbs[0].admin,
+        "GET",
+        "ebb",
+        &format!("/v1/calls/{id}"),
+        Some(&worker),
+        "",
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(json(&body)["state"], "success", "{body}");
+}

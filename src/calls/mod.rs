@@ -110,8 +110,9 @@ pub struct Calls {
     stale: Arc<Mutex<IdSet>>,
     /// This replica and the others: starts and finishes of calls another replica owns go to it.
     peers: Arc<Peers>,
-    /// The runner token, sent with what is forwarded to an owner.
-    peer_token: Option<String>,
+    /// The token sent with what is forwarded to an owner (the runner token, or this replica's
+    /// ServiceAccount token).
+    peer_token: Arc<crate::peers::PeerToken>,
     /// Per target, the ids of enqueues under way: put or being put, not yet recorded. They
     /// count against `max_queued_per_target` with the log's queued calls.
     reserved: Mutex<HashMap<String, HashSet<String>>>,
@@ -277,17 +278,17 @@ impl Calls {
             aborted: Mutex::new(IdSet::new(MAX_ABORTED)),
             stale: Arc::new(Mutex::new(IdSet::new(MAX_STALE))),
             peers: Arc::new(Peers::alone()),
-            peer_token: None,
+            peer_token: Arc::new(crate::peers::PeerToken::None),
             reserved: Mutex::new(HashMap::new()),
             handed_unknown: Mutex::new(Copies::default()),
         }
     }
 
     /// One of several replicas: `peers` names this one (its name goes into the ids of the calls
-    /// it accepts) and finds the others; `token` is the runner token sent to them.
-    pub fn with_peers(mut self, peers: Arc<Peers>, token: Option<String>) -> Self {
+    /// it accepts) and finds the others; `token` is what this replica presents to them.
+    pub fn with_peers(mut self, peers: Arc<Peers>, token: crate::peers::PeerToken) -> Self {
         self.peers = peers;
-        self.peer_token = token;
+        self.peer_token = Arc::new(token);
         self
     }
 
@@ -761,7 +762,7 @@ impl Calls {
                 .post_json::<Results<Option<PeerState>>>(
                     &owner,
                     "/runner/states",
-                    self.peer_token.as_deref(),
+                    self.peer_token.get().as_deref(),
                     &serde_json::json!({ "ids": ids }),
                 )
                 .await;
@@ -1049,7 +1050,7 @@ impl Calls {
                 .post_json::<Results<Started>>(
                     &owner,
                     "/runner/start",
-                    self.peer_token.as_deref(),
+                    self.peer_token.get().as_deref(),
                     &body,
                 )
                 .await;
@@ -1132,7 +1133,7 @@ impl Calls {
                 .post_json::<Results<IdState>>(
                     &owner,
                     "/runner/finish",
-                    self.peer_token.as_deref(),
+                    self.peer_token.get().as_deref(),
                     &serde_json::json!({ "runner": runner, "calls": calls }),
                 )
                 .await?;

@@ -524,7 +524,7 @@ pub async fn run(
     };
     let calls = Arc::new(
         Calls::new(log.clone(), queue, clock.clone(), call_options.clone())
-            .with_peers(peers.clone(), options.access.runner_token.clone()),
+            .with_peers(peers.clone(), options.access.peer_token()),
     );
     calls
         .recover()

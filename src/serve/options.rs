@@ -123,7 +123,18 @@ pub struct AccessOptions {
     #[arg(long, env = "EBB_KUBE_AUTH_CACHE_SECONDS", default_value_t = 10,
           value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub kube_auth_cache_seconds: u64,
+    /// The token this replica presents to the others when it forwards a call's start, finish
+    /// or state to its owner, read from this file (again whenever it changes: a projected
+    /// ServiceAccount token rotates). Default: the runner token if there is one; else, with
+    /// --kube-auth, the pod's ServiceAccount token
+    /// (`/var/run/secrets/kubernetes.io/serviceaccount/token`), which the others check with
+    /// the same TokenReview (deploy/ lets ebb's ServiceAccount use the runner API).
+    #[arg(long, env = "EBB_PEER_TOKEN_FILE")]
+    pub peer_token_file: Option<PathBuf>,
 }
+
+/// Where a pod's projected ServiceAccount token is.
+pub const SERVICE_ACCOUNT_TOKEN: &str = "/var/run/secrets/kubernetes.io/serviceaccount/token";
 
 /// The log's durability and snapshots, and how often traffic is written to it.
 #[derive(Debug, Clone, clap::Args)]
@@ -324,6 +335,18 @@ impl NetOptions {
 }
 
 impl AccessOptions {
+    /// The token forwarded requests to other replicas carry (see `--peer-token-file`).
+    pub fn peer_token(&self) -> crate::peers::PeerToken {
+        match (&self.peer_token_file, &self.runner_token) {
+            (Some(file), _) => crate::peers::PeerToken::file(file.clone()),
+            (None, Some(t)) => crate::peers::PeerToken::Static(t.clone()),
+            (None, None) if self.kube_auth => {
+                crate::peers::PeerToken::file(PathBuf::from(SERVICE_ACCOUNT_TOKEN))
+            }
+            (None, None) => crate::peers::PeerToken::None,
+        }
+    }
+
     /// Kubernetes' tokens on the APIs, when asked for.
     pub fn kube_auth(&self) -> Option<crate::api::access::KubeAuthOptions> {
         self.kube_auth.then(|| crate::api::access::KubeAuthOptions {

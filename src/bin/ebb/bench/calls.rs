@@ -173,7 +173,7 @@ async fn setup(
         };
         let calls = Arc::new(
             Calls::new(log.clone(), queue, clock.clone(), CallOptions::default())
-                .with_peers(Arc::new(peers), Some(TOKEN.into())),
+                .with_peers(Arc::new(peers), ebb::peers::PeerToken::Static(TOKEN.into())),
         );
         let router = ebb::api::router(ebb::api::AppState {
             peers: calls.peers().clone(),
