@@ -543,6 +543,39 @@ async fn waiting_pages_timeouts_tcp_routes_and_keep_warm_windows_on_kubernetes()
     // The TCP route: bytes spliced to the pod as they are.
     let answer = raw(tcp, "GET /pid HTTP/1.0\r\nHost: x\r\n\r\n").await;
     assert!(answer.contains(" 200 "), "{answer}");
+    // A second Service naming the same listen address: no route at all (not half-made), a
+    // Warning Event saying whose address it is; the first keeps serving.
+    apply(
+        &cp,
+        &hello_service(
+            "twin",
+            &[
+                ("ebb.dev/deployment", "hello"),
+                ("ebb.dev/listen", listen.as_str()),
+            ],
+        ),
+    );
+    wait_for(
+        "an InvalidRoute Warning Event on twin",
+        Duration::from_secs(30),
+        || {
+            let events = json(&cp.kubectl(&["get", "events", "-o", "json"]));
+            events["items"].as_array().is_some_and(|items| {
+                items.iter().any(|e| {
+                    e["type"] == "Warning"
+                        && e["reason"] == "InvalidRoute"
+                        && e["involvedObject"]["name"] == "twin"
+                        && e["message"].as_str().is_some_and(|m| {
+                            m.contains("is the listen address of Service default/hello already")
+                        })
+                })
+            })
+        },
+    )
+    .await;
+    assert!(!routes(data.path()).contains("default/twin"));
+    let answer = raw(tcp, "GET /pid HTTP/1.0\r\nHost: x\r\n\r\n").await;
+    assert!(answer.contains(" 200 "), "{answer}");
 
     // Idle, it goes to zero; a keep-warm window open now brings it back without a request.
     wait_for("the idle scale-down", Duration::from_secs(60), || {

@@ -320,12 +320,15 @@ pub struct Claim {
     pub created_ms: u64,
 }
 
-/// The routes of all annotated Services, with a domain claimed twice left to the older Service
-/// (ties: the smaller name): a newer Service that claims a taken domain gets no route at all
-/// (none of its domains, so that it never half-serves), and an error for its Warning Event.
+/// The routes of all annotated Services, with a domain or a TCP `listen` address claimed twice
+/// left to the older Service (ties: the smaller name): a newer Service that claims a taken one
+/// gets no route at all (none of its domains, no listener, so that it never half-serves), and
+/// an error for its Warning Event. An address on every interface (`0.0.0.0:P`, `[::]:P`) takes
+/// port P on all of them.
 pub fn resolve(mut claims: Vec<Claim>) -> (Vec<RouteSpec>, Vec<(String, AnnotationError)>) {
     claims.sort_by(|a, b| (a.created_ms, &a.route.name).cmp(&(b.created_ms, &b.route.name)));
     let mut owner: BTreeMap<String, String> = BTreeMap::new();
+    let mut listening: Vec<(String, std::net::SocketAddr)> = Vec::new();
     let mut routes = Vec::new();
     let mut refused = Vec::new();
     for claim in claims {
@@ -339,12 +342,33 @@ pub fn resolve(mut claims: Vec<Claim>) -> (Vec<RouteSpec>, Vec<(String, Annotati
             refused.push((claim.route.name.clone(), bad(DOMAINS, message)));
             continue;
         }
+        let listen: Option<std::net::SocketAddr> =
+            claim.route.listen.as_deref().and_then(|l| l.parse().ok());
+        if let Some(addr) = listen
+            && let Some((other, theirs)) = listening
+                .iter()
+                .find(|(_, theirs): &&(String, std::net::SocketAddr)| overlaps(addr, *theirs))
+        {
+            let message =
+                format!("{addr} is the listen address of Service {other} already ({theirs})");
+            refused.push((claim.route.name.clone(), bad(LISTEN, message)));
+            continue;
+        }
+        if let Some(addr) = listen {
+            listening.push((claim.route.name.clone(), addr));
+        }
         for d in &claim.route.domains {
             owner.insert(d.clone(), claim.route.name.clone());
         }
         routes.push(claim.route);
     }
     (routes, refused)
+}
+
+/// Whether two listen addresses cannot both be bound: the same port, and the same IP or either
+/// on every interface.
+fn overlaps(a: std::net::SocketAddr, b: std::net::SocketAddr) -> bool {
+    a.port() == b.port() && (a.ip() == b.ip() || a.ip().is_unspecified() || b.ip().is_unspecified())
 }
 
 /// Milliseconds in a duration written as whole numbers with units, Go's way: `500ms`, `90s`,
@@ -624,6 +648,31 @@ mod tests {
                     "\"d.example.com\" is served by Service shop/tie-a already"
                 ),
             ]
+        );
+    }
+
+    #[test]
+    fn a_listen_address_claimed_twice_stays_with_the_older_service() {
+        let claim = |service: &str, listen: &str, created_ms: u64| {
+            let a = annotations(&[(LISTEN, listen), (DEPLOYMENT, service)]);
+            let (route, _) = route("db", service, &a, &RouteDefaults::default())
+                .unwrap()
+                .unwrap();
+            Claim { route, created_ms }
+        };
+        let (routes, refused) = resolve(vec![
+            claim("newer", "127.0.0.1:5432", 20),
+            claim("older", "0.0.0.0:5432", 10),
+            claim("other-port", "127.0.0.1:5433", 30),
+            claim("other-ip", "127.0.0.2:5433", 40),
+        ]);
+        let names: Vec<&str> = routes.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["db/older", "db/other-port", "db/other-ip"]);
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert_eq!(refused[0].0, "db/newer");
+        assert_eq!(
+            refused[0].1.message,
+            "127.0.0.1:5432 is the listen address of Service db/older already (0.0.0.0:5432)"
         );
     }
 
