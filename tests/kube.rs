@@ -754,9 +754,35 @@ async fn warm_routes_serve_while_the_api_server_is_away_and_watches_resume() {
     }
     apply(&cp, &serverless_hello("1h"));
     let data = tempfile::tempdir().unwrap();
-    let ebb = serve_on(&cp, data.path(), &[]);
+    // ebb's log, to count what it says while the API server is away.
+    let log = data.path().join("ebb.log");
+    let kubeconfig = deployed_service_account(&cp);
+    let mut args = TEST_TIMING.to_vec();
+    args.extend_from_slice(&[
+        "--orchestrator",
+        "kubernetes",
+        "--pod-namespace",
+        "ebb",
+        "--namespace",
+        "default",
+    ]);
+    let ebb = common::serve_logged(
+        &data.path().join("data"),
+        None,
+        None,
+        &args,
+        &[
+            ("KUBECONFIG", kubeconfig.as_os_str()),
+            (
+                "EBB_LOG",
+                std::ffi::OsStr::new("warn,ebb_kube::health=info"),
+            ),
+        ],
+        Some(&log),
+    );
+    let data_dir = data.path().join("data");
     wait_for("the route in the log", Duration::from_secs(30), || {
-        routes(data.path()).contains("default/hello")
+        routes(&data_dir).contains("default/hello")
     })
     .await;
     let (status, body) = get(ebb.proxy, "hello.test", "/pid").await;
@@ -784,12 +810,28 @@ async fn warm_routes_serve_while_the_api_server_is_away_and_watches_resume() {
         ),
     );
     wait_for("the new route in the log", Duration::from_secs(60), || {
-        routes(data.path()).contains("default/late")
+        routes(&data_dir).contains("default/late")
     })
     .await;
     let (status, body) = get(ebb.proxy, "late.test", "/pid").await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(pid_of(&body), pid);
+    // Said once each way, and no ERROR line from the client's every failed request.
+    wait_for(
+        "ebb says the API server is back",
+        Duration::from_secs(30),
+        || {
+            std::fs::read_to_string(&log)
+                .unwrap_or_default()
+                .contains("reachable again")
+        },
+    )
+    .await;
+    let said = std::fs::read_to_string(&log).unwrap();
+    let count = |what: &str| said.lines().filter(|l| l.contains(what)).count();
+    assert_eq!(count("API server cannot be reached"), 1, "{said}");
+    assert_eq!(count("API server is reachable again"), 1, "{said}");
+    assert_eq!(count("ERROR"), 0, "{said}");
 }
 
 /// Copies a directory tree.

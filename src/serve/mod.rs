@@ -353,7 +353,8 @@ pub async fn run(
         tokio::spawn(async move {
             tokio::join!(
                 crate::orchestrator::kube::run(log.clone(), k.clone(), stop.clone()),
-                crate::orchestrator::kube_functions::run(log, k, stop),
+                crate::orchestrator::kube_functions::run(log, k.clone(), stop.clone()),
+                ebb_kube::health::watch(k.client(), ebb_kube::health::EVERY, stop),
             );
         })
     });

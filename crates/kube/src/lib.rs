@@ -23,6 +23,7 @@ pub mod cleaner;
 pub mod coordinator;
 pub mod endpoints;
 pub mod functions;
+pub mod health;
 pub mod orchestrator;
 pub mod reviews;
 pub mod templates;

@@ -82,6 +82,21 @@ const MOVED: &[(&str, &[&str])] = &[
     ("ebb::warm", &["ebb_core::warm"]),
 ];
 
+/// The Kubernetes client logs an ERROR for every request that fails while the API server is
+/// away; ebb says that once itself (`ebb_kube::health`). Left out unless a filter names it.
+pub const QUIET: &str = "kube_client::client::builder=off";
+
+/// `spec` with [`QUIET`] added, unless it names the Kubernetes client itself.
+pub fn quiet(spec: &str) -> String {
+    if spec.contains("kube_client") {
+        spec.to_owned()
+    } else if spec.trim().is_empty() {
+        QUIET.to_owned()
+    } else {
+        format!("{spec},{QUIET}")
+    }
+}
+
 /// `spec` (an `EnvFilter` directive list) with each directive whose target is a moved path
 /// followed by the same directive for the path's targets now. Anything else is left as it is,
 /// for `EnvFilter` to take or refuse.
@@ -158,6 +173,13 @@ mod tests {
             "ebb::log[append{seq=1,n=2}]=debug,ebb_storage::log[append{seq=1,n=2}]=debug,\
              ebb_core::log[append{seq=1,n=2}]=debug"
         );
+    }
+
+    #[test]
+    fn the_kube_clients_per_request_errors_are_left_out_unless_named() {
+        assert_eq!(quiet("warn"), "warn,kube_client::client::builder=off");
+        assert_eq!(quiet(""), "kube_client::client::builder=off");
+        assert_eq!(quiet("info,kube_client=debug"), "info,kube_client=debug");
     }
 
     #[test]

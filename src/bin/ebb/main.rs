@@ -98,8 +98,11 @@ fn main() {
     let cli = Cli::parse();
     let filter = std::env::var("EBB_LOG")
         .ok()
-        .and_then(|spec| tracing_subscriber::EnvFilter::try_new(log_filter::translate(&spec)).ok())
-        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info"));
+        .and_then(|spec| {
+            tracing_subscriber::EnvFilter::try_new(log_filter::quiet(&log_filter::translate(&spec)))
+                .ok()
+        })
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new(log_filter::quiet("info")));
     let lines = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
