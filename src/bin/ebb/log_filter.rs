@@ -148,7 +148,7 @@ fn directives(spec: &str) -> Vec<&str> {
 
 #[cfg(test)]
 mod tests {
-    use super::translate;
+    use super::{quiet, translate};
 
     #[test]
     fn a_moved_path_selects_its_crates_targets_too() {
