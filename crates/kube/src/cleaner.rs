@@ -11,7 +11,7 @@
 //!
 //! Only the holder of ebb's lease runs it, so one replica decides.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -47,6 +47,28 @@ const MANAGER: &str = "ebb-cleaner";
 struct Kind {
     resource: ApiResource,
     store: Store<DynamicObject>,
+    /// The watch feeding `store`, stopped when no Cleaner names the kind any more.
+    task: tokio::task::AbortHandle,
+}
+
+impl Drop for Kind {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The watched kinds (`kind_key`s) that none of `specs` names any more.
+fn unused<'a>(
+    watched: impl Iterator<Item = &'a (String, String)>,
+    specs: &[CleanerSpec],
+) -> Vec<(String, String)> {
+    let named: HashSet<(String, String)> = specs
+        .iter()
+        .flat_map(|s| s.targets.iter())
+        .filter_map(|t| Ref::parse(&t.reference).ok())
+        .map(|r| kind_key(&r.api_version, &r.kind))
+        .collect();
+    watched.filter(|k| !named.contains(*k)).cloned().collect()
 }
 
 /// A label selector.
@@ -208,7 +230,22 @@ impl KubeTargets {
             task.abort();
             return Err(format!("listing {kind} in {api_version} did not complete"));
         }
-        Ok(Arc::new(Kind { resource, store }))
+        Ok(Arc::new(Kind {
+            resource,
+            store,
+            task: task.abort_handle(),
+        }))
+    }
+
+    /// Stops watching the kinds no Cleaner in `specs` (those the log still has) names.
+    pub fn release_unused(&self, specs: &[CleanerSpec]) {
+        let mut kinds = self.kinds.lock().unwrap_or_else(|e| e.into_inner());
+        for key in unused(kinds.keys(), specs) {
+            // Dropping the last handle of the kind aborts its watch (a firing under way holds
+            // its own until it is done).
+            kinds.remove(&key);
+            tracing::info!(kind = %format!("{}/{}", key.0, key.1), "no Cleaner names this kind any more: its watch stops");
+        }
     }
 
     /// Puts `spec`'s targets in the index (replacing what it had there).
@@ -809,11 +846,59 @@ async fn forget(cleaners: &Cleaners<KubeTargets>, key: &str) {
             .get(key)
             .is_some_and(|c| c.firing.is_some())
     });
-    if firing {
-        return;
+    if !firing {
+        cleaners.backend().unindex(key);
+        if let Err(e) = cleaners.delete(key).await {
+            tracing::warn!(cleaner = %key, error = %e, "forgetting a Cleaner failed");
+        }
     }
-    cleaners.backend().unindex(key);
-    if let Err(e) = cleaners.delete(key).await {
-        tracing::warn!(cleaner = %key, error = %e, "forgetting a Cleaner failed");
+    let left: Vec<CleanerSpec> = cleaners.log().read(|s| {
+        s.cleaners
+            .by_name
+            .values()
+            .filter(|c| c.fired_at_ms.is_none())
+            .map(|c| c.spec.clone())
+            .collect()
+    });
+    cleaners.backend().release_unused(&left);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kind_no_cleaner_names_any_more_is_released() {
+        let spec = |name: &str, refs: &[&str]| CleanerSpec {
+            name: name.into(),
+            targets: refs
+                .iter()
+                .map(|r| ebb_core::event::CleanerTarget {
+                    name: "t".into(),
+                    reference: (*r).into(),
+                    delete: true,
+                    include_when_evaluating: false,
+                })
+                .collect(),
+            ..CleanerSpec::default()
+        };
+        let watched = [
+            kind_key("v1", "ConfigMap"),
+            kind_key("apps/v1", "Deployment"),
+            kind_key("v1", "Secret"),
+        ];
+        let left = [
+            spec("a", &["v1/ConfigMap/x"]),
+            spec("b", &["apps/v1/Deployment?app=web"]),
+        ];
+        assert_eq!(
+            unused(watched.iter(), &left),
+            vec![kind_key("v1", "Secret")]
+        );
+        assert_eq!(
+            unused(watched.iter(), &[]).len(),
+            3,
+            "the last Cleaner gone"
+        );
     }
 }
