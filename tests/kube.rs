@@ -739,6 +739,18 @@ async fn two_ebbs_share_scaling_through_a_lease_and_a_conditioned_scale_down() {
         .collect();
     assert!(on_hello.contains(&"Wake"), "{on_hello:?}");
     assert!(on_hello.contains(&"Idle"), "{on_hello:?}");
+    // The Service `bad` makes no route on either replica; only the Lease holder said so.
+    let on_bad: Vec<&serde_json::Value> = events["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["involvedObject"]["name"] == "bad" && e["reason"] == "InvalidRoute")
+        .collect();
+    assert_eq!(
+        on_bad.len(),
+        1,
+        "one Event, not one per replica: {on_bad:?}"
+    );
 }
 
 /// With the API server gone, a warm route keeps serving from what ebb already knows; back, ebb's

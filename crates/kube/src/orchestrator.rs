@@ -202,7 +202,22 @@ pub struct KubeOrchestrator {
     /// Whether the Services (routes decided) and the EndpointSlices have been listed.
     services_listed: std::sync::atomic::AtomicBool,
     slices_listed: std::sync::atomic::AtomicBool,
+    /// Whether this replica holds ebb's Lease: unknown until the lease loop first says.
+    leadership: std::sync::atomic::AtomicU8,
+    /// Events about shared objects decided before leadership was known (at most
+    /// [`MAX_DEFERRED`]): published if this replica turns out to lead, dropped if not.
+    deferred: Mutex<Vec<(ObjectReference, EventType, String, String)>>,
 }
+
+/// Leadership not known yet.
+const UNKNOWN: u8 = 0;
+/// This replica holds the Lease.
+const LEADING: u8 = 1;
+/// Another replica holds it.
+const FOLLOWING: u8 = 2;
+
+/// Events about shared objects kept while leadership is not known yet, at most.
+const MAX_DEFERRED: usize = 256;
 
 impl KubeOrchestrator {
     /// The API client.
@@ -230,7 +245,52 @@ impl KubeOrchestrator {
             recorder,
             services_listed: Default::default(),
             slices_listed: Default::default(),
+            leadership: std::sync::atomic::AtomicU8::new(UNKNOWN),
+            deferred: Mutex::default(),
         })
+    }
+
+    /// Says whether this replica holds the Lease now (the lease loop calls it on each check):
+    /// the first answer publishes the events about shared objects kept until then, or drops
+    /// them.
+    pub async fn set_leading(&self, leading: bool) {
+        let now = if leading { LEADING } else { FOLLOWING };
+        let was = self
+            .leadership
+            .swap(now, std::sync::atomic::Ordering::AcqRel);
+        if was != UNKNOWN {
+            return;
+        }
+        let kept = std::mem::take(&mut *self.deferred.lock().expect("deferred lock"));
+        if leading {
+            for (reference, kind, reason, note) in kept {
+                self.publish(&reference, kind, &reason, note).await;
+            }
+        }
+    }
+
+    /// Publishes an Event about an object every replica sees alike (a Service's route, a
+    /// `Func` resource): only the Lease holder does, so one Event is published, not one per
+    /// replica. Before leadership is known the Event is kept (bounded).
+    pub async fn publish_shared(
+        &self,
+        reference: &ObjectReference,
+        kind: EventType,
+        reason: &str,
+        note: String,
+    ) {
+        match self.leadership.load(std::sync::atomic::Ordering::Acquire) {
+            LEADING => self.publish(reference, kind, reason, note).await,
+            FOLLOWING => {
+                tracing::debug!(object = ?reference.name, reason, "the Lease holder publishes this Event");
+            }
+            _ => {
+                let mut deferred = self.deferred.lock().expect("deferred lock");
+                if deferred.len() < MAX_DEFERRED {
+                    deferred.push((reference.clone(), kind, reason.to_owned(), note));
+                }
+            }
+        }
     }
 
     /// Whether ebb knows the cluster: its routes decided from a complete list of Services, and
@@ -679,7 +739,7 @@ impl RouteLoop {
                 continue;
             }
             tracing::warn!(service = %name, %problem, "the Service's annotations make no route");
-            orch.publish(
+            orch.publish_shared(
                 &info.reference,
                 EventType::Warning,
                 "InvalidRoute",
@@ -1210,6 +1270,9 @@ pub async fn run_shared(
 ) {
     let o = shared.options;
     let leading_now = shared.leading.clone();
+    let events = orch.clone();
+    let mut told = false;
+    let started_ms = clock.now_ms();
     let driver = Arc::new(Driver {
         store: KubeCoordinator::new(
             orch.client.clone(),
@@ -1268,6 +1331,15 @@ pub async fn run_shared(
                 }
                 _ => {
                     let leading = m.leads(now);
+                    // Not leading is an answer once the Lease had time to be taken (two lease
+                    // periods), or when leadership was lost.
+                    let settled =
+                        leading || was_leading || now.saturating_sub(started_ms) >= 2 * o.lease_ms;
+                    if settled && (leading != was_leading || !told) {
+                        told = true;
+                        let events = events.clone();
+                        tokio::spawn(async move { events.set_leading(leading).await });
+                    }
                     if leading != was_leading {
                         tracing::info!(replica = m.name(), leading, "scale-down leadership");
                         was_leading = leading;

@@ -363,7 +363,7 @@ pub async fn run_mirror(
                     tracing::warn!(name = ?f.metadata.name, %why, "a Func resource ebb cannot take");
                     use kube::Resource;
                     events
-                        .publish(
+                        .publish_shared(
                             &f.object_ref(&()),
                             kube::runtime::events::EventType::Warning,
                             "FuncRefused",
