@@ -120,6 +120,9 @@ pub struct Calls {
     /// bound), by id: a forwarded start sends the owner the copy, which it records if it still
     /// does not know the call (its record stalled), so the call is not lost.
     handed_unknown: Mutex<Copies>,
+    /// This replica's calls whose start it refused as unknown (the message deleted): should
+    /// the enqueue's record come after all (it stalled), the message is put again.
+    refused_unknown: Mutex<IdSet>,
 }
 
 /// Most handed-out copies of unknown calls remembered (each is forgotten at its start).
@@ -281,6 +284,7 @@ impl Calls {
             peer_token: Arc::new(crate::peers::PeerToken::None),
             reserved: Mutex::new(HashMap::new()),
             handed_unknown: Mutex::new(Copies::default()),
+            refused_unknown: Mutex::new(IdSet::new(MAX_STALE)),
         }
     }
 
@@ -606,11 +610,32 @@ impl Calls {
         Ok(restored)
     }
 
-    /// Records `CallQueued` for calls the log does not know yet.
+    /// Records `CallQueued` for calls the log does not know yet. A call whose start this
+    /// replica refused as unknown meanwhile (its record stalled; the message was deleted) gets
+    /// its message put again.
     async fn record_queued(&self, specs: Vec<CallSpec>) -> Result<(), CallError> {
+        let again: Vec<Message> = {
+            let mut refused = self.refused_unknown.lock().expect("refused lock");
+            if refused.is_empty() {
+                Vec::new()
+            } else {
+                specs
+                    .iter()
+                    .filter(|s| refused.remove(&s.id))
+                    .map(message_of)
+                    .collect()
+            }
+        };
         self.log
             .decide(move |s: &State, _| (record_handed_out(s, specs).0, ()))
             .await?;
+        if !again.is_empty() {
+            tracing::warn!(
+                calls = again.len(),
+                "calls recorded after their start was refused as unknown: their messages are put again"
+            );
+            self.queue.put(again).await?;
+        }
         Ok(())
     }
 
@@ -940,7 +965,17 @@ impl Calls {
                     late_holds.push((id.clone(), until));
                 }
                 Some(StartVerdict::Accepted) => {}
-                Some(StartVerdict::Refused(_)) => refused.push(id.clone()),
+                Some(StartVerdict::Refused(r)) => {
+                    if matches!(r, crate::event::RejectReason::UnknownCall)
+                        && !crate::mutation::active(crate::mutation::Mutation::RefuseUnknownCopy)
+                    {
+                        self.refused_unknown
+                            .lock()
+                            .expect("refused lock")
+                            .insert(id);
+                    }
+                    refused.push(id.clone())
+                }
                 // Back on the queue now, to be handed out with the log's copy.
                 None => late_holds.push((id.clone(), now)),
             }

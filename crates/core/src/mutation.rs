@@ -34,9 +34,9 @@ pub enum Mutation {
     /// the start as unknown and the message is deleted before the call is recorded as queued.
     HandOutUnknown,
     /// An owner asked to start a call it does not know yet ignores the copy of the call the
-    /// forwarding replica handed out past the hold-back bound, and refuses the start as
-    /// unknown: the message is deleted, and the owner, stalled between its put and its record,
-    /// then records a call that no runner can ever get.
+    /// forwarding replica handed out past the hold-back bound, refuses the start as unknown
+    /// and forgets it did: the message is deleted, and the owner, stalled between its put and
+    /// its record, then records a call that no runner can ever get.
     RefuseUnknownCopy,
     /// The idle scale-down keeps only the idle floor, not the replicas of the keep-warm windows
     /// open now.

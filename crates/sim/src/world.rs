@@ -290,6 +290,9 @@ struct Node {
     /// bound), by id: a start of one sends the owner the message's copy (as
     /// `Calls::start_through_owners`). Memory: gone with a crash.
     handed_unknown: HashMap<String, CallSpec>,
+    /// Its own calls whose start it refused as unknown (their message deleted): recorded later
+    /// (a stalled record), their message is put again (as `Calls::record_queued`). Memory.
+    refused_unknown: std::collections::HashSet<String>,
 }
 
 struct Runner {
@@ -403,6 +406,7 @@ impl World {
                 log: SimLog::new(),
                 heard: std::collections::BTreeMap::new(),
                 handed_unknown: HashMap::new(),
+                refused_unknown: std::collections::HashSet::new(),
             })
             .collect();
         let mut w = World {
@@ -1432,6 +1436,15 @@ impl World {
         } else if self.node_state(k).calls.get(&spec.id).is_some()
             || self.node_append(k, vec![Event::CallQueued { call: spec.clone() }])
         {
+            if self.nodes[k].refused_unknown.remove(&spec.id) {
+                // Its start was refused as unknown and its message deleted meanwhile: put again.
+                let who = self.nodes[k].name.clone();
+                self.note(
+                    &who,
+                    format_args!("puts {} again (its message was deleted)", spec.id),
+                );
+                let _ = self.queue().put(vec![message_of(&spec)]).now_or_never();
+            }
             NodeAnswer::Enqueued
         } else {
             NodeAnswer::Down
@@ -1477,11 +1490,18 @@ impl World {
             let until = now + c.timeout_ms + c.hold_grace_ms;
             let _ = queue.hold(vec![(id.to_owned(), until)]).now_or_never();
         }
+        let unknown = self.node_state(j).calls.get(id).is_none();
         let (event, verdict) = decide_start(&self.node_state(j).calls, id, runner, now);
         if !self.node_append(j, vec![event]) {
             return None;
         }
         let accepted = verdict == StartVerdict::Accepted;
+        if unknown
+            && !accepted
+            && !ebb_core::mutation::active(ebb_core::mutation::Mutation::RefuseUnknownCopy)
+        {
+            self.nodes[j].refused_unknown.insert(id.to_owned());
+        }
         if !accepted {
             let _ = queue.delete(vec![id.to_owned()]).now_or_never();
         }
@@ -1976,6 +1996,7 @@ impl World {
         node.up = false;
         node.epoch += 1;
         node.handed_unknown.clear();
+        node.refused_unknown.clear();
         let queue = self.queue();
         let lost = if machine && !shared {
             queue.machine_crash()
