@@ -32,6 +32,8 @@ pub enum Mutation {
     /// A replica hands out another replica's message at once when its owner does not know the
     /// call yet (put, not yet recorded), instead of holding it back a moment: the owner refuses
     /// the start as unknown and the message is deleted before the call is recorded as queued.
+    /// The owner then puts the message again when it records the call, so this costs refused
+    /// starts, not calls (`tests/simulation.rs` checks that it holds).
     HandOutUnknown,
     /// An owner asked to start a call it does not know yet ignores the copy of the call the
     /// forwarding replica handed out past the hold-back bound, refuses the start as unknown
