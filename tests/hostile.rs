@@ -431,16 +431,22 @@ async fn survive(api: &Api) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn proxy_and_apis_survive_hostile_http() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("ebb.toml");
+/// `ebb.toml` with the app `edge` (`edge.localhost`), written in `dir`.
+fn edge_config(dir: &std::path::Path) -> std::path::PathBuf {
+    let config = dir.join("ebb.toml");
     std::fs::write(
         &config,
         "[[app]]\nname = \"edge\"\ndomains = [\"edge.localhost\"]\n\
          command = [\"ebb\", \"example-app\"]\nidle_after_ms = 60000\n",
     )
     .unwrap();
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_and_apis_survive_hostile_http() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = edge_config(dir.path());
     let ebb = common::serve_with(
         &dir.path().join("data"),
         Some(&config),
@@ -509,13 +515,7 @@ async fn bytes_until_closed(addr: SocketAddr, bytes: &[u8]) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lone_lf_is_refused_alike_on_both_proxy_paths() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("ebb.toml");
-    std::fs::write(
-        &config,
-        "[[app]]\nname = \"edge\"\ndomains = [\"edge.localhost\"]\n\
-         command = [\"ebb\", \"example-app\"]\nidle_after_ms = 60000\n",
-    )
-    .unwrap();
+    let config = edge_config(dir.path());
     let ebb = common::serve_with(&dir.path().join("data"), Some(&config), None, &[]);
     let refused = |what: &str, got: &str| {
         let last = got

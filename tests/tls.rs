@@ -137,33 +137,45 @@ async fn get(
     path: &str,
     auth: Option<&str>,
 ) -> (String, String, Vec<u8>) {
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let mut s = tls
-        .connect(ServerName::try_from(name.to_owned()).unwrap(), tcp)
-        .await
-        .unwrap();
-    let cert = s.get_ref().1.peer_certificates().unwrap()[0].to_vec();
     let auth = auth
         .map(|t| format!("Authorization: Bearer {t}\r\n"))
         .unwrap_or_default();
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Connection: close\r\n\r\n")
-            .as_bytes(),
+    let (text, cert) = exchange(
+        tls,
+        addr,
+        name,
+        &format!("GET {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Connection: close\r\n\r\n"),
     )
-    .await
-    .unwrap();
-    let mut out = Vec::new();
-    tokio::time::timeout(DEADLINE, s.read_to_end(&mut out))
-        .await
-        .expect("an answer in time")
-        .ok();
-    let text = String::from_utf8_lossy(&out).into_owned();
+    .await;
     let status = text.lines().next().unwrap_or_default().to_owned();
     let body = text
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
     (status, body, cert)
+}
+
+/// Sends `request` over TLS to `addr` (server name `name`); returns all the server answered
+/// until it closed, and its certificate.
+async fn exchange(
+    tls: &TlsConnector,
+    addr: std::net::SocketAddr,
+    name: &str,
+    request: &str,
+) -> (String, Vec<u8>) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut s = tls
+        .connect(ServerName::try_from(name.to_owned()).unwrap(), tcp)
+        .await
+        .unwrap();
+    let cert = s.get_ref().1.peer_certificates().unwrap()[0].to_vec();
+    s.write_all(request.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(DEADLINE, s.read_to_end(&mut out))
+        .await
+        .expect("an answer in time")
+        .ok();
+    (String::from_utf8_lossy(&out).into_owned(), cert)
 }
 
 fn der(pem: &Path) -> Vec<u8> {
@@ -233,34 +245,23 @@ async fn proxy_and_apis_serve_tls_and_reload_certificates() {
     .await;
     assert!(status.contains(" 200 "), "{status}: {body}");
     // The dashboard's session cookie is Secure over TLS.
-    {
-        let tcp = tokio::net::TcpStream::connect(ebb.admin).await.unwrap();
-        let mut s = h1
-            .connect(ServerName::try_from("localhost").unwrap(), tcp)
-            .await
-            .unwrap();
-        let body = r#"{"token":"admin-secret"}"#;
-        s.write_all(
-            format!(
-                "POST /ui/login HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            )
-            .as_bytes(),
-        )
-        .await
-        .unwrap();
-        let mut out = Vec::new();
-        tokio::time::timeout(DEADLINE, s.read_to_end(&mut out))
-            .await
-            .expect("an answer in time")
-            .ok();
-        let text = String::from_utf8_lossy(&out).to_ascii_lowercase();
-        let cookie = text
-            .lines()
-            .find(|l| l.starts_with("set-cookie: ebb_session="))
-            .unwrap_or_else(|| panic!("no session cookie: {text}"));
-        assert!(cookie.contains("; secure"), "{cookie}");
-    }
+    let body = r#"{"token":"admin-secret"}"#;
+    let (text, _) = exchange(
+        &h1,
+        ebb.admin,
+        "localhost",
+        &format!(
+            "POST /ui/login HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        ),
+    )
+    .await;
+    let text = text.to_ascii_lowercase();
+    let cookie = text
+        .lines()
+        .find(|l| l.starts_with("set-cookie: ebb_session="))
+        .unwrap_or_else(|| panic!("no session cookie: {text}"));
+    assert!(cookie.contains("; secure"), "{cookie}");
 
     // h2 by ALPN through the proxy.
     let h2 = connector(&certs, &[b"h2"]);

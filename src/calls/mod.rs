@@ -119,7 +119,7 @@ pub struct Calls {
     /// Other replicas' calls handed out while their owner did not know them (past the hold-back
     /// bound), by id: a forwarded start sends the owner the copy, which it records if it still
     /// does not know the call (its record stalled), so the call is not lost.
-    handed_unknown: Mutex<Copies>,
+    handed_unknown: Mutex<Bounded<CallSpec>>,
     /// This replica's calls whose start it refused as unknown (the message deleted): should
     /// the enqueue's record come after all (it stalled), the message is put again.
     refused_unknown: Mutex<IdSet>,
@@ -127,37 +127,6 @@ pub struct Calls {
 
 /// Most handed-out copies of unknown calls remembered (each is forgotten at its start).
 const MAX_COPIES: usize = 10_000;
-
-/// Call copies by id, bounded: beyond the bound the oldest are forgotten first.
-#[derive(Debug, Default)]
-struct Copies {
-    by_id: HashMap<String, CallSpec>,
-    order: std::collections::VecDeque<String>,
-}
-
-impl Copies {
-    fn insert(&mut self, spec: CallSpec) {
-        let id = spec.id.clone();
-        if self.by_id.insert(id.clone(), spec).is_none() {
-            self.order.push_back(id);
-        }
-        while self.order.len() > MAX_COPIES {
-            if let Some(old) = self.order.pop_front() {
-                self.by_id.remove(&old);
-            }
-        }
-    }
-
-    fn get(&self, id: &str) -> Option<&CallSpec> {
-        self.by_id.get(id)
-    }
-
-    fn take(&mut self, id: &str) -> Option<CallSpec> {
-        let spec = self.by_id.remove(id)?;
-        self.order.retain(|o| o != id);
-        Some(spec)
-    }
-}
 
 /// Decodes the copies a forwarded start carries (`wire::StartBody::copies`).
 pub fn decode_copies(
@@ -207,48 +176,63 @@ const MAX_ABORTED: usize = 100_000;
 /// Most stale handed-out copies remembered (each is forgotten at its start).
 const MAX_STALE: usize = 10_000;
 
-/// A set of ids bounded to `max`: beyond it, the oldest are forgotten first.
+/// Values by id, bounded to `max`: beyond it, the oldest are forgotten first.
 #[derive(Debug)]
-struct IdSet {
-    ids: HashSet<String>,
+struct Bounded<V> {
+    by_id: HashMap<String, V>,
     order: std::collections::VecDeque<String>,
     max: usize,
 }
 
-impl IdSet {
+/// A set of ids bounded to `max`.
+type IdSet = Bounded<()>;
+
+impl<V> Bounded<V> {
     fn new(max: usize) -> Self {
         Self {
-            ids: HashSet::new(),
+            by_id: HashMap::new(),
             order: std::collections::VecDeque::new(),
             max,
         }
     }
 
-    fn insert(&mut self, id: &str) {
-        if self.ids.insert(id.to_owned()) {
+    fn put(&mut self, id: &str, value: V) {
+        if self.by_id.insert(id.to_owned(), value).is_none() {
             self.order.push_back(id.to_owned());
         }
         while self.order.len() > self.max {
             if let Some(old) = self.order.pop_front() {
-                self.ids.remove(&old);
+                self.by_id.remove(&old);
             }
         }
     }
 
     fn is_empty(&self) -> bool {
-        self.ids.is_empty()
+        self.by_id.is_empty()
+    }
+
+    fn get(&self, id: &str) -> Option<&V> {
+        self.by_id.get(id)
     }
 
     fn contains(&self, id: &str) -> bool {
-        self.ids.contains(id)
+        self.by_id.contains_key(id)
+    }
+
+    fn take(&mut self, id: &str) -> Option<V> {
+        let v = self.by_id.remove(id)?;
+        self.order.retain(|o| o != id);
+        Some(v)
     }
 
     fn remove(&mut self, id: &str) -> bool {
-        let had = self.ids.remove(id);
-        if had {
-            self.order.retain(|o| o != id);
-        }
-        had
+        self.take(id).is_some()
+    }
+}
+
+impl IdSet {
+    fn insert(&mut self, id: &str) {
+        self.put(id, ());
     }
 }
 
@@ -283,7 +267,7 @@ impl Calls {
             peers: Arc::new(Peers::alone()),
             peer_token: Arc::new(crate::peers::PeerToken::None),
             reserved: Mutex::new(HashMap::new()),
-            handed_unknown: Mutex::new(Copies::default()),
+            handed_unknown: Mutex::new(Bounded::new(MAX_COPIES)),
             refused_unknown: Mutex::new(IdSet::new(MAX_STALE)),
         }
     }
@@ -828,7 +812,7 @@ impl Calls {
                         self.handed_unknown
                             .lock()
                             .expect("copies lock")
-                            .insert(spec.clone());
+                            .put(&spec.id, spec.clone());
                         give.push((spec, deliveries))
                     }
                     _ => give.push((spec, deliveries)),
