@@ -303,23 +303,14 @@ async fn timeline(
     let store = app.log.store().clone();
     let route = q.route.clone();
     let (events, truncated) = tokio::task::spawn_blocking(move || {
-        let from = crate::tools::seq_at(&*store, since.saturating_sub(1)).unwrap_or(0) + 1;
-        let mut out = std::collections::VecDeque::new();
-        let mut truncated = false;
-        crate::tools::for_each(&*store, from, u64::MAX, &mut |env, _| {
-            if env.at_ms < since {
-                return true;
-            }
-            if let Some(item) = timeline_item(&env, &route, &deployment) {
-                if out.len() == MAX_TIMELINE {
-                    out.pop_front();
-                    truncated = true;
-                }
-                out.push_back(item);
-            }
-            true
-        })
-        .map(|_| (out, truncated))
+        crate::tools::timeline(
+            &*store,
+            since,
+            &route,
+            &deployment,
+            MAX_TIMELINE,
+            timeline_item,
+        )
     })
     .await
     .map_err(|e| internal(format!("reading the timeline: {e}")))?

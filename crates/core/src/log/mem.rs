@@ -12,6 +12,9 @@ use super::store::{LogStore, RecordBatch};
 struct Inner {
     records: BTreeMap<u64, Vec<u8>>,
     snapshots: BTreeMap<u64, Vec<u8>>,
+    /// The subject index: key -> seq.
+    index: BTreeMap<Vec<u8>, u64>,
+    indexed: bool,
     /// Records with seq <= this survive a crash.
     synced_through: u64,
     /// Syncs so far.
@@ -35,6 +38,7 @@ impl MemStore {
         let mut g = self.inner.lock().expect("mem store lock");
         let keep = g.synced_through;
         g.records.retain(|&seq, _| seq <= keep);
+        g.index.retain(|_, seq| *seq <= keep);
     }
 
     /// How many times the store was synced (on its own or with a write).
@@ -52,6 +56,11 @@ impl LogStore for MemStore {
         let mut g = self.lock();
         for (seq, v) in batch.iter() {
             g.records.insert(seq, v.to_vec());
+        }
+        for key in batch.index_keys() {
+            if let Some(seq) = super::index::key_seq(key) {
+                g.index.insert(key.to_vec(), seq);
+            }
         }
         if sync {
             g.synced_through = g.records.last_key_value().map_or(0, |(k, _)| *k);
@@ -110,7 +119,37 @@ impl LogStore for MemStore {
         let n = g.records.range(..before).count() as u64;
         g.records.retain(|&seq, _| seq >= before);
         g.snapshots.retain(|&seq, _| seq >= before);
+        g.index.retain(|_, seq| *seq >= before);
         Ok(n)
+    }
+
+    fn subject_seqs(
+        &self,
+        subject: &[u8],
+        from: u64,
+        visit: &mut dyn FnMut(u64) -> bool,
+    ) -> Result<()> {
+        let g = self.lock();
+        let mut start = subject.to_vec();
+        start.extend_from_slice(&from.to_be_bytes());
+        for (key, seq) in g.index.range(start..) {
+            if !key.starts_with(subject) {
+                break;
+            }
+            if key.len() == subject.len() + 8 && !visit(*seq) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn indexed(&self) -> Result<bool> {
+        Ok(self.lock().indexed)
+    }
+
+    fn mark_indexed(&self) -> Result<()> {
+        self.lock().indexed = true;
+        Ok(())
     }
 }
 

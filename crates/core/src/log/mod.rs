@@ -8,6 +8,7 @@
 //!
 //! The log never interprets events beyond decoding them; what they mean is the projections' job.
 
+pub mod index;
 pub mod mem;
 pub mod replay;
 pub mod store;

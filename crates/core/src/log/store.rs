@@ -9,11 +9,14 @@
 
 use super::Result;
 
-/// Encoded records to write atomically: `(seq, value)` pairs sharing one buffer.
+/// Encoded records to write atomically: `(seq, value)` pairs sharing one buffer, and the subject
+/// index's keys for them ([`super::index`]).
 #[derive(Debug, Default)]
 pub struct RecordBatch {
     data: Vec<u8>,
     records: Vec<(u64, usize, usize)>,
+    keys: Vec<u8>,
+    index: Vec<(usize, usize)>,
 }
 
 impl RecordBatch {
@@ -29,6 +32,23 @@ impl RecordBatch {
         self.push_with(seq, |buf| buf.extend_from_slice(value));
     }
 
+    /// Adds an index key that `encode` writes.
+    pub fn push_index_with(&mut self, encode: impl FnOnce(&mut Vec<u8>)) {
+        let start = self.keys.len();
+        encode(&mut self.keys);
+        self.index.push((start, self.keys.len()));
+    }
+
+    /// The index keys, in the order added.
+    pub fn index_keys(&self) -> impl Iterator<Item = &[u8]> {
+        self.index.iter().map(|&(a, b)| &self.keys[a..b])
+    }
+
+    /// Number of index keys.
+    pub fn index_len(&self) -> usize {
+        self.index.len()
+    }
+
     /// The records, in the order added.
     pub fn iter(&self) -> impl Iterator<Item = (u64, &[u8])> {
         self.records
@@ -41,15 +61,17 @@ impl RecordBatch {
         self.records.len()
     }
 
-    /// No records.
+    /// No records and no index keys.
     pub fn is_empty(&self) -> bool {
-        self.records.is_empty()
+        self.records.is_empty() && self.index.is_empty()
     }
 
     /// Empties the batch, keeping its buffers.
     pub fn clear(&mut self) {
         self.data.clear();
         self.records.clear();
+        self.keys.clear();
+        self.index.clear();
     }
 }
 
@@ -61,7 +83,8 @@ pub fn seq_key(seq: u64) -> [u8; 8] {
 /// Storage for records and snapshots. Implementations are blocking; the log's writer thread and
 /// tooling call them, never an async task directly.
 pub trait LogStore: Send + Sync + 'static {
-    /// Writes the batch atomically. With `sync`, it is durable when this returns.
+    /// Writes the batch (records and index keys) atomically. With `sync`, it is durable when this
+    /// returns.
     fn write(&self, batch: &RecordBatch, sync: bool) -> Result<()>;
     /// Makes everything written so far durable.
     fn sync(&self) -> Result<()>;
@@ -79,9 +102,23 @@ pub trait LogStore: Send + Sync + 'static {
     fn snapshot_seqs(&self) -> Result<Vec<u64>>;
     /// A stored snapshot.
     fn get_snapshot(&self, seq: u64) -> Result<Option<Vec<u8>>>;
-    /// Deletes records with seq < `before` and snapshots older than `before`; returns how many
-    /// records were deleted.
+    /// Deletes records with seq < `before` and snapshots older than `before`, and their index
+    /// entries; returns how many records were deleted.
     fn delete_before(&self, before: u64) -> Result<u64>;
+    /// Visits, in log order, the seqs `>= from` indexed under `subject` (an [`super::index`]
+    /// prefix) until `visit` returns false. Entries of compacted records may still be visited:
+    /// callers read from the first stored seq.
+    fn subject_seqs(
+        &self,
+        subject: &[u8],
+        from: u64,
+        visit: &mut dyn FnMut(u64) -> bool,
+    ) -> Result<()>;
+    /// Whether every stored record has its index entries: true for a log created with the index,
+    /// and for an older one once [`super::index::rebuild`] has run.
+    fn indexed(&self) -> Result<bool>;
+    /// Marks the index complete (the end of [`super::index::rebuild`]), durably.
+    fn mark_indexed(&self) -> Result<()>;
 }
 
 /// The contract every [`LogStore`] must keep; run by each implementation's tests.
@@ -141,7 +178,37 @@ pub mod contract {
         assert_eq!(store.get_snapshot(200).unwrap().unwrap(), b"snap-200");
         assert_eq!(store.get_snapshot(150).unwrap(), None);
 
+        // The index: keys written with the records, visited per subject in log order.
+        assert!(!store.indexed().unwrap());
+        let mut b = RecordBatch::default();
+        for seq in [150u64, 5, 250] {
+            b.push_index_with(|k| {
+                k.extend_from_slice(b"subj");
+                k.extend_from_slice(&seq.to_be_bytes());
+            });
+        }
+        b.push_index_with(|k| {
+            k.extend_from_slice(b"subjx");
+            k.extend_from_slice(&7u64.to_be_bytes());
+        });
+        store.write(&b, true).unwrap();
+        store.mark_indexed().unwrap();
+        assert!(store.indexed().unwrap());
+        let subject = |from| {
+            let mut out = Vec::new();
+            store
+                .subject_seqs(b"subj", from, &mut |seq| {
+                    out.push(seq);
+                    true
+                })
+                .unwrap();
+            out
+        };
+        assert_eq!(subject(1), vec![5, 150, 250]);
+        assert_eq!(subject(151), vec![250]);
+
         assert_eq!(store.delete_before(200).unwrap(), 199);
+        assert_eq!(subject(200), vec![250]);
         assert_eq!(store.first_seq().unwrap(), Some(200));
         assert_eq!(store.last_seq().unwrap(), 300);
         assert_eq!(store.snapshot_seqs().unwrap(), vec![200]);

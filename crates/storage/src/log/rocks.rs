@@ -1,24 +1,35 @@
 //! [`LogStore`] on RocksDB: column family `events` (seq big-endian -> envelope), `snapshots`
-//! (seq -> encoded projections) and `meta` (the format marker that makes a directory an ebb log).
+//! (seq -> encoded projections), `subjects` (the subject index: `ebb_core::log::index` keys,
+//! written in the same batch as their events) and `meta` (the format marker that makes a
+//! directory an ebb log, and the mark that the index is complete).
+//!
+//! Retention deletes events and snapshots by range; the index's keys sort by subject, so its
+//! entries of deleted events go through a compaction filter that drops every key whose seq is
+//! below the first stored one.
 //!
 //! One process writes a data directory (RocksDB's lock enforces it). Tools read it while it runs:
 //! read-only ([`OpenMode::ReadOnly`], what was written up to the opening) or as a follower
 //! ([`RocksStore::open_follower`], caught up on demand).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use rocksdb::{
     ColumnFamilyDescriptor, DB, DBCompressionType, IteratorMode, Options as DbOptions, ReadOptions,
     WriteBatch, WriteOptions,
 };
 
+use ebb_core::log::index::key_seq as index_seq;
 use ebb_core::log::store::{LogStore, RecordBatch, seq_key};
 use ebb_core::log::{Error, Result};
 
 const CF_EVENTS: &str = "events";
 const CF_SNAPSHOTS: &str = "snapshots";
 const CF_META: &str = "meta";
+const CF_SUBJECTS: &str = "subjects";
 const FORMAT_KEY: &[u8] = b"format";
+const INDEXED_KEY: &[u8] = b"subjects-indexed";
 const FORMAT: &[u8] = b"ebb-log/1";
 
 /// How to open a data directory.
@@ -37,6 +48,11 @@ pub enum OpenMode {
 pub struct RocksStore {
     db: DB,
     path: PathBuf,
+    /// Index entries with a seq below this are dropped by compaction (the first stored seq).
+    floor: Arc<AtomicU64>,
+    /// Whether the `subjects` column family exists (a log opened read-only from before the
+    /// index has none).
+    subjects: bool,
 }
 
 impl std::fmt::Debug for RocksStore {
@@ -63,11 +79,26 @@ fn db_options() -> DbOptions {
     o
 }
 
-fn cf_descriptors() -> Vec<ColumnFamilyDescriptor> {
-    [CF_EVENTS, CF_SNAPSHOTS, CF_META]
+/// The column families to open: all of them, or for a read-only opening those that exist.
+fn cf_descriptors(floor: &Arc<AtomicU64>, subjects: bool) -> Vec<ColumnFamilyDescriptor> {
+    let mut out: Vec<_> = [CF_EVENTS, CF_SNAPSHOTS, CF_META]
         .into_iter()
         .map(|n| ColumnFamilyDescriptor::new(n, db_options()))
-        .collect()
+        .collect();
+    if subjects {
+        let mut o = db_options();
+        let floor = floor.clone();
+        o.set_compaction_filter("ebb-retention", move |_level: u32, key: &[u8], _: &[u8]| {
+            match index_seq(key) {
+                Some(seq) if seq < floor.load(Ordering::Relaxed) => {
+                    rocksdb::compaction_filter::Decision::Remove
+                }
+                _ => rocksdb::compaction_filter::Decision::Keep,
+            }
+        });
+        out.push(ColumnFamilyDescriptor::new(CF_SUBJECTS, o));
+    }
+    out
 }
 
 fn key_seq(key: &[u8]) -> Result<u64> {
@@ -104,6 +135,7 @@ impl RocksStore {
                 });
             }
         }
+        let mut subjects = mode != OpenMode::ReadOnly;
         if is_db {
             let cfs = DB::list_cf(&DbOptions::default(), &path).map_err(|e| Error::NotALog {
                 path: path.clone(),
@@ -115,13 +147,14 @@ impl RocksStore {
                     why: "it is a RocksDB database, but not ebb's".into(),
                 });
             }
+            subjects |= cfs.iter().any(|c| c == CF_SUBJECTS);
         }
         let opts = db_options();
+        let floor = Arc::new(AtomicU64::new(0));
+        let cfs = cf_descriptors(&floor, subjects);
         let db = match mode {
-            OpenMode::ReadOnly => {
-                DB::open_cf_descriptors_read_only(&opts, &path, cf_descriptors(), false)
-            }
-            _ => DB::open_cf_descriptors(&opts, &path, cf_descriptors()),
+            OpenMode::ReadOnly => DB::open_cf_descriptors_read_only(&opts, &path, cfs, false),
+            _ => DB::open_cf_descriptors(&opts, &path, cfs),
         }
         .map_err(|e| {
             let msg = e.into_string();
@@ -131,7 +164,15 @@ impl RocksStore {
                 Error::Storage(msg)
             }
         })?;
-        let store = RocksStore { db, path };
+        let store = RocksStore {
+            db,
+            path,
+            floor,
+            subjects,
+        };
+        store
+            .floor
+            .store(store.first_seq()?.unwrap_or(0), Ordering::Relaxed);
         let meta = store.cf(CF_META);
         match store.db.get_cf(meta, FORMAT_KEY).map_err(storage)? {
             Some(f) if f == FORMAT => {}
@@ -167,10 +208,20 @@ impl RocksStore {
         let path = path.as_ref().to_path_buf();
         let mut opts = db_options();
         opts.set_max_open_files(-1);
-        let names = [CF_EVENTS, CF_SNAPSHOTS, CF_META];
+        let cfs = DB::list_cf(&DbOptions::default(), &path).map_err(storage)?;
+        let subjects = cfs.iter().any(|c| c == CF_SUBJECTS);
+        let mut names = vec![CF_EVENTS, CF_SNAPSHOTS, CF_META];
+        if subjects {
+            names.push(CF_SUBJECTS);
+        }
         let db = DB::open_cf_as_secondary(&opts, &path, &scratch.as_ref().to_path_buf(), names)
             .map_err(storage)?;
-        Ok(RocksStore { db, path })
+        Ok(RocksStore {
+            db,
+            path,
+            floor: Arc::new(AtomicU64::new(0)),
+            subjects,
+        })
     }
 
     /// Catches a follower up with what the writer has written since.
@@ -189,6 +240,15 @@ impl RocksStore {
             .expect("column families are created at open")
     }
 
+    fn subjects_cf(&self) -> Result<&rocksdb::ColumnFamily> {
+        if !self.subjects {
+            return Err(Error::Storage(
+                "this log was opened read-only without a subject index".into(),
+            ));
+        }
+        Ok(self.cf(CF_SUBJECTS))
+    }
+
     fn last_key(&self, cf: &str) -> Result<Option<u64>> {
         let mut it = self.db.raw_iterator_cf(self.cf(cf));
         it.seek_to_last();
@@ -203,6 +263,12 @@ impl LogStore for RocksStore {
         let mut wb = WriteBatch::default();
         for (seq, value) in batch.iter() {
             wb.put_cf(cf, seq_key(seq), value);
+        }
+        if batch.index_len() > 0 {
+            let subjects = self.subjects_cf()?;
+            for key in batch.index_keys() {
+                wb.put_cf(subjects, key, []);
+            }
         }
         let mut wo = WriteOptions::default();
         wo.set_sync(sync);
@@ -285,7 +351,58 @@ impl LogStore for RocksStore {
         self.db.write_opt(wb, &wo).map_err(storage)?;
         self.db
             .compact_range_cf(events, None::<&[u8]>, Some(&seq_key(before)[..]));
+        self.floor.store(before, Ordering::Relaxed);
+        if self.subjects {
+            // Index keys sort by subject: the whole family goes through the retention filter.
+            self.db
+                .compact_range_cf(self.cf(CF_SUBJECTS), None::<&[u8]>, None::<&[u8]>);
+        }
         Ok(deleted)
+    }
+
+    fn subject_seqs(
+        &self,
+        subject: &[u8],
+        from: u64,
+        visit: &mut dyn FnMut(u64) -> bool,
+    ) -> Result<()> {
+        if !self.subjects {
+            return Ok(());
+        }
+        let mut it = self.db.raw_iterator_cf(self.cf(CF_SUBJECTS));
+        let mut start = subject.to_vec();
+        start.extend_from_slice(&seq_key(from));
+        it.seek(&start);
+        while let Some(key) = it.key() {
+            if !key.starts_with(subject) {
+                break;
+            }
+            if key.len() == subject.len() + 8
+                && let Some(seq) = index_seq(key)
+                && !visit(seq)
+            {
+                return Ok(());
+            }
+            it.next();
+        }
+        it.status().map_err(storage)
+    }
+
+    fn indexed(&self) -> Result<bool> {
+        Ok(self.subjects
+            && self
+                .db
+                .get_cf(self.cf(CF_META), INDEXED_KEY)
+                .map_err(storage)?
+                .is_some())
+    }
+
+    fn mark_indexed(&self) -> Result<()> {
+        let mut wo = WriteOptions::default();
+        wo.set_sync(true);
+        self.db
+            .put_cf_opt(self.cf(CF_META), INDEXED_KEY, b"1", &wo)
+            .map_err(storage)
     }
 }
 
@@ -298,6 +415,42 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = RocksStore::open(dir.path().join("log"), OpenMode::Create).unwrap();
         ebb_core::log::store::contract::run(&store);
+    }
+
+    #[test]
+    fn index_entries_of_compacted_records_are_dropped_and_survive_a_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let subject = ebb_core::log::index::prefix(3, "c");
+        let all = |store: &RocksStore| {
+            let mut out = Vec::new();
+            store
+                .subject_seqs(&subject, 0, &mut |seq| {
+                    out.push(seq);
+                    true
+                })
+                .unwrap();
+            out
+        };
+        {
+            let store = RocksStore::open(dir.path(), OpenMode::Create).unwrap();
+            let mut b = RecordBatch::default();
+            for seq in 1..=300u64 {
+                b.push(seq, b"x");
+                b.push_index_with(|k| {
+                    k.extend_from_slice(&subject);
+                    k.extend_from_slice(&seq.to_be_bytes());
+                });
+            }
+            store.write(&b, true).unwrap();
+            store.mark_indexed().unwrap();
+            assert_eq!(all(&store).len(), 300);
+            store.delete_before(200).unwrap();
+            // Not merely skipped by readers: gone from the column family.
+            assert_eq!(all(&store), (200..=300).collect::<Vec<_>>());
+        }
+        let store = RocksStore::open(dir.path(), OpenMode::ReadOnly).unwrap();
+        assert!(store.indexed().unwrap());
+        assert_eq!(all(&store), (200..=300).collect::<Vec<_>>());
     }
 
     #[test]

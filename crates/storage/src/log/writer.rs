@@ -161,6 +161,10 @@ impl<P: Projection> Log<P> {
         clock: Arc<dyn Clock>,
         progress: &mut dyn FnMut(u64),
     ) -> Result<Self> {
+        if !store.indexed()? {
+            // A log from before the subject index (or a new one): index what it holds.
+            ebb_core::log::index::rebuild(store.as_ref(), progress)?;
+        }
         let (state, snapshot_seq) = open_state::<P>(store.as_ref(), None, progress)?;
         let seq = state.seq();
         let last_at_ms = match seq {
@@ -533,6 +537,7 @@ impl<P: Projection> Writer<P> {
                         batch.push_with(env.seq, |buf| {
                             encode_into(buf, env.seq, env.at_ms, &env.event)
                         });
+                        ebb_core::log::index::add(&mut batch, &env);
                         state.apply(&env);
                         if want_tail {
                             unsynced.tail.push(env);
@@ -669,6 +674,34 @@ mod tests {
             &mut |_| {},
         )
         .unwrap()
+    }
+
+    fn seqs_of(store: &dyn LogStore, route: &str) -> Vec<u64> {
+        let subject = ebb_core::log::index::of(ebb_core::event::Kind::Route, route);
+        ebb_core::log::index::seqs(store, &[subject], 0).unwrap()
+    }
+
+    #[tokio::test]
+    async fn appends_are_indexed_with_their_batch_and_an_older_log_is_indexed_at_open() {
+        let clock = SimClock::new(5_000);
+        // A log written before the index: records only.
+        let store = Arc::new(MemStore::new());
+        let mut old = RecordBatch::default();
+        for seq in 1..=3u64 {
+            old.push_with(seq, |buf| encode_into(buf, seq, 1_000, &seen("a", seq)));
+        }
+        store.write(&old, true).unwrap();
+        assert!(!store.indexed().unwrap());
+        assert!(seqs_of(store.as_ref(), "a").is_empty());
+        let log = open(store.clone(), &clock);
+        assert!(store.indexed().unwrap());
+        assert_eq!(seqs_of(store.as_ref(), "a"), vec![1, 2, 3]);
+        log.append_all(vec![seen("b", 4), seen("a", 5)])
+            .await
+            .unwrap();
+        log.close();
+        assert_eq!(seqs_of(store.as_ref(), "a"), vec![1, 2, 3, 5]);
+        assert_eq!(seqs_of(store.as_ref(), "b"), vec![4]);
     }
 
     #[tokio::test]
@@ -855,6 +888,15 @@ mod tests {
         }
         fn get_snapshot(&self, seq: u64) -> Result<Option<Vec<u8>>> {
             self.inner.get_snapshot(seq)
+        }
+        fn subject_seqs(&self, s: &[u8], from: u64, v: &mut dyn FnMut(u64) -> bool) -> Result<()> {
+            self.inner.subject_seqs(s, from, v)
+        }
+        fn indexed(&self) -> Result<bool> {
+            self.inner.indexed()
+        }
+        fn mark_indexed(&self) -> Result<()> {
+            self.inner.mark_indexed()
         }
         fn delete_before(&self, before: u64) -> Result<u64> {
             self.inner.delete_before(before)
