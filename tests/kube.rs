@@ -2053,6 +2053,31 @@ async fn templates_are_func_resources_that_every_replica_follows() {
             .is_some()
     })
     .await;
+    // The counter is the cluster's: calls through the replica without the lease count too (a
+    // function with a workload, which the autoscaler counts for).
+    let holder = lease_holder(&cp).expect("a lease holder");
+    let (other, other_name) = if holder == "ebb-a" {
+        (&e1, "ebb-b")
+    } else {
+        (&e0, "ebb-a")
+    };
+    create_template(other, &image_template("counted", "upper")).await;
+    for _ in 0..40 {
+        let (status, v) = fn_api(other, "POST", "/api/funcs/counted", "abc").await;
+        assert!((200..300).contains(&status), "{status} {v}");
+    }
+    let f = wait_until(
+        "the other replica's calls in the status",
+        Duration::from_secs(30),
+        || async {
+            let f = json(&cp.kubectl(&["get", "fn", "counted", "-n", "ebb", "-o", "json"]));
+            (f["status"]["counter"].as_u64().unwrap_or(0) > 0).then_some(f)
+        },
+    )
+    .await;
+    let share = &f["status"]["byReplica"][other_name];
+    assert!(share["counter"].as_u64().unwrap_or(0) > 0, "{f}");
+    assert!(f["status"]["timeStamp"].is_string(), "{f}");
 
     // Deleted through the other replica: the resource goes, and the first replica drops it.
     let (status, v) = fn_api(&e1, "DELETE", "/api/funcs/template/shout", "").await;

@@ -384,6 +384,8 @@ pub async fn run(
         tokio::spawn(crate::orchestrator::kube_templates::run_status(
             t.clone(),
             log.clone(),
+            peers.me().unwrap_or(ko.instance.as_str()).to_owned(),
+            clock.clone(),
             ko.shared.leading.clone(),
             Duration::from_millis(autoscale.period_ms.max(1_000)),
             stop_rx.clone(),

@@ -16,8 +16,10 @@
 //!   Event saying why and is left out.
 //! * **Configuration**: templates from `ebb.toml` are applied as resources (field manager
 //!   `ebb-config`).
-//! * **Status**: the template's `FuncStatus` (counter, last call counted, replicas asked for) is
-//!   written to the resource's status by the replica holding the scale-down lease
+//! * **Status**: each replica counts only the calls it handles, and publishes its share of each
+//!   function's counter in the resource's status (`status.byReplica.NAME`); the template's
+//!   `FuncStatus` (the counter summed over the replicas' live shares, the last call counted,
+//!   replicas asked for) is written by the replica holding the scale-down lease
 //!   (`SharedScaling::leading`), when it changes ([`run_status`]).
 //! * **Reads**: the functions API lists, gets and watches the resources themselves
 //!   ([`KubeTemplates::list`], [`KubeTemplates::get`], [`KubeTemplates::watch`]), so a template's
@@ -25,6 +27,7 @@
 //!   replica and a watch from its revision through another miss nothing, and a revision the API
 //!   server no longer keeps is its `410`.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,7 +41,8 @@ use kube::runtime::watcher;
 
 use crate::log::Log;
 use crate::state::State;
-use ebb_core::functions::{Autoscale, Func, FuncStatus, Refused, TemplateJson};
+use ebb_core::clock::Clock;
+use ebb_core::functions::{Autoscale, Func, FuncStatus, Refused, ReplicaCount, TemplateJson};
 
 /// The field manager of ebb's writes.
 const MANAGER: &str = "ebb";
@@ -51,7 +55,12 @@ const MIRRORED_WITHIN: Duration = Duration::from_secs(10);
 pub struct KubeTemplates {
     api: Api<Func>,
     namespace: String,
+    /// The replicas' shares of each function's counter, as the watched resources say.
+    shares: Shares,
 }
+
+/// Function name -> replica -> its published share of the function's counter.
+type Shares = Arc<std::sync::Mutex<HashMap<String, BTreeMap<String, ReplicaCount>>>>;
 
 impl std::fmt::Debug for KubeTemplates {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -81,6 +90,7 @@ impl KubeTemplates {
         Self {
             api: Api::namespaced(client, namespace),
             namespace: namespace.to_owned(),
+            shares: Shares::default(),
         }
     }
 
@@ -333,11 +343,16 @@ pub async fn run_mirror(
                 continue;
             }
             Ok(watcher::Event::InitDone) => {
+                templates.note_shares(&listing, true);
                 record(&log, std::mem::take(&mut listing), true, autoscale).await
             }
-            Ok(watcher::Event::Apply(f)) => record(&log, vec![f], false, autoscale).await,
+            Ok(watcher::Event::Apply(f)) => {
+                templates.note_shares(std::slice::from_ref(&f), false);
+                record(&log, vec![f], false, autoscale).await
+            }
             Ok(watcher::Event::Delete(f)) => {
                 let name = f.metadata.name.clone().unwrap_or_default();
+                templates.forget_shares(&name);
                 log.decide(move |s: &State, _| {
                     (
                         ebb_core::functions::decide_delete(s, &name).unwrap_or_default(),
@@ -377,39 +392,95 @@ pub async fn run_mirror(
     }
 }
 
-/// Writes each template's status (counter, last call counted, replicas asked for) to its
-/// resource when it changed, every `every`, while `leading` says this replica holds the
-/// scale-down lease.
+/// A share with calls left in it not refreshed for this long (at least) is of a replica gone.
+const STALE_SHARE: Duration = Duration::from_secs(30);
+
+/// The function statuses on the resources, every `every`: each replica `me` publishes its own
+/// share of each function's counter (`status.byReplica.ME`) when it changes, and while calls are
+/// left in it at least every third of the staleness bound, so a share that stops moving is of a
+/// replica gone; the replica holding the scale-down lease (`leading`) writes the cluster's
+/// status (the shares summed, [`ebb_core::functions::cluster_status`]) when it changes, and
+/// drops the shares of replicas gone.
 pub async fn run_status(
     templates: KubeTemplates,
     log: Arc<Log>,
+    me: String,
+    clock: Arc<dyn Clock>,
     leading: Arc<std::sync::atomic::AtomicBool>,
     every: Duration,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let mut written: std::collections::HashMap<String, FuncStatus> = Default::default();
+    let stale_ms = (STALE_SHARE.max(every * 5)).as_millis() as u64;
+    let refresh_ms = stale_ms / 3;
+    let mut written: HashMap<String, FuncStatus> = Default::default();
+    let mut published: HashMap<String, ReplicaCount> = Default::default();
     let mut tick = tokio::time::interval(every);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = stop.changed() => return,
         }
+        let now = clock.now_ms();
+        let local: Vec<(String, FuncStatus, ReplicaCount)> = log.read(|s| {
+            s.functions
+                .templates
+                .keys()
+                .map(|n| {
+                    (
+                        n.clone(),
+                        ebb_core::functions::status_of(s, n),
+                        ebb_core::functions::share_of(s, n, now),
+                    )
+                })
+                .collect()
+        });
+        published.retain(|n, _| local.iter().any(|(name, ..)| name == n));
+        for (name, _, share) in &local {
+            let due = match published.get(name) {
+                None => true,
+                Some(p) => {
+                    (p.counter, p.last_added_ms) != (share.counter, share.last_added_ms)
+                        || (share.counter > 0 && now.saturating_sub(p.at_ms) >= refresh_ms)
+                }
+            };
+            if !due {
+                continue;
+            }
+            let patch = serde_json::json!({ "status": { "byReplica": { me.as_str(): share } } });
+            match templates
+                .api
+                .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {
+                    published.insert(name.clone(), share.clone());
+                }
+                Err(e) => {
+                    tracing::debug!(%name, error = %e, "publishing a Func's counter share failed")
+                }
+            }
+        }
         if !leading.load(std::sync::atomic::Ordering::Relaxed) {
             written.clear();
             continue;
         }
-        let statuses: Vec<(String, FuncStatus)> = log.read(|s| {
-            s.functions
-                .templates
-                .keys()
-                .map(|n| (n.clone(), ebb_core::functions::status_of(s, n)))
-                .collect()
-        });
-        for (name, status) in statuses {
+        for (name, status, share) in local {
+            let shares = templates.shares_of(&name);
+            let status =
+                ebb_core::functions::cluster_status(&status, &share, &me, &shares, now, stale_ms);
             if written.get(&name) == Some(&status) {
                 continue;
             }
-            let patch = serde_json::json!({ "status": status });
+            let mut patch = serde_json::json!({ "status": status });
+            // Shares of replicas gone long ago leave the resource.
+            let gone: serde_json::Map<String, serde_json::Value> = shares
+                .iter()
+                .filter(|(r, s)| **r != me && now.saturating_sub(s.at_ms) > stale_ms * 10)
+                .map(|(r, _)| (r.clone(), serde_json::Value::Null))
+                .collect();
+            if !gone.is_empty() {
+                patch["status"]["byReplica"] = serde_json::Value::Object(gone);
+            }
             match templates
                 .api
                 .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
@@ -421,5 +492,37 @@ pub async fn run_status(
                 Err(e) => tracing::debug!(%name, error = %e, "writing a Func's status failed"),
             }
         }
+    }
+}
+
+impl KubeTemplates {
+    /// Keeps the counter shares the resources carry (`all`: the whole list, after a relist).
+    fn note_shares(&self, funcs: &[Func], all: bool) {
+        let mut shares = self.shares.lock().expect("shares lock");
+        if all {
+            shares.clear();
+        }
+        for f in funcs {
+            let name = f.metadata.name.clone().unwrap_or_default();
+            let by = f
+                .status
+                .as_ref()
+                .map(|s| s.by_replica.clone())
+                .unwrap_or_default();
+            shares.insert(name, by);
+        }
+    }
+
+    fn forget_shares(&self, name: &str) {
+        self.shares.lock().expect("shares lock").remove(name);
+    }
+
+    fn shares_of(&self, name: &str) -> BTreeMap<String, ReplicaCount> {
+        self.shares
+            .lock()
+            .expect("shares lock")
+            .get(name)
+            .cloned()
+            .unwrap_or_default()
     }
 }

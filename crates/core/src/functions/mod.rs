@@ -28,6 +28,8 @@
 //!   runner, which reads the system clock and keeps no memory across restarts: the schedule heap
 //!   is clock-injected, replayable, and exactly-once per occurrence.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::event::{
@@ -621,6 +623,27 @@ pub struct FuncStatus {
     /// The replicas the function server is asked to run.
     #[serde(default)]
     pub replicas: u32,
+    /// On Kubernetes, each ebb replica's own counter, which it publishes here (`counter` is
+    /// their sum, written by the replica holding the lease).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub by_replica: BTreeMap<String, ReplicaCount>,
+}
+
+/// One ebb replica's share of a function's counter, as the replica published it.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "crd", derive(schemars::JsonSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ReplicaCount {
+    /// The replica's counter.
+    #[serde(default)]
+    pub counter: u64,
+    /// When the replica last counted a call, Unix ms (0: never).
+    #[serde(default)]
+    pub last_added_ms: u64,
+    /// When the replica wrote this, Unix ms: a share with calls left in it that its replica
+    /// stopped refreshing is of a replica gone, and no longer counts.
+    #[serde(default)]
+    pub at_ms: u64,
 }
 
 /// Template `name`'s status now: its call counter, when a call was last counted, and the
@@ -642,7 +665,49 @@ pub fn status_of(s: &State, name: &str) -> FuncStatus {
             .deployments
             .get(&workload_of(name))
             .map_or(0, |d| d.desired),
+        by_replica: BTreeMap::new(),
     }
+}
+
+/// This replica's share of template `name`'s counter, written at `now_ms`.
+pub fn share_of(s: &State, name: &str, now_ms: u64) -> ReplicaCount {
+    ReplicaCount {
+        counter: s.counters.value(name),
+        last_added_ms: s
+            .counters
+            .by_function
+            .get(name)
+            .map_or(0, |c| c.last_added_at_ms),
+        at_ms: now_ms,
+    }
+}
+
+/// The cluster's status of a function: this replica's `local` status (`mine` its share), with
+/// the other replicas' shares added: their counters summed, the newest call counted. A share
+/// with calls left in it that was not refreshed within `stale_ms` is of a replica gone and is
+/// left out.
+pub fn cluster_status(
+    local: &FuncStatus,
+    mine: &ReplicaCount,
+    me: &str,
+    shares: &BTreeMap<String, ReplicaCount>,
+    now_ms: u64,
+    stale_ms: u64,
+) -> FuncStatus {
+    let mut out = local.clone();
+    let mut last_ms = mine.last_added_ms;
+    for (replica, share) in shares {
+        if replica == me || now_ms.saturating_sub(share.at_ms) > stale_ms {
+            continue;
+        }
+        out.counter = out.counter.saturating_add(share.counter);
+        last_ms = last_ms.max(share.last_added_ms);
+    }
+    out.time_stamp = i64::try_from(last_ms)
+        .ok()
+        .filter(|t| *t > 0)
+        .and_then(kube_time);
+    out
 }
 
 pub use crate::timing::kube_time;
@@ -971,6 +1036,42 @@ pub fn decide_delete(state: &State, name: &str) -> Result<Vec<Event>, Refused> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cluster_status_sums_the_live_shares_of_every_replica() {
+        let share = |counter, last_added_ms, at_ms| ReplicaCount {
+            counter,
+            last_added_ms,
+            at_ms,
+        };
+        let local = FuncStatus {
+            counter: 4,
+            time_stamp: kube_time(1_000),
+            replicas: 2,
+            by_replica: BTreeMap::new(),
+        };
+        let mine = share(4, 1_000, 100_000);
+        let shares: BTreeMap<String, ReplicaCount> = [
+            // Its own share as the resource has it: the live one counts instead.
+            ("ebb-0".to_owned(), share(9, 500, 99_000)),
+            ("ebb-1".to_owned(), share(30, 90_000, 99_500)),
+            ("ebb-2".to_owned(), share(0, 2_000, 10_000)),
+            // Not refreshed for longer than the bound: a replica gone.
+            ("ebb-3".to_owned(), share(500, 95_000, 60_000)),
+        ]
+        .into();
+        let s = cluster_status(&local, &mine, "ebb-0", &shares, 100_000, 30_000);
+        assert_eq!(s.counter, 34);
+        assert_eq!(s.time_stamp, kube_time(90_000));
+        assert_eq!(s.replicas, 2);
+        assert!(
+            s.by_replica.is_empty(),
+            "the lease holder never writes the shares"
+        );
+        // Alone, the status is its own.
+        let alone = cluster_status(&local, &mine, "ebb-0", &BTreeMap::new(), 100_000, 30_000);
+        assert_eq!(alone, local);
+    }
 
     #[test]
     fn a_body_is_the_seeds_object_or_its_spec_alone() {
