@@ -206,6 +206,9 @@ fn story_start(store: &dyn LogStore) -> Result<(State, u64)> {
     Ok((state, first))
 }
 
+/// Feeds a story's events, in log order, to the function it is given.
+type Feeder<'a> = dyn FnMut(&mut dyn FnMut(Envelope)) -> Result<()> + 'a;
+
 /// Tells the story from `events`, a superset of the object's events in log order: each is
 /// applied, and those that concern the object are told from the state just before them.
 fn tell(
@@ -213,7 +216,7 @@ fn tell(
     first: u64,
     kind: ExplainKind,
     id: &str,
-    events: &mut dyn FnMut(&mut dyn FnMut(Envelope)) -> Result<()>,
+    events: &mut Feeder<'_>,
 ) -> Result<Option<Explanation>> {
     let mut told = Vec::new();
     let mut story = Vec::new();

@@ -2405,8 +2405,15 @@ async fn cleaners_delete_their_targets_only_when_their_conditions_hold() {
     apply(&cp, &config_map("replaced", "yes", &[]));
     let (tx, _rx) = tokio::sync::mpsc::channel(16);
     let (_stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let targets =
-        ebb::cleaner::kube::KubeTargets::new(admin.clone(), "test", tx, stop_rx, None, None);
+    let targets = ebb::cleaner::kube::KubeTargets::new(
+        admin.clone(),
+        "test",
+        tx,
+        stop_rx,
+        None,
+        None,
+        std::sync::Arc::new(ebb::clock::SystemClock),
+    );
     let spec = ebb::cleaner::spec::to_spec(
         "default/r",
         "default",
@@ -3010,4 +3017,172 @@ async fn with_kube_auth_alone_replicas_forward_to_their_owner_with_their_own_tok
     .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(json(&body)["state"], "success", "{body}");
+}
+
+/// The API server's refusals (HTTP 403) of a request by ebb's ServiceAccount for `resource` in
+/// `namespace`, from its audit log.
+fn refused_requests(cp: &ControlPlane, resource: &str, namespace: &str) -> usize {
+    cp.audit_events()
+        .iter()
+        .filter(|e| {
+            e["user"]["username"] == "system:serviceaccount:ebb:ebb"
+                && e["objectRef"]["resource"] == resource
+                && e["objectRef"]["namespace"] == namespace
+                && e["responseStatus"]["code"] == 403
+        })
+        .count()
+}
+
+/// Events in ebb's namespace about ebb's own pod with `reason`.
+fn pod_events(cp: &ControlPlane, reason: &str) -> Vec<serde_json::Value> {
+    let events = json(&cp.kubectl(&["get", "events", "-n", "ebb", "-o", "json"]));
+    events["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| {
+            e["reason"] == reason
+                && e["involvedObject"]["kind"] == "Pod"
+                && e["involvedObject"]["name"] == "ebb"
+        })
+        .cloned()
+        .collect()
+}
+
+/// Kubernetes refusing ebb something (RBAC) is not transient, and is said where an operator
+/// looks: a watch of Func resources in a namespace ebb may not read is asked again less and less
+/// often, is one WARN in ebb's log, one Warning Event `Forbidden` on ebb's pod and a reason in
+/// `/readyz` (still 200: ebb serves without it), however often it is tried; once a Role allows
+/// it, ebb has the resources and says so (a Normal Event `Allowed`). A Cleaner whose firing RBAC
+/// blocks (get, list and watch granted on its target kind, not delete) says so in its status's
+/// message and a Warning Event `DeleteFailed`, and completes once delete is granted.
+#[tokio::test]
+async fn refusals_are_told_once_where_operators_look_and_recover_when_allowed() {
+    let (cp, _, _agent) = cluster().await;
+    let kubeconfig = deployed_service_account(&cp);
+    cp.kubectl(&["create", "namespace", "fns"]);
+    grant(&cp, "ebb-cleaner-targets", "get,list,watch", "configmaps");
+    let data = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let log = logs.path().join("ebb.log");
+    let mut args = TEST_TIMING.to_vec();
+    args.extend([
+        "--orchestrator",
+        "kubernetes",
+        "--pod-namespace",
+        "ebb",
+        "--pod-name",
+        "ebb",
+        "--functions-namespace",
+        "fns",
+        "--api-token",
+        FN_TOKEN,
+    ]);
+    let ebb = common::serve_logged(
+        data.path(),
+        None,
+        None,
+        &args,
+        &[("KUBECONFIG", kubeconfig.as_os_str())],
+        Some(&log),
+    );
+
+    // Refused again and again: told once.
+    wait_for(
+        "three refused lists of Func resources in fns",
+        Duration::from_secs(60),
+        || refused_requests(&cp, "functions", "fns") >= 3,
+    )
+    .await;
+    let forbidden = wait_until(
+        "a Forbidden Warning Event on ebb's pod",
+        Duration::from_secs(30),
+        || async {
+            let e = pod_events(&cp, "Forbidden");
+            (!e.is_empty()).then_some(e)
+        },
+    )
+    .await;
+    assert_eq!(forbidden.len(), 1, "{forbidden:?}");
+    assert_eq!(forbidden[0]["type"], "Warning", "{forbidden:?}");
+    assert!(
+        forbidden[0]["count"].as_u64().unwrap_or(1) <= 1,
+        "{forbidden:?}"
+    );
+    let note = forbidden[0]["message"].as_str().unwrap_or_default();
+    assert!(note.contains("Func resources in namespace fns"), "{note}");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let warned = text
+        .lines()
+        .filter(|l| l.contains("refuses ebb this watch") && l.contains("namespace fns"))
+        .count();
+    assert_eq!(warned, 1, "{text}");
+    let ready = http_get(&ebb.admin.to_string(), "/readyz").expect("ebb answers");
+    assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+    assert!(ready.contains(r#""status":"degraded""#), "{ready}");
+    assert!(ready.contains("Func resources in namespace fns"), "{ready}");
+
+    // Allowed: the resources arrive, and it is said.
+    apply(
+        &cp,
+        "apiVersion: ebb.dev/v1alpha1\nkind: Func\nmetadata: {name: late, namespace: fns}\n\
+         spec: {function: lower, serviceAddress: \"127.0.0.1:9\"}\n",
+    );
+    cp.kubectl(&[
+        "create",
+        "role",
+        "ebb-functions",
+        "-n",
+        "fns",
+        "--verb=get,list,watch,create,update,patch,delete",
+        "--resource=functions.ebb.dev,functions.ebb.dev/status",
+    ]);
+    cp.kubectl(&[
+        "create",
+        "rolebinding",
+        "ebb-functions",
+        "-n",
+        "fns",
+        "--role=ebb-functions",
+        "--serviceaccount=ebb:ebb",
+    ]);
+    wait_until(
+        "the Func in fns listed",
+        Duration::from_secs(120),
+        || async {
+            listed(&ebb)
+                .await
+                .contains(&"late".to_owned())
+                .then_some(())
+        },
+    )
+    .await;
+    wait_for(
+        "an Allowed Event on ebb's pod",
+        Duration::from_secs(30),
+        || !pod_events(&cp, "Allowed").is_empty(),
+    )
+    .await;
+    let ready = http_get(&ebb.admin.to_string(), "/readyz").expect("ebb answers");
+    assert!(ready.contains(r#""status":"ready""#), "{ready}");
+
+    // A firing RBAC blocks: the status's message and a Warning Event say so.
+    apply(&cp, &config_map("doomed", "yes", &[]));
+    let targets = "  - name: doomed\n    reference: {apiVersion: v1, kind: ConfigMap, name: doomed}\n    delete: true\n    includeWhenEvaluating: true\n";
+    apply(
+        &cp,
+        &cleaner("blocked", "", targets, &["doomed.data.done == 'yes'"]),
+    );
+    let s = cleaner_reason(&cp, "blocked", "DeleteFailed").await;
+    let message = s["conditions"][0]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("forbidden"), "{s}");
+    assert!(message.contains("doomed"), "{s}");
+    warning_event_in(&cp, "default", "DeleteFailed", "blocked").await;
+    assert!(exists(&cp, "configmap", "doomed"));
+    // Granted: the firing completes.
+    grant(&cp, "ebb-cleaner-delete", "delete", "configmaps");
+    wait_for("the firing completed", Duration::from_secs(120), || {
+        !exists(&cp, "configmap", "doomed") && !exists(&cp, "cleaner", "blocked")
+    })
+    .await;
 }

@@ -64,6 +64,9 @@ pub struct AppState {
     /// Whether ebb is ready for traffic (`/readyz`): on Kubernetes, once it has listed the
     /// cluster's Services and EndpointSlices. `None`: ready once it answers.
     pub ready: Option<Arc<dyn Fn() -> bool + Send + Sync>>,
+    /// On Kubernetes: the watches RBAC refuses ebb, which `/readyz` names (ebb serves without
+    /// them: still ready, `degraded`).
+    pub refused: Option<crate::orchestrator::kube_health::Access>,
     /// The metrics `/metrics` shows (`None`: not served).
     pub metrics: Option<Arc<crate::metrics::Metrics>>,
     /// The log's tail told in words, for the dashboard's live updates.
@@ -318,6 +321,27 @@ async fn readiness(app: &AppState, calls: bool) -> Response {
         ),
         None => check("orchestrator", true, "local processes".into()),
     }
+    let refused = app
+        .refused
+        .as_ref()
+        .map(|a| a.refused())
+        .unwrap_or_default();
+    if app.refused.is_some() {
+        let reason = if refused.is_empty() {
+            "every watch ebb needs is allowed".to_owned()
+        } else {
+            let each: Vec<String> = refused
+                .iter()
+                .map(|(what, why)| format!("{what} ({why})"))
+                .collect();
+            format!(
+                "Kubernetes refuses ebb to watch {}; ebb serves without them and asks again",
+                each.join("; ")
+            )
+        };
+        // Refused watches degrade ebb (routes or functions missing) but do not stop its traffic.
+        check("access", true, reason);
+    }
     if let Some(calls) = app.calls.as_ref().filter(|_| calls) {
         let reached =
             tokio::time::timeout(std::time::Duration::from_secs(2), calls.queue().reachable())
@@ -334,7 +358,12 @@ async fn readiness(app: &AppState, calls: bool) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     let body = if ready {
-        json!({ "status": "ready", "checks": checks })
+        let status = if refused.is_empty() {
+            "ready"
+        } else {
+            "degraded"
+        };
+        json!({ "status": status, "checks": checks })
     } else {
         let failing: Vec<&String> = checks
             .iter()

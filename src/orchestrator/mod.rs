@@ -8,7 +8,7 @@ pub mod process;
 
 pub use ebb_core::orchestrator::*;
 pub use ebb_kube::{
-    coordinator as kube_coordinator, functions as kube_functions, orchestrator as kube,
-    templates as kube_templates,
+    coordinator as kube_coordinator, functions as kube_functions, health as kube_health,
+    orchestrator as kube, templates as kube_templates,
 };
 pub use process::{ProcessOptions, ProcessOrchestrator};

@@ -439,6 +439,16 @@ pub async fn run(
         local_nudged,
         stop_rx.clone(),
     ));
+    // On Kubernetes: the watches RBAC refuses, told as Events on ebb's own pod.
+    if let (Some(k), Some(ko)) = (&kube, &kubernetes) {
+        tokio::spawn(crate::orchestrator::kube_health::tell_refusals(
+            k.access.clone(),
+            k.clone(),
+            ko.instance.clone(),
+            ko.shared.lease_namespace.clone(),
+            stop_rx.clone(),
+        ));
+    }
     // On Kubernetes: the cleaners, run by the holder of the lease.
     if let (Some(k), Some(ko)) = (&kube, &kubernetes) {
         tokio::spawn(crate::cleaner::kube::run(
@@ -453,6 +463,7 @@ pub async fn run(
                     limits: crate::cleaner::cel::Limits::of(&options.limits),
                     ..crate::cleaner::runtime::Options::default()
                 },
+                access: k.access.clone(),
             },
             ko.shared.leading.clone(),
             stop_rx.clone(),
@@ -629,6 +640,7 @@ pub async fn run(
             let ready: Arc<dyn Fn() -> bool + Send + Sync> = Arc::new(move || k.synced());
             ready
         }),
+        refused: kube.as_ref().map(|k| k.access.clone()),
         metrics: Some(metrics),
         feed: Arc::new(crate::api::ui::Feed::new(stop_rx.clone())),
         max_body_bytes: options.limits.max_api_body_bytes,

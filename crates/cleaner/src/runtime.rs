@@ -75,6 +75,17 @@ pub trait Backend: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), String>> + Send;
     /// The firing is done: remove the cleaner itself.
     fn finish(&self, spec: &CleanerSpec) -> impl Future<Output = Result<(), String>> + Send;
+    /// A firing cannot go on for now (`error`, from `step`: starting it, deleting an entry,
+    /// removing the cleaner); it is tried again later: show why (a status, a Warning Event).
+    fn blocked(
+        &self,
+        _name: &str,
+        _spec: &CleanerSpec,
+        _step: &str,
+        _error: &str,
+    ) -> impl Future<Output = ()> + Send {
+        async {}
+    }
     /// The cleaner's evaluation or firing was recorded: show it (a status, an event).
     fn report(
         &self,
@@ -419,6 +430,9 @@ impl<B: Backend> Cleaners<B> {
         };
         if let Err(e) = self.backend.begin(&c.spec, &entries).await {
             tracing::warn!(cleaner = %name, error = %e, "starting a firing failed; it is left for later");
+            self.backend
+                .blocked(name, &c.spec, "starting the firing", &e)
+                .await;
             return Ok(false);
         }
         for entry in &entries {
@@ -436,6 +450,9 @@ impl<B: Backend> Cleaners<B> {
                     }
                     Err(e) => {
                         tracing::warn!(cleaner = %name, %entry, error = %e, "deleting a target failed; the firing is left for later");
+                        self.backend
+                            .blocked(name, &c.spec, &format!("deleting {entry}"), &e)
+                            .await;
                         return Ok(false);
                     }
                 }
@@ -443,6 +460,9 @@ impl<B: Backend> Cleaners<B> {
         }
         if let Err(e) = self.backend.finish(&c.spec).await {
             tracing::warn!(cleaner = %name, error = %e, "removing the cleaner failed; the firing is left for later");
+            self.backend
+                .blocked(name, &c.spec, "removing the cleaner", &e)
+                .await;
             return Ok(false);
         }
         self.log

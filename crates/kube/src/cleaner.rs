@@ -101,6 +101,8 @@ pub struct KubeTargets {
     helm: Option<std::path::PathBuf>,
     /// Watch targets in this namespace only (`None`: all).
     namespace: Option<String>,
+    /// The time a blocked firing's condition changed.
+    clock: Arc<dyn Clock>,
 }
 
 fn kind_key(api_version: &str, kind: &str) -> (String, String) {
@@ -119,6 +121,7 @@ impl KubeTargets {
         stop: watch::Receiver<bool>,
         helm: Option<std::path::PathBuf>,
         namespace: Option<String>,
+        clock: Arc<dyn Clock>,
     ) -> Arc<Self> {
         let recorder = Recorder::new(
             client.clone(),
@@ -137,6 +140,7 @@ impl KubeTargets {
             stop,
             helm,
             namespace,
+            clock,
         })
     }
 
@@ -570,6 +574,36 @@ impl Backend for KubeTargets {
         }
     }
 
+    async fn blocked(&self, name: &str, spec: &CleanerSpec, step: &str, error: &str) {
+        let message = format!("{step} failed: {error}; the firing is tried again later");
+        let status = serde_json::json!({
+            "status": {
+                "conditions": [StatusCondition {
+                    type_: "Ready".into(),
+                    status: "False".into(),
+                    reason: "DeleteFailed".into(),
+                    message: message.clone(),
+                    last_transition_time: rfc3339(self.clock.now_ms()),
+                    observed_generation: None,
+                }],
+            }
+        });
+        let (_, short) = split_key(name);
+        if let Err(e) = self
+            .cleaner_api(spec)
+            .patch_status(short, &PatchParams::apply(MANAGER), &Patch::Merge(&status))
+            .await
+        {
+            tracing::debug!(cleaner = %name, error = %e, "writing a cleaner's status failed");
+        }
+        self.shown
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_owned(), "DeleteFailed".into());
+        self.publish(spec, EventType::Warning, "DeleteFailed", message)
+            .await;
+    }
+
     async fn report(&self, name: &str, c: &crate::state::Cleaner, resolved: &[String]) {
         if c.fired_at_ms.is_some() {
             self.publish(
@@ -673,6 +707,8 @@ pub struct KubeCleanerOptions {
     pub helm: Option<std::path::PathBuf>,
     /// The loop's settings.
     pub options: Options,
+    /// Where refused watches are told (the orchestrator's).
+    pub access: crate::health::Access,
 }
 
 /// Runs the cleaners while `leading` (this replica holds ebb's lease), until `stop`.
@@ -701,6 +737,7 @@ pub async fn run(
             term_rx.clone(),
             options.helm.clone(),
             options.namespace.clone(),
+            clock.clone(),
         );
         let cleaners = Arc::new(
             Cleaners::new(log.clone(), clock.clone(), targets.clone(), options.options)
@@ -713,6 +750,7 @@ pub async fn run(
         ));
         let watching = tokio::spawn(watch_cleaners(
             client.clone(),
+            options.access.clone(),
             options.namespace.clone(),
             cleaners,
             changed_tx,
@@ -737,6 +775,7 @@ pub async fn run(
 /// Records every Cleaner in the log as it changes, and forgets those deleted.
 async fn watch_cleaners(
     client: Client,
+    access: crate::health::Access,
     namespace: Option<String>,
     cleaners: Arc<Cleaners<KubeTargets>>,
     changed: mpsc::Sender<String>,
@@ -750,11 +789,21 @@ async fn watch_cleaners(
     let mut stream = std::pin::pin!(stream);
     let mut listing: BTreeSet<String> = BTreeSet::new();
     let mut last_failure = String::new();
+    let mut guard = access.watch(match &namespace {
+        Some(ns) => format!("Cleaners in namespace {ns}"),
+        None => "Cleaners in all namespaces".to_owned(),
+    });
     loop {
         let event = tokio::select! {
             _ = stop.changed() => return,
             e = stream.next() => match e { Some(e) => e, None => return },
         };
+        if let Some(delay) = guard.saw(&event) {
+            if !crate::health::pause(delay, &mut stop).await {
+                return;
+            }
+            continue;
+        }
         match event {
             Ok(watcher::Event::Init) => listing.clear(),
             Ok(watcher::Event::InitApply(c)) => {

@@ -207,6 +207,8 @@ pub struct KubeOrchestrator {
     /// Events about shared objects decided before leadership was known (at most
     /// [`MAX_DEFERRED`]): published if this replica turns out to lead, dropped if not.
     deferred: Mutex<Vec<(ObjectReference, EventType, String, String)>>,
+    /// The watches RBAC refuses (`/readyz` tells them; [`crate::health::tell_refusals`] too).
+    pub access: crate::health::Access,
 }
 
 /// Leadership not known yet.
@@ -247,6 +249,7 @@ impl KubeOrchestrator {
             slices_listed: Default::default(),
             leadership: std::sync::atomic::AtomicU8::new(UNKNOWN),
             deferred: Mutex::default(),
+            access: crate::health::Access::default(),
         })
     }
 
@@ -801,17 +804,36 @@ where
     }
 }
 
+/// How a watch of `what` over the served namespaces is named for people.
+fn watched(what: &str, namespace: Option<&str>) -> String {
+    match namespace {
+        Some(ns) => format!("{what} in namespace {ns}"),
+        None => format!("{what} in all namespaces"),
+    }
+}
+
 async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
     let services = api::<Service>(&orch.client, orch.options.namespace.as_deref());
     let stream = watcher(services, watcher::Config::default()).default_backoff();
     tokio::pin!(stream);
     let mut routes = RouteLoop::default();
     let mut complaints = Complaints::default();
+    let mut guard = orch
+        .access
+        .watch(watched("Services", orch.options.namespace.as_deref()));
     loop {
         let event = tokio::select! {
             e = stream.next() => e,
             _ = stop.changed() => return,
         };
+        if let Some(item) = &event
+            && let Some(delay) = guard.saw(item)
+        {
+            if !crate::health::pause(delay, &mut stop).await {
+                return;
+            }
+            continue;
+        }
         match event {
             None => return,
             Some(Err(e)) => complaints.failed("watching Services", &e),
@@ -849,11 +871,22 @@ async fn run_endpoints(orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bo
         ))
     };
     let mut complaints = Complaints::default();
+    let mut guard = orch
+        .access
+        .watch(watched("EndpointSlices", orch.options.namespace.as_deref()));
     loop {
         let event = tokio::select! {
             e = stream.next() => e,
             _ = stop.changed() => return,
         };
+        if let Some(item) = &event
+            && let Some(delay) = guard.saw(item)
+        {
+            if !crate::health::pause(delay, &mut stop).await {
+                return;
+            }
+            continue;
+        }
         let event = match event {
             None => return,
             Some(Err(e)) => {

@@ -327,12 +327,22 @@ pub async fn run_mirror(
     let mut listing: Vec<Func> = Vec::new();
     // A failure said once, not at every retry.
     let mut last_failure = String::new();
+    let mut guard = events.access.watch(format!(
+        "Func resources in namespace {}",
+        templates.namespace
+    ));
     loop {
         let ev = tokio::select! {
             ev = stream.next() => ev,
             _ = stop.changed() => return,
         };
         let Some(ev) = ev else { return };
+        if let Some(delay) = guard.saw(&ev) {
+            if !crate::health::pause(delay, &mut stop).await {
+                return;
+            }
+            continue;
+        }
         let recorded = match ev {
             Ok(watcher::Event::Init) => {
                 listing.clear();

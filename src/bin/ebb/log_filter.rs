@@ -83,18 +83,26 @@ const MOVED: &[(&str, &[&str])] = &[
 ];
 
 /// The Kubernetes client logs an ERROR for every request that fails while the API server is
-/// away; ebb says that once itself (`ebb_kube::health`). Left out unless a filter names it.
-pub const QUIET: &str = "kube_client::client::builder=off";
+/// away, and its watcher a WARN for every failed (re)list, a refusal included; ebb says each
+/// once itself (`ebb_kube::health`: the API server away, a watch refused). Each is left out
+/// unless a filter names its crate.
+pub const QUIET: [(&str, &str); 2] = [
+    ("kube_client", "kube_client::client::builder=off"),
+    ("kube_runtime", "kube_runtime::watcher=error"),
+];
 
-/// `spec` with [`QUIET`] added, unless it names the Kubernetes client itself.
+/// `spec` with [`QUIET`]'s directives added, each unless `spec` names its crate.
 pub fn quiet(spec: &str) -> String {
-    if spec.contains("kube_client") {
-        spec.to_owned()
-    } else if spec.trim().is_empty() {
-        QUIET.to_owned()
-    } else {
-        format!("{spec},{QUIET}")
+    let mut out: Vec<&str> = Vec::new();
+    if !spec.trim().is_empty() {
+        out.push(spec);
     }
+    for (krate, directive) in QUIET {
+        if !spec.contains(krate) {
+            out.push(directive);
+        }
+    }
+    out.join(",")
 }
 
 /// `spec` (an `EnvFilter` directive list) with each directive whose target is a moved path
@@ -177,9 +185,22 @@ mod tests {
 
     #[test]
     fn the_kube_clients_per_request_errors_are_left_out_unless_named() {
-        assert_eq!(quiet("warn"), "warn,kube_client::client::builder=off");
-        assert_eq!(quiet(""), "kube_client::client::builder=off");
-        assert_eq!(quiet("info,kube_client=debug"), "info,kube_client=debug");
+        assert_eq!(
+            quiet("warn"),
+            "warn,kube_client::client::builder=off,kube_runtime::watcher=error"
+        );
+        assert_eq!(
+            quiet(""),
+            "kube_client::client::builder=off,kube_runtime::watcher=error"
+        );
+        assert_eq!(
+            quiet("info,kube_client=debug"),
+            "info,kube_client=debug,kube_runtime::watcher=error"
+        );
+        assert_eq!(
+            quiet("info,kube_runtime=debug"),
+            "info,kube_runtime=debug,kube_client::client::builder=off"
+        );
     }
 
     #[test]

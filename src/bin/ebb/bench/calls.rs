@@ -188,6 +188,7 @@ async fn setup(
             calls: Some(calls.clone()),
             functions: None,
             ready: None,
+            refused: None,
             metrics: None,
             feed: Arc::new(ebb::api::ui::Feed::new(stop_rx.clone())),
             max_body_bytes: ebb::api::MAX_BODY_BYTES,
