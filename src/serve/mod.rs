@@ -441,7 +441,7 @@ pub async fn run(
     ));
     // On Kubernetes: the watches RBAC refuses, told as Events on ebb's own pod.
     if let (Some(k), Some(ko)) = (&kube, &kubernetes) {
-        tokio::spawn(crate::orchestrator::kube_health::tell_refusals(
+        tokio::spawn(crate::orchestrator::kube::tell_refusals(
             k.access.clone(),
             k.clone(),
             ko.instance.clone(),

@@ -7,8 +7,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::ObjectReference;
-use kube::runtime::events::EventType;
 use tokio::sync::{Notify, watch};
 
 /// How often the API server is asked for its version.
@@ -47,7 +45,7 @@ pub async fn watch(client: kube::Client, every: Duration, mut stop: watch::Recei
 }
 
 /// What Kubernetes' RBAC refuses ebb to watch (HTTP 403), shared by the watches, `/readyz` and
-/// the task that tells it as Events ([`tell_refusals`]). A refusal is not transient: the watch
+/// the task that tells it as Events (`orchestrator::tell_refusals`). A refusal is not transient: the watch
 /// asks again after a delay that doubles from [`FORBIDDEN_FIRST`] up to [`FORBIDDEN_MAX`], says
 /// so once (a WARN, a Warning Event `Forbidden` on ebb's pod, a reason in `/readyz`), and once
 /// allowed again says that once too (an INFO, a Normal Event `Allowed`).
@@ -55,6 +53,13 @@ pub async fn watch(client: kube::Client, every: Duration, mut stop: watch::Recei
 pub struct Access {
     refused: Arc<std::sync::Mutex<BTreeMap<String, String>>>,
     changed: Arc<Notify>,
+}
+
+impl Access {
+    /// Waits until what is refused changes.
+    pub async fn changed(&self) {
+        self.changed.notified().await
+    }
 }
 
 impl std::fmt::Debug for Access {
@@ -183,57 +188,6 @@ pub fn next_delay(last: Duration) -> Duration {
         FORBIDDEN_FIRST
     } else {
         (last * 2).min(FORBIDDEN_MAX)
-    }
-}
-
-/// Tells each change of what is refused as an Event on ebb's own pod (`pod` in `namespace`): a
-/// Warning `Forbidden` when a watch is refused, a Normal `Allowed` when it works again.
-pub async fn tell_refusals(
-    access: Access,
-    events: Arc<crate::orchestrator::KubeOrchestrator>,
-    pod: String,
-    namespace: String,
-    mut stop: watch::Receiver<bool>,
-) {
-    let pod = ObjectReference {
-        api_version: Some("v1".into()),
-        kind: Some("Pod".into()),
-        name: Some(pod),
-        namespace: Some(namespace),
-        ..Default::default()
-    };
-    let mut told: BTreeMap<String, String> = BTreeMap::new();
-    loop {
-        let now = access.refused();
-        for (what, why) in &now {
-            if !told.contains_key(what) {
-                events
-                    .publish(
-                        &pod,
-                        EventType::Warning,
-                        "Forbidden",
-                        format!("Kubernetes refuses ebb to watch {what}: {why}. ebb goes on without it and asks again, at most every {} s", FORBIDDEN_MAX.as_secs()),
-                    )
-                    .await;
-            }
-        }
-        for what in told.keys() {
-            if !now.contains_key(what) {
-                events
-                    .publish(
-                        &pod,
-                        EventType::Normal,
-                        "Allowed",
-                        format!("Kubernetes allows ebb to watch {what} again"),
-                    )
-                    .await;
-            }
-        }
-        told = now;
-        tokio::select! {
-            _ = stop.changed() => return,
-            () = access.changed.notified() => {}
-        }
     }
 }
 

@@ -1422,6 +1422,57 @@ pub const PORT_NAME: &str = "http";
 
 /// Runs the backend's loops until `stop` turns true (the functions' objects have their own,
 /// `crate::functions::run`).
+/// Tells each change of what is refused as an Event on ebb's own pod (`pod` in `namespace`): a
+/// Warning `Forbidden` when a watch is refused, a Normal `Allowed` when it works again.
+pub async fn tell_refusals(
+    access: crate::health::Access,
+    events: Arc<KubeOrchestrator>,
+    pod: String,
+    namespace: String,
+    mut stop: watch::Receiver<bool>,
+) {
+    let pod = ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some("Pod".into()),
+        name: Some(pod),
+        namespace: Some(namespace),
+        ..Default::default()
+    };
+    let mut told: BTreeMap<String, String> = BTreeMap::new();
+    loop {
+        let now = access.refused();
+        for (what, why) in &now {
+            if !told.contains_key(what) {
+                events
+                    .publish(
+                        &pod,
+                        EventType::Warning,
+                        "Forbidden",
+                        format!("Kubernetes refuses ebb to watch {what}: {why}. ebb goes on without it and asks again, at most every {} s", crate::health::FORBIDDEN_MAX.as_secs()),
+                    )
+                    .await;
+            }
+        }
+        for what in told.keys() {
+            if !now.contains_key(what) {
+                events
+                    .publish(
+                        &pod,
+                        EventType::Normal,
+                        "Allowed",
+                        format!("Kubernetes allows ebb to watch {what} again"),
+                    )
+                    .await;
+            }
+        }
+        told = now;
+        tokio::select! {
+            _ = stop.changed() => return,
+            () = access.changed() => {}
+        }
+    }
+}
+
 pub async fn run(log: Arc<Log>, orch: Arc<KubeOrchestrator>, stop: watch::Receiver<bool>) {
     tokio::join!(
         orch.limiter.refill(stop.clone()),
