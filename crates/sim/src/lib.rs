@@ -29,6 +29,7 @@
 //!   traffic in flight ([`warm`]).
 
 pub mod cluster;
+pub mod load;
 pub mod log;
 pub mod queue;
 pub mod scenario;

@@ -22,6 +22,7 @@
 //! [`shared`] is the protocol for several ebb replicas in front of one deployment, and
 //! [`member`] one replica's side of it as a sans-IO state machine.
 
+pub mod load;
 pub mod member;
 pub mod shared;
 

@@ -5,13 +5,14 @@
 //!   open time with and without a snapshot.
 //! * `ebb bench cold-start` (here): the first byte through ebb for a workload at zero, minus the
 //!   app's own start-to-ready time.
-//! * `ebb bench calls` ([`calls`]), `functions` ([`functions`]), `cleaners` ([`cleaners`]) and
-//!   `discovery` ([`discovery`]).
+//! * `ebb bench calls` ([`calls`]), `functions` ([`functions`]), `cleaners` ([`cleaners`]),
+//!   `discovery` ([`discovery`]) and `autoscale` ([`autoscale`], simulated: ebb against KPA).
 //!
 //! The scripts in `benches/` run these and add what needs other programs: `benches/proxy.sh`
 //! runs wrk against the app, ebb, nginx and HAProxy; `benches/calls.sh` starts Apache Kafka
 //! (`scripts/kafka run`) for the Kafka rows.
 
+pub mod autoscale;
 pub mod calls;
 pub mod cleaners;
 pub mod discovery;
@@ -34,6 +35,9 @@ pub enum BenchCommand {
     /// Load balancing: ns per pick of each balancer over 3 to 10,000 instances, against one
     /// random index; the slow-replica experiment, peak EWMA and round robin against all healthy.
     Discovery(discovery::DiscoveryBenchArgs),
+    /// Scaling on load, simulated: ebb's policy against Knative's KPA on the same traces (wait
+    /// for a replica, replica-seconds, scale changes).
+    Autoscale(autoscale::AutoscaleBenchArgs),
 }
 
 /// Runs a benchmark.
@@ -46,6 +50,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Cleaners(args) => rt.block_on(cleaners::run(args)),
         BenchCommand::Functions(args) => rt.block_on(functions::run(args)),
         BenchCommand::ColdStart(args) => rt.block_on(cold_start(args)),
+        BenchCommand::Autoscale(args) => autoscale::run_bench(args),
     }
 }
 

@@ -1,0 +1,685 @@
+//! Scaling on load: how many replicas a route's workload needs for the traffic it has, between
+//! waking from zero and going back to zero. Pure: figures sampled by the proxy come in, a desired
+//! count comes out with the figures that made it, so the event that records a change can say why.
+//!
+//! The rule is Knative's KPA (`pkg/autoscaler/scaling/autoscaler.go`), written anew:
+//!
+//! * Two averages of the load, over a **stable window** (default 60 s) and a **panic window** (10 %
+//!   of it, 6 s). Each asks for `ceil(load / (target × utilization))` replicas, kept within what the
+//!   scale rates allow from the replicas ready now (up: at most `max_up_rate` times them, down: at
+//!   least a `max_down_rate`-th of them).
+//! * **Panic** when the panic window asks for at least `panic_threshold` times the replicas ready;
+//!   it lasts until a whole stable window has passed without that. While panicking the count is the
+//!   larger of the two windows' and never goes down.
+//! * A **scale-down delay**: the count is the highest asked for over the delay.
+//!
+//! Where ebb knows more than Knative's autoscaler, it uses it: requests the proxy holds for a
+//! replica (a cold start, or every replica at its concurrency) are demand no replica sees yet.
+//! Knative's activator reports them as requests in flight, so a backlog built while replicas
+//! start inflates its averages and it provisions for the backlog. ebb keeps them out of the
+//! averages and reads the traffic's flow instead ([`Figures::demand`]): the arrival rate times
+//! the time a request is in flight (Little's law), plus the concurrency that drains the held
+//! requests within a third of the panic window. While any request is held the panic figure is
+//! at least that demand, so a surge asks for its replicas within a second, and no more than it
+//! needs. And the count never drops below what the requests in flight need at the target.
+//! `ebb bench autoscale` runs both rules in the simulator (`ebb_sim::load`).
+//!
+//! [`Window`] keeps the per-second samples the averages are taken over (bounded by the longest
+//! stable window); [`Decider`] keeps the panic and the delay between decisions.
+
+use std::collections::VecDeque;
+
+/// What the load is measured in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Metric {
+    /// Requests in flight (and held), averaged over time.
+    #[default]
+    Concurrency,
+    /// Requests started per second.
+    Rps,
+}
+
+impl Metric {
+    /// Its name, as settings and events spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Concurrency => "concurrency",
+            Metric::Rps => "rps",
+        }
+    }
+}
+
+/// A route's settings for scaling on load.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Settings {
+    pub metric: Metric,
+    /// Load per replica aimed at (requests in flight, or requests per second), > 0.
+    pub target: f64,
+    /// The share of `target` a replica is planned to run at, in (0, 1] (Knative: 0.7).
+    pub utilization: f64,
+    /// The stable window, ms.
+    pub stable_window_ms: u64,
+    /// The panic window, ms (at most the stable window).
+    pub panic_window_ms: u64,
+    /// Panic when the panic window asks for this many times the replicas ready (2.0).
+    pub panic_threshold: f64,
+    /// At most this many times the replicas ready in one decision (1000).
+    pub max_up_rate: f64,
+    /// At least the replicas ready divided by this in one decision (2).
+    pub max_down_rate: f64,
+    /// A lower count is taken only once it has been asked for this long, ms (0: at once).
+    pub scale_down_delay_ms: u64,
+    /// The route's bounds.
+    pub min_replicas: u32,
+    pub max_replicas: u32,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            metric: Metric::Concurrency,
+            target: 100.0,
+            utilization: 0.7,
+            stable_window_ms: 60_000,
+            panic_window_ms: 6_000,
+            panic_threshold: 2.0,
+            max_up_rate: 1000.0,
+            max_down_rate: 2.0,
+            scale_down_delay_ms: 0,
+            min_replicas: 0,
+            max_replicas: u32::MAX,
+        }
+    }
+}
+
+/// The longest stable window a route may have, ms (an hour, as Knative's).
+pub const MAX_STABLE_WINDOW_MS: u64 = 3_600_000;
+/// The shortest stable window, ms (Knative's).
+pub const MIN_STABLE_WINDOW_MS: u64 = 6_000;
+/// How often the load is sampled, ms.
+pub const SAMPLE_MS: u64 = 1_000;
+
+impl Settings {
+    /// Why these settings cannot be used, if they cannot.
+    pub fn check(&self) -> Result<(), String> {
+        if !(self.target.is_finite() && self.target > 0.0) {
+            return Err(format!("the target must be above 0, not {}", self.target));
+        }
+        if !(self.utilization > 0.0 && self.utilization <= 1.0) {
+            return Err(format!(
+                "the target utilization must be within 1..100 %, not {} %",
+                self.utilization * 100.0
+            ));
+        }
+        if !(MIN_STABLE_WINDOW_MS..=MAX_STABLE_WINDOW_MS).contains(&self.stable_window_ms) {
+            return Err(format!(
+                "the window must be within 6 s and 1 h, not {} ms",
+                self.stable_window_ms
+            ));
+        }
+        if self.panic_window_ms < SAMPLE_MS || self.panic_window_ms > self.stable_window_ms {
+            return Err(format!(
+                "the panic window must be within 1 s and the window ({} ms), not {} ms",
+                self.stable_window_ms, self.panic_window_ms
+            ));
+        }
+        if !(self.panic_threshold.is_finite() && self.panic_threshold > 1.0) {
+            return Err(format!(
+                "the panic threshold must be above 100 %, not {} %",
+                self.panic_threshold * 100.0
+            ));
+        }
+        if !(self.max_up_rate.is_finite() && self.max_up_rate > 1.0) {
+            return Err(format!(
+                "the scale-up rate must be above 1, not {}",
+                self.max_up_rate
+            ));
+        }
+        if !(self.max_down_rate.is_finite() && self.max_down_rate > 1.0) {
+            return Err(format!(
+                "the scale-down rate must be above 1, not {}",
+                self.max_down_rate
+            ));
+        }
+        if self.min_replicas > self.max_replicas {
+            return Err(format!(
+                "min replicas {} is above max replicas {}",
+                self.min_replicas, self.max_replicas
+            ));
+        }
+        Ok(())
+    }
+
+    /// The load one replica is planned for.
+    pub fn per_replica(&self) -> f64 {
+        self.target * self.utilization
+    }
+}
+
+/// One second of a route's load, summed over the ebb replicas that saw it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Sample {
+    /// When the second ended, ms.
+    pub at_ms: u64,
+    /// Requests in flight to a replica, averaged over the second.
+    pub in_flight: f64,
+    /// Requests held for a replica, averaged over the second.
+    pub held: f64,
+    /// Requests that started in the second.
+    pub started: u64,
+    /// Requests that arrived in the second (started at once, or held).
+    pub arrived: u64,
+    /// Requests that ended in the second.
+    pub finished: u64,
+}
+
+/// The samples of one route, newest last, at most a longest stable window of them.
+#[derive(Debug, Clone, Default)]
+pub struct Window {
+    samples: VecDeque<Sample>,
+}
+
+/// Samples a window keeps at most.
+pub const MAX_SAMPLES: usize = (MAX_STABLE_WINDOW_MS / SAMPLE_MS) as usize;
+
+impl Window {
+    /// Adds a sample (one older than the newest is dropped: time only goes on).
+    pub fn push(&mut self, s: Sample) {
+        if self.samples.back().is_some_and(|b| b.at_ms >= s.at_ms) {
+            return;
+        }
+        if self.samples.len() == MAX_SAMPLES {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(s);
+    }
+
+    /// Drops the samples older than `keep_ms` before `now_ms`.
+    pub fn trim(&mut self, now_ms: u64, keep_ms: u64) {
+        let from = now_ms.saturating_sub(keep_ms);
+        while self.samples.front().is_some_and(|s| s.at_ms <= from) {
+            self.samples.pop_front();
+        }
+    }
+
+    /// Samples kept.
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// No sample kept.
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// The newest sample.
+    pub fn newest(&self) -> Option<&Sample> {
+        self.samples.back()
+    }
+
+    /// The average load over the `window_ms` before `now_ms` in `metric`, or `None` when no
+    /// sample falls in it. Seconds with no sample count as no load, from the window's oldest
+    /// sample on (a window that just began is averaged over what it has).
+    pub fn average(&self, metric: Metric, now_ms: u64, window_ms: u64) -> Option<f64> {
+        self.average_of(metric, now_ms, window_ms, true)
+    }
+
+    /// [`Window::average`], the held requests counted in the concurrency or not.
+    pub fn average_of(
+        &self,
+        metric: Metric,
+        now_ms: u64,
+        window_ms: u64,
+        with_held: bool,
+    ) -> Option<f64> {
+        let from = now_ms.saturating_sub(window_ms);
+        let inside = self
+            .samples
+            .iter()
+            .rev()
+            .take_while(|s| s.at_ms > from)
+            .filter(|s| s.at_ms <= now_ms);
+        let mut sum = 0.0;
+        let mut oldest = None;
+        for s in inside {
+            sum += match metric {
+                Metric::Concurrency => s.in_flight + if with_held { s.held } else { 0.0 },
+                Metric::Rps => s.started as f64,
+            };
+            oldest = Some(s.at_ms);
+        }
+        let oldest = oldest?;
+        // The seconds from the oldest sample's start to now.
+        let seconds = (now_ms.saturating_sub(oldest) / SAMPLE_MS + 1).max(1);
+        Some(sum / seconds as f64)
+    }
+}
+
+impl Window {
+    /// Over the `window_ms` before `now_ms`: requests arrived per second, and the mean time a
+    /// request is in flight (Little's law: the in-flight average over the finish rate; `None`
+    /// until some request finished).
+    pub fn flow(&self, now_ms: u64, window_ms: u64) -> (f64, Option<f64>) {
+        let from = now_ms.saturating_sub(window_ms);
+        let (mut arrived, mut finished, mut in_flight, mut n) = (0u64, 0u64, 0.0, 0u64);
+        for s in self
+            .samples
+            .iter()
+            .rev()
+            .take_while(|s| s.at_ms > from)
+            .filter(|s| s.at_ms <= now_ms)
+        {
+            arrived += s.arrived;
+            finished += s.finished;
+            in_flight += s.in_flight;
+            n += 1;
+        }
+        if n == 0 {
+            return (0.0, None);
+        }
+        let seconds = n as f64 * SAMPLE_MS as f64 / 1_000.0;
+        let service =
+            (finished > 0).then(|| in_flight * (SAMPLE_MS as f64 / 1_000.0) / finished as f64);
+        (arrived as f64 / seconds, service)
+    }
+}
+
+/// What a decision is taken on.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Figures {
+    /// The stable window's average load.
+    pub stable: f64,
+    /// The panic window's average load.
+    pub panic: f64,
+    /// Requests in flight right now.
+    pub in_flight: f64,
+    /// Requests held right now.
+    pub held: f64,
+    /// The concurrency the traffic needs now, from its flow: the arrival rate times the time a
+    /// request is in flight, plus what drains the held requests within a panic window (`None`
+    /// before any request finished: then the requests in flight and held are the demand).
+    pub demand: Option<f64>,
+}
+
+impl Figures {
+    /// The figures of `window` at `now_ms` for `settings`, with the demand now; `None` before
+    /// any sample. `held_in_averages`: whether held requests count in the averages as requests
+    /// in flight (Knative's activator reports them so); ebb counts them through the flow instead
+    /// (`demand`), so a backlog built while replicas start is drained, not provisioned for.
+    pub fn of(
+        window: &Window,
+        settings: &Settings,
+        now_ms: u64,
+        in_flight: f64,
+        held: f64,
+        held_in_averages: bool,
+    ) -> Option<Self> {
+        let (rate, service) = window.flow(now_ms, settings.panic_window_ms);
+        let drain_s = (settings.panic_window_ms as f64 / 3_000.0).max(1.0);
+        let demand = service.map(|s| match settings.metric {
+            Metric::Concurrency => rate * s + held * s / drain_s,
+            Metric::Rps => rate + held / drain_s,
+        });
+        Some(Figures {
+            stable: window.average_of(
+                settings.metric,
+                now_ms,
+                settings.stable_window_ms,
+                held_in_averages,
+            )?,
+            panic: window.average_of(
+                settings.metric,
+                now_ms,
+                settings.panic_window_ms,
+                held_in_averages,
+            )?,
+            in_flight,
+            held,
+            demand,
+        })
+    }
+
+    /// The demand now: from the flow, else what is in flight and held.
+    pub fn now(&self) -> f64 {
+        self.demand.unwrap_or(self.in_flight + self.held)
+    }
+}
+
+/// What a decision found.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decision {
+    /// Replicas wanted.
+    pub desired: u32,
+    /// Whether the route is in panic.
+    pub panicking: bool,
+    /// The load the count was decided on (the panic window's while panicking, else the stable
+    /// window's), and per replica ready.
+    pub load: f64,
+    pub per_replica: f64,
+    /// The window `load` was averaged over, ms.
+    pub window_ms: u64,
+}
+
+/// What a route's decisions remember between them: the panic, and the counts asked for within
+/// the scale-down delay.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Decider {
+    /// When the panic window last asked for the panic threshold's replicas (`None`: calm).
+    panic_seen_ms: Option<u64>,
+    /// The most replicas asked for during this panic.
+    panic_max: u32,
+    /// The counts asked for within the scale-down delay, newest last (bounded by the delay's
+    /// samples).
+    recent: VecDeque<(u64, u32)>,
+}
+
+/// Ceil of `load / per_replica`, as a replica count.
+fn replicas_for(load: f64, per_replica: f64) -> f64 {
+    if load <= 0.0 {
+        0.0
+    } else {
+        (load / per_replica).ceil()
+    }
+}
+
+impl Decider {
+    /// Whether the route is in panic.
+    pub fn panicking(&self) -> bool {
+        self.panic_seen_ms.is_some()
+    }
+
+    /// The replicas `settings` ask for given `figures`, with `ready` replicas ready now, at
+    /// `now_ms`. `counts_held`: whether held requests make the demand now (ebb) or only what the
+    /// averages hold (Knative's rule, the simulator's anchor).
+    pub fn decide(
+        &mut self,
+        settings: &Settings,
+        figures: &Figures,
+        ready: u32,
+        now_ms: u64,
+        counts_held: bool,
+    ) -> Decision {
+        let per = settings.per_replica();
+        let base = f64::from(ready.max(1));
+        let max_up = (settings.max_up_rate * base).ceil();
+        let max_down = (base / settings.max_down_rate).floor();
+        // Requests held now are demand the averages have not caught up with: while any is held,
+        // the panic figure is at least the demand now.
+        let panic_load = if counts_held && figures.held > 0.0 {
+            figures.panic.max(figures.now())
+        } else {
+            figures.panic
+        };
+        let stable_wanted = replicas_for(figures.stable, per);
+        let panic_wanted = replicas_for(panic_load, per);
+        let bound = |n: f64| n.max(max_down).min(max_up);
+        let stable = bound(stable_wanted) as u32;
+        let panic = bound(panic_wanted) as u32;
+        let over = panic_wanted / base >= settings.panic_threshold;
+        if over {
+            self.panic_seen_ms = Some(now_ms);
+        } else if let Some(seen) = self.panic_seen_ms
+            && now_ms.saturating_sub(seen) >= settings.stable_window_ms
+        {
+            self.panic_seen_ms = None;
+            self.panic_max = 0;
+        }
+        let mut desired = stable;
+        let (load, window_ms) = if self.panicking() {
+            desired = desired.max(panic).max(self.panic_max);
+            self.panic_max = desired;
+            (panic_load, settings.panic_window_ms)
+        } else {
+            (figures.stable, settings.stable_window_ms)
+        };
+        // ebb waits at least a panic window before it takes a lower count: noise in the load
+        // does not flap the count.
+        let delay = settings.scale_down_delay_ms;
+        if delay > 0 {
+            while self
+                .recent
+                .front()
+                .is_some_and(|(at, _)| at.saturating_add(delay) <= now_ms)
+            {
+                self.recent.pop_front();
+            }
+            if self.recent.len() >= MAX_SAMPLES {
+                self.recent.pop_front();
+            }
+            self.recent.push_back((now_ms, desired));
+            desired = self.recent.iter().map(|(_, d)| *d).max().unwrap_or(desired);
+        }
+        if counts_held {
+            // Never fewer than the requests in flight need at the target itself.
+            desired = desired.max(replicas_for(figures.in_flight, settings.target) as u32);
+        }
+        let desired = desired.clamp(settings.min_replicas, settings.max_replicas);
+        Decision {
+            desired,
+            panicking: self.panicking(),
+            load,
+            per_replica: load / base,
+            window_ms,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(target: f64) -> Settings {
+        Settings {
+            target,
+            utilization: 1.0,
+            ..Settings::default()
+        }
+    }
+
+    fn figures(stable: f64, panic: f64) -> Figures {
+        Figures {
+            stable,
+            panic,
+            in_flight: panic,
+            held: 0.0,
+            demand: None,
+        }
+    }
+
+    #[test]
+    fn the_stable_window_sets_the_count_within_the_scale_rates() {
+        let s = settings(10.0);
+        let mut d = Decider::default();
+        // 35 in flight on 4 replicas: 4 wanted, calm.
+        let x = d.decide(&s, &figures(35.0, 35.0), 4, 1_000, true);
+        assert_eq!((x.desired, x.panicking), (4, false));
+        // Load gone: at most halved per decision.
+        let x = d.decide(&s, &figures(0.0, 0.0), 4, 2_000, true);
+        assert_eq!(x.desired, 2);
+        // Utilization plans for headroom: 35 at 70 % of 10 is 5 replicas.
+        let s70 = Settings {
+            utilization: 0.7,
+            ..s
+        };
+        let x = Decider::default().decide(&s70, &figures(35.0, 35.0), 5, 1_000, true);
+        assert_eq!(x.desired, 5);
+    }
+
+    #[test]
+    fn panic_begins_at_the_threshold_never_scales_down_and_ends_a_stable_window_later() {
+        let s = settings(10.0);
+        let mut d = Decider::default();
+        // The panic window asks for 5 on 2 ready: panic, 5.
+        let x = d.decide(&s, &figures(12.0, 50.0), 2, 10_000, true);
+        assert_eq!((x.desired, x.panicking), (5, true));
+        assert_eq!(x.window_ms, s.panic_window_ms);
+        // The burst passes: still panicking, no scale-down.
+        let x = d.decide(&s, &figures(12.0, 5.0), 5, 20_000, true);
+        assert_eq!((x.desired, x.panicking), (5, true));
+        // A stable window after it was last over the threshold: calm, down to the stable count.
+        let x = d.decide(&s, &figures(12.0, 5.0), 5, 70_000, true);
+        assert_eq!((x.desired, x.panicking), (2, false));
+    }
+
+    #[test]
+    fn held_requests_ask_for_their_replicas_at_once() {
+        let s = settings(4.0);
+        // A cold surge: 40 requests held, the panic window's average has seen one second of it.
+        let f = Figures {
+            stable: 40.0 / 60.0,
+            panic: 40.0 / 6.0,
+            in_flight: 0.0,
+            held: 40.0,
+            demand: None,
+        };
+        let ebb = Decider::default().decide(&s, &f, 0, 1_000, true);
+        let kpa = Decider::default().decide(&s, &f, 0, 1_000, false);
+        assert_eq!(ebb.desired, 10);
+        assert_eq!(kpa.desired, 2);
+        assert!(ebb.panicking && kpa.panicking);
+    }
+
+    #[test]
+    fn the_flow_asks_for_what_the_traffic_needs_not_for_the_backlog_at_once() {
+        let s = settings(10.0);
+        // 200 requests a second of 0.4 s each need 80 in flight; 500 held drain within the
+        // panic window with 33 more: 12 replicas, not the 51 the held count alone would ask.
+        let f = Figures {
+            stable: 20.0,
+            panic: 90.0,
+            in_flight: 10.0,
+            held: 500.0,
+            demand: Some(200.0 * 0.4 + 500.0 * 0.4 / 6.0),
+        };
+        let x = Decider::default().decide(&s, &f, 1, 1_000, true);
+        assert_eq!(x.desired, 12);
+    }
+
+    #[test]
+    fn a_scale_down_waits_out_its_delay() {
+        let s = Settings {
+            scale_down_delay_ms: 30_000,
+            ..settings(10.0)
+        };
+        let mut d = Decider::default();
+        assert_eq!(d.decide(&s, &figures(60.0, 60.0), 6, 0, true).desired, 6);
+        assert_eq!(
+            d.decide(&s, &figures(30.0, 30.0), 6, 10_000, true).desired,
+            6
+        );
+        assert_eq!(
+            d.decide(&s, &figures(30.0, 30.0), 6, 29_000, true).desired,
+            6
+        );
+        assert_eq!(
+            d.decide(&s, &figures(30.0, 30.0), 6, 31_000, true).desired,
+            3
+        );
+    }
+
+    #[test]
+    fn the_bounds_hold() {
+        let s = Settings {
+            min_replicas: 2,
+            max_replicas: 3,
+            ..settings(1.0)
+        };
+        let mut d = Decider::default();
+        assert_eq!(d.decide(&s, &figures(100.0, 100.0), 3, 0, true).desired, 3);
+        let mut d = Decider::default();
+        assert_eq!(d.decide(&s, &figures(0.0, 0.0), 3, 0, true).desired, 2);
+    }
+
+    #[test]
+    fn a_window_averages_over_its_seconds_and_is_bounded() {
+        let mut w = Window::default();
+        for i in 1..=10u64 {
+            w.push(Sample {
+                at_ms: i * 1_000,
+                in_flight: i as f64,
+                held: 1.0,
+                started: 2,
+                arrived: 3,
+                finished: 2,
+            });
+        }
+        // The last 3 s: 8, 9, 10 in flight, 1 held each.
+        assert_eq!(w.average(Metric::Concurrency, 10_000, 3_000), Some(10.0));
+        assert_eq!(w.average(Metric::Rps, 10_000, 3_000), Some(2.0));
+        // Two quiet seconds since: they count as no load.
+        assert_eq!(w.average(Metric::Rps, 12_000, 5_000), Some(6.0 / 5.0));
+        assert_eq!(w.average(Metric::Concurrency, 100_000, 3_000), None);
+        // The flow of the last 3 s: 3 arrivals a second; 27 request-seconds in flight over 6
+        // finished is 4.5 s each.
+        assert_eq!(w.flow(10_000, 3_000), (3.0, Some(4.5)));
+        assert_eq!(w.flow(100_000, 3_000), (0.0, None));
+        // Time does not go back.
+        w.push(Sample {
+            at_ms: 5_000,
+            ..Sample::default()
+        });
+        assert_eq!(w.len(), 10);
+        for i in 0..(MAX_SAMPLES as u64 + 10) {
+            w.push(Sample {
+                at_ms: 20_000 + i * 1_000,
+                ..Sample::default()
+            });
+        }
+        assert_eq!(w.len(), MAX_SAMPLES);
+        w.trim(20_000 + (MAX_SAMPLES as u64 + 9) * 1_000, 60_000);
+        assert_eq!(w.len(), 60);
+    }
+
+    #[test]
+    fn bad_settings_are_refused_with_why() {
+        assert!(Settings::default().check().is_ok());
+        for (bad, why) in [
+            (
+                Settings {
+                    target: 0.0,
+                    ..Settings::default()
+                },
+                "target",
+            ),
+            (
+                Settings {
+                    utilization: 1.5,
+                    ..Settings::default()
+                },
+                "utilization",
+            ),
+            (
+                Settings {
+                    stable_window_ms: 1_000,
+                    ..Settings::default()
+                },
+                "window",
+            ),
+            (
+                Settings {
+                    panic_window_ms: 90_000,
+                    ..Settings::default()
+                },
+                "panic window",
+            ),
+            (
+                Settings {
+                    panic_threshold: 1.0,
+                    ..Settings::default()
+                },
+                "panic threshold",
+            ),
+            (
+                Settings {
+                    min_replicas: 3,
+                    max_replicas: 2,
+                    ..Settings::default()
+                },
+                "min replicas",
+            ),
+        ] {
+            let e = bad.check().unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
+    }
+}
