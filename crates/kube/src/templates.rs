@@ -406,9 +406,9 @@ pub async fn run_mirror(
 const STALE_SHARE: Duration = Duration::from_secs(30);
 
 /// The function statuses on the resources, every `every`: each replica `me` publishes its own
-/// share of each function's counter (`status.byReplica.ME`) when it changes, and while calls are
-/// left in it at least every third of the staleness bound, so a share that stops moving is of a
-/// replica gone; the replica holding the scale-down lease (`leading`) writes the cluster's
+/// share of each function's counter (`status.byReplica.ME`) when it moves by a tenth or to or
+/// from zero, and while calls are left in it at least every third of the staleness bound, so a
+/// share that stops being refreshed is of a replica gone; the replica holding the scale-down lease (`leading`) writes the cluster's
 /// status (the shares summed, [`ebb_core::functions::cluster_status`]) when it changes, and
 /// drops the shares of replicas gone.
 pub async fn run_status(
@@ -449,8 +449,11 @@ pub async fn run_status(
             let due = match published.get(name) {
                 None => true,
                 Some(p) => {
-                    (p.counter, p.last_added_ms) != (share.counter, share.last_added_ms)
-                        || (share.counter > 0 && now.saturating_sub(p.at_ms) >= refresh_ms)
+                    // A change worth a write: to or from zero, or by a tenth; the decay's small
+                    // steps wait for the refresh.
+                    let moved = (p.counter == 0) != (share.counter == 0)
+                        || p.counter.abs_diff(share.counter) * 10 >= p.counter.max(1);
+                    moved || (share.counter > 0 && now.saturating_sub(p.at_ms) >= refresh_ms)
                 }
             };
             if !due {
