@@ -27,6 +27,7 @@ mod orchestrator;
 mod properties;
 mod proxy;
 mod queue;
+mod scaling;
 mod schema;
 mod simulation;
 mod tcp;

@@ -99,7 +99,16 @@ struct Inner {
     options: ProcessOptions,
     spawner: Mutex<Option<std::sync::mpsc::Sender<SpawnJob>>>,
     runtime: tokio::runtime::Handle,
+    /// Requests under way on the replica at an address (the proxy's count): a scale-down picks
+    /// the replica with the fewest and stops it once it has none (see [`ProcessOrchestrator::drain_with`]).
+    in_flight: std::sync::OnceLock<InFlightProbe>,
 }
+
+/// Tells how many requests are under way on the replica at an address.
+pub type InFlightProbe = Arc<dyn Fn(SocketAddr) -> u32 + Send + Sync>;
+
+/// How often a replica being drained is looked at.
+const DRAIN_POLL: Duration = Duration::from_millis(10);
 
 /// Runs workloads as local processes.
 pub struct ProcessOrchestrator {
@@ -133,8 +142,17 @@ impl ProcessOrchestrator {
                 options,
                 spawner: Mutex::new(Some(spawner)),
                 runtime,
+                in_flight: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// Drains replicas before stopping them: a scale-down picks, among the ready replicas, one
+    /// with the fewest requests under way by `probe`, takes it out of the ready list, and sends
+    /// it SIGTERM only once `probe` says none is left (or its `stop_grace_ms` has passed). Set
+    /// once, by the proxy that owns the counts.
+    pub fn drain_with(&self, probe: InFlightProbe) {
+        let _ = self.inner.in_flight.set(probe);
     }
 
     /// Scales every workload to zero and waits (up to each one's grace period plus `extra`) until
@@ -338,12 +356,19 @@ async fn reconcile(inner: Arc<Inner>, name: String, wake: Arc<Notify>) {
                     }
                 }
             } else if (live.len() as u32) > w.desired {
-                // Stop replicas that are still starting first, then the newest ready one.
+                // Stop replicas that are still starting first, then the ready one with the
+                // fewest requests under way (the newest among equals).
+                let busy = |id: &u64| {
+                    inner
+                        .in_flight
+                        .get()
+                        .map_or(0, |probe| probe(w.replicas[id].addr))
+                };
                 let victim = live
                     .iter()
                     .rev()
                     .find(|id| w.replicas[id].phase == Phase::Starting)
-                    .or_else(|| live.last())
+                    .or_else(|| live.iter().rev().min_by_key(|id| busy(id)))
                     .copied()
                     .expect("live is not empty");
                 let r = w.replicas.get_mut(&victim).expect("victim exists");
@@ -582,6 +607,7 @@ async fn run_replica(inner: Arc<Inner>, name: String, id: u64, addr: SocketAddr)
                     Err(e) => format!("lost: {e}"),
                 }),
                 _ = stop.notified() => {
+                    drain(&inner, addr, &spec).await;
                     stop_child(&mut child, pid, &spec).await;
                     None
                 }
@@ -592,6 +618,24 @@ async fn run_replica(inner: Arc<Inner>, name: String, id: u64, addr: SocketAddr)
             stop_child(&mut child, pid, &spec).await;
             replica_gone(&inner, &name, id, Some(why).filter(|w| !w.is_empty()));
         }
+    }
+}
+
+/// Waits until the replica at `addr`, out of the ready list, has no request under way (at most
+/// its grace period; at once without a probe).
+async fn drain(inner: &Inner, addr: SocketAddr, spec: &WorkloadSpec) {
+    let Some(probe) = inner.in_flight.get() else {
+        return;
+    };
+    let bound = Duration::from_millis(spec.stop_grace_ms);
+    let drained = tokio::time::timeout(bound, async {
+        while probe(addr) > 0 {
+            tokio::time::sleep(DRAIN_POLL).await;
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(workload = %spec.name, %addr, "replica still busy after its grace period: stopping it");
     }
 }
 

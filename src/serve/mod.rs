@@ -347,6 +347,14 @@ pub async fn run(
             ..ProxyOptions::default()
         },
     ));
+    // Local processes are drained before they stop: the proxy counts their requests.
+    if let Some(p) = &process {
+        let weak = Arc::downgrade(&proxy);
+        p.drain_with(Arc::new(move |addr| {
+            weak.upgrade().map_or(0, |p| p.in_flight_at(addr))
+        }));
+    }
+    let load_scaler = Arc::new(crate::proxy::load::LoadScaler::default());
     // On Kubernetes: the Service, EndpointSlice, scale and sync loops, and the functions' objects.
     let kube_task = kube.clone().map(|k| {
         let (log, stop) = (log.clone(), stop_rx.clone());
@@ -491,6 +499,14 @@ pub async fn run(
             ));
         }
         _ => {
+            tokio::spawn(crate::proxy::load::run(
+                load_scaler.clone(),
+                log.clone(),
+                dyn_orch.clone(),
+                traffic.clone(),
+                clock.clone(),
+                stop_rx.clone(),
+            ));
             tokio::spawn(runtime::run_downscaler(
                 log.clone(),
                 dyn_orch.clone(),

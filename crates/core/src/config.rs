@@ -121,6 +121,11 @@ pub struct AppConfig {
     /// and its readiness is a TCP connect.
     #[serde(default)]
     pub listen: Option<String>,
+    /// Scaling on load between `min_replicas` (at least one once woken) and `max_replicas`:
+    /// `{ target_concurrency = 4 }` or `{ target_rps = 50 }`, with Knative's other knobs
+    /// ([`crate::event::LoadSpec`]).
+    #[serde(default)]
+    pub load: Option<crate::event::LoadSpec>,
 }
 
 /// A waiting page as written in `ebb.toml` and the admin API.
@@ -364,6 +369,10 @@ impl AppConfig {
         }
         warm_windows(&self.warm, self.max_replicas)
             .map_err(|e| format!("app {:?}: {e}", self.name))?;
+        if let Some(l) = &self.load {
+            l.settings(self.min_replicas, self.max_replicas)
+                .map_err(|e| format!("app {:?}: load: {e}", self.name))?;
+        }
         if let Some(w) = &self.waiting_page {
             w.page(None)
                 .map_err(|e| format!("app {:?}: {e}", self.name))?;
@@ -413,6 +422,7 @@ impl AppConfig {
             // Read and checked by `validate` (a file of ebb.toml's becomes its text at load).
             waiting_page: self.waiting_page.as_ref().and_then(|w| w.page(None).ok()),
             listen: self.listen.clone(),
+            load: self.load.clone(),
         }
     }
 }

@@ -57,6 +57,34 @@ pub enum ScaleReason {
     Peer,
     /// A keep-warm window opened and asks for more replicas than run.
     Warm,
+    /// The route's load asks for another count: the figures the decision was taken on.
+    Load(LoadWhy),
+}
+
+/// What a decision to scale on load was taken on, as the log keeps it (integers: events compare
+/// exactly).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LoadWhy {
+    /// What the load is measured in.
+    #[serde(default)]
+    pub metric: crate::scaler::load::Metric,
+    /// The load per ready replica over the window, in thousandths (requests in flight, or
+    /// requests per second).
+    pub per_replica_milli: u64,
+    /// The target per replica, in thousandths.
+    pub target_milli: u64,
+    /// The share of the target a replica is planned to run at, percent.
+    pub utilization_pct: u32,
+    /// The window the load was averaged over, ms.
+    pub window_ms: u64,
+    /// Whether the route was in panic (the panic window decided, and nothing scales down).
+    #[serde(default)]
+    pub panic: bool,
+    /// Replicas ready when it was decided.
+    pub ready: u32,
+    /// Requests held for a replica when it was decided.
+    #[serde(default)]
+    pub held: u32,
 }
 
 impl ScaleReason {
@@ -71,6 +99,7 @@ impl ScaleReason {
             ScaleReason::Shutdown => "shutdown",
             ScaleReason::Peer => "peer",
             ScaleReason::Warm => "warm",
+            ScaleReason::Load(_) => "load",
         }
     }
 }
@@ -235,6 +264,145 @@ pub struct RouteSpec {
     /// to the replicas as they are, and its domains may be empty.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub listen: Option<String>,
+    /// Scaling on load between its replica bounds (absent: the route runs its minimum, or one
+    /// replica once woken, and no more).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load: Option<LoadSpec>,
+}
+
+/// A route's scaling on load, as `ebb.toml`, the admin API and a Service's annotations write it:
+/// one target (requests in flight per replica, or requests per second per replica), and
+/// Knative's knobs with Knative's defaults. [`LoadSpec::settings`] turns it into the core's
+/// [`crate::scaler::load::Settings`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadSpec {
+    /// Requests in flight one replica is meant for (Knative's `target` on `concurrency`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_concurrency: Option<f64>,
+    /// Requests per second one replica is meant for (Knative's `target` on `rps`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_rps: Option<f64>,
+    /// The share of the target a replica is planned to run at, percent (default 70).
+    #[serde(default = "default_utilization")]
+    pub utilization_pct: f64,
+    /// The stable window the load is averaged over, ms (default 60 s; 6 s to 1 h).
+    #[serde(default = "default_window")]
+    pub window_ms: u64,
+    /// The panic window, percent of the stable window (default 10; at least 1 s).
+    #[serde(default = "default_panic_window")]
+    pub panic_window_pct: f64,
+    /// Panic when the panic window asks for this percent of the replicas ready (default 200).
+    #[serde(default = "default_panic_threshold")]
+    pub panic_threshold_pct: f64,
+    /// At most this many times the replicas ready in one step (default 1000).
+    #[serde(default = "default_up_rate")]
+    pub max_scale_up_rate: f64,
+    /// At least the replicas ready divided by this in one step (default 2).
+    #[serde(default = "default_down_rate")]
+    pub max_scale_down_rate: f64,
+    /// A lower count is taken only once asked for this long, ms (default 0).
+    #[serde(default)]
+    pub scale_down_delay_ms: u64,
+}
+
+// Checked finite by `LoadSpec::check` before a spec is written.
+impl Eq for LoadSpec {}
+
+fn default_utilization() -> f64 {
+    70.0
+}
+fn default_window() -> u64 {
+    60_000
+}
+fn default_panic_window() -> f64 {
+    10.0
+}
+fn default_panic_threshold() -> f64 {
+    200.0
+}
+fn default_up_rate() -> f64 {
+    1000.0
+}
+fn default_down_rate() -> f64 {
+    2.0
+}
+
+impl Default for LoadSpec {
+    fn default() -> Self {
+        LoadSpec {
+            target_concurrency: None,
+            target_rps: None,
+            utilization_pct: default_utilization(),
+            window_ms: default_window(),
+            panic_window_pct: default_panic_window(),
+            panic_threshold_pct: default_panic_threshold(),
+            max_scale_up_rate: default_up_rate(),
+            max_scale_down_rate: default_down_rate(),
+            scale_down_delay_ms: 0,
+        }
+    }
+}
+
+impl LoadSpec {
+    /// The core's settings for a route with bounds `min_replicas..=max_replicas`, or why these
+    /// cannot be used.
+    pub fn settings(
+        &self,
+        min_replicas: u32,
+        max_replicas: u32,
+    ) -> Result<crate::scaler::load::Settings, String> {
+        use crate::scaler::load::{Metric, SAMPLE_MS, Settings};
+        let (metric, target) = match (self.target_concurrency, self.target_rps) {
+            (Some(c), None) => (Metric::Concurrency, c),
+            (None, Some(r)) => (Metric::Rps, r),
+            (None, None) => {
+                return Err("load scaling needs target_concurrency or target_rps".into());
+            }
+            (Some(_), Some(_)) => {
+                return Err("load scaling takes target_concurrency or target_rps, not both".into());
+            }
+        };
+        for (name, v) in [
+            ("utilization_pct", self.utilization_pct),
+            ("panic_window_pct", self.panic_window_pct),
+            ("panic_threshold_pct", self.panic_threshold_pct),
+            ("max_scale_up_rate", self.max_scale_up_rate),
+            ("max_scale_down_rate", self.max_scale_down_rate),
+        ] {
+            if !v.is_finite() {
+                return Err(format!("{name} must be a number, not {v}"));
+            }
+        }
+        if !(1.0..=100.0).contains(&self.panic_window_pct) {
+            return Err(format!(
+                "panic_window_pct must be within 1 and 100, not {}",
+                self.panic_window_pct
+            ));
+        }
+        let panic_window_ms =
+            ((self.window_ms as f64 * self.panic_window_pct / 100.0).round() as u64).max(SAMPLE_MS);
+        let settings = Settings {
+            metric,
+            target,
+            utilization: self.utilization_pct / 100.0,
+            stable_window_ms: self.window_ms,
+            panic_window_ms: panic_window_ms.min(self.window_ms),
+            panic_threshold: self.panic_threshold_pct / 100.0,
+            max_up_rate: self.max_scale_up_rate,
+            max_down_rate: self.max_scale_down_rate,
+            scale_down_delay_ms: self.scale_down_delay_ms,
+            min_replicas,
+            max_replicas,
+        };
+        settings.check()?;
+        if max_replicas <= 1 {
+            return Err(format!(
+                "load scaling moves between min and max replicas: max replicas is {max_replicas}, set it above 1"
+            ));
+        }
+        Ok(settings)
+    }
 }
 
 /// The page a browser gets while a route's workload wakes.

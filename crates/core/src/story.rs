@@ -75,6 +75,41 @@ fn outcome(o: Outcome) -> &'static str {
 }
 
 /// Why a scale was asked for, from what ebb knew then.
+/// "9.8 requests in flight per replica over the last 6 s against a target of 4 at 70 %
+/// (panic)".
+fn load_reason(why: &crate::event::LoadWhy) -> String {
+    use crate::scaler::load::Metric;
+    let milli = |m: u64| {
+        let v = m as f64 / 1000.0;
+        if (v - v.round()).abs() < 0.05 {
+            format!("{v:.0}")
+        } else {
+            format!("{v:.1}")
+        }
+    };
+    let what = match why.metric {
+        Metric::Concurrency => "requests in flight",
+        Metric::Rps => "requests per second",
+    };
+    let mut s = format!(
+        "{} {what} per replica over the last {} against a target of {} at {} %",
+        milli(why.per_replica_milli),
+        duration(why.window_ms),
+        milli(why.target_milli),
+        why.utilization_pct
+    );
+    if why.held > 0 {
+        s.push_str(&format!(
+            ", {} waiting for a replica",
+            plural(u64::from(why.held), "request", "requests")
+        ));
+    }
+    if why.panic {
+        s.push_str(" (panic)");
+    }
+    s
+}
+
 fn scale_reason(before: &State, deployment: &str, at_ms: u64, reason: ScaleReason) -> String {
     match reason {
         ScaleReason::Wake => "a request came while no replica was ready".into(),
@@ -137,6 +172,7 @@ fn scale_reason(before: &State, deployment: &str, at_ms: u64, reason: ScaleReaso
                 format!("keep-warm window {}", open.join("; "))
             }
         }
+        ScaleReason::Load(why) => load_reason(&why),
     }
 }
 

@@ -947,6 +947,7 @@ fn explain(reason: Option<crate::event::ScaleReason>) -> (&'static str, &'static
         Some(Shutdown) => ("Shutdown", "ebb is shutting down"),
         Some(Peer) => ("Peer", "another ebb replica or an operator changed it"),
         Some(Warm) => ("Warm", "a keep-warm window is open"),
+        Some(Load(_)) => ("Load", "the route's load asks for it"),
         None => ("Scaled", "asked by ebb"),
     }
 }

@@ -127,6 +127,11 @@ impl Backends {
             .and_then(Weak::upgrade)
     }
 
+    /// Requests under way on the replica at `addr` (0 when no ready list names it).
+    pub fn in_flight_at(&self, addr: SocketAddr) -> u32 {
+        self.find(addr).map_or(0, |r| r.inst.active())
+    }
+
     /// The deployment's group, created on first use.
     pub fn group(&self, deployment: &str) -> Arc<Group> {
         let mut map = self.groups.lock().expect("groups lock");

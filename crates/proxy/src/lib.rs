@@ -64,6 +64,7 @@ pub mod backends;
 pub mod discovery;
 pub mod grpc;
 mod h1;
+pub mod load;
 pub mod runtime;
 pub mod services;
 pub mod splice;
@@ -564,6 +565,12 @@ impl Proxy {
             draining: tokio::sync::watch::channel(false).0,
             tunnels: Arc::default(),
         }
+    }
+
+    /// Requests under way on the replica at `addr`: a replica being scaled down is stopped once
+    /// this is 0.
+    pub fn in_flight_at(&self, addr: std::net::SocketAddr) -> u32 {
+        self.backends.in_flight_at(addr)
     }
 
     /// Begins the shutdown's drain: answers from now on close their connections, idle ones

@@ -38,6 +38,9 @@ pub struct RouteTraffic {
     /// Requests taken by the flusher so far (with `requests`: every request since the start).
     flushed: AtomicU64,
     last_at_ms: AtomicU64,
+    /// Requests that ended (answered, refused or cut) since the start: with the arrivals, the
+    /// flow load scaling reads.
+    finished: AtomicU64,
     waking: std::sync::atomic::AtomicBool,
     /// Answers by status class and the replicas' answer times.
     answers: Answers,
@@ -131,6 +134,7 @@ pub struct InFlight(Arc<RouteTraffic>);
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.0.finished.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -286,6 +290,11 @@ impl RouteTraffic {
     /// Every request since the start (a counter; read without touching the hot path).
     pub fn served(&self) -> u64 {
         self.flushed.load(Ordering::Acquire) + self.requests.load(Ordering::Acquire)
+    }
+
+    /// Requests ended since the start.
+    pub fn finished(&self) -> u64 {
+        self.finished.load(Ordering::Relaxed)
     }
 
     /// Takes the count of requests since the last call, with the newest request time.

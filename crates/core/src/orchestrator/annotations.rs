@@ -42,6 +42,25 @@ pub const STREAM_IDLE_TIMEOUT: &str = "ebb.dev/stream-idle-timeout";
 pub const CONNECTION_IDLE_TIMEOUT: &str = "ebb.dev/connection-idle-timeout";
 pub const WAITING_PAGE: &str = "ebb.dev/waiting-page";
 pub const LISTEN: &str = "ebb.dev/listen";
+pub const TARGET_CONCURRENCY: &str = "ebb.dev/target-concurrency";
+pub const TARGET_RPS: &str = "ebb.dev/target-rps";
+pub const TARGET_UTILIZATION: &str = "ebb.dev/target-utilization-percentage";
+pub const SCALE_WINDOW: &str = "ebb.dev/window";
+pub const PANIC_WINDOW: &str = "ebb.dev/panic-window-percentage";
+pub const PANIC_THRESHOLD: &str = "ebb.dev/panic-threshold-percentage";
+pub const SCALE_DOWN_DELAY: &str = "ebb.dev/scale-down-delay";
+pub const MAX_SCALE_UP_RATE: &str = "ebb.dev/max-scale-up-rate";
+pub const MAX_SCALE_DOWN_RATE: &str = "ebb.dev/max-scale-down-rate";
+/// Knative's annotations, understood where they mean what ebb's do.
+pub const KN_METRIC: &str = "autoscaling.knative.dev/metric";
+pub const KN_TARGET: &str = "autoscaling.knative.dev/target";
+pub const KN_UTILIZATION: &str = "autoscaling.knative.dev/target-utilization-percentage";
+pub const KN_WINDOW: &str = "autoscaling.knative.dev/window";
+pub const KN_PANIC_WINDOW: &str = "autoscaling.knative.dev/panic-window-percentage";
+pub const KN_PANIC_THRESHOLD: &str = "autoscaling.knative.dev/panic-threshold-percentage";
+pub const KN_SCALE_DOWN_DELAY: &str = "autoscaling.knative.dev/scale-down-delay";
+pub const KN_MIN_SCALE: &str = "autoscaling.knative.dev/min-scale";
+pub const KN_MAX_SCALE: &str = "autoscaling.knative.dev/max-scale";
 
 /// Settings of a route whose Service does not say.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -192,8 +211,24 @@ pub fn route(
                 .map_err(|_| bad(key, format!("{v:?} is not a whole number")))
         })
     };
-    let min_replicas = count(MIN_REPLICAS, 0)?;
-    let max_replicas = count(MAX_REPLICAS, defaults.max_replicas.max(min_replicas))?;
+    // ebb's names win over Knative's.
+    let min_replicas = match annotations.contains_key(MIN_REPLICAS) {
+        true => count(MIN_REPLICAS, 0)?,
+        false => count(KN_MIN_SCALE, 0)?,
+    };
+    let max_default = defaults.max_replicas.max(min_replicas);
+    let max_replicas = match annotations.contains_key(MAX_REPLICAS) {
+        true => count(MAX_REPLICAS, max_default)?,
+        false => match count(KN_MAX_SCALE, max_default)? {
+            0 => {
+                return Err(bad(
+                    KN_MAX_SCALE,
+                    "0 (no bound) is not taken: ebb scales within a bound, name it",
+                ));
+            }
+            n => n,
+        },
+    };
     if max_replicas == 0 || min_replicas > max_replicas {
         return Err(bad(
             MAX_REPLICAS,
@@ -267,8 +302,117 @@ pub fn route(
         connection_idle_timeout_ms: duration(CONNECTION_IDLE_TIMEOUT, 0)?,
         waiting_page,
         listen,
+        load: load(annotations, min_replicas, max_replicas)?,
     };
     Ok(Some((spec, workload)))
+}
+
+/// The load scaling the annotations ask for (`None`: none names a target), ebb's names first,
+/// then Knative's.
+fn load(
+    annotations: &BTreeMap<String, String>,
+    min_replicas: u32,
+    max_replicas: u32,
+) -> Result<Option<crate::event::LoadSpec>, AnnotationError> {
+    let get = |ours: &'static str, theirs: Option<&'static str>| {
+        annotations
+            .get(ours)
+            .map(|v| (ours, v.trim()))
+            .or_else(|| theirs.and_then(|t| annotations.get(t).map(|v| (t, v.trim()))))
+    };
+    let number = |(key, v): (&'static str, &str)| {
+        v.trim_end_matches('%')
+            .parse::<f64>()
+            .ok()
+            .filter(|n| n.is_finite())
+            .ok_or_else(|| bad(key, format!("{v:?} is not a number")))
+    };
+    let ms = |(key, v): (&'static str, &str)| parse_duration_ms(v).map_err(|e| bad(key, e));
+    let concurrency = get(TARGET_CONCURRENCY, None).map(number).transpose()?;
+    let rps = get(TARGET_RPS, None).map(number).transpose()?;
+    let (concurrency, rps, key) = match (concurrency, rps) {
+        (Some(_), Some(_)) => {
+            return Err(bad(
+                TARGET_RPS,
+                format!("a route scales on {TARGET_CONCURRENCY} or {TARGET_RPS}, not both"),
+            ));
+        }
+        (Some(c), None) => (Some(c), None, TARGET_CONCURRENCY),
+        (None, Some(r)) => (None, Some(r), TARGET_RPS),
+        (None, None) => {
+            let metric = annotations.get(KN_METRIC).map(|m| m.trim());
+            let Some(target) = annotations.get(KN_TARGET) else {
+                if metric.is_some() {
+                    return Err(bad(
+                        KN_TARGET,
+                        format!("missing: {KN_METRIC} needs a target"),
+                    ));
+                }
+                return Ok(None);
+            };
+            let t = number((KN_TARGET, target.trim()))?;
+            match metric {
+                None | Some("concurrency") => (Some(t), None, KN_TARGET),
+                Some("rps") => (None, Some(t), KN_TARGET),
+                Some(other) => {
+                    return Err(bad(
+                        KN_METRIC,
+                        format!("{other:?}: ebb scales on concurrency or rps"),
+                    ));
+                }
+            }
+        }
+    };
+    let mut spec = crate::event::LoadSpec {
+        target_concurrency: concurrency,
+        target_rps: rps,
+        ..Default::default()
+    };
+    // Which annotation gave each knob, to name it when its value is refused.
+    let mut given: Vec<(&str, &'static str)> = Vec::new();
+    if let Some(v) = get(TARGET_UTILIZATION, Some(KN_UTILIZATION)) {
+        spec.utilization_pct = number(v)?;
+        given.push(("utilization", v.0));
+    }
+    if let Some(v) = get(SCALE_WINDOW, Some(KN_WINDOW)) {
+        spec.window_ms = ms(v)?;
+        given.push(("the window", v.0));
+    }
+    if let Some(v) = get(PANIC_WINDOW, Some(KN_PANIC_WINDOW)) {
+        spec.panic_window_pct = number(v)?;
+        given.push(("panic window", v.0));
+        given.push(("panic_window", v.0));
+    }
+    if let Some(v) = get(PANIC_THRESHOLD, Some(KN_PANIC_THRESHOLD)) {
+        spec.panic_threshold_pct = number(v)?;
+        given.push(("panic threshold", v.0));
+    }
+    if let Some(v) = get(SCALE_DOWN_DELAY, Some(KN_SCALE_DOWN_DELAY)) {
+        spec.scale_down_delay_ms = ms(v)?;
+    }
+    if let Some(v) = get(MAX_SCALE_UP_RATE, None) {
+        spec.max_scale_up_rate = number(v)?;
+        given.push(("scale-up rate", v.0));
+    }
+    if let Some(v) = get(MAX_SCALE_DOWN_RATE, None) {
+        spec.max_scale_down_rate = number(v)?;
+        given.push(("scale-down rate", v.0));
+    }
+    given.push(("target", key));
+    given.push(("replicas", MAX_REPLICAS));
+    // The most particular words first ("the panic window ... the window").
+    given.sort_by_key(|(words, _)| match *words {
+        "the window" | "target" | "replicas" => 1,
+        _ => 0,
+    });
+    spec.settings(min_replicas, max_replicas).map_err(|e| {
+        let at = given
+            .iter()
+            .find(|(words, _)| e.contains(words))
+            .map_or(key, |(_, k)| *k);
+        bad(at, e)
+    })?;
+    Ok(Some(spec))
 }
 
 fn workload(

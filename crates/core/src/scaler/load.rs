@@ -30,7 +30,8 @@
 use std::collections::VecDeque;
 
 /// What the load is measured in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Metric {
     /// Requests in flight (and held), averaged over time.
     #[default]
@@ -358,6 +359,24 @@ pub struct Decision {
     pub per_replica: f64,
     /// The window `load` was averaged over, ms.
     pub window_ms: u64,
+}
+
+impl Decision {
+    /// What the log keeps of it, with the settings, the replicas ready and the requests held it
+    /// was taken with.
+    pub fn why(&self, settings: &Settings, ready: u32, held: f64) -> crate::event::LoadWhy {
+        let milli = |v: f64| (v.max(0.0) * 1000.0).round() as u64;
+        crate::event::LoadWhy {
+            metric: settings.metric,
+            per_replica_milli: milli(self.per_replica),
+            target_milli: milli(settings.target),
+            utilization_pct: (settings.utilization * 100.0).round() as u32,
+            window_ms: self.window_ms,
+            panic: self.panicking,
+            ready,
+            held: held.max(0.0).round() as u32,
+        }
+    }
 }
 
 /// What a route's decisions remember between them: the panic, and the counts asked for within

@@ -83,6 +83,56 @@ pub fn decide_wake(state: &State, route: &str, now_ms: u64) -> Option<Event> {
     })
 }
 
+/// The route whose load settings scale `deployment`: of its routes with a [`RouteSpec::load`],
+/// the first by name (a deployment behind several routes is scaled on their summed load with
+/// that one's settings).
+pub fn load_route<'a>(state: &'a State, deployment: &str) -> Option<&'a RouteSpec> {
+    state
+        .routes
+        .routes_of(deployment)
+        .map(|r| &r.spec)
+        .filter(|r| r.load.is_some())
+        .min_by(|a, b| a.name.cmp(&b.name))
+}
+
+/// The bounds load scaling keeps an awake deployment within: at least one replica and the
+/// deployment's floor now (its routes' idle replicas and open keep-warm windows), at most the
+/// deciding route's `max_replicas`.
+pub fn load_bounds(state: &State, route: &RouteSpec, now_ms: u64) -> (u32, u32) {
+    let max = route.max_replicas.max(1);
+    let min = deployment_floor(state, &route.deployment, now_ms)
+        .max(route.min_replicas)
+        .max(1)
+        .min(max);
+    (min, max)
+}
+
+/// A deployment's load asks for `desired` replicas (`why`: the figures it was decided on). It is
+/// recorded as `ScaleRequested { reason: load }` only when the deployment is awake (going to zero
+/// and coming back are idleness's and a wake's) and the count, kept within [`load_bounds`],
+/// differs from the one asked for.
+pub fn decide_load(
+    state: &State,
+    deployment: &str,
+    desired: u32,
+    why: crate::event::LoadWhy,
+    now_ms: u64,
+) -> Option<Event> {
+    let d = state.routes.deployments.get(deployment)?;
+    if d.desired == 0 {
+        return None;
+    }
+    let route = load_route(state, deployment)?;
+    let (min, max) = load_bounds(state, route, now_ms);
+    let to = desired.clamp(min, max);
+    (to != d.desired).then(|| Event::ScaleRequested {
+        deployment: deployment.to_owned(),
+        from: d.desired,
+        to,
+        reason: ScaleReason::Load(why),
+    })
+}
+
 /// A route's keep-warm windows at `now_ms` (run when its `RouteWarm` deadline falls due): each
 /// window open now and not recorded so (or recorded for an earlier occurrence, or with another
 /// minimum) starts, each recorded window no longer open ends, and when the deployment is asked

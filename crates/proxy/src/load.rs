@@ -1,0 +1,371 @@
+//! Scaling on load, the loop around the core's rule (`ebb_core::scaler::load`): the proxy's
+//! counters are read every [`POLL_MS`] and made into one [`Sample`] a second per deployment
+//! (requests at its replicas and held, averaged over the second; requests arrived and ended in
+//! it), kept in a bounded [`Window`]; each second the route's [`Decider`] takes the figures, and
+//! a count other than the one asked for is decided on the log's writer
+//! ([`ebb_core::scaler::decide_load`], `ScaleRequested { reason: load }` with its figures) and
+//! then asked of the orchestrator.
+//!
+//! Only deployments that are awake are decided: a deployment at zero is woken by its first
+//! request, and one idle for its `idle_after_ms` goes back to its floor by idleness, as before.
+//! On several ebb replicas (Kubernetes) each sees its share of the traffic: [`LoadScaler::sample`]
+//! makes this replica's, [`LoadScaler::decide`] takes the samples other replicas reported, and
+//! only the lease holder decides.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ebb_core::orchestrator::Orchestrator;
+use ebb_core::scaler::load::{Decider, Decision, Figures, SAMPLE_MS, Sample, Settings, Window};
+use tokio::sync::watch;
+
+use crate::clock::Clock;
+use crate::event::Event;
+use crate::log::Log;
+use crate::state::State;
+use crate::traffic::Traffic;
+
+/// How often the counters are read within a second.
+pub const POLL_MS: u64 = 100;
+
+/// What the dashboard and `/metrics` show of one deployment's scaling on load.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct View {
+    /// The route whose settings decide.
+    pub route: String,
+    /// `concurrency` or `rps`.
+    pub metric: &'static str,
+    /// The target per replica and the share of it aimed at.
+    pub target: f64,
+    pub utilization: f64,
+    /// The stable and panic windows' averages of the load (all replicas of the deployment).
+    pub stable: f64,
+    pub panic: f64,
+    /// Requests held now.
+    pub held: f64,
+    /// Replicas the rule wants now, and replicas ready.
+    pub desired: u32,
+    pub ready: u32,
+    pub panicking: bool,
+}
+
+/// The counters read so far in the current second.
+#[derive(Debug, Default, Clone)]
+struct Partial {
+    in_flight: f64,
+    held: f64,
+    polls: u32,
+    /// Arrivals and ends at the last sample (monotonic counters).
+    arrived_at: u64,
+    finished_at: u64,
+    started_ms: u64,
+}
+
+/// One deployment's state between decisions.
+#[derive(Debug, Default)]
+struct Tracked {
+    route: String,
+    settings: Option<Settings>,
+    window: Window,
+    decider: Decider,
+    partial: Partial,
+    /// The newest sample this replica made.
+    mine: Option<Sample>,
+    /// What the last decision found.
+    view: View,
+}
+
+/// Every awake deployment's samples and decisions.
+#[derive(Debug, Default)]
+pub struct LoadScaler {
+    tracked: Mutex<HashMap<String, Tracked>>,
+}
+
+impl LoadScaler {
+    /// What the last decisions found, per deployment.
+    pub fn views(&self) -> BTreeMap<String, View> {
+        self.lock()
+            .iter()
+            .filter(|(_, t)| t.settings.is_some())
+            .map(|(d, t)| (d.clone(), t.view.clone()))
+            .collect()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Tracked>> {
+        self.tracked.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reads the proxy's counters for the deployments `scaled` names (deployment → its routes and
+    /// its settings), forgetting the others; at each second's end makes this replica's sample of
+    /// each. Returns the deployments whose second ended.
+    pub fn poll(
+        &self,
+        traffic: &Traffic,
+        scaled: &BTreeMap<String, (String, Vec<String>, Settings)>,
+        now_ms: u64,
+    ) -> Vec<String> {
+        let mut all = self.lock();
+        all.retain(|d, _| scaled.contains_key(d));
+        let mut ended = Vec::new();
+        for (deployment, (route, routes, settings)) in scaled {
+            let t = all.entry(deployment.clone()).or_default();
+            if t.settings.as_ref() != Some(settings) || &t.route != route {
+                // New or changed settings: the windows start again.
+                *t = Tracked {
+                    route: route.clone(),
+                    settings: Some(*settings),
+                    ..Tracked::default()
+                };
+            }
+            let (mut in_flight, mut held, mut arrived, mut finished) = (0u64, 0u64, 0u64, 0u64);
+            for r in routes {
+                let rt = traffic.route(r);
+                let h = u64::from(rt.held());
+                held += h;
+                in_flight += rt.in_flight().saturating_sub(h);
+                arrived += rt.served();
+                finished += rt.finished();
+            }
+            let p = &mut t.partial;
+            if p.polls == 0 && p.started_ms == 0 {
+                // The first look: the counters so far are not this second's.
+                p.arrived_at = arrived;
+                p.finished_at = finished;
+                p.started_ms = now_ms;
+            }
+            p.in_flight += in_flight as f64;
+            p.held += held as f64;
+            p.polls += 1;
+            if now_ms.saturating_sub(p.started_ms) >= SAMPLE_MS {
+                let polls = f64::from(p.polls.max(1));
+                let came = arrived.saturating_sub(p.arrived_at);
+                let sample = Sample {
+                    at_ms: now_ms,
+                    in_flight: p.in_flight / polls,
+                    held: p.held / polls,
+                    started: came,
+                    arrived: came,
+                    finished: finished.saturating_sub(p.finished_at),
+                };
+                t.mine = Some(sample);
+                *p = Partial {
+                    arrived_at: arrived,
+                    finished_at: finished,
+                    started_ms: now_ms,
+                    ..Partial::default()
+                };
+                ended.push(deployment.clone());
+            }
+        }
+        ended
+    }
+
+    /// This replica's newest sample of `deployment`.
+    pub fn mine(&self, deployment: &str) -> Option<Sample> {
+        self.lock().get(deployment).and_then(|t| t.mine)
+    }
+
+    /// Adds the second's sample of `deployment` (this replica's summed with `others`, the newest
+    /// other replicas reported) to its window and decides: the replicas wanted, with `ready`
+    /// ready now, and the figures taken. `in_flight` and `held` are the requests at replicas and
+    /// held now, summed likewise.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decide(
+        &self,
+        deployment: &str,
+        others: &[Sample],
+        ready: u32,
+        in_flight: f64,
+        held: f64,
+        now_ms: u64,
+    ) -> Option<(Decision, Settings)> {
+        let mut all = self.lock();
+        let t = all.get_mut(deployment)?;
+        let settings = t.settings?;
+        let mut sample = t.mine.unwrap_or(Sample {
+            at_ms: now_ms,
+            ..Sample::default()
+        });
+        for o in others {
+            sample.in_flight += o.in_flight;
+            sample.held += o.held;
+            sample.started += o.started;
+            sample.arrived += o.arrived;
+            sample.finished += o.finished;
+        }
+        sample.at_ms = now_ms;
+        t.window.push(sample);
+        t.window.trim(now_ms, settings.stable_window_ms);
+        let figures = Figures::of(&t.window, &settings, now_ms, in_flight, held, false)?;
+        let decision = t.decider.decide(&settings, &figures, ready, now_ms, true);
+        t.view = View {
+            route: t.route.clone(),
+            metric: settings.metric.name(),
+            target: settings.target,
+            utilization: settings.utilization,
+            stable: figures.stable,
+            panic: figures.panic,
+            held,
+            desired: decision.desired,
+            ready,
+            panicking: decision.panicking,
+        };
+        Some((decision, settings))
+    }
+
+    /// Forgets what `deployment`'s decisions remembered (it went to zero: its next wake starts
+    /// calm, with empty windows).
+    pub fn reset(&self, deployment: &str) {
+        if let Some(t) = self.lock().get_mut(deployment) {
+            t.window = Window::default();
+            t.decider = Decider::default();
+        }
+    }
+}
+
+/// The deployments scaled on load now, each with its deciding route, all its routes and the
+/// settings, and whether it is awake.
+pub fn scaled(state: &State, now_ms: u64) -> BTreeMap<String, (String, Vec<String>, Settings)> {
+    let mut out = BTreeMap::new();
+    for d in state.routes.by_deployment.keys() {
+        let Some(route) = ebb_core::scaler::load_route(state, d) else {
+            continue;
+        };
+        let (min, max) = ebb_core::scaler::load_bounds(state, route, now_ms);
+        let Some(Ok(settings)) = route.load.as_ref().map(|l| l.settings(min, max)) else {
+            continue;
+        };
+        let routes = state
+            .routes
+            .routes_of(d)
+            .map(|r| r.spec.name.clone())
+            .collect();
+        out.insert(d.clone(), (route.name.clone(), routes, settings));
+    }
+    out
+}
+
+/// Requests at the replicas and held now, over `routes`.
+pub fn now_of(traffic: &Traffic, routes: &[String]) -> (f64, f64) {
+    let (mut in_flight, mut held) = (0u64, 0u64);
+    for r in routes {
+        let t = traffic.route(r);
+        let h = u64::from(t.held());
+        held += h;
+        in_flight += t.in_flight().saturating_sub(h);
+    }
+    (in_flight as f64, held as f64)
+}
+
+/// Records and performs one deployment's decision: `ScaleRequested { reason: load }` when the
+/// count changes, then the orchestrator's scale. Returns the count asked for, if it changed.
+pub async fn apply(
+    log: &Log,
+    orch: &dyn Orchestrator,
+    deployment: &str,
+    decision: Decision,
+    settings: &Settings,
+    ready: u32,
+    held: f64,
+) -> Option<u32> {
+    let why = decision.why(settings, ready, held);
+    let d = deployment.to_owned();
+    let wanted = decision.desired;
+    let decided = log
+        .decide(move |s: &State, now| {
+            let ev = ebb_core::scaler::decide_load(s, &d, wanted, why, now);
+            let to = match &ev {
+                Some(Event::ScaleRequested { from, to, .. }) => Some((*from, *to)),
+                _ => None,
+            };
+            (ev.into_iter().collect(), to)
+        })
+        .await;
+    match decided {
+        Ok((Some((from, to)), _)) => {
+            tracing::info!(
+                %deployment,
+                from,
+                to,
+                per_replica = decision.per_replica,
+                panic = decision.panicking,
+                "load: scaling"
+            );
+            if let Err(e) = orch.scale(deployment, to) {
+                tracing::warn!(%deployment, error = %e, "scaling on load failed");
+            }
+            Some(to)
+        }
+        Ok((None, _)) => None,
+        Err(e) => {
+            tracing::warn!(%deployment, error = %e, "load decision failed");
+            None
+        }
+    }
+}
+
+/// The loop of one ebb (the process orchestrator, or a single replica): polls the counters every
+/// [`POLL_MS`] and decides each deployment scaled on load once a second.
+pub async fn run(
+    scaler: Arc<LoadScaler>,
+    log: Arc<Log>,
+    orch: Arc<dyn Orchestrator>,
+    traffic: Arc<Traffic>,
+    clock: Arc<dyn Clock>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(POLL_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        if log.failure().is_some() {
+            return;
+        }
+        let now = clock.now_ms();
+        let (scaled, asked) = log.read(|s| {
+            let scaled = scaled(s, now);
+            let asked: HashMap<String, u32> = scaled
+                .keys()
+                .map(|d| {
+                    (
+                        d.clone(),
+                        s.routes.deployments.get(d).map_or(0, |d| d.desired),
+                    )
+                })
+                .collect();
+            (scaled, asked)
+        });
+        for deployment in scaler.poll(&traffic, &scaled, now) {
+            if asked.get(&deployment).copied().unwrap_or(0) == 0 {
+                scaler.reset(&deployment);
+                continue;
+            }
+            let routes = &scaled[&deployment].1;
+            let (in_flight, held) = now_of(&traffic, routes);
+            let ready = orch
+                .observe(&deployment)
+                .map_or(0, |o| o.ready.len() as u32);
+            let Some((decision, settings)) =
+                scaler.decide(&deployment, &[], ready, in_flight, held, now)
+            else {
+                continue;
+            };
+            if Some(&decision.desired) != asked.get(&deployment) {
+                apply(
+                    &log,
+                    orch.as_ref(),
+                    &deployment,
+                    decision,
+                    &settings,
+                    ready,
+                    held,
+                )
+                .await;
+            }
+        }
+    }
+}

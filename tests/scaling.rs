@@ -1,0 +1,136 @@
+//! Scaling on load with real processes: 40 clients without pause against an app that answers in
+//! 200 ms, target concurrency 4. The route scales out to what the load needs, every request is
+//! answered, then it scales back after the window and to zero after its idle time; the log
+//! tells each step, and a replica taken away is drained first.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::common;
+
+use common::controlplane::wait_until;
+use common::{children_with, events};
+
+const LIMIT: Duration = Duration::from_secs(60);
+const CLIENTS: u64 = 40;
+const TARGET: f64 = 4.0;
+
+fn config(dir: &Path) -> PathBuf {
+    let path = dir.join("ebb.toml");
+    std::fs::write(
+        &path,
+        r#"[[app]]
+name = "web"
+domains = ["web.localhost"]
+command = ["ebb", "example-app", "--answer-delay-ms", "200"]
+stop_grace_ms = 5000
+max_replicas = 30
+idle_after_ms = 12000
+load = { target_concurrency = 4, window_ms = 6000, panic_window_pct = 20 }
+"#,
+    )
+    .unwrap();
+    path
+}
+
+/// The `ScaleRequested` events, as (from, to, reason name).
+fn scalings(data: &Path) -> Vec<(u64, u64, String)> {
+    events(data)
+        .into_iter()
+        .filter_map(|e| {
+            let b = e["event"].get("ScaleRequested")?.clone();
+            let reason = match &b["reason"] {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Object(o) => o.keys().next().cloned().unwrap_or_default(),
+                _ => String::new(),
+            };
+            Some((b["from"].as_u64()?, b["to"].as_u64()?, reason))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_route_scales_out_with_its_load_answers_everything_and_comes_back_to_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let cfg = config(dir.path());
+    let ebb = common::serve(&data, Some(&cfg), None);
+    let proxy = ebb.proxy;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (answered, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let mut clients = Vec::new();
+    for _ in 0..CLIENTS {
+        let (stop, answered, failed) = (stop.clone(), answered.clone(), failed.clone());
+        clients.push(tokio::spawn(async move {
+            let c = common::http::client();
+            while !stop.load(Ordering::Relaxed) {
+                let a = common::http::send(&c, proxy, "GET", "web.localhost", "/", &[]).await;
+                if a.status == 200 {
+                    answered.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    eprintln!("answer {}: {}", a.status, a.body);
+                }
+            }
+        }));
+    }
+    // The load runs 20 s (counted by the answers, not a sleep: 40 clients at 200 ms each make
+    // 200 answers a second once scaled out). Meanwhile the processes follow it.
+    let most = Arc::new(AtomicU64::new(0));
+    let pid = ebb.child.id();
+    {
+        let most = most.clone();
+        wait_until("20 s of load", Duration::from_secs(120), || {
+            let n = children_with(pid, "example-app").len() as u64;
+            most.fetch_max(n, Ordering::Relaxed);
+            let done = answered.load(Ordering::Relaxed) >= 20 * 5 * CLIENTS * 7 / 10;
+            async move { done.then_some(()) }
+        })
+        .await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        c.await.unwrap();
+    }
+    assert_eq!(failed.load(Ordering::Relaxed), 0, "every request answered");
+    let scaled = scalings(&data);
+    let peak = scaled
+        .iter()
+        .filter(|(_, _, r)| r == "load")
+        .map(|(_, to, _)| *to)
+        .max()
+        .unwrap_or(0);
+    // 40 requests in flight at 4 per replica planned at 70 %: 10 replicas at the target itself,
+    // 15 at the utilization.
+    let at_target = (CLIENTS as f64 / TARGET).ceil() as u64;
+    let planned = (CLIENTS as f64 / (TARGET * 0.7)).ceil() as u64;
+    assert!(
+        (at_target..=planned + 1).contains(&peak),
+        "load asked for {peak} replicas, not {at_target}..={planned}: {scaled:?}"
+    );
+    assert!(
+        most.load(Ordering::Relaxed) >= at_target,
+        "{} processes ran at most",
+        most.load(Ordering::Relaxed)
+    );
+    // With the load gone: down on load after the window, then to zero on idleness.
+    wait_until("the route back at zero", LIMIT, || async {
+        let s = scalings(&data);
+        let down = s
+            .iter()
+            .any(|(from, to, r)| r == "load" && to < from && *to < peak);
+        let zero = s.last().is_some_and(|(_, to, r)| *to == 0 && r == "idle");
+        (down && zero && children_with(pid, "example-app").is_empty()).then_some(())
+    })
+    .await;
+    let story = common::ebb_ok(&data, &["explain", "route", "web"]);
+    eprintln!("{story}");
+    assert!(
+        story.contains("requests in flight per replica over the last")
+            && story.contains("against a target of 4 at 70 %"),
+        "{story}"
+    );
+    assert!(story.contains("no request for"), "{story}");
+}
