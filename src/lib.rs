@@ -24,6 +24,7 @@ pub mod cleaner;
 pub mod discovery;
 pub mod example_app;
 pub mod functions;
+pub mod load;
 pub mod log;
 pub mod metrics;
 pub mod orchestrator;

@@ -19,6 +19,8 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use common::controlplane::{ControlPlane, NOBODY_TOKEN, http_get, wait_for, wait_until};
@@ -3185,4 +3187,207 @@ async fn refusals_are_told_once_where_operators_look_and_recover_when_allowed() 
         !exists(&cp, "configmap", "doomed") && !exists(&cp, "cleaner", "blocked")
     })
     .await;
+}
+
+/// `clients` clients sending `GET /` for `host` to `proxy` one after the other until `stop`,
+/// counting the 200s and the others. They run on a thread of their own, started from the test's
+/// thread, so in the control plane's network namespace (the test runtime's workers are not).
+fn load(
+    proxy: std::net::SocketAddr,
+    host: &'static str,
+    clients: usize,
+    stop: &Arc<AtomicBool>,
+    answered: &Arc<AtomicU64>,
+    failed: &Arc<AtomicU64>,
+) -> std::thread::JoinHandle<()> {
+    let (stop, answered, failed) = (stop.clone(), answered.clone(), failed.clone());
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let tasks: Vec<_> = (0..clients)
+                .map(|_| {
+                    let (stop, answered, failed) = (stop.clone(), answered.clone(), failed.clone());
+                    tokio::spawn(async move {
+                        let c = common::http::client();
+                        while !stop.load(Ordering::Relaxed) {
+                            let a = common::http::send(&c, proxy, "GET", host, "/", &[]).await;
+                            if a.status == 200 {
+                                answered.fetch_add(1, Ordering::Relaxed);
+                            } else {
+                                failed.fetch_add(1, Ordering::Relaxed);
+                                eprintln!("answer {}: {}", a.status, a.body);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+        });
+    })
+}
+
+/// The load scaling requests in an ebb's log: (from, to) of each `ScaleRequested { reason: load }`.
+fn load_scalings(data: &std::path::Path) -> Vec<(u64, u64)> {
+    common::events(data)
+        .iter()
+        .filter_map(|e| e["event"].get("ScaleRequested"))
+        .filter(|s| s["reason"].get("load").is_some())
+        .filter_map(|s| Some((s["from"].as_u64()?, s["to"].as_u64()?)))
+        .collect()
+}
+
+/// Scaling on load with two ebb replicas in front of one Deployment (an app answering in 200 ms,
+/// target concurrency 4): all 40 clients go through the replica that does not hold the Lease,
+/// so the holder sees none of the traffic itself and scales on what the other reports. The
+/// `/scale` writes are the holder's (audit log). SIGKILLed under load, the holder's Lease runs
+/// out and the other takes over: while the load goes on it asks for no fewer replicas than the
+/// traffic needs at the target. With the load gone, it scales down and then to zero.
+#[tokio::test]
+async fn two_ebbs_scale_on_their_summed_load_and_a_takeover_under_load_scales_nothing_down() {
+    let (cp, _, _agent) = cluster().await;
+    let slow = hello_deployment(0).replace(
+        r#"args: [--host, $(POD_IP), --port, "8080"]"#,
+        r#"args: [--host, $(POD_IP), --port, "8080", --answer-delay-ms, "200"]"#,
+    );
+    apply(
+        &cp,
+        &(slow
+            + &hello_service(
+                "hello",
+                &[
+                    ("ebb.dev/domains", "hello.test"),
+                    ("ebb.dev/deployment", "hello"),
+                    ("ebb.dev/idle-after", "15s"),
+                    ("ebb.dev/hold-timeout", "60s"),
+                    ("ebb.dev/max-replicas", "\"30\""),
+                    ("autoscaling.knative.dev/target", "\"4\""),
+                    ("autoscaling.knative.dev/window", "6s"),
+                    ("ebb.dev/panic-window-percentage", "\"20\""),
+                ],
+            )),
+    );
+    let work = tempfile::tempdir().unwrap();
+    let ports = [common::free_port(), common::free_port()];
+    let start = |me: usize| {
+        let data = work.path().join(format!("ebb-{me}"));
+        let name = format!("ebb-{me}");
+        let admin = format!("127.0.0.1:{}", ports[me]);
+        let peer = format!("ebb-{}=http://127.0.0.1:{}", 1 - me, ports[1 - me]);
+        serve_on(
+            &cp,
+            &data,
+            &[
+                "--pod-name",
+                &name,
+                "--replica",
+                &name,
+                "--peer",
+                &peer,
+                "--admin-listen",
+                &admin,
+                "--runner-token",
+                "peers-token",
+            ],
+        )
+    };
+    let mut holder = start(0);
+    wait_for("ebb-0 holding the Lease", Duration::from_secs(30), || {
+        lease_holder(&cp).as_deref() == Some("ebb-0")
+    })
+    .await;
+    let other = start(1);
+    let (data0, data1) = (work.path().join("ebb-0"), work.path().join("ebb-1"));
+    wait_for("the route in both logs", Duration::from_secs(30), || {
+        routes(&data0).contains("default/hello") && routes(&data1).contains("default/hello")
+    })
+    .await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (answered, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let clients = load(other.proxy, "hello.test", 40, &stop, &answered, &failed);
+    // The holder scales out on the other's traffic alone: 40 in flight at 4 per replica.
+    wait_until(
+        "the holder scaling out on the other's load",
+        Duration::from_secs(90),
+        || async {
+            load_scalings(&data0)
+                .iter()
+                .any(|(_, to)| *to >= 10)
+                .then_some(())
+        },
+    )
+    .await;
+    assert!(
+        load_scalings(&data1).is_empty(),
+        "the replica without the Lease decided"
+    );
+    let scale_writes = |cp: &ControlPlane| -> Vec<u64> {
+        cp.audit_events()
+            .iter()
+            .filter(|e| {
+                e["verb"] == "patch"
+                    && e["objectRef"]["subresource"] == "scale"
+                    && e["objectRef"]["name"] == "hello"
+                    && e["responseStatus"]["code"] == 200
+            })
+            .filter_map(|e| e["requestObject"]["spec"]["replicas"].as_u64())
+            .collect()
+    };
+    wait_for("the holder's /scale write", Duration::from_secs(30), || {
+        scale_writes(&cp).iter().any(|n| *n >= 10)
+    })
+    .await;
+    let peak = load_scalings(&data0)
+        .iter()
+        .map(|(_, to)| *to)
+        .max()
+        .unwrap_or(0);
+    assert!((10..=16).contains(&peak), "{:?}", load_scalings(&data0));
+
+    // The holder goes under load; the other takes the Lease over.
+    holder.child.kill().unwrap();
+    holder.child.wait().unwrap();
+    wait_for("ebb-1 holding the Lease", Duration::from_secs(30), || {
+        lease_holder(&cp).as_deref() == Some("ebb-1")
+    })
+    .await;
+    // A whole window and more of load after the takeover: ebb-1 decides, and never below
+    // what 40 requests in flight need at the target itself.
+    let took_over = load_scalings(&data1).len();
+    // Counted in answers, not time: 40 clients at 200 ms make about 200 a second.
+    let from = answered.load(Ordering::Relaxed);
+    wait_for(
+        "more than a window of load after the takeover",
+        Duration::from_secs(120),
+        || answered.load(Ordering::Relaxed) >= from + 1_500,
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    clients.join().unwrap();
+    assert_eq!(failed.load(Ordering::Relaxed), 0, "every request answered");
+    let after: Vec<(u64, u64)> = load_scalings(&data1)[took_over..].to_vec();
+    assert!(
+        after.iter().all(|(_, to)| *to >= 10),
+        "a scale-down below the load's need after the takeover: {after:?}"
+    );
+    // With the load gone: down on load, then to zero when idle.
+    let replicas = || {
+        json(&cp.kubectl(&["get", "deployment", "hello", "-o", "json"]))["spec"]["replicas"]
+            .as_u64()
+    };
+    wait_for(
+        "the Deployment back at zero",
+        Duration::from_secs(90),
+        || replicas() == Some(0),
+    )
+    .await;
+    let s = load_scalings(&data1);
+    assert!(s.iter().any(|(from, to)| to < from), "{s:?}");
+    drop(other);
 }

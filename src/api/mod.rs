@@ -74,6 +74,11 @@ pub struct AppState {
     /// The most bytes of a request body (`--max-api-body-bytes`; a function's arguments and a
     /// template have smaller bounds of their own).
     pub max_body_bytes: usize,
+    /// Scaling on load: the shares other ebb replicas report (`POST /runner/load`) and what
+    /// the last decisions found (`/metrics`, the dashboard). `None`: not served.
+    pub load: Option<Arc<crate::proxy::load::LoadScaler>>,
+    /// The clock reports are received by.
+    pub clock: Arc<dyn crate::clock::Clock>,
 }
 
 /// Largest request body ebb's own endpoints read by default (`--max-api-body-bytes`).

@@ -32,7 +32,8 @@ pub(super) fn router(app: &AppState) -> Router<AppState> {
         .route("/runner/dequeue", post(dequeue))
         .route("/runner/start", post(start))
         .route("/runner/finish", post(finish))
-        .route("/runner/states", post(states));
+        .route("/runner/states", post(states))
+        .route("/runner/load", post(load));
     // The calls' own endpoints take the runner's or the admin's access.
     let calls = Router::new()
         .route("/v1/calls", get(list))
@@ -334,6 +335,39 @@ async fn states(
     }
     let results = calls.states(&b.ids);
     Ok(Json(ResultsAnswer { results: &results }).into_response())
+}
+
+/// Another ebb replica's shares of the load, for the replica that decides (`crate::load`).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LoadBody {
+    replica: String,
+    shares: std::collections::BTreeMap<String, crate::proxy::load::Share>,
+}
+
+async fn load(
+    Extract(app): Extract<AppState>,
+    bytes: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let Some(scaler) = &app.load else {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "no_load_scaling",
+            "this ebb takes no load reports",
+        ));
+    };
+    let b: LoadBody = body(bytes)?;
+    if !crate::peers::valid_replica(&b.replica) {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_replica",
+            format!("{:?} is not a replica name", b.replica),
+        ));
+    }
+    scaler
+        .report(&b.replica, b.shares, app.clock.now_ms())
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_report", e))?;
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 fn view(c: &Call) -> Value {

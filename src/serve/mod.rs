@@ -489,6 +489,21 @@ pub async fn run(
         // On Kubernetes, several ebb replicas may serve the same workloads: only the holder of
         // the lease scales down, conditioned on what it read.
         (Some(k), Some(ko)) => {
+            tokio::spawn(crate::load::run_shared(
+                load_scaler.clone(),
+                log.clone(),
+                dyn_orch.clone(),
+                traffic.clone(),
+                clock.clone(),
+                crate::load::Shared {
+                    leading: ko.shared.leading.clone(),
+                    holder: ko.shared.holder.clone(),
+                    peers: peers.clone(),
+                    token: options.access.peer_token(),
+                    told: Default::default(),
+                },
+                stop_rx.clone(),
+            ));
             tokio::spawn(crate::orchestrator::kube::run_shared(
                 log.clone(),
                 k.clone(),
@@ -660,6 +675,8 @@ pub async fn run(
         metrics: Some(metrics),
         feed: Arc::new(crate::api::ui::Feed::new(stop_rx.clone())),
         max_body_bytes: options.limits.max_api_body_bytes,
+        load: Some(load_scaler.clone()),
+        clock: clock.clone(),
     });
     let admin_stopped = {
         let mut rx = stop_rx.clone();

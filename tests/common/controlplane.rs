@@ -321,7 +321,8 @@ impl ControlPlane {
         std::fs::write(
             d.join("audit-policy.yaml"),
             "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\n\
-             rules:\n- level: Metadata\n",
+             rules:\n- level: Request\n  resources: [{group: apps, resources: [deployments/scale]}]\n\
+             - level: Metadata\n",
         )
         .expect("write audit policy");
     }

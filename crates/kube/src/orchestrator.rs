@@ -1136,6 +1136,9 @@ pub struct SharedScaling {
     pub gate: Option<PathBuf>,
     /// Whether this replica holds the lease now (for the work only the holder does).
     pub leading: Arc<std::sync::atomic::AtomicBool>,
+    /// The holder of the lease as last read (`None`: none, or it ran out), for the work the
+    /// others send it.
+    pub holder: Arc<std::sync::RwLock<Option<String>>>,
 }
 
 impl SharedScaling {
@@ -1161,6 +1164,7 @@ impl Default for SharedScaling {
             downscale_every_ms: 1_000,
             gate: None,
             leading: Arc::default(),
+            holder: Arc::default(),
         }
     }
 }
@@ -1304,6 +1308,7 @@ pub async fn run_shared(
 ) {
     let o = shared.options;
     let leading_now = shared.leading.clone();
+    let holder_now = shared.holder.clone();
     let events = orch.clone();
     let mut told = false;
     let started_ms = clock.now_ms();
@@ -1365,6 +1370,12 @@ pub async fn run_shared(
                 }
                 _ => {
                     let leading = m.leads(now);
+                    let lease = m.lease();
+                    let holder = lease
+                        .holder
+                        .clone()
+                        .filter(|_| now < lease.until_ms.saturating_add(o.max_skew_ms));
+                    *holder_now.write().unwrap_or_else(|e| e.into_inner()) = holder;
                     // Not leading is an answer once the Lease had time to be taken (two lease
                     // periods), or when leadership was lost.
                     let settled =

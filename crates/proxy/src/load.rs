@@ -66,6 +66,10 @@ struct Partial {
 #[derive(Debug, Default)]
 struct Tracked {
     route: String,
+    /// Every route of the deployment.
+    routes: Vec<String>,
+    /// Since when this replica has decided the deployment without a pause (`None`: it has not).
+    deciding_since: Option<u64>,
     settings: Option<Settings>,
     window: Window,
     decider: Decider,
@@ -76,10 +80,40 @@ struct Tracked {
     view: View,
 }
 
+/// One replica's share of a deployment's load in its last second, as it reports it to the
+/// replica that decides.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+pub struct Share {
+    /// The second's sample (its `at_ms` in the reporter's clock: not compared).
+    pub sample: Sample,
+    /// Requests at the replicas and held through the reporter at its end.
+    pub in_flight: f64,
+    pub held: f64,
+}
+
+/// What another ebb replica reported last.
+#[derive(Debug, Clone)]
+struct Report {
+    /// When it arrived, in this replica's clock.
+    at_ms: u64,
+    shares: BTreeMap<String, Share>,
+}
+
+/// A report older than this (in the receiver's clock) is not counted: its replica stopped
+/// reporting (gone, cut off, or no longer serving). Three sample periods.
+pub const STALE_MS: u64 = 3 * SAMPLE_MS;
+
+/// Replicas whose reports are kept at most (the newest report of each).
+pub const MAX_REPORTERS: usize = 256;
+
+/// Deployments one report may name at most.
+pub const MAX_REPORTED: usize = 4096;
+
 /// Every awake deployment's samples and decisions.
 #[derive(Debug, Default)]
 pub struct LoadScaler {
     tracked: Mutex<HashMap<String, Tracked>>,
+    reports: Mutex<HashMap<String, Report>>,
 }
 
 impl LoadScaler {
@@ -118,6 +152,7 @@ impl LoadScaler {
                     ..Tracked::default()
                 };
             }
+            t.routes.clone_from(routes);
             let (mut in_flight, mut held, mut arrived, mut finished) = (0u64, 0u64, 0u64, 0u64);
             for r in routes {
                 let rt = traffic.route(r);
@@ -161,25 +196,106 @@ impl LoadScaler {
         ended
     }
 
+    /// Keeps `replica`'s report received at `now_ms`, replacing its last; refused (with why) when
+    /// it names too many deployments or too many replicas report.
+    pub fn report(
+        &self,
+        replica: &str,
+        shares: BTreeMap<String, Share>,
+        now_ms: u64,
+    ) -> Result<(), String> {
+        if shares.len() > MAX_REPORTED {
+            return Err(format!(
+                "a report names at most {MAX_REPORTED} deployments, not {}",
+                shares.len()
+            ));
+        }
+        let bad = shares.iter().find(|(_, s)| {
+            let n = [s.sample.in_flight, s.sample.held, s.in_flight, s.held];
+            n.iter().any(|v| !v.is_finite() || *v < 0.0)
+        });
+        if let Some((d, _)) = bad {
+            return Err(format!("the share of {d:?} is not a load"));
+        }
+        let mut reports = self.reports.lock().unwrap_or_else(|e| e.into_inner());
+        reports.retain(|_, r| now_ms.saturating_sub(r.at_ms) < STALE_MS);
+        if !reports.contains_key(replica) && reports.len() >= MAX_REPORTERS {
+            return Err(format!("{MAX_REPORTERS} replicas report already"));
+        }
+        reports.insert(
+            replica.to_owned(),
+            Report {
+                at_ms: now_ms,
+                shares,
+            },
+        );
+        Ok(())
+    }
+
+    /// The shares of `deployment` other replicas reported within [`STALE_MS`] of `now_ms`.
+    pub fn others(&self, deployment: &str, now_ms: u64) -> Vec<Share> {
+        self.reports
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter(|r| now_ms.saturating_sub(r.at_ms) < STALE_MS)
+            .filter_map(|r| r.shares.get(deployment).copied())
+            .collect()
+    }
+
+    /// Replicas that reported within [`STALE_MS`] of `now_ms`.
+    pub fn reporters(&self, now_ms: u64) -> usize {
+        self.reports
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter(|r| now_ms.saturating_sub(r.at_ms) < STALE_MS)
+            .count()
+    }
+
+    /// This replica's shares of every deployment it sampled, for the replica that decides.
+    pub fn shares(&self, traffic: &Traffic) -> BTreeMap<String, Share> {
+        let all = self.lock();
+        all.iter()
+            .filter_map(|(d, t)| {
+                let sample = t.mine?;
+                let (in_flight, held) = now_of(traffic, &t.routes);
+                Some((
+                    d.clone(),
+                    Share {
+                        sample,
+                        in_flight,
+                        held,
+                    },
+                ))
+            })
+            .collect()
+    }
+
     /// This replica's newest sample of `deployment`.
     pub fn mine(&self, deployment: &str) -> Option<Sample> {
         self.lock().get(deployment).and_then(|t| t.mine)
     }
 
     /// Adds the second's sample of `deployment` (this replica's summed with `others`, the newest
-    /// other replicas reported) to its window and decides: the replicas wanted, with `ready`
-    /// ready now, and the figures taken. `in_flight` and `held` are the requests at replicas and
-    /// held now, summed likewise.
+    /// shares other replicas reported) to its window and decides: the replicas wanted, with
+    /// `ready` ready now and `asked` asked for, and the figures taken. `in_flight` and `held` are
+    /// the requests at replicas and held through this replica now.
+    ///
+    /// A replica that has just begun deciding (it took the lease over, or the deployment woke)
+    /// has less than a stable window of the load: until it has a whole one, it never asks for
+    /// fewer than `asked` (what the replica before it decided stands until it knows better).
     #[allow(clippy::too_many_arguments)]
     pub fn decide(
         &self,
         deployment: &str,
-        others: &[Sample],
+        others: &[Share],
         ready: u32,
+        asked: u32,
         in_flight: f64,
         held: f64,
         now_ms: u64,
-    ) -> Option<(Decision, Settings)> {
+    ) -> Option<(Decision, Settings, f64)> {
         let mut all = self.lock();
         let t = all.get_mut(deployment)?;
         let settings = t.settings?;
@@ -187,18 +303,25 @@ impl LoadScaler {
             at_ms: now_ms,
             ..Sample::default()
         });
+        let (mut in_flight, mut held) = (in_flight, held);
         for o in others {
-            sample.in_flight += o.in_flight;
-            sample.held += o.held;
-            sample.started += o.started;
-            sample.arrived += o.arrived;
-            sample.finished += o.finished;
+            sample.in_flight += o.sample.in_flight;
+            sample.held += o.sample.held;
+            sample.started += o.sample.started;
+            sample.arrived += o.sample.arrived;
+            sample.finished += o.sample.finished;
+            in_flight += o.in_flight;
+            held += o.held;
         }
+        let since = *t.deciding_since.get_or_insert(now_ms);
         sample.at_ms = now_ms;
         t.window.push(sample);
         t.window.trim(now_ms, settings.stable_window_ms);
         let figures = Figures::of(&t.window, &settings, now_ms, in_flight, held, false)?;
-        let decision = t.decider.decide(&settings, &figures, ready, now_ms, true);
+        let mut decision = t.decider.decide(&settings, &figures, ready, now_ms, true);
+        if now_ms.saturating_sub(since) < settings.stable_window_ms && decision.desired < asked {
+            decision.desired = asked;
+        }
         t.view = View {
             route: t.route.clone(),
             metric: settings.metric.name(),
@@ -211,15 +334,25 @@ impl LoadScaler {
             ready,
             panicking: decision.panicking,
         };
-        Some((decision, settings))
+        Some((decision, settings, held))
     }
 
-    /// Forgets what `deployment`'s decisions remembered (it went to zero: its next wake starts
-    /// calm, with empty windows).
+    /// Forgets what `deployment`'s decisions remembered (it went to zero, or this replica stops
+    /// deciding: the next decision starts calm, with empty windows).
     pub fn reset(&self, deployment: &str) {
         if let Some(t) = self.lock().get_mut(deployment) {
             t.window = Window::default();
             t.decider = Decider::default();
+            t.deciding_since = None;
+        }
+    }
+
+    /// [`LoadScaler::reset`] of every deployment.
+    pub fn reset_all(&self) {
+        for t in self.lock().values_mut() {
+            t.window = Window::default();
+            t.decider = Decider::default();
+            t.deciding_since = None;
         }
     }
 }
@@ -349,12 +482,13 @@ pub async fn run(
             let ready = orch
                 .observe(&deployment)
                 .map_or(0, |o| o.ready.len() as u32);
-            let Some((decision, settings)) =
-                scaler.decide(&deployment, &[], ready, in_flight, held, now)
+            let was = asked.get(&deployment).copied().unwrap_or(0);
+            let Some((decision, settings, held)) =
+                scaler.decide(&deployment, &[], ready, was, in_flight, held, now)
             else {
                 continue;
             };
-            if Some(&decision.desired) != asked.get(&deployment) {
+            if decision.desired != was {
                 apply(
                     &log,
                     orch.as_ref(),

@@ -827,4 +827,114 @@ mod tests {
             .unwrap();
         assert_eq!((r.min_replicas, r.max_replicas), (2, 2));
     }
+
+    #[test]
+    fn load_annotations_in_ebbs_words_or_knatives_make_the_routes_load_settings() {
+        let base = [
+            (DOMAINS, "web.shop"),
+            (DEPLOYMENT, "web"),
+            (MAX_REPLICAS, "30"),
+        ];
+        let load = |extra: &[(&str, &str)]| {
+            let mut pairs = base.to_vec();
+            pairs.extend_from_slice(extra);
+            of(&pairs).map(|r| r.unwrap().0.load)
+        };
+        assert_eq!(load(&[]).unwrap(), None, "no target: no load scaling");
+        let ebb = load(&[
+            (TARGET_CONCURRENCY, "4"),
+            (SCALE_WINDOW, "6s"),
+            (PANIC_WINDOW, "20"),
+            (TARGET_UTILIZATION, "80"),
+            (SCALE_DOWN_DELAY, "30s"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(ebb.target_concurrency, Some(4.0));
+        assert_eq!(ebb.window_ms, 6_000);
+        assert_eq!(ebb.panic_window_pct, 20.0);
+        assert_eq!(ebb.utilization_pct, 80.0);
+        assert_eq!(ebb.scale_down_delay_ms, 30_000);
+        // Knative's names, with its metric; ebb's win where both are given.
+        let kn = load(&[
+            (KN_METRIC, "rps"),
+            (KN_TARGET, "150"),
+            (KN_WINDOW, "2m"),
+            (KN_UTILIZATION, "90"),
+            (TARGET_UTILIZATION, "60"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!((kn.target_rps, kn.target_concurrency), (Some(150.0), None));
+        assert_eq!((kn.window_ms, kn.utilization_pct), (120_000, 60.0));
+        let kn = load(&[(KN_TARGET, "4")]).unwrap().unwrap();
+        assert_eq!(kn.target_concurrency, Some(4.0), "concurrency by default");
+        // min-scale and max-scale are the route's bounds unless ebb's are given.
+        let (spec, _) = of(&[
+            (DOMAINS, "web.shop"),
+            (DEPLOYMENT, "web"),
+            (KN_MIN_SCALE, "2"),
+            (KN_MAX_SCALE, "9"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!((spec.min_replicas, spec.max_replicas), (2, 9));
+    }
+
+    #[test]
+    fn bad_load_annotations_name_the_annotation_at_fault() {
+        for (pairs, at_fault) in [
+            (vec![(TARGET_CONCURRENCY, "four")], TARGET_CONCURRENCY),
+            (vec![(TARGET_CONCURRENCY, "0")], TARGET_CONCURRENCY),
+            (
+                vec![(TARGET_CONCURRENCY, "4"), (TARGET_RPS, "9")],
+                TARGET_RPS,
+            ),
+            (vec![(KN_METRIC, "cpu"), (KN_TARGET, "80")], KN_METRIC),
+            (vec![(KN_METRIC, "rps")], KN_TARGET),
+            (vec![(KN_TARGET, "4"), (KN_WINDOW, "2s")], KN_WINDOW),
+            (vec![(KN_TARGET, "4"), (KN_WINDOW, "soon")], KN_WINDOW),
+            (
+                vec![(TARGET_RPS, "4"), (KN_PANIC_WINDOW, "0")],
+                KN_PANIC_WINDOW,
+            ),
+            (
+                vec![(TARGET_RPS, "4"), (PANIC_THRESHOLD, "50")],
+                PANIC_THRESHOLD,
+            ),
+            (
+                vec![(TARGET_RPS, "4"), (TARGET_UTILIZATION, "120")],
+                TARGET_UTILIZATION,
+            ),
+            (
+                vec![(TARGET_RPS, "4"), (MAX_SCALE_DOWN_RATE, "1")],
+                MAX_SCALE_DOWN_RATE,
+            ),
+            (
+                vec![(TARGET_RPS, "4"), (MAX_SCALE_UP_RATE, "nan")],
+                MAX_SCALE_UP_RATE,
+            ),
+            (vec![(KN_MAX_SCALE, "0")], KN_MAX_SCALE),
+        ] {
+            let mut all = vec![
+                (DOMAINS, "web.shop"),
+                (DEPLOYMENT, "web"),
+                (MAX_REPLICAS, "30"),
+            ];
+            if at_fault == KN_MAX_SCALE {
+                all.pop();
+            }
+            all.extend(pairs.iter().copied());
+            let err = of(&all).expect_err(&format!("{pairs:?}"));
+            assert_eq!(err.annotation, at_fault, "{pairs:?}: {err}");
+        }
+        // Scaling on load needs room to move.
+        let err = of(&[
+            (DOMAINS, "web.shop"),
+            (DEPLOYMENT, "web"),
+            (TARGET_CONCURRENCY, "4"),
+        ])
+        .unwrap_err();
+        assert_eq!(err.annotation, MAX_REPLICAS, "{err}");
+    }
 }

@@ -158,7 +158,7 @@ impl Settings {
 }
 
 /// One second of a route's load, summed over the ebb replicas that saw it.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct Sample {
     /// When the second ended, ms.
     pub at_ms: u64,

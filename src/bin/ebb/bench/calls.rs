@@ -192,6 +192,8 @@ async fn setup(
             metrics: None,
             feed: Arc::new(ebb::api::ui::Feed::new(stop_rx.clone())),
             max_body_bytes: ebb::api::MAX_BODY_BYTES,
+            load: None,
+            clock: clock.clone(),
         });
         use axum::serve::ListenerExt;
         let listener = listener.tap_io(|tcp| {

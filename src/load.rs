@@ -1,0 +1,212 @@
+//! Scaling on load with several ebb replicas in front of the same workloads (Kubernetes): each
+//! replica sees only its share of a route's traffic, and one decides on the sum.
+//!
+//! * **Every replica samples** its own traffic each second (`proxy::load::LoadScaler::poll`).
+//! * **The others report to the lease holder**: each second a replica that does not hold the
+//!   scale-down lease posts its shares (`POST /runner/load`, with the peer token, to the holder
+//!   found by name through [`crate::peers`]). One report is under way at a time, with the
+//!   peers' timeout; a report that fails is not sent again: the next second's replaces it.
+//! * **The holder decides on the sum**: its own sample plus the newest share of each replica
+//!   that reported within `STALE_MS` (3 s): a replica that stops reporting (gone, cut off) is
+//!   dropped then, never counted forever. So the figures the holder decides on are at most one
+//!   sample period plus a report's way old for the others' traffic.
+//! * **A new holder starts humble**: until it has a whole stable window of the sum it never asks
+//!   for fewer replicas than were asked before it (`LoadScaler::decide`), so a takeover under
+//!   load makes no burst of scale-downs from a window that holds only its own share.
+//!
+//! The count is written through the orchestrator (the Deployment's `/scale`); the other replicas
+//! record it as a peer's change, as for every scaling.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::http;
+use bytes::Bytes;
+use tokio::sync::watch;
+
+use crate::clock::Clock;
+use crate::log::Log;
+use crate::orchestrator::Orchestrator;
+use crate::peers::{PeerToken, Peers};
+use crate::proxy::Traffic;
+use crate::proxy::load::{LoadScaler, POLL_MS, apply, now_of, scaled};
+
+/// Who this replica is among the others, and how it reaches the holder.
+pub struct Shared {
+    /// Whether this replica holds the lease now.
+    pub leading: Arc<AtomicBool>,
+    /// The holder as last read.
+    pub holder: Arc<std::sync::RwLock<Option<String>>>,
+    /// The way to the others, and the token to present.
+    pub peers: Arc<Peers>,
+    pub token: PeerToken,
+    /// The last kind of failure told (a refusal's status, or `unreachable`): each is told once,
+    /// and the recovery once.
+    pub told: std::sync::Mutex<Option<String>>,
+}
+
+/// The loop of one replica among several: samples every [`POLL_MS`]; each second decides on the
+/// sum while holding the lease, else reports its shares to the holder.
+pub async fn run_shared(
+    scaler: Arc<LoadScaler>,
+    log: Arc<Log>,
+    orch: Arc<dyn Orchestrator>,
+    traffic: Arc<Traffic>,
+    clock: Arc<dyn Clock>,
+    shared: Shared,
+    mut stop: watch::Receiver<bool>,
+) {
+    let shared = Arc::new(shared);
+    let sending = Arc::new(AtomicBool::new(false));
+    let mut was_leading = false;
+    let mut tick = tokio::time::interval(Duration::from_millis(POLL_MS));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        if log.failure().is_some() {
+            return;
+        }
+        let now = clock.now_ms();
+        let (scaled, asked) = log.read(|s| {
+            let scaled = scaled(s, now);
+            let asked: HashMap<String, u32> = scaled
+                .keys()
+                .map(|d| {
+                    (
+                        d.clone(),
+                        s.routes.deployments.get(d).map_or(0, |d| d.desired),
+                    )
+                })
+                .collect();
+            (scaled, asked)
+        });
+        let ended = scaler.poll(&traffic, &scaled, now);
+        if ended.is_empty() {
+            continue;
+        }
+        let leading = shared.leading.load(Ordering::Relaxed);
+        if leading != was_leading {
+            // Taking over, or handing over: what was decided before is not this window's.
+            scaler.reset_all();
+            was_leading = leading;
+        }
+        if !leading {
+            report(&scaler, &traffic, &shared, &sending);
+            continue;
+        }
+        for deployment in ended {
+            let was = asked.get(&deployment).copied().unwrap_or(0);
+            if was == 0 {
+                scaler.reset(&deployment);
+                continue;
+            }
+            let others = scaler.others(&deployment, now);
+            let (in_flight, held) = now_of(&traffic, &scaled[&deployment].1);
+            let ready = orch
+                .observe(&deployment)
+                .map_or(0, |o| o.ready.len() as u32);
+            let Some((decision, settings, held)) =
+                scaler.decide(&deployment, &others, ready, was, in_flight, held, now)
+            else {
+                continue;
+            };
+            tracing::debug!(
+                %deployment,
+                reporters = others.len(),
+                ready,
+                was,
+                desired = decision.desired,
+                load = decision.load,
+                "load decision"
+            );
+            if decision.desired != was {
+                apply(
+                    &log,
+                    orch.as_ref(),
+                    &deployment,
+                    decision,
+                    &settings,
+                    ready,
+                    held,
+                )
+                .await;
+            }
+        }
+    }
+}
+
+/// Posts this replica's shares to the holder, unless a report is still under way or there is no
+/// holder other than this replica.
+fn report(scaler: &LoadScaler, traffic: &Traffic, shared: &Arc<Shared>, sending: &Arc<AtomicBool>) {
+    let Some(me) = shared.peers.me().map(str::to_owned) else {
+        return;
+    };
+    let holder = shared
+        .holder
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let Some(holder) = holder.clone().filter(|h| *h != me) else {
+        tracing::debug!(?holder, %me, "no other lease holder to report load to");
+        return;
+    };
+    let shares = scaler.shares(traffic);
+    if shares.is_empty() || sending.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let body = serde_json::json!({ "replica": me, "shares": shares });
+    let (shared, sending) = (shared.clone(), sending.clone());
+    tokio::spawn(async move {
+        let mut headers = vec![(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json"),
+        )];
+        if let Some(t) = shared.token.get()
+            && let Ok(v) = http::HeaderValue::from_str(&format!("Bearer {t}"))
+        {
+            headers.push((http::header::AUTHORIZATION, v));
+        }
+        let sent = shared
+            .peers
+            .send(
+                &holder,
+                http::Method::POST,
+                "/runner/load",
+                &headers,
+                Bytes::from(body.to_string()),
+            )
+            .await;
+        let failure = match &sent {
+            Ok(a) if a.status == 204 => None,
+            Ok(a) => Some((
+                a.status.to_string(),
+                format!(
+                    "refused with {}: {}",
+                    a.status,
+                    String::from_utf8_lossy(&a.body)
+                ),
+            )),
+            Err(e) => Some(("unreachable".to_owned(), e.to_string())),
+        };
+        let mut told = shared.told.lock().unwrap_or_else(|e| e.into_inner());
+        match failure {
+            None if told.is_some() => {
+                tracing::info!(%holder, "load reports reach the lease holder again");
+                *told = None;
+            }
+            None => {}
+            Some((kind, why)) if told.as_deref() != Some(kind.as_str()) => {
+                tracing::warn!(%holder, %why, "the lease holder does not take this replica's load reports: its traffic is not counted while this lasts");
+                *told = Some(kind);
+            }
+            Some((_, why)) => tracing::debug!(%holder, %why, "load report not taken"),
+        }
+        drop(told);
+        sending.store(false, Ordering::Release);
+    });
+}
