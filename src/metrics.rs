@@ -133,6 +133,8 @@ pub struct Sources {
     pub max_routes: usize,
     /// The call queue, for its depth.
     pub queue: Option<Arc<dyn crate::queue::Queue>>,
+    /// Scaling on load: what its last decisions found (on the replica that decides).
+    pub load: Option<Arc<crate::proxy::load::LoadScaler>>,
 }
 
 impl std::fmt::Debug for Sources {
@@ -574,6 +576,75 @@ fn by_route<M: EncodeMetric>(
     Ok(())
 }
 
+impl Scraped {
+    /// Scaling on load, per route with a label of its own: the windows' load, the target per
+    /// replica, the replicas the rule wants and whether it panics (the replica that decides
+    /// has them; the others show none).
+    fn encode_load(
+        &self,
+        encoder: &mut DescriptorEncoder,
+        routes: &[(String, RouteFigures)],
+    ) -> Result<(), std::fmt::Error> {
+        let views: Vec<crate::proxy::load::View> = self
+            .0
+            .load
+            .as_ref()
+            .map(|l| l.views().into_values().collect())
+            .unwrap_or_default();
+        let views: Vec<_> = views
+            .into_iter()
+            .filter(|v| routes.iter().any(|(r, _)| *r == v.route))
+            .collect();
+        let mut family = encoder.encode_descriptor(
+            "ebb_load_observed",
+            "A route's load as scaling on load averaged it, over its stable and panic windows (requests in flight, or per second, for all ebb replicas).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for v in &views {
+            for (window, value) in [("stable", v.stable), ("panic", v.panic)] {
+                let labels = [
+                    ("route", v.route.as_str()),
+                    ("metric", v.metric),
+                    ("window", window),
+                ];
+                ConstGauge::new(value).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "ebb_load_target",
+            "The load one replica of a route is planned for: its target times its utilization.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for v in &views {
+            let labels = [("route", v.route.as_str()), ("metric", v.metric)];
+            ConstGauge::new(v.target * v.utilization).encode(family.encode_family(&labels)?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "ebb_load_replicas_wanted",
+            "Replicas scaling on load wants for a route's workload now.",
+            None,
+            MetricType::Gauge,
+        )?;
+        for v in &views {
+            let labels = [("route", v.route.as_str())];
+            ConstGauge::new(i64::from(v.desired)).encode(family.encode_family(&labels)?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "ebb_load_panic",
+            "1 while a route's scaling on load is in panic (the panic window decides, nothing scales down).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for v in &views {
+            let labels = [("route", v.route.as_str())];
+            ConstGauge::new(i64::from(v.panicking)).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
 impl Collector for Scraped {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let routes = self.routes();
@@ -668,6 +739,7 @@ impl Collector for Scraped {
             MetricType::Gauge,
             gauge(|f| f.ready),
         )?;
+        self.encode_load(&mut encoder, routes)?;
 
         let (calls, seq) = self.0.log.read(|st| (st.calls.count_by_status(), st.seq));
         let mut family = encoder.encode_descriptor(

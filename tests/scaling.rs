@@ -16,6 +16,8 @@ use common::{children_with, events};
 const LIMIT: Duration = Duration::from_secs(60);
 const CLIENTS: u64 = 40;
 const TARGET: f64 = 4.0;
+const TOKEN: &str = "scaling-admin-token";
+const AUTH: (&str, &str) = ("authorization", "Bearer scaling-admin-token");
 
 fn config(dir: &Path) -> PathBuf {
     let path = dir.join("ebb.toml");
@@ -56,7 +58,7 @@ async fn a_route_scales_out_with_its_load_answers_everything_and_comes_back_to_z
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let cfg = config(dir.path());
-    let ebb = common::serve(&data, Some(&cfg), None);
+    let ebb = common::serve(&data, Some(&cfg), Some(TOKEN));
     let proxy = ebb.proxy;
     let stop = Arc::new(AtomicBool::new(false));
     let (answered, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
@@ -90,6 +92,27 @@ async fn a_route_scales_out_with_its_load_answers_everything_and_comes_back_to_z
         })
         .await;
     }
+    // While the load lasts, /metrics shows what the rule sees and wants.
+    let admin = ebb.admin;
+    let c = common::http::client();
+    let shown = wait_until("the load on /metrics", LIMIT, || {
+        let c = c.clone();
+        async move {
+            let m = common::http::send(&c, admin, "GET", "localhost", "/metrics", &[AUTH]).await;
+            let wanted = m
+                .body
+                .lines()
+                .find_map(|l| l.strip_prefix("ebb_load_replicas_wanted{route=\"web\"} "))
+                .and_then(|v| v.trim().parse::<u64>().ok())?;
+            (wanted >= (CLIENTS as f64 / TARGET) as u64).then_some(m.body)
+        }
+    })
+    .await;
+    assert!(
+        shown.contains("ebb_load_observed{route=\"web\",metric=\"concurrency\",window=\"stable\"}")
+            && shown.contains("ebb_load_target{route=\"web\",metric=\"concurrency\"} 2.8"),
+        "{shown}"
+    );
     stop.store(true, Ordering::Relaxed);
     for c in clients {
         c.await.unwrap();
@@ -133,4 +156,33 @@ async fn a_route_scales_out_with_its_load_answers_everything_and_comes_back_to_z
         "{story}"
     );
     assert!(story.contains("no request for"), "{story}");
+    // The dashboard's timeline has the counts asked for and ready, and the load's figures.
+    let t = common::http::send(
+        &c,
+        admin,
+        "GET",
+        "localhost",
+        "/ui/api/timeline?route=web",
+        &[AUTH],
+    )
+    .await;
+    assert_eq!(t.status, 200, "{}", t.body);
+    let t: serde_json::Value = serde_json::from_str(&t.body).unwrap();
+    let items = t["events"].as_array().cloned().unwrap_or_default();
+    let on_load = items
+        .iter()
+        .find(|e| e["load"]["per_replica"].as_f64().is_some())
+        .unwrap_or_else(|| panic!("no load figures in the timeline: {t}"));
+    assert!(on_load["desired"].as_u64().is_some(), "{on_load}");
+    assert!(
+        on_load["text"]
+            .as_str()
+            .unwrap()
+            .contains("requests in flight per replica"),
+        "{on_load}"
+    );
+    assert!(
+        items.iter().any(|e| e["replicas"].as_u64().is_some()),
+        "{t}"
+    );
 }

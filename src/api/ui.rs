@@ -325,6 +325,8 @@ async fn timeline(
 
 /// A requests or scale event of `route` (whose workload is `deployment`), for the timeline.
 fn timeline_item(env: &Envelope, route: &str, deployment: &str) -> Option<Value> {
+    let mut desired = None;
+    let mut load = None;
     let (kind, count, replicas, text) = match &env.event {
         Event::RequestsSeen {
             route: r,
@@ -344,12 +346,30 @@ fn timeline_item(env: &Envelope, route: &str, deployment: &str) -> Option<Value>
             from,
             to,
             reason,
-        } if d == deployment => (
-            "scale",
-            None,
-            None,
-            format!("asked to scale from {from} to {to} ({})", reason.name()),
-        ),
+        } if d == deployment => {
+            desired = Some(*to);
+            let why = match reason {
+                crate::event::ScaleReason::Load(why) => {
+                    load = Some(json!({
+                        "metric": why.metric.name(),
+                        "per_replica": why.per_replica_milli as f64 / 1000.0,
+                        "target": why.target_milli as f64 / 1000.0,
+                        "utilization_pct": why.utilization_pct,
+                        "window_ms": why.window_ms,
+                        "panic": why.panic,
+                        "held": why.held,
+                    }));
+                    format!("load: {}", crate::story::load_reason(why))
+                }
+                other => other.name().to_owned(),
+            };
+            (
+                "scale",
+                None,
+                None,
+                format!("asked to scale from {from} to {to} ({why})"),
+            )
+        }
         Event::ScaledUp {
             deployment: d,
             replicas,
@@ -383,6 +403,8 @@ fn timeline_item(env: &Envelope, route: &str, deployment: &str) -> Option<Value>
         "text": text,
         "count": count,
         "replicas": replicas,
+        "desired": desired,
+        "load": load,
     }))
 }
 
@@ -496,6 +518,8 @@ pub struct Told {
     pub count: Option<u64>,
     /// Replicas, for `ScaledUp` and `ScaledDown`.
     pub replicas: Option<u32>,
+    /// Replicas asked for, for `ScaleRequested`.
+    pub desired: Option<u32>,
 }
 
 impl Told {
@@ -511,6 +535,7 @@ impl Told {
             text: String::new(),
             count: None,
             replicas: None,
+            desired: None,
         }
     }
 }
@@ -534,6 +559,10 @@ fn told(before: &State, env: &Envelope) -> Told {
         }
         _ => (None, None),
     };
+    let desired = match &env.event {
+        Event::ScaleRequested { to, .. } => Some(*to),
+        _ => None,
+    };
     Told {
         seq: env.seq,
         at_ms: env.at_ms,
@@ -544,6 +573,7 @@ fn told(before: &State, env: &Envelope) -> Told {
         text: crate::story::line(before, env).text,
         count,
         replicas,
+        desired,
     }
 }
 

@@ -634,6 +634,7 @@ pub async fn run(
         orchestrator: dyn_orch.clone(),
         max_routes: options.metrics_max_routes,
         queue: Some(calls.queue().clone()),
+        load: Some(load_scaler.clone()),
     }));
     metrics.follow(&log);
     let kube_access = match (&options.access.kube_auth(), &kube, &kubernetes) {

@@ -352,7 +352,7 @@ function streamToTimeline(msg) {
   const ev = {
     seq: msg.seq, at_ms: msg.at_ms, name: msg.name, text: msg.text,
     kind: msg.name === 'RequestsSeen' ? 'requests' : 'scale',
-    count: msg.count ?? null, replicas: msg.replicas ?? null,
+    count: msg.count ?? null, replicas: msg.replicas ?? null, desired: msg.desired ?? null,
   };
   if (ev.kind === 'requests' && ev.count == null) timelineCounts.schedule();
   return ev;
@@ -414,6 +414,26 @@ function renderChart(events) {
     parts.push(svg('rect', { class: 'bar', x: (i * binW + 0.5).toFixed(1), y: (base - hgt).toFixed(1), width: Math.max(1, binW - 1).toFixed(1), height: hgt.toFixed(1) },
       svg('title', {}, `${n} requests from ${clock(start + i * binMs)}`)));
   });
+  // Replicas asked for (dashed) and ready (solid), as steps over the window, on a scale of
+  // their own (right).
+  const steps = (field) => events.filter((e) => e[field] != null).map((e) => [e.at_ms, e[field]]);
+  const desired = steps('desired');
+  const ready = steps('replicas');
+  const most = Math.max(1, ...desired.map((p) => p[1]), ...ready.map((p) => p[1]));
+  const y = (n) => base - (n / most) * (base - top);
+  const stairs = (pts, cls) => {
+    if (!pts.length) return;
+    // From the first change in the window (what ran before it is not known here).
+    let d = `M${x(pts[0][0]).toFixed(1)},${y(pts[0][1]).toFixed(1)}`;
+    for (const [at, n] of pts.slice(1)) d += ` H${x(at).toFixed(1)} V${y(n).toFixed(1)}`;
+    d += ` H${x(end).toFixed(1)}`;
+    parts.push(svg('path', { class: cls, d }, svg('title', {}, cls === 'desired' ? 'replicas asked for' : 'replicas ready')));
+  };
+  stairs(desired, 'desired');
+  stairs(ready, 'ready');
+  if (desired.length || ready.length) {
+    parts.push(svg('text', { x: W - 4, y: top - 4, 'text-anchor': 'end' }, `${most} replicas`));
+  }
   for (const ev of events) {
     if (!SCALE_EVENTS.has(ev.name)) continue;
     scales += 1;

@@ -77,7 +77,7 @@ fn outcome(o: Outcome) -> &'static str {
 /// Why a scale was asked for, from what ebb knew then.
 /// "9.8 requests in flight per replica over the last 6 s against a target of 4 at 70 %
 /// (panic)".
-fn load_reason(why: &crate::event::LoadWhy) -> String {
+pub fn load_reason(why: &crate::event::LoadWhy) -> String {
     use crate::scaler::load::Metric;
     let milli = |m: u64| {
         let v = m as f64 / 1000.0;

@@ -121,7 +121,7 @@ impl LoadScaler {
     pub fn views(&self) -> BTreeMap<String, View> {
         self.lock()
             .iter()
-            .filter(|(_, t)| t.settings.is_some())
+            .filter(|(_, t)| t.settings.is_some() && !t.view.route.is_empty())
             .map(|(d, t)| (d.clone(), t.view.clone()))
             .collect()
     }
@@ -344,6 +344,7 @@ impl LoadScaler {
             t.window = Window::default();
             t.decider = Decider::default();
             t.deciding_since = None;
+            t.view = View::default();
         }
     }
 
@@ -353,6 +354,7 @@ impl LoadScaler {
             t.window = Window::default();
             t.decider = Decider::default();
             t.deciding_since = None;
+            t.view = View::default();
         }
     }
 }
