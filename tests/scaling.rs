@@ -186,3 +186,80 @@ async fn a_route_scales_out_with_its_load_answers_everything_and_comes_back_to_z
         "{t}"
     );
 }
+
+/// The admin API takes a route's load settings, shows them, and refuses bad ones with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_takes_load_settings_and_refuses_bad_ones_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let ebb = common::serve(&data, None, Some(TOKEN));
+    let c = common::http::client();
+    let put = |body: serde_json::Value| {
+        let c = c.clone();
+        let admin = ebb.admin;
+        async move {
+            common::http::send_json(&c, admin, "PUT", "/admin/routes/shop", &[AUTH], &body).await
+        }
+    };
+    let route = |load: serde_json::Value| {
+        serde_json::json!({
+            "domains": ["shop.localhost"],
+            "command": ["ebb", "example-app"],
+            "max_replicas": 8,
+            "load": load,
+        })
+    };
+    for (load, words) in [
+        (
+            serde_json::json!({}),
+            "needs target_concurrency or target_rps",
+        ),
+        (
+            serde_json::json!({"target_rps": 0}),
+            "the target must be above 0",
+        ),
+        (
+            serde_json::json!({"target_rps": 10, "panic_threshold_pct": 90}),
+            "the panic threshold must be above 100 %",
+        ),
+        (
+            serde_json::json!({"target_rps": 10, "cooldown": 3}),
+            "unknown field",
+        ),
+    ] {
+        let a = put(route(load.clone())).await;
+        assert_eq!(a.status, 400, "{load}: {}", a.body);
+        let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+        assert_eq!(v["code"], "bad_request", "{}", a.body);
+        assert!(
+            v["error"].as_str().unwrap().contains(words),
+            "{load}: {}",
+            a.body
+        );
+    }
+    let a = put(route(
+        serde_json::json!({"target_rps": 25, "window_ms": 30000}),
+    ))
+    .await;
+    assert!(a.status == 200 || a.status == 201, "{}", a.body);
+    let shown = common::http::send(
+        &c,
+        ebb.admin,
+        "GET",
+        "localhost",
+        "/admin/routes/shop",
+        &[AUTH],
+    )
+    .await;
+    let v: serde_json::Value = serde_json::from_str(&shown.body).unwrap();
+    let load = &v["route"]["load"];
+    assert_eq!(
+        (
+            load["target_rps"].as_f64(),
+            load["window_ms"].as_u64(),
+            load["utilization_pct"].as_f64()
+        ),
+        (Some(25.0), Some(30_000), Some(70.0)),
+        "{v}"
+    );
+}

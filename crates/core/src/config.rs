@@ -477,6 +477,35 @@ mod tests {
             ),
             ("[[app]]\nname = 1\n".to_owned(), "invalid type"),
             (
+                format!("{}max_replicas = 9\nload = {{}}\n", app("a", "x.test")),
+                "load: load scaling needs target_concurrency or target_rps",
+            ),
+            (
+                format!("{}load = {{ target_concurrency = 4 }}\n", app("a", "x.test")),
+                "max replicas is 1, set it above 1",
+            ),
+            (
+                format!(
+                    "{}max_replicas = 9\nload = {{ target_rps = 5, target_concurrency = 4 }}\n",
+                    app("a", "x.test")
+                ),
+                "not both",
+            ),
+            (
+                format!(
+                    "{}max_replicas = 9\nload = {{ target_concurrency = 4, window_ms = 1000 }}\n",
+                    app("a", "x.test")
+                ),
+                "the window must be within 6 s and 1 h",
+            ),
+            (
+                format!(
+                    "{}max_replicas = 9\nload = {{ target_concurrency = 4, utilisation = 50 }}\n",
+                    app("a", "x.test")
+                ),
+                "unknown field `utilisation`",
+            ),
+            (
                 format!(
                     "{}[[service]]\nname = \"s\"\ndomains = [\"x.test\"]\n[[service.route]]\ndestinations = [{{ addresses = [\"127.0.0.1:1\"] }}]\n",
                     app("a", "x.test")
