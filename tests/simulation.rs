@@ -137,6 +137,8 @@ fn the_simulator_finds_every_deliberately_broken_decision() {
             "call_reaches_final",
         ),
         (Mutation::IdleIgnoresWarm, "keep-warm", "warm_floor_held"),
+        (Mutation::LoadIgnoresHeld, "load", "cold_surge_met"),
+        (Mutation::ScaleDownInPanic, "load", "no_scale_down_in_panic"),
     ];
     for (mutation, name, invariant) in cases {
         let sc = scenario(name);

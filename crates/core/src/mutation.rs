@@ -5,9 +5,9 @@
 //! runs a seed on one thread, does that; nothing else in ebb ever switches one on, so every check
 //! of [`active`] outside a simulation is false.
 //!
-//! The seven ([`Mutation::ALL`]): `downscale-without-cas`, `start-without-condition`,
-//! `finish-not-idempotent`, `no-retry-on-stopping`, `decide-for-others`, `hand-out-unknown` and
-//! `idle-ignores-warm`. Each is checked inside the production decision it breaks, and
+//! The ten ([`Mutation::ALL`]): `downscale-without-cas`, `start-without-condition`,
+//! `finish-not-idempotent`, `no-retry-on-stopping`, `decide-for-others`, `hand-out-unknown`,
+//! `refuse-unknown-copy`, `idle-ignores-warm`, `load-ignores-held` and `scale-down-in-panic`. Each is checked inside the production decision it breaks, and
 //! `tests/simulation.rs` asserts that each is found as a violation of the invariant it breaks
 //! (`ebb simulate --mutation` is hidden).
 
@@ -43,11 +43,17 @@ pub enum Mutation {
     /// The idle scale-down keeps only the idle floor, not the replicas of the keep-warm windows
     /// open now.
     IdleIgnoresWarm,
+    /// Scaling on load ignores the requests held for a replica: no demand from them, and no
+    /// floor from the requests in flight (Knative's rule, where the averages alone decide).
+    LoadIgnoresHeld,
+    /// Scaling on load forgets the most it asked for in a panic, so the count follows the panic
+    /// window down while still panicking.
+    ScaleDownInPanic,
 }
 
 impl Mutation {
     /// Every mutation.
-    pub const ALL: [Mutation; 8] = [
+    pub const ALL: [Mutation; 10] = [
         Mutation::DownscaleWithoutCas,
         Mutation::StartWithoutCondition,
         Mutation::FinishNotIdempotent,
@@ -56,6 +62,8 @@ impl Mutation {
         Mutation::HandOutUnknown,
         Mutation::RefuseUnknownCopy,
         Mutation::IdleIgnoresWarm,
+        Mutation::LoadIgnoresHeld,
+        Mutation::ScaleDownInPanic,
     ];
 
     /// The name used on the command line.
@@ -69,6 +77,8 @@ impl Mutation {
             Mutation::HandOutUnknown => "hand-out-unknown",
             Mutation::RefuseUnknownCopy => "refuse-unknown-copy",
             Mutation::IdleIgnoresWarm => "idle-ignores-warm",
+            Mutation::LoadIgnoresHeld => "load-ignores-held",
+            Mutation::ScaleDownInPanic => "scale-down-in-panic",
         }
     }
 

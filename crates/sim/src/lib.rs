@@ -27,6 +27,10 @@
 //! * `warm_on_time`, `warm_floor_held`, `in_flight_served`: keep-warm windows open, renew and
 //!   close at their time, across restarts, and hold their replicas, without scaling below the
 //!   traffic in flight ([`warm`]).
+//! * `load_floor_held`, `cold_surge_met`, `no_scale_down_in_panic`: scaling on load never asks
+//!   for fewer replicas than the requests in flight need at the target, asks at once for all a
+//!   surge no replica has answered yet needs, and never lowers its count while in panic
+//!   ([`load`]).
 
 pub mod cluster;
 pub mod load;
@@ -45,9 +49,10 @@ pub use world::{Outcome, Stats, Violation};
 
 /// Runs one seed of a scenario (faults as the scenario has them), with `mutation` on.
 pub fn run(scenario: &Scenario, seed: u64, mutation: Option<Mutation>) -> Outcome {
-    ebb_core::mutation::with(mutation, || match &scenario.warm {
-        Some(w) => warm::run(scenario, w, seed),
-        None => world::World::new(scenario, seed).run(),
+    ebb_core::mutation::with(mutation, || match (&scenario.warm, &scenario.load) {
+        (Some(w), _) => warm::run(scenario, w, seed),
+        (None, Some(l)) => load::run_scenario(l, seed),
+        (None, None) => world::World::new(scenario, seed).run(),
     })
 }
 

@@ -7,9 +7,11 @@
 //!
 //! What a run reports ([`Report`]): the time each request waited for a replica (p50, p99), the
 //! replica-seconds used (starting, ready and draining replicas all cost), the scale changes per
-//! minute and how often the direction reversed. The invariant checked at every decision,
-//! `load_floor_held`: ebb's count is never below what the requests in flight need at the target
-//! (within `max_replicas`). A scale-down never stops a replica with requests in
+//! minute and how often the direction reversed. The invariants checked at every decision of
+//! ebb's: `load_floor_held`, the count is never below what the requests in flight need at the
+//! target (within `max_replicas`); `cold_surge_met`, while no request has ended in the panic
+//! window and some are held, the count covers every request in flight and held at the target;
+//! `no_scale_down_in_panic`. A scale-down never stops a replica with requests in
 //! flight: it drains first.
 
 use std::collections::VecDeque;
@@ -46,6 +48,23 @@ impl Trace {
         Trace::Bursts,
         Trace::Sine,
     ];
+
+    /// The trace a scenario names (`step`, `ramp`, `spike`, `diurnal`, `bursts`, `sine`).
+    pub fn parse(name: &str) -> Result<Trace, String> {
+        Ok(match name {
+            "step" => Trace::Step,
+            "ramp" => Trace::Ramp,
+            "spike" => Trace::Spike,
+            "diurnal" => Trace::Diurnal,
+            "bursts" => Trace::Bursts,
+            "sine" => Trace::Sine,
+            other => {
+                return Err(format!(
+                    "unknown trace {other:?}: step, ramp, spike, diurnal, bursts or sine"
+                ));
+            }
+        })
+    }
 
     /// Its name.
     pub fn name(self) -> &'static str {
@@ -365,6 +384,25 @@ pub fn run(config: &Config, policy: Policy, seed: u64) -> Report {
                         ));
                     }
                 }
+                // A surge no replica has answered yet (no request ended in the panic window):
+                // what is in flight and held is the demand, asked for at once.
+                if policy == Policy::Ebb && f.demand.is_none() && f.held > 0.0 {
+                    let need = ((f.in_flight + f.held) / c.settings.target).ceil() as u32;
+                    let need = need.min(c.settings.max_replicas);
+                    if d.desired < need {
+                        report.violations.push(format!(
+                            "cold_surge_met: at {t} ms ebb asked for {} replicas while {} requests in flight and held, none answered yet, need {need} at the target",
+                            d.desired,
+                            f.in_flight + f.held,
+                        ));
+                    }
+                }
+                if policy == Policy::Ebb && d.panicking && d.desired < desired {
+                    report.violations.push(format!(
+                        "no_scale_down_in_panic: at {t} ms ebb went from {desired} to {} replicas in panic",
+                        d.desired,
+                    ));
+                }
                 if d.desired != desired {
                     let direction = if d.desired > desired { 1 } else { -1 };
                     if last_direction != 0 && direction != last_direction {
@@ -393,6 +431,72 @@ pub fn run(config: &Config, policy: Policy, seed: u64) -> Report {
     report.wait_p50_ms = pct(0.5);
     report.wait_p99_ms = pct(0.99);
     report
+}
+
+/// Runs one seed of a `[load]` scenario: ebb's rule on the trace the seed picks; the first
+/// invariant broken is the outcome's violation.
+pub fn run_scenario(l: &crate::scenario::LoadScenario, seed: u64) -> crate::world::Outcome {
+    use std::hash::Hasher;
+    let traces: Vec<Trace> = l
+        .traces
+        .iter()
+        .map(|t| Trace::parse(t).expect("checked when the scenario was read"))
+        .collect();
+    let trace = traces[(seed % traces.len() as u64) as usize];
+    let config = Config {
+        trace,
+        seconds: l.seconds,
+        base_rps: l.base_rps,
+        service_ms: (l.service_ms[0], l.service_ms[1]),
+        start_ms: (l.start_ms[0], l.start_ms[1]),
+        capacity: l.capacity,
+        periods: l.periods,
+        settings: Settings {
+            target: l.target,
+            ..Settings::default()
+        },
+    };
+    let r = run(&config, Policy::Ebb, seed);
+    let line = format!(
+        "{}: {} requests, wait p50 {} ms p99 {} ms, {:.0} replica-s, {} changes, peak {}",
+        trace.name(),
+        r.requests,
+        r.wait_p50_ms,
+        r.wait_p99_ms,
+        r.replica_seconds,
+        r.changes,
+        r.peak
+    );
+    let mut h = fnv::FnvHasher::default();
+    h.write(line.as_bytes());
+    let violation = r.violations.first().map(|v| {
+        let (invariant, detail) = v.split_once(": ").unwrap_or(("load_floor_held", v));
+        let at_ms = detail
+            .strip_prefix("at ")
+            .and_then(|d| d.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        crate::world::Violation {
+            invariant: match invariant {
+                "no_scale_down_in_panic" => "no_scale_down_in_panic",
+                "cold_surge_met" => "cold_surge_met",
+                _ => "load_floor_held",
+            },
+            detail: detail.to_owned(),
+            at_ms,
+        }
+    });
+    crate::world::Outcome {
+        hash: h.finish(),
+        sim_ms: l.seconds * 1_000,
+        violation,
+        trace: vec![line],
+        stats: crate::world::Stats {
+            requests: r.requests,
+            steps: l.seconds * 1_000 / STEP_MS,
+            ..Default::default()
+        },
+    }
 }
 
 #[cfg(test)]

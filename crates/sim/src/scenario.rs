@@ -33,6 +33,8 @@ pub struct Scenario {
     pub calls: Option<CallsScenario>,
     /// A route with keep-warm windows on one replica (run alone: [`super::warm`]).
     pub warm: Option<WarmScenario>,
+    /// One route scaled on load under a generated trace (run alone: [`super::load`]).
+    pub load: Option<LoadScenario>,
     /// Fault rates (all off when absent).
     #[serde(default)]
     pub faults: Faults,
@@ -251,11 +253,41 @@ impl Scenario {
         if s.name.is_empty() {
             s.name = name.to_owned();
         }
+        let seconds = s.duration_ms / 1_000;
+        if let Some(l) = &mut s.load {
+            l.seconds = seconds;
+        }
         s.validate()?;
         Ok(s)
     }
 
     fn validate(&self) -> Result<(), String> {
+        if let Some(l) = &self.load {
+            if self.proxy.is_some() || self.calls.is_some() || self.warm.is_some() {
+                return Err("[load] runs alone: no [proxy], [calls] or [warm] beside it".into());
+            }
+            if l.traces.is_empty() {
+                return Err("load.traces: name at least one".into());
+            }
+            for t in &l.traces {
+                super::load::Trace::parse(t)?;
+            }
+            for (name, [lo, hi]) in [
+                ("load.service_ms", l.service_ms),
+                ("load.start_ms", l.start_ms),
+            ] {
+                if lo > hi || hi == 0 {
+                    return Err(format!("{name}: [{lo}, {hi}] is empty"));
+                }
+            }
+            if l.capacity == 0 || !(l.base_rps > 0.0) || !(l.target > 0.0) {
+                return Err("load: capacity, base_rps and target must be above 0".into());
+            }
+            if l.duration_ms() != self.duration_ms {
+                return Err("load: duration_ms must be whole seconds".into());
+            }
+            return Ok(());
+        }
         if let Some(w) = &self.warm {
             if self.proxy.is_some() || self.calls.is_some() {
                 return Err("[warm] runs alone: no [proxy] or [calls] beside it".into());
@@ -278,7 +310,7 @@ impl Scenario {
             return Ok(());
         }
         if self.proxy.is_none() && self.calls.is_none() {
-            return Err("a scenario needs [proxy], [calls], both, or [warm]".into());
+            return Err("a scenario needs [proxy], [calls], both, [warm] or [load]".into());
         }
         let mut ranges: Vec<(&str, Range)> = vec![("api.latency_ms", self.api.latency_ms)];
         if self.faults.pause_chance > 0.0 {
@@ -346,6 +378,42 @@ impl Scenario {
         Ok(())
     }
 }
+/// The `[load]` section of a scenario: one route scaled on load by ebb's rule, with the traffic
+/// of one of `traces` (picked by the seed), each replica serving `capacity` requests at once and
+/// starting within `start_ms`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadScenario {
+    /// Trace names: `step`, `ramp`, `spike`, `diurnal`, `bursts`, `sine`.
+    pub traces: Vec<String>,
+    /// The traces' base rate, requests per second.
+    pub base_rps: f64,
+    /// A request's service time.
+    pub service_ms: Range,
+    /// A replica's start time.
+    pub start_ms: Range,
+    /// Requests one replica serves at once.
+    pub capacity: u32,
+    /// The target concurrency per replica.
+    pub target: f64,
+    /// The sine's periods.
+    #[serde(default = "five")]
+    pub periods: u32,
+    /// The run's length in whole seconds, from the scenario's `duration_ms`.
+    #[serde(skip)]
+    pub seconds: u64,
+}
+
+fn five() -> u32 {
+    5
+}
+
+impl LoadScenario {
+    fn duration_ms(&self) -> u64 {
+        self.seconds * 1_000
+    }
+}
+
 /// The `[warm]` section of a scenario.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]

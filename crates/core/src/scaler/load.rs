@@ -418,6 +418,8 @@ impl Decider {
         now_ms: u64,
         counts_held: bool,
     ) -> Decision {
+        let counts_held =
+            counts_held && !crate::mutation::active(crate::mutation::Mutation::LoadIgnoresHeld);
         let per = settings.per_replica();
         let base = f64::from(ready.max(1));
         let max_up = (settings.max_up_rate * base).ceil();
@@ -445,8 +447,16 @@ impl Decider {
         }
         let mut desired = stable;
         let (load, window_ms) = if self.panicking() {
-            desired = desired.max(panic).max(self.panic_max);
+            desired = desired.max(panic);
+            if !crate::mutation::active(crate::mutation::Mutation::ScaleDownInPanic) {
+                desired = desired.max(self.panic_max);
+            }
             self.panic_max = desired;
+            (panic_load, settings.panic_window_ms)
+        } else if counts_held && figures.held > 0.0 {
+            // Requests held now are demand whether or not it panics: never fewer replicas than
+            // they and the flow ask for (a cold start with 2 requests held asks for one).
+            desired = desired.max(panic);
             (panic_load, settings.panic_window_ms)
         } else {
             (figures.stable, settings.stable_window_ms)
