@@ -454,10 +454,12 @@ impl Decider {
             self.panic_max = desired;
             (panic_load, settings.panic_window_ms)
         } else if counts_held && figures.held > 0.0 {
-            // Requests held now are demand whether or not it panics: never fewer replicas than
-            // they and the flow ask for (a cold start with 2 requests held asks for one).
-            desired = desired.max(panic);
-            (panic_load, settings.panic_window_ms)
+            // A request held is demand even below the panic threshold: a cold start with two
+            // requests held asks for a replica, however low the averages (more than that, without
+            // a panic, is the stable window's to ask: following each brief hold up and back down
+            // would flap).
+            desired = desired.max(1);
+            (figures.stable, settings.stable_window_ms)
         } else {
             (figures.stable, settings.stable_window_ms)
         };
