@@ -14,6 +14,11 @@
 //!    line on another ebb's functions watch; anchor: a bare kube-rs create of a `Func` to the
 //!    benchmark's own watch of the resources seeing it.
 //!
+//! 6. **A step in load to the scale write**: a Service scaled on load (target concurrency 4) at
+//!    one warm replica, then 40 clients at once through ebb: from the step to the API server
+//!    receiving the `/scale` write for more replicas; anchor: the bare `/scale` patch round trip
+//!    of part 1.
+//!
 //! Not a test (`test = false`): `benches/kube.sh` runs it on the `ci` profile.
 
 #[path = "../tests/common/mod.rs"]
@@ -229,7 +234,7 @@ async fn run() {
         "  first request to scale write: {:.1} ms; anchor: bare /scale patch round trip {:.1} ms; ratio {:.2}x",
         median(to_write.clone()),
         median(bare.clone()),
-        median(to_write) / median(bare)
+        median(to_write) / median(bare.clone())
     );
     println!(
         "  ebb's share of a cold start (first byte through ebb - slice seen ready): {:.2} ms (target < 5 ms); anchor: the app's first byte asked directly {:.2} ms; ratio {:.2}x",
@@ -281,11 +286,86 @@ async fn run() {
     );
     drop(e);
 
+    println!("A step in load on Kubernetes ({ROUNDS} steps from 1 to 40 clients, medians):");
+    step_to_scale_write(&cp, median(bare.clone())).await;
+
     println!("Function templates on Kubernetes ({ROUNDS} rounds, medians):");
     template_across_replicas(&cp, &kube).await;
 
     println!("Cleaners on Kubernetes ({CLEANER_ROUNDS} target changes):");
     cleaner_reevaluation(&cp, &kube).await;
+}
+
+/// 6: a step in load to the `/scale` write asking for more replicas (the audit log's time of the
+/// write's arrival, its body read at the Request level the harness logs scale writes at).
+async fn step_to_scale_write(cp: &ControlPlane, bare_ms: f64) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    cp.kubectl(&[
+        "annotate",
+        "--overwrite",
+        "service",
+        "hello",
+        "ebb.dev/target-concurrency=4",
+        "ebb.dev/max-replicas=20",
+        "ebb.dev/window=6s",
+        "ebb.dev/idle-after=10m",
+    ]);
+    let data = tempfile::tempdir().unwrap();
+    let e = serve_kube(cp, data.path(), &TEST_TIMING);
+    wait_for("the route scaled on load", Duration::from_secs(60), || {
+        common::events(data.path()).iter().any(|ev| {
+            ev["event"]["RouteUpserted"]["route"]["load"]["target_concurrency"].as_f64()
+                == Some(4.0)
+        })
+    })
+    .await;
+    let clock = SystemClock;
+    let writes_up = |cp: &ControlPlane| -> Vec<f64> {
+        cp.audit_events()
+            .iter()
+            .filter(|e| {
+                e["objectRef"]["subresource"] == "scale"
+                    && e["verb"] == "patch"
+                    && e["user"]["username"] == "system:serviceaccount:ebb:ebb"
+                    && e["requestObject"]["spec"]["replicas"].as_u64() > Some(1)
+            })
+            .map(|e| audit_ms(&e["requestReceivedTimestamp"]))
+            .collect()
+    };
+    let mut step_to_write = Vec::new();
+    for _ in 0..ROUNDS {
+        // One warm replica.
+        let (status, body) = get(e.proxy, "hello.test", "/pid").await;
+        assert_eq!(status, 200, "{body}");
+        wait_for("one replica", Duration::from_secs(90), || replicas(cp) == 1).await;
+        let before = writes_up(cp).len();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (answered, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let step_ms = clock.now_ms() as f64;
+        let clients = common::ebbkube::load(e.proxy, "hello.test", 40, &stop, &answered, &failed);
+        let mut writes = Vec::new();
+        wait_for("the scale-up write", Duration::from_secs(30), || {
+            writes = writes_up(cp);
+            writes.len() > before
+        })
+        .await;
+        step_to_write.push(writes[before] - step_ms);
+        stop.store(true, Ordering::Relaxed);
+        clients.join().unwrap();
+        assert_eq!(failed.load(Ordering::Relaxed), 0);
+        // Back to one replica (the window, then halving each second) before the next step.
+        wait_for("back to one replica", Duration::from_secs(90), || {
+            replicas(cp) == 1
+        })
+        .await;
+    }
+    let m = median(step_to_write);
+    println!(
+        "  step in load to scale write: {m:.0} ms (one sample a second, then the decision); anchor: bare /scale patch round trip {bare_ms:.1} ms; ratio {:.1}x",
+        m / bare_ms
+    );
+    drop(e);
 }
 
 /// Target changes timed in part 5.

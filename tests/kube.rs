@@ -26,7 +26,7 @@ use std::time::Duration;
 use common::controlplane::{ControlPlane, NOBODY_TOKEN, http_get, wait_for, wait_until};
 use common::ebbkube::{
     TEST_TIMING, apply, client, cluster, deployed_service_account, get, grant, hello_deployment,
-    hello_service, json, pid_of, routes, send, serve_deployed, serve_on, serverless_hello,
+    hello_service, json, load, pid_of, routes, send, serve_deployed, serve_on, serverless_hello,
     test_image, try_send,
 };
 
@@ -3187,49 +3187,6 @@ async fn refusals_are_told_once_where_operators_look_and_recover_when_allowed() 
         !exists(&cp, "configmap", "doomed") && !exists(&cp, "cleaner", "blocked")
     })
     .await;
-}
-
-/// `clients` clients sending `GET /` for `host` to `proxy` one after the other until `stop`,
-/// counting the 200s and the others. They run on a thread of their own, started from the test's
-/// thread, so in the control plane's network namespace (the test runtime's workers are not).
-fn load(
-    proxy: std::net::SocketAddr,
-    host: &'static str,
-    clients: usize,
-    stop: &Arc<AtomicBool>,
-    answered: &Arc<AtomicU64>,
-    failed: &Arc<AtomicU64>,
-) -> std::thread::JoinHandle<()> {
-    let (stop, answered, failed) = (stop.clone(), answered.clone(), failed.clone());
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let tasks: Vec<_> = (0..clients)
-                .map(|_| {
-                    let (stop, answered, failed) = (stop.clone(), answered.clone(), failed.clone());
-                    tokio::spawn(async move {
-                        let c = common::http::client();
-                        while !stop.load(Ordering::Relaxed) {
-                            let a = common::http::send(&c, proxy, "GET", host, "/", &[]).await;
-                            if a.status == 200 {
-                                answered.fetch_add(1, Ordering::Relaxed);
-                            } else {
-                                failed.fetch_add(1, Ordering::Relaxed);
-                                eprintln!("answer {}: {}", a.status, a.body);
-                            }
-                        }
-                    })
-                })
-                .collect();
-            for t in tasks {
-                t.await.unwrap();
-            }
-        });
-    })
 }
 
 /// The load scaling requests in an ebb's log: (from, to) of each `ScaleRequested { reason: load }`.

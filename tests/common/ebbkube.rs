@@ -295,3 +295,47 @@ pub fn grant(cp: &ControlPlane, name: &str, verbs: &str, resources: &str) {
         "--serviceaccount=ebb:ebb",
     ]);
 }
+
+/// `clients` clients sending `GET /` for `host` to `proxy` one after the other until `stop`,
+/// counting the 200s and the others. They run on a thread of their own, started from the test's
+/// thread, so in the control plane's network namespace (the test runtime's workers are not).
+pub fn load(
+    proxy: std::net::SocketAddr,
+    host: &'static str,
+    clients: usize,
+    stop: &std::sync::Arc<std::sync::atomic::AtomicBool>,
+    answered: &std::sync::Arc<std::sync::atomic::AtomicU64>,
+    failed: &std::sync::Arc<std::sync::atomic::AtomicU64>,
+) -> std::thread::JoinHandle<()> {
+    let (stop, answered, failed) = (stop.clone(), answered.clone(), failed.clone());
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let tasks: Vec<_> = (0..clients)
+                .map(|_| {
+                    let (stop, answered, failed) = (stop.clone(), answered.clone(), failed.clone());
+                    tokio::spawn(async move {
+                        let c = super::http::client();
+                        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            let a = super::http::send(&c, proxy, "GET", host, "/", &[]).await;
+                            if a.status == 200 {
+                                answered.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            } else {
+                                failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                eprintln!("answer {}: {}", a.status, a.body);
+                            }
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+        });
+    })
+}
+

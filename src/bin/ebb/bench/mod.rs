@@ -503,6 +503,13 @@ pub(crate) struct ServeChild {
     _dir: tempfile::TempDir,
 }
 
+impl ServeChild {
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
 impl Drop for ServeChild {
     fn drop(&mut self) {
         let _ = nix::sys::signal::kill(
