@@ -263,3 +263,121 @@ async fn the_admin_api_takes_load_settings_and_refuses_bad_ones_with_the_reason(
         "{v}"
     );
 }
+
+/// A scale-down on load takes away replicas with no request under way: two long requests in
+/// flight while the route comes down from its peak to exactly two replicas are both answered
+/// (round robin spreads them: stopping the newest replicas, as before, cut one of them unless
+/// both were on the two oldest).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_scale_down_on_load_spares_the_replicas_with_requests_under_way() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let path = dir.path().join("ebb.toml");
+    std::fs::write(
+        &path,
+        r#"[[app]]
+name = "drain"
+domains = ["drain.localhost"]
+command = ["ebb", "example-app"]
+stop_grace_ms = 20000
+max_replicas = 6
+idle_after_ms = 60000
+policy = { balancer = "round_robin" }
+load = { target_concurrency = 1, utilization_pct = 100, window_ms = 6000, max_scale_down_rate = 10 }
+"#,
+    )
+    .unwrap();
+    let ebb = common::serve(&data, Some(&path), None);
+    let proxy = ebb.proxy;
+    let stop = Arc::new(AtomicBool::new(false));
+    let failed = Arc::new(AtomicU64::new(0));
+    let short: Vec<_> = (0..6)
+        .map(|_| {
+            let (stop, failed) = (stop.clone(), failed.clone());
+            tokio::spawn(async move {
+                let c = common::http::client();
+                while !stop.load(Ordering::Relaxed) {
+                    let a = common::http::send(
+                        &c,
+                        proxy,
+                        "GET",
+                        "drain.localhost",
+                        "/sleep?ms=200",
+                        &[],
+                    )
+                    .await;
+                    if a.status != 200 {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    let pid = ebb.child.id();
+    wait_until("the route scaled out", LIMIT, || async {
+        (children_with(pid, "example-app").len() >= 5).then_some(())
+    })
+    .await;
+    // Two long requests, then the short ones stop: the load falls and the route comes down
+    // while the long ones are under way.
+    let long: Vec<_> = (0..2)
+        .map(|_| {
+            tokio::spawn(async move {
+                let c = common::http::client();
+                let a =
+                    common::http::send(&c, proxy, "GET", "drain.localhost", "/sleep?ms=15000", &[])
+                        .await;
+                let done = ebb::clock::Clock::now_ms(&ebb::clock::SystemClock);
+                (a.status, done)
+            })
+        })
+        .collect();
+    wait_until("the long requests under way", LIMIT, || async {
+        let m = common::http::send(
+            &common::http::client(),
+            ebb.admin,
+            "GET",
+            "localhost",
+            "/metrics",
+            &[],
+        )
+        .await;
+        m.body
+            .lines()
+            .find_map(|l| l.strip_prefix("ebb_proxy_requests_in_flight{route=\"drain\"} "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|n| *n >= 2)
+            .map(|_| ())
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for s in short {
+        s.await.unwrap();
+    }
+    let mut ended = Vec::new();
+    for l in long {
+        let (status, at) = l.await.unwrap();
+        assert_eq!(status, 200, "a long request was cut by a scale-down");
+        ended.push(at);
+    }
+    assert_eq!(failed.load(Ordering::Relaxed), 0);
+    let first_end = ended.into_iter().min().unwrap();
+    let downs: Vec<u64> = events(&data)
+        .into_iter()
+        .filter(|e| {
+            let s = &e["event"]["ScaleRequested"];
+            s["reason"].get("load").is_some() && s["to"].as_u64() < s["from"].as_u64()
+        })
+        .filter_map(|e| e["at_ms"].as_u64())
+        .collect();
+    let to_two = events(&data).into_iter().any(|e| {
+        let s = &e["event"]["ScaleRequested"];
+        s["reason"].get("load").is_some()
+            && s["to"].as_u64() == Some(2)
+            && e["at_ms"].as_u64().is_some_and(|at| at < first_end)
+    });
+    assert!(
+        to_two && downs.iter().any(|at| *at < first_end),
+        "no scale-down on load to two replicas while the long requests were under way: {downs:?}"
+    );
+}

@@ -280,7 +280,8 @@ impl Scenario {
                     return Err(format!("{name}: [{lo}, {hi}] is empty"));
                 }
             }
-            if l.capacity == 0 || !(l.base_rps > 0.0) || !(l.target > 0.0) {
+            let positive = |v: f64| v.is_finite() && v > 0.0;
+            if l.capacity == 0 || !positive(l.base_rps) || !positive(l.target) {
                 return Err("load: capacity, base_rps and target must be above 0".into());
             }
             if l.duration_ms() != self.duration_ms {

@@ -161,7 +161,10 @@ load = { target_concurrency = 2, window_ms = 6000 }
             if children(serve.pid())?.len() > pids_before.len() {
                 spawn_ms = Some(step.elapsed().as_secs_f64() * 1e3);
             }
-            anyhow::ensure!(step.elapsed() < Duration::from_secs(30), "no replica spawned");
+            anyhow::ensure!(
+                step.elapsed() < Duration::from_secs(30),
+                "no replica spawned"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         decided.push(decision_ms);
@@ -173,7 +176,10 @@ load = { target_concurrency = 2, window_ms = 6000 }
         // Back to one replica before the next step (the window, then halving each second).
         let back = Stopwatch::start();
         while children(serve.pid())?.len() > 1 {
-            anyhow::ensure!(back.elapsed() < Duration::from_secs(60), "not back to one replica");
+            anyhow::ensure!(
+                back.elapsed() < Duration::from_secs(60),
+                "not back to one replica"
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -189,7 +195,9 @@ load = { target_concurrency = 2, window_ms = 6000 }
     );
     println!("| measure | value | ratio to the anchor |");
     println!("|---|---|---|");
-    println!("| anchor: one answer through ebb at one client (app: 100 ms) | {anchor:.1} ms | 1.00 |");
+    println!(
+        "| anchor: one answer through ebb at one client (app: 100 ms) | {anchor:.1} ms | 1.00 |"
+    );
     println!(
         "| step to ScaleRequested {{ reason: load }} | {d:.0} ms | {:.2} |",
         d / anchor
