@@ -17,7 +17,6 @@
 //! The count is written through the orchestrator (the Deployment's `/scale`); the other replicas
 //! record it as a peer's change, as for every scaling.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -31,7 +30,7 @@ use crate::log::Log;
 use crate::orchestrator::Orchestrator;
 use crate::peers::{PeerToken, Peers};
 use crate::proxy::Traffic;
-use crate::proxy::load::{LoadScaler, POLL_MS, apply, now_of, scaled};
+use crate::proxy::load::{LoadScaler, POLL_MS, decide_ended, read};
 
 /// Who this replica is among the others, and how it reaches the holder.
 pub struct Shared {
@@ -72,19 +71,7 @@ pub async fn run_shared(
             return;
         }
         let now = clock.now_ms();
-        let (scaled, asked) = log.read(|s| {
-            let scaled = scaled(s, now);
-            let asked: HashMap<String, u32> = scaled
-                .keys()
-                .map(|d| {
-                    (
-                        d.clone(),
-                        s.routes.deployments.get(d).map_or(0, |d| d.desired),
-                    )
-                })
-                .collect();
-            (scaled, asked)
-        });
+        let (scaled, asked) = read(&log, now);
         let ended = scaler.poll(&traffic, &scaled, now);
         if ended.is_empty() {
             continue;
@@ -95,47 +82,20 @@ pub async fn run_shared(
             scaler.reset_all();
             was_leading = leading;
         }
-        if !leading {
+        if leading {
+            decide_ended(
+                &scaler,
+                &log,
+                orch.as_ref(),
+                &traffic,
+                &scaled,
+                &asked,
+                ended,
+                now,
+            )
+            .await;
+        } else {
             report(&scaler, &traffic, &shared, &sending);
-            continue;
-        }
-        for deployment in ended {
-            let was = asked.get(&deployment).copied().unwrap_or(0);
-            if was == 0 {
-                scaler.reset(&deployment);
-                continue;
-            }
-            let others = scaler.others(&deployment, now);
-            let (in_flight, held) = now_of(&traffic, &scaled[&deployment].1);
-            let ready = orch
-                .observe(&deployment)
-                .map_or(0, |o| o.ready.len() as u32);
-            let Some((decision, settings, held)) =
-                scaler.decide(&deployment, &others, ready, was, in_flight, held, now)
-            else {
-                continue;
-            };
-            tracing::debug!(
-                %deployment,
-                reporters = others.len(),
-                ready,
-                was,
-                desired = decision.desired,
-                load = decision.load,
-                "load decision"
-            );
-            if decision.desired != was {
-                apply(
-                    &log,
-                    orch.as_ref(),
-                    &deployment,
-                    decision,
-                    &settings,
-                    ready,
-                    held,
-                )
-                .await;
-            }
         }
     }
 }

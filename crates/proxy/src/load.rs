@@ -440,6 +440,77 @@ pub async fn apply(
     }
 }
 
+/// What one look at the log finds: each deployment scaled on load ([`scaled`]) and the replicas
+/// the log asks of it.
+#[allow(clippy::type_complexity)]
+pub fn read(
+    log: &Log,
+    now_ms: u64,
+) -> (
+    BTreeMap<String, (String, Vec<String>, Settings)>,
+    HashMap<String, u32>,
+) {
+    log.read(|s| {
+        let scaled = scaled(s, now_ms);
+        let asked = scaled
+            .keys()
+            .map(|d| {
+                (
+                    d.clone(),
+                    s.routes.deployments.get(d).map_or(0, |d| d.desired),
+                )
+            })
+            .collect();
+        (scaled, asked)
+    })
+}
+
+/// Decides each deployment of `ended` (whose second ended) on this replica's sample and the
+/// shares other replicas reported ([`LoadScaler::others`]: none on one machine), and performs
+/// what changed. A deployment the log asks to run none of is forgotten: its next wake starts
+/// calm.
+#[allow(clippy::too_many_arguments)]
+pub async fn decide_ended(
+    scaler: &LoadScaler,
+    log: &Log,
+    orch: &dyn Orchestrator,
+    traffic: &Traffic,
+    scaled: &BTreeMap<String, (String, Vec<String>, Settings)>,
+    asked: &HashMap<String, u32>,
+    ended: Vec<String>,
+    now_ms: u64,
+) {
+    for deployment in ended {
+        let was = asked.get(&deployment).copied().unwrap_or(0);
+        if was == 0 {
+            scaler.reset(&deployment);
+            continue;
+        }
+        let others = scaler.others(&deployment, now_ms);
+        let (in_flight, held) = now_of(traffic, &scaled[&deployment].1);
+        let ready = orch
+            .observe(&deployment)
+            .map_or(0, |o| o.ready.len() as u32);
+        let Some((decision, settings, held)) =
+            scaler.decide(&deployment, &others, ready, was, in_flight, held, now_ms)
+        else {
+            continue;
+        };
+        tracing::debug!(
+            %deployment,
+            reporters = others.len(),
+            ready,
+            was,
+            desired = decision.desired,
+            load = decision.load,
+            "load decision"
+        );
+        if decision.desired != was {
+            apply(log, orch, &deployment, decision, &settings, ready, held).await;
+        }
+    }
+}
+
 /// The loop of one ebb (the process orchestrator, or a single replica): polls the counters every
 /// [`POLL_MS`] and decides each deployment scaled on load once a second.
 pub async fn run(
@@ -461,47 +532,18 @@ pub async fn run(
             return;
         }
         let now = clock.now_ms();
-        let (scaled, asked) = log.read(|s| {
-            let scaled = scaled(s, now);
-            let asked: HashMap<String, u32> = scaled
-                .keys()
-                .map(|d| {
-                    (
-                        d.clone(),
-                        s.routes.deployments.get(d).map_or(0, |d| d.desired),
-                    )
-                })
-                .collect();
-            (scaled, asked)
-        });
-        for deployment in scaler.poll(&traffic, &scaled, now) {
-            if asked.get(&deployment).copied().unwrap_or(0) == 0 {
-                scaler.reset(&deployment);
-                continue;
-            }
-            let routes = &scaled[&deployment].1;
-            let (in_flight, held) = now_of(&traffic, routes);
-            let ready = orch
-                .observe(&deployment)
-                .map_or(0, |o| o.ready.len() as u32);
-            let was = asked.get(&deployment).copied().unwrap_or(0);
-            let Some((decision, settings, held)) =
-                scaler.decide(&deployment, &[], ready, was, in_flight, held, now)
-            else {
-                continue;
-            };
-            if decision.desired != was {
-                apply(
-                    &log,
-                    orch.as_ref(),
-                    &deployment,
-                    decision,
-                    &settings,
-                    ready,
-                    held,
-                )
-                .await;
-            }
-        }
+        let (scaled, asked) = read(&log, now);
+        let ended = scaler.poll(&traffic, &scaled, now);
+        decide_ended(
+            &scaler,
+            &log,
+            orch.as_ref(),
+            &traffic,
+            &scaled,
+            &asked,
+            ended,
+            now,
+        )
+        .await;
     }
 }
