@@ -370,7 +370,7 @@ impl AppConfig {
         warm_windows(&self.warm, self.max_replicas)
             .map_err(|e| format!("app {:?}: {e}", self.name))?;
         if let Some(l) = &self.load {
-            l.settings(self.min_replicas, self.max_replicas)
+            crate::scaler::load::Settings::of(l, self.min_replicas, self.max_replicas)
                 .map_err(|e| format!("app {:?}: load: {e}", self.name))?;
         }
         if let Some(w) = &self.waiting_page {

@@ -61,13 +61,34 @@ pub enum ScaleReason {
     Load(LoadWhy),
 }
 
+/// What scaling on load measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Metric {
+    /// Requests in flight (and held), averaged over time.
+    #[default]
+    Concurrency,
+    /// Requests started per second.
+    Rps,
+}
+
+impl Metric {
+    /// Its name, as settings and events spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::Concurrency => "concurrency",
+            Metric::Rps => "rps",
+        }
+    }
+}
+
 /// What a decision to scale on load was taken on, as the log keeps it (integers: events compare
 /// exactly).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct LoadWhy {
     /// What the load is measured in.
     #[serde(default)]
-    pub metric: crate::scaler::load::Metric,
+    pub metric: Metric,
     /// The load per ready replica over the window, in thousandths (requests in flight, or
     /// requests per second).
     pub per_replica_milli: u64,
@@ -273,7 +294,7 @@ pub struct RouteSpec {
 /// A route's scaling on load, as `ebb.toml`, the admin API and a Service's annotations write it:
 /// one target (requests in flight per replica, or requests per second per replica), and
 /// Knative's knobs with Knative's defaults. [`LoadSpec::settings`] turns it into the core's
-/// [`crate::scaler::load::Settings`].
+/// `scaler::load::Settings` (`Settings::of`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LoadSpec {
@@ -341,67 +362,6 @@ impl Default for LoadSpec {
             max_scale_down_rate: default_down_rate(),
             scale_down_delay_ms: 0,
         }
-    }
-}
-
-impl LoadSpec {
-    /// The core's settings for a route with bounds `min_replicas..=max_replicas`, or why these
-    /// cannot be used.
-    pub fn settings(
-        &self,
-        min_replicas: u32,
-        max_replicas: u32,
-    ) -> Result<crate::scaler::load::Settings, String> {
-        use crate::scaler::load::{Metric, SAMPLE_MS, Settings};
-        let (metric, target) = match (self.target_concurrency, self.target_rps) {
-            (Some(c), None) => (Metric::Concurrency, c),
-            (None, Some(r)) => (Metric::Rps, r),
-            (None, None) => {
-                return Err("load scaling needs target_concurrency or target_rps".into());
-            }
-            (Some(_), Some(_)) => {
-                return Err("load scaling takes target_concurrency or target_rps, not both".into());
-            }
-        };
-        for (name, v) in [
-            ("utilization_pct", self.utilization_pct),
-            ("panic_window_pct", self.panic_window_pct),
-            ("panic_threshold_pct", self.panic_threshold_pct),
-            ("max_scale_up_rate", self.max_scale_up_rate),
-            ("max_scale_down_rate", self.max_scale_down_rate),
-        ] {
-            if !v.is_finite() {
-                return Err(format!("{name} must be a number, not {v}"));
-            }
-        }
-        if !(1.0..=100.0).contains(&self.panic_window_pct) {
-            return Err(format!(
-                "panic_window_pct must be within 1 and 100, not {}",
-                self.panic_window_pct
-            ));
-        }
-        let panic_window_ms =
-            ((self.window_ms as f64 * self.panic_window_pct / 100.0).round() as u64).max(SAMPLE_MS);
-        let settings = Settings {
-            metric,
-            target,
-            utilization: self.utilization_pct / 100.0,
-            stable_window_ms: self.window_ms,
-            panic_window_ms: panic_window_ms.min(self.window_ms),
-            panic_threshold: self.panic_threshold_pct / 100.0,
-            max_up_rate: self.max_scale_up_rate,
-            max_down_rate: self.max_scale_down_rate,
-            scale_down_delay_ms: self.scale_down_delay_ms,
-            min_replicas,
-            max_replicas,
-        };
-        settings.check()?;
-        if max_replicas <= 1 {
-            return Err(format!(
-                "load scaling moves between min and max replicas: max replicas is {max_replicas}, set it above 1"
-            ));
-        }
-        Ok(settings)
     }
 }
 

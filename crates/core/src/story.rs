@@ -78,7 +78,7 @@ fn outcome(o: Outcome) -> &'static str {
 /// "9.8 requests in flight per replica over the last 6 s against a target of 4 at 70 %
 /// (panic)".
 pub fn load_reason(why: &crate::event::LoadWhy) -> String {
-    use crate::scaler::load::Metric;
+    use crate::event::Metric;
     let milli = |m: u64| {
         let v = m as f64 / 1000.0;
         if (v - v.round()).abs() < 0.05 {

@@ -368,7 +368,7 @@ pub fn scaled(state: &State, now_ms: u64) -> BTreeMap<String, (String, Vec<Strin
             continue;
         };
         let (min, max) = ebb_core::scaler::load_bounds(state, route, now_ms);
-        let Some(Ok(settings)) = route.load.as_ref().map(|l| l.settings(min, max)) else {
+        let Some(Ok(settings)) = route.load.as_ref().map(|l| Settings::of(l, min, max)) else {
             continue;
         };
         let routes = state

@@ -269,8 +269,11 @@ impl Scenario {
             if l.traces.is_empty() {
                 return Err("load.traces: name at least one".into());
             }
-            for t in &l.traces {
-                super::load::Trace::parse(t)?;
+            if let Some(t) = l.traces.iter().find(|t| !TRACES.contains(&t.as_str())) {
+                return Err(format!(
+                    "load.traces: unknown trace {t:?}: {}",
+                    TRACES.join(", ")
+                ));
             }
             for (name, [lo, hi]) in [
                 ("load.service_ms", l.service_ms),
@@ -379,6 +382,9 @@ impl Scenario {
         Ok(())
     }
 }
+/// The traces a `[load]` scenario may name (`load::Trace::parse`).
+pub const TRACES: [&str; 6] = ["step", "ramp", "spike", "diurnal", "bursts", "sine"];
+
 /// The `[load]` section of a scenario: one route scaled on load by ebb's rule, with the traffic
 /// of one of `traces` (picked by the seed), each replica serving `capacity` requests at once and
 /// starting within `start_ms`.

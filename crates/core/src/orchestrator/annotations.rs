@@ -405,7 +405,7 @@ fn load(
         "the window" | "target" | "replicas" => 1,
         _ => 0,
     });
-    spec.settings(min_replicas, max_replicas).map_err(|e| {
+    crate::scaler::load::Settings::of(&spec, min_replicas, max_replicas).map_err(|e| {
         let at = given
             .iter()
             .find(|(words, _)| e.contains(words))

@@ -29,26 +29,7 @@
 
 use std::collections::VecDeque;
 
-/// What the load is measured in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Metric {
-    /// Requests in flight (and held), averaged over time.
-    #[default]
-    Concurrency,
-    /// Requests started per second.
-    Rps,
-}
-
-impl Metric {
-    /// Its name, as settings and events spell it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Metric::Concurrency => "concurrency",
-            Metric::Rps => "rps",
-        }
-    }
-}
+pub use crate::event::Metric;
 
 /// A route's settings for scaling on load.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -154,6 +135,67 @@ impl Settings {
     /// The load one replica is planned for.
     pub fn per_replica(&self) -> f64 {
         self.target * self.utilization
+    }
+}
+
+impl Settings {
+    /// The settings `spec` writes for a route with bounds `min_replicas..=max_replicas`, or why
+    /// they cannot be used.
+    pub fn of(
+        spec: &crate::event::LoadSpec,
+        min_replicas: u32,
+        max_replicas: u32,
+    ) -> Result<Settings, String> {
+        let this = spec;
+        let (metric, target) = match (this.target_concurrency, this.target_rps) {
+            (Some(c), None) => (Metric::Concurrency, c),
+            (None, Some(r)) => (Metric::Rps, r),
+            (None, None) => {
+                return Err("load scaling needs target_concurrency or target_rps".into());
+            }
+            (Some(_), Some(_)) => {
+                return Err("load scaling takes target_concurrency or target_rps, not both".into());
+            }
+        };
+        for (name, v) in [
+            ("utilization_pct", this.utilization_pct),
+            ("panic_window_pct", this.panic_window_pct),
+            ("panic_threshold_pct", this.panic_threshold_pct),
+            ("max_scale_up_rate", this.max_scale_up_rate),
+            ("max_scale_down_rate", this.max_scale_down_rate),
+        ] {
+            if !v.is_finite() {
+                return Err(format!("{name} must be a number, not {v}"));
+            }
+        }
+        if !(1.0..=100.0).contains(&this.panic_window_pct) {
+            return Err(format!(
+                "panic_window_pct must be within 1 and 100, not {}",
+                this.panic_window_pct
+            ));
+        }
+        let panic_window_ms =
+            ((this.window_ms as f64 * this.panic_window_pct / 100.0).round() as u64).max(SAMPLE_MS);
+        let settings = Settings {
+            metric,
+            target,
+            utilization: this.utilization_pct / 100.0,
+            stable_window_ms: this.window_ms,
+            panic_window_ms: panic_window_ms.min(this.window_ms),
+            panic_threshold: this.panic_threshold_pct / 100.0,
+            max_up_rate: this.max_scale_up_rate,
+            max_down_rate: this.max_scale_down_rate,
+            scale_down_delay_ms: this.scale_down_delay_ms,
+            min_replicas,
+            max_replicas,
+        };
+        settings.check()?;
+        if max_replicas <= 1 {
+            return Err(format!(
+                "load scaling moves between min and max replicas: max replicas is {max_replicas}, set it above 1"
+            ));
+        }
+        Ok(settings)
     }
 }
 
