@@ -19,10 +19,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
-use axum::http;
-use bytes::Bytes;
 use tokio::sync::watch;
 
 use crate::clock::Clock;
@@ -30,7 +27,7 @@ use crate::log::Log;
 use crate::orchestrator::Orchestrator;
 use crate::peers::{PeerToken, Peers};
 use crate::proxy::Traffic;
-use crate::proxy::load::{LoadScaler, POLL_MS, decide_ended, read};
+use crate::proxy::load::{LoadScaler, run_with};
 
 /// Who this replica is among the others, and how it reaches the holder.
 pub struct Shared {
@@ -46,7 +43,7 @@ pub struct Shared {
     pub told: std::sync::Mutex<Option<String>>,
 }
 
-/// The loop of one replica among several: samples every [`POLL_MS`]; each second decides on the
+/// The loop of one replica among several: samples every `POLL_MS`; each second decides on the
 /// sum while holding the lease, else reports its shares to the holder.
 pub async fn run_shared(
     scaler: Arc<LoadScaler>,
@@ -55,49 +52,24 @@ pub async fn run_shared(
     traffic: Arc<Traffic>,
     clock: Arc<dyn Clock>,
     shared: Shared,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     let shared = Arc::new(shared);
     let sending = Arc::new(AtomicBool::new(false));
     let mut was_leading = false;
-    let mut tick = tokio::time::interval(Duration::from_millis(POLL_MS));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.changed() => return,
-        }
-        if log.failure().is_some() {
-            return;
-        }
-        let now = clock.now_ms();
-        let (scaled, asked) = read(&log, now);
-        let ended = scaler.poll(&traffic, &scaled, now);
-        if ended.is_empty() {
-            continue;
-        }
+    let decides = move |scaler: &LoadScaler, traffic: &Traffic| {
         let leading = shared.leading.load(Ordering::Relaxed);
         if leading != was_leading {
             // Taking over, or handing over: what was decided before is not this window's.
             scaler.reset_all();
             was_leading = leading;
         }
-        if leading {
-            decide_ended(
-                &scaler,
-                &log,
-                orch.as_ref(),
-                &traffic,
-                &scaled,
-                &asked,
-                ended,
-                now,
-            )
-            .await;
-        } else {
-            report(&scaler, &traffic, &shared, &sending);
+        if !leading {
+            report(scaler, traffic, &shared, &sending);
         }
-    }
+        leading
+    };
+    run_with(scaler, log, orch, traffic, clock, stop, decides).await;
 }
 
 /// Posts this replica's shares to the holder, unless a report is still under way or there is no
@@ -122,35 +94,16 @@ fn report(scaler: &LoadScaler, traffic: &Traffic, shared: &Arc<Shared>, sending:
     let body = serde_json::json!({ "replica": me, "shares": shares });
     let (shared, sending) = (shared.clone(), sending.clone());
     tokio::spawn(async move {
-        let mut headers = vec![(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/json"),
-        )];
-        if let Some(t) = shared.token.get()
-            && let Ok(v) = http::HeaderValue::from_str(&format!("Bearer {t}"))
-        {
-            headers.push((http::header::AUTHORIZATION, v));
-        }
+        let token = shared.token.get();
         let sent = shared
             .peers
-            .send(
-                &holder,
-                http::Method::POST,
-                "/runner/load",
-                &headers,
-                Bytes::from(body.to_string()),
-            )
+            .post_json::<serde_json::Value>(&holder, "/runner/load", token.as_deref(), &body)
             .await;
-        let failure = match &sent {
-            Ok(a) if a.status == 204 => None,
-            Ok(a) => Some((
-                a.status.to_string(),
-                format!(
-                    "refused with {}: {}",
-                    a.status,
-                    String::from_utf8_lossy(&a.body)
-                ),
-            )),
+        let failure = match sent {
+            Ok(Ok(_)) => None,
+            Ok(Err((status, body))) => {
+                Some((status.to_string(), format!("refused with {status}: {body}")))
+            }
             Err(e) => Some(("unreachable".to_owned(), e.to_string())),
         };
         let mut told = shared.told.lock().unwrap_or_else(|e| e.into_inner());

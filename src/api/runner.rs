@@ -364,10 +364,11 @@ async fn load(
             format!("{:?} is not a replica name", b.replica),
         ));
     }
+    let shares = b.shares.len();
     scaler
         .report(&b.replica, b.shares, app.clock.now_ms())
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_report", e))?;
-    Ok(StatusCode::NO_CONTENT.into_response())
+    Ok(Json(json!({ "shares": shares })).into_response())
 }
 
 fn view(c: &Call) -> Value {

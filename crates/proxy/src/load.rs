@@ -14,7 +14,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use ebb_core::orchestrator::Orchestrator;
 use ebb_core::scaler::load::{Decider, Decision, Figures, SAMPLE_MS, Sample, Settings, Window};
@@ -108,6 +107,16 @@ pub const MAX_REPORTERS: usize = 256;
 
 /// Deployments one report may name at most.
 pub const MAX_REPORTED: usize = 4096;
+
+impl Tracked {
+    /// Forgets what decisions remembered: the windows, the panic, the view.
+    fn forget(&mut self) {
+        self.window = Window::default();
+        self.decider = Decider::default();
+        self.deciding_since = None;
+        self.view = View::default();
+    }
+}
 
 /// Every awake deployment's samples and decisions.
 #[derive(Debug, Default)]
@@ -243,16 +252,6 @@ impl LoadScaler {
             .collect()
     }
 
-    /// Replicas that reported within [`STALE_MS`] of `now_ms`.
-    pub fn reporters(&self, now_ms: u64) -> usize {
-        self.reports
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .filter(|r| now_ms.saturating_sub(r.at_ms) < STALE_MS)
-            .count()
-    }
-
     /// This replica's shares of every deployment it sampled, for the replica that decides.
     pub fn shares(&self, traffic: &Traffic) -> BTreeMap<String, Share> {
         let all = self.lock();
@@ -270,11 +269,6 @@ impl LoadScaler {
                 ))
             })
             .collect()
-    }
-
-    /// This replica's newest sample of `deployment`.
-    pub fn mine(&self, deployment: &str) -> Option<Sample> {
-        self.lock().get(deployment).and_then(|t| t.mine)
     }
 
     /// Adds the second's sample of `deployment` (this replica's summed with `others`, the newest
@@ -341,21 +335,13 @@ impl LoadScaler {
     /// deciding: the next decision starts calm, with empty windows).
     pub fn reset(&self, deployment: &str) {
         if let Some(t) = self.lock().get_mut(deployment) {
-            t.window = Window::default();
-            t.decider = Decider::default();
-            t.deciding_since = None;
-            t.view = View::default();
+            t.forget();
         }
     }
 
     /// [`LoadScaler::reset`] of every deployment.
     pub fn reset_all(&self) {
-        for t in self.lock().values_mut() {
-            t.window = Window::default();
-            t.decider = Decider::default();
-            t.deciding_since = None;
-            t.view = View::default();
-        }
+        self.lock().values_mut().for_each(Tracked::forget);
     }
 }
 
@@ -511,29 +497,31 @@ pub async fn decide_ended(
     }
 }
 
-/// The loop of one ebb (the process orchestrator, or a single replica): polls the counters every
-/// [`POLL_MS`] and decides each deployment scaled on load once a second.
-pub async fn run(
+/// The loop: polls the counters every [`POLL_MS`] and, each second, asks `decides` whether this
+/// replica decides now (given the deployments whose second ended); if so it decides them. One
+/// ebb always does ([`run`]); among several replicas, the Lease holder does and the others
+/// report their shares instead (`ebb::load`).
+#[allow(clippy::too_many_arguments)]
+pub async fn run_with(
     scaler: Arc<LoadScaler>,
     log: Arc<Log>,
     orch: Arc<dyn Orchestrator>,
     traffic: Arc<Traffic>,
     clock: Arc<dyn Clock>,
     mut stop: watch::Receiver<bool>,
+    mut decides: impl FnMut(&LoadScaler, &Traffic) -> bool,
 ) {
-    let mut tick = tokio::time::interval(Duration::from_millis(POLL_MS));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.changed() => return,
-        }
+    let mut tick = crate::runtime::ticker(POLL_MS);
+    while crate::runtime::next_tick(&mut tick, &mut stop).await {
         if log.failure().is_some() {
             return;
         }
         let now = clock.now_ms();
         let (scaled, asked) = read(&log, now);
         let ended = scaler.poll(&traffic, &scaled, now);
+        if ended.is_empty() || !decides(&scaler, &traffic) {
+            continue;
+        }
         decide_ended(
             &scaler,
             &log,
@@ -546,4 +534,17 @@ pub async fn run(
         )
         .await;
     }
+}
+
+/// The loop of one ebb (the process orchestrator, or a single replica): it decides every
+/// deployment scaled on load once a second.
+pub async fn run(
+    scaler: Arc<LoadScaler>,
+    log: Arc<Log>,
+    orch: Arc<dyn Orchestrator>,
+    traffic: Arc<Traffic>,
+    clock: Arc<dyn Clock>,
+    stop: watch::Receiver<bool>,
+) {
+    run_with(scaler, log, orch, traffic, clock, stop, |_, _| true).await;
 }

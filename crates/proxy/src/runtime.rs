@@ -287,14 +287,17 @@ pub async fn warm_due(log: &Log, orch: &dyn Orchestrator, now_ms: u64) -> usize 
 }
 
 /// An interval of `ms` (at least 1) whose missed ticks are not made up for.
-fn ticker(ms: u64) -> tokio::time::Interval {
+pub(crate) fn ticker(ms: u64) -> tokio::time::Interval {
     let mut tick = tokio::time::interval(Duration::from_millis(ms.max(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick
 }
 
 /// Waits for the next tick; false once `stop` changed.
-async fn next_tick(tick: &mut tokio::time::Interval, stop: &mut watch::Receiver<bool>) -> bool {
+pub(crate) async fn next_tick(
+    tick: &mut tokio::time::Interval,
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
     tokio::select! {
         _ = tick.tick() => true,
         _ = stop.changed() => false,
