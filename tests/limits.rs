@@ -165,19 +165,27 @@ async fn proxy_limits_refuse_clearly_and_count() {
         (503, Some("too_many_connections"))
     );
     drop(open);
-    common::controlplane::wait_until("a connection is served again", DEADLINE, || async {
-        raw(ebb.proxy, good)
-            .await
-            .filter(|(s, _)| *s == 200)
-            .map(|_| ())
-    })
-    .await;
 
     // Held requests past --max-held: two cold requests at once to an app that never gets
     // ready; one waits, the other is refused at once, so the first answer is the refusal.
+    // Both go on connections already answered once, so the connection bound (its freed
+    // slots come back only as the server sees the closes above) cannot be what refuses.
+    let (mut a, mut b) =
+        common::controlplane::wait_until("two connections served again", DEADLINE, || async {
+            let mut two = Vec::new();
+            for _ in 0..2 {
+                let mut s = TcpStream::connect(ebb.proxy).await.unwrap();
+                s.write_all(good).await.unwrap();
+                match read_answer(&mut s).await {
+                    Some((200, _)) => two.push(s),
+                    _ => return None,
+                }
+            }
+            let b = two.pop().unwrap();
+            Some((two.pop().unwrap(), b))
+        })
+        .await;
     let cold = b"GET / HTTP/1.1\r\nHost: never.localhost\r\n\r\n";
-    let mut a = TcpStream::connect(ebb.proxy).await.unwrap();
-    let mut b = TcpStream::connect(ebb.proxy).await.unwrap();
     a.write_all(cold).await.unwrap();
     b.write_all(cold).await.unwrap();
     let first = tokio::select! {
