@@ -16,7 +16,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
 use ebb_core::orchestrator::Orchestrator;
-use ebb_core::scaler::load::{Decider, Decision, Figures, SAMPLE_MS, Sample, Settings, Window};
+use ebb_core::scaler::load::{
+    Decider, Decision, Figures, Rule, SAMPLE_MS, Sample, Settings, Window,
+};
 use tokio::sync::watch;
 
 use crate::clock::Clock;
@@ -57,7 +59,8 @@ struct Partial {
     polls: u32,
     /// Arrivals and ends at the last sample (monotonic counters).
     arrived_at: u64,
-    finished_at: u64,
+    answered_at: u64,
+    answer_us_at: u64,
     started_ms: u64,
 }
 
@@ -162,20 +165,24 @@ impl LoadScaler {
                 };
             }
             t.routes.clone_from(routes);
-            let (mut in_flight, mut held, mut arrived, mut finished) = (0u64, 0u64, 0u64, 0u64);
+            let (mut in_flight, mut held, mut arrived) = (0u64, 0u64, 0u64);
+            let (mut answered, mut answer_us) = (0u64, 0u64);
             for r in routes {
                 let rt = traffic.route(r);
                 let h = u64::from(rt.held());
                 held += h;
                 in_flight += rt.in_flight().saturating_sub(h);
                 arrived += rt.served();
-                finished += rt.finished();
+                let (n, us) = rt.answer_total();
+                answered += n;
+                answer_us += us;
             }
             let p = &mut t.partial;
             if p.polls == 0 && p.started_ms == 0 {
                 // The first look: the counters so far are not this second's.
                 p.arrived_at = arrived;
-                p.finished_at = finished;
+                p.answered_at = answered;
+                p.answer_us_at = answer_us;
                 p.started_ms = now_ms;
             }
             p.in_flight += in_flight as f64;
@@ -190,12 +197,14 @@ impl LoadScaler {
                     held: p.held / polls,
                     started: came,
                     arrived: came,
-                    finished: finished.saturating_sub(p.finished_at),
+                    answered: answered.saturating_sub(p.answered_at),
+                    answer_ms: answer_us.saturating_sub(p.answer_us_at) as f64 / 1_000.0,
                 };
                 t.mine = Some(sample);
                 *p = Partial {
                     arrived_at: arrived,
-                    finished_at: finished,
+                    answered_at: answered,
+                    answer_us_at: answer_us,
                     started_ms: now_ms,
                     ..Partial::default()
                 };
@@ -303,7 +312,8 @@ impl LoadScaler {
             sample.held += o.sample.held;
             sample.started += o.sample.started;
             sample.arrived += o.sample.arrived;
-            sample.finished += o.sample.finished;
+            sample.answered += o.sample.answered;
+            sample.answer_ms += o.sample.answer_ms;
             in_flight += o.in_flight;
             held += o.held;
         }
@@ -312,7 +322,9 @@ impl LoadScaler {
         t.window.push(sample);
         t.window.trim(now_ms, settings.stable_window_ms);
         let figures = Figures::of(&t.window, &settings, now_ms, in_flight, held, false)?;
-        let mut decision = t.decider.decide(&settings, &figures, ready, now_ms, true);
+        let mut decision = t
+            .decider
+            .decide(&settings, &figures, ready, asked, now_ms, Rule::Ebb);
         if now_ms.saturating_sub(since) < settings.stable_window_ms && decision.desired < asked {
             decision.desired = asked;
         }

@@ -38,9 +38,6 @@ pub struct RouteTraffic {
     /// Requests taken by the flusher so far (with `requests`: every request since the start).
     flushed: AtomicU64,
     last_at_ms: AtomicU64,
-    /// Requests that ended (answered, refused or cut) since the start: with the arrivals, the
-    /// flow load scaling reads.
-    finished: AtomicU64,
     waking: std::sync::atomic::AtomicBool,
     /// Answers by status class and the replicas' answer times.
     answers: Answers,
@@ -134,7 +131,6 @@ pub struct InFlight(Arc<RouteTraffic>);
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
-        self.0.finished.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -219,6 +215,14 @@ impl RouteTraffic {
         std::array::from_fn(|i| self.answers.classes[i].load(Ordering::Relaxed))
     }
 
+    /// The replicas' answers so far and the sum of their answer times, microseconds (what
+    /// scaling on load reads each tenth of a second, without the buckets).
+    pub fn answer_total(&self) -> (u64, u64) {
+        let a = &self.answers;
+        let count = a.buckets.iter().map(|n| n.load(Ordering::Relaxed)).sum();
+        (count, a.sum_us.load(Ordering::Relaxed))
+    }
+
     /// The replicas' answer times so far.
     pub fn answer_times(&self) -> AnswerTimes {
         let a = &self.answers;
@@ -290,11 +294,6 @@ impl RouteTraffic {
     /// Every request since the start (a counter; read without touching the hot path).
     pub fn served(&self) -> u64 {
         self.flushed.load(Ordering::Acquire) + self.requests.load(Ordering::Acquire)
-    }
-
-    /// Requests ended since the start.
-    pub fn finished(&self) -> u64 {
-        self.finished.load(Ordering::Relaxed)
     }
 
     /// Takes the count of requests since the last call, with the newest request time.

@@ -18,11 +18,16 @@
 //! Knative's activator reports them as requests in flight, so a backlog built while replicas
 //! start inflates its averages and it provisions for the backlog. ebb keeps them out of the
 //! averages and reads the traffic's flow instead ([`Figures::demand`]): the arrival rate times
-//! the time a request is in flight (Little's law), plus the concurrency that drains the held
-//! requests within a third of the panic window. While any request is held the panic figure is
-//! at least that demand, so a surge asks for its replicas within a second, and no more than it
-//! needs. And the count never drops below what the requests in flight need at the target.
-//! `ebb bench autoscale` runs both rules in the simulator (`ebb_sim::load`).
+//! the time a replica takes to answer (measured by the proxy), plus the concurrency that drains
+//! the held requests within a third of the panic window. While any request is held the panic
+//! figure is at least that demand, so a surge asks for its replicas within a second, and no more
+//! than it needs. Outside a panic, the count moves only where both windows agree it should: up
+//! no further than the lower of the two asks, down no further than the higher. Knative follows
+//! the stable window alone, which lags the load by half a window: on a rising load, when a
+//! panic ends, it drops to what the load was half a minute ago and climbs back; past a peak it
+//! goes on adding replicas the load no longer needs. And the count never drops below what the
+//! requests in flight need at the target. `ebb bench autoscale` runs both rules in the
+//! simulator (`ebb_sim::load`).
 //!
 //! [`Window`] keeps the per-second samples the averages are taken over (bounded by the longest
 //! stable window); [`Decider`] keeps the panic and the delay between decisions.
@@ -212,8 +217,12 @@ pub struct Sample {
     pub started: u64,
     /// Requests that arrived in the second (started at once, or held).
     pub arrived: u64,
-    /// Requests that ended in the second.
-    pub finished: u64,
+    /// Requests a replica answered in the second, and the sum of their answer times (from the
+    /// replica being picked to its answer), ms: the time a request keeps a replica busy.
+    #[serde(default)]
+    pub answered: u64,
+    #[serde(default)]
+    pub answer_ms: f64,
 }
 
 /// The samples of one route, newest last, at most a longest stable window of them.
@@ -300,11 +309,13 @@ impl Window {
 
 impl Window {
     /// Over the `window_ms` before `now_ms`: requests arrived per second, and the mean time a
-    /// request is in flight (Little's law: the in-flight average over the finish rate; `None`
-    /// until some request finished).
+    /// replica took to answer one, s (`None` until a replica answered). The time is measured,
+    /// not inferred: Little's law over a window (the requests in flight over those finished)
+    /// takes a second when a replica just began on a backlog for many, and asks for replicas
+    /// nobody needs.
     pub fn flow(&self, now_ms: u64, window_ms: u64) -> (f64, Option<f64>) {
         let from = now_ms.saturating_sub(window_ms);
-        let (mut arrived, mut finished, mut in_flight, mut n) = (0u64, 0u64, 0.0, 0u64);
+        let (mut arrived, mut answered, mut answer_ms, mut n) = (0u64, 0u64, 0.0, 0u64);
         for s in self
             .samples
             .iter()
@@ -313,16 +324,15 @@ impl Window {
             .filter(|s| s.at_ms <= now_ms)
         {
             arrived += s.arrived;
-            finished += s.finished;
-            in_flight += s.in_flight;
+            answered += s.answered;
+            answer_ms += s.answer_ms;
             n += 1;
         }
         if n == 0 {
             return (0.0, None);
         }
         let seconds = n as f64 * SAMPLE_MS as f64 / 1_000.0;
-        let service =
-            (finished > 0).then(|| in_flight * (SAMPLE_MS as f64 / 1_000.0) / finished as f64);
+        let service = (answered > 0).then(|| answer_ms / answered as f64 / 1_000.0);
         (arrived as f64 / seconds, service)
     }
 }
@@ -339,8 +349,9 @@ pub struct Figures {
     /// Requests held right now.
     pub held: f64,
     /// The concurrency the traffic needs now, from its flow: the arrival rate times the time a
-    /// request is in flight, plus what drains the held requests within a panic window (`None`
-    /// before any request finished: then the requests in flight and held are the demand).
+    /// replica takes to answer, plus what drains the held requests within a third of the panic
+    /// window (`None` before a replica answered in the panic window: then the requests in
+    /// flight and held are the demand).
     pub demand: Option<f64>,
 }
 
@@ -421,6 +432,16 @@ impl Decision {
     }
 }
 
+/// Whose rule a decision follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// ebb's: held requests are demand, a change needs both windows' agreement, and never fewer
+    /// replicas than the requests in flight need at the target.
+    Ebb,
+    /// Knative's KPA as it is (the simulator's anchor).
+    Knative,
+}
+
 /// What a route's decisions remember between them: the panic, and the counts asked for within
 /// the scale-down delay.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -449,19 +470,20 @@ impl Decider {
         self.panic_seen_ms.is_some()
     }
 
-    /// The replicas `settings` ask for given `figures`, with `ready` replicas ready now, at
-    /// `now_ms`. `counts_held`: whether held requests make the demand now (ebb) or only what the
-    /// averages hold (Knative's rule, the simulator's anchor).
+    /// The replicas `settings` ask for given `figures`, with `ready` replicas ready now and
+    /// `asked` asked for, at `now_ms`, by `rule`.
     pub fn decide(
         &mut self,
         settings: &Settings,
         figures: &Figures,
         ready: u32,
+        asked: u32,
         now_ms: u64,
-        counts_held: bool,
+        rule: Rule,
     ) -> Decision {
+        let ebb = rule == Rule::Ebb;
         let counts_held =
-            counts_held && !crate::mutation::active(crate::mutation::Mutation::LoadIgnoresHeld);
+            ebb && !crate::mutation::active(crate::mutation::Mutation::LoadIgnoresHeld);
         let per = settings.per_replica();
         let base = f64::from(ready.max(1));
         let max_up = (settings.max_up_rate * base).ceil();
@@ -505,6 +527,23 @@ impl Decider {
         } else {
             (figures.stable, settings.stable_window_ms)
         };
+        if ebb && !self.panicking() && asked > 0 {
+            // Calm, the count moves only where both windows agree: up to the lower of their
+            // asks, down to the higher.
+            if desired > asked {
+                desired = if panic > asked {
+                    desired.min(panic)
+                } else {
+                    asked
+                };
+            } else if desired < asked {
+                desired = if panic < asked {
+                    desired.max(panic)
+                } else {
+                    asked
+                };
+            }
+        }
         // ebb waits at least a panic window before it takes a lower count: noise in the load
         // does not flap the count.
         let delay = settings.scale_down_delay_ms;
@@ -522,7 +561,7 @@ impl Decider {
             self.recent.push_back((now_ms, desired));
             desired = self.recent.iter().map(|(_, d)| *d).max().unwrap_or(desired);
         }
-        if counts_held {
+        if ebb {
             // Never fewer than the requests in flight need at the target itself.
             desired = desired.max(replicas_for(figures.in_flight, settings.target) as u32);
         }
@@ -564,17 +603,17 @@ mod tests {
         let s = settings(10.0);
         let mut d = Decider::default();
         // 35 in flight on 4 replicas: 4 wanted, calm.
-        let x = d.decide(&s, &figures(35.0, 35.0), 4, 1_000, true);
+        let x = d.decide(&s, &figures(35.0, 35.0), 4, 4, 1_000, Rule::Ebb);
         assert_eq!((x.desired, x.panicking), (4, false));
         // Load gone: at most halved per decision.
-        let x = d.decide(&s, &figures(0.0, 0.0), 4, 2_000, true);
+        let x = d.decide(&s, &figures(0.0, 0.0), 4, 4, 2_000, Rule::Ebb);
         assert_eq!(x.desired, 2);
         // Utilization plans for headroom: 35 at 70 % of 10 is 5 replicas.
         let s70 = Settings {
             utilization: 0.7,
             ..s
         };
-        let x = Decider::default().decide(&s70, &figures(35.0, 35.0), 5, 1_000, true);
+        let x = Decider::default().decide(&s70, &figures(35.0, 35.0), 5, 5, 1_000, Rule::Ebb);
         assert_eq!(x.desired, 5);
     }
 
@@ -583,14 +622,14 @@ mod tests {
         let s = settings(10.0);
         let mut d = Decider::default();
         // The panic window asks for 5 on 2 ready: panic, 5.
-        let x = d.decide(&s, &figures(12.0, 50.0), 2, 10_000, true);
+        let x = d.decide(&s, &figures(12.0, 50.0), 2, 2, 10_000, Rule::Ebb);
         assert_eq!((x.desired, x.panicking), (5, true));
         assert_eq!(x.window_ms, s.panic_window_ms);
         // The burst passes: still panicking, no scale-down.
-        let x = d.decide(&s, &figures(12.0, 5.0), 5, 20_000, true);
+        let x = d.decide(&s, &figures(12.0, 5.0), 5, 5, 20_000, Rule::Ebb);
         assert_eq!((x.desired, x.panicking), (5, true));
         // A stable window after it was last over the threshold: calm, down to the stable count.
-        let x = d.decide(&s, &figures(12.0, 5.0), 5, 70_000, true);
+        let x = d.decide(&s, &figures(12.0, 5.0), 5, 5, 70_000, Rule::Ebb);
         assert_eq!((x.desired, x.panicking), (2, false));
     }
 
@@ -605,8 +644,8 @@ mod tests {
             held: 40.0,
             demand: None,
         };
-        let ebb = Decider::default().decide(&s, &f, 0, 1_000, true);
-        let kpa = Decider::default().decide(&s, &f, 0, 1_000, false);
+        let ebb = Decider::default().decide(&s, &f, 0, 0, 1_000, Rule::Ebb);
+        let kpa = Decider::default().decide(&s, &f, 0, 0, 1_000, Rule::Knative);
         assert_eq!(ebb.desired, 10);
         assert_eq!(kpa.desired, 2);
         assert!(ebb.panicking && kpa.panicking);
@@ -624,8 +663,46 @@ mod tests {
             held: 500.0,
             demand: Some(200.0 * 0.4 + 500.0 * 0.4 / 6.0),
         };
-        let x = Decider::default().decide(&s, &f, 1, 1_000, true);
+        let x = Decider::default().decide(&s, &f, 1, 1, 1_000, Rule::Ebb);
         assert_eq!(x.desired, 12);
+    }
+
+    #[test]
+    fn calm_the_count_moves_only_where_both_windows_agree() {
+        let s = settings(10.0);
+        // Rising: the stable window (half a window behind) asks for 2, the panic window for 4
+        // (not twice the 3 ready: calm), 25 in flight now. Knative drops to 2 and must climb
+        // back; ebb stays.
+        let rising = Figures {
+            in_flight: 25.0,
+            ..figures(15.0, 35.0)
+        };
+        let kpa = Decider::default().decide(&s, &rising, 3, 3, 1_000, Rule::Knative);
+        let ebb = Decider::default().decide(&s, &rising, 3, 3, 1_000, Rule::Ebb);
+        assert_eq!((kpa.desired, ebb.desired), (2, 3));
+        // Past a peak: the stable window still asks for more, the panic window for fewer.
+        let falling = figures(45.0, 25.0);
+        let kpa = Decider::default().decide(&s, &falling, 4, 4, 1_000, Rule::Knative);
+        let ebb = Decider::default().decide(&s, &falling, 4, 4, 1_000, Rule::Ebb);
+        assert_eq!((kpa.desired, ebb.desired), (5, 4));
+        // Both up: to the lower ask; both down: to the higher.
+        let up = Figures {
+            in_flight: 50.0,
+            ..figures(55.0, 65.0)
+        };
+        assert_eq!(
+            Decider::default()
+                .decide(&s, &up, 4, 4, 1_000, Rule::Ebb)
+                .desired,
+            6
+        );
+        let down = figures(25.0, 15.0);
+        assert_eq!(
+            Decider::default()
+                .decide(&s, &down, 4, 4, 1_000, Rule::Ebb)
+                .desired,
+            3
+        );
     }
 
     #[test]
@@ -635,17 +712,24 @@ mod tests {
             ..settings(10.0)
         };
         let mut d = Decider::default();
-        assert_eq!(d.decide(&s, &figures(60.0, 60.0), 6, 0, true).desired, 6);
         assert_eq!(
-            d.decide(&s, &figures(30.0, 30.0), 6, 10_000, true).desired,
+            d.decide(&s, &figures(60.0, 60.0), 6, 6, 0, Rule::Ebb)
+                .desired,
             6
         );
         assert_eq!(
-            d.decide(&s, &figures(30.0, 30.0), 6, 29_000, true).desired,
+            d.decide(&s, &figures(30.0, 30.0), 6, 6, 10_000, Rule::Ebb)
+                .desired,
             6
         );
         assert_eq!(
-            d.decide(&s, &figures(30.0, 30.0), 6, 31_000, true).desired,
+            d.decide(&s, &figures(30.0, 30.0), 6, 6, 29_000, Rule::Ebb)
+                .desired,
+            6
+        );
+        assert_eq!(
+            d.decide(&s, &figures(30.0, 30.0), 6, 6, 31_000, Rule::Ebb)
+                .desired,
             3
         );
     }
@@ -658,9 +742,16 @@ mod tests {
             ..settings(1.0)
         };
         let mut d = Decider::default();
-        assert_eq!(d.decide(&s, &figures(100.0, 100.0), 3, 0, true).desired, 3);
+        assert_eq!(
+            d.decide(&s, &figures(100.0, 100.0), 3, 3, 0, Rule::Ebb)
+                .desired,
+            3
+        );
         let mut d = Decider::default();
-        assert_eq!(d.decide(&s, &figures(0.0, 0.0), 3, 0, true).desired, 2);
+        assert_eq!(
+            d.decide(&s, &figures(0.0, 0.0), 3, 3, 0, Rule::Ebb).desired,
+            2
+        );
     }
 
     #[test]
@@ -673,7 +764,8 @@ mod tests {
                 held: 1.0,
                 started: 2,
                 arrived: 3,
-                finished: 2,
+                answered: 2,
+                answer_ms: 900.0,
             });
         }
         // The last 3 s: 8, 9, 10 in flight, 1 held each.
@@ -682,9 +774,8 @@ mod tests {
         // Two quiet seconds since: they count as no load.
         assert_eq!(w.average(Metric::Rps, 12_000, 5_000), Some(6.0 / 5.0));
         assert_eq!(w.average(Metric::Concurrency, 100_000, 3_000), None);
-        // The flow of the last 3 s: 3 arrivals a second; 27 request-seconds in flight over 6
-        // finished is 4.5 s each.
-        assert_eq!(w.flow(10_000, 3_000), (3.0, Some(4.5)));
+        // The flow of the last 3 s: 3 arrivals a second; 6 answers in 2.7 s, 450 ms each.
+        assert_eq!(w.flow(10_000, 3_000), (3.0, Some(0.45)));
         assert_eq!(w.flow(100_000, 3_000), (0.0, None));
         // Time does not go back.
         w.push(Sample {
