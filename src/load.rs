@@ -41,6 +41,9 @@ pub struct Shared {
     /// The last kind of failure told (a refusal's status, or `unreachable`): each is told once,
     /// and the recovery once.
     pub told: std::sync::Mutex<Option<String>>,
+    /// The replicas with requests under way through this ebb, and how many (reported with the
+    /// shares: the holder keeps them in a scale-down).
+    pub busy: Arc<dyn Fn() -> std::collections::BTreeMap<std::net::SocketAddr, u32> + Send + Sync>,
 }
 
 /// The loop of one replica among several: samples every `POLL_MS`; each second decides on the
@@ -91,7 +94,7 @@ fn report(scaler: &LoadScaler, traffic: &Traffic, shared: &Arc<Shared>, sending:
     if shares.is_empty() || sending.swap(true, Ordering::AcqRel) {
         return;
     }
-    let body = serde_json::json!({ "replica": me, "shares": shares });
+    let body = serde_json::json!({ "replica": me, "shares": shares, "busy": (shared.busy)() });
     let (shared, sending) = (shared.clone(), sending.clone());
     tokio::spawn(async move {
         let token = shared.token.get();

@@ -3199,6 +3199,21 @@ fn load_scalings(data: &std::path::Path) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// The replicas of each `/scale` write to the Deployment `hello` the API server took, in order
+/// (audit log).
+fn hello_scale_writes(cp: &ControlPlane) -> Vec<u64> {
+    cp.audit_events()
+        .iter()
+        .filter(|e| {
+            e["verb"] == "patch"
+                && e["objectRef"]["subresource"] == "scale"
+                && e["objectRef"]["name"] == "hello"
+                && e["responseStatus"]["code"] == 200
+        })
+        .filter_map(|e| e["requestObject"]["spec"]["replicas"].as_u64())
+        .collect()
+}
+
 /// Scaling on load with two ebb replicas in front of one Deployment (an app answering in 200 ms,
 /// target concurrency 4): all 40 clients go through the replica that does not hold the Lease,
 /// so the holder sees none of the traffic itself and scales on what the other reports. The
@@ -3284,20 +3299,8 @@ async fn two_ebbs_scale_on_their_summed_load_and_a_takeover_under_load_scales_no
         load_scalings(&data1).is_empty(),
         "the replica without the Lease decided"
     );
-    let scale_writes = |cp: &ControlPlane| -> Vec<u64> {
-        cp.audit_events()
-            .iter()
-            .filter(|e| {
-                e["verb"] == "patch"
-                    && e["objectRef"]["subresource"] == "scale"
-                    && e["objectRef"]["name"] == "hello"
-                    && e["responseStatus"]["code"] == 200
-            })
-            .filter_map(|e| e["requestObject"]["spec"]["replicas"].as_u64())
-            .collect()
-    };
     wait_for("the holder's /scale write", Duration::from_secs(30), || {
-        scale_writes(&cp).iter().any(|n| *n >= 10)
+        hello_scale_writes(&cp).iter().any(|n| *n >= 10)
     })
     .await;
     let peak = load_scalings(&data0)
@@ -3347,4 +3350,170 @@ async fn two_ebbs_scale_on_their_summed_load_and_a_takeover_under_load_scales_no
     let s = load_scalings(&data1);
     assert!(s.iter().any(|(from, to)| to < from), "{s:?}");
     drop(other);
+}
+
+/// A scale-down on load keeps the pods with requests under way, on the real control plane: two
+/// ebb replicas, all traffic through the one without the Lease. Four pods serve a short load;
+/// then two 60 s requests start and the short load stops, so the load falls to two requests in
+/// flight and the holder scales down to two. Before its `/scale` write it sets each ready pod's
+/// `controller.kubernetes.io/pod-deletion-cost` to the requests under way on it (as the other
+/// replica reported them), so the ReplicaSet removes the idle pods: both long requests are
+/// answered (the app dies at SIGTERM, so a busy pod removed would cut its request).
+#[tokio::test]
+async fn a_scale_down_on_load_keeps_the_pods_with_requests_under_way() {
+    let (cp, _, _agent) = cluster().await;
+    let slow = hello_deployment(0).replace(
+        r#"args: [--host, $(POD_IP), --port, "8080"]"#,
+        r#"args: [--host, $(POD_IP), --port, "8080", --answer-delay-ms, "200"]"#,
+    );
+    apply(
+        &cp,
+        &(slow
+            + &hello_service(
+                "hello",
+                &[
+                    ("ebb.dev/domains", "hello.test"),
+                    ("ebb.dev/deployment", "hello"),
+                    ("ebb.dev/idle-after", "10m"),
+                    ("ebb.dev/hold-timeout", "60s"),
+                    ("ebb.dev/max-replicas", "\"4\""),
+                    ("ebb.dev/target-concurrency", "\"1\""),
+                    ("ebb.dev/target-utilization-percentage", "\"100\""),
+                    ("ebb.dev/window", "6s"),
+                    ("ebb.dev/max-scale-down-rate", "\"10\""),
+                    ("ebb.dev/traffic-policy", r#"'{"balancer": "round_robin"}'"#),
+                ],
+            )),
+    );
+    let work = tempfile::tempdir().unwrap();
+    let ports = [common::free_port(), common::free_port()];
+    let start = |me: usize| {
+        let data = work.path().join(format!("ebb-{me}"));
+        let name = format!("ebb-{me}");
+        let admin = format!("127.0.0.1:{}", ports[me]);
+        let peer = format!("ebb-{}=http://127.0.0.1:{}", 1 - me, ports[1 - me]);
+        serve_on(
+            &cp,
+            &data,
+            &[
+                "--pod-name",
+                &name,
+                "--replica",
+                &name,
+                "--peer",
+                &peer,
+                "--admin-listen",
+                &admin,
+                "--runner-token",
+                "peers-token",
+            ],
+        )
+    };
+    let _holder = start(0);
+    wait_for("ebb-0 holding the Lease", Duration::from_secs(30), || {
+        lease_holder(&cp).as_deref() == Some("ebb-0")
+    })
+    .await;
+    let other = start(1);
+    let data0 = work.path().join("ebb-0");
+    wait_for("the route in both logs", Duration::from_secs(30), || {
+        routes(&data0).contains("default/hello")
+            && routes(&work.path().join("ebb-1")).contains("default/hello")
+    })
+    .await;
+    let ready = || {
+        json(&cp.kubectl(&["get", "deployment", "hello", "-o", "json"]))["status"]["readyReplicas"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+
+    // Four pods for four clients at a target of one.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (answered, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let clients = load(other.proxy, "hello.test", 4, &stop, &answered, &failed);
+    wait_for("four pods ready", Duration::from_secs(120), || ready() == 4).await;
+
+    // Two long requests, on two of the four pods (round robin); then the short load stops.
+    let proxy = other.proxy;
+    let long = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async move {
+                let one = || async move { get(proxy, "hello.test", "/sleep?ms=60000").await.0 };
+                tokio::join!(one(), one())
+            })
+    });
+    let in_flight = || async {
+        get(other.admin, "localhost", "/metrics")
+            .await
+            .1
+            .lines()
+            .find_map(|l| l.strip_prefix("ebb_proxy_requests_in_flight{route=\"default/hello\"} "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    wait_until(
+        "the long requests under way",
+        Duration::from_secs(30),
+        || async { (in_flight().await >= 6).then_some(()) },
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    clients.join().unwrap();
+    assert_eq!(
+        failed.load(Ordering::Relaxed),
+        0,
+        "every short request answered"
+    );
+
+    // The load falls to the two long requests: the holder weighs the pods and scales to two.
+    wait_for(
+        "the holder's /scale write of two",
+        Duration::from_secs(60),
+        || hello_scale_writes(&cp).contains(&2),
+    )
+    .await;
+    wait_for("two pods left", Duration::from_secs(60), || ready() == 2).await;
+    assert!(
+        !long.is_finished(),
+        "the long requests ended before the scale-down"
+    );
+    let answers = long
+        .join()
+        .expect("a long request was cut by the scale-down: no answer");
+    assert_eq!(
+        answers,
+        (200, 200),
+        "a long request was cut by the scale-down"
+    );
+    // Weighed through the reports: the holder saw none of the traffic itself.
+    let costs: Vec<String> = cp
+        .audit_events()
+        .iter()
+        .filter(|e| {
+            e["verb"] == "patch"
+                && e["objectRef"]["resource"] == "pods"
+                && e["objectRef"]["subresource"].is_null()
+                && e["responseStatus"]["code"] == 200
+        })
+        .filter_map(|e| {
+            e["requestObject"]["metadata"]["annotations"]
+                ["controller.kubernetes.io/pod-deletion-cost"]
+                .as_str()
+                .map(str::to_owned)
+        })
+        .collect();
+    assert!(
+        costs.iter().any(|c| c != "0"),
+        "no busy pod was weighed: {costs:?}"
+    );
+    assert!(
+        load_scalings(&data0)
+            .iter()
+            .any(|(from, to)| *to == 2 && *from > 2),
+        "{:?}",
+        load_scalings(&data0)
+    );
 }

@@ -343,6 +343,9 @@ async fn states(
 struct LoadBody {
     replica: String,
     shares: std::collections::BTreeMap<String, crate::proxy::load::Share>,
+    /// The replicas with requests under way through the reporter (a scale-down keeps them).
+    #[serde(default)]
+    busy: std::collections::BTreeMap<std::net::SocketAddr, u32>,
 }
 
 async fn load(
@@ -366,7 +369,7 @@ async fn load(
     }
     let shares = b.shares.len();
     scaler
-        .report(&b.replica, b.shares, app.clock.now_ms())
+        .report(&b.replica, b.shares, b.busy, app.clock.now_ms())
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_report", e))?;
     Ok(Json(json!({ "shares": shares })).into_response())
 }

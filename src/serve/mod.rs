@@ -489,6 +489,13 @@ pub async fn run(
         // On Kubernetes, several ebb replicas may serve the same workloads: only the holder of
         // the lease scales down, conditioned on what it read.
         (Some(k), Some(ko)) => {
+            // A scale-down keeps the pods with requests under way through any ebb replica.
+            let (weak, scaler, c) = (Arc::downgrade(&proxy), load_scaler.clone(), clock.clone());
+            k.busy_with(Arc::new(move |addr| {
+                let here = weak.upgrade().map_or(0, |p| p.in_flight_at(addr));
+                here.saturating_add(scaler.busy_elsewhere(addr, c.now_ms()))
+            }));
+            let weak = Arc::downgrade(&proxy);
             tokio::spawn(crate::load::run_shared(
                 load_scaler.clone(),
                 log.clone(),
@@ -501,6 +508,11 @@ pub async fn run(
                     peers: peers.clone(),
                     token: options.access.peer_token(),
                     told: Default::default(),
+                    busy: Arc::new(move || {
+                        weak.upgrade()
+                            .map(|p| p.busy_replicas())
+                            .unwrap_or_default()
+                    }),
                 },
                 stop_rx.clone(),
             ));

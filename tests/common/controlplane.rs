@@ -322,6 +322,7 @@ impl ControlPlane {
             d.join("audit-policy.yaml"),
             "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\n\
              rules:\n- level: Request\n  resources: [{group: apps, resources: [deployments/scale]}]\n\
+             - level: Request\n  verbs: [patch]\n  resources: [{group: \"\", resources: [pods]}]\n\
              - level: Metadata\n",
         )
         .expect("write audit policy");

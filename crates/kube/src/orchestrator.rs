@@ -209,7 +209,18 @@ pub struct KubeOrchestrator {
     deferred: Mutex<Vec<(ObjectReference, EventType, String, String)>>,
     /// The watches RBAC refuses (`/readyz` tells them; [`crate::health::tell_refusals`] too).
     pub access: crate::health::Access,
+    /// Requests under way at a pod's address through every ebb replica (set once, by whoever
+    /// owns the proxy): a Deployment's scale-down keeps the busiest pods.
+    busy: std::sync::OnceLock<BusyProbe>,
+    /// The deletion cost last written per workload and pod.
+    costs: Mutex<HashMap<String, HashMap<String, u32>>>,
 }
+
+/// Tells how many requests are under way at a replica's address.
+pub type BusyProbe = Arc<dyn Fn(SocketAddr) -> u32 + Send + Sync>;
+
+/// The annotation a ReplicaSet orders its pods by when it removes some: lower goes first.
+pub const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
 
 /// Leadership not known yet.
 const UNKNOWN: u8 = 0;
@@ -250,7 +261,86 @@ impl KubeOrchestrator {
             leadership: std::sync::atomic::AtomicU8::new(UNKNOWN),
             deferred: Mutex::default(),
             access: crate::health::Access::default(),
+            busy: std::sync::OnceLock::new(),
+            costs: Mutex::default(),
         })
+    }
+
+    /// Sets how a scale-down learns the requests under way at each pod (once).
+    pub fn busy_with(&self, probe: BusyProbe) {
+        let _ = self.busy.set(probe);
+    }
+
+    /// Before a Deployment goes down to `replicas` (fewer than its ready pods): each ready pod's
+    /// deletion cost becomes the requests under way on it, so its ReplicaSet removes idle pods
+    /// first and no pod with requests under way while an idle one is left. The first time this
+    /// replica weighs a workload it writes every pod's cost (another replica may have written
+    /// some); after that, only the costs that changed (a pod it never weighed has none: 0). A
+    /// StatefulSet always removes its highest ordinals: nothing to weigh.
+    async fn weigh_pods(&self, key: &str, w: &Workload, replicas: u32) {
+        let Some(busy) = self.busy.get() else {
+            return;
+        };
+        if w.kind != annotations::WorkloadKind::Deployment {
+            return;
+        }
+        let pods = {
+            let inner = self.lock();
+            let Some(t) = inner.workloads.get(key) else {
+                return;
+            };
+            inner
+                .slices
+                .get(&t.service)
+                .map(|s| ready_pods(s.values(), t.port.as_deref()).0)
+                .unwrap_or_default()
+        };
+        if pods.len() <= replicas as usize {
+            return;
+        }
+        let costs: HashMap<String, u32> = pods
+            .into_iter()
+            .filter_map(|(addr, pod)| Some((pod?, busy(addr))))
+            .collect();
+        let changed: Vec<(String, u32)> = {
+            let mut all = self.costs.lock().unwrap_or_else(|e| e.into_inner());
+            let keep: HashSet<String> = self.lock().workloads.keys().cloned().collect();
+            all.retain(|k, _| keep.contains(k));
+            let before = all.insert(key.to_owned(), costs.clone());
+            costs
+                .into_iter()
+                .filter(|(pod, n)| {
+                    before
+                        .as_ref()
+                        .is_none_or(|b| b.get(pod).copied().unwrap_or(0) != *n)
+                })
+                .collect()
+        };
+        let api: Api<k8s_openapi::api::core::v1::Pod> =
+            Api::namespaced(self.client.clone(), &w.namespace);
+        for (pod, n) in changed {
+            let patch = Patch::Merge(serde_json::json!({
+                "metadata": { "annotations": { DELETION_COST: n.to_string() } }
+            }));
+            self.limiter.acquire().await;
+            match api.patch(&pod, &PatchParams::default(), &patch).await {
+                Ok(_) => {
+                    tracing::debug!(deployment = %key, %pod, requests = n, "pod deletion cost")
+                }
+                Err(e) => {
+                    tracing::warn!(deployment = %key, %pod, error = %e, "cannot set the pod's deletion cost: the scale-down may pick a busy pod");
+                    // Not known now: the next scale-down writes it again.
+                    if let Some(c) = self
+                        .costs
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_mut(key)
+                    {
+                        c.insert(pod, u32::MAX);
+                    }
+                }
+            }
+        }
     }
 
     /// Says whether this replica holds the Lease now (the lease loop calls it on each check):
@@ -480,7 +570,19 @@ fn ready_addresses<'a>(
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
     port: Option<&str>,
 ) -> (Vec<SocketAddr>, u32) {
-    let mut ready = Vec::new();
+    let (pods, terminating) = ready_pods(slices, port);
+    let mut ready: Vec<SocketAddr> = pods.into_iter().map(|(a, _)| a).collect();
+    ready.dedup();
+    (ready, terminating)
+}
+
+/// [`ready_addresses`] with the pod behind each address (an endpoint's `targetRef`, when it
+/// names a Pod), sorted by address.
+fn ready_pods<'a>(
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    port: Option<&str>,
+) -> (Vec<(SocketAddr, Option<String>)>, u32) {
+    let mut ready: Vec<(SocketAddr, Option<String>)> = Vec::new();
     let mut terminating = 0;
     for slice in slices {
         if slice.address_type != "IPv4" && slice.address_type != "IPv6" {
@@ -506,11 +608,16 @@ fn ready_addresses<'a>(
             if c.ready == Some(false) {
                 continue;
             }
+            let pod = e
+                .target_ref
+                .as_ref()
+                .filter(|t| t.kind.as_deref() == Some("Pod"))
+                .and_then(|t| t.name.clone());
             for a in &e.addresses {
                 if let Ok(ip) = a.parse::<IpAddr>() {
                     let addr = SocketAddr::new(ip, number);
-                    if !ready.contains(&addr) {
-                        ready.push(addr);
+                    if !ready.iter().any(|(r, _)| *r == addr) {
+                        ready.push((addr, pod.clone()));
                     }
                 }
             }
@@ -969,6 +1076,7 @@ async fn run_scaler(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch:
                 _ = stop.changed() => return,
             }
         };
+        orch.weigh_pods(&key, &workload, replicas).await;
         let mut delay = Duration::from_millis(100);
         let mut attempt = 1;
         let outcome = loop {

@@ -30,7 +30,7 @@
 //! Replicas are known by address, deployments by name; both are looked up when a route's ready
 //! list changes, never per request, and dropped when no ready list names them.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
@@ -130,6 +130,20 @@ impl Backends {
     /// Requests under way on the replica at `addr` (0 when no ready list names it).
     pub fn in_flight_at(&self, addr: SocketAddr) -> u32 {
         self.find(addr).map_or(0, |r| r.inst.active())
+    }
+
+    /// Every replica with requests under way, and how many (what the replica that decides
+    /// scaling on load weighs a scale-down's choice by).
+    pub fn busy(&self) -> BTreeMap<SocketAddr, u32> {
+        self.replicas
+            .lock()
+            .expect("replicas lock")
+            .iter()
+            .filter_map(|(a, r)| {
+                let n = r.upgrade()?.inst.active();
+                (n > 0).then_some((*a, n))
+            })
+            .collect()
     }
 
     /// The deployment's group, created on first use.

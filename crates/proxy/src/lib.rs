@@ -573,6 +573,11 @@ impl Proxy {
         self.backends.in_flight_at(addr)
     }
 
+    /// Every replica with requests under way through this ebb, and how many.
+    pub fn busy_replicas(&self) -> std::collections::BTreeMap<std::net::SocketAddr, u32> {
+        self.backends.busy()
+    }
+
     /// Begins the shutdown's drain: answers from now on close their connections, idle ones
     /// close at once.
     pub fn start_draining(&self) {

@@ -13,6 +13,7 @@
 //! only the lease holder decides.
 
 use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use ebb_core::orchestrator::Orchestrator;
@@ -99,6 +100,8 @@ struct Report {
     /// When it arrived, in this replica's clock.
     at_ms: u64,
     shares: BTreeMap<String, Share>,
+    /// The replicas (of every deployment) with requests under way through it, and how many.
+    busy: BTreeMap<SocketAddr, u32>,
 }
 
 /// A report older than this (in the receiver's clock) is not counted: its replica stopped
@@ -110,6 +113,9 @@ pub const MAX_REPORTERS: usize = 256;
 
 /// Deployments one report may name at most.
 pub const MAX_REPORTED: usize = 4096;
+
+/// Busy replicas one report may name at most.
+pub const MAX_BUSY: usize = 16_384;
 
 impl Tracked {
     /// Forgets what decisions remembered: the windows, the panic, the view.
@@ -214,18 +220,26 @@ impl LoadScaler {
         ended
     }
 
-    /// Keeps `replica`'s report received at `now_ms`, replacing its last; refused (with why) when
-    /// it names too many deployments or too many replicas report.
+    /// Keeps `replica`'s report received at `now_ms`, replacing its last: its `shares` of each
+    /// deployment's load, and the replicas `busy` with requests through it. Refused (with why)
+    /// when it names too many deployments or busy replicas, or too many replicas report.
     pub fn report(
         &self,
         replica: &str,
         shares: BTreeMap<String, Share>,
+        busy: BTreeMap<SocketAddr, u32>,
         now_ms: u64,
     ) -> Result<(), String> {
         if shares.len() > MAX_REPORTED {
             return Err(format!(
                 "a report names at most {MAX_REPORTED} deployments, not {}",
                 shares.len()
+            ));
+        }
+        if busy.len() > MAX_BUSY {
+            return Err(format!(
+                "a report names at most {MAX_BUSY} busy replicas, not {}",
+                busy.len()
             ));
         }
         let bad = shares.iter().find(|(_, s)| {
@@ -245,6 +259,7 @@ impl LoadScaler {
             Report {
                 at_ms: now_ms,
                 shares,
+                busy,
             },
         );
         Ok(())
@@ -259,6 +274,18 @@ impl LoadScaler {
             .filter(|r| now_ms.saturating_sub(r.at_ms) < STALE_MS)
             .filter_map(|r| r.shares.get(deployment).copied())
             .collect()
+    }
+
+    /// Requests under way at the replica `addr` through the other ebb replicas, as they reported
+    /// within [`STALE_MS`] of `now_ms`.
+    pub fn busy_elsewhere(&self, addr: SocketAddr, now_ms: u64) -> u32 {
+        self.reports
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .filter(|r| now_ms.saturating_sub(r.at_ms) < STALE_MS)
+            .filter_map(|r| r.busy.get(&addr))
+            .fold(0u32, |a, n| a.saturating_add(*n))
     }
 
     /// This replica's shares of every deployment it sampled, for the replica that decides.
@@ -559,4 +586,61 @@ pub async fn run(
     stop: watch::Receiver<bool>,
 ) {
     run_with(scaler, log, orch, traffic, clock, stop, |_, _| true).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn share(in_flight: f64) -> Share {
+        Share {
+            in_flight,
+            ..Share::default()
+        }
+    }
+
+    #[test]
+    fn reports_count_until_stale_and_are_bounded() {
+        let s = LoadScaler::default();
+        let a: SocketAddr = "10.0.0.1:8080".parse().unwrap();
+        let b: SocketAddr = "10.0.0.2:8080".parse().unwrap();
+        let shares = BTreeMap::from([("web".to_owned(), share(3.0))]);
+        s.report("ebb-1", shares.clone(), BTreeMap::from([(a, 2)]), 1_000)
+            .unwrap();
+        s.report(
+            "ebb-2",
+            shares.clone(),
+            BTreeMap::from([(a, 1), (b, 4)]),
+            2_000,
+        )
+        .unwrap();
+        assert_eq!(s.others("web", 2_500).len(), 2);
+        assert_eq!(s.busy_elsewhere(a, 2_500), 3);
+        assert_eq!(s.busy_elsewhere(b, 2_500), 4);
+        // ebb-1 is silent for STALE_MS: neither its share nor its busy replicas count.
+        assert_eq!(s.others("web", 1_000 + STALE_MS).len(), 1);
+        assert_eq!(s.busy_elsewhere(a, 1_000 + STALE_MS), 1);
+        assert_eq!(s.busy_elsewhere(a, 2_000 + STALE_MS), 0);
+
+        let many: BTreeMap<SocketAddr, u32> = (0..=MAX_BUSY as u32)
+            .map(|i| {
+                (
+                    SocketAddr::from(([10, 1, (i >> 8) as u8, i as u8], 8080 + (i >> 16) as u16)),
+                    1,
+                )
+            })
+            .collect();
+        let e = s.report("ebb-3", shares.clone(), many, 2_000).unwrap_err();
+        assert!(e.contains("busy replicas"), "{e}");
+        let bad = BTreeMap::from([("web".to_owned(), share(f64::NAN))]);
+        let e = s.report("ebb-3", bad, BTreeMap::new(), 2_000).unwrap_err();
+        assert!(e.contains("not a load"), "{e}");
+        for i in 0..MAX_REPORTERS {
+            let _ = s.report(&format!("r-{i}"), shares.clone(), BTreeMap::new(), 2_000);
+        }
+        let e = s
+            .report("one-too-many", shares, BTreeMap::new(), 2_000)
+            .unwrap_err();
+        assert!(e.contains("replicas report already"), "{e}");
+    }
 }
