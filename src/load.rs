@@ -14,6 +14,10 @@
 //!   for fewer replicas than were asked before it (`LoadScaler::decide`), so a takeover under
 //!   load makes no burst of scale-downs from a window that holds only its own share.
 //!
+//! * **A scale-down keeps the busy pods**: a report also names the replicas with requests under
+//!   way through its sender, and the holder's orchestrator weighs each ready pod by its requests
+//!   through every replica before it writes a lower count (`pod-deletion-cost`).
+//!
 //! The count is written through the orchestrator (the Deployment's `/scale`); the other replicas
 //! record it as a peer's change, as for every scaling.
 
