@@ -3199,6 +3199,51 @@ fn load_scalings(data: &std::path::Path) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// ebb `ebb-ME` (0 or 1) of two in front of the same workloads, its data under `dir`, its admin
+/// API on `ports[me]`, the other its peer (the load reports' way).
+fn pair_member(
+    cp: &ControlPlane,
+    dir: &std::path::Path,
+    ports: [u16; 2],
+    me: usize,
+) -> common::Ebb {
+    let data = dir.join(format!("ebb-{me}"));
+    let name = format!("ebb-{me}");
+    let admin = format!("127.0.0.1:{}", ports[me]);
+    let peer = format!("ebb-{}=http://127.0.0.1:{}", 1 - me, ports[1 - me]);
+    serve_on(
+        cp,
+        &data,
+        &[
+            "--pod-name",
+            &name,
+            "--replica",
+            &name,
+            "--peer",
+            &peer,
+            "--admin-listen",
+            &admin,
+            "--runner-token",
+            "peers-token",
+        ],
+    )
+}
+
+/// The Deployment `hello` at zero, its app answering in 200 ms, and the Service `hello` routing
+/// `hello.test` to it with `annotations` besides.
+fn apply_slow_hello(cp: &ControlPlane, annotations: &[(&str, &str)]) {
+    let slow = hello_deployment(0).replace(
+        r#"args: [--host, $(POD_IP), --port, "8080"]"#,
+        r#"args: [--host, $(POD_IP), --port, "8080", --answer-delay-ms, "200"]"#,
+    );
+    let mut all = vec![
+        ("ebb.dev/domains", "hello.test"),
+        ("ebb.dev/deployment", "hello"),
+    ];
+    all.extend_from_slice(annotations);
+    apply(cp, &(slow + &hello_service("hello", &all)));
+}
+
 /// The replicas of each `/scale` write to the Deployment `hello` the API server took, in order
 /// (audit log).
 fn hello_scale_writes(cp: &ControlPlane) -> Vec<u64> {
@@ -3223,51 +3268,20 @@ fn hello_scale_writes(cp: &ControlPlane) -> Vec<u64> {
 #[tokio::test]
 async fn two_ebbs_scale_on_their_summed_load_and_a_takeover_under_load_scales_nothing_down() {
     let (cp, _, _agent) = cluster().await;
-    let slow = hello_deployment(0).replace(
-        r#"args: [--host, $(POD_IP), --port, "8080"]"#,
-        r#"args: [--host, $(POD_IP), --port, "8080", --answer-delay-ms, "200"]"#,
-    );
-    apply(
+    apply_slow_hello(
         &cp,
-        &(slow
-            + &hello_service(
-                "hello",
-                &[
-                    ("ebb.dev/domains", "hello.test"),
-                    ("ebb.dev/deployment", "hello"),
-                    ("ebb.dev/idle-after", "15s"),
-                    ("ebb.dev/hold-timeout", "60s"),
-                    ("ebb.dev/max-replicas", "\"30\""),
-                    ("autoscaling.knative.dev/target", "\"4\""),
-                    ("autoscaling.knative.dev/window", "6s"),
-                    ("ebb.dev/panic-window-percentage", "\"20\""),
-                ],
-            )),
+        &[
+            ("ebb.dev/idle-after", "15s"),
+            ("ebb.dev/hold-timeout", "60s"),
+            ("ebb.dev/max-replicas", "\"30\""),
+            ("autoscaling.knative.dev/target", "\"4\""),
+            ("autoscaling.knative.dev/window", "6s"),
+            ("ebb.dev/panic-window-percentage", "\"20\""),
+        ],
     );
     let work = tempfile::tempdir().unwrap();
     let ports = [common::free_port(), common::free_port()];
-    let start = |me: usize| {
-        let data = work.path().join(format!("ebb-{me}"));
-        let name = format!("ebb-{me}");
-        let admin = format!("127.0.0.1:{}", ports[me]);
-        let peer = format!("ebb-{}=http://127.0.0.1:{}", 1 - me, ports[1 - me]);
-        serve_on(
-            &cp,
-            &data,
-            &[
-                "--pod-name",
-                &name,
-                "--replica",
-                &name,
-                "--peer",
-                &peer,
-                "--admin-listen",
-                &admin,
-                "--runner-token",
-                "peers-token",
-            ],
-        )
-    };
+    let start = |me: usize| pair_member(&cp, work.path(), ports, me);
     let mut holder = start(0);
     wait_for("ebb-0 holding the Lease", Duration::from_secs(30), || {
         lease_holder(&cp).as_deref() == Some("ebb-0")
@@ -3362,53 +3376,22 @@ async fn two_ebbs_scale_on_their_summed_load_and_a_takeover_under_load_scales_no
 #[tokio::test]
 async fn a_scale_down_on_load_keeps_the_pods_with_requests_under_way() {
     let (cp, _, _agent) = cluster().await;
-    let slow = hello_deployment(0).replace(
-        r#"args: [--host, $(POD_IP), --port, "8080"]"#,
-        r#"args: [--host, $(POD_IP), --port, "8080", --answer-delay-ms, "200"]"#,
-    );
-    apply(
+    apply_slow_hello(
         &cp,
-        &(slow
-            + &hello_service(
-                "hello",
-                &[
-                    ("ebb.dev/domains", "hello.test"),
-                    ("ebb.dev/deployment", "hello"),
-                    ("ebb.dev/idle-after", "10m"),
-                    ("ebb.dev/hold-timeout", "60s"),
-                    ("ebb.dev/max-replicas", "\"4\""),
-                    ("ebb.dev/target-concurrency", "\"1\""),
-                    ("ebb.dev/target-utilization-percentage", "\"100\""),
-                    ("ebb.dev/window", "6s"),
-                    ("ebb.dev/max-scale-down-rate", "\"10\""),
-                    ("ebb.dev/traffic-policy", r#"'{"balancer": "round_robin"}'"#),
-                ],
-            )),
+        &[
+            ("ebb.dev/idle-after", "10m"),
+            ("ebb.dev/hold-timeout", "60s"),
+            ("ebb.dev/max-replicas", "\"4\""),
+            ("ebb.dev/target-concurrency", "\"1\""),
+            ("ebb.dev/target-utilization-percentage", "\"100\""),
+            ("ebb.dev/window", "6s"),
+            ("ebb.dev/max-scale-down-rate", "\"10\""),
+            ("ebb.dev/traffic-policy", r#"'{"balancer": "round_robin"}'"#),
+        ],
     );
     let work = tempfile::tempdir().unwrap();
     let ports = [common::free_port(), common::free_port()];
-    let start = |me: usize| {
-        let data = work.path().join(format!("ebb-{me}"));
-        let name = format!("ebb-{me}");
-        let admin = format!("127.0.0.1:{}", ports[me]);
-        let peer = format!("ebb-{}=http://127.0.0.1:{}", 1 - me, ports[1 - me]);
-        serve_on(
-            &cp,
-            &data,
-            &[
-                "--pod-name",
-                &name,
-                "--replica",
-                &name,
-                "--peer",
-                &peer,
-                "--admin-listen",
-                &admin,
-                "--runner-token",
-                "peers-token",
-            ],
-        )
-    };
+    let start = |me: usize| pair_member(&cp, work.path(), ports, me);
     let _holder = start(0);
     wait_for("ebb-0 holding the Lease", Duration::from_secs(30), || {
         lease_holder(&cp).as_deref() == Some("ebb-0")

@@ -57,6 +57,27 @@ async fn read_answer(s: &mut TcpStream) -> Option<(u16, Value)> {
     }
 }
 
+/// `n` connections open at once, each with a request answered (proof that it was accepted and
+/// counted), retried until the proxy takes that many: connections refused or closed before
+/// linger a moment, and their slots come back only once the server has seen them close.
+async fn served_at_once(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    let good = b"GET /pid HTTP/1.1\r\nHost: edge.localhost\r\n\r\n";
+    let what = format!("{n} connections served at once");
+    common::controlplane::wait_until(&what, DEADLINE, || async {
+        let mut open = Vec::new();
+        for _ in 0..n {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            s.write_all(good).await.unwrap();
+            match read_answer(&mut s).await {
+                Some((200, _)) => open.push(s),
+                _ => return None,
+            }
+        }
+        Some(open)
+    })
+    .await
+}
+
 /// `ebb_limit_refusals_total{limit}` from `/metrics`.
 async fn refusals(admin: SocketAddr, limit: &str) -> u64 {
     let c = client();
@@ -144,21 +165,7 @@ async fn proxy_limits_refuse_clearly_and_count() {
     // Connections past --max-connections: four idle ones are open, the fifth is refused.
     // Refused connections above linger a moment before they close: until they have, fewer
     // than four are free.
-    let open =
-        common::controlplane::wait_until("four connections served at once", DEADLINE, || async {
-            let mut open = Vec::new();
-            for _ in 0..4 {
-                let mut s = TcpStream::connect(ebb.proxy).await.unwrap();
-                // An answered request proves the connection was accepted and counted.
-                s.write_all(good).await.unwrap();
-                match read_answer(&mut s).await {
-                    Some((200, _)) => open.push(s),
-                    _ => return None,
-                }
-            }
-            Some(open)
-        })
-        .await;
+    let open = served_at_once(ebb.proxy, 4).await;
     let (status, body) = raw(ebb.proxy, good).await.unwrap();
     assert_eq!(
         (status, body["code"].as_str()),
@@ -170,21 +177,8 @@ async fn proxy_limits_refuse_clearly_and_count() {
     // ready; one waits, the other is refused at once, so the first answer is the refusal.
     // Both go on connections already answered once, so the connection bound (its freed
     // slots come back only as the server sees the closes above) cannot be what refuses.
-    let (mut a, mut b) =
-        common::controlplane::wait_until("two connections served again", DEADLINE, || async {
-            let mut two = Vec::new();
-            for _ in 0..2 {
-                let mut s = TcpStream::connect(ebb.proxy).await.unwrap();
-                s.write_all(good).await.unwrap();
-                match read_answer(&mut s).await {
-                    Some((200, _)) => two.push(s),
-                    _ => return None,
-                }
-            }
-            let b = two.pop().unwrap();
-            Some((two.pop().unwrap(), b))
-        })
-        .await;
+    let mut two = served_at_once(ebb.proxy, 2).await;
+    let (mut b, mut a) = (two.pop().unwrap(), two.pop().unwrap());
     let cold = b"GET / HTTP/1.1\r\nHost: never.localhost\r\n\r\n";
     a.write_all(cold).await.unwrap();
     b.write_all(cold).await.unwrap();
