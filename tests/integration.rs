@@ -20,6 +20,7 @@ mod functions;
 mod fuzz_regressions;
 mod grpc;
 mod hostile;
+mod image;
 mod layers;
 mod limits;
 mod metrics;
