@@ -281,7 +281,8 @@ impl KubeOrchestrator {
         let Some(busy) = self.busy.get() else {
             return;
         };
-        if w.kind != annotations::WorkloadKind::Deployment {
+        // To zero every pod goes: nothing to choose.
+        if w.kind != annotations::WorkloadKind::Deployment || replicas == 0 {
             return;
         }
         let pods = {
