@@ -572,13 +572,11 @@ fn ready_addresses<'a>(
     port: Option<&str>,
 ) -> (Vec<SocketAddr>, u32) {
     let (pods, terminating) = ready_pods(slices, port);
-    let mut ready: Vec<SocketAddr> = pods.into_iter().map(|(a, _)| a).collect();
-    ready.dedup();
-    (ready, terminating)
+    (pods.into_iter().map(|(a, _)| a).collect(), terminating)
 }
 
 /// [`ready_addresses`] with the pod behind each address (an endpoint's `targetRef`, when it
-/// names a Pod), sorted by address.
+/// names a Pod), each address once, sorted.
 fn ready_pods<'a>(
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
     port: Option<&str>,

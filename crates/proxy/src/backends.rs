@@ -134,7 +134,7 @@ impl Backends {
 
     /// Every replica with requests under way, and how many (what the replica that decides
     /// scaling on load weighs a scale-down's choice by).
-    pub fn busy(&self) -> BTreeMap<SocketAddr, u32> {
+    pub fn busy_replicas(&self) -> BTreeMap<SocketAddr, u32> {
         self.replicas
             .lock()
             .expect("replicas lock")

@@ -575,7 +575,7 @@ impl Proxy {
 
     /// Every replica with requests under way through this ebb, and how many.
     pub fn busy_replicas(&self) -> std::collections::BTreeMap<std::net::SocketAddr, u32> {
-        self.backends.busy()
+        self.backends.busy_replicas()
     }
 
     /// Begins the shutdown's drain: answers from now on close their connections, idle ones
