@@ -518,7 +518,7 @@ fn serve_answers_healthz_and_unknown_paths_with_json() {
 }
 
 /// `deploy/` and `schema/` hold the custom resource definitions `ebb crds` generates from ebb's
-/// types, as they are now: a type changed without `ebb crds --out deploy/base/crds` (and
+/// types, as they are now: a type changed without `ebb crds --out deploy/chart/crds` (and
 /// `schema/crds`) fails here.
 #[test]
 fn deploy_holds_the_crds_ebb_generates() {
@@ -529,17 +529,18 @@ fn deploy_holds_the_crds_ebb_generates() {
         &tmp.path().join("data"),
         &["crds", "--out", out.to_str().unwrap()],
     ));
-    let deployed = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/base/crds");
+    let deployed = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/chart/crds");
     let names = |dir: &Path| -> Vec<String> {
         let mut n: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".json"))
             .collect();
         n.sort();
         n
     };
     // deploy/ applies them; schema/ documents them, with the events.
-    for kept_in in ["deploy/base/crds", "schema/crds"] {
+    for kept_in in ["deploy/chart/crds", "schema/crds"] {
         let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(kept_in);
         assert_eq!(
             names(&out),
@@ -557,11 +558,11 @@ fn deploy_holds_the_crds_ebb_generates() {
     }
     assert!(!names(&out).is_empty());
     // Every definition is listed in the kustomization.
-    let k = std::fs::read_to_string(deployed.parent().unwrap().join("kustomization.yaml")).unwrap();
+    let k = std::fs::read_to_string(deployed.join("kustomization.yaml")).unwrap();
     for name in names(&out) {
         assert!(
-            k.contains(&format!("- crds/{name}")),
-            "{name} is not in deploy/base/kustomization.yaml"
+            k.contains(&format!("- {name}")),
+            "{name} is not in deploy/chart/crds/kustomization.yaml"
         );
     }
     // On stdout too, the same definitions.

@@ -18,6 +18,7 @@
 //! of the test binary against the harness's own cluster in that mode.
 
 mod common;
+mod manifests;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -164,12 +164,21 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// `ebb crds`: the definitions as pretty JSON (which kubectl and kustomize read as YAML).
+/// `ebb crds`: the definitions as pretty JSON (which kubectl, kustomize and Helm read as YAML),
+/// labelled as `deploy/` labels every object of ebb's (Helm's `crds/` are not templated, so the
+/// labels are theirs already).
 fn crds(out: Option<&std::path::Path>) -> anyhow::Result<()> {
-    for crd in ebb::functions::crds()
+    for mut crd in ebb::functions::crds()
         .into_iter()
         .chain(ebb::cleaner::crds())
     {
+        let labels = crd.metadata.labels.get_or_insert_default();
+        for (key, value) in [
+            ("app.kubernetes.io/name", "ebb"),
+            ("app.kubernetes.io/part-of", "ebb"),
+        ] {
+            labels.insert(key.to_owned(), value.to_owned());
+        }
         let name = crd.metadata.name.clone().unwrap_or_default();
         let mut text = serde_json::to_string_pretty(&crd)?;
         text.push('\n');

@@ -2,7 +2,7 @@
 //! and its translation into the log's [`CleanerSpec`].
 //!
 //! The resource's type, `CleanerResource`, is derived here and its definition generated into
-//! `deploy/base/crds/` (`ebb crds`). [`to_spec`] turns one into the log's `CleanerSpec`: durations
+//! `deploy/chart/crds/` (`ebb crds`). [`to_spec`] turns one into the log's `CleanerSpec`: durations
 //! parsed, references in the log's form (`apiVersion/Kind/name`, or `apiVersion/Kind?k=v` for a
 //! label selector, [`Ref`]), and whatever is wrong kept in `invalid` rather than refused, so the
 //! cleaner is recorded and its status can say why it does not run.
