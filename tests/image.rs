@@ -221,3 +221,83 @@ async fn the_image_serves_wakes_keeps_its_log_on_its_volume_and_stops_on_sigterm
     let code = podman(&["inspect", "--format", "{{.State.ExitCode}}", &again]);
     assert_eq!(code, "0", "ebb did not stop cleanly on SIGTERM");
 }
+
+/// The image's bill of materials (CycloneDX, beside the archive) names the image by its digest,
+/// every crate compiled into `ebb` at its Cargo.lock version, and the Debian package of every
+/// library the image holds and of its CA certificates; it says nothing of the machine that
+/// built it.
+#[test]
+fn the_bill_of_materials_names_every_crate_and_package_of_the_image() {
+    let archive = std::env::var("EBB_IMAGE").expect(
+        "EBB_IMAGE names ebb's image archive: `scripts/image` builds it (scripts/test does)",
+    );
+    let path = format!("{}.cdx.json", archive.trim_end_matches(".oci.tar"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    assert!(
+        !text.contains("file:///"),
+        "a build machine's path in {path}"
+    );
+    let bom: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(bom["bomFormat"], "CycloneDX");
+    assert_eq!(bom["specVersion"], "1.5");
+
+    // The image, by the digest its archive gives.
+    let index = Command::new("tar")
+        .args(["-xOf", &archive, "index.json"])
+        .output()
+        .unwrap();
+    let index: serde_json::Value = serde_json::from_slice(&index.stdout).unwrap();
+    let digest = index["manifests"][0]["digest"].as_str().unwrap();
+    let image = &bom["metadata"]["component"];
+    assert_eq!(image["type"], "container");
+    assert_eq!(image["bom-ref"], format!("image:{digest}"));
+
+    // Crates: each at the version Cargo.lock pins; the ones ebb is made of among them.
+    let lock = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.lock")).unwrap();
+    let components = bom["components"].as_array().unwrap();
+    let purls: Vec<&str> = components
+        .iter()
+        .filter_map(|c| c["purl"].as_str())
+        .collect();
+    let mut crates = 0;
+    for c in components.iter().filter(|c| {
+        c["purl"]
+            .as_str()
+            .is_some_and(|p| p.starts_with("pkg:cargo/"))
+    }) {
+        let pinned = format!(
+            "name = \"{}\"\nversion = \"{}\"",
+            c["name"].as_str().unwrap(),
+            c["version"].as_str().unwrap()
+        );
+        assert!(lock.contains(&pinned), "{} is not in Cargo.lock", c["purl"]);
+        crates += 1;
+    }
+    for name in [
+        "ebb-core",
+        "ebb-proxy",
+        "tokio",
+        "hyper",
+        "rocksdb",
+        "rdkafka",
+        "kube-client",
+    ] {
+        assert!(
+            purls
+                .iter()
+                .any(|p| p.starts_with(&format!("pkg:cargo/{name}@"))),
+            "{name} missing"
+        );
+    }
+    assert!(crates > 100, "{crates} crates");
+
+    // Debian packages: the C library, the compiler's runtime libraries, zlib, the certificates.
+    for deb in ["libc6", "libgcc-s1", "libstdc++6", "ca-certificates"] {
+        assert!(
+            purls
+                .iter()
+                .any(|p| p.starts_with(&format!("pkg:deb/debian/{deb}@"))),
+            "{deb} missing from {path}"
+        );
+    }
+}

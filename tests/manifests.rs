@@ -209,7 +209,8 @@ fn the_chart_refuses_bad_values_by_name() {
 
 /// `deploy/release/` holds what `scripts/manifests` renders from `deploy/` now: the CRDs, and
 /// the rest; together they are `kubectl kustomize deploy/`. The chart, the image that `deploy/`
-/// names and Cargo.toml give one version.
+/// names and Cargo.toml give one version, which CHANGELOG.md has a section for, breaking changes
+/// first.
 #[test]
 fn the_release_manifests_are_rendered_from_deploy() {
     let version = env!("CARGO_PKG_VERSION");
@@ -245,4 +246,12 @@ fn the_release_manifests_are_rendered_from_deploy() {
         ["spec"]["template"]["spec"]["containers"][0]["image"]
         .clone();
     assert_eq!(image, format!("ghcr.io/ebb-dev/ebb:{version}"));
+    // The CHANGELOG says what this version breaks.
+    let changelog = std::fs::read_to_string(repo("CHANGELOG.md")).unwrap();
+    let section = changelog
+        .split_once(&format!("\n## [{version}]"))
+        .unwrap_or_else(|| panic!("CHANGELOG.md has no section for {version}"))
+        .1;
+    let section = section.split("\n## [").next().unwrap();
+    assert!(section.contains("### Breaking"), "{section}");
 }

@@ -338,8 +338,9 @@ async fn states(
 }
 
 /// Another ebb replica's shares of the load, for the replica that decides (`crate::load`).
+/// Fields it does not know are passed over, not refused: during a rolling update replicas of
+/// neighbouring versions report to each other.
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct LoadBody {
     replica: String,
     shares: std::collections::BTreeMap<String, crate::proxy::load::Share>,
