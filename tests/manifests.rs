@@ -186,7 +186,7 @@ fn a_release_in_another_namespace_keeps_its_cluster_objects_apart() {
     )];
     assert_eq!(binding["roleRef"]["name"], "ebb-preview");
     assert_eq!(binding["subjects"][0]["namespace"], "preview");
-    for ((kind, ns, name), _) in &got {
+    for (kind, ns, name) in got.keys() {
         assert!(ns == "preview" || ns.is_empty(), "{kind} {name} is in {ns}");
     }
 }
