@@ -19,6 +19,7 @@
 
 mod common;
 mod manifests;
+mod realnode;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

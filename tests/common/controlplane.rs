@@ -129,6 +129,17 @@ impl ControlPlane {
     /// starts etcd, the API server, the controller manager and the scheduler in it, and returns
     /// once the API server's `/readyz` answers 200 and the controllers run.
     pub async fn start() -> Self {
+        Self::start_with(false).await
+    }
+
+    /// [`Self::start`], for a real kubelet ([`super::kubelet::RealNode`]): the node lifecycle
+    /// controller runs too, lifting the taint a new node gets once its kubelet reports it Ready
+    /// (the test node agent, which sends no heartbeats, goes without it).
+    pub async fn start_for_kubelet() -> Self {
+        Self::start_with(true).await
+    }
+
+    async fn start_with(node_lifecycle: bool) -> Self {
         if let Some(kubeconfig) = std::env::var_os("EBB_TEST_KUBECONFIG") {
             return Self::external(PathBuf::from(kubeconfig)).await;
         }
@@ -153,7 +164,7 @@ impl ControlPlane {
         let etcd = cp.start_etcd().await;
         cp.etcd = etcd;
         cp.start_apiserver().await;
-        cp.start_controllers().await;
+        cp.start_controllers(node_lifecycle).await;
         cp
     }
 
@@ -314,7 +325,10 @@ impl ControlPlane {
                 "{ADMIN_TOKEN},ebb-test-admin,1,\"system:masters\"\n\
                  ebb-test-controllers,system:kube-controller-manager,2,\"system:masters\"\n\
                  ebb-test-scheduler,system:kube-scheduler,3,\"system:masters\"\n\
-                 {NOBODY_TOKEN},nobody,4,\"\"\n"
+                 {NOBODY_TOKEN},nobody,4,\"\"\n\
+                 {kubelet},system:node:{node},5,\"system:nodes,system:masters\"\n",
+                kubelet = super::kubelet::KUBELET_TOKEN,
+                node = super::kubelet::NODE,
             ),
         )
         .expect("write tokens");
@@ -469,20 +483,26 @@ impl ControlPlane {
         .await;
     }
 
-    async fn start_controllers(&mut self) {
+    async fn start_controllers(&mut self, node_lifecycle: bool) {
         let dir = self.dir.path().to_path_buf();
         let p = |n: &str| dir.join(n).display().to_string();
         let mut cm = Command::new(self.bin.join("kube-controller-manager"));
         cm.arg(format!("--kubeconfig={}", p("controllers.kubeconfig")))
             .arg("--leader-elect=false")
-            .arg(
+            .arg(format!(
                 "--controllers=deployment-controller,replicaset-controller,\
                  statefulset-controller,persistentvolume-binder-controller,\
                  persistentvolumeclaim-protection-controller,\
                  persistentvolume-protection-controller,\
                  endpointslice-controller,garbage-collector-controller,namespace-controller,\
-                 serviceaccount-controller,serviceaccount-token-controller",
-            )
+                 serviceaccount-controller,serviceaccount-token-controller,\
+                 root-ca-certificate-publisher-controller{}",
+                if node_lifecycle {
+                    ",node-lifecycle-controller"
+                } else {
+                    ""
+                }
+            ))
             .arg(format!("--root-ca-file={}", p("ca.crt")))
             .arg(format!(
                 "--service-account-private-key-file={}",

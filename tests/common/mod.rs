@@ -5,6 +5,7 @@ pub mod controlplane;
 pub mod ebbkube;
 pub mod http;
 pub mod kafka;
+pub mod kubelet;
 pub mod node;
 
 use std::io::{BufRead, BufReader};

@@ -5,13 +5,15 @@
 //	controlplane kube-apiserver --etcd-servers=... ...
 //	controlplane kube-controller-manager --kubeconfig=... ...
 //	controlplane kube-scheduler --kubeconfig=... ...
+//	controlplane kubelet --config=... ...
 //	controlplane kubectl get pods
 //
-// The components share most of their code, so one program links once and takes a third of
-// the disk of three. etcd is built beside it, from its own module (see go.mod's tool line).
+// The components share most of their code, so one program links once and takes a fraction of
+// the disk of four (the kubelet, which the tests run on a real node, adds a hundred packages). etcd is built beside it, from its own module (see go.mod's tool line).
 package main
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -28,12 +30,14 @@ import (
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	controllermanager "k8s.io/kubernetes/cmd/kube-controller-manager/app"
 	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
+	kubelet "k8s.io/kubernetes/cmd/kubelet/app"
 )
 
 var components = map[string]func() *cobra.Command{
 	"kube-apiserver":          apiserver.NewAPIServerCommand,
 	"kube-controller-manager": controllermanager.NewControllerManagerCommand,
 	"kube-scheduler":          func() *cobra.Command { return scheduler.NewSchedulerCommand() },
+	"kubelet":                 func() *cobra.Command { return kubelet.NewKubeletCommand(context.Background()) },
 }
 
 func main() {
@@ -60,6 +64,6 @@ func main() {
 }
 
 func usage() {
-	fmt.Fprintln(os.Stderr, "usage: controlplane kube-apiserver|kube-controller-manager|kube-scheduler|kubectl [flags]")
+	fmt.Fprintln(os.Stderr, "usage: controlplane kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kubectl [flags]")
 	os.Exit(2)
 }
