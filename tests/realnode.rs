@@ -90,4 +90,14 @@ spec:
     let answer = crate::common::controlplane::http_get(&format!("{ip}:8080"), "/health")
         .expect("the pod answers");
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    // Through a Service's cluster address, which kube-proxy serves.
+    apply(&cp, &crate::common::ebbkube::hello_service("hello", &[]));
+    let cluster_ip = cp.kubectl(&["get", "service", "hello", "-o", "jsonpath={.spec.clusterIP}"]);
+    wait_for("the Service's cluster address answering", Duration::from_secs(30), || {
+        node.assert_running();
+        crate::common::controlplane::http_get(&format!("{cluster_ip}:80"), "/health")
+            .is_some_and(|a| a.starts_with("HTTP/1.1 200"))
+    })
+    .await;
 }

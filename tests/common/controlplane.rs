@@ -30,7 +30,7 @@ use std::time::Duration;
 use ebb::clock::Stopwatch;
 
 /// The cluster's service addresses, apart from any address a pod gets.
-const SERVICE_CIDR: &str = "10.96.0.0/16";
+pub const SERVICE_CIDR: &str = "10.96.0.0/16";
 /// The node's address in the test's network namespace; the API server listens on it.
 pub const NODE_IP: &str = "10.244.0.1";
 /// The token of the administrator the tests act as.

@@ -4,6 +4,7 @@
 //! directory in `$EBB_NODE`), in the test's network namespace ([`super::controlplane`]). Pods
 //! get addresses on a bridge `cni0` there ([`POD_CIDR`]), which the test thread reaches directly;
 //! images come from OCI archives imported into containerd ([`RealNode::import`]): no registry.
+//! kube-proxy (nftables) makes Services' cluster addresses answer in that namespace.
 //!
 //! This machine's shape, and what the node is told for it:
 //! - cgroups v1 (hybrid): the kubelet refuses them unless `failCgroupV1: false`; its cgroups live
@@ -107,6 +108,7 @@ impl RealNode {
         node.start_containerd().await;
         node.import(&node.bin.join("pause.oci.tar"), &[PAUSE_IMAGE]);
         node.start_kubelet(cp).await;
+        node.start_proxy(cp);
         wait_for("the node Ready", Duration::from_secs(120), || {
             node.assert_running();
             cp.try_kubectl(&[
@@ -473,6 +475,51 @@ serializeImagePulls: false
         );
     }
 
+    /// kube-proxy in nftables mode, in the test's network namespace: Services' cluster
+    /// addresses answer there, from the test thread and from the pods. Every connection to one
+    /// is masqueraded, so a pod reaching a Service whose endpoint is on its own bridge gets the
+    /// answer back through the node (no bridge netfilter needed).
+    fn start_proxy(&mut self, cp: &ControlPlane) {
+        // A route for the cluster addresses, so a connection to one from the node gets as far as
+        // kube-proxy's rewrite (the namespace has no default route).
+        run(Command::new("ip").args([
+            "route",
+            "replace",
+            super::controlplane::SERVICE_CIDR,
+            "dev",
+            "lo",
+        ]));
+        let d = self.dir.path().to_owned();
+        let kubeconfig = cp.kubeconfig_with_token("kube-proxy", KUBELET_TOKEN);
+        std::fs::write(
+            d.join("kube-proxy.yaml"),
+            format!(
+                r#"apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: nftables
+clientConnection: {{kubeconfig: {kubeconfig}}}
+hostnameOverride: {NODE}
+clusterCIDR: {POD_CIDR}
+detectLocalMode: ClusterCIDR
+healthzBindAddress: 127.0.0.1:10256
+metricsBindAddress: 127.0.0.1:10249
+nftables: {{masqueradeAll: true}}
+conntrack: {{maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}}
+"#,
+                kubeconfig = kubeconfig.display(),
+            ),
+        )
+        .expect("kube-proxy configuration");
+        let proxy = super::controlplane::binaries().join("kube-proxy");
+        self.spawn(
+            "kube-proxy",
+            Command::new(proxy)
+                .arg(format!("--config={}", d.join("kube-proxy.yaml").display()))
+                .arg("--v=1")
+                .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+        );
+    }
+
     /// Every process in the node's cgroup (containerd, the shims, the containers), from the
     /// pids hierarchy.
     fn processes(&self) -> Vec<i32> {
@@ -520,7 +567,7 @@ impl Drop for RealNode {
                     );
                 }
             }
-            for name in ["containerd", "kubelet"] {
+            for name in ["containerd", "kubelet", "kube-proxy"] {
                 eprintln!("{name} (last lines):\n{}", self.log_tail(name, 60));
             }
             // runc's own words on the containers it could not start.

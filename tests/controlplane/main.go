@@ -6,10 +6,11 @@
 //	controlplane kube-controller-manager --kubeconfig=... ...
 //	controlplane kube-scheduler --kubeconfig=... ...
 //	controlplane kubelet --config=... ...
+//	controlplane kube-proxy --config=... ...
 //	controlplane kubectl get pods
 //
 // The components share most of their code, so one program links once and takes a fraction of
-// the disk of four (the kubelet, which the tests run on a real node, adds a hundred packages). etcd is built beside it, from its own module (see go.mod's tool line).
+// the disk of four (the kubelet and kube-proxy, which the tests run on a real node, add a few hundred packages). etcd is built beside it, from its own module (see go.mod's tool line).
 package main
 
 import (
@@ -29,6 +30,7 @@ import (
 	kubectlutil "k8s.io/kubectl/pkg/cmd/util"
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	controllermanager "k8s.io/kubernetes/cmd/kube-controller-manager/app"
+	proxy "k8s.io/kubernetes/cmd/kube-proxy/app"
 	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
 	kubelet "k8s.io/kubernetes/cmd/kubelet/app"
 )
@@ -38,6 +40,7 @@ var components = map[string]func() *cobra.Command{
 	"kube-controller-manager": controllermanager.NewControllerManagerCommand,
 	"kube-scheduler":          func() *cobra.Command { return scheduler.NewSchedulerCommand() },
 	"kubelet":                 func() *cobra.Command { return kubelet.NewKubeletCommand(context.Background()) },
+	"kube-proxy":              proxy.NewProxyCommand,
 }
 
 func main() {
@@ -64,6 +67,6 @@ func main() {
 }
 
 func usage() {
-	fmt.Fprintln(os.Stderr, "usage: controlplane kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kubectl [flags]")
+	fmt.Fprintln(os.Stderr, "usage: controlplane kube-apiserver|kube-controller-manager|kube-scheduler|kubelet|kube-proxy|kubectl [flags]")
 	os.Exit(2)
 }
