@@ -93,11 +93,252 @@ spec:
 
     // Through a Service's cluster address, which kube-proxy serves.
     apply(&cp, &crate::common::ebbkube::hello_service("hello", &[]));
-    let cluster_ip = cp.kubectl(&["get", "service", "hello", "-o", "jsonpath={.spec.clusterIP}"]);
-    wait_for("the Service's cluster address answering", Duration::from_secs(30), || {
+    let cluster_ip = cp.kubectl(&[
+        "get",
+        "service",
+        "hello",
+        "-o",
+        "jsonpath={.spec.clusterIP}",
+    ]);
+    wait_for(
+        "the Service's cluster address answering",
+        Duration::from_secs(30),
+        || {
+            node.assert_running();
+            crate::common::controlplane::http_get(&format!("{cluster_ip}:80"), "/health")
+                .is_some_and(|a| a.starts_with("HTTP/1.1 200"))
+        },
+    )
+    .await;
+}
+
+/// The example app's image: ebb's, imported under a name of its own, as a platform team's app.
+const APP_IMAGE: &str = "apps.ebb.test/example-app:1";
+
+/// `deploy/` (or `chart`'s objects, when `helm` says so) in namespace `ns` under a test overlay
+/// on the real node: ebb's image as `deploy/` names it, the tests' intervals added to its
+/// arguments, a hostPath PersistentVolume per replica (owned by the image's user: hostPath
+/// volumes take no fsGroup). Returns the work directory.
+fn overlay(cp: &ControlPlane, ns: &str) -> tempfile::TempDir {
+    let work = tempfile::tempdir().unwrap();
+    let w = work.path();
+    crate::copy_tree(
+        std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy")),
+        &w.join("deploy"),
+    );
+    let mut pvs = String::new();
+    for i in 0..2 {
+        let dir = w.join(format!("pv-{i}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::os::unix::fs::chown(&dir, Some(65532), Some(65532)).unwrap();
+        pvs.push_str(&format!(
+            "---\napiVersion: v1\nkind: PersistentVolume\nmetadata:\n  name: {ns}-pv-{i}\n\
+             spec:\n  capacity: {{storage: 1Gi}}\n  accessModes: [ReadWriteOnce]\n  \
+             claimRef: {{namespace: {ns}, name: data-ebb-{i}}}\n  \
+             hostPath: {{path: {}}}\n",
+            dir.display()
+        ));
+    }
+    std::fs::create_dir_all(w.join("overlay")).unwrap();
+    std::fs::write(w.join("overlay/pvs.yaml"), &pvs).unwrap();
+    let timing: String = crate::common::ebbkube::TEST_TIMING
+        .iter()
+        .map(|a| {
+            format!(
+                "    - op: add\n      path: /spec/template/spec/containers/0/args/-\n      \
+                 value: \"{a}\"\n"
+            )
+        })
+        .collect();
+    std::fs::write(
+        w.join("overlay/kustomization.yaml"),
+        format!(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n\
+             resources:\n- ../deploy\n- pvs.yaml\n\
+             patches:\n- target: {{kind: StatefulSet, name: ebb}}\n  patch: |\n{timing}"
+        ),
+    )
+    .unwrap();
+    let _ = cp;
+    work
+}
+
+/// The Deployment `hello` of the example app's image at zero, and the Service that makes it a
+/// route of ebb's (`hello.test`, idle after `idle_after`).
+fn serverless_app(idle_after: &str) -> String {
+    format!(
+        r#"
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: hello, namespace: default}}
+spec:
+  replicas: 0
+  selector: {{matchLabels: {{app: hello}}}}
+  template:
+    metadata: {{labels: {{app: hello}}}}
+    spec:
+      terminationGracePeriodSeconds: 5
+      containers:
+      - name: app
+        image: {APP_IMAGE}
+        command: [ebb, example-app]
+        args: [--host, 0.0.0.0, --port, "8080"]
+        readinessProbe:
+          httpGet: {{path: /health, port: 8080}}
+          periodSeconds: 1
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: hello
+  namespace: default
+  annotations:
+    ebb.dev/domains: hello.test
+    ebb.dev/deployment: hello
+    ebb.dev/idle-after: {idle_after}
+    ebb.dev/hold-timeout: 60s
+spec:
+  selector: {{app: hello}}
+  ports:
+  - {{port: 80, targetPort: 8080}}
+"#
+    )
+}
+
+/// The cluster address of Service `name` in `ns`, port `port`.
+fn service_addr(cp: &ControlPlane, ns: &str, name: &str, port: u16) -> std::net::SocketAddr {
+    let ip = cp.kubectl(&[
+        "get",
+        "service",
+        name,
+        "-n",
+        ns,
+        "-o",
+        "jsonpath={.spec.clusterIP}",
+    ]);
+    format!("{ip}:{port}").parse().unwrap()
+}
+
+/// The hostPath directory of the volume a claim is bound to.
+fn claim_dir(cp: &ControlPlane, ns: &str, claim: &str) -> std::path::PathBuf {
+    let pv = cp.kubectl(&[
+        "get",
+        "pvc",
+        claim,
+        "-n",
+        ns,
+        "-o",
+        "jsonpath={.spec.volumeName}",
+    ]);
+    cp.kubectl(&["get", "pv", &pv, "-o", "jsonpath={.spec.hostPath.path}"])
+        .into()
+}
+
+/// `kubectl apply -k deploy/` (under the test overlay) on the real node: two ebb pods from
+/// ebb's image, as its user on a read-only root filesystem, become Ready through their probes.
+/// A request through ebb's Service wakes an annotated Service's Deployment (the app's image)
+/// from zero, and it goes back to zero when idle. A deleted ebb pod keeps its claim; the pod
+/// made again reopens the same log.
+#[tokio::test]
+async fn deploy_on_a_real_node_wakes_from_zero_through_ebbs_service_and_keeps_each_log() {
+    let (cp, mut node) = real_cluster().await;
+    let archive = std::env::var("EBB_IMAGE").unwrap();
+    node.import(std::path::Path::new(&archive), &[APP_IMAGE]);
+    let work = overlay(&cp, "ebb");
+    cp.kubectl(&[
+        "apply",
+        "--server-side",
+        "-k",
+        work.path().join("overlay").to_str().unwrap(),
+    ]);
+    wait_for("two ebb pods ready", Duration::from_secs(180), || {
         node.assert_running();
-        crate::common::controlplane::http_get(&format!("{cluster_ip}:80"), "/health")
-            .is_some_and(|a| a.starts_with("HTTP/1.1 200"))
+        ready_pods(&cp, "ebb", "app.kubernetes.io/name=ebb").len() == 2
     })
     .await;
+    // As the image's user, on a read-only root.
+    let pod = json(&cp.kubectl(&["get", "pod", "ebb-0", "-n", "ebb", "-o", "json"]));
+    assert_eq!(pod["spec"]["securityContext"]["runAsUser"], 65532);
+    assert_eq!(
+        pod["spec"]["containers"][0]["securityContext"]["readOnlyRootFilesystem"],
+        true
+    );
+    assert_eq!(
+        pod["status"]["containerStatuses"][0]["restartCount"], 0,
+        "{pod}"
+    );
+
+    apply(&cp, &serverless_app("5s"));
+    let ebb = service_addr(&cp, "ebb", "ebb", 80);
+    let (status, body) = crate::common::controlplane::wait_until(
+        "a route for hello.test",
+        Duration::from_secs(60),
+        || async {
+            let answer = crate::common::ebbkube::get(ebb, "hello.test", "/pid").await;
+            (answer.0 != 404).then_some(answer)
+        },
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let replicas = || {
+        cp.kubectl(&[
+            "get",
+            "deployment",
+            "hello",
+            "-o",
+            "jsonpath={.spec.replicas}",
+        ])
+    };
+    assert_eq!(replicas(), "1", "woken from zero");
+    wait_for("hello back at zero", Duration::from_secs(90), || {
+        replicas() == "0" && ready_pods(&cp, "default", "app=hello").is_empty()
+    })
+    .await;
+
+    // ebb-0 deleted: its claim stays, and the pod made again opens the same log.
+    let dir = claim_dir(&cp, "ebb", "data-ebb-0");
+    let identity = std::fs::read_to_string(dir.join("IDENTITY")).expect("ebb-0's log");
+    let before = crate::common::events(&dir).len();
+    assert!(before > 0);
+    let uid = |cp: &ControlPlane| {
+        cp.try_kubectl(&[
+            "get",
+            "pod",
+            "ebb-0",
+            "-n",
+            "ebb",
+            "-o",
+            "jsonpath={.metadata.uid}",
+        ])
+        .unwrap_or_default()
+    };
+    let old = uid(&cp);
+    cp.kubectl(&["delete", "pod", "ebb-0", "-n", "ebb", "--wait=false"]);
+    wait_for(
+        "ebb-0 made again and ready",
+        Duration::from_secs(120),
+        || {
+            node.assert_running();
+            let now = uid(&cp);
+            !now.is_empty()
+                && now != old
+                && ready_pods(&cp, "ebb", "app.kubernetes.io/name=ebb")
+                    .iter()
+                    .any(|(n, _)| n == "ebb-0")
+        },
+    )
+    .await;
+    assert_eq!(
+        claim_dir(&cp, "ebb", "data-ebb-0"),
+        dir,
+        "the same claim and volume"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("IDENTITY")).unwrap(),
+        identity
+    );
+    assert!(crate::common::events(&dir).len() >= before);
+    // And it serves: a request through the Service wakes hello again.
+    let (status, body) = crate::common::ebbkube::get(ebb, "hello.test", "/pid").await;
+    assert_eq!(status, 200, "{body}");
 }

@@ -48,6 +48,8 @@ pub struct ControlPlane {
     bin: PathBuf,
     /// Components in start order; stopped in reverse.
     children: Vec<(&'static str, Child)>,
+    /// Whether a real kubelet joins ([`Self::start_for_kubelet`]).
+    kubelet: bool,
     /// etcd's client URL, and the API server's port (0 until it first starts).
     etcd: String,
     port: u16,
@@ -134,7 +136,8 @@ impl ControlPlane {
 
     /// [`Self::start`], for a real kubelet ([`super::kubelet::RealNode`]): the node lifecycle
     /// controller runs too, lifting the taint a new node gets once its kubelet reports it Ready
-    /// (the test node agent, which sends no heartbeats, goes without it).
+    /// (the test node agent, which sends no heartbeats, goes without it), and the Service
+    /// `kubernetes` has the API server as its endpoint.
     pub async fn start_for_kubelet() -> Self {
         Self::start_with(true).await
     }
@@ -156,6 +159,7 @@ impl ControlPlane {
             audit_log: d.join("audit.log"),
             bin,
             children: Vec::new(),
+            kubelet: node_lifecycle,
             etcd: String::new(),
             port: 0,
             dir,
@@ -164,7 +168,7 @@ impl ControlPlane {
         let etcd = cp.start_etcd().await;
         cp.etcd = etcd;
         cp.start_apiserver().await;
-        cp.start_controllers(node_lifecycle).await;
+        cp.start_controllers().await;
         cp
     }
 
@@ -189,6 +193,7 @@ impl ControlPlane {
             audit_log,
             bin: binaries(),
             children: Vec::new(),
+            kubelet: false,
             etcd: String::new(),
             port: 0,
             dir: tempfile::tempdir().expect("tempdir"),
@@ -452,7 +457,12 @@ impl ControlPlane {
                 p("sa.key")
             ))
             .arg(format!("--service-cluster-ip-range={SERVICE_CIDR}"))
-            .arg("--endpoint-reconciler-type=none")
+            // The Service `kubernetes` gets the API server's address as its endpoint only where a
+            // real node's pods reach the API server through it (kube-proxy).
+            .arg(format!(
+                "--endpoint-reconciler-type={}",
+                if self.kubelet { "lease" } else { "none" }
+            ))
             .arg(format!("--audit-policy-file={}", p("audit-policy.yaml")))
             .arg(format!("--audit-log-path={}", p("audit.log")))
             .arg("--audit-log-format=json");
@@ -483,7 +493,8 @@ impl ControlPlane {
         .await;
     }
 
-    async fn start_controllers(&mut self, node_lifecycle: bool) {
+    async fn start_controllers(&mut self) {
+        let node_lifecycle = self.kubelet;
         let dir = self.dir.path().to_path_buf();
         let p = |n: &str| dir.join(n).display().to_string();
         let mut cm = Command::new(self.bin.join("kube-controller-manager"));

@@ -488,6 +488,8 @@ serializeImagePulls: false
             super::controlplane::SERVICE_CIDR,
             "dev",
             "lo",
+            "src",
+            NODE_IP,
         ]));
         let d = self.dir.path().to_owned();
         let kubeconfig = cp.kubeconfig_with_token("kube-proxy", KUBELET_TOKEN);
@@ -570,7 +572,21 @@ impl Drop for RealNode {
             for name in ["containerd", "kubelet", "kube-proxy"] {
                 eprintln!("{name} (last lines):\n{}", self.log_tail(name, 60));
             }
-            // runc's own words on the containers it could not start.
+            // The containers' own output, and runc's words on those it could not start.
+            let mut stack = vec![self.path("pod-logs")];
+            while let Some(dir) = stack.pop() {
+                for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+                    let path = e.path();
+                    if path.is_dir() {
+                        stack.push(path);
+                    } else {
+                        let text = std::fs::read_to_string(&path).unwrap_or_default();
+                        let tail: Vec<&str> = text.lines().rev().take(30).collect();
+                        let tail: Vec<&str> = tail.into_iter().rev().collect();
+                        eprintln!("{}:\n{}", path.display(), tail.join("\n"));
+                    }
+                }
+            }
             let mut stack = vec![self.path("ctd/state")];
             while let Some(dir) = stack.pop() {
                 for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
