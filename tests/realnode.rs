@@ -115,11 +115,11 @@ spec:
 /// The example app's image: ebb's, imported under a name of its own, as a platform team's app.
 const APP_IMAGE: &str = "apps.ebb.test/example-app:1";
 
-/// `deploy/` (or `chart`'s objects, when `helm` says so) in namespace `ns` under a test overlay
-/// on the real node: ebb's image as `deploy/` names it, the tests' intervals added to its
-/// arguments, a hostPath PersistentVolume per replica (owned by the image's user: hostPath
+/// `deploy/` under a test overlay for namespace `ns` on the real node: ebb's image as `deploy/`
+/// names it, the tests' intervals added to its arguments, a hostPath PersistentVolume per
+/// replica bound ahead to its claim (`overlay/pvs.yaml`; owned by the image's user: hostPath
 /// volumes take no fsGroup). Returns the work directory.
-fn overlay(cp: &ControlPlane, ns: &str) -> tempfile::TempDir {
+fn overlay(ns: &str) -> tempfile::TempDir {
     let work = tempfile::tempdir().unwrap();
     let w = work.path();
     crate::copy_tree(
@@ -159,7 +159,6 @@ fn overlay(cp: &ControlPlane, ns: &str) -> tempfile::TempDir {
         ),
     )
     .unwrap();
-    let _ = cp;
     work
 }
 
@@ -244,7 +243,7 @@ async fn deploy_on_a_real_node_wakes_from_zero_through_ebbs_service_and_keeps_ea
     let (cp, mut node) = real_cluster().await;
     let archive = std::env::var("EBB_IMAGE").unwrap();
     node.import(std::path::Path::new(&archive), &[APP_IMAGE]);
-    let work = overlay(&cp, "ebb");
+    let work = overlay("ebb");
     cp.kubectl(&[
         "apply",
         "--server-side",
@@ -268,8 +267,15 @@ async fn deploy_on_a_real_node_wakes_from_zero_through_ebbs_service_and_keeps_ea
         "{pod}"
     );
 
-    apply(&cp, &serverless_app("5s"));
-    let ebb = service_addr(&cp, "ebb", "ebb", 80);
+    wakes_idles_and_reopens(&cp, &mut node, "ebb").await;
+}
+
+/// Through the ebb Service of namespace `ns`: a request wakes an annotated Service's Deployment
+/// (the app's image) from zero, which goes back to zero when idle; `ebb-0` deleted keeps its
+/// claim, and the pod made again reopens the same log and serves.
+async fn wakes_idles_and_reopens(cp: &ControlPlane, node: &mut RealNode, ns: &str) {
+    apply(cp, &serverless_app("5s"));
+    let ebb = service_addr(cp, ns, "ebb", 80);
     let (status, body) = crate::common::controlplane::wait_until(
         "a route for hello.test",
         Duration::from_secs(60),
@@ -291,12 +297,12 @@ async fn deploy_on_a_real_node_wakes_from_zero_through_ebbs_service_and_keeps_ea
     };
     assert_eq!(replicas(), "1", "woken from zero");
     wait_for("hello back at zero", Duration::from_secs(90), || {
-        replicas() == "0" && ready_pods(&cp, "default", "app=hello").is_empty()
+        replicas() == "0" && ready_pods(cp, "default", "app=hello").is_empty()
     })
     .await;
 
     // ebb-0 deleted: its claim stays, and the pod made again opens the same log.
-    let dir = claim_dir(&cp, "ebb", "data-ebb-0");
+    let dir = claim_dir(cp, ns, "data-ebb-0");
     let identity = std::fs::read_to_string(dir.join("IDENTITY")).expect("ebb-0's log");
     let before = crate::common::events(&dir).len();
     assert!(before > 0);
@@ -306,30 +312,30 @@ async fn deploy_on_a_real_node_wakes_from_zero_through_ebbs_service_and_keeps_ea
             "pod",
             "ebb-0",
             "-n",
-            "ebb",
+            ns,
             "-o",
             "jsonpath={.metadata.uid}",
         ])
         .unwrap_or_default()
     };
-    let old = uid(&cp);
-    cp.kubectl(&["delete", "pod", "ebb-0", "-n", "ebb", "--wait=false"]);
+    let old = uid(cp);
+    cp.kubectl(&["delete", "pod", "ebb-0", "-n", ns, "--wait=false"]);
     wait_for(
         "ebb-0 made again and ready",
         Duration::from_secs(120),
         || {
             node.assert_running();
-            let now = uid(&cp);
+            let now = uid(cp);
             !now.is_empty()
                 && now != old
-                && ready_pods(&cp, "ebb", "app.kubernetes.io/name=ebb")
+                && ready_pods(cp, ns, "app.kubernetes.io/name=ebb")
                     .iter()
                     .any(|(n, _)| n == "ebb-0")
         },
     )
     .await;
     assert_eq!(
-        claim_dir(&cp, "ebb", "data-ebb-0"),
+        claim_dir(cp, ns, "data-ebb-0"),
         dir,
         "the same claim and volume"
     );
@@ -341,4 +347,108 @@ async fn deploy_on_a_real_node_wakes_from_zero_through_ebbs_service_and_keeps_ea
     // And it serves: a request through the Service wakes hello again.
     let (status, body) = crate::common::ebbkube::get(ebb, "hello.test", "/pid").await;
     assert_eq!(status, 200, "{body}");
+}
+
+/// Objects of every namespaced kind in `ns` (events aside), as `kind/name`.
+fn objects_in(cp: &ControlPlane, ns: &str) -> Vec<String> {
+    let kinds = cp.kubectl(&[
+        "api-resources",
+        "--verbs=list",
+        "--namespaced",
+        "-o",
+        "name",
+    ]);
+    let kinds: Vec<&str> = kinds.lines().filter(|k| !k.starts_with("events")).collect();
+    let mut objects: Vec<String> = cp
+        .kubectl(&["get", &kinds.join(","), "-n", ns, "-o", "name"])
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    objects.sort();
+    objects
+}
+
+/// `helm install` of the chart into another namespace on the real node does what `deploy/`
+/// does: two ebb pods Ready, a wake from zero through ebb's Service and back, a deleted pod's
+/// log reopened. `helm uninstall` then leaves no object of the release behind but the replicas'
+/// claims (as a StatefulSet does): not the Lease ebb wrote (its StatefulSet owns it), not the
+/// cluster-wide role and bindings.
+#[tokio::test]
+async fn helm_install_on_a_real_node_serves_and_uninstall_leaves_only_the_claims() {
+    let (cp, mut node) = real_cluster().await;
+    let archive = std::env::var("EBB_IMAGE").unwrap();
+    node.import(std::path::Path::new(&archive), &[APP_IMAGE]);
+    let ns = "preview";
+    let work = overlay(ns);
+    cp.kubectl(&["create", "namespace", ns]);
+    let before = objects_in(&cp, ns);
+    cp.kubectl(&[
+        "apply",
+        "-f",
+        work.path().join("overlay/pvs.yaml").to_str().unwrap(),
+    ]);
+    let mut install = std::process::Command::new(crate::helm());
+    install
+        .args(["install", "ebb"])
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/chart"))
+        .args(["--namespace", ns, "--kubeconfig"])
+        .arg(&cp.kubeconfig);
+    for (i, arg) in crate::common::ebbkube::TEST_TIMING.iter().enumerate() {
+        install.args(["--set", &format!("extraArgs[{i}]={arg}")]);
+    }
+    let out = install.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for("two ebb pods ready", Duration::from_secs(180), || {
+        node.assert_running();
+        ready_pods(&cp, ns, "app.kubernetes.io/name=ebb").len() == 2
+    })
+    .await;
+    wakes_idles_and_reopens(&cp, &mut node, ns).await;
+    let lease = json(&cp.kubectl(&["get", "lease", "ebb-scaler", "-n", ns, "-o", "json"]));
+    assert_eq!(
+        lease["metadata"]["ownerReferences"][0]["kind"], "StatefulSet",
+        "{lease}"
+    );
+
+    let out = std::process::Command::new(crate::helm())
+        .args([
+            "uninstall",
+            "ebb",
+            "--wait",
+            "--namespace",
+            ns,
+            "--kubeconfig",
+        ])
+        .arg(&cp.kubeconfig)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut left = before.clone();
+    left.extend([
+        "persistentvolumeclaim/data-ebb-0".to_owned(),
+        "persistentvolumeclaim/data-ebb-1".to_owned(),
+    ]);
+    left.sort();
+    let mut now = Vec::new();
+    wait_for(
+        "nothing but the claims left",
+        Duration::from_secs(60),
+        || {
+            now = objects_in(&cp, ns);
+            now == left
+        },
+    )
+    .await;
+    for kind in ["clusterrole", "clusterrolebinding"] {
+        let names = cp.kubectl(&["get", kind, "-o", "name"]);
+        assert!(!names.contains("ebb-preview"), "{names}");
+    }
 }

@@ -19,8 +19,8 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::autoscaling::v1::Scale;
 use k8s_openapi::api::coordination::v1::{Lease as KubeLease, LeaseSpec};
-use k8s_openapi::api::core::v1::ObjectReference;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta, OwnerReference};
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 
 use crate::scaler::shared::{CoordError, Coordinator, Lease, SharedDeployment};
@@ -41,22 +41,62 @@ pub struct KubeCoordinator {
     lease_namespace: String,
     lease_name: String,
     lease_ms: u64,
+    /// This replica's pod, whose controller (ebb's StatefulSet) owns the lease it writes, so the
+    /// lease goes with ebb (`kubectl delete -k`, `helm uninstall`); read once.
+    pod: String,
+    owner: tokio::sync::OnceCell<Option<OwnerReference>>,
+}
+
+/// The controller of pod `name` (ebb's own pod: its StatefulSet), as an owner for the objects
+/// ebb makes, which the garbage collector then removes with ebb. `None` when the pod is not
+/// there (ebb outside a cluster) or has no controller.
+pub async fn pod_controller(pods: &Api<Pod>, name: &str) -> kube::Result<Option<OwnerReference>> {
+    let Some(pod) = pods.get_opt(name).await? else {
+        return Ok(None);
+    };
+    Ok(pod
+        .metadata
+        .owner_references
+        .into_iter()
+        .flatten()
+        .find(|r| r.controller == Some(true))
+        .map(|controller| OwnerReference {
+            controller: None,
+            block_owner_deletion: None,
+            ..controller
+        }))
 }
 
 impl KubeCoordinator {
-    /// A store on `client` with the lease `lease_namespace/lease_name`, held `lease_ms` at a time.
+    /// A store on `client` with the lease `lease_namespace/lease_name`, held `lease_ms` at a time,
+    /// written by the replica whose pod is `pod` (in `lease_namespace`).
     pub fn new(
         client: kube::Client,
         lease_namespace: &str,
         lease_name: &str,
         lease_ms: u64,
+        pod: &str,
     ) -> Self {
         Self {
             client,
             lease_namespace: lease_namespace.to_owned(),
             lease_name: lease_name.to_owned(),
             lease_ms,
+            pod: pod.to_owned(),
+            owner: tokio::sync::OnceCell::new(),
         }
+    }
+
+    /// The lease's owner: this replica's pod's controller, read on the first write (a failed
+    /// read is tried again on the next).
+    async fn owner(&self) -> Option<OwnerReference> {
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &self.lease_namespace);
+        self.owner
+            .get_or_try_init(|| pod_controller(&pods, &self.pod))
+            .await
+            .ok()
+            .cloned()
+            .flatten()
     }
 
     fn leases(&self) -> Api<KubeLease> {
@@ -246,6 +286,7 @@ impl Coordinator for KubeCoordinator {
                     LEASE_UNTIL.to_owned(),
                     until_ms.to_string(),
                 )])),
+                owner_references: self.owner().await.map(|o| vec![o]),
                 ..ObjectMeta::default()
             },
             spec: Some(LeaseSpec {

@@ -157,23 +157,13 @@ async fn owner(orch: &KubeOrchestrator) -> Option<OwnerReference> {
     }
     let pods: Api<Pod> = Api::namespaced(orch.client.clone(), &o.shared.lease_namespace);
     orch.limiter.acquire().await;
-    let pod = match pods.get_opt(&o.instance).await {
-        Ok(p) => p?,
+    match crate::coordinator::pod_controller(&pods, &o.instance).await {
+        Ok(owner) => owner,
         Err(e) => {
             tracing::warn!(pod = %o.instance, error = %e, "cannot read ebb's own pod; image functions get no owner");
-            return None;
+            None
         }
-    };
-    let controller = pod
-        .metadata
-        .owner_references?
-        .into_iter()
-        .find(|r| r.controller == Some(true))?;
-    Some(OwnerReference {
-        controller: None,
-        block_owner_deletion: None,
-        ..controller
-    })
+    }
 }
 
 /// An image template as the loop applies it.

@@ -1425,6 +1425,7 @@ pub async fn run_shared(
             &shared.lease_namespace,
             &shared.lease_name,
             o.lease_ms,
+            &orch.options.instance,
         ),
         member: Mutex::new(Member::new(&orch.options.instance, o)),
         log,
