@@ -452,3 +452,281 @@ async fn helm_install_on_a_real_node_serves_and_uninstall_leaves_only_the_claims
         assert!(!names.contains("ebb-preview"), "{names}");
     }
 }
+
+/// How one request through a Service ended.
+#[derive(Debug)]
+enum Exchange {
+    /// An answer: status, whether it carried `Retry-After`, body.
+    Answer(u16, bool, String),
+    /// No connection (refused, reset or timed out before anything was sent): the client may
+    /// send the request again, as nothing reached a server.
+    NotConnected,
+    /// The connection broke after the request was sent: the client cannot know what happened
+    /// (the reason, read through `Debug` when the test fails).
+    #[allow(dead_code)]
+    Broken(String),
+}
+
+/// One HTTP/1.1 exchange (`Connection: close`, within 30 s) with `addr`.
+async fn exchange(
+    addr: std::net::SocketAddr,
+    method: &str,
+    host: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> Exchange {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let connect =
+        tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr));
+    let Ok(Ok(mut s)) = connect.await else {
+        return Exchange::NotConnected;
+    };
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let talk = async {
+        s.write_all(head.as_bytes()).await?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await?;
+        Ok::<_, std::io::Error>(out)
+    };
+    match tokio::time::timeout(Duration::from_secs(30), talk).await {
+        Ok(Ok(out)) => {
+            let text = String::from_utf8_lossy(&out).into_owned();
+            let status = text
+                .split(' ')
+                .nth(1)
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(0);
+            if status == 0 {
+                return Exchange::Broken(format!("no answer: {text:?}"));
+            }
+            let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+            let retry = head.to_ascii_lowercase().contains("\r\nretry-after:");
+            Exchange::Answer(status, retry, body.to_owned())
+        }
+        Ok(Err(e)) => Exchange::Broken(e.to_string()),
+        Err(_) => Exchange::Broken("no answer within 30 s".to_owned()),
+    }
+}
+
+const RUNNER_TOKEN: &str = "ebb-test-runner";
+
+/// A rolling update of ebb's StatefulSet from one image tag to another on the real node, while
+/// requests go through ebb's Service and calls through `ebb-api`, without pause. Every
+/// acknowledged call ends once (one `CallFinished` in its owner's log, `success`); every request
+/// is answered 200, except two kinds the client is told to send again: a connection that could
+/// not be made (nothing was sent: a replica's address just leaving the Service), and a 503 with
+/// `Retry-After`. Each replica reopens its own log from its claim.
+#[tokio::test]
+async fn a_rolling_update_under_load_loses_no_call_and_fails_no_request() {
+    let (cp, mut node) = real_cluster().await;
+    let archive = std::env::var("EBB_IMAGE").unwrap();
+    let next = format!("{}-next", deploy_image());
+    node.import(std::path::Path::new(&archive), &[APP_IMAGE, &next]);
+    let work = overlay("ebb");
+    let kustomization = work.path().join("overlay/kustomization.yaml");
+    let mut k = std::fs::read_to_string(&kustomization).unwrap();
+    k.push_str(&format!(
+        "    - op: add\n      path: /spec/template/spec/containers/0/env/-\n      \
+         value: {{name: EBB_RUNNER_TOKEN, value: {RUNNER_TOKEN}}}\n"
+    ));
+    std::fs::write(&kustomization, k).unwrap();
+    cp.kubectl(&[
+        "apply",
+        "--server-side",
+        "-k",
+        work.path().join("overlay").to_str().unwrap(),
+    ]);
+    wait_for("two ebb pods ready", Duration::from_secs(180), || {
+        node.assert_running();
+        ready_pods(&cp, "ebb", "app.kubernetes.io/name=ebb").len() == 2
+    })
+    .await;
+    apply(&cp, &serverless_app("1h"));
+    let proxy = service_addr(&cp, "ebb", "ebb", 80);
+    let api = service_addr(&cp, "ebb", "ebb-api", 8081);
+    let (status, body) = crate::common::controlplane::wait_until(
+        "a route for hello.test",
+        Duration::from_secs(60),
+        || async {
+            let answer = crate::common::ebbkube::get(proxy, "hello.test", "/pid").await;
+            (answer.0 != 404).then_some(answer)
+        },
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let identities: Vec<String> = (0..2)
+        .map(|i| {
+            std::fs::read_to_string(
+                claim_dir(&cp, "ebb", &format!("data-ebb-{i}")).join("IDENTITY"),
+            )
+            .unwrap()
+        })
+        .collect();
+
+    // Load: requests and calls, one after another each, until the rollout is done.
+    let done = std::rc::Rc::new(std::cell::Cell::new(false));
+    let answered = std::rc::Rc::new(std::cell::Cell::new(0u32));
+    let local = tokio::task::LocalSet::new();
+    let requests = local.spawn_local({
+        let answered = answered.clone();
+        let done = done.clone();
+        async move {
+            let (mut ok, mut retried, mut failed) = (0u32, (0u32, 0u32), Vec::new());
+            while !done.get() {
+                match exchange(proxy, "GET", "hello.test", "/pid", None, "").await {
+                    Exchange::Answer(200, _, _) => {
+                        ok += 1;
+                        answered.set(answered.get() + 1);
+                    }
+                    Exchange::NotConnected => retried.0 += 1,
+                    Exchange::Answer(503, true, _) => retried.1 += 1,
+                    other => failed.push(format!("{other:?}")),
+                }
+            }
+            (ok, retried, failed)
+        }
+    });
+    let calls = local.spawn_local({
+        let done = done.clone();
+        async move {
+            let (mut ids, mut retried, mut failed) = (Vec::new(), (0u32, 0u32), Vec::new());
+            let body =
+                r#"{"target": "default/hello", "payload": {"method": "GET", "path": "/pid"}}"#;
+            while !done.get() {
+                match exchange(
+                    api,
+                    "POST",
+                    "ebb",
+                    "/runner/enqueue",
+                    Some(RUNNER_TOKEN),
+                    body,
+                )
+                .await
+                {
+                    Exchange::Answer(200, _, b) => {
+                        ids.push(json(&b)["id"].as_str().unwrap().to_owned())
+                    }
+                    Exchange::NotConnected => retried.0 += 1,
+                    Exchange::Answer(503, true, _) => retried.1 += 1,
+                    other => failed.push(format!("{other:?}")),
+                }
+            }
+            (ids, retried, failed)
+        }
+    });
+    let (requests, calls) = local
+        .run_until(async {
+            wait_for("load flowing", Duration::from_secs(30), || {
+                answered.get() >= 20
+            })
+            .await;
+            cp.kubectl(&[
+                "set",
+                "image",
+                "-n",
+                "ebb",
+                "statefulset/ebb",
+                &format!("ebb={next}"),
+            ]);
+            wait_for("the rollout done", Duration::from_secs(240), || {
+                node.assert_running();
+                let sts =
+                    json(&cp.kubectl(&["get", "statefulset", "ebb", "-n", "ebb", "-o", "json"]));
+                let st = &sts["status"];
+                st["updateRevision"] == st["currentRevision"]
+                    && st["updatedReplicas"] == 2
+                    && st["readyReplicas"] == 2
+            })
+            .await;
+            done.set(true);
+            (requests.await.unwrap(), calls.await.unwrap())
+        })
+        .await;
+    let (ok, retried, failed) = requests;
+    println!(
+        "requests: {ok} answered 200; to send again: {} not connected, {} 503 with Retry-After; \
+         {} failed",
+        retried.0,
+        retried.1,
+        failed.len()
+    );
+    assert!(failed.is_empty(), "requests failed: {failed:?}");
+    assert!(ok > 0);
+    let (ids, call_retries, failed) = calls;
+    println!(
+        "calls: {} acknowledged; to send again: {} not connected, {} 503 with Retry-After; {} \
+         failed",
+        ids.len(),
+        call_retries.0,
+        call_retries.1,
+        failed.len()
+    );
+    assert!(failed.is_empty(), "enqueues failed: {failed:?}");
+    assert!(!ids.is_empty());
+    // Both replicas run the new image, from their own claims and logs.
+    for i in 0..2 {
+        let pod =
+            json(&cp.kubectl(&["get", "pod", &format!("ebb-{i}"), "-n", "ebb", "-o", "json"]));
+        assert_eq!(pod["spec"]["containers"][0]["image"], next.as_str());
+        let dir = claim_dir(&cp, "ebb", &format!("data-ebb-{i}"));
+        assert_eq!(
+            std::fs::read_to_string(dir.join("IDENTITY")).unwrap(),
+            identities[i]
+        );
+    }
+    // Every acknowledged call ends, successfully, once.
+    for id in &ids {
+        let c = crate::common::controlplane::wait_until(
+            "the call's end",
+            Duration::from_secs(120),
+            || async {
+                match exchange(
+                    api,
+                    "GET",
+                    "ebb",
+                    &format!("/v1/calls/{id}"),
+                    Some(RUNNER_TOKEN),
+                    "",
+                )
+                .await
+                {
+                    Exchange::Answer(200, _, b) => {
+                        let c = json(&b);
+                        ["success", "error", "timeout", "cancelled"]
+                            .contains(&c["state"].as_str().unwrap_or(""))
+                            .then_some(c)
+                    }
+                    _ => None,
+                }
+            },
+        )
+        .await;
+        assert_eq!(c["state"], "success", "{c}");
+    }
+    let mut finished = std::collections::BTreeMap::<String, usize>::new();
+    for i in 0..2 {
+        for e in crate::common::events(&claim_dir(&cp, "ebb", &format!("data-ebb-{i}"))) {
+            if let Some(f) = e["event"].get("CallFinished") {
+                *finished
+                    .entry(f["id"].as_str().unwrap_or("").to_owned())
+                    .or_default() += 1;
+            }
+        }
+    }
+    for id in &ids {
+        assert_eq!(
+            finished.get(id),
+            Some(&1),
+            "{id} finished {:?} times",
+            finished.get(id)
+        );
+    }
+}
