@@ -1329,3 +1329,56 @@ async fn a_shutdown_under_keep_alive_load_closes_connections_instead_of_waiting(
     eprintln!("{told} of 4 keep-alive clients were told Connection: close");
     drop(ws);
 }
+
+/// `--shutdown-delay-ms`: after SIGTERM ebb goes on accepting and answering new connections
+/// within its delay, `/readyz` answering 503 with the shutdown named (what routes by readiness
+/// lets go of it meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_delay_keeps_serving_new_connections_while_not_ready() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write_config(dir.path(), &app("steady", ""));
+    let mut ebb = common::serve_with(
+        &dir.path().join("data"),
+        Some(&config),
+        None,
+        &["--shutdown-delay-ms", "60000"],
+    );
+    let c = client();
+    assert_eq!(
+        get(&c, ebb.proxy, "steady.localhost", "/pid").await.status,
+        200
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(ebb.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let readyz = wait_until(
+        "/readyz saying ebb shuts down",
+        Duration::from_secs(30),
+        || async {
+            let a = get(&c, ebb.admin, "localhost", "/readyz").await;
+            (a.status == 503).then_some(a.body)
+        },
+    )
+    .await;
+    let readyz: serde_json::Value = serde_json::from_str(&readyz).unwrap();
+    assert_eq!(readyz["checks"]["shutdown"]["ok"], false, "{readyz}");
+    // New connections are still taken and answered.
+    for _ in 0..5 {
+        let fresh = client();
+        assert_eq!(
+            get(&fresh, ebb.proxy, "steady.localhost", "/pid")
+                .await
+                .status,
+            200
+        );
+    }
+    assert!(
+        ebb.child.try_wait().unwrap().is_none(),
+        "ebb stopped within its delay"
+    );
+    // The delay is a minute: SIGKILL ends the test's ebb.
+    ebb.child.kill().unwrap();
+    let _ = ebb.child.wait();
+}

@@ -672,14 +672,14 @@ async fn a_rolling_update_under_load_loses_no_call_and_fails_no_request() {
     assert!(failed.is_empty(), "enqueues failed: {failed:?}");
     assert!(!ids.is_empty());
     // Both replicas run the new image, from their own claims and logs.
-    for i in 0..2 {
+    for (i, identity) in identities.iter().enumerate() {
         let pod =
             json(&cp.kubectl(&["get", "pod", &format!("ebb-{i}"), "-n", "ebb", "-o", "json"]));
         assert_eq!(pod["spec"]["containers"][0]["image"], next.as_str());
         let dir = claim_dir(&cp, "ebb", &format!("data-ebb-{i}"));
         assert_eq!(
-            std::fs::read_to_string(dir.join("IDENTITY")).unwrap(),
-            identities[i]
+            &std::fs::read_to_string(dir.join("IDENTITY")).unwrap(),
+            identity
         );
     }
     // Every acknowledged call ends, successfully, once.

@@ -79,6 +79,8 @@ pub struct AppState {
     pub load: Option<Arc<crate::proxy::load::LoadScaler>>,
     /// The clock reports are received by.
     pub clock: Arc<dyn crate::clock::Clock>,
+    /// Set once shutdown has begun (`--shutdown-delay-ms`): `/readyz` answers 503.
+    pub stopping: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Largest request body ebb's own endpoints read by default (`--max-api-body-bytes`).
@@ -300,6 +302,13 @@ async fn readiness(app: &AppState, calls: bool) -> Response {
         ready &= ok;
         checks.insert(name.into(), json!({ "ok": ok, "reason": reason }));
     };
+    if app.stopping.load(std::sync::atomic::Ordering::Acquire) {
+        check(
+            "shutdown",
+            false,
+            "ebb is shutting down: it serves until it stops accepting connections".into(),
+        );
+    }
     match app.log.failure() {
         None => check("log", true, "open".into()),
         Some(why) => check("log", false, format!("storage failed: {why}")),

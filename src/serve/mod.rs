@@ -671,6 +671,7 @@ pub async fn run(
         kube_access,
     )
     .with_secure_cookies(admin_tls.is_some());
+    let stopping = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let admin = crate::api::router(crate::api::AppState {
         log: log.clone(),
         orchestrator: Some(dyn_orch.clone()),
@@ -690,6 +691,7 @@ pub async fn run(
         max_body_bytes: options.limits.max_api_body_bytes,
         load: Some(load_scaler.clone()),
         clock: clock.clone(),
+        stopping: stopping.clone(),
     });
     let admin_stopped = {
         let mut rx = stop_rx.clone();
@@ -739,7 +741,18 @@ pub async fn run(
         }
     };
     tokio::select! {
-        () = shutdown => {}
+        () = shutdown => {
+            // Not ready any more, but still serving, until what routes by readiness has
+            // stopped sending new connections.
+            if options.shutdown_delay_ms > 0 {
+                stopping.store(true, std::sync::atomic::Ordering::Release);
+                tracing::info!(
+                    shutdown_delay_ms = options.shutdown_delay_ms,
+                    "shutting down: not ready, still serving until the delay ends"
+                );
+                tokio::time::sleep(Duration::from_millis(options.shutdown_delay_ms)).await;
+            }
+        }
         why = log_failed => {
             tracing::error!(error = %why, "the log failed: ebb stops (start it again once the disk has room)");
         }

@@ -42,6 +42,12 @@ pub struct ServeOptions {
     /// take to be answered after ebb stops accepting connections; the rest are then cut.
     #[arg(long, default_value_t = 30_000)]
     pub drain_timeout_ms: u64,
+    /// At shutdown (SIGTERM, Ctrl-C): how long ebb goes on serving as before, `/readyz`
+    /// answering 503 `shutting_down`, before it stops accepting connections: long enough for
+    /// what routes by readiness (a Kubernetes Service's endpoints, kube-proxy's rules, a load
+    /// balancer's health checks) to stop sending new ones. `deploy/` sets 5 s.
+    #[arg(long, default_value_t = 0)]
+    pub shutdown_delay_ms: u64,
     #[command(flatten)]
     pub net: NetOptions,
     #[command(flatten)]

@@ -194,6 +194,7 @@ async fn setup(
             max_body_bytes: ebb::api::MAX_BODY_BYTES,
             load: None,
             clock: clock.clone(),
+            stopping: Default::default(),
         });
         use axum::serve::ListenerExt;
         let listener = listener.tap_io(|tcp| {
