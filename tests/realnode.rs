@@ -1,6 +1,11 @@
 //! ebb on a real node: the kubelet with containerd and runc ([`crate::common::kubelet`]), running
 //! ebb's own image (`EBB_IMAGE`, which `scripts/image` builds) under the name `deploy/` gives
-//! it, and the example app from the same image.
+//! it, and the example app from the same image under an app's name. The example app runs and
+//! answers through its Service; `kubectl apply -k deploy/` brings up two ebb pods Ready through
+//! their probes, which wake an app from zero through ebb's Service and reopen their logs from
+//! their claims; `helm install` of the chart does the same and `helm uninstall` leaves only the
+//! claims; a rolling update from one image tag to another under requests and calls fails no
+//! request and ends every acknowledged call once.
 
 use std::time::Duration;
 

@@ -90,6 +90,7 @@ impl RealNode {
     /// image, and returns once the Node is Ready.
     pub async fn start(cp: &ControlPlane) -> Self {
         static NODES: AtomicU32 = AtomicU32::new(0);
+        let took = ebb::clock::Stopwatch::start();
         let bin = binaries();
         let dir = tempfile::tempdir().expect("tempdir");
         let cgroup = format!(
@@ -121,6 +122,11 @@ impl RealNode {
             .is_ok_and(|s| s == "True")
         })
         .await;
+        println!(
+            "real node {}: Ready {} ms after its start",
+            node.cgroup,
+            took.elapsed().as_millis()
+        );
         node
     }
 
