@@ -873,24 +873,9 @@ fn image_and_tag() -> (String, String) {
     }
 }
 
-/// The ready pods of namespace `ebb`: their names and addresses.
+/// The ready ebb pods of namespace `ebb`: their names and addresses.
 fn ready_ebbs(cp: &ControlPlane) -> Vec<(String, String)> {
-    let pods = json(&cp.kubectl(&["get", "pods", "-n", "ebb", "-o", "json"]));
-    pods["items"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|p| {
-            p["status"]["conditions"].as_array().is_some_and(|c| {
-                c.iter()
-                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
-            })
-        })
-        .filter_map(|p| {
-            let name = p["metadata"]["name"].as_str()?.to_owned();
-            Some((name, p["status"]["podIP"].as_str()?.to_owned()))
-        })
-        .collect()
+    common::ebbkube::ready_pods(cp, "ebb", "app.kubernetes.io/name=ebb")
 }
 
 /// `kubectl apply -k` of `deploy/` under a test overlay (ebb from the image map, listening on its

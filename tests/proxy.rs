@@ -443,11 +443,7 @@ async fn a_graceful_shutdown_stops_the_apps_and_says_so() {
     let c = client();
     let a = get(&c, ebb.proxy, "bye.localhost", "/pid").await;
     let pid: u32 = a.body.trim().parse().unwrap();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(ebb.child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
+    ebb.sigterm();
     let status = ebb.child.wait().unwrap();
     assert!(status.success(), "ebb exits cleanly on SIGTERM: {status}");
     assert!(!alive(pid), "the app stopped with ebb");
@@ -504,11 +500,7 @@ async fn a_shutdown_answers_the_requests_under_way_and_held_first() {
         },
     )
     .await;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(ebb.child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
+    ebb.sigterm();
     let slow = slow.await.unwrap();
     assert_eq!((slow.status, slow.body.as_str()), (200, "slept 1500 ms\n"));
     let held = held.await.unwrap();
@@ -1245,6 +1237,18 @@ async fn next_or_closed(stream: &mut tokio::net::TcpStream) -> Option<(u16, bool
     }
 }
 
+/// ebb with `extra` flags serving the app `steady.localhost`, answering already, and a client.
+async fn steady(dir: &Path, extra: &[&str]) -> (Ebb, common::http::Http) {
+    let config = write_config(dir, &app("steady", ""));
+    let ebb = common::serve_with(&dir.join("data"), Some(&config), None, extra);
+    let c = client();
+    assert_eq!(
+        get(&c, ebb.proxy, "steady.localhost", "/pid").await.status,
+        200
+    );
+    (ebb, c)
+}
+
 /// SIGTERM under steady keep-alive traffic with a WebSocket open: answers from then on say
 /// `Connection: close`, idle connections close at once, the tunnel is cut after its short bound
 /// (`TUNNEL_DRAIN`, 1 s), and ebb exits long before its drain bound (60 s here) with no response
@@ -1254,18 +1258,7 @@ async fn a_shutdown_under_keep_alive_load_closes_connections_instead_of_waiting(
     use tokio::io::AsyncWriteExt;
     use tokio_tungstenite::tungstenite::client::IntoClientRequest;
     let dir = tempfile::tempdir().unwrap();
-    let config = write_config(dir.path(), &app("steady", ""));
-    let mut ebb = common::serve_with(
-        &dir.path().join("data"),
-        Some(&config),
-        None,
-        &["--drain-timeout-ms", "60000"],
-    );
-    let c = client();
-    assert_eq!(
-        get(&c, ebb.proxy, "steady.localhost", "/pid").await.status,
-        200
-    );
+    let (mut ebb, _) = steady(dir.path(), &["--drain-timeout-ms", "60000"]).await;
     let mut req = format!("ws://{}/ws", ebb.proxy)
         .into_client_request()
         .unwrap();
@@ -1309,11 +1302,7 @@ async fn a_shutdown_under_keep_alive_load_closes_connections_instead_of_waiting(
     for _ in 0..40 {
         answered.recv().await.expect("answers");
     }
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(ebb.child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
+    ebb.sigterm();
     // Far sooner than the drain bound: the connections were closed, not waited for.
     let exited = wait_until(
         "ebb exits, not draining its keep-alive connections and tunnel",
@@ -1336,23 +1325,8 @@ async fn a_shutdown_under_keep_alive_load_closes_connections_instead_of_waiting(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shutdown_delay_keeps_serving_new_connections_while_not_ready() {
     let dir = tempfile::tempdir().unwrap();
-    let config = write_config(dir.path(), &app("steady", ""));
-    let mut ebb = common::serve_with(
-        &dir.path().join("data"),
-        Some(&config),
-        None,
-        &["--shutdown-delay-ms", "60000"],
-    );
-    let c = client();
-    assert_eq!(
-        get(&c, ebb.proxy, "steady.localhost", "/pid").await.status,
-        200
-    );
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(ebb.child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
+    let (mut ebb, c) = steady(dir.path(), &["--shutdown-delay-ms", "60000"]).await;
+    ebb.sigterm();
     let readyz = wait_until(
         "/readyz saying ebb shuts down",
         Duration::from_secs(30),

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use crate::common::controlplane::{ControlPlane, wait_for};
-use crate::common::ebbkube::{apply, json};
+use crate::common::ebbkube::{apply, json, ready_pods};
 use crate::common::kubelet::RealNode;
 
 /// The image `deploy/` names (its tag is the version).
@@ -27,28 +27,6 @@ async fn real_cluster() -> (ControlPlane, RealNode) {
     );
     node.import(std::path::Path::new(&archive), &[&deploy_image()]);
     (cp, node)
-}
-
-/// The ready pods with `label`: their names and addresses.
-fn ready_pods(cp: &ControlPlane, namespace: &str, label: &str) -> Vec<(String, String)> {
-    let pods = json(&cp.kubectl(&["get", "pods", "-n", namespace, "-l", label, "-o", "json"]));
-    pods["items"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|p| {
-            p["status"]["conditions"].as_array().is_some_and(|c| {
-                c.iter()
-                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
-            })
-        })
-        .filter_map(|p| {
-            Some((
-                p["metadata"]["name"].as_str()?.to_owned(),
-                p["status"]["podIP"].as_str()?.to_owned(),
-            ))
-        })
-        .collect()
 }
 
 /// The example app from ebb's image runs as a container on the real node: the kubelet starts
@@ -121,10 +99,10 @@ spec:
 const APP_IMAGE: &str = "apps.ebb.test/example-app:1";
 
 /// `deploy/` under a test overlay for namespace `ns` on the real node: ebb's image as `deploy/`
-/// names it, the tests' intervals added to its arguments, a hostPath PersistentVolume per
-/// replica bound ahead to its claim (`overlay/pvs.yaml`; owned by the image's user: hostPath
-/// volumes take no fsGroup). Returns the work directory.
-fn overlay(ns: &str) -> tempfile::TempDir {
+/// names it, the tests' intervals added to its arguments and `env` to its environment, a
+/// hostPath PersistentVolume per replica bound ahead to its claim (`overlay/pvs.yaml`; owned by
+/// the image's user: hostPath volumes take no fsGroup). Returns the work directory.
+fn overlay(ns: &str, env: &[(&str, &str)]) -> tempfile::TempDir {
     let work = tempfile::tempdir().unwrap();
     let w = work.path();
     crate::copy_tree(
@@ -146,14 +124,18 @@ fn overlay(ns: &str) -> tempfile::TempDir {
     }
     std::fs::create_dir_all(w.join("overlay")).unwrap();
     std::fs::write(w.join("overlay/pvs.yaml"), &pvs).unwrap();
+    let add = |path: &str, value: String| {
+        format!(
+            "    - op: add\n      path: /spec/template/spec/containers/0/{path}/-\n      value: {value}\n"
+        )
+    };
     let timing: String = crate::common::ebbkube::TEST_TIMING
         .iter()
-        .map(|a| {
-            format!(
-                "    - op: add\n      path: /spec/template/spec/containers/0/args/-\n      \
-                 value: \"{a}\"\n"
-            )
-        })
+        .map(|a| add("args", format!("\"{a}\"")))
+        .chain(
+            env.iter()
+                .map(|(k, v)| add("env", format!("{{name: {k}, value: \"{v}\"}}"))),
+        )
         .collect();
     std::fs::write(
         w.join("overlay/kustomization.yaml"),
@@ -165,6 +147,40 @@ fn overlay(ns: &str) -> tempfile::TempDir {
     )
     .unwrap();
     work
+}
+
+/// `kubectl apply -k` of the overlay in `work`; returns once both ebb pods of `ns` are Ready.
+async fn apply_deploy(cp: &ControlPlane, node: &mut RealNode, work: &tempfile::TempDir, ns: &str) {
+    cp.kubectl(&[
+        "apply",
+        "--server-side",
+        "-k",
+        work.path().join("overlay").to_str().unwrap(),
+    ]);
+    two_ebbs_ready(cp, node, ns).await;
+}
+
+async fn two_ebbs_ready(cp: &ControlPlane, node: &mut RealNode, ns: &str) {
+    wait_for("two ebb pods ready", Duration::from_secs(180), || {
+        node.assert_running();
+        ready_pods(cp, ns, "app.kubernetes.io/name=ebb").len() == 2
+    })
+    .await;
+}
+
+/// `helm ARGS` against the test's cluster, which must succeed.
+fn helm(cp: &ControlPlane, args: &[&str]) {
+    let out = std::process::Command::new(crate::helm())
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(&cp.kubeconfig)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "helm {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// The Deployment `hello` of the example app's image at zero, and the Service that makes it a
@@ -248,18 +264,8 @@ async fn deploy_on_a_real_node_wakes_from_zero_through_ebbs_service_and_keeps_ea
     let (cp, mut node) = real_cluster().await;
     let archive = std::env::var("EBB_IMAGE").unwrap();
     node.import(std::path::Path::new(&archive), &[APP_IMAGE]);
-    let work = overlay("ebb");
-    cp.kubectl(&[
-        "apply",
-        "--server-side",
-        "-k",
-        work.path().join("overlay").to_str().unwrap(),
-    ]);
-    wait_for("two ebb pods ready", Duration::from_secs(180), || {
-        node.assert_running();
-        ready_pods(&cp, "ebb", "app.kubernetes.io/name=ebb").len() == 2
-    })
-    .await;
+    let work = overlay("ebb", &[]);
+    apply_deploy(&cp, &mut node, &work, "ebb").await;
     // As the image's user, on a read-only root.
     let pod = json(&cp.kubectl(&["get", "pod", "ebb-0", "-n", "ebb", "-o", "json"]));
     assert_eq!(pod["spec"]["securityContext"]["runAsUser"], 65532);
@@ -384,7 +390,7 @@ async fn helm_install_on_a_real_node_serves_and_uninstall_leaves_only_the_claims
     let archive = std::env::var("EBB_IMAGE").unwrap();
     node.import(std::path::Path::new(&archive), &[APP_IMAGE]);
     let ns = "preview";
-    let work = overlay(ns);
+    let work = overlay(ns, &[]);
     cp.kubectl(&["create", "namespace", ns]);
     let before = objects_in(&cp, ns);
     cp.kubectl(&[
@@ -392,26 +398,18 @@ async fn helm_install_on_a_real_node_serves_and_uninstall_leaves_only_the_claims
         "-f",
         work.path().join("overlay/pvs.yaml").to_str().unwrap(),
     ]);
-    let mut install = std::process::Command::new(crate::helm());
-    install
-        .args(["install", "ebb"])
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/chart"))
-        .args(["--namespace", ns, "--kubeconfig"])
-        .arg(&cp.kubeconfig);
-    for (i, arg) in crate::common::ebbkube::TEST_TIMING.iter().enumerate() {
-        install.args(["--set", &format!("extraArgs[{i}]={arg}")]);
+    let chart = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/chart");
+    let mut install = vec!["install", "ebb", chart, "--namespace", ns];
+    let timing: Vec<String> = crate::common::ebbkube::TEST_TIMING
+        .iter()
+        .enumerate()
+        .map(|(i, arg)| format!("extraArgs[{i}]={arg}"))
+        .collect();
+    for set in &timing {
+        install.extend(["--set", set]);
     }
-    let out = install.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    wait_for("two ebb pods ready", Duration::from_secs(180), || {
-        node.assert_running();
-        ready_pods(&cp, ns, "app.kubernetes.io/name=ebb").len() == 2
-    })
-    .await;
+    helm(&cp, &install);
+    two_ebbs_ready(&cp, &mut node, ns).await;
     wakes_idles_and_reopens(&cp, &mut node, ns).await;
     let lease = json(&cp.kubectl(&["get", "lease", "ebb-scaler", "-n", ns, "-o", "json"]));
     assert_eq!(
@@ -419,23 +417,7 @@ async fn helm_install_on_a_real_node_serves_and_uninstall_leaves_only_the_claims
         "{lease}"
     );
 
-    let out = std::process::Command::new(crate::helm())
-        .args([
-            "uninstall",
-            "ebb",
-            "--wait",
-            "--namespace",
-            ns,
-            "--kubeconfig",
-        ])
-        .arg(&cp.kubeconfig)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    helm(&cp, &["uninstall", "ebb", "--wait", "--namespace", ns]);
     let mut left = before.clone();
     left.extend([
         "persistentvolumeclaim/data-ebb-0".to_owned(),
@@ -487,14 +469,7 @@ async fn exchange(
     let Ok(Ok(mut s)) = connect.await else {
         return Exchange::NotConnected;
     };
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: {}\r\n\
-         Connection: close\r\n\r\n{body}",
-        body.len()
-    );
+    let head = crate::common::ebbkube::request(method, host, path, token, body);
     let talk = async {
         s.write_all(head.as_bytes()).await?;
         let mut out = Vec::new();
@@ -523,37 +498,42 @@ async fn exchange(
 
 const RUNNER_TOKEN: &str = "ebb-test-runner";
 
-/// A rolling update of ebb's StatefulSet from one image tag to another on the real node, while
-/// requests go through ebb's Service and calls through `ebb-api`, without pause. Every
-/// acknowledged call ends once (one `CallFinished` in its owner's log, `success`); every request
-/// is answered 200, except two kinds the client is told to send again: a connection that could
-/// not be made (nothing was sent: a replica's address just leaving the Service), and a 503 with
-/// `Retry-After`. Each replica reopens its own log from its claim.
+/// The digest of the image in an OCI archive.
+fn image_digest(archive: &str) -> String {
+    let out = std::process::Command::new("tar")
+        .args(["-xOf", archive, "index.json"])
+        .output()
+        .unwrap();
+    json(&String::from_utf8_lossy(&out.stdout))["manifests"][0]["digest"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// A rolling update of ebb's StatefulSet from one image to another (two builds, two tags) on the
+/// real node, while requests go through ebb's Service and calls through `ebb-api`, without
+/// pause. Every acknowledged call ends once (one `CallFinished` in its owner's log, `success`);
+/// every request is answered 200, except two kinds the client is told to send again: a
+/// connection that could not be made (nothing was sent: a replica's address just leaving the
+/// Service), and a 503 with `Retry-After`; with `deploy/`'s shutdown delay there are none. Each
+/// replica reopens its own log from its claim.
 #[tokio::test]
 async fn a_rolling_update_under_load_loses_no_call_and_fails_no_request() {
     let (cp, mut node) = real_cluster().await;
     let archive = std::env::var("EBB_IMAGE").unwrap();
+    node.import(std::path::Path::new(&archive), &[APP_IMAGE]);
+    // The other image: the same binary, made at another time (`scripts/test` builds it).
+    let next_archive = std::env::var("EBB_IMAGE_NEXT")
+        .expect("EBB_IMAGE_NEXT names a second image archive of ebb (scripts/test builds it)");
+    assert_ne!(
+        image_digest(&archive),
+        image_digest(&next_archive),
+        "two different images"
+    );
     let next = format!("{}-next", deploy_image());
-    node.import(std::path::Path::new(&archive), &[APP_IMAGE, &next]);
-    let work = overlay("ebb");
-    let kustomization = work.path().join("overlay/kustomization.yaml");
-    let mut k = std::fs::read_to_string(&kustomization).unwrap();
-    k.push_str(&format!(
-        "    - op: add\n      path: /spec/template/spec/containers/0/env/-\n      \
-         value: {{name: EBB_RUNNER_TOKEN, value: {RUNNER_TOKEN}}}\n"
-    ));
-    std::fs::write(&kustomization, k).unwrap();
-    cp.kubectl(&[
-        "apply",
-        "--server-side",
-        "-k",
-        work.path().join("overlay").to_str().unwrap(),
-    ]);
-    wait_for("two ebb pods ready", Duration::from_secs(180), || {
-        node.assert_running();
-        ready_pods(&cp, "ebb", "app.kubernetes.io/name=ebb").len() == 2
-    })
-    .await;
+    node.import(std::path::Path::new(&next_archive), &[&next]);
+    let work = overlay("ebb", &[("EBB_RUNNER_TOKEN", RUNNER_TOKEN)]);
+    apply_deploy(&cp, &mut node, &work, "ebb").await;
     apply(&cp, &serverless_app("1h"));
     let proxy = service_addr(&cp, "ebb", "ebb", 80);
     let api = service_addr(&cp, "ebb", "ebb-api", 8081);

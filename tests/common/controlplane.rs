@@ -85,6 +85,25 @@ fn run(cmd: &mut Command) {
     );
 }
 
+/// The last `lines` lines of the file at `path` (empty when there is none).
+pub fn tail(path: &std::path::Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let tail: Vec<&str> = text.lines().rev().take(lines).collect();
+    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+}
+
+/// Fails with the end of its log (`DIR/NAME.log`) when one of `children` has exited.
+pub fn assert_running(dir: &std::path::Path, children: &mut [(&'static str, Child)]) {
+    for (name, child) in children {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "{name} exited ({status}):\n{}",
+                tail(&dir.join(format!("{name}.log")), 40)
+            );
+        }
+    }
+}
+
 /// Moves the calling thread into a network namespace of its own (so every process and thread it
 /// starts from now on is in it too), with `lo` up carrying 127.0.0.1 and [`NODE_IP`]. Needs root
 /// (CAP_SYS_ADMIN), as `scripts/test` runs.
@@ -365,17 +384,7 @@ impl ControlPlane {
 
     /// Fails with the component's log when it has exited.
     fn assert_running(&mut self) {
-        for (name, child) in &mut self.children {
-            if let Ok(Some(status)) = child.try_wait() {
-                let log = std::fs::read_to_string(self.dir.path().join(format!("{name}.log")))
-                    .unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(30).collect();
-                panic!(
-                    "{name} exited ({status}):\n{}",
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                );
-            }
-        }
+        assert_running(self.dir.path(), &mut self.children);
     }
 
     /// etcd with a throwaway data dir and no fsync; returns its client URL once it is healthy.

@@ -143,6 +143,40 @@ pub async fn try_send(
     exchange(addr, method, host, path, token, body, limit).await
 }
 
+/// An HTTP/1.1 request, whole, with an optional bearer token and `Connection: close`.
+pub fn request(method: &str, host: &str, path: &str, token: Option<&str>, body: &str) -> String {
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// The ready pods of `namespace` with `label`: their names and addresses.
+pub fn ready_pods(cp: &ControlPlane, namespace: &str, label: &str) -> Vec<(String, String)> {
+    let pods = json(&cp.kubectl(&["get", "pods", "-n", namespace, "-l", label, "-o", "json"]));
+    pods["items"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| {
+            p["status"]["conditions"].as_array().is_some_and(|c| {
+                c.iter()
+                    .any(|c| c["type"] == "Ready" && c["status"] == "True")
+            })
+        })
+        .filter_map(|p| {
+            Some((
+                p["metadata"]["name"].as_str()?.to_owned(),
+                p["status"]["podIP"].as_str()?.to_owned(),
+            ))
+        })
+        .collect()
+}
+
 async fn exchange(
     addr: std::net::SocketAddr,
     method: &str,
@@ -153,16 +187,9 @@ async fn exchange(
     limit: Duration,
 ) -> Option<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
     let exchange = async {
         let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: {}\r\n\
-             Connection: close\r\n\r\n{body}",
-            body.len()
-        );
+        let head = request(method, host, path, token, body);
         s.write_all(head.as_bytes()).await.ok()?;
         let mut answer = Vec::new();
         s.read_to_end(&mut answer).await.ok()?;

@@ -176,24 +176,12 @@ impl RealNode {
 
     /// Fails with the component's log when it has exited.
     pub fn assert_running(&mut self) {
-        for (name, child) in &mut self.children {
-            if let Ok(Some(status)) = child.try_wait() {
-                let log = std::fs::read_to_string(self.dir.path().join(format!("{name}.log")))
-                    .unwrap_or_default();
-                let tail: Vec<&str> = log.lines().rev().take(40).collect();
-                panic!(
-                    "{name} exited ({status}):\n{}",
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                );
-            }
-        }
+        super::controlplane::assert_running(self.dir.path(), &mut self.children);
     }
 
-    /// The last lines of a component's log (`containerd`, `kubelet`).
+    /// The last lines of a component's log (`containerd`, `kubelet`, `kube-proxy`).
     pub fn log_tail(&self, name: &str, lines: usize) -> String {
-        let log = std::fs::read_to_string(self.path(&format!("{name}.log"))).unwrap_or_default();
-        let tail: Vec<&str> = log.lines().rev().take(lines).collect();
-        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        super::controlplane::tail(&self.path(&format!("{name}.log")), lines)
     }
 
     async fn start_containerd(&mut self) {
@@ -531,23 +519,43 @@ conntrack: {{maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeo
     /// Every process in the node's cgroup (containerd, the shims, the containers), from the
     /// pids hierarchy.
     fn processes(&self) -> Vec<i32> {
-        let mut pids = Vec::new();
-        let mut dirs = vec![self.cgroup_dir("pids")];
-        while let Some(dir) = dirs.pop() {
-            if let Ok(procs) = std::fs::read_to_string(dir.join("cgroup.procs")) {
-                pids.extend(procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
-            }
-            if let Ok(entries) = std::fs::read_dir(&dir) {
-                dirs.extend(
-                    entries
-                        .flatten()
-                        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                        .map(|e| e.path()),
-                );
+        let root = self.cgroup_dir("pids");
+        std::iter::once(root.clone())
+            .chain(dirs_under(&root))
+            .filter_map(|dir| std::fs::read_to_string(dir.join("cgroup.procs")).ok())
+            .flat_map(|procs| {
+                procs
+                    .lines()
+                    .filter_map(|l| l.trim().parse::<i32>().ok())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+}
+
+/// Every directory below `dir`, parents before their children.
+fn dirs_under(dir: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(e.path());
+                found.push(e.path());
             }
         }
-        pids
     }
+    found
+}
+
+/// Every file in `dir` and the directories below it.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    std::iter::once(dir.to_path_buf())
+        .chain(dirs_under(dir))
+        .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+        .map(|e| e.path())
+        .collect()
 }
 
 impl Drop for RealNode {
@@ -579,30 +587,20 @@ impl Drop for RealNode {
                 eprintln!("{name} (last lines):\n{}", self.log_tail(name, 60));
             }
             // The containers' own output, and runc's words on those it could not start.
-            let mut stack = vec![self.path("pod-logs")];
-            while let Some(dir) = stack.pop() {
-                for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-                    let path = e.path();
-                    if path.is_dir() {
-                        stack.push(path);
-                    } else {
-                        let text = std::fs::read_to_string(&path).unwrap_or_default();
-                        let tail: Vec<&str> = text.lines().rev().take(30).collect();
-                        let tail: Vec<&str> = tail.into_iter().rev().collect();
-                        eprintln!("{}:\n{}", path.display(), tail.join("\n"));
-                    }
-                }
+            for path in files_under(&self.path("pod-logs")) {
+                eprintln!(
+                    "{}:\n{}",
+                    path.display(),
+                    super::controlplane::tail(&path, 30)
+                );
             }
-            let mut stack = vec![self.path("ctd/state")];
-            while let Some(dir) = stack.pop() {
-                for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-                    let path = e.path();
-                    if path.is_dir() {
-                        stack.push(path);
-                    } else if path.file_name().is_some_and(|n| n == "log.json") {
-                        let text = std::fs::read_to_string(&path).unwrap_or_default();
-                        eprintln!("{}:\n{text}", path.display());
-                    }
+            for path in files_under(&self.path("ctd/state")) {
+                if path.file_name().is_some_and(|n| n == "log.json") {
+                    eprintln!(
+                        "{}:\n{}",
+                        path.display(),
+                        super::controlplane::tail(&path, 30)
+                    );
                 }
             }
         }
@@ -625,20 +623,8 @@ impl Drop for RealNode {
         }
         // The cgroups, deepest first.
         for h in HIERARCHIES {
-            let mut dirs = Vec::new();
-            let mut stack = vec![self.cgroup_dir(h)];
-            while let Some(dir) = stack.pop() {
-                if let Ok(entries) = std::fs::read_dir(&dir) {
-                    stack.extend(
-                        entries
-                            .flatten()
-                            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                            .map(|e| e.path()),
-                    );
-                }
-                dirs.push(dir);
-            }
-            for dir in dirs.iter().rev() {
+            let root = self.cgroup_dir(h);
+            for dir in dirs_under(&root).iter().rev().chain([&root]) {
                 let _ = std::fs::remove_dir(dir);
             }
         }

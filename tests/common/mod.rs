@@ -21,6 +21,17 @@ pub struct Ebb {
     pub data: PathBuf,
 }
 
+impl Ebb {
+    /// SIGTERM: the signal a shutdown starts with.
+    pub fn sigterm(&self) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .expect("SIGTERM to ebb");
+    }
+}
+
 impl Drop for Ebb {
     fn drop(&mut self) {
         let _ = self.child.kill();
