@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use crate::common::controlplane::{ControlPlane, wait_for};
-use crate::common::ebbkube::{apply, json, ready_pods};
+use crate::common::ebbkube::{Exchange, apply, exchange_within, json, ready_pods};
 use crate::common::kubelet::RealNode;
 
 /// The image `deploy/` names (its tag is the version).
@@ -440,21 +440,7 @@ async fn helm_install_on_a_real_node_serves_and_uninstall_leaves_only_the_claims
     }
 }
 
-/// How one request through a Service ended.
-#[derive(Debug)]
-enum Exchange {
-    /// An answer: status, whether it carried `Retry-After`, body.
-    Answer(u16, bool, String),
-    /// No connection (refused, reset or timed out before anything was sent): the client may
-    /// send the request again, as nothing reached a server.
-    NotConnected,
-    /// The connection broke after the request was sent: the client cannot know what happened
-    /// (the reason, read through `Debug` when the test fails).
-    #[allow(dead_code)]
-    Broken(String),
-}
-
-/// One HTTP/1.1 exchange (`Connection: close`, within 30 s) with `addr`.
+/// One exchange with `addr`, within 30 s (see [`Exchange`]).
 async fn exchange(
     addr: std::net::SocketAddr,
     method: &str,
@@ -463,37 +449,16 @@ async fn exchange(
     token: Option<&str>,
     body: &str,
 ) -> Exchange {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let connect =
-        tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr));
-    let Ok(Ok(mut s)) = connect.await else {
-        return Exchange::NotConnected;
-    };
-    let head = crate::common::ebbkube::request(method, host, path, token, body);
-    let talk = async {
-        s.write_all(head.as_bytes()).await?;
-        let mut out = Vec::new();
-        s.read_to_end(&mut out).await?;
-        Ok::<_, std::io::Error>(out)
-    };
-    match tokio::time::timeout(Duration::from_secs(30), talk).await {
-        Ok(Ok(out)) => {
-            let text = String::from_utf8_lossy(&out).into_owned();
-            let status = text
-                .split(' ')
-                .nth(1)
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(0);
-            if status == 0 {
-                return Exchange::Broken(format!("no answer: {text:?}"));
-            }
-            let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-            let retry = head.to_ascii_lowercase().contains("\r\nretry-after:");
-            Exchange::Answer(status, retry, body.to_owned())
-        }
-        Ok(Err(e)) => Exchange::Broken(e.to_string()),
-        Err(_) => Exchange::Broken("no answer within 30 s".to_owned()),
-    }
+    exchange_within(
+        addr,
+        method,
+        host,
+        path,
+        token,
+        body,
+        Duration::from_secs(30),
+    )
+    .await
 }
 
 const RUNNER_TOKEN: &str = "ebb-test-runner";

@@ -92,6 +92,21 @@ pub fn tail(path: &std::path::Path, lines: usize) -> String {
     tail.into_iter().rev().collect::<Vec<_>>().join("\n")
 }
 
+/// Starts `cmd` with no input and its output appended to `DIR/NAME.log`.
+pub fn spawn_logged(dir: &std::path::Path, name: &str, cmd: &mut Command) -> Child {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("{name}.log")))
+        .expect("log file");
+    let err = log.try_clone().expect("log file");
+    cmd.stdin(Stdio::null())
+        .stdout(log)
+        .stderr(err)
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {name}: {e}"))
+}
+
 /// Fails with the end of its log (`DIR/NAME.log`) when one of `children` has exited.
 pub fn assert_running(dir: &std::path::Path, children: &mut [(&'static str, Child)]) {
     for (name, child) in children {
@@ -367,18 +382,7 @@ impl ControlPlane {
     }
 
     fn spawn(&mut self, name: &'static str, cmd: &mut Command) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.path(&format!("{name}.log")))
-            .expect("log file");
-        let err = log.try_clone().expect("log file");
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        let child = spawn_logged(self.dir.path(), name, cmd);
         self.children.push((name, child));
     }
 

@@ -177,6 +177,64 @@ pub fn ready_pods(cp: &ControlPlane, namespace: &str, label: &str) -> Vec<(Strin
         .collect()
 }
 
+/// How one request through a Service ended.
+#[derive(Debug)]
+pub enum Exchange {
+    /// An answer: status, whether it carried `Retry-After`, body.
+    Answer(u16, bool, String),
+    /// No connection (refused, reset or timed out before anything was sent): the client may
+    /// send the request again, as nothing reached a server.
+    NotConnected,
+    /// The connection broke after the request was sent: the client cannot know what happened
+    /// (the reason, read through `Debug` when the test fails).
+    #[allow(dead_code)]
+    Broken(String),
+}
+
+/// One HTTP/1.1 exchange (`Connection: close`) with `addr`: connected within 5 s, answered
+/// within `limit`.
+pub async fn exchange_within(
+    addr: std::net::SocketAddr,
+    method: &str,
+    host: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+    limit: Duration,
+) -> Exchange {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let connect =
+        tokio::time::timeout(Duration::from_secs(5), tokio::net::TcpStream::connect(addr));
+    let Ok(Ok(mut s)) = connect.await else {
+        return Exchange::NotConnected;
+    };
+    let head = request(method, host, path, token, body);
+    let talk = async {
+        s.write_all(head.as_bytes()).await?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await?;
+        Ok::<_, std::io::Error>(out)
+    };
+    match tokio::time::timeout(limit, talk).await {
+        Ok(Ok(out)) => {
+            let text = String::from_utf8_lossy(&out).into_owned();
+            let status = text
+                .split(' ')
+                .nth(1)
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(0);
+            if status == 0 {
+                return Exchange::Broken(format!("no answer: {text:?}"));
+            }
+            let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+            let retry = head.to_ascii_lowercase().contains("\r\nretry-after:");
+            Exchange::Answer(status, retry, body.to_owned())
+        }
+        Ok(Err(e)) => Exchange::Broken(e.to_string()),
+        Err(_) => Exchange::Broken(format!("no answer within {limit:?}")),
+    }
+}
+
 async fn exchange(
     addr: std::net::SocketAddr,
     method: &str,
@@ -186,22 +244,10 @@ async fn exchange(
     body: &str,
     limit: Duration,
 ) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        let head = request(method, host, path, token, body);
-        s.write_all(head.as_bytes()).await.ok()?;
-        let mut answer = Vec::new();
-        s.read_to_end(&mut answer).await.ok()?;
-        let answer = String::from_utf8_lossy(&answer).into_owned();
-        let status = answer.split(' ').nth(1)?.parse().ok()?;
-        let body = answer
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
-            .unwrap_or_default();
-        Some((status, body))
-    };
-    tokio::time::timeout(limit, exchange).await.ok().flatten()
+    match exchange_within(addr, method, host, path, token, body, limit).await {
+        Exchange::Answer(status, _, body) => Some((status, body)),
+        Exchange::NotConnected | Exchange::Broken(_) => None,
+    }
 }
 
 /// `deploy/`, applied as it is (its StatefulSet's pods stay Pending: no PersistentVolume is there

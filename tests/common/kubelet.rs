@@ -26,7 +26,7 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -161,14 +161,7 @@ impl RealNode {
     }
 
     fn spawn(&mut self, name: &'static str, cmd: &mut Command) -> u32 {
-        let log = std::fs::File::create(self.path(&format!("{name}.log"))).expect("log file");
-        let err = log.try_clone().expect("log file");
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(log)
-            .stderr(err)
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        let child = super::controlplane::spawn_logged(self.dir.path(), name, cmd);
         let pid = child.id();
         self.children.push((name, child));
         pid
@@ -618,8 +611,8 @@ impl Drop for RealNode {
             for pid in pids {
                 let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
             }
-            // Poll until the kernel has reaped them (bounded by the deadline).
-            std::thread::sleep(Duration::from_millis(50));
+            // Until the kernel has taken them out of the cgroup (bounded by the deadline).
+            std::thread::yield_now();
         }
         // The cgroups, deepest first.
         for h in HIERARCHIES {
