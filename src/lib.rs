@@ -11,7 +11,8 @@
 //! is the binary's (`src/bin/ebb/`). See `ARCHITECTURE.md`.
 
 pub use ebb_core::{
-    clock, config, event, ids, limits, mutation, scaler, state, story, timing, waiting, warm,
+    clock, config, event, gateway, ids, limits, mutation, scaler, state, story, timing, waiting,
+    warm,
 };
 /// The proxy, its own crate (`ebb_proxy`).
 pub use ebb_proxy as proxy;

@@ -18,6 +18,7 @@
 //! of the test binary against the harness's own cluster in that mode.
 
 mod common;
+mod gateway;
 mod manifests;
 mod realnode;
 

@@ -25,7 +25,7 @@ fn every_event_has_one_example() {
     );
     assert_eq!(
         names.len(),
-        31,
+        32,
         "a new event needs an example and a fixture"
     );
     let doc =

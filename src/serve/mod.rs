@@ -561,6 +561,27 @@ pub async fn run(
         tcp_bound,
         stop_rx.clone(),
     ));
+    // The Gateway API: the controller compiles the objects into sockets, the proxy serves them.
+    if let (Some(addressing), Some(k)) =
+        (options.kube.gateway().map_err(anyhow::Error::msg)?, &kube)
+    {
+        let (sockets_tx, sockets_rx) = tokio::sync::watch::channel(Arc::new(Vec::new()));
+        let (refused_tx, refused_rx) = tokio::sync::watch::channel(Default::default());
+        tokio::spawn(crate::proxy::gateway::run(
+            proxy.clone(),
+            sockets_rx,
+            refused_tx,
+            stop_rx.clone(),
+        ));
+        tokio::spawn(ebb_kube::gateway::run(
+            log.clone(),
+            k.clone(),
+            ebb_kube::gateway::GatewayOptions { addressing },
+            sockets_tx,
+            refused_rx,
+            stop_rx.clone(),
+        ));
+    }
 
     // Calls: the embedded queue, the service behind the runner API, the expiry loop and the
     // built-in runner.

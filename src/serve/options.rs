@@ -252,6 +252,62 @@ pub struct KubeFlags {
     /// for `release` there.
     #[arg(long, hide = true, env = "EBB_TEST_DOWNSCALE_GATE")]
     pub downscale_gate: Option<PathBuf>,
+    /// On Kubernetes: be the Gateway API's controller for every GatewayClass whose
+    /// controllerName is `ebb.dev/gateway` (Gateways, HTTPRoutes, ReferenceGrants).
+    #[arg(long, env = "EBB_GATEWAY")]
+    pub gateway: bool,
+    /// With --gateway: give each Gateway an address of its own from this range
+    /// (`FIRST-LAST`, at most 4096 addresses), where ebb listens for it. Without it, every
+    /// Gateway's listeners bind --gateway-bind and their status names --gateway-address.
+    #[arg(long, env = "EBB_GATEWAY_ADDRESS_POOL")]
+    pub gateway_address_pool: Option<String>,
+    /// With --gateway and no pool: the address every Gateway's listeners bind.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub gateway_bind: std::net::IpAddr,
+    /// With --gateway and no pool: the addresses Gateways' status names (ebb's Service's),
+    /// comma-separated (default: the pod's, `POD_IP`).
+    #[arg(long, env = "EBB_GATEWAY_ADDRESSES", value_delimiter = ',')]
+    pub gateway_address: Vec<String>,
+}
+
+/// The most addresses `--gateway-address-pool` may hold.
+pub const MAX_GATEWAY_POOL: u128 = 4096;
+
+/// `FIRST-LAST`: the addresses from FIRST to LAST, both of one family.
+pub fn parse_pool(text: &str) -> Result<Vec<std::net::IpAddr>, String> {
+    use std::net::IpAddr;
+    let bad = |why: &str| format!("--gateway-address-pool {text:?}: {why}");
+    let (a, b) = text.split_once('-').unwrap_or((text, text));
+    let (a, b): (IpAddr, IpAddr) = (
+        a.trim()
+            .parse()
+            .map_err(|_| bad("give FIRST-LAST, two IP addresses"))?,
+        b.trim()
+            .parse()
+            .map_err(|_| bad("give FIRST-LAST, two IP addresses"))?,
+    );
+    let (lo, hi, v4) = match (a, b) {
+        (IpAddr::V4(a), IpAddr::V4(b)) => {
+            (u128::from(u32::from(a)), u128::from(u32::from(b)), true)
+        }
+        (IpAddr::V6(a), IpAddr::V6(b)) => (u128::from(a), u128::from(b), false),
+        _ => return Err(bad("FIRST and LAST are of different families")),
+    };
+    if hi < lo {
+        return Err(bad("LAST comes before FIRST"));
+    }
+    if hi - lo >= MAX_GATEWAY_POOL {
+        return Err(bad(&format!("more than {MAX_GATEWAY_POOL} addresses")));
+    }
+    Ok((lo..=hi)
+        .map(|n| {
+            if v4 {
+                IpAddr::V4(std::net::Ipv4Addr::from(n as u32))
+            } else {
+                IpAddr::V6(std::net::Ipv6Addr::from(n))
+            }
+        })
+        .collect())
 }
 
 /// This replica's name and how it finds the others.
@@ -424,6 +480,32 @@ impl KubeFlags {
             },
             ..Default::default()
         })
+    }
+}
+
+impl KubeFlags {
+    /// With --gateway: where Gateways' addresses come from.
+    pub fn gateway(&self) -> Result<Option<ebb_core::gateway::Addressing>, String> {
+        use ebb_core::gateway::Addressing;
+        if !self.gateway {
+            return Ok(None);
+        }
+        if self.orchestrator != Backend::Kubernetes {
+            return Err("--gateway reads the Gateway API from Kubernetes: it needs --orchestrator kubernetes".into());
+        }
+        if let Some(p) = &self.gateway_address_pool {
+            return parse_pool(p).map(|pool| Some(Addressing::Pool(pool)));
+        }
+        let mut addresses = self.gateway_address.clone();
+        if addresses.is_empty()
+            && let Ok(ip) = std::env::var("POD_IP")
+        {
+            addresses.push(ip);
+        }
+        Ok(Some(Addressing::Shared {
+            bind: self.gateway_bind,
+            addresses,
+        }))
     }
 }
 

@@ -599,6 +599,9 @@ pub enum Event {
     RouteUpserted { route: RouteSpec },
     /// A route was removed.
     RouteRemoved { name: String },
+    /// What a Gateway API route (`KIND/NAMESPACE/NAME`, e.g. `HTTPRoute/shop/web`) attaches to
+    /// changed: the listeners that take it, or why none does, per parent (told once per change).
+    GatewayRouteAttached { route: String, attached: String },
     // Traffic.
     /// Requests a route served in one flush interval: an aggregate, never one event per request.
     RequestsSeen {
@@ -782,6 +785,7 @@ impl Event {
         match self {
             Event::RouteUpserted { .. } => "RouteUpserted",
             Event::RouteRemoved { .. } => "RouteRemoved",
+            Event::GatewayRouteAttached { .. } => "GatewayRouteAttached",
             Event::RequestsSeen { .. } => "RequestsSeen",
             Event::ScaleRequested { .. } => "ScaleRequested",
             Event::ScaledUp { .. } => "ScaledUp",
@@ -819,6 +823,7 @@ impl Event {
         match self {
             Event::RouteUpserted { route } => (Kind::Route, &route.name),
             Event::RouteRemoved { name } => (Kind::Route, name),
+            Event::GatewayRouteAttached { route, .. } => (Kind::Route, route),
             Event::RequestsSeen { route, .. }
             | Event::WarmStarted { route, .. }
             | Event::WarmEnded { route, .. } => (Kind::Route, route),
@@ -1125,6 +1130,11 @@ pub fn examples() -> Vec<Event> {
         Event::WarmEnded {
             route: "demo".into(),
             window: 0,
+        },
+        // New kinds go last: each example's seq is its place, which the older fixtures keep.
+        Event::GatewayRouteAttached {
+            route: "HTTPRoute/shop/web".into(),
+            attached: "shop/public listeners http, https".into(),
         },
     ]
 }

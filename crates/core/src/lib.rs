@@ -19,6 +19,7 @@ pub mod config;
 pub mod discovery;
 pub mod event;
 pub mod functions;
+pub mod gateway;
 pub mod ids;
 pub mod limits;
 pub mod log;

@@ -220,6 +220,10 @@ fn tell(before: &State, env: &Envelope) -> String {
             )
         }
         Event::RouteRemoved { name } => format!("route {name} removed"),
+        Event::GatewayRouteAttached { route, attached } if attached.is_empty() => {
+            format!("{route} is no longer a route of ebb's Gateways")
+        }
+        Event::GatewayRouteAttached { route, attached } => format!("{route}: {attached}"),
         Event::RequestsSeen {
             route,
             count,

@@ -7,6 +7,8 @@
 //!   [`functions`]: the Deployment and Service each template with an image becomes.
 //! * [`cleaner`]: `Cleaner` resources and the watches and deletions of their targets (the
 //!   evaluation loop is `ebb_cleaner`'s).
+//! * [`gateway`]: the Gateway API controller (GatewayClasses, Gateways, HTTPRoutes,
+//!   ReferenceGrants): the proxy's Gateway sockets and the objects' statuses.
 //! * [`endpoints`]: the `k8s://` and `k8s-env://` discovery sources (the discovery contract is
 //!   `ebb_proxy`'s).
 //! * [`reviews`]: `TokenReview` and `SubjectAccessReview`, whose a bearer token is and what it
@@ -23,6 +25,7 @@ pub mod cleaner;
 pub mod coordinator;
 pub mod endpoints;
 pub mod functions;
+pub mod gateway;
 pub mod health;
 pub mod orchestrator;
 pub mod reviews;

@@ -238,6 +238,11 @@ impl KubeOrchestrator {
         self.client.clone()
     }
 
+    /// Whether this replica holds ebb's Lease now (false while that is not known yet).
+    pub fn leads(&self) -> bool {
+        self.leadership.load(std::sync::atomic::Ordering::Acquire) == LEADING
+    }
+
     /// An orchestrator on `client`; [`run`] drives it.
     pub fn new(client: kube::Client, options: KubeOptions) -> Arc<Self> {
         let recorder = Recorder::new(

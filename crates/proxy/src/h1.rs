@@ -141,7 +141,7 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
                             prefix: buf.freeze(),
                             inner: client,
                         };
-                        proxy.serve_hyper(io, peer, false).await;
+                        proxy.serve_hyper(io, peer, false, None).await;
                         return;
                     }
                 }

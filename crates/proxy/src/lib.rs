@@ -62,6 +62,7 @@ use ebb_storage::log;
 
 pub mod backends;
 pub mod discovery;
+pub mod gateway;
 pub mod grpc;
 mod h1;
 pub mod load;
@@ -278,6 +279,8 @@ pub struct Proxy {
     backends: Arc<Backends>,
     orch_version: tokio::sync::watch::Receiver<u64>,
     services: services::Services,
+    /// What the Gateway API's sockets serve ([`gateway`]), swapped whole.
+    gateway: std::sync::RwLock<Arc<gateway::Served>>,
     options: ProxyOptions,
     /// Client connections open now, across the proxy's threads (`--max-connections`).
     connections: Arc<std::sync::atomic::AtomicUsize>,
@@ -559,6 +562,7 @@ impl Proxy {
             backends,
             orch_version,
             services,
+            gateway: std::sync::RwLock::default(),
             options,
             connections: Arc::default(),
             held: std::sync::atomic::AtomicU64::new(0),
@@ -749,19 +753,10 @@ impl Proxy {
                 _ = &mut shutdown => return,
             };
             let _ = stream.set_nodelay(true);
-            let max = self.options.limits.max_connections;
-            if self
-                .connections
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                >= max
-            {
-                self.connections
-                    .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-                crate::limits::Limit::Connections.hit();
+            let Some(counted) = self.connection_slot() else {
                 tokio::spawn(h1::refuse_connection(self.clone(), stream));
                 continue;
-            }
-            let counted = ConnectionSlot(self.connections.clone());
+            };
             let proxy = self.clone();
             match self.options.tls.clone() {
                 None => {
@@ -775,7 +770,7 @@ impl Proxy {
                     let limit = Duration::from_millis(self.options.limits.header_read_timeout_ms);
                     tokio::spawn(async move {
                         match tokio::time::timeout(limit, acceptor.0.accept(stream)).await {
-                            Ok(Ok(tls)) => proxy.serve_hyper(tls, peer, true).await,
+                            Ok(Ok(tls)) => proxy.serve_hyper(tls, peer, true, None).await,
                             Ok(Err(e)) => {
                                 tracing::debug!(%peer, error = %e, "TLS handshake failed")
                             }
@@ -791,10 +786,32 @@ impl Proxy {
         }
     }
 
+    /// A connection counted against `--max-connections`, or `None` past it.
+    fn connection_slot(&self) -> Option<ConnectionSlot> {
+        let max = self.options.limits.max_connections;
+        if self
+            .connections
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            >= max
+        {
+            self.connections
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            crate::limits::Limit::Connections.hit();
+            return None;
+        }
+        Some(ConnectionSlot(self.connections.clone()))
+    }
+
     /// Serves a connection with hyper: HTTP/1.0 and 1.1, h2c, upgrades. The HTTP/1.1 path hands
-    /// connections here when a request needs more than it does.
-    async fn serve_hyper<I>(self: Arc<Self>, io: I, peer: SocketAddr, https: bool)
-    where
+    /// connections here when a request needs more than it does. `gateway`: the Gateway socket it
+    /// came in on, whose routes it takes.
+    async fn serve_hyper<I>(
+        self: Arc<Self>,
+        io: I,
+        peer: SocketAddr,
+        https: bool,
+        gateway: Option<SocketAddr>,
+    ) where
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         let limits = self.options.limits;
@@ -804,6 +821,9 @@ impl Proxy {
             let proxy = proxy.clone();
             if https {
                 req.extensions_mut().insert(Https);
+            }
+            if let Some(addr) = gateway {
+                req.extensions_mut().insert(gateway::Socket(addr));
             }
             async move {
                 if strict::is_refusal(req.headers()) {
@@ -858,6 +878,20 @@ impl Proxy {
                 return r;
             }
         };
+        if let Some(socket) = req.extensions().get::<gateway::Socket>().copied() {
+            let service = self.gateway_socket(socket.0).and_then(|s| s.lookup(&host));
+            return match service {
+                Some(service) => self.handle_service(req, peer, host, path, service).await,
+                None => json_error(
+                    StatusCode::NOT_FOUND,
+                    "unknown_host",
+                    &format!(
+                        "no route of the Gateway listener {} for host {host:?}",
+                        socket.0
+                    ),
+                ),
+            };
+        }
         if let Some(service) = self.services.lookup(&host) {
             return self.handle_service(req, peer, host, path, service).await;
         }
@@ -1131,10 +1165,39 @@ impl Proxy {
             );
         };
         let route = &service.meta.routes[ri];
+        if let Some(why) = &route.fail {
+            return json_error(StatusCode::INTERNAL_SERVER_ERROR, "rule_failed", why);
+        }
+        let https = parts.extensions.get::<Https>().is_some();
+        if route.redirect.is_some() {
+            let port = parts
+                .extensions
+                .get::<gateway::Socket>()
+                .map_or(if https { 443 } else { 80 }, |s| s.0.port());
+            let scheme = if https { "https" } else { "http" };
+            let status = route.redirect.as_ref().map_or(302, |r| r.status);
+            let location = route.location(scheme, &bare_host, port, &target);
+            let mut r = Response::new(empty());
+            *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::FOUND);
+            if let Some(l) = location.and_then(|l| HeaderValue::from_str(&l).ok()) {
+                r.headers_mut().insert(header::LOCATION, l);
+            }
+            return r;
+        }
+        if route.total_weight() == 0 {
+            return json_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "no_backend",
+                "every backend of the rule has weight 0",
+            );
+        }
         let di = crate::discovery::with_rng(|rng| {
             route.destination(crate::discovery::balance::unit(rng))
         });
         let dest = &route.destinations[di];
+        if let crate::discovery::meta::Source::Invalid(why) = &dest.source {
+            return json_error(StatusCode::INTERNAL_SERVER_ERROR, "invalid_backend", why);
+        }
         let replayable = !parts.headers.contains_key(header::TRANSFER_ENCODING)
             && parts
                 .headers
@@ -1142,11 +1205,11 @@ impl Proxy {
                 .is_none_or(|v| v.as_bytes() == b"0");
         strip_hop_by_hop(&mut parts.headers);
         parts.version = hyper::Version::HTTP_11;
-        if let Ok(h) = HeaderValue::from_str(&host) {
+        let sent_host = route.rewrite_host.as_deref().unwrap_or(&host);
+        if let Ok(h) = HeaderValue::from_str(sent_host) {
             parts.headers.insert(header::HOST, h);
         }
         change_headers(&mut parts.headers, &route.request_headers);
-        let https = parts.extensions.get::<Https>().is_some();
         add_forwarded(&mut parts.headers, peer, &host, https);
         let id = ensure_request_id(&mut parts.headers);
         let key = key_of(&dest.policy, &target, &parts.headers, peer);
@@ -1244,22 +1307,16 @@ impl Proxy {
         self.services.lookup(host).is_some()
     }
 
-    /// The instances of a discovered destination now: `ebb://app`'s ready replicas, or the one
-    /// instance of `http://IP:port`.
-    fn resolve(&self, id: &crate::discovery::ServiceId) -> Vec<SocketAddr> {
-        if id.scheme() == "ebb" {
-            let deployment = self.log.read(|s| {
-                s.routes
-                    .by_name
-                    .get(id.authority())
-                    .map(|r| r.spec.deployment.clone())
-            });
-            return deployment
-                .and_then(|d| self.orch.observe(&d))
-                .map(|o| o.ready)
-                .unwrap_or_default();
-        }
-        crate::discovery::dns::literal(id).into_iter().collect()
+    /// The ready replicas of one of ebb's apps (an `ebb://app` destination, a Gateway backend's
+    /// route) now.
+    fn resolve(&self, app: &str) -> Vec<SocketAddr> {
+        let deployment = self
+            .log
+            .read(|s| s.routes.by_name.get(app).map(|r| r.spec.deployment.clone()));
+        deployment
+            .and_then(|d| self.orch.observe(&d))
+            .map(|o| o.ready)
+            .unwrap_or_default()
     }
 
     /// A slot on a ready replica other than `avoid` ([`backends::take_slot`]). While there is

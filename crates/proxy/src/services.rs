@@ -60,21 +60,7 @@ impl Services {
     pub fn build(metas: &[MetaService], backends: &Backends, cache: Option<&Cache>) -> Services {
         let mut by_domain = HashMap::new();
         for m in metas {
-            let dests = m
-                .routes
-                .iter()
-                .map(|r| {
-                    r.destinations
-                        .iter()
-                        .map(|d| destination(d, backends, cache))
-                        .collect()
-                })
-                .collect();
-            let entry = Arc::new(ServiceEntry {
-                meta: m.clone(),
-                dests,
-                group: backends.group(&m.id.to_string()),
-            });
+            let entry = Arc::new(ServiceEntry::new(m, backends, cache));
             for d in &m.domains {
                 by_domain.insert(d.clone(), entry.clone());
             }
@@ -124,42 +110,63 @@ fn destination(
 }
 
 impl ServiceEntry {
+    /// Service `m` as the proxy serves it; destinations that discovery resolves are watched
+    /// through `cache` from now on.
+    pub fn new(m: &MetaService, backends: &Backends, cache: Option<&Cache>) -> ServiceEntry {
+        let dests = m
+            .routes
+            .iter()
+            .map(|r| {
+                r.destinations
+                    .iter()
+                    .map(|d| destination(d, backends, cache))
+                    .collect()
+            })
+            .collect();
+        ServiceEntry {
+            meta: m.clone(),
+            dests,
+            group: backends.group(&m.id.to_string()),
+        }
+    }
+
     /// Destination `d` of route `r`.
     pub fn destination(&self, r: usize, d: usize) -> &Destination {
         &self.dests[r][d]
     }
 
-    /// The instances of destination `d` of route `r`: fixed; as DNS last resolved them; or, for
-    /// `ebb://app`, what `resolve` reads given the orchestrator's `version` (called only when
-    /// that version moved).
+    /// The instances of destination `d` of route `r`: fixed; as discovery last resolved them;
+    /// or, for one of ebb's apps (`ebb://app`, a Gateway backend's route), what `resolve` reads
+    /// of the app given the orchestrator's `version` (called only when that version moved).
     pub fn ready(
         &self,
         r: usize,
         d: usize,
         version: u64,
         backends: &Backends,
-        resolve: impl FnOnce(&crate::discovery::ServiceId) -> Vec<SocketAddr>,
+        resolve: impl FnOnce(&str) -> Vec<SocketAddr>,
     ) -> Arc<Ready> {
         let dest = &self.dests[r][d];
         let spec = &self.meta.routes[r].destinations[d];
-        let Source::Service(id) = &spec.source else {
-            return dest
-                .ready
+        let fixed = || {
+            dest.ready
                 .at(0)
-                .expect("fixed addresses are read at version 0");
+                .expect("fixed addresses are read at version 0")
         };
-        let version = match (&dest.watched, id.scheme()) {
-            (Some(e), _) => e.generation(),
-            (None, "ebb") => version,
-            // A fixed `http://IP:port`.
-            (None, _) => 0,
+        let version = match (&spec.source, &dest.watched) {
+            (_, Some(e)) => e.generation(),
+            (Source::Service(id), None) if id.scheme() == "ebb" => version,
+            (Source::Route(_), None) => version,
+            // Fixed addresses, a fixed `http://IP:port`, an invalid backend.
+            _ => return fixed(),
         };
         if let Some(ready) = dest.ready.at(version) {
             return ready;
         }
-        let addrs = match &dest.watched {
-            Some(e) => e.get().addrs,
-            None => resolve(id),
+        let addrs = match (&dest.watched, spec.app()) {
+            (Some(e), _) => e.get().addrs,
+            (None, Some(app)) => resolve(app),
+            (None, None) => Vec::new(),
         };
         dest.ready.set(
             version,

@@ -305,6 +305,11 @@ pub enum Source {
     Addresses(Vec<SocketAddr>),
     /// A service resolved by discovery.
     Service(ServiceId),
+    /// One of ebb's routes by name (a Gateway API backend that ebb scales: an annotated
+    /// Service's route `NAMESPACE/SERVICE`), as `ebb://` names an app.
+    Route(String),
+    /// None: a Gateway API backend that does not resolve; its share of requests gets 500.
+    Invalid(String),
 }
 
 /// A checked destination.
@@ -324,6 +329,8 @@ impl Destination {
         match &self.source {
             Source::Addresses(a) => Some(a.clone()),
             Source::Service(id) => super::id::literal(id).map(|a| vec![a]),
+            Source::Invalid(_) => Some(Vec::new()),
+            Source::Route(_) => None,
         }
     }
 
@@ -331,6 +338,7 @@ impl Destination {
     pub fn app(&self) -> Option<&str> {
         match &self.source {
             Source::Service(id) if id.scheme() == "ebb" => Some(id.authority()),
+            Source::Route(r) => Some(r),
             _ => None,
         }
     }
@@ -368,22 +376,154 @@ pub struct Changes {
     pub remove: Vec<String>,
 }
 
+/// A regular expression, compared by its text.
+#[derive(Debug, Clone)]
+pub struct Regex(pub regex::Regex);
+
+impl PartialEq for Regex {
+    fn eq(&self, other: &Regex) -> bool {
+        self.0.as_str() == other.0.as_str()
+    }
+}
+
+impl Regex {
+    /// Compiles `text`, anchored at both ends (the Gateway API matches whole values), within a
+    /// bounded program size.
+    pub fn whole(text: &str) -> Result<Regex, String> {
+        regex::RegexBuilder::new(&format!("^(?:{text})$"))
+            .size_limit(1 << 20)
+            .build()
+            .map(Regex)
+            .map_err(|e| format!("{text:?} is not a regular expression: {e}"))
+    }
+}
+
+/// How a route matches the request's path.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PathMatch {
+    /// ebb's own patterns, with captures.
+    Pattern(PathPattern),
+    /// Exactly this path.
+    Exact(String),
+    /// This path or below it, segment by segment (`/a` takes `/a`, `/a/` and `/a/b`, not `/ab`).
+    Prefix(String),
+    /// The whole path matches this expression.
+    Regex(Regex),
+}
+
+impl PathMatch {
+    fn matches(&self, path: &str) -> Option<Vec<(String, String)>> {
+        match self {
+            PathMatch::Pattern(p) => p.matches(path),
+            PathMatch::Exact(e) => (path == e).then(Vec::new),
+            PathMatch::Prefix(p) => prefix_matches(p, path).then(Vec::new),
+            PathMatch::Regex(r) => r.0.is_match(path).then(Vec::new),
+        }
+    }
+}
+
+/// Whether `path` is `prefix` or below it, element by element (a trailing `/` of the prefix
+/// ignored).
+pub fn prefix_matches(prefix: &str, path: &str) -> bool {
+    let prefix = prefix.trim_end_matches('/');
+    match path.strip_prefix(prefix) {
+        Some(rest) => rest.is_empty() || rest.starts_with('/'),
+        None => false,
+    }
+}
+
+/// How a header or query parameter's value must be.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ValueMatch {
+    /// Present, whatever its value.
+    Any,
+    Exact(String),
+    Regex(Regex),
+}
+
+impl ValueMatch {
+    fn holds(&self, got: &[u8]) -> bool {
+        match self {
+            ValueMatch::Any => true,
+            ValueMatch::Exact(v) => got == v.as_bytes(),
+            ValueMatch::Regex(r) => std::str::from_utf8(got).is_ok_and(|g| r.0.is_match(g)),
+        }
+    }
+
+    /// `*` is presence, anything else an exact value (`ebb.toml`'s spelling).
+    fn from_config(v: &str) -> ValueMatch {
+        if v == "*" {
+            ValueMatch::Any
+        } else {
+            ValueMatch::Exact(v.to_owned())
+        }
+    }
+}
+
+/// How the path sent on (or redirected to) is made.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PathRewrite {
+    /// From the path pattern's captures (`ebb.toml`).
+    Template(String),
+    /// This path, whatever the request's.
+    Full(String),
+    /// The matched prefix `matched` replaced by `with`.
+    Prefix { matched: String, with: String },
+}
+
+impl PathRewrite {
+    fn apply(&self, path: &str, caps: &[(String, String)]) -> String {
+        match self {
+            PathRewrite::Template(t) => fill(t, caps),
+            PathRewrite::Full(p) => p.clone(),
+            PathRewrite::Prefix { matched, with } => {
+                let matched = matched.trim_end_matches('/');
+                let rest = path.strip_prefix(matched).unwrap_or(path);
+                let with = with.trim_end_matches('/');
+                match (with.is_empty(), rest.is_empty()) {
+                    (true, true) => "/".to_owned(),
+                    (true, false) => rest.to_owned(),
+                    (false, _) => format!("{with}{rest}"),
+                }
+            }
+        }
+    }
+}
+
+/// A redirect answered instead of forwarding (the Gateway API's `RequestRedirect`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Redirect {
+    pub scheme: Option<String>,
+    pub hostname: Option<String>,
+    pub port: Option<u16>,
+    pub path: Option<PathRewrite>,
+    /// 301, 302, 303, 307 or 308.
+    pub status: u16,
+}
+
 /// A checked route.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MetaRoute {
-    authority: Option<String>,
-    path: Option<PathPattern>,
-    methods: Vec<String>,
-    headers: Vec<(String, String)>,
-    query: Vec<(String, String)>,
-    rewrite_path: Option<String>,
+    pub(crate) authority: Option<String>,
+    pub(crate) path: Option<PathMatch>,
+    pub(crate) methods: Vec<String>,
+    pub(crate) headers: Vec<(String, ValueMatch)>,
+    pub(crate) query: Vec<(String, ValueMatch)>,
+    pub(crate) rewrite_path: Option<PathRewrite>,
+    /// The Host sent on instead of the request's.
+    pub rewrite_host: Option<String>,
+    /// Answered with a redirect instead of forwarded.
+    pub redirect: Option<Redirect>,
+    /// Answered with 500 instead of forwarded: why (a Gateway API rule whose backends are all
+    /// invalid, or a filter ebb does not implement).
+    pub fail: Option<String>,
     /// Changes to the request's headers.
     pub request_headers: Changes,
     /// Changes to the response's headers.
     pub response_headers: Changes,
     /// Its destinations.
     pub destinations: Vec<Destination>,
-    total_weight: u64,
+    pub(crate) total_weight: u64,
 }
 
 /// A checked meta service.
@@ -486,11 +626,11 @@ impl MetaService {
                 .map(PathPattern::parse)
                 .transpose()
                 .map_err(at)?;
+            let names = path.as_ref().map(|p| p.names()).unwrap_or_default();
             if let Some(t) = &r.rewrite_path {
                 if !t.starts_with('/') {
                     return Err(at(format!("rewrite_path {t:?} does not start with /")));
                 }
-                let names = path.as_ref().map(|p| p.names()).unwrap_or_default();
                 for n in template_names(t).map_err(at)? {
                     if !names.contains(&n.as_str()) {
                         return Err(at(format!(
@@ -511,12 +651,12 @@ impl MetaService {
                 if !token(n) {
                     return Err(at(format!("{n:?} is not a header name")));
                 }
-                headers.push((n.to_ascii_lowercase(), v.clone()));
+                headers.push((n.to_ascii_lowercase(), ValueMatch::from_config(v)));
             }
             let query = r
                 .query
                 .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
+                .map(|(k, v)| (k.clone(), ValueMatch::from_config(v)))
                 .collect();
             let authority = r.authority.as_ref().map(|a| a.to_ascii_lowercase());
             if let Some(a) = &authority
@@ -575,11 +715,14 @@ impl MetaService {
             }
             routes.push(MetaRoute {
                 authority,
-                path,
+                path: path.map(PathMatch::Pattern),
                 methods,
                 headers,
                 query,
-                rewrite_path: r.rewrite_path.clone(),
+                rewrite_path: r.rewrite_path.clone().map(PathRewrite::Template),
+                rewrite_host: None,
+                redirect: None,
+                fail: None,
                 request_headers: changes("request_headers", &r.request_headers).map_err(at)?,
                 response_headers: changes("response_headers", &r.response_headers).map_err(at)?,
                 destinations,
@@ -610,7 +753,7 @@ impl MetaService {
             }
             for (n, v) in &r.headers {
                 match (req.header)(n) {
-                    Some(got) if v == "*" || got == v.as_bytes() => {}
+                    Some(got) if v.holds(got) => {}
                     _ => continue 'routes,
                 }
             }
@@ -622,7 +765,7 @@ impl MetaService {
                     })
                 });
                 match got {
-                    Some(g) if v == "*" || g == v => {}
+                    Some(g) if v.holds(g.as_bytes()) => {}
                     _ => continue 'routes,
                 }
             }
@@ -635,7 +778,7 @@ impl MetaService {
             };
             let sent = match &r.rewrite_path {
                 Some(t) => {
-                    let p = fill(t, &caps);
+                    let p = t.apply(path, &caps);
                     match query {
                         Some(q) => format!("{p}?{q}"),
                         None => p,
@@ -650,6 +793,47 @@ impl MetaService {
 }
 
 impl MetaRoute {
+    /// The sum of its destinations' weights (0: no destination takes a request).
+    pub fn total_weight(&self) -> u64 {
+        self.total_weight
+    }
+
+    /// Where a redirect sends the request for `target` (path and query) that came for `host`
+    /// (without port) on a listener of `scheme` and `port`: the Gateway API's rules (the
+    /// scheme's well-known port left out; a new scheme without a port takes its well-known one).
+    pub fn location(&self, scheme: &str, host: &str, port: u16, target: &str) -> Option<String> {
+        let r = self.redirect.as_ref()?;
+        let (path, query) = match target.split_once('?') {
+            Some((p, q)) => (p, Some(q)),
+            None => (target, None),
+        };
+        let scheme_out = r.scheme.as_deref().unwrap_or(scheme);
+        let well_known = |s: &str| match s {
+            "https" => 443,
+            _ => 80,
+        };
+        let port_out = match (r.port, &r.scheme) {
+            (Some(p), _) => p,
+            (None, Some(s)) => well_known(s),
+            (None, None) => port,
+        };
+        let host_out = r.hostname.as_deref().unwrap_or(host);
+        let path_out = match &r.path {
+            Some(p) => p.apply(path, &[]),
+            None => path.to_owned(),
+        };
+        let mut out = format!("{scheme_out}://{host_out}");
+        if port_out != well_known(scheme_out) {
+            out.push_str(&format!(":{port_out}"));
+        }
+        out.push_str(&path_out);
+        if let Some(q) = query {
+            out.push('?');
+            out.push_str(q);
+        }
+        Some(out)
+    }
+
     /// Which destination takes a request, by weight, from a draw in `[0, 1)`.
     pub fn destination(&self, draw: f64) -> usize {
         let mut x = (draw * self.total_weight as f64) as u64;

@@ -78,6 +78,13 @@ impl State {
                 self.schedule.clear(&Due::RouteIdle(name.clone()));
                 self.schedule.clear(&Due::RouteWarm(name.clone()));
             }
+            Event::GatewayRouteAttached { route, attached } => {
+                if attached.is_empty() {
+                    self.routes.gateway.remove(route);
+                } else {
+                    self.routes.gateway.insert(route.clone(), attached.clone());
+                }
+            }
             Event::WarmStarted {
                 route,
                 window,

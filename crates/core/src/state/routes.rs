@@ -119,6 +119,9 @@ pub struct Routes {
     /// Seq of the last event that created, replaced or removed a route (caches compare it).
     #[serde(default)]
     pub changed_at_seq: u64,
+    /// What each Gateway API route attaches to, as last told (`GatewayRouteAttached`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gateway: BTreeMap<String, String>,
 }
 
 impl Routes {

@@ -1,0 +1,273 @@
+//! The Gateway API's data plane: the sockets `ebb_core::gateway::compile` gives, served.
+//!
+//! [`run`] keeps one listener per socket (an address and port of a Gateway's listeners): it
+//! binds the new ones, closes those gone, and swaps in what each serves ([`Served`]) whole, so a
+//! request sees one version of the routes. A socket that cannot be bound is reported back
+//! (`unbindable`), for its listeners' status to say `PortUnavailable`, and tried again at the
+//! next change.
+//!
+//! Every connection takes the general path (hyper: HTTP/1.x, h2c, and h2 by ALPN over TLS). A
+//! request's Host picks the socket's hostname (exact, then the longest `*.suffix`, then `*`),
+//! whose routes are a meta service in the Gateway API's order of precedence, served by
+//! `Proxy::handle_service`: the first matching route's redirect, rewrite, header changes and
+//! weighted backends; a backend ebb scales is woken from zero and held like any of its requests.
+//! Over TLS the certificate is picked by the client's SNI the same way.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::sync::watch;
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
+use tokio_rustls::rustls::sign::CertifiedKey;
+
+use super::Proxy;
+use super::services::ServiceEntry;
+use ebb_core::gateway::compile::{Certificate, Socket as SocketSpec};
+
+/// The request extension naming the Gateway socket a request came in on.
+#[derive(Debug, Clone, Copy)]
+pub struct Socket(pub SocketAddr);
+
+/// What one socket serves.
+pub struct SocketEntry {
+    hosts: HashMap<String, Arc<ServiceEntry>>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+}
+
+impl SocketEntry {
+    /// The routes a Host leads to on this socket.
+    pub fn lookup(&self, host: &str) -> Option<Arc<ServiceEntry>> {
+        crate::ids::match_host(host, |d| self.hosts.get(d).cloned())
+            .or_else(|| self.hosts.get("*").cloned())
+    }
+}
+
+/// Every socket's routes, as of one compile.
+#[derive(Default)]
+pub struct Served {
+    sockets: HashMap<SocketAddr, Arc<SocketEntry>>,
+}
+
+impl Served {
+    /// What `addr` serves.
+    pub fn socket(&self, addr: SocketAddr) -> Option<Arc<SocketEntry>> {
+        self.sockets.get(&addr).cloned()
+    }
+}
+
+/// A certificate for one listener hostname.
+#[derive(Debug)]
+struct Cert {
+    hostname: Option<String>,
+    key: Arc<CertifiedKey>,
+}
+
+/// Picks a socket's certificate by SNI: the listener hostname that matches it most closely,
+/// else the listener without one, else the first.
+#[derive(Debug)]
+struct BySni(Vec<Cert>);
+
+impl ResolvesServerCert for BySni {
+    fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        let by_name = hello.server_name().and_then(|sni| {
+            crate::ids::match_host(sni, |d| {
+                self.0
+                    .iter()
+                    .find(|c| {
+                        c.hostname
+                            .as_deref()
+                            .is_some_and(|h| h.eq_ignore_ascii_case(d))
+                    })
+                    .map(|c| c.key.clone())
+            })
+        });
+        by_name
+            .or_else(|| {
+                self.0
+                    .iter()
+                    .find(|c| c.hostname.is_none())
+                    .map(|c| c.key.clone())
+            })
+            .or_else(|| self.0.first().map(|c| c.key.clone()))
+    }
+}
+
+/// A certificate and key from PEM, or why not.
+pub fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<CertifiedKey, String> {
+    let chain = CertificateDer::pem_slice_iter(cert_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("tls.crt: {e}"))?;
+    if chain.is_empty() {
+        return Err("tls.crt holds no certificate".into());
+    }
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("tls.key: {e}"))?;
+    CertifiedKey::from_der(chain, key, &rustls::crypto::ring::default_provider())
+        .map_err(|e| e.to_string())
+}
+
+fn tls_config(certs: &[Certificate]) -> Option<Arc<rustls::ServerConfig>> {
+    let keys: Vec<Cert> = certs
+        .iter()
+        .filter_map(
+            |c| match certified_key(&c.secret.cert_pem, &c.secret.key_pem) {
+                Ok(k) => Some(Cert {
+                    hostname: c.hostname.clone(),
+                    key: Arc::new(k),
+                }),
+                Err(e) => {
+                    tracing::warn!(error = %e, "a listener's certificate is unusable");
+                    None
+                }
+            },
+        )
+        .collect();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .ok()?
+        .with_no_client_auth()
+        .with_cert_resolver(Arc::new(BySni(keys)));
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Some(Arc::new(cfg))
+}
+
+impl Proxy {
+    /// What the Gateway socket `addr` serves now.
+    pub fn gateway_socket(&self, addr: SocketAddr) -> Option<Arc<SocketEntry>> {
+        self.gateway
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .socket(addr)
+    }
+
+    fn serve_gateway(&self, sockets: &[SocketSpec]) {
+        let mut served = Served::default();
+        for s in sockets {
+            let hosts = s
+                .hosts
+                .iter()
+                .map(|(h, meta)| {
+                    (
+                        h.clone(),
+                        Arc::new(ServiceEntry::new(
+                            meta,
+                            &self.backends,
+                            self.options.discovery.as_deref(),
+                        )),
+                    )
+                })
+                .collect();
+            let tls = s.tls.as_deref().and_then(tls_config);
+            served
+                .sockets
+                .insert(s.addr, Arc::new(SocketEntry { hosts, tls }));
+        }
+        *self.gateway.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(served);
+    }
+}
+
+/// Serves the Gateway sockets `config` gives until `stop`, reporting those it cannot bind on
+/// `unbindable`.
+pub async fn run(
+    proxy: Arc<Proxy>,
+    mut config: watch::Receiver<Arc<Vec<SocketSpec>>>,
+    unbindable: watch::Sender<BTreeSet<SocketAddr>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut listening: BTreeMap<SocketAddr, tokio::task::JoinHandle<()>> = BTreeMap::new();
+    loop {
+        let sockets = config.borrow_and_update().clone();
+        proxy.serve_gateway(&sockets);
+        let wanted: BTreeSet<SocketAddr> = sockets.iter().map(|s| s.addr).collect();
+        listening.retain(|addr, task| {
+            let keep = wanted.contains(addr);
+            if !keep {
+                task.abort();
+                tracing::info!(%addr, "gateway socket closed");
+            }
+            keep
+        });
+        let mut refused = BTreeSet::new();
+        for addr in &wanted {
+            if listening.contains_key(addr) {
+                continue;
+            }
+            match bind(*addr) {
+                Ok(l) => {
+                    tracing::info!(%addr, "gateway socket open");
+                    listening.insert(*addr, tokio::spawn(accept(proxy.clone(), l, *addr)));
+                }
+                Err(e) => {
+                    tracing::warn!(%addr, error = %e, "gateway socket cannot be opened");
+                    refused.insert(*addr);
+                }
+            }
+        }
+        unbindable.send_if_modified(|u| {
+            if *u == refused {
+                false
+            } else {
+                *u = refused;
+                true
+            }
+        });
+        tokio::select! {
+            r = config.changed() => if r.is_err() { break },
+            _ = stop.changed() => break,
+        }
+    }
+    for (_, task) in listening {
+        task.abort();
+    }
+}
+
+fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+async fn accept(proxy: Arc<Proxy>, listener: tokio::net::TcpListener, addr: SocketAddr) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, %addr, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let Some(slot) = proxy.connection_slot() else {
+            continue;
+        };
+        let Some(entry) = proxy.gateway_socket(addr) else {
+            continue;
+        };
+        let proxy = proxy.clone();
+        let limit = Duration::from_millis(proxy.options.limits.header_read_timeout_ms);
+        tokio::spawn(async move {
+            match &entry.tls {
+                None => proxy.serve_hyper(stream, peer, false, Some(addr)).await,
+                Some(cfg) => {
+                    let acceptor = tokio_rustls::TlsAcceptor::from(cfg.clone());
+                    match tokio::time::timeout(limit, acceptor.accept(stream)).await {
+                        Ok(Ok(tls)) => proxy.serve_hyper(tls, peer, true, Some(addr)).await,
+                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    }
+                }
+            }
+            drop(slot);
+        });
+    }
+}
