@@ -342,6 +342,22 @@ fn json_error(status: StatusCode, code: &str, message: &str) -> Response<Body> {
         .expect("valid response")
 }
 
+/// [`json_error`], but to a HEAD request its head alone: no body, so no `Content-Type` that
+/// promises one.
+fn error_for(
+    method: &hyper::Method,
+    status: StatusCode,
+    code: &str,
+    message: &str,
+) -> Response<Body> {
+    if method == hyper::Method::HEAD {
+        let mut r = Response::new(empty());
+        *r.status_mut() = status;
+        return r;
+    }
+    json_error(status, code, message)
+}
+
 /// A request the proxy answers itself, with a JSON error.
 #[derive(Debug)]
 struct Refusal {
@@ -882,7 +898,8 @@ impl Proxy {
             let service = self.gateway_socket(socket.0).and_then(|s| s.lookup(&host));
             return match service {
                 Some(service) => self.handle_service(req, peer, host, path, service).await,
-                None => json_error(
+                None => error_for(
+                    req.method(),
                     StatusCode::NOT_FOUND,
                     "unknown_host",
                     &format!(
@@ -1155,7 +1172,8 @@ impl Proxy {
             })
         };
         let Some((ri, sent)) = matched else {
-            return json_error(
+            return error_for(
+                &parts.method,
                 StatusCode::NOT_FOUND,
                 "no_matching_route",
                 &format!(

@@ -26,7 +26,27 @@ use serde::Deserialize;
 pub const CONTROLLER_NAME: &str = "ebb.dev/gateway";
 /// The Gateway API conformance features ebb implements, as its GatewayClasses' status names
 /// them (`status.supportedFeatures`): the `GATEWAY-HTTP` profile's core.
-pub const SUPPORTED_FEATURES: &[&str] = &["Gateway", "HTTPRoute", "ReferenceGrant"];
+pub const SUPPORTED_FEATURES: &[&str] = &[
+    "Gateway",
+    "HTTPRoute",
+    "ReferenceGrant",
+    "GatewayHTTPListenerIsolation",
+    "GatewayPort8080",
+    "HTTPRoute303RedirectStatusCode",
+    "HTTPRoute307RedirectStatusCode",
+    "HTTPRoute308RedirectStatusCode",
+    "HTTPRouteDestinationPortMatching",
+    "HTTPRouteHostRewrite",
+    "HTTPRouteMethodMatching",
+    "HTTPRouteNamedRouteRule",
+    "HTTPRouteParentRefPort",
+    "HTTPRoutePathRedirect",
+    "HTTPRoutePathRewrite",
+    "HTTPRoutePortRedirect",
+    "HTTPRouteQueryParamMatching",
+    "HTTPRouteResponseHeaderModification",
+    "HTTPRouteSchemeRedirect",
+];
 
 /// The API group.
 pub const GROUP: &str = "gateway.networking.k8s.io";
