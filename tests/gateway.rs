@@ -186,3 +186,232 @@ async fn the_gateway_api_conformance_suite_passes_its_http_core_against_ebb() {
         .unwrap_or_else(|| panic!("the report names the profile: {written}"));
     assert_eq!(profile["core"]["result"], "success", "{written}");
 }
+
+/// The Gateway API's CRDs (from the suite's build) and the class `ebb`.
+fn gateway_api(cp: &ControlPlane) {
+    let crds = suite().join("crds");
+    cp.kubectl(&["apply", "--server-side", "-f", crds.to_str().expect("path")]);
+    apply(
+        cp,
+        &format!(
+            "apiVersion: gateway.networking.k8s.io/v1\nkind: GatewayClass\nmetadata: {{name: {CLASS}}}\nspec: {{controllerName: {}}}\n",
+            ebb::gateway::CONTROLLER_NAME
+        ),
+    );
+}
+
+/// A condition's status and reason in a list of them.
+fn condition(conditions: &serde_json::Value, type_: &str) -> Option<(String, String)> {
+    conditions
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == type_)
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or_default().to_owned(),
+                c["reason"].as_str().unwrap_or_default().to_owned(),
+            )
+        })
+}
+
+/// A backend ebb scales, reached only through HTTPRoutes: the Service names its Deployment
+/// (`ebb.dev/deployment`, no host names of its own). 100 requests at once through two routes to
+/// it at zero are one scale write and are all answered; requests through either route keep it
+/// awake; idle, it goes back to zero. A listener on a port ebb cannot have says
+/// `PortUnavailable` while the Gateway's other listener serves, and is served once the port is
+/// free; an HTTPRoute for a host name
+/// an annotated Service serves is refused with `HostnameConflict`.
+#[tokio::test]
+async fn a_backend_behind_httproutes_wakes_from_zero_once_and_idles_back() {
+    let (cp, _client, _agent) = crate::common::ebbkube::cluster().await;
+    gateway_api(&cp);
+    // A socket taken before ebb starts: the pool's first address, port 81.
+    let taken = std::net::TcpListener::bind("127.0.1.1:81").expect("127.0.1.1:81");
+    apply(
+        &cp,
+        &(crate::common::ebbkube::hello_deployment(0)
+            + &crate::common::ebbkube::hello_service(
+                "hello",
+                &[
+                    ("ebb.dev/deployment", "hello"),
+                    ("ebb.dev/idle-after", "2s"),
+                    ("ebb.dev/hold-timeout", "60s"),
+                ],
+            )
+            + &crate::common::ebbkube::hello_service(
+                "shop",
+                &[
+                    ("ebb.dev/domains", "shop.test"),
+                    ("ebb.dev/deployment", "hello"),
+                    ("ebb.dev/idle-after", "1s"),
+                ],
+            )),
+    );
+    apply(
+        &cp,
+        r#"
+apiVersion: gateway.networking.k8s.io/v1
+kind: Gateway
+metadata: {name: web, namespace: default}
+spec:
+  gatewayClassName: ebb
+  listeners:
+  - {name: http, port: 80, protocol: HTTP}
+  - {name: taken, port: 81, protocol: HTTP}
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {name: a, namespace: default}
+spec:
+  parentRefs: [{name: web, sectionName: http}]
+  hostnames: [a.test]
+  rules: [{backendRefs: [{name: hello, port: 80}]}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {name: b, namespace: default}
+spec:
+  parentRefs: [{name: web, sectionName: http}]
+  hostnames: [b.test]
+  rules: [{matches: [{path: {type: PathPrefix, value: /pid}}], backendRefs: [{name: hello, port: 80}]}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
+metadata: {name: clash, namespace: default}
+spec:
+  parentRefs: [{name: web, sectionName: http}]
+  hostnames: [shop.test]
+  rules: [{backendRefs: [{name: hello, port: 80}]}]
+"#,
+    );
+    let data = tempfile::tempdir().expect("tempdir");
+    let ebb = crate::common::ebbkube::serve_on(
+        &cp,
+        data.path(),
+        &["--gateway", "--gateway-address-pool", POOL],
+    );
+    let gateway = || {
+        crate::common::ebbkube::json(&cp.kubectl(&[
+            "get", "gateway", "web", "-o", "json",
+        ]))["status"]
+            .clone()
+    };
+    let route_status = |name: &str| {
+        crate::common::ebbkube::json(&cp.kubectl(&["get", "httproute", name, "-o", "json"]))
+            ["status"]["parents"][0]["conditions"]
+            .clone()
+    };
+    let accepted = || (String::from("True"), String::from("Accepted"));
+    let unavailable = || {
+        gateway()["listeners"].as_array().is_some_and(|ls| {
+            ls.iter().any(|l| {
+                l["name"] == "taken"
+                    && condition(&l["conditions"], "Accepted")
+                        == Some(("False".into(), "PortUnavailable".into()))
+            })
+        })
+    };
+    wait_for(
+        "the Gateway programmed, routes a and b accepted, port 81 unavailable",
+        Duration::from_secs(60),
+        || {
+            let g = gateway();
+            condition(&g["conditions"], "Programmed").is_some_and(|(s, _)| s == "True")
+                && condition(&route_status("a"), "Accepted") == Some(accepted())
+                && condition(&route_status("b"), "Accepted") == Some(accepted())
+                && unavailable()
+        },
+    )
+    .await;
+    let g = gateway();
+    assert_eq!(g["addresses"][0]["value"], "127.0.1.1", "{g}");
+    let listener = |name: &str| {
+        g["listeners"]
+            .as_array()
+            .and_then(|ls| ls.iter().find(|l| l["name"] == name).cloned())
+            .unwrap_or_else(|| panic!("listener {name}: {g}"))
+    };
+    assert_eq!(
+        condition(&listener("taken")["conditions"], "Accepted"),
+        Some(("False".into(), "PortUnavailable".into()))
+    );
+    assert_eq!(listener("http")["attachedRoutes"], 2, "{g}");
+    assert_eq!(
+        condition(&route_status("clash"), "Accepted"),
+        Some(("False".into(), "HostnameConflict".into()))
+    );
+    // Freed, the port is had within a moment and the listener serves.
+    drop(taken);
+    wait_for("port 81 had", Duration::from_secs(30), || {
+        gateway()["listeners"].as_array().is_some_and(|ls| {
+            ls.iter().any(|l| {
+                l["name"] == "taken"
+                    && condition(&l["conditions"], "Programmed")
+                        == Some(("True".into(), "Programmed".into()))
+            })
+        })
+    })
+    .await;
+    let http: std::net::SocketAddr = "127.0.1.1:80".parse().unwrap();
+    assert_eq!(scale_writes(&cp, "hello"), 0, "nothing woke it yet");
+
+    // 100 at once, half through each route, while nothing runs.
+    let burst = (0..100).map(|i| {
+        let host = if i % 2 == 0 { "a.test" } else { "b.test" };
+        crate::common::ebbkube::get(http, host, "/pid")
+    });
+    let answers = futures_util::future::join_all(burst).await;
+    let pids: std::collections::BTreeSet<i32> = answers
+        .iter()
+        .map(|(status, body)| {
+            assert_eq!(*status, 200, "{body}");
+            crate::common::ebbkube::pid_of(body)
+        })
+        .collect();
+    assert_eq!(pids.len(), 1, "one pod answered them all: {pids:?}");
+    assert_eq!(
+        scale_writes(&cp, "hello"),
+        1,
+        "exactly one scale write woke it"
+    );
+    // The route a's host is not shop.test's: the annotated Service's route keeps that host.
+    assert_eq!(
+        crate::common::ebbkube::get(http, "shop.test", "/pid")
+            .await
+            .0,
+        404
+    );
+
+    // Requests through b alone, for longer than the idle time: the backend stays awake.
+    let replicas = || {
+        crate::common::ebbkube::json(&cp.kubectl(&["get", "deployment", "hello", "-o", "json"]))
+            ["spec"]["replicas"]
+            .clone()
+    };
+    let busy = ebb::clock::Stopwatch::start();
+    while busy.elapsed() < Duration::from_secs(5) {
+        let (status, body) = crate::common::ebbkube::get(http, "b.test", "/pid").await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(replicas(), 1, "scaled down under traffic");
+    }
+    assert_eq!(scale_writes(&cp, "hello"), 1);
+    // Idle: back to zero.
+    wait_for("the idle scale-down", Duration::from_secs(60), || {
+        replicas() == 0
+    })
+    .await;
+    drop(ebb);
+}
+
+/// Scale writes to the Deployment `name` in the audit log.
+fn scale_writes(cp: &ControlPlane, name: &str) -> usize {
+    cp.audit_events()
+        .iter()
+        .filter(|e| {
+            matches!(e["verb"].as_str(), Some("patch" | "update"))
+                && e["objectRef"]["resource"] == "deployments"
+                && e["objectRef"]["subresource"] == "scale"
+                && e["objectRef"]["name"] == name
+        })
+        .count()
+}

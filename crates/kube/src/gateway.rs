@@ -206,7 +206,13 @@ fn world(stores: &Stores, log: &Log, unbindable: &BTreeSet<SocketAddr>) -> World
             n.metadata.labels.clone().unwrap_or_default(),
         );
     }
-    let routes: BTreeSet<String> = log.read(|s| s.routes.by_name.keys().cloned().collect());
+    let (routes, hosts): (BTreeSet<String>, BTreeMap<String, String>) = log.read(|s| {
+        (
+            s.routes.by_name.keys().cloned().collect(),
+            s.routes.by_domain.clone(),
+        )
+    });
+    w.service_hosts = hosts;
     for s in stores.services.state() {
         let key = format!(
             "{}/{}",

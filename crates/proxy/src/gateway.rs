@@ -3,8 +3,8 @@
 //! [`run`] keeps one listener per socket (an address and port of a Gateway's listeners): it
 //! binds the new ones, closes those gone, and swaps in what each serves ([`Served`]) whole, so a
 //! request sees one version of the routes. A socket that cannot be bound is reported back
-//! (`unbindable`), for its listeners' status to say `PortUnavailable`, and tried again at the
-//! next change.
+//! (`unbindable`), for its listeners' status to say `PortUnavailable`, and tried again every
+//! [`RETRY_BIND`] until it is had.
 //!
 //! Every connection takes the general path (hyper: HTTP/1.x, h2c, and h2 by ALPN over TLS). A
 //! request's Host picks the socket's hostname (exact, then the longest `*.suffix`, then `*`),
@@ -28,6 +28,9 @@ use tokio_rustls::rustls::sign::CertifiedKey;
 use super::Proxy;
 use super::services::ServiceEntry;
 use ebb_core::gateway::compile::{Certificate, Socket as SocketSpec};
+
+/// How often a socket that could not be bound is tried again.
+pub const RETRY_BIND: Duration = Duration::from_secs(1);
 
 /// The request extension naming the Gateway socket a request came in on.
 #[derive(Debug, Clone, Copy)]
@@ -216,8 +219,11 @@ pub async fn run(
                 true
             }
         });
+        // A socket the kernel refused is tried again every RETRY_BIND until it is had.
+        let retry = !unbindable.borrow().is_empty();
         tokio::select! {
             r = config.changed() => if r.is_err() { break },
+            _ = tokio::time::sleep(RETRY_BIND), if retry => {}
             _ = stop.changed() => break,
         }
     }

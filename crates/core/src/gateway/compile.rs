@@ -220,6 +220,9 @@ struct ListenerState<'a> {
     status: ListenerStatus,
     /// Accepted, programmed and not conflicted: routes may attach and traffic flows.
     valid: bool,
+    /// Valid but for its socket, which the kernel refused: still handed to the proxy, which
+    /// tries it again (and reports it until it has it).
+    retried: bool,
     /// Its kinds allow HTTPRoute.
     http_routes: bool,
     certs: Vec<Certificate>,
@@ -408,6 +411,7 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                     conditions,
                 },
                 valid: false,
+                retried: false,
                 http_routes: !kinds.is_empty(),
                 certs,
             });
@@ -445,6 +449,18 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
             let ok = conflict.is_none()
                 && ls[i].status.conditions.iter().all(|c| c.status)
                 && addresses[gi].is_some();
+            let unbound = ls[i]
+                .status
+                .conditions
+                .iter()
+                .any(|c| c.reason == "PortUnavailable");
+            ls[i].retried = unbound
+                && conflict.is_none()
+                && ls[i]
+                    .status
+                    .conditions
+                    .iter()
+                    .all(|c| c.status || c.reason == "PortUnavailable");
             let programmed = if ok {
                 cond("Programmed", true, "Programmed", "", generation)
             } else {
@@ -479,8 +495,42 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
         .enumerate()
         .map(|(i, g)| (g.meta.key(), i))
         .collect();
-    for r in &world.http_routes {
+    // Host names an annotated Service's route serves stay the Service's: a route naming one
+    // loses it, and says so; one left with none is not accepted.
+    let mut dropped: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let http_routes: Vec<HttpRoute> = world
+        .http_routes
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            let (taken, kept): (Vec<String>, Vec<String>) = r
+                .spec
+                .hostnames
+                .iter()
+                .cloned()
+                .partition(|h| world.service_hosts.contains_key(&h.to_ascii_lowercase()));
+            if !taken.is_empty() {
+                dropped.insert(r.meta.key(), taken);
+                r.spec.hostnames = kept;
+            }
+            r
+        })
+        .collect();
+    for r in &http_routes {
         let generation = r.meta.generation;
+        let taken = dropped.get(&r.meta.key()).map(|t| {
+            let by: Vec<String> = t
+                .iter()
+                .map(|h| {
+                    format!(
+                        "{h} (route {})",
+                        world.service_hosts[&h.to_ascii_lowercase()]
+                    )
+                })
+                .collect();
+            format!("host names served by annotated Services: {}", by.join(", "))
+        });
+        let all_taken = taken.is_some() && r.spec.hostnames.is_empty();
         let mut parents = Vec::new();
         let resolved = backend_problem(world, r);
         let mut told = Vec::new();
@@ -514,7 +564,15 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                     route_hosts(&r.spec.hostnames, ls[i].spec.hostname.as_deref()).is_some()
                 })
                 .collect();
-            let accepted = if named.is_empty() {
+            let accepted = if all_taken {
+                cond(
+                    "Accepted",
+                    false,
+                    "HostnameConflict",
+                    taken.clone().unwrap_or_default(),
+                    generation,
+                )
+            } else if named.is_empty() {
                 cond(
                     "Accepted",
                     false,
@@ -543,7 +601,13 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                     generation,
                 )
             } else {
-                cond("Accepted", true, "Accepted", "", generation)
+                cond(
+                    "Accepted",
+                    true,
+                    "Accepted",
+                    taken.clone().unwrap_or_default(),
+                    generation,
+                )
             };
             let names: Vec<&str> = hosts.iter().map(|&i| ls[i].spec.name.as_str()).collect();
             told.push(if accepted.status {
@@ -678,7 +742,7 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
     for (gi, ls) in states.iter().enumerate() {
         let Some(addr) = addresses[gi] else { continue };
         for (li, l) in ls.iter().enumerate() {
-            if !l.valid {
+            if !l.valid && !l.retried {
                 continue;
             }
             let Ok(port) = u16::try_from(l.spec.port) else {
@@ -1434,6 +1498,50 @@ mod tests {
         // Only the plain listener is served.
         assert_eq!(out.sockets.len(), 1);
         assert_eq!(out.sockets[0].addr.port(), 80);
+    }
+
+    #[test]
+    fn a_host_an_annotated_service_serves_stays_the_services() {
+        let routes = vec![
+            route(
+                "infra",
+                "both",
+                "1",
+                json!({"parentRefs": [{"name": "g"}], "hostnames": ["shop.test", "new.test"], "rules": [{"backendRefs": backend("v1")}]}),
+            ),
+            route(
+                "infra",
+                "only",
+                "2",
+                json!({"parentRefs": [{"name": "g"}], "hostnames": ["Shop.test"], "rules": [{"backendRefs": backend("v2")}]}),
+            ),
+        ];
+        let mut w = world(vec![gateway("g", json!([http("http", None)]))], routes);
+        w.service_hosts
+            .insert("shop.test".into(), "infra/shop".into());
+        let out = compile(&w, &pool());
+        let parent = |name: &str| {
+            out.routes
+                .iter()
+                .find(|r| r.meta.name == name)
+                .unwrap()
+                .parents[0]
+                .conditions
+                .clone()
+        };
+        let both = parent("both");
+        assert_eq!(condition(&both, "Accepted"), (true, "Accepted"));
+        assert!(
+            both[0].message.contains("shop.test (route infra/shop)"),
+            "{both:?}"
+        );
+        assert_eq!(
+            condition(&parent("only"), "Accepted"),
+            (false, "HostnameConflict")
+        );
+        assert!(send(&out, 80, "new.test", "/", &[]).starts_with("v1."));
+        assert_eq!(send(&out, 80, "shop.test", "/", &[]), "404");
+        assert_eq!(out.gateways[0].listeners[0].attached_routes, 1);
     }
 
     #[test]

@@ -459,6 +459,9 @@ pub struct World {
     /// TLS Secrets by `NAMESPACE/NAME`: `None` for one that exists but is not a usable
     /// `kubernetes.io/tls` Secret.
     pub secrets: BTreeMap<String, Option<TlsSecret>>,
+    /// Host names of ebb's routes from annotated Services (lower case), with the route: an
+    /// HTTPRoute cannot take them.
+    pub service_hosts: BTreeMap<String, String>,
     /// Sockets ebb could not bind (their listeners say `PortUnavailable`).
     pub unbindable: std::collections::BTreeSet<std::net::SocketAddr>,
 }

@@ -14,7 +14,9 @@
 //! `ebb.dev/connection-idle-timeout` (durations), and `ebb.dev/waiting-page` (`true` for ebb's
 //! page while the workload wakes, or the page's own HTML). With `ebb.dev/listen` (`IP:port`) the
 //! Service is a TCP route on that address of every ebb replica, and `ebb.dev/domains` may be left
-//! out.
+//! out. Without `ebb.dev/domains` nor `ebb.dev/listen` the route has no host of its own: it is
+//! the backend of the Gateway API's routes that name the Service (`ebb_core::gateway`), woken by
+//! their requests and scaled by its annotations.
 //!
 //! A Service with none of the route annotations is not ebb's ([`Ok(None)`]); one with some but
 //! not all, or with a malformed value, is an [`AnnotationError`] that names the annotation, for
@@ -168,16 +170,18 @@ pub fn route(
         ),
     };
     let no_hosts = (DOMAINS, String::new());
+    let named_hosts = domains.is_some();
     let (domains, target) = match (domains, target) {
         (None, None) => return Ok(None),
-        (None, Some(t)) if listen.is_some() => ((no_hosts.0, &no_hosts.1), t),
+        // No host names: a TCP route, or the backend of Gateway API routes (an HTTPRoute
+        // reaches it; its requests wake it).
+        (None, Some(t)) => ((no_hosts.0, &no_hosts.1), t),
         (Some(_), None) => {
             return Err(bad(
                 DEPLOYMENT,
                 "missing: which workload serves the domains",
             ));
         }
-        (None, Some(_)) => return Err(bad(DOMAINS, "missing: which host names the route serves")),
         (Some(d), Some(t)) => (d, t),
     };
     let workload = workload(namespace, target)?;
@@ -196,7 +200,7 @@ pub fn route(
             hosts.push(d);
         }
     }
-    if hosts.is_empty() && listen.is_none() {
+    if hosts.is_empty() && named_hosts {
         return Err(bad(domains.0, "no host names"));
     }
     let duration = |key: &'static str, default: u64| {
