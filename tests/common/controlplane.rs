@@ -689,13 +689,21 @@ impl Drop for ControlPlane {
 /// `GET path` on a plain-HTTP server at `addr`, with `Connection: close`: the whole answer, or
 /// `None` when it cannot be had.
 pub fn http_get(addr: &str, path: &str) -> Option<String> {
+    http_get_with(addr, path, &[&format!("Host: {addr}")])
+}
+
+/// [`http_get`] with these header lines (`Host` among them).
+pub fn http_get_with(addr: &str, path: &str, headers: &[&str]) -> Option<String> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .ok()?;
+    let mut head = format!("GET {path} HTTP/1.1\r\n");
+    for h in headers {
+        head.push_str(h);
+        head.push_str("\r\n");
+    }
+    head.push_str("Connection: close\r\n\r\n");
+    s.write_all(head.as_bytes()).ok()?;
     let mut answer = String::new();
     s.read_to_string(&mut answer).ok()?;
     Some(answer)
