@@ -293,7 +293,11 @@ http {{
         er / ar,
         ep / ap
     );
-    let _ = nginx.kill();
+    // SIGTERM: nginx's master stops its workers (SIGKILL would leave them running).
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(nginx.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
     let _ = nginx.wait();
     let _ = app.kill();
     let _ = app.wait();
