@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use crate::common::controlplane::{ControlPlane, wait_for};
-use crate::common::ebbkube::apply;
+use crate::common::ebbkube::{apply, scale_writes};
 use crate::common::kubelet::RealNode;
 
 /// The GatewayClass the tests make for ebb.
@@ -401,17 +401,4 @@ spec:
     })
     .await;
     drop(ebb);
-}
-
-/// Scale writes to the Deployment `name` in the audit log.
-fn scale_writes(cp: &ControlPlane, name: &str) -> usize {
-    cp.audit_events()
-        .iter()
-        .filter(|e| {
-            matches!(e["verb"].as_str(), Some("patch" | "update"))
-                && e["objectRef"]["resource"] == "deployments"
-                && e["objectRef"]["subresource"] == "scale"
-                && e["objectRef"]["name"] == name
-        })
-        .count()
 }

@@ -29,8 +29,8 @@ use std::time::Duration;
 use common::controlplane::{ControlPlane, NOBODY_TOKEN, http_get, wait_for, wait_until};
 use common::ebbkube::{
     TEST_TIMING, apply, client, cluster, deployed_service_account, get, grant, hello_deployment,
-    hello_service, json, load, pid_of, routes, send, serve_deployed, serve_on, serverless_hello,
-    test_image, try_send,
+    hello_service, json, load, pid_of, routes, scale_writes, send, serve_deployed, serve_on,
+    serverless_hello, test_image, try_send,
 };
 
 /// A Deployment of the example app at one replica and a plain Service in front of it.
@@ -300,19 +300,6 @@ async fn kubernetes_discovery_follows_pods_becoming_ready_and_terminating() {
             .is_some_and(|e| e.contains("no port 81"))
     })
     .await;
-}
-
-/// Scale writes to the Deployment `name` in the audit log.
-fn scale_writes(cp: &ControlPlane, name: &str) -> usize {
-    cp.audit_events()
-        .iter()
-        .filter(|e| {
-            matches!(e["verb"].as_str(), Some("patch" | "update"))
-                && e["objectRef"]["resource"] == "deployments"
-                && e["objectRef"]["subresource"] == "scale"
-                && e["objectRef"]["name"] == name
-        })
-        .count()
 }
 
 fn alive(pid: i32) -> bool {

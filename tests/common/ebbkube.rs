@@ -411,3 +411,16 @@ pub fn load(
         });
     })
 }
+
+/// Scale writes to the Deployment `name` in the audit log.
+pub fn scale_writes(cp: &ControlPlane, name: &str) -> usize {
+    cp.audit_events()
+        .iter()
+        .filter(|e| {
+            matches!(e["verb"].as_str(), Some("patch" | "update"))
+                && e["objectRef"]["resource"] == "deployments"
+                && e["objectRef"]["subresource"] == "scale"
+                && e["objectRef"]["name"] == name
+        })
+        .count()
+}

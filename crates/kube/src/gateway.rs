@@ -69,39 +69,9 @@ async fn reflect<K>(
         + Send
         + Sync
         + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone + Default,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
 {
     let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
-    tokio::pin!(stream);
-    let mut complaints = crate::orchestrator::Complaints::default();
-    loop {
-        let event = tokio::select! {
-            e = stream.next() => e,
-            _ = stop.changed() => return,
-        };
-        match event {
-            None => return,
-            Some(Err(e)) => complaints.failed(&what, &e),
-            Some(Ok(_)) => {
-                complaints.worked(&what);
-                changed.notify_one();
-            }
-        }
-    }
-}
-
-/// Like [`reflect`], for the Gateway API's kinds (dynamic objects).
-async fn reflect_dyn(
-    api: Api<DynamicObject>,
-    writer: reflector::store::Writer<DynamicObject>,
-    what: String,
-    changed: Arc<Notify>,
-    mut stop: watch::Receiver<bool>,
-) {
-    let stream = reflector::reflector(
-        writer,
-        watcher(api, watcher::Config::default()).default_backoff(),
-    );
     tokio::pin!(stream);
     let mut complaints = crate::orchestrator::Complaints::default();
     loop {
@@ -288,8 +258,9 @@ pub async fn run(
         let ar = resource(kind, plural);
         let writer = reflector::store::Writer::new(ar.clone());
         dyn_stores.push(writer.as_reader());
-        tokio::spawn(reflect_dyn(
+        tokio::spawn(reflect(
             dyn_api(&ar, namespaced),
+            watcher::Config::default(),
             writer,
             format!("watching {plural}"),
             changed.clone(),
