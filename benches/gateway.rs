@@ -82,7 +82,8 @@ async fn run() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(64);
     let cp = ControlPlane::start().await;
-    let suite = std::path::PathBuf::from(std::env::var("EBB_GATEWAY").expect("EBB_GATEWAY"));
+    let suite =
+        std::path::PathBuf::from(std::env::var("EBB_GATEWAY_SUITE").expect("EBB_GATEWAY_SUITE"));
     cp.kubectl(&[
         "apply",
         "--server-side",

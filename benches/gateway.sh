@@ -18,7 +18,7 @@ fi
 command -v go >/dev/null 2>&1 || { echo "error: go not found; the control plane is built with it" >&2; exit 1; }
 scripts/controlplane check
 export EBB_CONTROLPLANE="${EBB_CONTROLPLANE:-$(scripts/controlplane build)}"
-export EBB_GATEWAY="${EBB_GATEWAY:-$(scripts/gateway build)}"
+export EBB_GATEWAY_SUITE="${EBB_GATEWAY_SUITE:-$(scripts/gateway build)}"
 export EBB_LOG="${EBB_LOG:-warn}"
 export BENCH_SECONDS="${1:-10}" BENCH_CONNS="${2:-64}"
 exec cargo test --locked --profile ci --test gateway_bench

@@ -21,12 +21,12 @@ const CLASS: &str = "ebb";
 /// The addresses ebb gives Gateways: loopback, in the test's network namespace.
 const POOL: &str = "127.0.1.1-127.0.1.254";
 
-/// The suite's build: `EBB_GATEWAY` (scripts/gateway build).
+/// The suite's build: `EBB_GATEWAY_SUITE` (scripts/gateway build).
 fn suite() -> PathBuf {
-    match std::env::var_os("EBB_GATEWAY") {
+    match std::env::var_os("EBB_GATEWAY_SUITE") {
         Some(p) => PathBuf::from(p),
         None => panic!(
-            "EBB_GATEWAY is not set: the Gateway API tests need the conformance suite that \
+            "EBB_GATEWAY_SUITE is not set: the Gateway API tests need the conformance suite that \
              `scripts/gateway build` builds (scripts/test sets it)"
         ),
     }

@@ -467,12 +467,19 @@ impl StatusWriter {
         };
         self.orch.limiter.acquire().await;
         let patch = json!({ "status": status });
-        if let Err(e) = api
+        match api
             .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
         {
-            tracing::warn!(kind = %ar.kind, name, error = %e, "writing a Gateway API status failed");
-            self.failed = true;
+            Ok(_) => {}
+            // Deleted since the compile: its status goes with it.
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                tracing::debug!(kind = %ar.kind, name, "gone before its status was written");
+            }
+            Err(e) => {
+                tracing::warn!(kind = %ar.kind, name, error = %e, "writing a Gateway API status failed");
+                self.failed = true;
+            }
         }
     }
 
