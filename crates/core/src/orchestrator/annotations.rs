@@ -644,7 +644,6 @@ mod tests {
     fn bad_annotations_name_the_annotation_at_fault() {
         let cases: &[(&[(&str, &str)], &str)] = &[
             (&[(DOMAINS, "a.example.com")], DEPLOYMENT),
-            (&[(DEPLOYMENT, "web")], DOMAINS),
             (
                 &[(DOMAINS, "a b.example.com"), (DEPLOYMENT, "web")],
                 DOMAINS,
@@ -730,6 +729,12 @@ mod tests {
             assert_eq!(err.annotation, *at_fault, "{pairs:?}: {err}");
             assert!(!err.message.is_empty());
         }
+        // A workload and no host names: the backend of Gateway API routes, a route without
+        // domains of its own.
+        let backend = of(&[(DEPLOYMENT, "web")])
+            .expect("a backend")
+            .expect("a route");
+        assert!(backend.0.domains.is_empty());
     }
 
     #[test]
