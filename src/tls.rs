@@ -14,24 +14,17 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
-use tokio_rustls::rustls::crypto::CryptoProvider;
+use tokio_rustls::rustls::ServerConfig;
 use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
 use tokio_rustls::rustls::sign::CertifiedKey;
-use tokio_rustls::rustls::{self, ServerConfig};
 
 /// How often the files are looked at.
 pub const RELOAD_CHECK: Duration = Duration::from_secs(2);
 
 /// Handshakes under way at once on ebb's own endpoints' listener, at most.
 const MAX_HANDSHAKES: usize = 256;
-
-fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
 
 /// When each file last changed, and its length: a change to either means reading both again.
 type Stamp = [(Option<SystemTime>, u64); 2];
@@ -47,16 +40,8 @@ fn stamp(cert: &Path, key: &Path) -> Stamp {
 
 /// Reads a certificate chain and its private key (PKCS#8, PKCS#1 or SEC1) from PEM files.
 pub fn load(cert: &Path, key: &Path) -> Result<CertifiedKey, String> {
-    let chain = CertificateDer::pem_file_iter(cert)
-        .map_err(|e| format!("{}: {e}", cert.display()))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("{}: {e}", cert.display()))?;
-    if chain.is_empty() {
-        return Err(format!("{}: no certificate in it", cert.display()));
-    }
-    let private =
-        PrivateKeyDer::from_pem_file(key).map_err(|e| format!("{}: {e}", key.display()))?;
-    CertifiedKey::from_der(chain, private, &provider())
+    let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+    ebb_proxy::certs::certified_key(&read(cert)?, &read(key)?)
         .map_err(|e| format!("{} and {}: {e}", cert.display(), key.display()))
 }
 
@@ -102,7 +87,7 @@ impl Reloading {
 
     /// A server configuration that offers `alpn` (e.g. h2 and http/1.1) and this certificate.
     pub fn acceptor(self: &Arc<Self>, alpn: &[&[u8]]) -> Result<TlsAcceptor, String> {
-        let mut config = ServerConfig::builder_with_provider(provider())
+        let mut config = ServerConfig::builder_with_provider(ebb_proxy::certs::provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| e.to_string())?
             .with_no_client_auth()

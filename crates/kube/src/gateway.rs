@@ -22,7 +22,8 @@
 //! served as that route: its requests wake it from zero and count as its traffic.
 //!
 //! Without the Gateway API's CRDs the watches fail and are retried with a backoff; the failure
-//! is said once.
+//! is said once. A watch RBAC refuses is told as ebb's other watches' are
+//! (`crate::health::Access`). Each TLS Secret's certificate is parsed once per resourceVersion.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -53,12 +54,14 @@ fn resource(kind: &str, plural: &str) -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", kind), plural)
 }
 
-/// Runs a reflector into `writer` until `stop`, poking `changed` after each event.
+/// Runs a reflector into `writer` until `stop`, poking `changed` after each event. A watch RBAC
+/// refuses is told as every other watch of ebb's is (`guard`: a WARN, `/readyz`, asked again
+/// less and less often); other failures are said once until they change.
 async fn reflect<K>(
     api: Api<K>,
     config: watcher::Config,
     writer: reflector::store::Writer<K>,
-    what: String,
+    mut guard: crate::health::Guard,
     changed: Arc<Notify>,
     mut stop: watch::Receiver<bool>,
 ) where
@@ -74,11 +77,20 @@ async fn reflect<K>(
     let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
     tokio::pin!(stream);
     let mut complaints = crate::orchestrator::Complaints::default();
+    let what = format!("watching {}", guard.what());
     loop {
         let event = tokio::select! {
             e = stream.next() => e,
             _ = stop.changed() => return,
         };
+        if let Some(item) = &event
+            && let Some(delay) = guard.saw(item)
+        {
+            if !crate::health::pause(delay, &mut stop).await {
+                return;
+            }
+            continue;
+        }
         match event {
             None => return,
             Some(Err(e)) => complaints.failed(&what, &e),
@@ -121,54 +133,57 @@ fn spec_of<T: serde::de::DeserializeOwned + Default>(o: &DynamicObject) -> Optio
     }
 }
 
-fn world(stores: &Stores, log: &Log, unbindable: &BTreeSet<SocketAddr>) -> World {
+/// A store's objects whose spec reads as `T`, with their metadata (one that does not read, which
+/// the API server's validation makes rare, is passed over).
+fn objects<T: serde::de::DeserializeOwned + Default>(
+    store: &Store<DynamicObject>,
+) -> impl Iterator<Item = (Arc<DynamicObject>, Meta, T)> {
+    store
+        .state()
+        .into_iter()
+        .filter_map(|o| spec_of(&o).map(|spec| (o.clone(), meta_of(&o), spec)))
+}
+
+/// Which TLS Secrets hold a usable certificate and key, by `NAMESPACE/NAME`, each parsed once
+/// per resourceVersion.
+type Parsed = BTreeMap<String, (Option<String>, Option<gw::TlsSecret>)>;
+
+fn world(
+    stores: &Stores,
+    log: &Log,
+    unbindable: &BTreeSet<SocketAddr>,
+    parsed: &mut Parsed,
+) -> World {
     let mut w = World {
         unbindable: unbindable.clone(),
+        classes: objects(&stores.classes)
+            .map(|(_, meta, spec)| gw::GatewayClass { meta, spec })
+            .collect(),
+        http_routes: objects(&stores.routes)
+            .map(|(_, meta, spec)| gw::HttpRoute { meta, spec })
+            .collect(),
+        grants: objects(&stores.grants)
+            .map(|(_, meta, spec)| gw::ReferenceGrant { meta, spec })
+            .collect(),
         ..World::default()
     };
-    for o in stores.classes.state() {
-        if let Some(spec) = spec_of(&o) {
-            w.classes.push(gw::GatewayClass {
-                meta: meta_of(&o),
-                spec,
-            });
-        }
-    }
-    for o in stores.gateways.state() {
-        if let Some(spec) = spec_of(&o) {
-            let status_addresses = o
-                .data
-                .pointer("/status/addresses")
-                .and_then(Value::as_array)
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|x| x.get("value").and_then(Value::as_str))
-                        .map(str::to_owned)
-                        .collect()
-                })
-                .unwrap_or_default();
-            w.gateways.push(gw::Gateway {
-                meta: meta_of(&o),
-                spec,
-                status_addresses,
-            });
-        }
-    }
-    for o in stores.routes.state() {
-        if let Some(spec) = spec_of(&o) {
-            w.http_routes.push(gw::HttpRoute {
-                meta: meta_of(&o),
-                spec,
-            });
-        }
-    }
-    for o in stores.grants.state() {
-        if let Some(spec) = spec_of(&o) {
-            w.grants.push(gw::ReferenceGrant {
-                meta: meta_of(&o),
-                spec,
-            });
-        }
+    for (o, meta, spec) in objects(&stores.gateways) {
+        let status_addresses = o
+            .data
+            .pointer("/status/addresses")
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.get("value").and_then(Value::as_str))
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        w.gateways.push(gw::Gateway {
+            meta,
+            spec,
+            status_addresses,
+        });
     }
     for n in stores.namespaces.state() {
         w.namespaces.insert(
@@ -198,26 +213,36 @@ fn world(stores: &Stores, log: &Log, unbindable: &BTreeSet<SocketAddr>) -> World
         let route = routes.contains(&key).then(|| key.clone());
         w.services.insert(key, gw::ServiceInfo { ports, route });
     }
+    let mut seen = BTreeSet::new();
     for s in stores.secrets.state() {
         let key = format!(
             "{}/{}",
             s.metadata.namespace.as_deref().unwrap_or_default(),
             s.metadata.name.as_deref().unwrap_or_default()
         );
-        let data = s.data.clone().unwrap_or_default();
-        let tls = match (data.get("tls.crt"), data.get("tls.key")) {
-            (Some(c), Some(k)) => {
-                ebb_proxy::gateway::certified_key(&c.0, &k.0)
-                    .ok()
-                    .map(|_| gw::TlsSecret {
-                        cert_pem: c.0.clone(),
-                        key_pem: k.0.clone(),
-                    })
-            }
-            _ => None,
-        };
-        w.secrets.insert(key, tls);
+        seen.insert(key.clone());
+        let version = s.metadata.resource_version.clone();
+        if parsed.get(&key).is_none_or(|(v, _)| *v != version) {
+            let data = s.data.clone().unwrap_or_default();
+            let tls = match (data.get("tls.crt"), data.get("tls.key")) {
+                (Some(c), Some(k)) => {
+                    ebb_proxy::certs::certified_key(&c.0, &k.0)
+                        .ok()
+                        .map(|_| gw::TlsSecret {
+                            cert_pem: c.0.clone(),
+                            key_pem: k.0.clone(),
+                        })
+                }
+                _ => None,
+            };
+            parsed.insert(key.clone(), (version, tls));
+        }
     }
+    parsed.retain(|k, _| seen.contains(k));
+    w.secrets = parsed
+        .iter()
+        .map(|(k, (_, tls))| (k.clone(), tls.clone()))
+        .collect();
     w
 }
 
@@ -239,13 +264,13 @@ pub async fn run(
     mut stop: watch::Receiver<bool>,
 ) {
     let client = orch.client();
-    let ns = orch.options.namespace.clone();
+    let ns = orch.options.namespace.as_deref();
     let changed = Arc::new(Notify::new());
-    let dyn_api = |ar: &ApiResource, namespaced: bool| -> Api<DynamicObject> {
-        match (&ns, namespaced) {
-            (Some(n), true) => Api::namespaced_with(client.clone(), n, ar),
-            _ => Api::all_with(client.clone(), ar),
-        }
+    let guard = |what: &str, namespaced: bool| {
+        orch.access.watch(crate::orchestrator::watched(
+            what,
+            ns.filter(|_| namespaced),
+        ))
     };
     let kinds = [
         ("GatewayClass", "gatewayclasses", false),
@@ -256,13 +281,17 @@ pub async fn run(
     let mut dyn_stores = Vec::new();
     for (kind, plural, namespaced) in kinds {
         let ar = resource(kind, plural);
-        let writer = reflector::store::Writer::new(ar.clone());
+        let api = match ns.filter(|_| namespaced) {
+            Some(n) => Api::namespaced_with(client.clone(), n, &ar),
+            None => Api::all_with(client.clone(), &ar),
+        };
+        let writer = reflector::store::Writer::new(ar);
         dyn_stores.push(writer.as_reader());
         tokio::spawn(reflect(
-            dyn_api(&ar, namespaced),
+            api,
             watcher::Config::default(),
             writer,
-            format!("watching {plural}"),
+            guard(plural, namespaced),
             changed.clone(),
             stop.clone(),
         ));
@@ -272,33 +301,25 @@ pub async fn run(
         Api::all(client.clone()),
         watcher::Config::default(),
         w,
-        "watching Namespaces".into(),
+        guard("Namespaces", false),
         changed.clone(),
         stop.clone(),
     ));
     let (services, w) = reflector::store::<Service>();
-    let svc_api: Api<Service> = match &ns {
-        Some(n) => Api::namespaced(client.clone(), n),
-        None => Api::all(client.clone()),
-    };
     tokio::spawn(reflect(
-        svc_api,
+        crate::orchestrator::api(&client, ns),
         watcher::Config::default(),
         w,
-        "watching Services for Gateway routes".into(),
+        guard("Services behind Gateway routes", true),
         changed.clone(),
         stop.clone(),
     ));
     let (secrets, w) = reflector::store::<Secret>();
-    let secret_api: Api<Secret> = match &ns {
-        Some(n) => Api::namespaced(client.clone(), n),
-        None => Api::all(client.clone()),
-    };
     tokio::spawn(reflect(
-        secret_api,
+        crate::orchestrator::api(&client, ns),
         watcher::Config::default().fields("type=kubernetes.io/tls"),
         w,
-        "watching TLS Secrets".into(),
+        guard("TLS Secrets", true),
         changed.clone(),
         stop.clone(),
     ));
@@ -316,7 +337,7 @@ pub async fn run(
 
     let mut last_seq = u64::MAX;
     let mut led = false;
-    let mut last: Option<Output> = None;
+    let mut parsed = Parsed::new();
     let mut writer = StatusWriter::new(client.clone(), orch.clone());
     loop {
         tokio::select! {
@@ -334,11 +355,15 @@ pub async fn run(
         tokio::time::sleep(SETTLE).await;
         last_seq = log.read(|s| s.routes.changed_at_seq);
         let refused = unbindable.borrow_and_update().clone();
-        let w = world(&stores, &log, &refused);
+        let w = world(&stores, &log, &refused, &mut parsed);
         let out = compile::compile(&w, &options.addressing);
-        if last.as_ref().map(|l| &l.sockets) != Some(&out.sockets) {
-            sockets.send_replace(Arc::new(out.sockets.clone()));
-        }
+        sockets.send_if_modified(|now| {
+            let changed = **now != out.sockets;
+            if changed {
+                *now = Arc::new(out.sockets.clone());
+            }
+            changed
+        });
         if log.read(|s| s.routes.gateway != out.attachments) {
             let attachments = out.attachments.clone();
             let told = log
@@ -355,7 +380,6 @@ pub async fn run(
         if led {
             writer.write(&stores, &out).await;
         }
-        last = Some(out);
     }
 }
 

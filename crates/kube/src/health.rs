@@ -130,6 +130,11 @@ pub fn forbidden(e: &kube::runtime::watcher::Error) -> Option<String> {
 }
 
 impl Guard {
+    /// The watch, as named for people.
+    pub fn what(&self) -> &str {
+        &self.what
+    }
+
     /// Takes an item of the watch: `Some(delay)` when it is a refusal, to wait before polling the
     /// watch again (the watch asks again when polled). A (re)list starting (`Init`) says nothing
     /// yet; what it lists, or a change, says the watch is allowed.

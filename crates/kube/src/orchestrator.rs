@@ -904,7 +904,7 @@ impl RouteLoop {
     }
 }
 
-fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
+pub(crate) fn api<K>(client: &kube::Client, namespace: Option<&str>) -> Api<K>
 where
     K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
     <K as kube::Resource>::DynamicType: Default,
@@ -916,7 +916,7 @@ where
 }
 
 /// How a watch of `what` over the served namespaces is named for people.
-fn watched(what: &str, namespace: Option<&str>) -> String {
+pub(crate) fn watched(what: &str, namespace: Option<&str>) -> String {
     match namespace {
         Some(ns) => format!("{what} in namespace {ns}"),
         None => format!("{what} in all namespaces"),

@@ -18,8 +18,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::sync::watch;
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::server::{ClientHello, ResolvesServerCert};
@@ -100,24 +98,11 @@ impl ResolvesServerCert for BySni {
     }
 }
 
-/// A certificate and key from PEM, or why not.
-pub fn certified_key(cert_pem: &[u8], key_pem: &[u8]) -> Result<CertifiedKey, String> {
-    let chain = CertificateDer::pem_slice_iter(cert_pem)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| format!("tls.crt: {e}"))?;
-    if chain.is_empty() {
-        return Err("tls.crt holds no certificate".into());
-    }
-    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| format!("tls.key: {e}"))?;
-    CertifiedKey::from_der(chain, key, &rustls::crypto::ring::default_provider())
-        .map_err(|e| e.to_string())
-}
-
 fn tls_config(certs: &[Certificate]) -> Option<Arc<rustls::ServerConfig>> {
     let keys: Vec<Cert> = certs
         .iter()
         .filter_map(
-            |c| match certified_key(&c.secret.cert_pem, &c.secret.key_pem) {
+            |c| match crate::certs::certified_key(&c.secret.cert_pem, &c.secret.key_pem) {
                 Ok(k) => Some(Cert {
                     hostname: c.hostname.clone(),
                     key: Arc::new(k),
@@ -129,8 +114,7 @@ fn tls_config(certs: &[Certificate]) -> Option<Arc<rustls::ServerConfig>> {
             },
         )
         .collect();
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut cfg = rustls::ServerConfig::builder_with_provider(provider)
+    let mut cfg = rustls::ServerConfig::builder_with_provider(crate::certs::provider())
         .with_safe_default_protocol_versions()
         .ok()?
         .with_no_client_auth()

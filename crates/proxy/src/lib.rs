@@ -61,6 +61,7 @@ use ebb_core::{clock, event, ids, limits, scaler, state};
 use ebb_storage::log;
 
 pub mod backends;
+pub mod certs;
 pub mod discovery;
 pub mod gateway;
 pub mod grpc;
