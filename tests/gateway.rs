@@ -6,7 +6,7 @@
 //! ebb, a process beside the control plane, is the controller of the GatewayClass `ebb` with
 //! each Gateway on an address of its own (`--gateway-address-pool` on loopback), its listeners
 //! reaching the pods over the node's bridge. The suite's report (the YAML it writes) must say
-//! that the `GATEWAY-HTTP` profile's core passed.
+//! that the `GATEWAY-HTTP` and `GATEWAY-GRPC` profiles' cores passed.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -79,7 +79,7 @@ async fn gateway_cluster(data: &Path) -> (ControlPlane, RealNode, crate::common:
         || {
             cp.try_kubectl(&[
                 "get",
-                "gatewayclasses,gateways,httproutes,referencegrants",
+                "gatewayclasses,gateways,httproutes,grpcroutes,referencegrants",
                 "-A",
             ])
             .is_ok()
@@ -114,13 +114,14 @@ async fn gateway_cluster(data: &Path) -> (ControlPlane, RealNode, crate::common:
     (cp, node, ebb)
 }
 
-/// The upstream conformance suite's `GATEWAY-HTTP` profile passes its core against ebb: every
-/// core test (Gateways and their listeners' conditions, attached routes, path, header and
-/// hostname matching with the Gateway API's precedence, weights, redirects, header changes,
-/// ReferenceGrants, HTTPS with certificates by SNI, services headless and with manual
-/// EndpointSlices), and the report the suite writes says so.
+/// The upstream conformance suite's `GATEWAY-HTTP` and `GATEWAY-GRPC` profiles pass their cores
+/// against ebb: every core test (Gateways and their listeners' conditions, attached routes,
+/// path, header and hostname matching with the Gateway API's precedence, weights, redirects,
+/// header changes, ReferenceGrants, HTTPS with certificates by SNI, services headless and with
+/// manual EndpointSlices; gRPC calls over h2c by service, method and headers, weighted), the
+/// extended features ebb names, and the report the suite writes says so.
 #[tokio::test]
-async fn the_gateway_api_conformance_suite_passes_its_http_core_against_ebb() {
+async fn the_gateway_api_conformance_suite_passes_its_http_and_grpc_cores_against_ebb() {
     let data = tempfile::tempdir().expect("tempdir");
     let (cp, mut node, _ebb) = gateway_cluster(data.path()).await;
     let report = data.path().join("conformance-report.yaml");
@@ -132,7 +133,7 @@ async fn the_gateway_api_conformance_suite_passes_its_http_core_against_ebb() {
             "-test.v",
             "-test.timeout=25m",
             &format!("-gateway-class={CLASS}"),
-            "-conformance-profiles=GATEWAY-HTTP",
+            "-conformance-profiles=GATEWAY-HTTP,GATEWAY-GRPC",
             &format!("-supported-features={features}"),
             "-organization=ebb",
             "-project=ebb",
@@ -180,11 +181,13 @@ async fn the_gateway_api_conformance_suite_passes_its_http_core_against_ebb() {
         crate::common::controlplane::tail(&log, 80)
     );
     let report: serde_json::Value = yaml_serde::from_str(&written).expect("the report is YAML");
-    let profile = report["profiles"]
-        .as_array()
-        .and_then(|ps| ps.iter().find(|p| p["name"] == "GATEWAY-HTTP"))
-        .unwrap_or_else(|| panic!("the report names the profile: {written}"));
-    assert_eq!(profile["core"]["result"], "success", "{written}");
+    for name in ["GATEWAY-HTTP", "GATEWAY-GRPC"] {
+        let profile = report["profiles"]
+            .as_array()
+            .and_then(|ps| ps.iter().find(|p| p["name"] == name))
+            .unwrap_or_else(|| panic!("the report names the profile {name}: {written}"));
+        assert_eq!(profile["core"]["result"], "success", "{name}: {written}");
+    }
 }
 
 /// The Gateway API's CRDs (from the suite's build) and the class `ebb`.

@@ -1,7 +1,7 @@
 //! The Gateway API controller: ebb as the Gateway of every `GatewayClass` whose
 //! `controllerName` is `ebb.dev/gateway`.
 //!
-//! [`run`] watches GatewayClasses, Gateways, HTTPRoutes and ReferenceGrants
+//! [`run`] watches GatewayClasses, Gateways, HTTPRoutes, GRPCRoutes and ReferenceGrants
 //! (`gateway.networking.k8s.io/v1`), Namespaces (their labels, for `allowedRoutes`), Services
 //! (their ports) and `kubernetes.io/tls` Secrets (the listeners' certificates), each through a
 //! reflector. After every change (at most one compile per [`SETTLE`]), and whenever the
@@ -15,8 +15,8 @@
 //!   condition's `lastTransitionTime` kept while its status stands; a route's parents of other
 //!   controllers are left as they are;
 //! * records each route's attachment (which listeners took it, or why none did) in the log once
-//!   per change (`GatewayRouteAttached`), so `ebb explain route HTTPRoute/NAMESPACE/NAME` tells
-//!   it.
+//!   per change (`GatewayRouteAttached`), so `ebb explain route HTTPRoute/NAMESPACE/NAME` (or
+//!   `GRPCRoute/...`) tells it.
 //!
 //! A backend Service that is one of ebb's routes (an annotated Service, `NAMESPACE/SERVICE`) is
 //! served as that route: its requests wake it from zero and count as its traffic.
@@ -106,6 +106,7 @@ struct Stores {
     classes: Store<DynamicObject>,
     gateways: Store<DynamicObject>,
     routes: Store<DynamicObject>,
+    grpc_routes: Store<DynamicObject>,
     grants: Store<DynamicObject>,
     namespaces: Store<Namespace>,
     services: Store<Service>,
@@ -162,6 +163,9 @@ fn world(
         http_routes: objects(&stores.routes)
             .map(|(_, meta, spec)| gw::HttpRoute { meta, spec })
             .collect(),
+        grpc_routes: objects(&stores.grpc_routes)
+            .map(|(_, meta, spec)| gw::GrpcRoute { meta, spec })
+            .collect(),
         grants: objects(&stores.grants)
             .map(|(_, meta, spec)| gw::ReferenceGrant { meta, spec })
             .collect(),
@@ -204,14 +208,26 @@ fn world(
             s.metadata.namespace.as_deref().unwrap_or_default(),
             s.metadata.name.as_deref().unwrap_or_default()
         );
-        let ports = s
+        let all = s
             .spec
             .as_ref()
-            .and_then(|p| p.ports.as_ref())
-            .map(|ps| ps.iter().map(|p| p.port).collect())
+            .and_then(|p| p.ports.clone())
             .unwrap_or_default();
+        let ports = all.iter().map(|p| p.port).collect();
+        let h2c_ports = all
+            .iter()
+            .filter(|p| p.app_protocol.as_deref() == Some("kubernetes.io/h2c"))
+            .map(|p| p.port)
+            .collect();
         let route = routes.contains(&key).then(|| key.clone());
-        w.services.insert(key, gw::ServiceInfo { ports, route });
+        w.services.insert(
+            key,
+            gw::ServiceInfo {
+                ports,
+                h2c_ports,
+                route,
+            },
+        );
     }
     let mut seen = BTreeSet::new();
     for s in stores.secrets.state() {
@@ -276,6 +292,7 @@ pub async fn run(
         ("GatewayClass", "gatewayclasses", false),
         ("Gateway", "gateways", true),
         ("HTTPRoute", "httproutes", true),
+        ("GRPCRoute", "grpcroutes", true),
         ("ReferenceGrant", "referencegrants", true),
     ];
     let mut dyn_stores = Vec::new();
@@ -324,11 +341,12 @@ pub async fn run(
         stop.clone(),
     ));
     let mut dyn_stores = dyn_stores.into_iter();
-    let mut next = || dyn_stores.next().expect("four stores");
+    let mut next = || dyn_stores.next().expect("five stores");
     let stores = Stores {
         classes: next(),
         gateways: next(),
         routes: next(),
+        grpc_routes: next(),
         grants: next(),
         namespaces,
         services,
@@ -568,10 +586,30 @@ impl StatusWriter {
         }
         // Routes: ours are the parents with our controller name; every route whose parents of
         // ours differ from what the compile says is written, those no longer ours included.
-        let routes = resource("HTTPRoute", "httproutes");
-        let by_key: BTreeMap<String, &compile::RouteStatus> =
-            out.routes.iter().map(|r| (r.meta.key(), r)).collect();
-        for o in stores.routes.state() {
+        let by_key: BTreeMap<(&str, String), &compile::RouteStatus> = out
+            .routes
+            .iter()
+            .map(|r| ((r.kind, r.meta.key()), r))
+            .collect();
+        let kinds = [
+            ("HTTPRoute", "httproutes", &stores.routes),
+            ("GRPCRoute", "grpcroutes", &stores.grpc_routes),
+        ];
+        for (kind, plural, store) in kinds {
+            self.write_routes(&resource(kind, plural), store, &by_key, &now)
+                .await;
+        }
+    }
+
+    /// Writes the routes of one kind whose parents of ebb's differ from the compile's.
+    async fn write_routes(
+        &mut self,
+        routes: &ApiResource,
+        store: &Store<DynamicObject>,
+        by_key: &BTreeMap<(&str, String), &compile::RouteStatus>,
+        now: &str,
+    ) {
+        for o in store.state() {
             let meta = meta_of(&o);
             let old_parents: Vec<Value> = o
                 .data
@@ -584,7 +622,7 @@ impl StatusWriter {
                     p.get("controllerName").and_then(Value::as_str) == Some(CONTROLLER_NAME)
                 });
             let new_mine: Vec<Value> = by_key
-                .get(&meta.key())
+                .get(&(routes.kind.as_str(), meta.key()))
                 .map(|r| {
                     r.parents
                         .iter()
@@ -597,7 +635,7 @@ impl StatusWriter {
                             json!({
                                 "parentRef": pref,
                                 "controllerName": CONTROLLER_NAME,
-                                "conditions": conditions(&p.conditions, before, &now),
+                                "conditions": conditions(&p.conditions, before, now),
                             })
                         })
                         .collect()
@@ -609,7 +647,7 @@ impl StatusWriter {
             let mut parents = others;
             parents.extend(new_mine);
             self.patch(
-                &routes,
+                routes,
                 Some(&meta.namespace),
                 &meta.name,
                 json!({ "parents": parents }),

@@ -20,14 +20,23 @@ use super::Body;
 
 /// gRPC status codes ebb answers with.
 pub const DEADLINE_EXCEEDED: u8 = 4;
+pub const UNIMPLEMENTED: u8 = 12;
 pub const UNAVAILABLE: u8 = 14;
 
 /// Whether a request is a gRPC call: HTTP/2 with a `application/grpc` content type (`+proto` and
 /// other suffixes included).
 pub fn is_grpc(parts: &hyper::http::request::Parts) -> bool {
-    parts.version == hyper::Version::HTTP_2
-        && parts
-            .headers
+    grpc_head(parts.version, &parts.headers)
+}
+
+/// [`is_grpc`] of a whole request.
+pub fn is_grpc_request<B>(req: &Request<B>) -> bool {
+    grpc_head(req.version(), req.headers())
+}
+
+fn grpc_head(version: hyper::Version, headers: &HeaderMap) -> bool {
+    version == hyper::Version::HTTP_2
+        && headers
             .get(header::CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }

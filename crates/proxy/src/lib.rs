@@ -899,6 +899,13 @@ impl Proxy {
             let service = self.gateway_socket(socket.0).and_then(|s| s.lookup(&host));
             return match service {
                 Some(service) => self.handle_service(req, peer, host, path, service).await,
+                None if grpc::is_grpc_request(&req) => grpc::status(
+                    grpc::UNIMPLEMENTED,
+                    &format!(
+                        "no route of the Gateway listener {} for host {host:?}",
+                        socket.0
+                    ),
+                ),
                 None => error_for(
                     req.method(),
                     StatusCode::NOT_FOUND,
@@ -1098,7 +1105,7 @@ impl Proxy {
                             backend_upgrade,
                             (in_flight, slot, self.tunnel_guard()),
                             idle,
-                            entry.traffic.clone(),
+                            Some(entry.traffic.clone()),
                             self.clock.clone(),
                         ));
                         let (parts, _) = resp.into_parts();
@@ -1154,13 +1161,27 @@ impl Proxy {
     /// connection is tried once more on another instance when the request can be sent again.
     async fn handle_service(
         &self,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         peer: SocketAddr,
         host: String,
         target: String,
         service: Arc<services::ServiceEntry>,
     ) -> Response<Body> {
+        // An upgrade (WebSocket) keeps its Upgrade header and becomes a byte tunnel after a 101.
+        let upgrade_to = upgrade_protocol(req.headers());
+        let mut client_upgrade = upgrade_to.is_some().then(|| hyper::upgrade::on(&mut req));
         let (mut parts, body) = req.into_parts();
+        // A gRPC call goes on over h2c, and what ebb answers itself is a gRPC status.
+        let grpc = grpc::is_grpc(&parts);
+        let refuse = |status: StatusCode, code: &str, message: &str| {
+            if !grpc {
+                json_error(status, code, message)
+            } else if status == StatusCode::NOT_FOUND {
+                grpc::status(grpc::UNIMPLEMENTED, message)
+            } else {
+                grpc::status(grpc::UNAVAILABLE, message)
+            }
+        };
         let bare_host = crate::ids::host_without_port(&host).to_ascii_lowercase();
         let matched = {
             let headers = &parts.headers;
@@ -1173,6 +1194,12 @@ impl Proxy {
             })
         };
         let Some((ri, sent)) = matched else {
+            if grpc {
+                return grpc::status(
+                    grpc::UNIMPLEMENTED,
+                    &format!("no route of {} matches {target}", service.meta.id),
+                );
+            }
             return error_for(
                 &parts.method,
                 StatusCode::NOT_FOUND,
@@ -1185,7 +1212,7 @@ impl Proxy {
         };
         let route = &service.meta.routes[ri];
         if let Some(why) = &route.fail {
-            return json_error(StatusCode::INTERNAL_SERVER_ERROR, "rule_failed", why);
+            return refuse(StatusCode::INTERNAL_SERVER_ERROR, "rule_failed", why);
         }
         let https = parts.extensions.get::<Https>().is_some();
         if route.redirect.is_some() {
@@ -1204,7 +1231,7 @@ impl Proxy {
             return r;
         }
         if route.total_weight() == 0 {
-            return json_error(
+            return refuse(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "no_backend",
                 "every backend of the rule has weight 0",
@@ -1215,7 +1242,7 @@ impl Proxy {
         });
         let dest = &route.destinations[di];
         if let crate::discovery::meta::Source::Invalid(why) = &dest.source {
-            return json_error(StatusCode::INTERNAL_SERVER_ERROR, "invalid_backend", why);
+            return refuse(StatusCode::INTERNAL_SERVER_ERROR, "invalid_backend", why);
         }
         let replayable = !parts.headers.contains_key(header::TRANSFER_ENCODING)
             && parts
@@ -1223,12 +1250,30 @@ impl Proxy {
                 .get(header::CONTENT_LENGTH)
                 .is_none_or(|v| v.as_bytes() == b"0");
         strip_hop_by_hop(&mut parts.headers);
-        parts.version = hyper::Version::HTTP_11;
+        // gRPC, and every request to an h2c destination, goes on over HTTP/2.
+        let h2 = grpc || dest.h2c;
+        if h2 {
+            parts.version = hyper::Version::HTTP_2;
+        } else {
+            parts.version = hyper::Version::HTTP_11;
+        }
+        if grpc {
+            parts
+                .headers
+                .insert(header::TE, HeaderValue::from_static("trailers"));
+        }
+        if let Some(proto) = upgrade_to.as_ref().filter(|_| !h2) {
+            parts
+                .headers
+                .insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            parts.headers.insert(header::UPGRADE, proto.clone());
+        }
         let sent_host = route.rewrite_host.as_deref().unwrap_or(&host);
         if let Ok(h) = HeaderValue::from_str(sent_host) {
             parts.headers.insert(header::HOST, h);
         }
         change_headers(&mut parts.headers, &route.request_headers);
+        change_headers(&mut parts.headers, &dest.request_headers);
         add_forwarded(&mut parts.headers, peer, &host, https);
         let id = ensure_request_id(&mut parts.headers);
         let key = key_of(&dest.policy, &target, &parts.headers, peer);
@@ -1246,78 +1291,167 @@ impl Proxy {
             let version = *self.orch_version.borrow();
             service.ready(ri, di, version, &self.backends, |id| self.resolve(id))
         };
-        loop {
-            let slot = match &app {
-                Some(entry) => match self
-                    .endpoint_on(entry, failed, key, id.as_bytes(), false, &ready)
-                    .await
-                {
-                    Ok(slot) => slot,
-                    Err(r) => {
-                        entry.traffic.answered(r.status.as_u16(), None);
-                        return r.into_response(self.options.retry_after_s);
-                    }
-                },
-                None => match backends::take_slot(&ready(), failed, 0, key, &service.group) {
-                    Some(slot) => slot,
-                    None => {
-                        return Refusal::unavailable(
-                            "no_instance",
-                            format!(
-                                "destination {} of {} has no instance to send to",
-                                di + 1,
-                                service.meta.id
-                            ),
-                        )
-                        .into_response(self.options.retry_after_s);
-                    }
-                },
-            };
-            let addr = slot.addr();
-            let out = match to_backend(&parts, body.take().unwrap_or_else(empty), addr, &path) {
-                Ok(r) => r,
-                Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
-            };
-            match client(&self.options, &self.backends).request(out).await {
-                Ok(resp) => {
-                    let load = resp
-                        .headers()
-                        .get("x-runner-load")
-                        .and_then(|v| crate::discovery::parse_load(v.as_bytes()));
-                    let rtt_us = slot.answered(resp.status().as_u16(), load);
-                    if let Some(entry) = &app {
-                        entry.traffic.answered(resp.status().as_u16(), Some(rtt_us));
-                    }
-                    let (mut parts, body) = resp.into_parts();
-                    strip_hop_by_hop(&mut parts.headers);
-                    change_headers(&mut parts.headers, &route.response_headers);
-                    let body = Counted {
-                        inner: body.map_err(BoxError::from).boxed(),
-                        _in_flight: in_flight.take(),
-                        _slot: slot,
-                    };
-                    return Response::from_parts(parts, body.boxed());
-                }
-                Err(e) => {
-                    slot.failed();
-                    if (e.is_connect() || backend_went_away(&e))
-                        && retry_after_miss(BackendMiss::WentAway { replayable }, failed.is_some())
-                        && ready().items().len() > 1
+        // Past the rule's request timeout (a wake, a wait and a retry included) or a gRPC call's
+        // deadline: 504, or `DEADLINE_EXCEEDED`.
+        let deadline_ms = grpc
+            .then(|| grpc::timeout(&parts.headers))
+            .flatten()
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1));
+        let request_ms = match (route.request_timeout_ms, deadline_ms) {
+            (0, d) => d.unwrap_or(0),
+            (r, None) => r,
+            (r, Some(d)) => r.min(d),
+        };
+        let timed_out = |what: &str, code: &str, ms: u64| {
+            if let Some(entry) = &app {
+                entry.traffic.answered(504, None);
+            }
+            let message = format!("{what} {ms} ms");
+            if grpc {
+                grpc::status(grpc::DEADLINE_EXCEEDED, &message)
+            } else {
+                json_error(StatusCode::GATEWAY_TIMEOUT, code, &message)
+            }
+        };
+        let tries = async {
+            loop {
+                let slot = match &app {
+                    Some(entry) => match self
+                        .endpoint_on(entry, failed, key, id.as_bytes(), false, &ready)
+                        .await
                     {
-                        tracing::debug!(service = %service.meta.id, %addr, error = %e, "instance went away; retrying");
-                        failed = Some(addr);
-                        continue;
+                        Ok(slot) => slot,
+                        Err(r) => {
+                            entry.traffic.answered(r.status.as_u16(), None);
+                            if grpc {
+                                return grpc::status(grpc::UNAVAILABLE, &r.message);
+                            }
+                            return r.into_response(self.options.retry_after_s);
+                        }
+                    },
+                    None => match backends::take_slot(&ready(), failed, 0, key, &service.group) {
+                        Some(slot) => slot,
+                        None if grpc => {
+                            return grpc::status(
+                                grpc::UNAVAILABLE,
+                                &format!(
+                                    "destination {} of {} has no instance to send to",
+                                    di + 1,
+                                    service.meta.id
+                                ),
+                            );
+                        }
+                        None => {
+                            return Refusal::unavailable(
+                                "no_instance",
+                                format!(
+                                    "destination {} of {} has no instance to send to",
+                                    di + 1,
+                                    service.meta.id
+                                ),
+                            )
+                            .into_response(self.options.retry_after_s);
+                        }
+                    },
+                };
+                let addr = slot.addr();
+                let out = match to_backend(&parts, body.take().unwrap_or_else(empty), addr, &path) {
+                    Ok(r) => r,
+                    Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
+                };
+                let sent = async {
+                    if h2 {
+                        client_h2(&self.options, &self.backends)
+                            .request(grpc::for_backend(out))
+                            .await
+                    } else {
+                        client(&self.options, &self.backends).request(out).await
                     }
-                    if let Some(entry) = &app {
-                        entry.traffic.answered(502, None);
+                };
+                let answered = match route.backend_timeout_ms {
+                    0 => sent.await,
+                    ms => match tokio::time::timeout(Duration::from_millis(ms), sent).await {
+                        Ok(r) => r,
+                        Err(_) => {
+                            slot.failed();
+                            return timed_out(
+                                "the backend did not begin its answer within the rule's timeout,",
+                                "backend_timeout",
+                                ms,
+                            );
+                        }
+                    },
+                };
+                match answered {
+                    Ok(mut resp) => {
+                        let load = resp
+                            .headers()
+                            .get("x-runner-load")
+                            .and_then(|v| crate::discovery::parse_load(v.as_bytes()));
+                        let rtt_us = slot.answered(resp.status().as_u16(), load);
+                        if let Some(entry) = &app {
+                            entry.traffic.answered(resp.status().as_u16(), Some(rtt_us));
+                        }
+                        if resp.status() == StatusCode::SWITCHING_PROTOCOLS
+                            && let Some(client_upgrade) = client_upgrade.take()
+                        {
+                            let backend_upgrade = hyper::upgrade::on(&mut resp);
+                            tokio::spawn(tunnel(
+                                client_upgrade,
+                                backend_upgrade,
+                                (in_flight.take(), slot, self.tunnel_guard()),
+                                None,
+                                app.as_ref().map(|e| e.traffic.clone()),
+                                self.clock.clone(),
+                            ));
+                            let (parts, _) = resp.into_parts();
+                            return Response::from_parts(parts, empty());
+                        }
+                        let (mut parts, body) = resp.into_parts();
+                        strip_hop_by_hop(&mut parts.headers);
+                        change_headers(&mut parts.headers, &route.response_headers);
+                        let body = Counted {
+                            inner: body.map_err(BoxError::from).boxed(),
+                            _in_flight: in_flight.take(),
+                            _slot: slot,
+                        };
+                        return Response::from_parts(parts, body.boxed());
                     }
-                    return json_error(
-                        StatusCode::BAD_GATEWAY,
-                        "backend_error",
-                        &format!("instance {addr}: {e}"),
-                    );
+                    Err(e) => {
+                        slot.failed();
+                        if (e.is_connect() || backend_went_away(&e))
+                            && retry_after_miss(
+                                BackendMiss::WentAway { replayable },
+                                failed.is_some(),
+                            )
+                            && ready().items().len() > 1
+                        {
+                            tracing::debug!(service = %service.meta.id, %addr, error = %e, "instance went away; retrying");
+                            failed = Some(addr);
+                            continue;
+                        }
+                        if let Some(entry) = &app {
+                            entry.traffic.answered(502, None);
+                        }
+                        return refuse(
+                            StatusCode::BAD_GATEWAY,
+                            "backend_error",
+                            &format!("instance {addr}: {e}"),
+                        );
+                    }
                 }
             }
+        };
+        match request_ms {
+            0 => tries.await,
+            ms => match tokio::time::timeout(Duration::from_millis(ms), tries).await {
+                Ok(r) => r,
+                Err(_) => timed_out(
+                    "no answer began within the rule's timeout or the call's deadline,",
+                    "request_timeout",
+                    ms,
+                ),
+            },
         }
     }
 
@@ -1631,12 +1765,12 @@ fn upgrade_protocol(headers: &HeaderMap) -> Option<HeaderValue> {
 /// Copies bytes both ways between an upgraded client and backend connection; the connection counts
 /// as in flight (so its workload is never idle) until both sides are done.
 /// Past the route's `connection_idle_timeout_ms` without a byte either way, both are closed.
-async fn tunnel(
+async fn tunnel<G: Send + 'static>(
     client: hyper::upgrade::OnUpgrade,
     backend: hyper::upgrade::OnUpgrade,
-    guards: (InFlight, Slot, TunnelGuard),
+    guards: G,
     idle: Option<Duration>,
-    counts: Arc<traffic::RouteTraffic>,
+    counts: Option<Arc<traffic::RouteTraffic>>,
     clock: Arc<dyn Clock>,
 ) {
     let (client, backend) = match tokio::try_join!(client, backend) {
@@ -1648,7 +1782,9 @@ async fn tunnel(
     };
     match splice::splice(TokioIo::new(client), TokioIo::new(backend), idle, &*clock).await {
         Ok(splice::Ended::Idle) => {
-            counts.timed_out(traffic::Timeout::ConnectionIdle);
+            if let Some(counts) = counts {
+                counts.timed_out(traffic::Timeout::ConnectionIdle);
+            }
             tracing::debug!("upgraded connection idle past connection_idle_timeout_ms; closed");
         }
         Ok(splice::Ended::Closed { .. }) => {}

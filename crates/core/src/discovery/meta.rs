@@ -321,6 +321,12 @@ pub struct Destination {
     pub weight: u32,
     /// The policy its instances are picked by.
     pub policy: Policy,
+    /// Changes to the request's headers when it goes here (a Gateway API backend's filter),
+    /// after the route's.
+    pub request_headers: Changes,
+    /// Its instances speak HTTP/2 without TLS (h2c, a Service port's `appProtocol`): every
+    /// request goes on over HTTP/2.
+    pub h2c: bool,
 }
 
 impl Destination {
@@ -524,6 +530,11 @@ pub struct MetaRoute {
     /// Its destinations.
     pub destinations: Vec<Destination>,
     pub(crate) total_weight: u64,
+    /// The bound (ms, 0: none) from the request to its answer's head: a wake, a wait for an
+    /// instance and a retry included (504 past it).
+    pub request_timeout_ms: u64,
+    /// The bound (ms, 0: none) on one try, from sending to the answer's head (504 past it).
+    pub backend_timeout_ms: u64,
 }
 
 /// A checked meta service.
@@ -707,6 +718,8 @@ impl MetaService {
                     source,
                     weight: d.weight,
                     policy,
+                    request_headers: Changes::default(),
+                    h2c: false,
                 });
             }
             let total_weight: u64 = destinations.iter().map(|d| d.weight as u64).sum();
@@ -727,6 +740,8 @@ impl MetaService {
                 response_headers: changes("response_headers", &r.response_headers).map_err(at)?,
                 destinations,
                 total_weight,
+                request_timeout_ms: 0,
+                backend_timeout_ms: 0,
             });
         }
         Ok(MetaService {

@@ -14,13 +14,17 @@
 //!    protocols conflict (`ProtocolConflict`), with the same hostname (`HostnameConflict`). A
 //!    certificate is a `kubernetes.io/tls` Secret in the Gateway's namespace, or another one
 //!    that a ReferenceGrant opens to Gateways of this namespace; else `RefNotPermitted` or
-//!    `InvalidCertificateRef`. Route kinds other than `HTTPRoute` are `InvalidRouteKinds`. A
-//!    socket the kernel refused is `PortUnavailable`.
-//! 4. **Routes**: each parent reference to an ebb Gateway attaches the route to the listeners
-//!    it names (all, or by `sectionName` and `port`), that allow the route's namespace and kind
-//!    and whose hostname intersects the route's; else the reference is not `Accepted`, with the
-//!    reason that failed first (`NoMatchingParent`, `NotAllowedByListeners`,
-//!    `NoMatchingListenerHostname`). Each backend must be a Service that exists, in the route's
+//!    `InvalidCertificateRef`. Route kinds other than `HTTPRoute` and `GRPCRoute` are
+//!    `InvalidRouteKinds`. A socket the kernel refused is `PortUnavailable`.
+//! 4. **Routes** (HTTPRoutes, and GRPCRoutes read as HTTPRoutes whose paths are
+//!    `/SERVICE/METHOD`), oldest first: each parent reference to an ebb Gateway attaches the
+//!    route to the listeners it names (all, or by `sectionName` and `port`), that allow the
+//!    route's namespace and kind and whose hostname intersects the route's, and where no older
+//!    route of the other kind holds one of its host names; else the reference is not
+//!    `Accepted`, with the reason that failed first (`NoMatchingParent`,
+//!    `NotAllowedByListeners`, `NoMatchingListenerHostname`, `HostnameConflict`). A host name
+//!    an annotated Service serves is the Service's (the route loses it; `HostnameConflict` when
+//!    it had no other). Each backend must be a Service that exists, in the route's
 //!    namespace or opened by a ReferenceGrant, with the port named; else `ResolvedRefs` is false
 //!    (`InvalidKind`, `RefNotPermitted`, `BackendNotFound`) and that backend's share of requests
 //!    gets 500.
@@ -28,7 +32,8 @@
 //!    listener's intersect in, become one meta service of routes in precedence order (exact
 //!    path, then regular expression, then the longest prefix; then a method; then the most
 //!    headers, then the most query parameters; then the oldest route, its `NAMESPACE/NAME`, the
-//!    rule's and the match's order). A hostname a more specific listener of the same socket
+//!    rule's and the match's order; a GRPCRoute's longest service, then longest method, then
+//!    most headers, and the same ties). A hostname a more specific listener of the same socket
 //!    covers is that listener's alone.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -107,7 +112,7 @@ pub struct ParentStatus {
 /// A route's status, as far as it is ebb's.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouteStatus {
-    /// `HTTPRoute`.
+    /// `HTTPRoute` or `GRPCRoute`.
     pub kind: &'static str,
     pub meta: Meta,
     pub parents: Vec<ParentStatus>,
@@ -140,7 +145,8 @@ pub struct Output {
     pub routes: Vec<RouteStatus>,
     pub sockets: Vec<Socket>,
     /// Each route's attachment told in one line, for the log (`GatewayRouteAttached`): by
-    /// `HTTPRoute/NAMESPACE/NAME`, which listeners took it or why none did.
+    /// `KIND/NAMESPACE/NAME` (`HTTPRoute/...`, `GRPCRoute/...`), which listeners took it or why
+    /// none did.
     pub attachments: BTreeMap<String, String>,
 }
 
@@ -223,12 +229,129 @@ struct ListenerState<'a> {
     /// Valid but for its socket, which the kernel refused: still handed to the proxy, which
     /// tries it again (and reports it until it has it).
     retried: bool,
-    /// Its kinds allow HTTPRoute.
-    http_routes: bool,
+    /// The route kinds it takes.
+    kinds: Vec<&'static str>,
     certs: Vec<Certificate>,
 }
 
 const HTTP_ROUTE: &str = "HTTPRoute";
+const GRPC_ROUTE: &str = "GRPCRoute";
+/// The route kinds ebb serves, as a listener's `supportedKinds` names them.
+const ROUTE_KINDS: [&str; 2] = [HTTP_ROUTE, GRPC_ROUTE];
+
+/// A route of either kind as the compile step takes it: a GRPCRoute's rules read as an
+/// HTTPRoute's, its service and method a path (`/SERVICE/METHOD`) and its headers headers.
+#[derive(Debug, Clone)]
+struct Route {
+    kind: &'static str,
+    meta: Meta,
+    spec: HttpRouteSpec,
+    /// A GRPCRoute's matches' service and method lengths, by rule and match: the first of its
+    /// precedence (an HTTPRoute's paths come first in its own).
+    grpc: Option<Vec<Vec<(usize, usize)>>>,
+}
+
+impl Route {
+    fn http(r: &HttpRoute) -> Route {
+        Route {
+            kind: HTTP_ROUTE,
+            meta: r.meta.clone(),
+            spec: r.spec.clone(),
+            grpc: None,
+        }
+    }
+
+    fn grpc(r: &GrpcRoute) -> Route {
+        let mut lengths = Vec::new();
+        let rules = r
+            .spec
+            .rules
+            .iter()
+            .map(|rule| {
+                let mut lens = Vec::new();
+                let matches = rule
+                    .matches
+                    .iter()
+                    .map(|m| {
+                        let (path, len) = match &m.method {
+                            None => (None, (0, 0)),
+                            Some(mm) => grpc_path(mm),
+                        };
+                        lens.push(len);
+                        HttpRouteMatch {
+                            path,
+                            headers: m.headers.clone(),
+                            query_params: Vec::new(),
+                            method: None,
+                        }
+                    })
+                    .collect();
+                if rule.matches.is_empty() {
+                    lens.push((0, 0));
+                }
+                lengths.push(lens);
+                HttpRouteRule {
+                    name: rule.name.clone(),
+                    matches,
+                    filters: rule.filters.clone(),
+                    backend_refs: rule.backend_refs.clone(),
+                    timeouts: None,
+                }
+            })
+            .collect();
+        Route {
+            kind: GRPC_ROUTE,
+            meta: r.meta.clone(),
+            spec: HttpRouteSpec {
+                parent_refs: r.spec.parent_refs.clone(),
+                hostnames: r.spec.hostnames.clone(),
+                rules,
+            },
+            grpc: Some(lengths),
+        }
+    }
+
+    /// `KIND/NAMESPACE/NAME`.
+    fn key(&self) -> String {
+        format!("{}/{}", self.kind, self.meta.key())
+    }
+}
+
+/// A gRPC method match as a path match (`/SERVICE/METHOD`), with its service's and method's
+/// lengths. Exact names are matched exactly, a name left out is any name (`[^/]+`), and a
+/// regular expression is taken as it is.
+fn grpc_path(m: &GrpcMethodMatch) -> (Option<HttpPathMatch>, (usize, usize)) {
+    let service = m.service.as_deref().filter(|s| !s.is_empty());
+    let method = m.method.as_deref().filter(|s| !s.is_empty());
+    let lengths = (service.map_or(0, str::len), method.map_or(0, str::len));
+    let regex = m.type_.as_deref() == Some("RegularExpression");
+    let path = match (service, method) {
+        (Some(s), Some(m)) if !regex => HttpPathMatch {
+            type_: Some("Exact".into()),
+            value: Some(format!("/{s}/{m}")),
+        },
+        _ => {
+            let part = |p: Option<&str>| match p {
+                None => "[^/]+".to_owned(),
+                Some(p) if regex => format!("(?:{p})"),
+                Some(p) => regex::escape(p),
+            };
+            HttpPathMatch {
+                type_: Some("RegularExpression".into()),
+                value: Some(format!("/{}/{}", part(service), part(method))),
+            }
+        }
+    };
+    (Some(path), lengths)
+}
+
+/// Whether two hostname patterns (`*` any host) have a host in common.
+fn overlap(a: &str, b: &str) -> bool {
+    fn any(h: &str) -> Option<&str> {
+        (h != "*").then_some(h)
+    }
+    intersect(any(a), any(b)).is_some()
+}
 
 /// Compiles the Gateway API objects (see the module's documentation).
 pub fn compile(world: &World, addressing: &Addressing) -> Output {
@@ -280,25 +403,22 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
             let mut conditions = Vec::new();
             let protocol_ok = matches!(l.protocol.as_str(), "HTTP" | "HTTPS");
             // Kinds.
-            let mut kinds = Vec::new();
+            let mut kinds: Vec<&'static str> = Vec::new();
             let mut bad_kinds = false;
             match l.allowed_routes.as_ref().map(|a| &a.kinds) {
                 Some(k) if !k.is_empty() => {
                     for rk in k {
-                        if group_is(&rk.group, GROUP) && rk.kind == HTTP_ROUTE {
-                            kinds.push(RouteGroupKind {
-                                group: Some(GROUP.into()),
-                                kind: HTTP_ROUTE.into(),
-                            });
-                        } else {
-                            bad_kinds = true;
+                        match ROUTE_KINDS.iter().find(|&&known| known == rk.kind) {
+                            Some(known) if group_is(&rk.group, GROUP) => {
+                                if !kinds.contains(known) {
+                                    kinds.push(known);
+                                }
+                            }
+                            _ => bad_kinds = true,
                         }
                     }
                 }
-                _ if protocol_ok => kinds.push(RouteGroupKind {
-                    group: Some(GROUP.into()),
-                    kind: HTTP_ROUTE.into(),
-                }),
+                _ if protocol_ok => kinds.extend(ROUTE_KINDS),
                 _ => {}
             }
             // Certificates.
@@ -370,7 +490,10 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                 }
             }
             if bad_kinds && refs_problem.is_none() {
-                refs_problem = Some(("InvalidRouteKinds", "ebb serves HTTPRoute only".into()));
+                refs_problem = Some((
+                    "InvalidRouteKinds",
+                    "ebb serves HTTPRoutes and GRPCRoutes".into(),
+                ));
             }
             let bound = addresses[gi]
                 .and_then(|a| u16::try_from(l.port).ok().map(|p| SocketAddr::new(a, p)));
@@ -406,13 +529,19 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                 spec: l,
                 status: ListenerStatus {
                     name: l.name.clone(),
-                    supported_kinds: kinds.clone(),
+                    supported_kinds: kinds
+                        .iter()
+                        .map(|k| RouteGroupKind {
+                            group: Some(GROUP.into()),
+                            kind: (*k).into(),
+                        })
+                        .collect(),
                     attached_routes: 0,
                     conditions,
                 },
                 valid: false,
                 retried: false,
-                http_routes: !kinds.is_empty(),
+                kinds,
                 certs,
             });
         }
@@ -485,7 +614,7 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
 
     // Routes.
     struct Attached<'a> {
-        route: &'a HttpRoute,
+        route: &'a Route,
         gateway: usize,
         listener: usize,
     }
@@ -498,11 +627,12 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
     // Host names an annotated Service's route serves stay the Service's: a route naming one
     // loses it, and says so; one left with none is not accepted.
     let mut dropped: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    let http_routes: Vec<HttpRoute> = world
+    let mut routes: Vec<Route> = world
         .http_routes
         .iter()
-        .map(|r| {
-            let mut r = r.clone();
+        .map(Route::http)
+        .chain(world.grpc_routes.iter().map(Route::grpc))
+        .map(|mut r| {
             let (taken, kept): (Vec<String>, Vec<String>) = r
                 .spec
                 .hostnames
@@ -510,15 +640,23 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                 .cloned()
                 .partition(|h| world.service_hosts.contains_key(&h.to_ascii_lowercase()));
             if !taken.is_empty() {
-                dropped.insert(r.meta.key(), taken);
+                dropped.insert(r.key(), taken);
                 r.spec.hostnames = kept;
             }
             r
         })
         .collect();
-    for r in &http_routes {
+    // Oldest first: where an HTTPRoute and a GRPCRoute both want a host name on one listener,
+    // the older one has it (then the first by namespace and name).
+    routes.sort_by(|a, b| {
+        (&a.meta.created, a.meta.key(), a.kind).cmp(&(&b.meta.created, b.meta.key(), b.kind))
+    });
+    // The host names each listener's routes hold, with their kind and route, as they attach.
+    type Held = Vec<(&'static str, String, Vec<String>)>;
+    let mut held: BTreeMap<(usize, usize), Held> = BTreeMap::new();
+    for r in &routes {
         let generation = r.meta.generation;
-        let taken = dropped.get(&r.meta.key()).map(|t| {
+        let taken = dropped.get(&r.key()).map(|t| {
             let by: Vec<String> = t
                 .iter()
                 .map(|h| {
@@ -555,7 +693,10 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
             let allowed: Vec<usize> = named
                 .iter()
                 .copied()
-                .filter(|&i| ls[i].http_routes && allows(world, gw, ls[i].spec, &r.meta.namespace))
+                .filter(|&i| {
+                    ls[i].kinds.contains(&r.kind)
+                        && allows(world, gw, ls[i].spec, &r.meta.namespace)
+                })
                 .collect();
             let hosts: Vec<usize> = allowed
                 .iter()
@@ -564,6 +705,31 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                     route_hosts(&r.spec.hostnames, ls[i].spec.hostname.as_deref()).is_some()
                 })
                 .collect();
+            // A listener where a route of the other kind (older) holds one of these host names
+            // is not this route's.
+            let mut clashes = Vec::new();
+            let free: Vec<usize> = hosts
+                .iter()
+                .copied()
+                .filter(|&i| {
+                    let mine = route_hosts(&r.spec.hostnames, ls[i].spec.hostname.as_deref())
+                        .unwrap_or_default();
+                    let clash = held.get(&(gi, i)).and_then(|h| {
+                        h.iter().find(|(kind, _, theirs)| {
+                            *kind != r.kind
+                                && theirs.iter().any(|t| mine.iter().any(|m| overlap(t, m)))
+                        })
+                    });
+                    if let Some((_, key, _)) = clash {
+                        clashes.push(format!(
+                            "{key} holds these host names on listener {}",
+                            ls[i].spec.name
+                        ));
+                    }
+                    clash.is_none()
+                })
+                .collect();
+            let notes: Vec<String> = taken.iter().cloned().chain(clashes.clone()).collect();
             let accepted = if all_taken {
                 cond(
                     "Accepted",
@@ -586,8 +752,9 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                     false,
                     "NotAllowedByListeners",
                     format!(
-                        "no listener of {} allows HTTPRoutes from namespace {}",
+                        "no listener of {} allows {}s from namespace {}",
                         gw.meta.key(),
+                        r.kind,
                         r.meta.namespace
                     ),
                     generation,
@@ -600,16 +767,18 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                     "no listener's hostname intersects the route's hostnames",
                     generation,
                 )
-            } else {
+            } else if free.is_empty() {
                 cond(
                     "Accepted",
-                    true,
-                    "Accepted",
-                    taken.clone().unwrap_or_default(),
+                    false,
+                    "HostnameConflict",
+                    clashes.join("; "),
                     generation,
                 )
+            } else {
+                cond("Accepted", true, "Accepted", notes.join("; "), generation)
             };
-            let names: Vec<&str> = hosts.iter().map(|&i| ls[i].spec.name.as_str()).collect();
+            let names: Vec<&str> = free.iter().map(|&i| ls[i].spec.name.as_str()).collect();
             told.push(if accepted.status {
                 format!("{} listeners {}", gw.meta.key(), names.join(", "))
             } else {
@@ -621,7 +790,12 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                 )
             });
             if accepted.status {
-                for &i in &hosts {
+                for &i in &free {
+                    let mine = route_hosts(&r.spec.hostnames, ls[i].spec.hostname.as_deref())
+                        .unwrap_or_default();
+                    held.entry((gi, i))
+                        .or_default()
+                        .push((r.kind, r.key(), mine));
                     attached.push(Attached {
                         route: r,
                         gateway: gi,
@@ -644,10 +818,9 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
             });
         }
         if !parents.is_empty() {
-            out.attachments
-                .insert(format!("HTTPRoute/{}", r.meta.key()), told.join("; "));
+            out.attachments.insert(r.key(), told.join("; "));
             out.routes.push(RouteStatus {
-                kind: HTTP_ROUTE,
+                kind: r.kind,
                 meta: r.meta.clone(),
                 parents,
             });
@@ -656,7 +829,7 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
     // Counted once per listener per route, however many parent references name it.
     let mut seen = BTreeSet::new();
     for a in &attached {
-        if seen.insert((a.gateway, a.listener, a.route.meta.key())) {
+        if seen.insert((a.gateway, a.listener, a.route.key())) {
             states[a.gateway][a.listener].status.attached_routes += 1;
         }
     }
@@ -898,7 +1071,7 @@ fn route_hosts(route: &[String], listener: Option<&str>) -> Option<Vec<String>> 
 }
 
 /// The first problem with a route's backends, as a `ResolvedRefs` reason and message.
-fn backend_problem(world: &World, r: &HttpRoute) -> Option<(&'static str, String)> {
+fn backend_problem(world: &World, r: &Route) -> Option<(&'static str, String)> {
     r.spec
         .rules
         .iter()
@@ -907,11 +1080,7 @@ fn backend_problem(world: &World, r: &HttpRoute) -> Option<(&'static str, String
 }
 
 /// A backend's destination, or why it has none.
-fn backend(
-    world: &World,
-    r: &HttpRoute,
-    b: &HttpBackendRef,
-) -> Result<Source, (&'static str, String)> {
+fn backend(world: &World, r: &Route, b: &HttpBackendRef) -> Result<Source, (&'static str, String)> {
     if !group_is(&b.group, "") || b.kind.as_deref().unwrap_or("Service") != "Service" {
         return Err((
             "InvalidKind",
@@ -926,7 +1095,7 @@ fn backend(
     let key = format!("{ns}/{}", b.name);
     if !granted(
         &world.grants,
-        HTTP_ROUTE,
+        r.kind,
         &r.meta.namespace,
         &ns,
         "Service",
@@ -963,6 +1132,9 @@ fn backend(
 /// Where a compiled match stands among the others (smaller first).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 struct Key {
+    /// A GRPCRoute's: the longest service, then the longest method.
+    grpc_service: std::cmp::Reverse<usize>,
+    grpc_method: std::cmp::Reverse<usize>,
     path_class: u8,
     path_len: std::cmp::Reverse<usize>,
     no_method: bool,
@@ -999,7 +1171,7 @@ fn value_match(m: &HttpValueMatch) -> Result<ValueMatch, String> {
 }
 
 /// A route's rules as meta routes, one per match, with their precedence.
-fn rules(world: &World, r: &HttpRoute) -> Vec<(Key, MetaRoute)> {
+fn rules(world: &World, r: &Route) -> Vec<(Key, MetaRoute)> {
     let mut out = Vec::new();
     for (ri, rule) in r.spec.rules.iter().enumerate() {
         let default = [HttpRouteMatch::default()];
@@ -1050,13 +1222,50 @@ fn rules(world: &World, r: &HttpRoute) -> Vec<(Key, MetaRoute)> {
         // Backends.
         let mut destinations = Vec::new();
         for b in &rule.backend_refs {
-            let source = backend(world, r, b).unwrap_or_else(|(_, why)| Source::Invalid(why));
+            let mut source = backend(world, r, b).unwrap_or_else(|(_, why)| Source::Invalid(why));
+            // A backend's own filters: header changes; another filter makes its share fail.
+            let mut request_headers = Changes::default();
+            for f in &b.filters {
+                match (f.type_.as_str(), &f.request_header_modifier) {
+                    ("RequestHeaderModifier", Some(m)) => request_headers = changes(m),
+                    (t, _) => {
+                        source = Source::Invalid(format!(
+                            "ebb does not implement the backend filter {t}"
+                        ))
+                    }
+                }
+            }
+            let ns = b.namespace.as_deref().unwrap_or(&r.meta.namespace);
+            let h2c = b.port.is_some_and(|port| {
+                world
+                    .services
+                    .get(&format!("{ns}/{}", b.name))
+                    .is_some_and(|s| s.h2c_ports.contains(&port))
+            });
             destinations.push(Destination {
                 source,
                 weight: u32::try_from(b.weight.unwrap_or(1)).unwrap_or(0),
                 policy: Policy::default(),
+                request_headers,
+                h2c,
             });
         }
+        // Timeouts.
+        let timeout = |t: Option<&String>| match t.map(|t| duration_ms(t)) {
+            None => Ok(0),
+            Some(r) => r,
+        };
+        let timeouts = rule.timeouts.clone().unwrap_or_default();
+        let (request_timeout_ms, backend_timeout_ms) = match (
+            timeout(timeouts.request.as_ref()),
+            timeout(timeouts.backend_request.as_ref()),
+        ) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(e), _) | (_, Err(e)) => {
+                fail = Some(e);
+                (0, 0)
+            }
+        };
         let total_weight: u64 = destinations.iter().map(|d| d.weight as u64).sum();
         if redirect.is_none() && fail.is_none() && destinations.is_empty() {
             fail = Some("the rule has no backend".into());
@@ -1127,14 +1336,28 @@ fn rules(world: &World, r: &HttpRoute) -> Vec<(Key, MetaRoute)> {
                     .and_then(|s| u16::try_from(s).ok())
                     .unwrap_or(302),
             });
+            // A GRPCRoute's service and method come first, its paths do not count.
+            let (grpc_service, grpc_method, class, len) = match &r.grpc {
+                Some(lengths) => {
+                    let (s, m) = lengths
+                        .get(ri)
+                        .and_then(|l| l.get(mi))
+                        .copied()
+                        .unwrap_or_default();
+                    (s, m, 0, 0)
+                }
+                None => (0, 0, class, len),
+            };
             let key = Key {
+                grpc_service: std::cmp::Reverse(grpc_service),
+                grpc_method: std::cmp::Reverse(grpc_method),
                 path_class: class,
                 path_len: std::cmp::Reverse(len),
                 no_method: m.method.is_none(),
                 headers: std::cmp::Reverse(headers.len()),
                 query: std::cmp::Reverse(query.len()),
                 created: r.meta.created.clone(),
-                route: r.meta.key(),
+                route: r.key(),
                 rule: ri,
                 matched: mi,
             };
@@ -1157,6 +1380,8 @@ fn rules(world: &World, r: &HttpRoute) -> Vec<(Key, MetaRoute)> {
                     response_headers: response_headers.clone(),
                     destinations: destinations.clone(),
                     total_weight,
+                    request_timeout_ms,
+                    backend_timeout_ms,
                 },
             ));
         }
@@ -1214,6 +1439,7 @@ mod tests {
                 format!("infra/{s}"),
                 ServiceInfo {
                     ports: vec![8080],
+                    h2c_ports: Vec::new(),
                     route: None,
                 },
             );
@@ -1542,6 +1768,135 @@ mod tests {
         assert!(send(&out, 80, "new.test", "/", &[]).starts_with("v1."));
         assert_eq!(send(&out, 80, "shop.test", "/", &[]), "404");
         assert_eq!(out.gateways[0].listeners[0].attached_routes, 1);
+    }
+
+    #[test]
+    fn grpc_routes_match_services_and_methods_and_an_older_http_route_keeps_its_host() {
+        let grpc = |name: &str, created: &str, spec: serde_json::Value| GrpcRoute {
+            meta: meta("infra", name, created),
+            spec: serde_json::from_value(spec).unwrap(),
+        };
+        let method = |s: Option<&str>, m: Option<&str>, svc: &str| json!({"matches": [{"method": {"service": s, "method": m}}], "backendRefs": backend(svc)});
+        let rpc = grpc(
+            "rpc",
+            "2",
+            json!({"parentRefs": [{"name": "g"}], "hostnames": ["grpc.test"], "rules": [
+                method(None, Some("Echo"), "v3"),
+                method(Some("pkg.Svc"), None, "v2"),
+                method(Some("pkg.Svc"), Some("Echo"), "v1"),
+                {"matches": [{"method": {"type": "RegularExpression", "service": "pkg[.]Other.*", "method": "E.*"}}], "backendRefs": backend("v2")},
+                {"matches": [{"headers": [{"name": "version", "value": "two"}]}], "backendRefs": backend("v1")},
+            ]}),
+        );
+        let late = grpc(
+            "late",
+            "3",
+            json!({"parentRefs": [{"name": "g"}], "hostnames": ["both.test"], "rules": [{"backendRefs": backend("v1")}]}),
+        );
+        let web = route(
+            "infra",
+            "web",
+            "1",
+            json!({"parentRefs": [{"name": "g"}], "hostnames": ["both.test"], "rules": [{"backendRefs": backend("v3")}]}),
+        );
+        let mut w = world(vec![gateway("g", json!([http("http", None)]))], vec![web]);
+        w.grpc_routes = vec![late, rpc];
+        let out = compile(&w, &pool());
+        for (path, headers, want) in [
+            ("/pkg.Svc/Echo", &[][..], "v1.infra /pkg.Svc/Echo"),
+            ("/pkg.Svc/Other", &[], "v2.infra"),
+            ("/x.Y/Echo", &[], "v3.infra"),
+            ("/pkg.Other2/Eat", &[], "v2.infra"),
+            ("/pkgXSvc/Other", &[("version", "two")][..], "v1.infra"),
+            ("/pkgXSvc/Other", &[], "404"),
+        ] {
+            let got = send(&out, 80, "grpc.test", path, headers);
+            assert!(got.starts_with(want), "{path}: {got}");
+        }
+        // The older HTTPRoute keeps both.test: the GRPCRoute that wants it is refused there.
+        assert!(send(&out, 80, "both.test", "/pkg.Svc/Echo", &[]).starts_with("v3."));
+        let status = |kind: &str, name: &str| {
+            let r = out
+                .routes
+                .iter()
+                .find(|r| r.kind == kind && r.meta.name == name)
+                .unwrap();
+            r.parents[0].conditions.clone()
+        };
+        let refused = status("GRPCRoute", "late");
+        assert_eq!(condition(&refused, "Accepted"), (false, "HostnameConflict"));
+        assert!(
+            refused[0].message.contains("HTTPRoute/infra/web"),
+            "{refused:?}"
+        );
+        assert_eq!(
+            condition(&status("GRPCRoute", "rpc"), "Accepted"),
+            (true, "Accepted")
+        );
+        let listener = &out.gateways[0].listeners[0];
+        assert_eq!(listener.attached_routes, 2);
+        assert_eq!(
+            listener
+                .supported_kinds
+                .iter()
+                .map(|k| k.kind.as_str())
+                .collect::<Vec<_>>(),
+            ["HTTPRoute", "GRPCRoute"]
+        );
+        assert!(out.attachments.contains_key("GRPCRoute/infra/rpc"));
+    }
+
+    #[test]
+    fn timeouts_backend_filters_and_h2c_ports_reach_the_rules() {
+        assert_eq!(duration_ms("1m30s"), Ok(90_000));
+        assert_eq!(duration_ms("500ms"), Ok(500));
+        assert_eq!(duration_ms("1h1m1s1ms"), Ok(3_661_001));
+        assert_eq!(duration_ms("0s"), Ok(0));
+        for bad in ["", "5", "5x", "123456s", "1s1s1s1s1s", "-1s"] {
+            assert!(duration_ms(bad).is_err(), "{bad:?}");
+        }
+        let r = route(
+            "infra",
+            "t",
+            "1",
+            json!({"parentRefs": [{"name": "g"}], "rules": [
+                {"matches": [{"path": {"value": "/a"}}], "timeouts": {"request": "1m30s", "backendRequest": "500ms"}, "backendRefs": [
+                    {"name": "v1", "port": 8080, "filters": [{"type": "RequestHeaderModifier", "requestHeaderModifier": {"set": [{"name": "Backend", "value": "v1"}]}}]},
+                    {"name": "rpc", "port": 8081},
+                    {"name": "v2", "port": 8080, "filters": [{"type": "RequestMirror", "requestMirror": {}}]},
+                ]},
+                {"matches": [{"path": {"value": "/b"}}], "timeouts": {"request": "soon"}, "backendRefs": backend("v1")},
+            ]}),
+        );
+        let mut w = world(vec![gateway("g", json!([http("http", None)]))], vec![r]);
+        w.services.insert(
+            "infra/rpc".into(),
+            ServiceInfo {
+                ports: vec![8080, 8081],
+                h2c_ports: vec![8081],
+                route: None,
+            },
+        );
+        let out = compile(&w, &pool());
+        let routes = &out.sockets[0].hosts["*"].routes;
+        let a = &routes[0];
+        assert_eq!((a.request_timeout_ms, a.backend_timeout_ms), (90_000, 500));
+        assert_eq!(
+            a.destinations[0].request_headers.set,
+            [("backend".to_owned(), "v1".to_owned())]
+        );
+        assert!(!a.destinations[0].h2c && a.destinations[1].h2c);
+        assert!(
+            matches!(&a.destinations[2].source, Source::Invalid(why) if why.contains("RequestMirror")),
+            "{:?}",
+            a.destinations[2]
+        );
+        assert!(
+            routes[1]
+                .fail
+                .as_deref()
+                .is_some_and(|f| f.contains("soon"))
+        );
     }
 
     #[test]

@@ -1,12 +1,13 @@
 //! The Gateway API (`gateway.networking.k8s.io`) as ebb reads it: the objects' specs
-//! ([`GatewayClass`], [`Gateway`], [`HttpRoute`], [`ReferenceGrant`]) as plain serde types, and
+//! ([`GatewayClass`], [`Gateway`], [`HttpRoute`], [`GrpcRoute`], [`ReferenceGrant`]) as plain
+//! serde types, and
 //! the pure step from them to what the proxy serves and what each object's status says
 //! ([`compile::compile`]).
 //!
 //! ebb is the controller of every `GatewayClass` whose `controllerName` is [`CONTROLLER_NAME`].
 //! Each of its Gateways gets an address ([`Addressing`]) and its listeners become sockets
 //! ([`compile::Socket`]) on that address: for each hostname a request may carry, the rules of
-//! every HTTPRoute attached there, as a meta service ([`crate::discovery::meta::MetaService`])
+//! every HTTPRoute (or GRPCRoute) attached there, as a meta service ([`crate::discovery::meta::MetaService`])
 //! whose routes are already in the Gateway API's order of precedence, so the first that matches
 //! takes the request. A backend is a Service: `ebb://NAMESPACE/SERVICE` when ebb scales it (an
 //! annotated Service's route: woken from zero by the request, its traffic counted), else
@@ -25,16 +26,25 @@ use serde::Deserialize;
 /// The `controllerName` of the GatewayClasses ebb implements.
 pub const CONTROLLER_NAME: &str = "ebb.dev/gateway";
 /// The Gateway API conformance features ebb implements, as its GatewayClasses' status names
-/// them (`status.supportedFeatures`): the `GATEWAY-HTTP` profile's core.
+/// them (`status.supportedFeatures`): the `GATEWAY-HTTP` and `GATEWAY-GRPC` profiles' cores and
+/// the extended features ebb passes.
 pub const SUPPORTED_FEATURES: &[&str] = &[
+    // Core.
     "Gateway",
     "HTTPRoute",
+    "GRPCRoute",
     "ReferenceGrant",
+    // Extended.
+    "GRPCRouteNamedRouteRule",
     "GatewayHTTPListenerIsolation",
     "GatewayPort8080",
     "HTTPRoute303RedirectStatusCode",
     "HTTPRoute307RedirectStatusCode",
     "HTTPRoute308RedirectStatusCode",
+    "HTTPRouteBackendProtocolH2C",
+    "HTTPRouteBackendProtocolWebSocket",
+    "HTTPRouteBackendRequestHeaderModification",
+    "HTTPRouteBackendTimeout",
     "HTTPRouteDestinationPortMatching",
     "HTTPRouteHostRewrite",
     "HTTPRouteMethodMatching",
@@ -44,6 +54,7 @@ pub const SUPPORTED_FEATURES: &[&str] = &[
     "HTTPRoutePathRewrite",
     "HTTPRoutePortRedirect",
     "HTTPRouteQueryParamMatching",
+    "HTTPRouteRequestTimeout",
     "HTTPRouteResponseHeaderModification",
     "HTTPRouteSchemeRedirect",
 ];
@@ -259,6 +270,54 @@ pub struct HttpRouteRule {
     pub filters: Vec<HttpRouteFilter>,
     #[serde(default)]
     pub backend_refs: Vec<HttpBackendRef>,
+    #[serde(default)]
+    pub timeouts: Option<HttpRouteTimeouts>,
+}
+
+/// A rule's timeouts, as the Gateway API writes durations (`500ms`, `1m30s`; `0s`: none).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpRouteTimeouts {
+    /// From the request to its answer's head, a wake and every try included.
+    #[serde(default)]
+    pub request: Option<String>,
+    /// From one try's request to its answer's head.
+    #[serde(default)]
+    pub backend_request: Option<String>,
+}
+
+/// A Gateway API duration (`^([0-9]{1,5}(h|m|s|ms)){1,4}$`) in milliseconds.
+pub fn duration_ms(text: &str) -> Result<u64, String> {
+    let bad = || format!("{text:?} is not a duration (such as 500ms, 10s or 1m30s)");
+    let mut rest = text;
+    let mut total: u64 = 0;
+    let mut parts = 0;
+    while !rest.is_empty() {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 || digits > 5 {
+            return Err(bad());
+        }
+        let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let (scale, unit) = if rest.starts_with("ms") {
+            (1, 2)
+        } else if rest.starts_with('h') {
+            (3_600_000, 1)
+        } else if rest.starts_with('m') {
+            (60_000, 1)
+        } else if rest.starts_with('s') {
+            (1_000, 1)
+        } else {
+            return Err(bad());
+        };
+        rest = &rest[unit..];
+        total += n * scale;
+        parts += 1;
+    }
+    if parts == 0 || parts > 4 {
+        return Err(bad());
+    }
+    Ok(total)
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
@@ -381,6 +440,61 @@ pub struct HttpBackendRef {
     pub filters: Vec<HttpRouteFilter>,
 }
 
+/// A `GRPCRoute`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GrpcRoute {
+    pub meta: Meta,
+    pub spec: GrpcRouteSpec,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GrpcRouteSpec {
+    #[serde(default)]
+    pub parent_refs: Vec<ParentRef>,
+    #[serde(default)]
+    pub hostnames: Vec<String>,
+    #[serde(default)]
+    pub rules: Vec<GrpcRouteRule>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GrpcRouteRule {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub matches: Vec<GrpcRouteMatch>,
+    /// The HTTPRoute's filters of the same names (`RequestHeaderModifier`,
+    /// `ResponseHeaderModifier`, ...).
+    #[serde(default)]
+    pub filters: Vec<HttpRouteFilter>,
+    #[serde(default)]
+    pub backend_refs: Vec<HttpBackendRef>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GrpcRouteMatch {
+    #[serde(default)]
+    pub method: Option<GrpcMethodMatch>,
+    #[serde(default)]
+    pub headers: Vec<HttpValueMatch>,
+}
+
+/// A gRPC service and method (the path `/SERVICE/METHOD`), either of them left out for any.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GrpcMethodMatch {
+    /// `Exact` (the default) or `RegularExpression`.
+    #[serde(default, rename = "type")]
+    pub type_: Option<String>,
+    #[serde(default)]
+    pub service: Option<String>,
+    #[serde(default)]
+    pub method: Option<String>,
+}
+
 /// A `ReferenceGrant`: lets objects of the `from` kinds in other namespaces refer to the `to`
 /// kinds in its own.
 #[derive(Debug, Clone, PartialEq)]
@@ -422,6 +536,8 @@ pub struct GrantTo {
 pub struct ServiceInfo {
     /// Its ports.
     pub ports: Vec<i32>,
+    /// Those whose `appProtocol` is `kubernetes.io/h2c`: requests go on over HTTP/2.
+    pub h2c_ports: Vec<i32>,
     /// The ebb route that scales its workload (an annotated Service's `NAMESPACE/NAME`), if any.
     pub route: Option<String>,
 }
@@ -451,6 +567,7 @@ pub struct World {
     pub classes: Vec<GatewayClass>,
     pub gateways: Vec<Gateway>,
     pub http_routes: Vec<HttpRoute>,
+    pub grpc_routes: Vec<GrpcRoute>,
     pub grants: Vec<ReferenceGrant>,
     /// Namespaces' labels, by name.
     pub namespaces: BTreeMap<String, BTreeMap<String, String>>,
