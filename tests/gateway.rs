@@ -217,10 +217,11 @@ fn condition(conditions: &serde_json::Value, type_: &str) -> Option<(String, Str
         })
 }
 
-/// A backend ebb scales, reached only through HTTPRoutes: the Service names its Deployment
-/// (`ebb.dev/deployment`, no host names of its own). 100 requests at once through two routes to
-/// it at zero are one scale write and are all answered; requests through either route keep it
-/// awake; idle, it goes back to zero. A listener on a port ebb cannot have says
+/// A backend ebb scales, reached only through HTTPRoutes, both ways: a plain Service whose
+/// Deployment is labelled as its workload (`ebb.dev/service`, the settings in the Deployment's
+/// annotations), and a Service that names the Deployment (`ebb.dev/deployment`, no host names of
+/// its own). 100 requests at once through three routes to it at zero are one scale write and
+/// are all answered; requests through one route keep it awake; idle, it goes back to zero. A listener on a port ebb cannot have says
 /// `PortUnavailable` while the Gateway's other listener serves, and is served once the port is
 /// free; an HTTPRoute for a host name
 /// an annotated Service serves is refused with `HostnameConflict`.
@@ -230,11 +231,18 @@ async fn a_backend_behind_httproutes_wakes_from_zero_once_and_idles_back() {
     gateway_api(&cp);
     // A socket taken before ebb starts: the pool's first address, port 81.
     let taken = std::net::TcpListener::bind("127.0.1.1:81").expect("127.0.1.1:81");
+    let labelled = crate::common::ebbkube::hello_deployment(0).replacen(
+        "  namespace: default\n",
+        "  namespace: default\n  labels: {ebb.dev/service: hello}\n  \
+         annotations: {ebb.dev/idle-after: 2s, ebb.dev/hold-timeout: 60s}\n",
+        1,
+    );
     apply(
         &cp,
-        &(crate::common::ebbkube::hello_deployment(0)
+        &(labelled
+            + &crate::common::ebbkube::hello_service("hello", &[])
             + &crate::common::ebbkube::hello_service(
-                "hello",
+                "named",
                 &[
                     ("ebb.dev/deployment", "hello"),
                     ("ebb.dev/idle-after", "2s"),
@@ -280,6 +288,14 @@ spec:
 ---
 apiVersion: gateway.networking.k8s.io/v1
 kind: HTTPRoute
+metadata: {name: c, namespace: default}
+spec:
+  parentRefs: [{name: web, sectionName: http}]
+  hostnames: [c.test]
+  rules: [{backendRefs: [{name: named, port: 80}]}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: HTTPRoute
 metadata: {name: clash, namespace: default}
 spec:
   parentRefs: [{name: web, sectionName: http}]
@@ -315,13 +331,14 @@ spec:
         })
     };
     wait_for(
-        "the Gateway programmed, routes a and b accepted, port 81 unavailable",
+        "the Gateway programmed, routes a, b and c accepted, port 81 unavailable",
         Duration::from_secs(60),
         || {
             let g = gateway();
             condition(&g["conditions"], "Programmed").is_some_and(|(s, _)| s == "True")
                 && condition(&route_status("a"), "Accepted") == Some(accepted())
                 && condition(&route_status("b"), "Accepted") == Some(accepted())
+                && condition(&route_status("c"), "Accepted") == Some(accepted())
                 && unavailable()
         },
     )
@@ -338,7 +355,7 @@ spec:
         condition(&listener("taken")["conditions"], "Accepted"),
         Some(("False".into(), "PortUnavailable".into()))
     );
-    assert_eq!(listener("http")["attachedRoutes"], 2, "{g}");
+    assert_eq!(listener("http")["attachedRoutes"], 3, "{g}");
     assert_eq!(
         condition(&route_status("clash"), "Accepted"),
         Some(("False".into(), "HostnameConflict".into()))
@@ -358,9 +375,23 @@ spec:
     let http: std::net::SocketAddr = "127.0.1.1:80".parse().unwrap();
     assert_eq!(scale_writes(&cp, "hello"), 0, "nothing woke it yet");
 
-    // 100 at once, half through each route, while nothing runs.
+    // Both Services are ebb's routes (the labelled Deployment's, the named one's).
+    wait_for(
+        "both Services routed by ebb",
+        Duration::from_secs(30),
+        || {
+            let routed: std::collections::BTreeSet<String> = crate::common::events(data.path())
+                .iter()
+                .filter_map(|e| e["event"]["RouteUpserted"]["route"]["name"].as_str())
+                .map(str::to_owned)
+                .collect();
+            routed.contains("default/hello") && routed.contains("default/named")
+        },
+    )
+    .await;
+    // 100 at once, through the three routes, while nothing runs.
     let burst = (0..100).map(|i| {
-        let host = if i % 2 == 0 { "a.test" } else { "b.test" };
+        let host = ["a.test", "b.test", "c.test"][i % 3];
         crate::common::ebbkube::get(http, host, "/pid")
     });
     let answers = futures_util::future::join_all(burst).await;

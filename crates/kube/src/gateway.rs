@@ -30,12 +30,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, Secret, Service};
 use kube::api::{Api, Patch, PatchParams};
 use kube::core::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use serde_json::{Value, json};
 use tokio::sync::{Notify, watch};
 
@@ -52,54 +51,6 @@ const ROUTES_EVERY: Duration = Duration::from_secs(1);
 
 fn resource(kind: &str, plural: &str) -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1", kind), plural)
-}
-
-/// Runs a reflector into `writer` until `stop`, poking `changed` after each event. A watch RBAC
-/// refuses is told as every other watch of ebb's is (`guard`: a WARN, `/readyz`, asked again
-/// less and less often); other failures are said once until they change.
-async fn reflect<K>(
-    api: Api<K>,
-    config: watcher::Config,
-    writer: reflector::store::Writer<K>,
-    mut guard: crate::health::Guard,
-    changed: Arc<Notify>,
-    mut stop: watch::Receiver<bool>,
-) where
-    K: kube::Resource
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static,
-    K::DynamicType: Eq + std::hash::Hash + Clone,
-{
-    let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
-    tokio::pin!(stream);
-    let mut complaints = crate::orchestrator::Complaints::default();
-    let what = format!("watching {}", guard.what());
-    loop {
-        let event = tokio::select! {
-            e = stream.next() => e,
-            _ = stop.changed() => return,
-        };
-        if let Some(item) = &event
-            && let Some(delay) = guard.saw(item)
-        {
-            if !crate::health::pause(delay, &mut stop).await {
-                return;
-            }
-            continue;
-        }
-        match event {
-            None => return,
-            Some(Err(e)) => complaints.failed(&what, &e),
-            Some(Ok(_)) => {
-                complaints.worked(&what);
-                changed.notify_one();
-            }
-        }
-    }
 }
 
 struct Stores {
@@ -304,7 +255,7 @@ pub async fn run(
         };
         let writer = reflector::store::Writer::new(ar);
         dyn_stores.push(writer.as_reader());
-        tokio::spawn(reflect(
+        tokio::spawn(crate::orchestrator::reflect(
             api,
             watcher::Config::default(),
             writer,
@@ -314,7 +265,7 @@ pub async fn run(
         ));
     }
     let (namespaces, w) = reflector::store::<Namespace>();
-    tokio::spawn(reflect(
+    tokio::spawn(crate::orchestrator::reflect(
         Api::all(client.clone()),
         watcher::Config::default(),
         w,
@@ -323,7 +274,7 @@ pub async fn run(
         stop.clone(),
     ));
     let (services, w) = reflector::store::<Service>();
-    tokio::spawn(reflect(
+    tokio::spawn(crate::orchestrator::reflect(
         crate::orchestrator::api(&client, ns),
         watcher::Config::default(),
         w,
@@ -332,7 +283,7 @@ pub async fn run(
         stop.clone(),
     ));
     let (secrets, w) = reflector::store::<Secret>();
-    tokio::spawn(reflect(
+    tokio::spawn(crate::orchestrator::reflect(
         crate::orchestrator::api(&client, ns),
         watcher::Config::default().fields("type=kubernetes.io/tls"),
         w,

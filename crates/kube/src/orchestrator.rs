@@ -52,6 +52,7 @@ use k8s_openapi::api::core::v1::{ObjectReference, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::events::{Event as KubeEvent, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::{Notify, watch};
 
@@ -778,6 +779,41 @@ struct RouteLoop {
     listed: bool,
     /// The problem last published per Service.
     warned: HashMap<ServiceKey, String>,
+    /// The Deployments labelled as a Service's workload (`ebb.dev/service`), with their
+    /// annotations, by the Service.
+    labelled: Labelled,
+}
+
+/// Deployments (name, annotations) by the Service their `ebb.dev/service` label names.
+type Labelled = BTreeMap<ServiceKey, Vec<(String, BTreeMap<String, String>)>>;
+
+fn labelled(store: &Store<k8s_openapi::api::apps::v1::Deployment>) -> Labelled {
+    let mut out = Labelled::new();
+    for d in store.state() {
+        let (Some(namespace), Some(name)) = (d.metadata.namespace.clone(), d.metadata.name.clone())
+        else {
+            continue;
+        };
+        let Some(service) = d
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(annotations::SERVICE_LABEL))
+            .filter(|s| !s.is_empty())
+        else {
+            continue;
+        };
+        out.entry(ServiceKey {
+            namespace,
+            name: service.clone(),
+        })
+        .or_default()
+        .push((name, d.metadata.annotations.clone().unwrap_or_default()));
+    }
+    for ds in out.values_mut() {
+        ds.sort();
+    }
+    out
 }
 
 impl RouteLoop {
@@ -786,10 +822,31 @@ impl RouteLoop {
         let mut problems: BTreeMap<String, String> = BTreeMap::new();
         let mut targets: HashMap<String, (Workload, ServiceKey, Option<String>)> = HashMap::new();
         for (key, info) in &self.services {
+            let merged;
+            let annotations = match self.labelled.get(key).map(Vec::as_slice) {
+                None | Some([]) => &info.annotations,
+                Some([(deployment, theirs)]) => {
+                    merged = annotations::with_labelled(&info.annotations, deployment, theirs);
+                    &merged
+                }
+                Some(many) => {
+                    let names: Vec<&str> = many.iter().map(|(n, _)| n.as_str()).collect();
+                    problems.insert(
+                        format!("{}/{}", key.namespace, key.name),
+                        format!(
+                            "the Deployments {} all carry {}={}: label one",
+                            names.join(", "),
+                            annotations::SERVICE_LABEL,
+                            key.name
+                        ),
+                    );
+                    continue;
+                }
+            };
             match annotations::route(
                 &key.namespace,
                 &key.name,
-                &info.annotations,
+                annotations,
                 &orch.options.defaults,
             ) {
                 Ok(None) => {}
@@ -923,18 +980,93 @@ pub(crate) fn watched(what: &str, namespace: Option<&str>) -> String {
     }
 }
 
-async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
-    let services = api::<Service>(&orch.client, orch.options.namespace.as_deref());
-    let stream = watcher(services, watcher::Config::default()).default_backoff();
+/// Runs a reflector into `writer` until `stop`, poking `changed` after each event. A watch RBAC
+/// refuses is told as every other watch of ebb's is (`guard`: a WARN, `/readyz`, asked again
+/// less and less often); other failures are said once until they change.
+pub(crate) async fn reflect<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    writer: reflector::store::Writer<K>,
+    mut guard: crate::health::Guard,
+    changed: Arc<Notify>,
+    mut stop: watch::Receiver<bool>,
+) where
+    K: kube::Resource
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    let stream = reflector::reflector(writer, watcher(api, config).default_backoff());
     tokio::pin!(stream);
-    let mut routes = RouteLoop::default();
     let mut complaints = Complaints::default();
-    let mut guard = orch
-        .access
-        .watch(watched("Services", orch.options.namespace.as_deref()));
+    let what = format!("watching {}", guard.what());
     loop {
         let event = tokio::select! {
             e = stream.next() => e,
+            _ = stop.changed() => return,
+        };
+        if let Some(item) = &event
+            && let Some(delay) = guard.saw(item)
+        {
+            if !crate::health::pause(delay, &mut stop).await {
+                return;
+            }
+            continue;
+        }
+        match event {
+            None => return,
+            Some(Err(e)) => complaints.failed(&what, &e),
+            Some(Ok(_)) => {
+                complaints.worked(&what);
+                changed.notify_one();
+            }
+        }
+    }
+}
+
+/// How long the first route decision waits for the labelled Deployments' list.
+const LABELS_WAIT: Duration = Duration::from_secs(5);
+
+async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch::Receiver<bool>) {
+    let ns = orch.options.namespace.as_deref();
+    let services = api::<Service>(&orch.client, ns);
+    let stream = watcher(services, watcher::Config::default()).default_backoff();
+    tokio::pin!(stream);
+    // Deployments labelled as a Service's workload: the Service is routed as if annotated.
+    let (deployments, writer) = reflector::store();
+    let relabelled = Arc::new(Notify::new());
+    tokio::spawn(reflect(
+        api::<k8s_openapi::api::apps::v1::Deployment>(&orch.client, ns),
+        watcher::Config::default().labels(annotations::SERVICE_LABEL),
+        writer,
+        orch.access.watch(watched(
+            &format!("Deployments labelled {}", annotations::SERVICE_LABEL),
+            ns,
+        )),
+        relabelled.clone(),
+        stop.clone(),
+    ));
+    let mut labels_listed = false;
+    let mut routes = RouteLoop::default();
+    let mut complaints = Complaints::default();
+    let mut guard = orch.access.watch(watched("Services", ns));
+    loop {
+        let event = tokio::select! {
+            e = stream.next() => e,
+            _ = relabelled.notified() => {
+                let now = labelled(&deployments);
+                if now != routes.labelled {
+                    routes.labelled = now;
+                    if routes.listed {
+                        routes.reconcile(&log, &orch).await;
+                    }
+                }
+                continue;
+            }
             _ = stop.changed() => return,
         };
         if let Some(item) = &event
@@ -951,6 +1083,13 @@ async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch:
             Some(Ok(event)) => {
                 complaints.worked("watching Services");
                 if routes.take(event) {
+                    if !labels_listed {
+                        // The first decision waits a moment for the labelled Deployments, so
+                        // that a restart does not drop their Services' routes for an instant.
+                        let listed = deployments.wait_until_ready();
+                        labels_listed = tokio::time::timeout(LABELS_WAIT, listed).await.is_ok();
+                    }
+                    routes.labelled = labelled(&deployments);
                     routes.reconcile(&log, &orch).await;
                     orch.services_listed
                         .store(true, std::sync::atomic::Ordering::Release);

@@ -30,14 +30,20 @@ use ebb_core::gateway::compile::{Certificate, Socket as SocketSpec};
 /// How often a socket that could not be bound is tried again.
 pub const RETRY_BIND: Duration = Duration::from_secs(1);
 
-/// The request extension naming the Gateway socket a request came in on.
-#[derive(Debug, Clone, Copy)]
-pub struct Socket(pub SocketAddr);
+/// The request extension naming the Gateway socket a request came in on, and the server name
+/// its TLS client asked for.
+#[derive(Debug, Clone)]
+pub struct Socket {
+    pub addr: SocketAddr,
+    pub sni: Option<Arc<str>>,
+}
 
 /// What one socket serves.
 pub struct SocketEntry {
     hosts: HashMap<String, Arc<ServiceEntry>>,
     tls: Option<Arc<rustls::ServerConfig>>,
+    /// Its listeners' hostnames (`*` for none).
+    listeners: Vec<String>,
 }
 
 impl SocketEntry {
@@ -45,6 +51,16 @@ impl SocketEntry {
     pub fn lookup(&self, host: &str) -> Option<Arc<ServiceEntry>> {
         crate::ids::match_host(host, |d| self.hosts.get(d).cloned())
             .or_else(|| self.hosts.get("*").cloned())
+    }
+
+    /// Whether a request for `host` (lower case, no port) over a TLS connection that asked for
+    /// `sni` belongs to another listener than the one the connection was made for: the Gateway
+    /// API answers it 421.
+    pub fn misdirected(&self, sni: &str, host: &str) -> bool {
+        use ebb_core::gateway::compile::listener_for;
+        self.tls.is_some()
+            && listener_for(&self.listeners, &sni.to_ascii_lowercase())
+                != listener_for(&self.listeners, host)
     }
 }
 
@@ -150,9 +166,14 @@ impl Proxy {
                 })
                 .collect();
             let tls = s.tls.as_deref().and_then(tls_config);
-            served
-                .sockets
-                .insert(s.addr, Arc::new(SocketEntry { hosts, tls }));
+            served.sockets.insert(
+                s.addr,
+                Arc::new(SocketEntry {
+                    hosts,
+                    tls,
+                    listeners: s.listeners.clone(),
+                }),
+            );
         }
         *self.gateway.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(served);
     }
@@ -247,11 +268,18 @@ async fn accept(proxy: Arc<Proxy>, listener: tokio::net::TcpListener, addr: Sock
         let limit = Duration::from_millis(proxy.options.limits.header_read_timeout_ms);
         tokio::spawn(async move {
             match &entry.tls {
-                None => proxy.serve_hyper(stream, peer, false, Some(addr)).await,
+                None => {
+                    let socket = Socket { addr, sni: None };
+                    proxy.serve_hyper(stream, peer, false, Some(socket)).await
+                }
                 Some(cfg) => {
                     let acceptor = tokio_rustls::TlsAcceptor::from(cfg.clone());
                     match tokio::time::timeout(limit, acceptor.accept(stream)).await {
-                        Ok(Ok(tls)) => proxy.serve_hyper(tls, peer, true, Some(addr)).await,
+                        Ok(Ok(tls)) => {
+                            let sni = tls.get_ref().1.server_name().map(Arc::from);
+                            let socket = Socket { addr, sni };
+                            proxy.serve_hyper(tls, peer, true, Some(socket)).await
+                        }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                     }

@@ -827,7 +827,7 @@ impl Proxy {
         io: I,
         peer: SocketAddr,
         https: bool,
-        gateway: Option<SocketAddr>,
+        gateway: Option<gateway::Socket>,
     ) where
         I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
@@ -839,8 +839,8 @@ impl Proxy {
             if https {
                 req.extensions_mut().insert(Https);
             }
-            if let Some(addr) = gateway {
-                req.extensions_mut().insert(gateway::Socket(addr));
+            if let Some(socket) = &gateway {
+                req.extensions_mut().insert(socket.clone());
             }
             async move {
                 if strict::is_refusal(req.headers()) {
@@ -895,15 +895,29 @@ impl Proxy {
                 return r;
             }
         };
-        if let Some(socket) = req.extensions().get::<gateway::Socket>().copied() {
-            let service = self.gateway_socket(socket.0).and_then(|s| s.lookup(&host));
+        if let Some(socket) = req.extensions().get::<gateway::Socket>().cloned() {
+            let entry = self.gateway_socket(socket.addr);
+            let bare = crate::ids::host_without_port(&host).to_ascii_lowercase();
+            if let (Some(entry), Some(sni)) = (&entry, &socket.sni)
+                && entry.misdirected(sni, &bare)
+            {
+                return error_for(
+                    req.method(),
+                    StatusCode::MISDIRECTED_REQUEST,
+                    "misdirected_request",
+                    &format!(
+                        "the host {bare:?} is another listener's than the TLS server name {sni:?}'s"
+                    ),
+                );
+            }
+            let service = entry.and_then(|s| s.lookup(&host));
             return match service {
                 Some(service) => self.handle_service(req, peer, host, path, service).await,
                 None if grpc::is_grpc_request(&req) => grpc::status(
                     grpc::UNIMPLEMENTED,
                     &format!(
                         "no route of the Gateway listener {} for host {host:?}",
-                        socket.0
+                        socket.addr
                     ),
                 ),
                 None => error_for(
@@ -912,7 +926,7 @@ impl Proxy {
                     "unknown_host",
                     &format!(
                         "no route of the Gateway listener {} for host {host:?}",
-                        socket.0
+                        socket.addr
                     ),
                 ),
             };
@@ -1219,7 +1233,7 @@ impl Proxy {
             let port = parts
                 .extensions
                 .get::<gateway::Socket>()
-                .map_or(if https { 443 } else { 80 }, |s| s.0.port());
+                .map_or(if https { 443 } else { 80 }, |s| s.addr.port());
             let scheme = if https { "https" } else { "http" };
             let status = route.redirect.as_ref().map_or(302, |r| r.status);
             let location = route.location(scheme, &bare_host, port, &target);

@@ -135,6 +135,18 @@ pub struct Socket {
     /// A request's Host, looked up with `ids::match_host` (exact, then the longest `*.suffix`,
     /// then `*`), leads to one of these.
     pub hosts: BTreeMap<String, MetaService>,
+    /// Its listeners' hostnames (lower case, `*` for none): on a TLS socket, a request whose
+    /// Host belongs to another listener than its SNI ([`listener_for`]) is misdirected (421).
+    pub listeners: Vec<String>,
+}
+
+/// The pattern of the most specific listener (of hostname `patterns`) that takes `host`.
+pub fn listener_for<'a>(patterns: &'a [String], host: &str) -> Option<&'a str> {
+    patterns
+        .iter()
+        .filter(|p| covers(p, host))
+        .min_by_key(|p| specificity(p))
+        .map(String::as_str)
 }
 
 /// What the objects give.
@@ -993,7 +1005,15 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
             c.sort_by_key(|c| specificity(c.hostname.as_deref().unwrap_or("*")));
             c
         });
-        out.sockets.push(Socket { addr, tls, hosts });
+        let mut listeners: Vec<String> = patterns.iter().map(|(p, _)| p.clone()).collect();
+        listeners.sort();
+        listeners.dedup();
+        out.sockets.push(Socket {
+            addr,
+            tls,
+            hosts,
+            listeners,
+        });
     }
     out
 }
@@ -1582,6 +1602,13 @@ mod tests {
             [1, 1]
         );
         assert_eq!(out.gateways[0].addresses, ["127.0.1.1"]);
+        // Which listener a name belongs to (for TLS, a Host another listener's than the SNI's
+        // is misdirected).
+        let ls = &out.sockets[0].listeners;
+        assert_eq!(ls, &["*.example.com", "a.example.com"]);
+        assert_eq!(listener_for(ls, "a.example.com"), Some("a.example.com"));
+        assert_eq!(listener_for(ls, "b.example.com"), Some("*.example.com"));
+        assert_eq!(listener_for(ls, "other.org"), None);
     }
 
     #[test]

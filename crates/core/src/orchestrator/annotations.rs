@@ -468,6 +468,30 @@ pub struct Claim {
     pub created_ms: u64,
 }
 
+/// The label that makes a Deployment the workload of a Service of its namespace:
+/// `ebb.dev/service: NAME`. The Service needs no annotation of ebb's; the Deployment's own
+/// annotations (`ebb.dev/...`, `autoscaling.knative.dev/...`) are the route's settings.
+pub const SERVICE_LABEL: &str = "ebb.dev/service";
+
+/// A Service's annotations as the route reads them when the Deployment `deployment` is
+/// labelled as its workload ([`SERVICE_LABEL`]): `ebb.dev/deployment` naming it, and the
+/// Deployment's annotations of ebb's and Knative's autoscaling, under the Service's own (which
+/// win where both say something).
+pub fn with_labelled(
+    service: &BTreeMap<String, String>,
+    deployment: &str,
+    annotations: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    let mut merged: BTreeMap<String, String> = annotations
+        .iter()
+        .filter(|(k, _)| k.starts_with("ebb.dev/") || k.starts_with("autoscaling.knative.dev/"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    merged.insert(DEPLOYMENT.to_owned(), deployment.to_owned());
+    merged.extend(service.iter().map(|(k, v)| (k.clone(), v.clone())));
+    merged
+}
+
 /// The routes of all annotated Services, with a domain or a TCP `listen` address claimed twice
 /// left to the older Service (ties: the smaller name): a newer Service that claims a taken one
 /// gets no route at all (none of its domains, no listener, so that it never half-serves), and
@@ -561,6 +585,36 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_labelled_deployment_names_itself_and_brings_its_settings_under_the_services() {
+        let service: BTreeMap<String, String> = [(IDLE_AFTER.to_owned(), "5m".to_owned())].into();
+        let deployment: BTreeMap<String, String> = [
+            (IDLE_AFTER, "1m"),
+            (HOLD_TIMEOUT, "20s"),
+            (KN_TARGET, "10"),
+            (MAX_REPLICAS, "3"),
+            ("deployment.kubernetes.io/revision", "3"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect();
+        let merged = with_labelled(&service, "hello", &deployment);
+        assert_eq!(merged[DEPLOYMENT], "hello");
+        assert_eq!(
+            merged[IDLE_AFTER], "5m",
+            "the Service's own annotation wins"
+        );
+        assert_eq!(merged[HOLD_TIMEOUT], "20s");
+        assert_eq!(merged[KN_TARGET], "10");
+        assert!(!merged.contains_key("deployment.kubernetes.io/revision"));
+        let (route, _) = route("shop", "web", &merged, &RouteDefaults::default())
+            .expect("a route")
+            .expect("not none");
+        assert_eq!(route.name, "shop/web");
+        assert_eq!(route.deployment, "shop/hello");
+        assert!(route.domains.is_empty(), "a Gateway API backend: {route:?}");
+    }
 
     fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs
