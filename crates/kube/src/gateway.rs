@@ -45,6 +45,9 @@ use ebb_core::gateway::{self as gw, Addressing, CONTROLLER_NAME, GROUP, Meta, Wo
 
 /// How long a burst of changes settles before one compile.
 pub const SETTLE: Duration = Duration::from_millis(50);
+/// How long the first compile waits for every kind's first list (a kind whose CRD is missing
+/// never lists).
+const STORES_WAIT: Duration = Duration::from_secs(10);
 /// How often the log's routes (a Service becoming ebb's), the Lease (statuses are the holder's
 /// to write) and failed status writes are looked at.
 const ROUTES_EVERY: Duration = Duration::from_secs(1);
@@ -304,6 +307,23 @@ pub async fn run(
         secrets,
     };
 
+    // The first compile waits (at most STORES_WAIT) for every kind's first list: a route must
+    // not be served, or refused, on half the objects (an older route of the other kind not yet
+    // seen, a ReferenceGrant still to come).
+    let listed = async {
+        let _ = stores.classes.wait_until_ready().await;
+        let _ = stores.gateways.wait_until_ready().await;
+        let _ = stores.routes.wait_until_ready().await;
+        let _ = stores.grpc_routes.wait_until_ready().await;
+        let _ = stores.grants.wait_until_ready().await;
+        let _ = stores.namespaces.wait_until_ready().await;
+        let _ = stores.services.wait_until_ready().await;
+        let _ = stores.secrets.wait_until_ready().await;
+    };
+    tokio::select! {
+        _ = tokio::time::timeout(STORES_WAIT, listed) => {}
+        _ = stop.changed() => return,
+    }
     let mut last_seq = u64::MAX;
     let mut led = false;
     let mut parsed = Parsed::new();

@@ -1,11 +1,14 @@
-//! The Kubernetes backend: routes from annotated Services, replicas through the `/scale`
+//! The Kubernetes backend: routes from annotated Services (or Services whose Deployment is
+//! labelled `ebb.dev/service`), replicas through the `/scale`
 //! subresource of Deployments and StatefulSets, ready addresses from EndpointSlices.
 //!
 //! Three loops and one orchestrator, all driven by [`run`]:
 //!
 //! * **Routes.** A watcher on Services (one namespace or all) keeps every Service's annotations;
 //!   once the first list is complete and after every change, the annotated ones
-//!   ([`ebb_core::orchestrator::annotations`]) become the routes named `NAMESPACE/SERVICE`, decided on the log
+//!   ([`ebb_core::orchestrator::annotations`]; a labelled Deployment's annotations under its
+//!   Service's, [`annotations::with_labelled`], from a reflector on Deployments with the label)
+//!   become the routes named `NAMESPACE/SERVICE`, decided on the log
 //!   against its routes ([`decide_routes`]): `RouteUpserted` for a new or changed one,
 //!   `RouteRemoved` for a Service gone or no longer annotated. A name with `/` is a Service's,
 //!   never one of `ebb.toml` or the admin API, and a Service never takes a domain of those. A
@@ -808,7 +811,7 @@ fn labelled(store: &Store<k8s_openapi::api::apps::v1::Deployment>) -> Labelled {
             name: service.clone(),
         })
         .or_default()
-        .push((name, d.metadata.annotations.clone().unwrap_or_default()));
+        .push((name, annotations::settings(d.metadata.annotations.as_ref())));
     }
     for ds in out.values_mut() {
         ds.sort();
@@ -824,6 +827,8 @@ impl RouteLoop {
         for (key, info) in &self.services {
             let merged;
             let annotations = match self.labelled.get(key).map(Vec::as_slice) {
+                // A Service that names its workload itself is routed by its own annotations.
+                _ if annotations::names_workload(&info.annotations) => &info.annotations,
                 None | Some([]) => &info.annotations,
                 Some([(deployment, theirs)]) => {
                     merged = annotations::with_labelled(&info.annotations, deployment, theirs);
@@ -1050,7 +1055,7 @@ async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch:
         relabelled.clone(),
         stop.clone(),
     ));
-    let mut labels_listed = false;
+    let mut labels_waited = false;
     let mut routes = RouteLoop::default();
     let mut complaints = Complaints::default();
     let mut guard = orch.access.watch(watched("Services", ns));
@@ -1083,11 +1088,16 @@ async fn run_routes(log: Arc<Log>, orch: Arc<KubeOrchestrator>, mut stop: watch:
             Some(Ok(event)) => {
                 complaints.worked("watching Services");
                 if routes.take(event) {
-                    if !labels_listed {
-                        // The first decision waits a moment for the labelled Deployments, so
-                        // that a restart does not drop their Services' routes for an instant.
+                    if !labels_waited {
+                        // The first decision waits a moment (once) for the labelled
+                        // Deployments, so that a restart does not drop their Services' routes
+                        // for an instant.
+                        labels_waited = true;
                         let listed = deployments.wait_until_ready();
-                        labels_listed = tokio::time::timeout(LABELS_WAIT, listed).await.is_ok();
+                        tokio::select! {
+                            _ = tokio::time::timeout(LABELS_WAIT, listed) => {}
+                            _ = stop.changed() => return,
+                        }
                     }
                     routes.labelled = labelled(&deployments);
                     routes.reconcile(&log, &orch).await;

@@ -1188,12 +1188,10 @@ impl Proxy {
         // A gRPC call goes on over h2c, and what ebb answers itself is a gRPC status.
         let grpc = grpc::is_grpc(&parts);
         let refuse = |status: StatusCode, code: &str, message: &str| {
-            if !grpc {
-                json_error(status, code, message)
-            } else if status == StatusCode::NOT_FOUND {
-                grpc::status(grpc::UNIMPLEMENTED, message)
-            } else {
+            if grpc {
                 grpc::status(grpc::UNAVAILABLE, message)
+            } else {
+                json_error(status, code, message)
             }
         };
         let bare_host = crate::ids::host_without_port(&host).to_ascii_lowercase();
@@ -1318,6 +1316,7 @@ impl Proxy {
         };
         let timed_out = |what: &str, code: &str, ms: u64| {
             if let Some(entry) = &app {
+                entry.traffic.timed_out(traffic::Timeout::Response);
                 entry.traffic.answered(504, None);
             }
             let message = format!("{what} {ms} ms");
@@ -1387,7 +1386,6 @@ impl Proxy {
                     ms => match tokio::time::timeout(Duration::from_millis(ms), sent).await {
                         Ok(r) => r,
                         Err(_) => {
-                            slot.failed();
                             return timed_out(
                                 "the backend did not begin its answer within the rule's timeout,",
                                 "backend_timeout",
@@ -1414,7 +1412,10 @@ impl Proxy {
                                 client_upgrade,
                                 backend_upgrade,
                                 (in_flight.take(), slot, self.tunnel_guard()),
-                                None,
+                                app.as_ref()
+                                    .map(|e| e.spec.connection_idle_timeout_ms)
+                                    .filter(|ms| *ms > 0)
+                                    .map(Duration::from_millis),
                                 app.as_ref().map(|e| e.traffic.clone()),
                                 self.clock.clone(),
                             ));

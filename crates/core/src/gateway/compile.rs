@@ -956,12 +956,12 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
             })
             .collect();
         // The most specific listener whose hostname covers `host`.
+        let mut names: Vec<String> = patterns.iter().map(|(p, _)| p.clone()).collect();
+        names.sort();
+        names.dedup();
         let owner = |host: &str| -> Option<(usize, usize)> {
-            patterns
-                .iter()
-                .filter(|(p, _)| covers(p, host))
-                .min_by_key(|(p, _)| specificity(p))
-                .map(|(_, l)| *l)
+            let p = listener_for(&names, host)?;
+            patterns.iter().find(|(q, _)| q == p).map(|(_, l)| *l)
         };
         let mut entries: BTreeMap<String, Vec<(Key, MetaRoute)>> = BTreeMap::new();
         for (p, _) in &patterns {
@@ -1005,14 +1005,11 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
             c.sort_by_key(|c| specificity(c.hostname.as_deref().unwrap_or("*")));
             c
         });
-        let mut listeners: Vec<String> = patterns.iter().map(|(p, _)| p.clone()).collect();
-        listeners.sort();
-        listeners.dedup();
         out.sockets.push(Socket {
             addr,
             tls,
             hosts,
-            listeners,
+            listeners: names,
         });
     }
     out

@@ -482,14 +482,31 @@ pub fn with_labelled(
     deployment: &str,
     annotations: &BTreeMap<String, String>,
 ) -> BTreeMap<String, String> {
-    let mut merged: BTreeMap<String, String> = annotations
-        .iter()
-        .filter(|(k, _)| k.starts_with("ebb.dev/") || k.starts_with("autoscaling.knative.dev/"))
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
+    if names_workload(service) {
+        return service.clone();
+    }
+    let mut merged = settings(Some(annotations));
+    if service.contains_key(PROXLESS_DOMAINS) {
+        merged.remove(DOMAINS);
+    }
     merged.insert(DEPLOYMENT.to_owned(), deployment.to_owned());
     merged.extend(service.iter().map(|(k, v)| (k.clone(), v.clone())));
     merged
+}
+
+/// Whether a Service's annotations name its workload themselves (ebb's or proxless' key).
+pub fn names_workload(service: &BTreeMap<String, String>) -> bool {
+    service.contains_key(DEPLOYMENT) || service.contains_key(PROXLESS_DEPLOYMENT)
+}
+
+/// The annotations of a workload that are route settings: ebb's and Knative's autoscaling.
+pub fn settings(annotations: Option<&BTreeMap<String, String>>) -> BTreeMap<String, String> {
+    annotations
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with("ebb.dev/") || k.starts_with("autoscaling.knative.dev/"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
 }
 
 /// The routes of all annotated Services, with a domain or a TCP `listen` address claimed twice
@@ -614,6 +631,11 @@ mod tests {
         assert_eq!(route.name, "shop/web");
         assert_eq!(route.deployment, "shop/hello");
         assert!(route.domains.is_empty(), "a Gateway API backend: {route:?}");
+        // A Service that names its workload itself keeps its own annotations, whatever is
+        // labelled.
+        let own: BTreeMap<String, String> =
+            [(PROXLESS_DEPLOYMENT.to_owned(), "other".to_owned())].into();
+        assert_eq!(with_labelled(&own, "hello", &deployment), own);
     }
 
     fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
