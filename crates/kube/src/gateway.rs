@@ -99,6 +99,15 @@ fn objects<T: serde::de::DeserializeOwned + Default>(
         .filter_map(|o| spec_of(&o).map(|spec| (o.clone(), meta_of(&o), spec)))
 }
 
+/// An object's `NAMESPACE/NAME`.
+fn key_of(meta: &kube::core::ObjectMeta) -> String {
+    format!(
+        "{}/{}",
+        meta.namespace.as_deref().unwrap_or_default(),
+        meta.name.as_deref().unwrap_or_default()
+    )
+}
+
 /// Which TLS Secrets hold a usable certificate and key, by `NAMESPACE/NAME`, each parsed once
 /// per resourceVersion.
 type Parsed = BTreeMap<String, (Option<String>, Option<gw::TlsSecret>)>;
@@ -157,11 +166,7 @@ fn world(
     });
     w.service_hosts = hosts;
     for s in stores.services.state() {
-        let key = format!(
-            "{}/{}",
-            s.metadata.namespace.as_deref().unwrap_or_default(),
-            s.metadata.name.as_deref().unwrap_or_default()
-        );
+        let key = key_of(&s.metadata);
         let all = s
             .spec
             .as_ref()
@@ -185,11 +190,7 @@ fn world(
     }
     let mut seen = BTreeSet::new();
     for s in stores.secrets.state() {
-        let key = format!(
-            "{}/{}",
-            s.metadata.namespace.as_deref().unwrap_or_default(),
-            s.metadata.name.as_deref().unwrap_or_default()
-        );
+        let key = key_of(&s.metadata);
         seen.insert(key.clone());
         let version = s.metadata.resource_version.clone();
         if parsed.get(&key).is_none_or(|(v, _)| *v != version) {

@@ -413,6 +413,16 @@ impl Refusal {
         serde_json::json!({ "error": self.message, "code": self.code }).to_string()
     }
 
+    /// The answer to a gRPC call (`UNAVAILABLE` with the message) or, to any other request,
+    /// [`Refusal::into_response`].
+    fn answer(self, grpc: bool, retry_after_s: u32) -> Response<Body> {
+        if grpc {
+            grpc::status(grpc::UNAVAILABLE, &self.message)
+        } else {
+            self.into_response(retry_after_s)
+        }
+    }
+
     fn into_response(self, retry_after_s: u32) -> Response<Body> {
         let mut r = match self.page {
             None => json_error(self.status, self.code, &self.message),
@@ -1032,10 +1042,7 @@ impl Proxy {
                 Ok(s) => s,
                 Err(refusal) => {
                     entry.traffic.answered(refusal.status.as_u16(), None);
-                    if grpc {
-                        return grpc::status(grpc::UNAVAILABLE, &refusal.message);
-                    }
-                    return refusal.into_response(self.options.retry_after_s);
+                    return refusal.answer(grpc, self.options.retry_after_s);
                 }
             };
             let addr = slot.addr();
@@ -1043,12 +1050,7 @@ impl Proxy {
                 Ok(r) => r,
                 Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
             };
-            let out = if grpc { grpc::for_backend(out) } else { out };
-            let sent = if grpc {
-                client_h2(&self.options, &self.backends).request(out)
-            } else {
-                client(&self.options, &self.backends).request(out)
-            };
+            let sent = self.send(grpc, out);
             progress.mark_now();
             // Until the answer's head, the stream-idle bound holds too.
             let sent = async {
@@ -1336,24 +1338,11 @@ impl Proxy {
                         Ok(slot) => slot,
                         Err(r) => {
                             entry.traffic.answered(r.status.as_u16(), None);
-                            if grpc {
-                                return grpc::status(grpc::UNAVAILABLE, &r.message);
-                            }
-                            return r.into_response(self.options.retry_after_s);
+                            return r.answer(grpc, self.options.retry_after_s);
                         }
                     },
                     None => match backends::take_slot(&ready(), failed, 0, key, &service.group) {
                         Some(slot) => slot,
-                        None if grpc => {
-                            return grpc::status(
-                                grpc::UNAVAILABLE,
-                                &format!(
-                                    "destination {} of {} has no instance to send to",
-                                    di + 1,
-                                    service.meta.id
-                                ),
-                            );
-                        }
                         None => {
                             return Refusal::unavailable(
                                 "no_instance",
@@ -1363,7 +1352,7 @@ impl Proxy {
                                     service.meta.id
                                 ),
                             )
-                            .into_response(self.options.retry_after_s);
+                            .answer(grpc, self.options.retry_after_s);
                         }
                     },
                 };
@@ -1372,15 +1361,7 @@ impl Proxy {
                     Ok(r) => r,
                     Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
                 };
-                let sent = async {
-                    if h2 {
-                        client_h2(&self.options, &self.backends)
-                            .request(grpc::for_backend(out))
-                            .await
-                    } else {
-                        client(&self.options, &self.backends).request(out).await
-                    }
-                };
+                let sent = self.send(h2, out);
                 let answered = match route.backend_timeout_ms {
                     0 => sent.await,
                     ms => match tokio::time::timeout(Duration::from_millis(ms), sent).await {
@@ -1467,6 +1448,16 @@ impl Proxy {
                     ms,
                 ),
             },
+        }
+    }
+
+    /// Sends a request on to a backend: over HTTP/2 without TLS when `h2` (gRPC, an h2c
+    /// backend; the `Host` dropped, `:authority` being the address dialled), else HTTP/1.1.
+    fn send(&self, h2: bool, out: Request<Body>) -> hyper_util::client::legacy::ResponseFuture {
+        if h2 {
+            client_h2(&self.options, &self.backends).request(grpc::for_backend(out))
+        } else {
+            client(&self.options, &self.backends).request(out)
         }
     }
 

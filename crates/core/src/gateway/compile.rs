@@ -710,23 +710,21 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                         && allows(world, gw, ls[i].spec, &r.meta.namespace)
                 })
                 .collect();
-            let hosts: Vec<usize> = allowed
+            // The listeners whose hostname meets the route's, with the host names they share.
+            let hosts: Vec<(usize, Vec<String>)> = allowed
                 .iter()
-                .copied()
-                .filter(|&i| {
-                    route_hosts(&r.spec.hostnames, ls[i].spec.hostname.as_deref()).is_some()
+                .filter_map(|&i| {
+                    route_hosts(&r.spec.hostnames, ls[i].spec.hostname.as_deref()).map(|h| (i, h))
                 })
                 .collect();
+            let hosts_none = hosts.is_empty();
             // A listener where a route of the other kind (older) holds one of these host names
             // is not this route's.
             let mut clashes = Vec::new();
-            let free: Vec<usize> = hosts
-                .iter()
-                .copied()
-                .filter(|&i| {
-                    let mine = route_hosts(&r.spec.hostnames, ls[i].spec.hostname.as_deref())
-                        .unwrap_or_default();
-                    let clash = held.get(&(gi, i)).and_then(|h| {
+            let free: Vec<(usize, Vec<String>)> = hosts
+                .into_iter()
+                .filter(|(i, mine)| {
+                    let clash = held.get(&(gi, *i)).and_then(|h| {
                         h.iter().find(|(kind, _, theirs)| {
                             *kind != r.kind
                                 && theirs.iter().any(|t| mine.iter().any(|m| overlap(t, m)))
@@ -735,7 +733,7 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                     if let Some((_, key, _)) = clash {
                         clashes.push(format!(
                             "{key} holds these host names on listener {}",
-                            ls[i].spec.name
+                            ls[*i].spec.name
                         ));
                     }
                     clash.is_none()
@@ -771,7 +769,7 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                     ),
                     generation,
                 )
-            } else if hosts.is_empty() {
+            } else if hosts_none {
                 cond(
                     "Accepted",
                     false,
@@ -790,7 +788,10 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
             } else {
                 cond("Accepted", true, "Accepted", notes.join("; "), generation)
             };
-            let names: Vec<&str> = free.iter().map(|&i| ls[i].spec.name.as_str()).collect();
+            let names: Vec<&str> = free
+                .iter()
+                .map(|(i, _)| ls[*i].spec.name.as_str())
+                .collect();
             told.push(if accepted.status {
                 format!("{} listeners {}", gw.meta.key(), names.join(", "))
             } else {
@@ -802,9 +803,7 @@ pub fn compile(world: &World, addressing: &Addressing) -> Output {
                 )
             });
             if accepted.status {
-                for &i in &free {
-                    let mine = route_hosts(&r.spec.hostnames, ls[i].spec.hostname.as_deref())
-                        .unwrap_or_default();
+                for (i, mine) in free {
                     held.entry((gi, i))
                         .or_default()
                         .push((r.kind, r.key(), mine));

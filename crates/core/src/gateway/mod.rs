@@ -287,38 +287,19 @@ pub struct HttpRouteTimeouts {
     pub backend_request: Option<String>,
 }
 
-/// A Gateway API duration (`^([0-9]{1,5}(h|m|s|ms)){1,4}$`) in milliseconds.
+/// A Gateway API duration (`^([0-9]{1,5}(h|m|s|ms)){1,4}$`) in milliseconds: ebb's duration
+/// parser ([`crate::orchestrator::annotations::parse_duration_ms`]) within the API's bounds (at
+/// most four parts of at most five digits).
 pub fn duration_ms(text: &str) -> Result<u64, String> {
-    let bad = || format!("{text:?} is not a duration (such as 500ms, 10s or 1m30s)");
-    let mut rest = text;
-    let mut total: u64 = 0;
-    let mut parts = 0;
-    while !rest.is_empty() {
-        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-        if digits == 0 || digits > 5 {
-            return Err(bad());
-        }
-        let n: u64 = rest[..digits].parse().map_err(|_| bad())?;
-        rest = &rest[digits..];
-        let (scale, unit) = if rest.starts_with("ms") {
-            (1, 2)
-        } else if rest.starts_with('h') {
-            (3_600_000, 1)
-        } else if rest.starts_with('m') {
-            (60_000, 1)
-        } else if rest.starts_with('s') {
-            (1_000, 1)
-        } else {
-            return Err(bad());
-        };
-        rest = &rest[unit..];
-        total += n * scale;
-        parts += 1;
+    let mut numbers = text
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|n| !n.is_empty());
+    if numbers.clone().count() > 4 || numbers.any(|n| n.len() > 5) {
+        return Err(format!(
+            "{text:?} is not a Gateway API duration (at most four parts of at most five digits)"
+        ));
     }
-    if parts == 0 || parts > 4 {
-        return Err(bad());
-    }
-    Ok(total)
+    crate::orchestrator::annotations::parse_duration_ms(text)
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
