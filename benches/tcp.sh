@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# TCP splice benchmark: redis-benchmark against redis-server directly and against the same kind
-# of redis-server behind an ebb TCP route (woken first, so no cold start is measured), in one run,
-# in alternating rounds; prints requests/s of each, the median of the rounds, and the ratio
-# through ebb / direct. ebb, redis and redis-benchmark share the machine's cores.
-# Installs redis-server and redis-tools (Debian packages) when missing.
+# TCP route benchmark: redis-benchmark against redis-server directly, against the same kind of
+# redis-server behind an ebb TCP route (woken first, so no cold start is measured), and against
+# the direct one behind HAProxy in `mode tcp` (two threads, one per core, as ebb), in one run, in
+# alternating rounds; prints requests/s of each (the median of the rounds), the CPU time each proxy
+# spent per request, and the ratios ebb/HAProxy and ebb/direct. ebb, HAProxy, redis and
+# redis-benchmark share the machine's cores.
+# Installs redis-server, redis-tools and haproxy (Debian packages) when missing.
 # Usage: benches/tcp.sh [REQUESTS] [CLIENTS] [PIPELINE]   (EBB_BIN: an ebb binary to use instead
-#        of a release build; BENCH_ROUNDS: rounds, default 3)
+#        of a release build; BENCH_ROUNDS: rounds, default 3; BENCH_PERF=FILE: a `perf record`
+#        profile of ebb over its rounds, written to FILE; EBB_SERVE_ARGS: more `ebb serve` flags)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -15,7 +18,7 @@ clients="${2:-50}"
 pipeline="${3:-1}"
 rounds="${BENCH_ROUNDS:-3}"
 need=()
-for pkg in redis-server redis-tools; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
+for pkg in redis-server redis-tools haproxy; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi
   $sudo apt-get update -qq
@@ -39,6 +42,7 @@ trap cleanup EXIT
 
 base="${BENCH_PORT_BASE:-18100}"
 direct_port=$((base + 1)); route_port=$((base + 2)); proxy_port=$((base + 3)); admin_port=$((base + 4))
+haproxy_port=$((base + 5))
 redis_args="--bind 127.0.0.1 --save '' --appendonly no"
 redis-server --port "$direct_port" --bind 127.0.0.1 --save '' --appendonly no >"$work/redis.log" 2>&1 &
 pids+=($!)
@@ -51,8 +55,25 @@ command = ["sh", "-c", "exec redis-server --port \$PORT $redis_args"]
 idle_after_ms = 600000
 TOML
 EBB_LOG=warn "$ebb" serve --config "$work/ebb.toml" --data-dir "$work/data" \
-  --listen "127.0.0.1:$proxy_port" --admin-listen "127.0.0.1:$admin_port" >"$work/ebb.log" 2>&1 &
+  --listen "127.0.0.1:$proxy_port" --admin-listen "127.0.0.1:$admin_port" ${EBB_SERVE_ARGS:-} >"$work/ebb.log" 2>&1 &
 pids+=($!)
+ebb_pid=$!
+cat >"$work/haproxy.cfg" <<HAPROXY
+global
+  nbthread 2
+  maxconn 4096
+defaults
+  mode tcp
+  timeout connect 5s
+  timeout client 60s
+  timeout server 60s
+listen redis
+  bind 127.0.0.1:$haproxy_port
+  server redis 127.0.0.1:$direct_port maxconn 4096
+HAPROXY
+haproxy -db -f "$work/haproxy.cfg" >"$work/haproxy.log" 2>&1 &
+pids+=($!)
+haproxy_pid=$!
 for _ in $(seq 1 100); do
   redis-cli -p "$direct_port" PING >/dev/null 2>&1 && break
   sleep 0.1
@@ -68,15 +89,38 @@ rps() { # port -> requests/s of PING, SET and GET together (redis-benchmark's CS
   redis-benchmark -h 127.0.0.1 -p "$1" -n "$requests" -c "$clients" -P "$pipeline" -t ping_mbulk,set,get --csv 2>/dev/null |
     awk -F'","' 'NR > 1 { gsub(/"/, "", $2); sum += $2; n++ } END { printf "%.0f", sum / n }'
 }
+ticks() { # PID -> CPU time (clock ticks, 1/100 s) the process spent so far
+  awk '{print $14 + $15}' "/proc/$1/stat"
+}
+run() { # PORT [PID] -> "requests/s CPU-per-request(us)" (CPU only for a PID)
+  local t0=0 t1=0 r
+  [ -n "${2:-}" ] && t0=$(ticks "$2")
+  r=$(rps "$1")
+  [ -n "${2:-}" ] && t1=$(ticks "$2")
+  # redis-benchmark runs 3 tests of $requests requests each.
+  awk -v r="$r" -v t=$((t1 - t0)) -v n="$((requests * 3))" 'BEGIN { printf "%s %.2f\n", r, t * 10000 / n }'
+}
 median() { sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 
-: >"$work/direct"; : >"$work/ebb"
+: >"$work/direct"; : >"$work/ebb"; : >"$work/haproxy"
 for _ in $(seq 1 "$rounds"); do
-  rps "$direct_port" >>"$work/direct"; echo >>"$work/direct"
-  rps "$route_port" >>"$work/ebb"; echo >>"$work/ebb"
+  run "$direct_port" >>"$work/direct"
+  [ -n "${BENCH_PERF:-}" ] && { perf record -q -F 1999 -g -p "$ebb_pid" -o "$BENCH_PERF" 2>/dev/null & perf_pid=$!; }
+  run "$route_port" "$ebb_pid" >>"$work/ebb"
+  [ -n "${BENCH_PERF:-}" ] && { kill -INT "$perf_pid"; wait "$perf_pid" || true; }
+  run "$haproxy_port" "$haproxy_pid" >>"$work/haproxy"
 done
-direct=$(median <"$work/direct")
-through=$(median <"$work/ebb")
-echo "redis-benchmark: $requests requests each of PING, SET, GET; $clients clients; pipeline $pipeline; median of $rounds rounds"
-printf '  %-22s %10s req/s\n' "redis directly" "$direct" "redis through ebb (TCP)" "$through"
-awk -v a="$through" -v b="$direct" 'BEGIN { printf "  ratio ebb/direct        %10.2f\n", a / b }'
+col() { awk -v c="$2" '{ print $c }' "$work/$1" | median; }
+direct=$(col direct 1)
+through=$(col ebb 1); ebb_cpu=$(col ebb 2)
+hap=$(col haproxy 1); hap_cpu=$(col haproxy 2)
+echo "redis-benchmark: $requests requests each of PING, SET, GET; $clients clients; pipeline $pipeline; median of $rounds alternating rounds"
+echo
+echo "| target | requests/s | proxy CPU per request |"
+echo "|---|---|---|"
+echo "| redis directly | $direct | - |"
+echo "| ebb (TCP route) | $through | ${ebb_cpu}us |"
+echo "| HAProxy mode tcp | $hap | ${hap_cpu}us |"
+awk -v a="$through" -v b="$hap" -v c="$ebb_cpu" -v d="$hap_cpu" 'BEGIN {
+  printf "| ebb / HAProxy | %.2f x throughput | %.2f x CPU per request |\n", a / b, (d > 0 ? c / d : 0) }'
+awk -v a="$through" -v b="$direct" 'BEGIN { printf "| ebb / direct | %.2f x throughput | |\n", a / b }'

@@ -6,7 +6,6 @@ mod options;
 
 pub use options::*;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -112,30 +111,8 @@ fn config_routes(state: &State, routes: &[RouteSpec]) -> Vec<Event> {
         .collect()
 }
 
-/// `n` listeners on one address with `SO_REUSEPORT`; the first one picks the port when it is 0.
-pub fn reuseport_listeners(
-    addr: SocketAddr,
-    n: usize,
-) -> std::io::Result<Vec<std::net::TcpListener>> {
-    let mut addr = addr;
-    let mut out = Vec::new();
-    for i in 0..n.max(1) {
-        let socket = if addr.is_ipv4() {
-            tokio::net::TcpSocket::new_v4()?
-        } else {
-            tokio::net::TcpSocket::new_v6()?
-        };
-        socket.set_reuseaddr(true)?;
-        socket.set_reuseport(true)?;
-        socket.bind(addr)?;
-        let listener = socket.listen(1024)?;
-        if i == 0 {
-            addr = listener.local_addr()?;
-        }
-        out.push(listener.into_std()?);
-    }
-    Ok(out)
-}
+/// `n` listeners on one address with `SO_REUSEPORT` ([`crate::proxy::reuseport_listeners`]).
+pub use crate::proxy::reuseport_listeners;
 
 /// Runs until `shutdown` resolves, then stops accepting, flushes traffic, stops every replica.
 pub async fn run(

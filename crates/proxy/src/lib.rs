@@ -3,7 +3,8 @@
 //!
 //! * **Threads**: each core runs a proxy thread with its own single-threaded runtime, an
 //!   `SO_REUSEPORT` listener and its own backend pool ([`Proxy::spawn_workers`]), so a request
-//!   never wakes another thread.
+//!   never wakes another thread; each TCP route's port too has a listener on every proxy thread
+//!   ([`tcp`]).
 //! * **Routing** reads where a request goes with [`head::target`] (exactly one valid `Host`, or
 //!   400; an absolute-form target's authority wins over `Host`), then looks the host up in the
 //!   routing table ([`table`], a snapshot of the route store matched with
@@ -293,6 +294,34 @@ pub struct Proxy {
     /// Open tunnels (upgraded connections, TCP routes), across the proxy's threads: a shutdown
     /// waits for them [`TUNNEL_DRAIN`] at most.
     tunnels: Arc<std::sync::atomic::AtomicU64>,
+    /// The runtimes of the proxy's threads ([`Proxy::spawn_workers`]): TCP routes accept on
+    /// each of them too.
+    workers: std::sync::OnceLock<Vec<tokio::runtime::Handle>>,
+}
+
+/// `n` listeners on one address with `SO_REUSEPORT`; the first one picks the port when it is 0.
+pub fn reuseport_listeners(
+    addr: SocketAddr,
+    n: usize,
+) -> std::io::Result<Vec<std::net::TcpListener>> {
+    let mut addr = addr;
+    let mut out = Vec::new();
+    for i in 0..n.max(1) {
+        let socket = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        socket.set_reuseport(true)?;
+        socket.bind(addr)?;
+        let listener = socket.listen(1024)?;
+        if i == 0 {
+            addr = listener.local_addr()?;
+        }
+        out.push(listener.into_std()?);
+    }
+    Ok(out)
 }
 
 /// How long a shutdown waits for open tunnels (WebSocket and other upgrades, TCP routes) once
@@ -595,6 +624,16 @@ impl Proxy {
             held: std::sync::atomic::AtomicU64::new(0),
             draining: tokio::sync::watch::channel(false).0,
             tunnels: Arc::default(),
+            workers: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The runtimes that serve connections: the proxy's threads once they run, else (a proxy
+    /// whose threads were never spawned, in tests) the caller's.
+    pub(crate) fn worker_runtimes(&self) -> Vec<tokio::runtime::Handle> {
+        match self.workers.get() {
+            Some(w) if !w.is_empty() => w.clone(),
+            _ => vec![tokio::runtime::Handle::current()],
         }
     }
 
@@ -676,29 +715,25 @@ impl Proxy {
     /// Serves each listener on a thread of its own with a single-threaded runtime, the way nginx
     /// runs worker processes: listeners bound with `SO_REUSEPORT` to one address share the
     /// connections, and each thread keeps its connections, tasks and backend pool to itself.
+    /// The threads' runtimes are kept: TCP routes accept on them too ([`tcp::run`]).
     pub fn spawn_workers(
         self: &Arc<Self>,
         listeners: Vec<std::net::TcpListener>,
         stop: tokio::sync::watch::Receiver<bool>,
     ) -> std::io::Result<Vec<std::thread::JoinHandle<()>>> {
         let mut threads = Vec::new();
+        let mut handles = Vec::new();
         for (i, listener) in listeners.into_iter().enumerate() {
             let proxy = self.clone();
             let mut stop = stop.clone();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            handles.push(rt.handle().clone());
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("ebb-proxy-{i}"))
                     .spawn(move || {
-                        let rt = match tokio::runtime::Builder::new_current_thread()
-                            .enable_all()
-                            .build()
-                        {
-                            Ok(rt) => rt,
-                            Err(e) => {
-                                tracing::error!(error = %e, "proxy thread has no runtime");
-                                return;
-                            }
-                        };
                         rt.block_on(async move {
                             let listener = match tokio::net::TcpListener::from_std(listener) {
                                 Ok(l) => l,
@@ -721,6 +756,7 @@ impl Proxy {
                     })?,
             );
         }
+        let _ = self.workers.set(handles);
         Ok(threads)
     }
 

@@ -1,7 +1,9 @@
-//! Byte splicing between two connections with an idle bound: an upgraded connection (WebSocket)
-//! through the general path. Each side is wrapped so that every read or write that moves bytes
-//! marks the pair's last activity (by ebb's clock); one timer, moved only when it fires, ends the
-//! splice once nothing moved for the bound (the route's `connection_idle_timeout_ms`).
+//! Byte splicing between two connections with an idle bound: a TCP route's connection, and an
+//! upgraded connection (WebSocket). Each side is wrapped so that every read that moves bytes
+//! marks the pair's last activity (by ebb's clock; every byte written was read first, so reads
+//! alone tell when bytes last moved, at one clock read per chunk); one timer, moved only when it
+//! fires, ends the splice once nothing moved for the bound (the route's
+//! `connection_idle_timeout_ms`).
 
 use std::io;
 use std::pin::Pin;
@@ -105,11 +107,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Marked<'_, T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
-        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
-            self.mark();
-        }
-        r
+        Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

@@ -8,9 +8,13 @@
 //! goes idle `idle_after_ms` after its last connection closed.
 //! `connection_idle_timeout_ms` closes a connection that moves no byte for that long.
 //!
-//! The listeners follow the routes: [`run`] opens one per TCP route in the log and closes it when
-//! the route goes or moves elsewhere, looking again whenever the routes change (the route store's
-//! `changed_at_seq` moves).
+//! Each route's port is served on every proxy thread ([`Proxy::spawn_workers`]), as the HTTP
+//! listener is: one `SO_REUSEPORT` listener per thread, so a connection and both its sockets stay
+//! on the thread that accepted it and no byte it moves wakes another thread.
+//!
+//! The listeners follow the routes: [`run`] opens them per TCP route in the log and closes them
+//! when the route goes or moves elsewhere, looking again whenever the routes change (the route
+//! store's `changed_at_seq` moves).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -26,22 +30,47 @@ use super::table::Entry;
 /// How often the listeners are compared with the routes.
 const RECONCILE_MS: u64 = 200;
 
-/// Binds the listeners of every TCP route in the log now; an address that cannot be had stops
-/// ebb's start with the reason.
-pub fn bind_all(proxy: &Proxy) -> std::io::Result<BTreeMap<String, (SocketAddr, TcpListener)>> {
-    let wanted = tcp_routes(proxy);
+/// A route's listeners: one per proxy thread, on one address.
+pub type Listeners = (SocketAddr, Vec<std::net::TcpListener>);
+
+/// Binds the listeners of every TCP route in the log now, one per proxy thread; an address that
+/// cannot be had stops ebb's start with the reason.
+pub fn bind_all(proxy: &Proxy) -> std::io::Result<BTreeMap<String, Listeners>> {
+    let threads = proxy.worker_runtimes().len();
     let mut out = BTreeMap::new();
-    for (route, addr) in wanted {
-        let std = std::net::TcpListener::bind(addr).map_err(|e| {
+    for (route, addr) in tcp_routes(proxy) {
+        let listeners = super::reuseport_listeners(addr, threads).map_err(|e| {
             std::io::Error::new(
                 e.kind(),
                 format!("TCP route {route}: listening on {addr}: {e}"),
             )
         })?;
-        std.set_nonblocking(true)?;
-        out.insert(route, (addr, TcpListener::from_std(std)?));
+        out.insert(route, (addr, listeners));
     }
     Ok(out)
+}
+
+/// Serves a route's listeners, each on a proxy thread of its own.
+fn serve_route(
+    proxy: &Arc<Proxy>,
+    route: &str,
+    listeners: Vec<std::net::TcpListener>,
+    stop: &watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let runtimes = proxy.worker_runtimes();
+    listeners
+        .into_iter()
+        .zip(runtimes.iter().cycle())
+        .map(|(listener, rt)| {
+            let (proxy, route, stop) = (proxy.clone(), route.to_string(), stop.clone());
+            rt.spawn(async move {
+                match TcpListener::from_std(listener) {
+                    Ok(listener) => accept(proxy, route, listener, stop).await,
+                    Err(e) => tracing::warn!(%route, error = %e, "TCP route listener unusable"),
+                }
+            })
+        })
+        .collect()
 }
 
 /// The TCP routes in the log, with their addresses.
@@ -63,13 +92,14 @@ fn tcp_routes(proxy: &Proxy) -> BTreeMap<String, SocketAddr> {
 /// opened later (the address is taken) is logged and tried again when the routes next change.
 pub async fn run(
     proxy: Arc<Proxy>,
-    bound: BTreeMap<String, (SocketAddr, TcpListener)>,
+    bound: BTreeMap<String, Listeners>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut open: BTreeMap<String, (SocketAddr, tokio::task::JoinHandle<()>)> = BTreeMap::new();
-    for (route, (addr, listener)) in bound {
-        let task = tokio::spawn(accept(proxy.clone(), route.clone(), listener, stop.clone()));
-        open.insert(route, (addr, task));
+    let mut open: BTreeMap<String, (SocketAddr, Vec<tokio::task::JoinHandle<()>>)> =
+        BTreeMap::new();
+    for (route, (addr, listeners)) in bound {
+        let tasks = serve_route(&proxy, &route, listeners, &stop);
+        open.insert(route, (addr, tasks));
     }
     let mut seen_seq = proxy.log.read(|s| s.routes.changed_at_seq);
     let mut tick = tokio::time::interval(Duration::from_millis(RECONCILE_MS));
@@ -85,31 +115,31 @@ pub async fn run(
         }
         seen_seq = seq;
         let wanted = tcp_routes(&proxy);
-        open.retain(|route, (addr, task)| {
-            let keep = wanted.get(route) == Some(addr) && !task.is_finished();
+        open.retain(|route, (addr, tasks)| {
+            let keep = wanted.get(route) == Some(addr) && !tasks.iter().any(|t| t.is_finished());
             if !keep {
                 tracing::info!(%route, %addr, "TCP route closed");
-                task.abort();
+                tasks.iter().for_each(|t| t.abort());
             }
             keep
         });
+        let threads = proxy.worker_runtimes().len();
         for (route, addr) in wanted {
             if open.contains_key(&route) {
                 continue;
             }
-            match TcpListener::bind(addr).await {
-                Ok(listener) => {
+            match super::reuseport_listeners(addr, threads) {
+                Ok(listeners) => {
                     tracing::info!(%route, %addr, "TCP route listening");
-                    let task =
-                        tokio::spawn(accept(proxy.clone(), route.clone(), listener, stop.clone()));
-                    open.insert(route, (addr, task));
+                    let tasks = serve_route(&proxy, &route, listeners, &stop);
+                    open.insert(route, (addr, tasks));
                 }
                 Err(e) => tracing::warn!(%route, %addr, error = %e, "TCP route cannot listen"),
             }
         }
     }
-    for (_, (_, task)) in open {
-        task.abort();
+    for (_, (_, tasks)) in open {
+        tasks.iter().for_each(|t| t.abort());
     }
 }
 
