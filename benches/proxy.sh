@@ -6,7 +6,10 @@
 #      -Host and Forwarded, so the app does the same work behind each), in alternating rounds, with the ratios ebb/nginx and ebb/HAProxy, and the CPU
 #      time each proxy spent per request (wrk, the proxy and the app share the cores, so throughput
 #      also moves with how the scheduler interleaves them; CPU per request does not);
-#   2. cold-start overhead (`ebb bench cold-start`): first byte through ebb for a workload at zero
+#   2. a meta service's rewrite: the same, through an ebb `[[service]]` route that rewrites the
+#      path (`/api/{rest:**}` to `/v2/{rest}`) and sets a request header, against nginx (`rewrite`
+#      and `proxy_set_header`) and HAProxy (`set-path` and `set-header`) doing the same;
+#   3. cold-start overhead (`ebb bench cold-start`): first byte through ebb for a workload at zero
 #      minus the app's own start-to-ready time, and a cold burst of 200 requests against an app
 #      with a tiny accept backlog, through ebb against the same burst sent to the app directly.
 # Installs wrk, nginx and haproxy (Debian packages) when missing.
@@ -43,7 +46,7 @@ trap cleanup EXIT
 
 base="${BENCH_PORT_BASE:-18000}"
 app_port=$((base + 1)); ebb_port=$((base + 2)); admin_port=$((base + 3)); nginx_port=$((base + 4))
-haproxy_port=$((base + 5))
+haproxy_port=$((base + 5)); nginx_meta_port=$((base + 6)); haproxy_meta_port=$((base + 7))
 
 wait_http() { # URL HOST
   for _ in $(seq 1 600); do
@@ -66,6 +69,16 @@ domains = ["bench.localhost"]
 command = ["ebb", "example-app"]
 min_replicas = 1
 idle_after_ms = 3600000
+
+[[service]]
+name = "meta"
+domains = ["meta.localhost"]
+
+[[service.route]]
+path = "/api/{rest:**}"
+rewrite_path = "/v2/{rest}"
+request_headers = { set = { "x-from" = "ebb" } }
+destinations = [{ addresses = ["127.0.0.1:$app_port"] }]
 TOML
 EBB_LOG=warn "$ebb" serve --config "$work/ebb.toml" --data-dir "$work/data" \
   --listen "127.0.0.1:$ebb_port" --admin-listen "127.0.0.1:$admin_port" >/dev/null &
@@ -101,6 +114,21 @@ http {
       proxy_set_header Forwarded "for=\$remote_addr;host=\"\$host\";proto=\$scheme";
     }
   }
+  server {
+    listen 127.0.0.1:$nginx_meta_port;
+    location /api/ {
+      rewrite ^/api/(.*)\$ /v2/\$1 break;
+      proxy_pass http://app;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_set_header Host \$host;
+      proxy_set_header X-From ebb;
+      proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+      proxy_set_header X-Forwarded-Proto \$scheme;
+      proxy_set_header X-Forwarded-Host \$host;
+      proxy_set_header Forwarded "for=\$remote_addr;host=\"\$host\";proto=\$scheme";
+    }
+  }
 }
 NGINX
 nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" &
@@ -122,6 +150,14 @@ defaults
   timeout server 60s
 frontend proxy
   bind 127.0.0.1:$haproxy_port
+  http-request set-header X-Forwarded-Proto http
+  http-request set-header X-Forwarded-Host %[req.hdr(host)]
+  http-request set-header Forwarded "for=%[src];host=\"%[req.hdr(host)]\";proto=http"
+  default_backend app
+frontend meta
+  bind 127.0.0.1:$haproxy_meta_port
+  http-request set-path %[path,regsub(^/api/,/v2/)] if { path_beg /api/ }
+  http-request set-header X-From ebb
   http-request set-header X-Forwarded-Proto http
   http-request set-header X-Forwarded-Host %[req.hdr(host)]
   http-request set-header Forwarded "for=%[src];host=\"%[req.hdr(host)]\";proto=http"
@@ -153,7 +189,7 @@ run() { # NAME PORT [--children] PID...
   local name="$1" port="$2" out t0 t1
   shift 2
   t0="$( [ $# -gt 0 ] && ticks "$@" || echo 0)"
-  out="$(wrk -t2 -c"$conns" -d"${seconds}s" --latency -H 'Host: bench.localhost' "http://127.0.0.1:$port/")"
+  out="$(wrk -t2 -c"$conns" -d"${seconds}s" --latency -H "Host: $req_host" "http://127.0.0.1:$port$req_path")"
   t1="$( [ $# -gt 0 ] && ticks "$@" || echo 0)"
   local rps p50 p99 cpu
   rps="$(awk '/^Requests\/sec:/ {print $2}' <<<"$out")"
@@ -173,6 +209,7 @@ to_us() {
 }
 
 rounds="${BENCH_ROUNDS:-5}"
+req_host=bench.localhost req_path=/
 echo "warm: wrk -t2 -c$conns -d${seconds}s, GET / (echo), 2 cores shared by wrk, proxy and app;"
 echo "ebb, nginx and HAProxy measured in $rounds alternating rounds, each figure the median of its rounds"
 results=("$(run direct "$app_port")")
@@ -197,23 +234,44 @@ median() { # NAME RUNS...
     }
     END { printf "%s %.2f %.0fus %.0fus %.2f\n", name, med(r, NR), med(a, NR), med(b, NR), med(c, NR) }'
 }
+table() { # RESULT... (direct, ebb, then the anchors): the table and ebb's ratios to each anchor
+  local results=("$@")
+  echo
+  echo "| target | requests/s | p50 | p99 | proxy CPU per request |"
+  echo "|---|---|---|---|---|"
+  for r in "${results[@]}"; do
+    read -r name rps p50 p99 cpu <<<"$r"
+    if [ "$name" = direct ]; then cpu=-; else cpu="${cpu}us"; fi
+    echo "| $name | $rps | $p50 | $p99 | $cpu |"
+  done
+  read -r _ ebb_rps ebb_p50 ebb_p99 ebb_cpu <<<"${results[1]}"
+  for i in 2 3; do
+    read -r other o_rps o_p50 o_p99 o_cpu <<<"${results[$i]}"
+    awk -v n="$other" -v a="$ebb_rps" -v b="$o_rps" -v c="$(to_us "$ebb_p99")" -v d="$(to_us "$o_p99")" \
+        -v e="$(to_us "$ebb_p50")" -v f="$(to_us "$o_p50")" -v g="$ebb_cpu" -v h="$o_cpu" 'BEGIN {
+      printf "| ebb / %s | %.2f x throughput | %.2f x p50 | %.2f x p99 | %.2f x CPU per request |\n", n, a / b, e / f, c / d, g / h
+    }'
+  done
+}
 results+=("$(median ebb "${ebb_runs[@]}")" "$(median nginx "${ngx_runs[@]}")" "$(median haproxy "${hap_runs[@]}")")
+table "${results[@]}"
+
+# The meta service: its route's rewrite through ebb, nginx and HAProxy, in alternating rounds.
+req_host=meta.localhost req_path=/api/echo
+wait_http "http://127.0.0.1:$ebb_port/api/health" meta.localhost
+wait_http "http://127.0.0.1:$nginx_meta_port/api/health" meta.localhost
+wait_http "http://127.0.0.1:$haproxy_meta_port/api/health" meta.localhost
 echo
-echo "| target | requests/s | p50 | p99 | proxy CPU per request |"
-echo "|---|---|---|---|---|"
-for r in "${results[@]}"; do
-  read -r name rps p50 p99 cpu <<<"$r"
-  if [ "$name" = direct ]; then cpu=-; else cpu="${cpu}us"; fi
-  echo "| $name | $rps | $p50 | $p99 | $cpu |"
+echo "meta service: GET /api/echo rewritten to /v2/echo with X-From set, the same wrk, $rounds alternating rounds"
+results=("$(run direct "$app_port")")
+ebb_runs=(); ngx_runs=(); hap_runs=()
+for _ in $(seq 1 "$rounds"); do
+  ebb_runs+=("$(run ebb "$ebb_port" "$ebb_pid")")
+  ngx_runs+=("$(run nginx "$nginx_meta_port" --children "$nginx_pid")")
+  hap_runs+=("$(run haproxy "$haproxy_meta_port" "$haproxy_pid")")
 done
-read -r _ ebb_rps ebb_p50 ebb_p99 ebb_cpu <<<"${results[1]}"
-for i in 2 3; do
-  read -r other o_rps o_p50 o_p99 o_cpu <<<"${results[$i]}"
-  awk -v n="$other" -v a="$ebb_rps" -v b="$o_rps" -v c="$(to_us "$ebb_p99")" -v d="$(to_us "$o_p99")" \
-      -v e="$(to_us "$ebb_p50")" -v f="$(to_us "$o_p50")" -v g="$ebb_cpu" -v h="$o_cpu" 'BEGIN {
-    printf "| ebb / %s | %.2f x throughput | %.2f x p50 | %.2f x p99 | %.2f x CPU per request |\n", n, a / b, e / f, c / d, g / h
-  }'
-done
+results+=("$(median ebb "${ebb_runs[@]}")" "$(median nginx "${ngx_runs[@]}")" "$(median haproxy "${hap_runs[@]}")")
+table "${results[@]}"
 echo
 echo "cold start:"
 "$ebb" bench cold-start
