@@ -16,6 +16,7 @@
 
 use std::net::SocketAddr;
 
+use ebb_core::discovery::meta::Changes;
 use ebb_core::event::RouteSpec;
 use ebb_core::limits::Limit;
 use http::StatusCode;
@@ -236,6 +237,24 @@ pub trait Routes {
     fn spec(route: &Self::Route) -> &RouteSpec;
     fn serves_service(&self, host: &str) -> bool;
     fn route(&self, host: &str) -> Option<Self::Route>;
+    /// A request to a meta service's Host that the fast path serves: the route it goes to under
+    /// the service's matching rule, and the target sent on (the rule's rewrite). None: the
+    /// general path serves it (no rule matches, or the rule needs what only that path does).
+    fn service<'v>(
+        &self,
+        _host: &str,
+        _method: &str,
+        _target: &str,
+        _header: &dyn Fn(&str) -> Option<&'v [u8]>,
+    ) -> Option<(Self::Route, String)> {
+        None
+    }
+    /// A meta service's changes to a request's headers (names in lower case, every one a
+    /// header this head writer does not write itself, values valid), and the Host it sends
+    /// instead of the request's.
+    fn request_changes(_route: &Self::Route) -> (Option<&Changes>, Option<&str>) {
+        (None, None)
+    }
     fn max_headers(&self) -> usize;
     fn max_head_bytes(&self) -> usize;
 }
@@ -391,24 +410,39 @@ pub fn parse_request<R: Routes>(
         }
     };
     let host = target.host;
-    if proxy.serves_service(host) {
-        // A meta service: its rewriting and header rules live on the general path.
-        return Parsed::Elsewhere;
-    }
-    let Some(entry) = proxy.route(host) else {
-        let message = format!("no route for host {host:?}");
-        return Parsed::Refuse {
-            head_len,
-            refusal: Refused::new(StatusCode::NOT_FOUND, "unknown_host", message),
-            close,
+    let (entry, sent) = if proxy.serves_service(host) {
+        // A meta service: its matching rule rewrites the head here, or the general path serves
+        // the request.
+        let header = |n: &str| {
+            headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case(n))
+                .map(|h| h.value)
         };
+        match proxy.service(host, method, &target.path, &header) {
+            Some((entry, sent)) => (entry, Some(sent)),
+            None => return Parsed::Elsewhere,
+        }
+    } else {
+        match proxy.route(host) {
+            Some(entry) => (entry, None),
+            None => {
+                let message = format!("no route for host {host:?}");
+                return Parsed::Refuse {
+                    head_len,
+                    refusal: Refused::new(StatusCode::NOT_FOUND, "unknown_host", message),
+                    close,
+                };
+            }
+        }
     };
+    let (changes, sent_host) = R::request_changes(&entry);
 
     out.extend_from_slice(method.as_bytes());
     out.push(b' ');
-    out.extend_from_slice(target.path.as_bytes());
+    out.extend_from_slice(sent.as_deref().unwrap_or(&target.path).as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
-    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(sent_host.unwrap_or(host).as_bytes());
     out.extend_from_slice(b"\r\n");
     let mut id = 0..0;
     for h in headers {
@@ -436,7 +470,13 @@ pub fn parse_request<R: Routes>(
             }
             continue;
         }
+        if changes.is_some_and(|c| c.replaces(name)) {
+            continue;
+        }
         push_header(out, name.as_bytes(), h.value);
+    }
+    if let Some(c) = changes {
+        c.push_to(out);
     }
     // With both, the transfer coding frames the body and the connection ends after the answer
     // (RFC 9112 section 6.1): Content-Length is not forwarded.
@@ -522,11 +562,14 @@ pub fn parse_request<R: Routes>(
 }
 
 /// Parses a response head and writes the client's head to `out`. `Ok(None)`: more bytes needed.
+/// `changes`: a meta service's changes to the response's headers (as [`Routes::request_changes`]
+/// says of a request's).
 pub fn parse_response(
     buf: &[u8],
     out: &mut Vec<u8>,
     is_head: bool,
     client_wants_close: bool,
+    changes: Option<&Changes>,
 ) -> Result<Option<Response>, String> {
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut headers);
@@ -600,10 +643,19 @@ pub fn parse_response(
     out.extend_from_slice(b"\r\n");
     for h in headers {
         let name = h.name;
-        if hop_by_hop(name) || conn.names(name) || name.eq_ignore_ascii_case("content-length") {
+        if hop_by_hop(name)
+            || conn.names(name)
+            || name.eq_ignore_ascii_case("content-length")
+            || changes.is_some_and(|c| c.replaces(name))
+        {
             continue;
         }
         push_header(out, name.as_bytes(), h.value);
+    }
+    if let Some(c) = changes
+        && !interim
+    {
+        c.push_to(out);
     }
     // The framing as parsed: Transfer-Encoding wins over Content-Length (RFC 9112 section 6.3).
     push_framing(
@@ -623,6 +675,27 @@ pub fn parse_response(
         body,
         backend_keep_alive,
     }))
+}
+
+/// A meta service's header changes as a head writer applies them: a header named in `set` or
+/// `remove` is not copied, then `set`'s and `add`'s are written (the general path's order:
+/// remove, set, add).
+trait ApplyChanges {
+    fn replaces(&self, name: &str) -> bool;
+    fn push_to(&self, out: &mut Vec<u8>);
+}
+
+impl ApplyChanges for Changes {
+    fn replaces(&self, name: &str) -> bool {
+        self.set.iter().any(|(n, _)| n.eq_ignore_ascii_case(name))
+            || self.remove.iter().any(|n| n.eq_ignore_ascii_case(name))
+    }
+
+    fn push_to(&self, out: &mut Vec<u8>) {
+        for (n, v) in self.set.iter().chain(&self.add) {
+            push_header(out, n.as_bytes(), v.as_bytes());
+        }
+    }
 }
 
 /// Writes the framing headers of a message.
@@ -764,7 +837,7 @@ pub mod fuzzing {
     pub fn response_head(data: &[u8]) {
         for is_head in [false, true] {
             let mut out = Vec::new();
-            let Ok(Some(resp)) = parse_response(data, &mut out, is_head, false) else {
+            let Ok(Some(resp)) = parse_response(data, &mut out, is_head, false, None) else {
                 continue;
             };
             assert!(resp.head_len <= data.len());
@@ -795,7 +868,7 @@ mod tests {
 
     fn response(raw: &str, is_head: bool) -> (Response, String) {
         let mut out = Vec::new();
-        let r = parse_response(raw.as_bytes(), &mut out, is_head, false)
+        let r = parse_response(raw.as_bytes(), &mut out, is_head, false, None)
             .unwrap()
             .unwrap();
         (r, String::from_utf8(out).unwrap())
@@ -835,7 +908,7 @@ mod tests {
             "nonsense\r\n\r\n",
         ] {
             assert!(
-                parse_response(bad.as_bytes(), &mut out, false, false).is_err(),
+                parse_response(bad.as_bytes(), &mut out, false, false, None).is_err(),
                 "{bad}"
             );
         }

@@ -67,8 +67,95 @@ use crate::clock::Clock;
 use crate::event::RouteSpec;
 use crate::limits::Limit;
 
-/// A request head the fast path serves, with its route's table entry.
-type Request = ebb_http::h1::Request<Arc<Entry>>;
+/// A request head the fast path serves, with where it goes.
+type Request = ebb_http::h1::Request<Target>;
+
+/// Where a fast-path request goes: a workload route's replicas, or the destination a meta
+/// service's rule drew (its fixed instances, or an `ebb://app`'s replicas, held and woken as the
+/// app's requests are).
+#[derive(Clone)]
+pub enum Target {
+    Route(Arc<Entry>),
+    Service(Arc<ServiceTarget>),
+}
+
+/// A meta service's rule and destination for a request.
+pub struct ServiceTarget {
+    service: Arc<super::services::ServiceEntry>,
+    /// The rule and the destination drawn.
+    route: usize,
+    dest: usize,
+    /// The app of an `ebb://app` destination.
+    app: Option<Arc<Entry>>,
+}
+
+impl Target {
+    /// The route spec whose bounds and policy the request goes by.
+    fn spec(&self) -> &RouteSpec {
+        match self {
+            Target::Route(e) => &e.spec,
+            Target::Service(s) => s.service.spec(s.route, s.dest),
+        }
+    }
+
+    /// The traffic that counts the request: its route's, or its `ebb://app`'s.
+    fn traffic(&self) -> &Arc<super::RouteTraffic> {
+        match self {
+            Target::Route(e) => &e.traffic,
+            Target::Service(s) => s.app.as_ref().map_or(&s.service.traffic, |a| &a.traffic),
+        }
+    }
+
+    /// A meta service rule's changes to the response's headers.
+    fn response_changes(&self) -> Option<&ebb_core::discovery::meta::Changes> {
+        match self {
+            Target::Route(_) => None,
+            Target::Service(s) => Some(&s.service.meta.routes[s.route].response_headers),
+        }
+    }
+
+    /// A slot on the replica or instance the request goes to, held and woken for as its
+    /// workload's requests are ([`Proxy::endpoint`]).
+    async fn endpoint(
+        &self,
+        proxy: &Proxy,
+        avoid: Option<SocketAddr>,
+        key: Option<u64>,
+        id: &[u8],
+        page: bool,
+    ) -> Result<Slot, Refusal> {
+        let s = match self {
+            Target::Route(e) => return proxy.endpoint(e, avoid, key, id, page).await,
+            Target::Service(s) => s,
+        };
+        let ready = || {
+            let version = *proxy.orch_version.borrow();
+            s.service
+                .ready(s.route, s.dest, version, &proxy.backends, |id| {
+                    proxy.resolve(id)
+                })
+        };
+        if let Some(app) = &s.app {
+            return proxy.endpoint_on(app, avoid, key, id, false, &ready).await;
+        }
+        let ready = ready();
+        // One instance that went away is tried again rather than none.
+        backends::take_slot(&ready, avoid, 0, key, &s.service.group)
+            .or_else(|| {
+                avoid.and_then(|_| backends::take_slot(&ready, None, 0, key, &s.service.group))
+            })
+            .ok_or_else(|| {
+                Refusal::unavailable(
+                    "no_instance",
+                    format!(
+                        "destination {} of {} has no instance to send to",
+                        s.dest + 1,
+                        s.service.meta.id
+                    ),
+                )
+            })
+    }
+}
 /// The largest response head read from a backend (a request's is `--max-head-bytes`).
 const MAX_HEAD: usize = 64 * 1024;
 /// How much of a body is read at once.
@@ -80,7 +167,7 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
     let mut out = Vec::with_capacity(8 * 1024);
     // The bound between requests: the last request's route's, else the proxy's.
     let mut idle_ms = proxy.options.client_idle_timeout_ms;
-    let mut last_route: Option<Arc<Entry>> = None;
+    let mut last_route: Option<Target> = None;
     let limits = proxy.options.limits;
     let progress = Progress::new(&*proxy.clock);
     let mut watchdog = Watchdog::new(&progress, idle_ms);
@@ -170,7 +257,7 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
                 () = proxy.drained(), if !in_head => return,
                 () = watchdog.expired(&progress, limit_ms) => {
                     if !in_head && let Some(entry) = &last_route {
-                        entry.traffic.timed_out(super::traffic::Timeout::ConnectionIdle);
+                        entry.traffic().timed_out(super::traffic::Timeout::ConnectionIdle);
                     }
                     if in_head {
                         Limit::HeaderReadTimeout.hit();
@@ -194,7 +281,7 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
             }
         };
         buf.advance(req.head_len);
-        let route = &req.entry.spec;
+        let route = req.entry.spec();
         let stall_ms = match route.stream_idle_timeout_ms {
             0 => proxy.options.request_stall_timeout_ms,
             ms => ms,
@@ -231,7 +318,7 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
             None => {
                 tracing::debug!(%peer, route = %route.name, "request stalled; closing");
                 req.entry
-                    .traffic
+                    .traffic()
                     .timed_out(super::traffic::Timeout::StreamIdle);
                 if !progress.wrote.load(Ordering::Relaxed) {
                     // Nothing of an answer went out yet: say why before closing.
@@ -242,7 +329,7 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
                             "the request moved no byte either way for {stall_ms} ms (stream_idle_timeout_ms)"
                         ),
                     );
-                    req.entry.traffic.answered(refusal.status.as_u16(), None);
+                    req.entry.traffic().answered(refusal.status.as_u16(), None);
                     let _ = write_refusal(&mut client, &mut out, &proxy, &refusal, true).await;
                 }
                 false
@@ -480,7 +567,7 @@ async fn client_gone<R: AsyncRead + Unpin>(cr: &mut R, buf: &mut BytesMut) {
 #[allow(clippy::too_many_arguments)]
 async fn exchange(
     proxy: &Proxy,
-    entry: &Entry,
+    entry: &Target,
     client: &mut TcpStream,
     buf: &mut BytesMut,
     head: &[u8],
@@ -488,7 +575,7 @@ async fn exchange(
     out: &mut Vec<u8>,
     progress: &Progress<'_>,
 ) -> bool {
-    let _in_flight = entry.traffic.begin(progress.at());
+    let _in_flight = entry.traffic().begin(progress.at());
     progress.wrote.store(false, Ordering::Relaxed);
     let has_body = req.body != Framing::Empty;
     let (mut cr, mut cw) = client.split();
@@ -497,8 +584,8 @@ async fn exchange(
     loop {
         let ready = async {
             progress.held.store(true, Ordering::Relaxed);
-            let slot = proxy
-                .endpoint(entry, avoid, req.key, &head[req.id.clone()], req.wants_page)
+            let slot = entry
+                .endpoint(proxy, avoid, req.key, &head[req.id.clone()], req.wants_page)
                 .await;
             progress.held.store(false, Ordering::Relaxed);
             let slot = slot?;
@@ -510,7 +597,7 @@ async fn exchange(
             r = ready => match r {
                 Ok(got) => got,
                 Err(refusal) => {
-                    entry.traffic.answered(refusal.status.as_u16(), None);
+                    entry.traffic().answered(refusal.status.as_u16(), None);
                     return write_refusal(&mut cw, out, proxy, &refusal, has_body)
                         .await
                         .is_ok()
@@ -518,7 +605,7 @@ async fn exchange(
                 }
             },
             () = client_gone(&mut cr, buf) => {
-                tracing::debug!(route = %entry.spec.name, "the client left while its request waited");
+                tracing::debug!(route = %entry.spec().name, "the client left while its request waited");
                 return false;
             }
         };
@@ -536,7 +623,7 @@ async fn exchange(
                     && super::retry_after_miss(super::BackendMiss::Refused, avoid.is_some()) =>
             {
                 // Refused: the replica is stopping or gone. The request is untouched.
-                tracing::debug!(route = %entry.spec.name, %addr, error = %e, "backend refused; retrying");
+                tracing::debug!(route = %entry.spec().name, %addr, error = %e, "backend refused; retrying");
                 slot.failed();
                 avoid = Some(addr);
                 continue;
@@ -544,7 +631,7 @@ async fn exchange(
             Err(e) => {
                 slot.failed();
                 let refusal = Refusal::bad_gateway(format!("backend {addr}: {e}"));
-                entry.traffic.answered(refusal.status.as_u16(), None);
+                entry.traffic().answered(refusal.status.as_u16(), None);
                 return write_refusal(&mut cw, out, proxy, &refusal, has_body)
                     .await
                     .is_ok()
@@ -559,7 +646,7 @@ async fn exchange(
         // A new connection holds its opening until it answers or settles.
         let opening = opening.map(Opening::settling);
         let opening = opening.as_ref();
-        let response_ms = entry.spec.response_timeout_ms;
+        let response_ms = entry.spec().response_timeout_ms;
         // Resolves once the route's response timeout passed without the answer's head.
         let head_late = async {
             if response_ms == 0 {
@@ -603,7 +690,8 @@ async fn exchange(
                         client_wants_close: req.close || proxy.is_draining(),
                         opening,
                         slot: &slot,
-                        traffic: &entry.traffic,
+                        traffic: entry.traffic(),
+                        changes: entry.response_changes(),
                         counted: &counted,
                     };
                     relay_response(&mut br, bbuf, &mut cw, to).await
@@ -628,17 +716,17 @@ async fn exchange(
                 return !r.client_close;
             }
             Err(e) if e.client_gone => {
-                tracing::debug!(route = %entry.spec.name, %addr, "the client left before its answer was done");
+                tracing::debug!(route = %entry.spec().name, %addr, "the client left before its answer was done");
                 return false;
             }
             Err(e) if e.timed_out => {
                 // The backend connection is dropped (its answer may still come); the client gets
                 // a 504, and its connection ends when it sent a body nobody finished reading.
-                entry.traffic.timed_out(super::traffic::Timeout::Response);
-                tracing::debug!(route = %entry.spec.name, %addr, "{}", e.message);
+                entry.traffic().timed_out(super::traffic::Timeout::Response);
+                tracing::debug!(route = %entry.spec().name, %addr, "{}", e.message);
                 let refusal =
                     Refusal::new(StatusCode::GATEWAY_TIMEOUT, "response_timeout", e.message);
-                entry.traffic.answered(refusal.status.as_u16(), None);
+                entry.traffic().answered(refusal.status.as_u16(), None);
                 if wrote {
                     return false;
                 }
@@ -665,7 +753,7 @@ async fn exchange(
             {
                 // The replica closed or reset a fresh connection without answering: it is
                 // stopping.
-                tracing::debug!(route = %entry.spec.name, %addr, error = %e.message, "backend went away; retrying");
+                tracing::debug!(route = %entry.spec().name, %addr, error = %e.message, "backend went away; retrying");
                 slot.failed();
                 avoid = Some(addr);
             }
@@ -679,7 +767,7 @@ async fn exchange(
                     Refusal::bad_gateway(format!("backend {addr}: {}", e.message))
                 };
                 if !counted.load(Ordering::Relaxed) {
-                    entry.traffic.answered(refusal.status.as_u16(), None);
+                    entry.traffic().answered(refusal.status.as_u16(), None);
                 }
                 let _ = write_refusal(&mut cw, out, proxy, &refusal, true).await;
                 return false;
@@ -784,7 +872,8 @@ where
         client_wants_close: req.close || draining,
         opening,
         slot,
-        traffic: &req.entry.traffic,
+        traffic: req.entry.traffic(),
+        changes: req.entry.response_changes(),
         counted,
     };
     let recv = relay_response(&mut br, bbuf, cw, to);
@@ -885,7 +974,9 @@ struct Relay<'a, 'c> {
     /// The request's slot, told of the answer's head.
     slot: &'a Slot,
     /// The route's traffic, which counts the answer.
-    traffic: &'a super::RouteTraffic,
+    traffic: &'a Arc<super::RouteTraffic>,
+    /// A meta service rule's changes to the answer's headers.
+    changes: Option<&'a ebb_core::discovery::meta::Changes>,
     /// Set once the answer's head was counted: a failure after it is not another answer.
     counted: &'a AtomicBool,
 }
@@ -910,6 +1001,7 @@ where
         opening,
         slot,
         traffic,
+        changes,
         counted,
     } = to;
     let mut got_any = false;
@@ -917,7 +1009,7 @@ where
         let resp = loop {
             if !bbuf.is_empty() {
                 out.clear();
-                match parse_response(bbuf, out, is_head, client_wants_close) {
+                match parse_response(bbuf, out, is_head, client_wants_close, changes) {
                     Ok(Some(r)) => break r,
                     Ok(None) if bbuf.len() >= MAX_HEAD => {
                         let message = "response head too large".into();
@@ -1022,10 +1114,10 @@ where
 }
 
 impl Routes for Proxy {
-    type Route = Arc<Entry>;
+    type Route = Target;
 
-    fn spec(route: &Arc<Entry>) -> &RouteSpec {
-        &route.spec
+    fn spec(route: &Target) -> &RouteSpec {
+        route.spec()
     }
 
     fn max_headers(&self) -> usize {
@@ -1040,8 +1132,60 @@ impl Routes for Proxy {
         Proxy::serves_service(self, host)
     }
 
-    fn route(&self, host: &str) -> Option<Arc<Entry>> {
-        Proxy::route(self, host)
+    fn route(&self, host: &str) -> Option<Target> {
+        Proxy::route(self, host).map(Target::Route)
+    }
+
+    fn service<'v>(
+        &self,
+        host: &str,
+        method: &str,
+        target: &str,
+        header: &dyn Fn(&str) -> Option<&'v [u8]>,
+    ) -> Option<(Target, String)> {
+        let service = self.services.lookup(host)?;
+        let authority = crate::ids::host_without_port(host).to_ascii_lowercase();
+        let (ri, sent) = service.meta.route(&crate::discovery::meta::RequestView {
+            authority: &authority,
+            method,
+            target,
+            header: &|n| header(n),
+        })?;
+        // gRPC goes on over HTTP/2: the general path's.
+        let grpc = header("content-type").is_some_and(|v| v.starts_with(b"application/grpc"));
+        if !service.fast(ri) || grpc {
+            return None;
+        }
+        let route = &service.meta.routes[ri];
+        if route.total_weight() == 0 {
+            return None;
+        }
+        let di = crate::discovery::with_rng(|rng| {
+            route.destination(crate::discovery::balance::unit(rng))
+        });
+        let app = match route.destinations[di].app() {
+            Some(a) => Some(self.table().named(a)?),
+            None => None,
+        };
+        let target = ServiceTarget {
+            service,
+            route: ri,
+            dest: di,
+            app,
+        };
+        Some((Target::Service(Arc::new(target)), sent))
+    }
+
+    fn request_changes(
+        route: &Target,
+    ) -> (Option<&ebb_core::discovery::meta::Changes>, Option<&str>) {
+        match route {
+            Target::Route(_) => (None, None),
+            Target::Service(s) => {
+                let r = &s.service.meta.routes[s.route];
+                (Some(&r.request_headers), r.rewrite_host.as_deref())
+            }
+        }
     }
 }
 

@@ -46,6 +46,61 @@ pub struct ServiceEntry {
     dests: Vec<Vec<Destination>>,
     /// Slots freed on its instances (nobody waits: its routes bound no requests per instance).
     pub group: Arc<Group>,
+    /// Per route: whether the HTTP/1.1 fast path serves it ([`fast_path`]).
+    fast: Vec<bool>,
+    /// `[route][destination]`: what the fast path reads of a route spec for a request that goes
+    /// there: the destination's policy; no bounds of its own (the proxy's apply, as on the
+    /// general path).
+    specs: Vec<Vec<crate::event::RouteSpec>>,
+    /// The traffic of requests to fixed instances, which no workload counts (read by nobody).
+    pub traffic: Arc<super::RouteTraffic>,
+}
+
+/// Headers the fast path's head writers write themselves, so a rule that changes one is served
+/// on the general path.
+const WRITTEN: [&str; 7] = [
+    "host",
+    "content-length",
+    "x-request-id",
+    "x-forwarded-for",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+    "forwarded",
+];
+
+/// Whether the HTTP/1.1 fast path can serve a route: it forwards (no redirect, no failure), has
+/// no timeouts of its own, sends to HTTP/1.1 instances (not h2c, no invalid backend) without
+/// per-destination header changes, and changes only headers the head writers do not write
+/// themselves, to values a head can carry.
+pub fn fast_path(r: &crate::discovery::meta::MetaRoute) -> bool {
+    let plain = |c: &crate::discovery::meta::Changes| {
+        c.set.iter().chain(&c.add).all(|(n, v)| {
+            ok_name(n)
+                && v.bytes()
+                    .all(|b| b == b'\t' || (b' '..=b'~').contains(&b) || b >= 0x80)
+        }) && c.remove.iter().all(|n| ok_name(n))
+    };
+    r.redirect.is_none()
+        && r.fail.is_none()
+        && r.request_timeout_ms == 0
+        && r.backend_timeout_ms == 0
+        && plain(&r.request_headers)
+        && plain(&r.response_headers)
+        && r.destinations.iter().all(|d| {
+            !d.h2c
+                && d.request_headers == crate::discovery::meta::Changes::default()
+                && !matches!(d.source, Source::Invalid(_))
+        })
+}
+
+/// A header name a head writer may write as it is: a token, not one it writes itself, not
+/// hop-by-hop.
+fn ok_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+        && !WRITTEN.iter().any(|w| w.eq_ignore_ascii_case(n))
+        && !ebb_http::h1::hop_by_hop(n)
 }
 
 /// Every meta service by domain.
@@ -123,11 +178,38 @@ impl ServiceEntry {
                     .collect()
             })
             .collect();
+        let specs = m
+            .routes
+            .iter()
+            .map(|r| {
+                r.destinations
+                    .iter()
+                    .map(|d| crate::event::RouteSpec {
+                        name: m.id.to_string(),
+                        policy: Box::new(d.policy.clone()),
+                        ..Default::default()
+                    })
+                    .collect()
+            })
+            .collect();
         ServiceEntry {
             meta: m.clone(),
             dests,
             group: backends.group(&m.id.to_string()),
+            fast: m.routes.iter().map(fast_path).collect(),
+            specs,
+            traffic: Arc::default(),
         }
+    }
+
+    /// Whether the fast path serves route `r` ([`fast_path`]).
+    pub fn fast(&self, r: usize) -> bool {
+        self.fast[r]
+    }
+
+    /// The route spec the fast path reads for destination `d` of route `r`.
+    pub fn spec(&self, r: usize, d: usize) -> &crate::event::RouteSpec {
+        &self.specs[r][d]
     }
 
     /// Destination `d` of route `r`.
