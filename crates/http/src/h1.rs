@@ -866,6 +866,107 @@ pub mod fuzzing {
 mod tests {
     use super::*;
 
+    /// A meta service on `svc.test` whose one rule rewrites `/api/X` to `/v2/X`, sends the Host
+    /// `backend.test`, sets `x-from`, adds `x-tag` and removes `x-secret`.
+    struct Service;
+
+    impl Routes for Service {
+        type Route = ();
+
+        fn spec(_: &()) -> &RouteSpec {
+            static SPEC: std::sync::LazyLock<RouteSpec> =
+                std::sync::LazyLock::new(RouteSpec::default);
+            &SPEC
+        }
+
+        fn serves_service(&self, host: &str) -> bool {
+            host == "svc.test"
+        }
+
+        fn route(&self, _: &str) -> Option<()> {
+            None
+        }
+
+        fn service<'v>(
+            &self,
+            _: &str,
+            _: &str,
+            target: &str,
+            _: &dyn Fn(&str) -> Option<&'v [u8]>,
+        ) -> Option<((), String)> {
+            Some(((), format!("/v2/{}", target.strip_prefix("/api/")?)))
+        }
+
+        fn request_changes(_: &()) -> (Option<&Changes>, Option<&str>) {
+            static CHANGES: std::sync::LazyLock<Changes> = std::sync::LazyLock::new(|| Changes {
+                set: vec![("x-from".into(), "ebb".into())],
+                add: vec![("x-tag".into(), "two".into())],
+                remove: vec!["x-secret".into()],
+            });
+            (Some(&CHANGES), Some("backend.test"))
+        }
+
+        fn max_headers(&self) -> usize {
+            MAX_HEADERS
+        }
+
+        fn max_head_bytes(&self) -> usize {
+            64 * 1024
+        }
+    }
+
+    #[test]
+    fn a_meta_service_rule_is_applied_by_the_head_writers() {
+        let peer = Peer::new(SocketAddr::from(([10, 0, 0, 7], 40_000)));
+        let routes = Service;
+        let mut out = Vec::new();
+        let raw = "GET /api/items?q=1 HTTP/1.1\r\nHost: svc.test\r\nX-From: client\r\nx-tag: one\r\nX-Secret: s\r\nx-request-id: abc\r\n\r\n";
+        let Parsed::Request(r) = parse_request(raw.as_bytes(), &peer, &routes, &mut out) else {
+            panic!("the rule's request is the fast path's");
+        };
+        let head = String::from_utf8(out).unwrap();
+        assert_eq!(r.head_len, raw.len());
+        assert_eq!(&head[r.id.clone()], "abc");
+        assert!(
+            head.starts_with("GET /v2/items?q=1 HTTP/1.1\r\nhost: backend.test\r\n"),
+            "{head}"
+        );
+        assert!(
+            !head.contains("X-From: client") && head.contains("x-from: ebb\r\n"),
+            "{head}"
+        );
+        assert!(
+            head.contains("x-tag: one\r\n") && head.contains("x-tag: two\r\n"),
+            "{head}"
+        );
+        assert!(!head.to_ascii_lowercase().contains("x-secret"), "{head}");
+        assert!(head.contains("x-forwarded-host: svc.test\r\n"), "{head}");
+        // A target the rule does not take: the general path's.
+        let mut out = Vec::new();
+        let other = "GET /other HTTP/1.1\r\nHost: svc.test\r\n\r\n";
+        assert!(matches!(
+            parse_request(other.as_bytes(), &peer, &routes, &mut out),
+            Parsed::Elsewhere
+        ));
+        // The answer: `x-secret` removed, `x-from` replaced, `x-tag` added beside the app's.
+        let changes = Service::request_changes(&()).0.unwrap();
+        let mut out = Vec::new();
+        parse_response(
+            b"HTTP/1.1 200 OK\r\nx-secret: s\r\nx-from: app\r\nx-tag: one\r\ncontent-length: 0\r\n\r\n",
+            &mut out,
+            false,
+            false,
+            Some(changes),
+        )
+        .unwrap()
+        .unwrap();
+        let head = String::from_utf8(out).unwrap();
+        assert_eq!(
+            head,
+            "HTTP/1.1 200 OK\r\nx-tag: one\r\nx-from: ebb\r\nx-tag: two\r\ncontent-length: 0\r\n\r\n"
+        );
+    }
+
     fn response(raw: &str, is_head: bool) -> (Response, String) {
         let mut out = Vec::new();
         let r = parse_response(raw.as_bytes(), &mut out, is_head, false, None)

@@ -32,6 +32,11 @@
 //!   request under way that moves no byte either way (its route's `stream_idle_timeout_ms`, else
 //!   `request_stall_timeout_ms`; a held request re-arms it, since the hold has its own bound).
 //!   The wait for the answer's head is bounded by the route's `response_timeout_ms` (a 504).
+//! * A meta service's request is matched against its rules on the parsed head; a rule that only
+//!   forwards ([`super::services::fast_path`]) is applied by the head writers (the path
+//!   rewrite, the Host, the request's and the answer's header changes) and the request goes to
+//!   the destination it draws ([`Target::Service`]), held and woken as its app's when that is an
+//!   `ebb://app`. Other rules are the general path's.
 //! * Everything else (h2c, HTTP/1.0, upgrades such as WebSocket, transfer codings besides
 //!   chunked) is handed, with the bytes read so far, to the general path on hyper
 //!   ([`Proxy::serve_hyper`]), which serves the rest of that connection.

@@ -1,8 +1,10 @@
 //! Meta services behind the proxy: the Hosts of `[[service]]` entries in `ebb.toml` lead to
-//! [`MetaService`]s instead of workload routes. Their requests take the general path: the
-//! service's first matching route rewrites the request, a destination is drawn by weight, and the
-//! destination's policy picks one of its instances (fixed addresses, or the ready replicas of an
-//! ebb workload, `ebb://app`). Instances share the proxy's replicas ([`Backends`]): their
+//! [`MetaService`]s instead of workload routes: the service's first matching route rewrites the
+//! request, a destination is drawn by weight, and the destination's policy picks one of its
+//! instances (fixed addresses, or the ready replicas of an ebb workload, `ebb://app`). An
+//! HTTP/1.1 request whose rule only forwards ([`fast_path`]) takes the fast path (`h1.rs`, the
+//! rule applied by its head writers); the rest (redirects, rule timeouts, h2c and gRPC backends,
+//! HTTP/2 clients, upgrades) take the general path (`Proxy::handle_service`). Instances share the proxy's replicas ([`Backends`]): their
 //! connection pacing and what load balancing learns of them.
 //!
 //! `Proxy::handle_service` matches the route, rewrites, draws the destination by weight and takes
