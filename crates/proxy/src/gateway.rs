@@ -6,12 +6,14 @@
 //! (`unbindable`), for its listeners' status to say `PortUnavailable`, and tried again every
 //! [`RETRY_BIND`] until it is had.
 //!
-//! Every connection takes the general path (hyper: HTTP/1.x, h2c, and h2 by ALPN over TLS). A
-//! request's Host picks the socket's hostname (exact, then the longest `*.suffix`, then `*`),
-//! whose routes are a meta service in the Gateway API's order of precedence, served by
-//! `Proxy::handle_service`: the first matching route's redirect, rewrite, header changes and
-//! weighted backends; a backend ebb scales is woken from zero and held like any of its requests.
-//! Over TLS the certificate is picked by the client's SNI the same way.
+//! Each socket is served on every proxy thread (a listener each, `SO_REUSEPORT`), as the proxy's
+//! own port. A request's Host picks the socket's hostname (exact, then the longest `*.suffix`,
+//! then `*`), whose routes are a meta service in the Gateway API's order of precedence: the first
+//! matching route's redirect, rewrite, header changes and weighted backends; a backend ebb scales
+//! is woken from zero and held like any of its requests. On a plain socket an HTTP/1.1 request
+//! whose route only forwards takes the fast path (`h1.rs`); the rest, and every request over TLS
+//! (HTTP/1.x, and h2 by ALPN), take the general path (`Proxy::handle_service` on hyper). Over TLS
+//! the certificate is picked by the client's SNI the same way.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -187,15 +189,15 @@ pub async fn run(
     unbindable: watch::Sender<BTreeSet<SocketAddr>>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut listening: BTreeMap<SocketAddr, tokio::task::JoinHandle<()>> = BTreeMap::new();
+    let mut listening: BTreeMap<SocketAddr, Vec<tokio::task::JoinHandle<()>>> = BTreeMap::new();
     loop {
         let sockets = config.borrow_and_update().clone();
         proxy.serve_gateway(&sockets);
         let wanted: BTreeSet<SocketAddr> = sockets.iter().map(|s| s.addr).collect();
-        listening.retain(|addr, task| {
+        listening.retain(|addr, tasks| {
             let keep = wanted.contains(addr);
             if !keep {
-                task.abort();
+                tasks.iter().for_each(|t| t.abort());
                 tracing::info!(%addr, "gateway socket closed");
             }
             keep
@@ -205,10 +207,26 @@ pub async fn run(
             if listening.contains_key(addr) {
                 continue;
             }
-            match bind(*addr) {
-                Ok(l) => {
+            let runtimes = proxy.worker_runtimes();
+            match super::reuseport_listeners(*addr, runtimes.len()) {
+                Ok(listeners) => {
                     tracing::info!(%addr, "gateway socket open");
-                    listening.insert(*addr, tokio::spawn(accept(proxy.clone(), l, *addr)));
+                    let tasks = listeners
+                        .into_iter()
+                        .zip(runtimes.iter().cycle())
+                        .map(|(l, rt)| {
+                            let (proxy, addr) = (proxy.clone(), *addr);
+                            rt.spawn(async move {
+                                match tokio::net::TcpListener::from_std(l) {
+                                    Ok(l) => accept(proxy, l, addr).await,
+                                    Err(e) => {
+                                        tracing::warn!(%addr, error = %e, "gateway socket unusable")
+                                    }
+                                }
+                            })
+                        })
+                        .collect();
+                    listening.insert(*addr, tasks);
                 }
                 Err(e) => {
                     tracing::warn!(%addr, error = %e, "gateway socket cannot be opened");
@@ -232,19 +250,9 @@ pub async fn run(
             _ = stop.changed() => break,
         }
     }
-    for (_, task) in listening {
-        task.abort();
+    for (_, tasks) in listening {
+        tasks.iter().for_each(|t| t.abort());
     }
-}
-
-fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    let socket = match addr {
-        SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
-        SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
-    };
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(1024)
 }
 
 async fn accept(proxy: Arc<Proxy>, listener: tokio::net::TcpListener, addr: SocketAddr) {
@@ -268,10 +276,7 @@ async fn accept(proxy: Arc<Proxy>, listener: tokio::net::TcpListener, addr: Sock
         let limit = Duration::from_millis(proxy.options.limits.header_read_timeout_ms);
         tokio::spawn(async move {
             match &entry.tls {
-                None => {
-                    let socket = Socket { addr, sni: None };
-                    proxy.serve_hyper(stream, peer, false, Some(socket)).await
-                }
+                None => super::h1::serve_connection(proxy, stream, peer, Some(addr)).await,
                 Some(cfg) => {
                     let acceptor = tokio_rustls::TlsAcceptor::from(cfg.clone());
                     match tokio::time::timeout(limit, acceptor.accept(stream)).await {

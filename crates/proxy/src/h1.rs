@@ -166,7 +166,17 @@ const MAX_HEAD: usize = 64 * 1024;
 /// How much of a body is read at once.
 const READ_CHUNK: usize = 64 * 1024;
 /// Serves one client connection, handing it to the general path when a request needs it.
-pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, peer: SocketAddr) {
+/// `gateway`: the Gateway API socket it came in on (a plain one), whose routes it is served by.
+pub(super) async fn serve_connection(
+    proxy: Arc<Proxy>,
+    mut client: TcpStream,
+    peer: SocketAddr,
+    gateway: Option<SocketAddr>,
+) {
+    let routing = Routing {
+        proxy: &proxy,
+        gateway,
+    };
     let mut buf = BytesMut::with_capacity(8 * 1024);
     let mut head = Vec::with_capacity(1024);
     let mut out = Vec::with_capacity(8 * 1024);
@@ -186,7 +196,7 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
         let req = loop {
             if !buf.is_empty() {
                 head.clear();
-                match parse_request(&buf, &peer_text, &*proxy, &mut head) {
+                match parse_request(&buf, &peer_text, &routing, &mut head) {
                     Parsed::Request(r) => {
                         if !fresh_mark {
                             progress.mark();
@@ -233,7 +243,8 @@ pub(super) async fn serve_connection(proxy: Arc<Proxy>, mut client: TcpStream, p
                             prefix: buf.freeze(),
                             inner: client,
                         };
-                        proxy.serve_hyper(io, peer, false, None).await;
+                        let socket = gateway.map(|addr| super::gateway::Socket { addr, sni: None });
+                        proxy.serve_hyper(io, peer, false, socket).await;
                         return;
                     }
                 }
@@ -1118,7 +1129,15 @@ where
     }
 }
 
-impl Routes for Proxy {
+/// Where the fast path looks a request's Host up: the proxy's routes and meta services, or the
+/// routes of the Gateway socket the connection came in on (looked up again for each request, so
+/// a new compile applies to the next one).
+struct Routing<'a> {
+    proxy: &'a Proxy,
+    gateway: Option<SocketAddr>,
+}
+
+impl Routes for Routing<'_> {
     type Route = Target;
 
     fn spec(route: &Target) -> &RouteSpec {
@@ -1126,19 +1145,21 @@ impl Routes for Proxy {
     }
 
     fn max_headers(&self) -> usize {
-        self.options.limits.max_headers
+        self.proxy.options.limits.max_headers
     }
 
     fn max_head_bytes(&self) -> usize {
-        self.options.limits.max_head_bytes
+        self.proxy.options.limits.max_head_bytes
     }
 
     fn serves_service(&self, host: &str) -> bool {
-        Proxy::serves_service(self, host)
+        // On a Gateway socket every Host is the socket's: one it has no routes for is the
+        // general path's to answer.
+        self.gateway.is_some() || self.proxy.serves_service(host)
     }
 
     fn route(&self, host: &str) -> Option<Target> {
-        Proxy::route(self, host).map(Target::Route)
+        self.proxy.route(host).map(Target::Route)
     }
 
     fn service<'v>(
@@ -1148,7 +1169,11 @@ impl Routes for Proxy {
         target: &str,
         header: &dyn Fn(&str) -> Option<&'v [u8]>,
     ) -> Option<(Target, String)> {
-        let service = self.services.lookup(host)?;
+        let proxy = self.proxy;
+        let service = match self.gateway {
+            Some(addr) => proxy.gateway_socket(addr)?.lookup(host)?,
+            None => proxy.services.lookup(host)?,
+        };
         let authority = crate::ids::host_without_port(host).to_ascii_lowercase();
         let (ri, sent) = service.meta.route(&crate::discovery::meta::RequestView {
             authority: &authority,
@@ -1169,7 +1194,7 @@ impl Routes for Proxy {
             route.destination(crate::discovery::balance::unit(rng))
         });
         let app = match route.destinations[di].app() {
-            Some(a) => Some(self.table().named(a)?),
+            Some(a) => Some(proxy.table().named(a)?),
             None => None,
         };
         let target = ServiceTarget {

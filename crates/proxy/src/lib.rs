@@ -824,7 +824,7 @@ impl Proxy {
             match self.options.tls.clone() {
                 None => {
                     tokio::spawn(async move {
-                        h1::serve_connection(proxy, stream, peer).await;
+                        h1::serve_connection(proxy, stream, peer, None).await;
                         drop(counted);
                     });
                 }
