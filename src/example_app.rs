@@ -13,8 +13,12 @@
 //! | `/count` | reads the whole request body, then answers how many bytes it had |
 //! | `/headers` | the request headers it received, a `name: value` line each |
 //! | `/crash` | exits the process with status 3 |
+//! | a gRPC call (`content-type: application/grpc...`) | unary echo: the request's messages back, `grpc-status: 0` |
 //! | `POST /` with `--function F` | demo function F (below) |
 //! | anything else | echo: the request body streamed back, method and path in headers |
+//!
+//! It speaks HTTP/1.1 and HTTP/2 without TLS (h2c, prior knowledge), so gRPC clients reach it
+//! directly and benchmarks can ask both.
 //!
 //! Demo functions, for function templates (`--function`, or `$EBB_FUNCTION`, which ebb sets to
 //! the template's `function`): `upper`, `lower`, `reverse` and `exclaim` (appends `!`) transform
@@ -225,7 +229,35 @@ async fn ws(upgrade: WebSocketUpgrade) -> Response {
     })
 }
 
-async fn echo(req: Request) -> impl IntoResponse {
+/// A unary gRPC echo: the request's length-prefixed messages are a valid answer to any method
+/// whose reply has the request's type (the benchmarks' `helloworld.Greeter/SayHello`, whose
+/// request and reply are both one string field 1).
+async fn grpc_echo(req: Request) -> Response {
+    use http_body_util::BodyExt;
+    let body = match req.into_body().collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return StatusCode::BAD_REQUEST.into_response(),
+    };
+    let mut trailers = axum::http::HeaderMap::new();
+    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+    let frames = futures_util::stream::iter([
+        Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(body)),
+        Ok(hyper::body::Frame::trailers(trailers)),
+    ]);
+    let mut r = Response::new(Body::new(http_body_util::StreamBody::new(frames)));
+    r.headers_mut()
+        .insert("content-type", HeaderValue::from_static("application/grpc"));
+    r
+}
+
+async fn echo(req: Request) -> Response {
+    if req
+        .headers()
+        .get("content-type")
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+    {
+        return grpc_echo(req).await;
+    }
     let method = req.method().to_string();
     let path = req.uri().to_string();
     let mut r = Response::new(Body::new(req.into_body()));

@@ -406,6 +406,59 @@ async fn h2c_clients_are_served() {
     assert_eq!(v["code"], "bad_host");
 }
 
+/// A burst of HTTP/2 requests makes ebb open many HTTP/1.1 connections to the app, some left
+/// opening in the background once idle ones came back; a gRPC call to the same replica right
+/// after goes on over its own HTTP/2 connection at once instead of waiting behind them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_call_after_a_burst_of_http2_requests_is_not_held_behind_their_connections() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &write_config(dir.path(), &app("mix", "")));
+    let h2 = |addr| async move {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (sender, conn) = hyper::client::conn::http2::handshake(
+            TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(tcp),
+        )
+        .await
+        .unwrap();
+        tokio::spawn(conn);
+        sender
+    };
+    let burst = h2(ebb.proxy).await;
+    let mut answers = Vec::new();
+    for i in 0..400 {
+        let mut sender = burst.clone();
+        answers.push(tokio::spawn(async move {
+            let req = hyper::Request::get(format!("http://mix.localhost/burst/{i}"))
+                .body(Full::new(Bytes::new()))
+                .unwrap();
+            sender.send_request(req).await.map(|r| r.status())
+        }));
+    }
+    for a in answers {
+        assert_eq!(a.await.unwrap().unwrap(), 200);
+    }
+    // HelloRequest { name: "world" }, which the example app echoes as the reply.
+    let mut grpc = h2(ebb.proxy).await;
+    let req = hyper::Request::post("http://mix.localhost/helloworld.Greeter/SayHello")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(Full::new(Bytes::from_static(b"\0\0\0\0\x07\x0a\x05world")))
+        .unwrap();
+    // A bound on liveness, not a measure: the call waited for seconds before the fix.
+    let resp = tokio::time::timeout(Duration::from_secs(5), async {
+        let resp = grpc.send_request(req).await.unwrap();
+        let status = resp.status();
+        let collected = resp.into_body().collect().await.unwrap();
+        (status, collected.trailers().cloned(), collected.to_bytes())
+    })
+    .await
+    .expect("the gRPC call is answered, not held behind the burst's connections");
+    assert_eq!(resp.0, 200);
+    assert_eq!(resp.1.unwrap()["grpc-status"], "0");
+    assert_eq!(&resp.2[..], b"\0\0\0\0\x07\x0a\x05world");
+}
+
 /// Requests paced just slower than `idle_after`, so the downscaler keeps stopping the app between
 /// them while the next request is already on its way: every request still gets the app's answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -217,6 +217,7 @@ fn build_client(
         backends: backends.clone(),
         attempt_ms: options.connect_attempt_ms,
         timeout_ms: options.connect_timeout_ms,
+        paced: !h2,
     };
     let mut builder = Client::builder(TokioExecutor::new());
     builder
@@ -237,6 +238,11 @@ struct PacedConnector {
     backends: Arc<Backends>,
     attempt_ms: u64,
     timeout_ms: u64,
+    /// Whether openings are bounded. The HTTP/2 client opens one connection per replica (its
+    /// pool lets one connect at a time), so it is not paced: behind the HTTP/1.1 client's
+    /// openings, left to finish in the background when an idle connection came back first, a
+    /// gRPC call would wait for all of them.
+    paced: bool,
 }
 
 impl tower_service::Service<Uri> for PacedConnector {
@@ -263,8 +269,10 @@ impl tower_service::Service<Uri> for PacedConnector {
                     )
                 })?;
             let stream = match this.backends.find(addr) {
-                Some(r) => r.open(this.attempt_ms, this.timeout_ms).await?,
-                None => backends::connect(addr, this.attempt_ms, this.timeout_ms, None).await?,
+                Some(r) if this.paced => r.open(this.attempt_ms, this.timeout_ms).await?,
+                r => {
+                    backends::connect(addr, this.attempt_ms, this.timeout_ms, r.as_deref()).await?
+                }
             };
             Ok(TokioIo::new(stream))
         })
