@@ -243,8 +243,7 @@ pub(super) async fn serve_connection(
                             prefix: buf.freeze(),
                             inner: client,
                         };
-                        let socket = gateway.map(|addr| super::gateway::Socket { addr, sni: None });
-                        proxy.serve_hyper(io, peer, false, socket).await;
+                        proxy.serve_hyper_plain(io, peer, gateway).await;
                         return;
                     }
                 }

@@ -873,9 +873,23 @@ impl Proxy {
         Some(ConnectionSlot(self.connections.clone()))
     }
 
-    /// Serves a connection with hyper: HTTP/1.0 and 1.1, h2c, upgrades. The HTTP/1.1 path hands
-    /// connections here when a request needs more than it does. `gateway`: the Gateway socket it
-    /// came in on, whose routes it takes.
+    /// [`Proxy::serve_hyper`] for a plain connection: the proxy's own port's, or a plain Gateway
+    /// socket's (`gateway`, its address). The HTTP/1.1 path hands connections here when a
+    /// request needs more than it does.
+    async fn serve_hyper_plain<I>(
+        self: Arc<Self>,
+        io: I,
+        peer: SocketAddr,
+        gateway: Option<SocketAddr>,
+    ) where
+        I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let socket = gateway.map(|addr| gateway::Socket { addr, sni: None });
+        self.serve_hyper(io, peer, false, socket).await
+    }
+
+    /// Serves a connection with hyper: HTTP/1.0 and 1.1, h2c, upgrades. `gateway`: the Gateway
+    /// socket it came in on, whose routes it takes.
     async fn serve_hyper<I>(
         self: Arc<Self>,
         io: I,
