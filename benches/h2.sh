@@ -16,33 +16,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+source benches/lib.sh
 
 seconds="${1:-10}"
 conns="${2:-64}"
 streams="${3:-10}"
 rounds="${BENCH_ROUNDS:-3}"
-need=()
-for pkg in nghttp2-client nginx haproxy curl; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
-if [ ${#need[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-fi
-if [ -n "${EBB_BIN:-}" ]; then
-  ebb="$EBB_BIN"
-else
-  cargo build --locked --release --bin ebb
-  ebb="$CARGO_TARGET_DIR/release/ebb"
-fi
-
-work="$(mktemp -d)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+bench_packages nghttp2-client nginx haproxy curl
+bench_ebb
+bench_workdir
 
 base="${BENCH_PORT_BASE:-18500}"
 app_port=$((base + 1)); ebb_port=$((base + 2)); admin_port=$((base + 3))
@@ -108,6 +90,9 @@ nginx -p "$work/nginx" -c "$work/nginx/nginx.conf" &
 pids+=($!)
 nginx_pid=$!
 
+hap_forwarded='http-request set-header X-Forwarded-Proto http
+  http-request set-header X-Forwarded-Host %[req.hdr(host)]
+  http-request set-header Forwarded "for=%[src];host=\"%[req.hdr(host)]\";proto=http"'
 cat >"$work/haproxy.cfg" <<HAPROXY
 global
   nbthread 2
@@ -122,15 +107,11 @@ defaults
   timeout server 60s
 frontend h2
   bind 127.0.0.1:$haproxy_h2 proto h2
-  http-request set-header X-Forwarded-Proto http
-  http-request set-header X-Forwarded-Host %[req.hdr(host)]
-  http-request set-header Forwarded "for=%[src];host=\"%[req.hdr(host)]\";proto=http"
+  $hap_forwarded
   default_backend app
 frontend grpc
   bind 127.0.0.1:$haproxy_grpc proto h2
-  http-request set-header X-Forwarded-Proto http
-  http-request set-header X-Forwarded-Host %[req.hdr(host)]
-  http-request set-header Forwarded "for=%[src];host=\"%[req.hdr(host)]\";proto=http"
+  $hap_forwarded
   default_backend app_h2
 backend app
   server app 127.0.0.1:$app_port maxconn 1000
@@ -157,15 +138,6 @@ ready() { # PORT: h2c answers 200 (ebb's once its app is up)
   exit 1
 }
 for p in "$app_port" "$ebb_port" "$nginx_h2" "$nginx_grpc" "$haproxy_h2" "$haproxy_grpc"; do ready "$p"; done
-
-ticks() { # [--children] PID...: CPU time (clock ticks) of the processes (and nginx's workers)
-  local kids=0 t=0 p
-  if [ "$1" = --children ]; then kids=1; shift; fi
-  for p in "$@" $([ $kids = 1 ] && pgrep -P "$1" | tr '\n' ' '); do
-    t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)))
-  done
-  echo "$t"
-}
 
 run() { # NAME PORT PATH [h2load args...] -- [--children] PID...: "name rps p50us p99us cpu_us"
   local name="$1" port="$2" path="$3" args=() t0=0 t1=0

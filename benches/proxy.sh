@@ -18,31 +18,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+source benches/lib.sh
 
 seconds="${1:-10}"
 conns="${2:-64}"
-need=()
-for pkg in wrk nginx haproxy curl; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
-if [ ${#need[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-fi
-if [ -n "${EBB_BIN:-}" ]; then
-  ebb="$EBB_BIN"
-else
-  cargo build --locked --release --bin ebb
-  ebb="$CARGO_TARGET_DIR/release/ebb"
-fi
-
-work="$(mktemp -d)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+bench_packages wrk nginx haproxy curl
+bench_ebb
+bench_workdir
 
 base="${BENCH_PORT_BASE:-18000}"
 app_port=$((base + 1)); ebb_port=$((base + 2)); admin_port=$((base + 3)); nginx_port=$((base + 4))
@@ -173,17 +155,6 @@ wait_http "http://127.0.0.1:$app_port/health" x
 wait_http "http://127.0.0.1:$ebb_port/health" bench.localhost
 wait_http "http://127.0.0.1:$nginx_port/health" x
 wait_http "http://127.0.0.1:$haproxy_port/health" x
-
-# CPU time (clock ticks) of the processes given, and of their worker children when asked: nginx
-# serves from its workers; ebb's child is the app, which is not counted.
-ticks() { # [--children] PID...
-  local kids=0 t=0 p
-  if [ "$1" = --children ]; then kids=1; shift; fi
-  for p in "$@" $([ $kids = 1 ] && pgrep -P "$1" | tr '\n' ' '); do
-    t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)))
-  done
-  echo "$t"
-}
 
 run() { # NAME PORT [--children] PID...
   local name="$1" port="$2" out t0 t1

@@ -12,33 +12,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+source benches/lib.sh
 
 requests="${1:-200000}"
 clients="${2:-50}"
 pipeline="${3:-1}"
 rounds="${BENCH_ROUNDS:-3}"
-need=()
-for pkg in redis-server redis-tools haproxy; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
-if [ ${#need[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ]; then sudo=; else sudo=sudo; fi
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
-fi
-if [ -n "${EBB_BIN:-}" ]; then
-  ebb="$EBB_BIN"
-else
-  cargo build --locked --release --bin ebb
-  ebb="$CARGO_TARGET_DIR/release/ebb"
-fi
-
-work="$(mktemp -d)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
+bench_packages redis-server redis-tools haproxy
+bench_ebb
+bench_workdir
 
 base="${BENCH_PORT_BASE:-18100}"
 direct_port=$((base + 1)); route_port=$((base + 2)); proxy_port=$((base + 3)); admin_port=$((base + 4))
@@ -88,9 +70,6 @@ done
 rps() { # port -> requests/s of PING, SET and GET together (redis-benchmark's CSV)
   redis-benchmark -h 127.0.0.1 -p "$1" -n "$requests" -c "$clients" -P "$pipeline" -t ping_mbulk,set,get --csv 2>/dev/null |
     awk -F'","' 'NR > 1 { gsub(/"/, "", $2); sum += $2; n++ } END { printf "%.0f", sum / n }'
-}
-ticks() { # PID -> CPU time (clock ticks, 1/100 s) the process spent so far
-  awk '{print $14 + $15}' "/proc/$1/stat"
 }
 run() { # PORT [PID] -> "requests/s CPU-per-request(us)" (CPU only for a PID)
   local t0=0 t1=0 r

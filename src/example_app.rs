@@ -254,7 +254,7 @@ async fn echo(req: Request) -> Response {
     if req
         .headers()
         .get("content-type")
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+        .is_some_and(|v| crate::proxy::grpc::is_grpc_content_type(v.as_bytes()))
     {
         return grpc_echo(req).await;
     }

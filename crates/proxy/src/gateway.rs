@@ -207,25 +207,12 @@ pub async fn run(
             if listening.contains_key(addr) {
                 continue;
             }
-            let runtimes = proxy.worker_runtimes();
-            match super::reuseport_listeners(*addr, runtimes.len()) {
+            match proxy.listeners_for_workers(*addr) {
                 Ok(listeners) => {
                     tracing::info!(%addr, "gateway socket open");
-                    let tasks = listeners
-                        .into_iter()
-                        .zip(runtimes.iter().cycle())
-                        .map(|(l, rt)| {
-                            let (proxy, addr) = (proxy.clone(), *addr);
-                            rt.spawn(async move {
-                                match tokio::net::TcpListener::from_std(l) {
-                                    Ok(l) => accept(proxy, l, addr).await,
-                                    Err(e) => {
-                                        tracing::warn!(%addr, error = %e, "gateway socket unusable")
-                                    }
-                                }
-                            })
-                        })
-                        .collect();
+                    let tasks = proxy.accept_on_workers(listeners, "gateway socket", |l| {
+                        accept(proxy.clone(), l, *addr)
+                    });
                     listening.insert(*addr, tasks);
                 }
                 Err(e) => {

@@ -34,11 +34,16 @@ pub fn is_grpc_request<B>(req: &Request<B>) -> bool {
     grpc_head(req.version(), req.headers())
 }
 
+/// Whether a `Content-Type` value is gRPC's (`application/grpc`, `application/grpc+proto` ...).
+pub fn is_grpc_content_type(value: &[u8]) -> bool {
+    value.starts_with(b"application/grpc")
+}
+
 fn grpc_head(version: hyper::Version, headers: &HeaderMap) -> bool {
     version == hyper::Version::HTTP_2
         && headers
             .get(header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+            .is_some_and(|v| is_grpc_content_type(v.as_bytes()))
 }
 
 /// The call's deadline from its `grpc-timeout` header (an amount of at most 8 digits and a unit:

@@ -129,38 +129,18 @@ impl Target {
         id: &[u8],
         page: bool,
     ) -> Result<Slot, Refusal> {
-        let s = match self {
-            Target::Route(e) => return proxy.endpoint(e, avoid, key, id, page).await,
-            Target::Service(s) => s,
-        };
-        let ready = || {
-            let version = *proxy.orch_version.borrow();
-            s.service
-                .ready(s.route, s.dest, version, &proxy.backends, |id| {
-                    proxy.resolve(id)
-                })
-        };
-        if let Some(app) = &s.app {
-            return proxy.endpoint_on(app, avoid, key, id, false, &ready).await;
+        match self {
+            Target::Route(e) => proxy.endpoint(e, avoid, key, id, page).await,
+            Target::Service(s) => {
+                let app = s.app.as_deref();
+                proxy
+                    .service_slot(&s.service, s.route, s.dest, app, avoid, key, id)
+                    .await
+            }
         }
-        let ready = ready();
-        // One instance that went away is tried again rather than none.
-        backends::take_slot(&ready, avoid, 0, key, &s.service.group)
-            .or_else(|| {
-                avoid.and_then(|_| backends::take_slot(&ready, None, 0, key, &s.service.group))
-            })
-            .ok_or_else(|| {
-                Refusal::unavailable(
-                    "no_instance",
-                    format!(
-                        "destination {} of {} has no instance to send to",
-                        s.dest + 1,
-                        s.service.meta.id
-                    ),
-                )
-            })
     }
 }
+
 /// The largest response head read from a backend (a request's is `--max-head-bytes`).
 const MAX_HEAD: usize = 64 * 1024;
 /// How much of a body is read at once.
@@ -1181,7 +1161,7 @@ impl Routes for Routing<'_> {
             header: &|n| header(n),
         })?;
         // gRPC goes on over HTTP/2: the general path's.
-        let grpc = header("content-type").is_some_and(|v| v.starts_with(b"application/grpc"));
+        let grpc = header("content-type").is_some_and(super::grpc::is_grpc_content_type);
         if !service.fast(ri) || grpc {
             return None;
         }
@@ -1189,9 +1169,7 @@ impl Routes for Routing<'_> {
         if route.total_weight() == 0 {
             return None;
         }
-        let di = crate::discovery::with_rng(|rng| {
-            route.destination(crate::discovery::balance::unit(rng))
-        });
+        let di = super::services::draw(route);
         let app = match route.destinations[di].app() {
             Some(a) => Some(proxy.table().named(a)?),
             None => None,

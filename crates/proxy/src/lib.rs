@@ -638,11 +638,50 @@ impl Proxy {
 
     /// The runtimes that serve connections: the proxy's threads once they run, else (a proxy
     /// whose threads were never spawned, in tests) the caller's.
-    pub(crate) fn worker_runtimes(&self) -> Vec<tokio::runtime::Handle> {
+    fn worker_runtimes(&self) -> Vec<tokio::runtime::Handle> {
         match self.workers.get() {
             Some(w) if !w.is_empty() => w.clone(),
             _ => vec![tokio::runtime::Handle::current()],
         }
+    }
+
+    /// `SO_REUSEPORT` listeners on `addr`, one per proxy thread ([`reuseport_listeners`]).
+    pub(crate) fn listeners_for_workers(
+        &self,
+        addr: SocketAddr,
+    ) -> std::io::Result<Vec<std::net::TcpListener>> {
+        reuseport_listeners(addr, self.worker_runtimes().len())
+    }
+
+    /// Runs `accept` on each of `listeners`, each on a proxy thread of its own (TCP routes and
+    /// Gateway sockets, as [`Proxy::spawn_workers`] does for the proxy's port); `what` names
+    /// them in the log when one cannot be used.
+    pub(crate) fn accept_on_workers<F, Fut>(
+        &self,
+        listeners: Vec<std::net::TcpListener>,
+        what: &str,
+        accept: F,
+    ) -> Vec<tokio::task::JoinHandle<()>>
+    where
+        F: Fn(tokio::net::TcpListener) -> Fut,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        let runtimes = self.worker_runtimes();
+        listeners
+            .into_iter()
+            .zip(runtimes.iter().cycle())
+            .map(|(listener, rt)| {
+                // Made a tokio listener inside its runtime, which registers it there.
+                let _in = rt.enter();
+                match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => rt.spawn(accept(l)),
+                    Err(e) => {
+                        tracing::warn!(what, error = %e, "listener unusable");
+                        rt.spawn(async {})
+                    }
+                }
+            })
+            .collect()
     }
 
     /// Requests under way on the replica at `addr`: a replica being scaled down is stopped once
@@ -1309,9 +1348,7 @@ impl Proxy {
                 "every backend of the rule has weight 0",
             );
         }
-        let di = crate::discovery::with_rng(|rng| {
-            route.destination(crate::discovery::balance::unit(rng))
-        });
+        let di = services::draw(route);
         let dest = &route.destinations[di];
         if let crate::discovery::meta::Source::Invalid(why) = &dest.source {
             return refuse(StatusCode::INTERNAL_SERVER_ERROR, "invalid_backend", why);
@@ -1359,10 +1396,7 @@ impl Proxy {
         // timer, the downscale's in-flight check), woken from zero and held as they are.
         let app = dest.app().and_then(|a| self.table().named(a));
         let mut in_flight = app.as_ref().map(|e| e.traffic.begin(self.clock.now_ms()));
-        let ready = || {
-            let version = *self.orch_version.borrow();
-            service.ready(ri, di, version, &self.backends, |id| self.resolve(id))
-        };
+        let ready = || self.service_ready(&service, ri, di);
         // Past the rule's request timeout (a wake, a wait and a retry included) or a gRPC call's
         // deadline: 504, or `DEADLINE_EXCEEDED`.
         let deadline_ms = grpc
@@ -1388,31 +1422,17 @@ impl Proxy {
         };
         let tries = async {
             loop {
-                let slot = match &app {
-                    Some(entry) => match self
-                        .endpoint_on(entry, failed, key, id.as_bytes(), false, &ready)
-                        .await
-                    {
-                        Ok(slot) => slot,
-                        Err(r) => {
+                let slot = match self
+                    .service_slot(&service, ri, di, app.as_deref(), failed, key, id.as_bytes())
+                    .await
+                {
+                    Ok(slot) => slot,
+                    Err(r) => {
+                        if let Some(entry) = &app {
                             entry.traffic.answered(r.status.as_u16(), None);
-                            return r.answer(grpc, self.options.retry_after_s);
                         }
-                    },
-                    None => match backends::take_slot(&ready(), failed, 0, key, &service.group) {
-                        Some(slot) => slot,
-                        None => {
-                            return Refusal::unavailable(
-                                "no_instance",
-                                format!(
-                                    "destination {} of {} has no instance to send to",
-                                    di + 1,
-                                    service.meta.id
-                                ),
-                            )
-                            .answer(grpc, self.options.retry_after_s);
-                        }
-                    },
+                        return r.answer(grpc, self.options.retry_after_s);
+                    }
                 };
                 let addr = slot.addr();
                 let out = match to_backend(&parts, body.take().unwrap_or_else(empty), addr, &path) {
@@ -1522,6 +1542,53 @@ impl Proxy {
     /// Whether a Host leads to a meta service.
     fn serves_service(&self, host: &str) -> bool {
         self.services.lookup(host).is_some()
+    }
+
+    /// The instances of destination `di` of rule `ri` of a meta service now.
+    fn service_ready(
+        &self,
+        service: &services::ServiceEntry,
+        ri: usize,
+        di: usize,
+    ) -> Arc<backends::Ready> {
+        let version = *self.orch_version.borrow();
+        service.ready(ri, di, version, &self.backends, |id| self.resolve(id))
+    }
+
+    /// A slot on an instance of destination `di` of rule `ri` of a meta service, other than
+    /// `avoid` when there is another: an `ebb://app`'s replicas (`app`) held and woken for as
+    /// the app's requests are ([`Proxy::endpoint_on`]), else the destination's instances under
+    /// its policy (503 `no_instance` when it has none).
+    #[allow(clippy::too_many_arguments)]
+    async fn service_slot(
+        &self,
+        service: &services::ServiceEntry,
+        ri: usize,
+        di: usize,
+        app: Option<&Entry>,
+        avoid: Option<SocketAddr>,
+        key: Option<u64>,
+        id: &[u8],
+    ) -> Result<Slot, Refusal> {
+        let ready = || self.service_ready(service, ri, di);
+        if let Some(app) = app {
+            return self.endpoint_on(app, avoid, key, id, false, &ready).await;
+        }
+        let ready = ready();
+        let take = |avoid| backends::take_slot(&ready, avoid, 0, key, &service.group);
+        // The one instance that went away is tried again rather than none.
+        take(avoid)
+            .or_else(|| avoid.and_then(|_| take(None)))
+            .ok_or_else(|| {
+                Refusal::unavailable(
+                    "no_instance",
+                    format!(
+                        "destination {} of {} has no instance to send to",
+                        di + 1,
+                        service.meta.id
+                    ),
+                )
+            })
     }
 
     /// The ready replicas of one of ebb's apps (an `ebb://app` destination, a Gateway backend's

@@ -58,6 +58,11 @@ pub struct ServiceEntry {
     pub traffic: Arc<super::RouteTraffic>,
 }
 
+/// A destination of `route` drawn by weight (the rule has some).
+pub fn draw(route: &crate::discovery::meta::MetaRoute) -> usize {
+    crate::discovery::with_rng(|rng| route.destination(crate::discovery::balance::unit(rng)))
+}
+
 /// Headers the fast path's head writers write themselves, so a rule that changes one is served
 /// on the general path.
 const WRITTEN: [&str; 7] = [
@@ -73,14 +78,13 @@ const WRITTEN: [&str; 7] = [
 /// Whether the HTTP/1.1 fast path can serve a route: it forwards (no redirect, no failure), has
 /// no timeouts of its own, sends to HTTP/1.1 instances (not h2c, no invalid backend) without
 /// per-destination header changes, and changes only headers the head writers do not write
-/// themselves, to values a head can carry.
+/// themselves (nor hop-by-hop ones), well formed.
 pub fn fast_path(r: &crate::discovery::meta::MetaRoute) -> bool {
     let plain = |c: &crate::discovery::meta::Changes| {
-        c.set.iter().chain(&c.add).all(|(n, v)| {
-            ok_name(n)
-                && v.bytes()
-                    .all(|b| b == b'\t' || (b' '..=b'~').contains(&b) || b >= 0x80)
-        }) && c.remove.iter().all(|n| ok_name(n))
+        c.well_formed()
+            && c.names().all(|n| {
+                !WRITTEN.iter().any(|w| w.eq_ignore_ascii_case(n)) && !ebb_http::h1::hop_by_hop(n)
+            })
     };
     r.redirect.is_none()
         && r.fail.is_none()
@@ -93,16 +97,6 @@ pub fn fast_path(r: &crate::discovery::meta::MetaRoute) -> bool {
                 && d.request_headers == crate::discovery::meta::Changes::default()
                 && !matches!(d.source, Source::Invalid(_))
         })
-}
-
-/// A header name a head writer may write as it is: a token, not one it writes itself, not
-/// hop-by-hop.
-fn ok_name(n: &str) -> bool {
-    !n.is_empty()
-        && n.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
-        && !WRITTEN.iter().any(|w| w.eq_ignore_ascii_case(n))
-        && !ebb_http::h1::hop_by_hop(n)
 }
 
 /// Every meta service by domain.

@@ -36,10 +36,9 @@ pub type Listeners = (SocketAddr, Vec<std::net::TcpListener>);
 /// Binds the listeners of every TCP route in the log now, one per proxy thread; an address that
 /// cannot be had stops ebb's start with the reason.
 pub fn bind_all(proxy: &Proxy) -> std::io::Result<BTreeMap<String, Listeners>> {
-    let threads = proxy.worker_runtimes().len();
     let mut out = BTreeMap::new();
     for (route, addr) in tcp_routes(proxy) {
-        let listeners = super::reuseport_listeners(addr, threads).map_err(|e| {
+        let listeners = proxy.listeners_for_workers(addr).map_err(|e| {
             std::io::Error::new(
                 e.kind(),
                 format!("TCP route {route}: listening on {addr}: {e}"),
@@ -57,20 +56,9 @@ fn serve_route(
     listeners: Vec<std::net::TcpListener>,
     stop: &watch::Receiver<bool>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
-    let runtimes = proxy.worker_runtimes();
-    listeners
-        .into_iter()
-        .zip(runtimes.iter().cycle())
-        .map(|(listener, rt)| {
-            let (proxy, route, stop) = (proxy.clone(), route.to_string(), stop.clone());
-            rt.spawn(async move {
-                match TcpListener::from_std(listener) {
-                    Ok(listener) => accept(proxy, route, listener, stop).await,
-                    Err(e) => tracing::warn!(%route, error = %e, "TCP route listener unusable"),
-                }
-            })
-        })
-        .collect()
+    proxy.accept_on_workers(listeners, route, |listener| {
+        accept(proxy.clone(), route.to_string(), listener, stop.clone())
+    })
 }
 
 /// The TCP routes in the log, with their addresses.
@@ -123,12 +111,11 @@ pub async fn run(
             }
             keep
         });
-        let threads = proxy.worker_runtimes().len();
         for (route, addr) in wanted {
             if open.contains_key(&route) {
                 continue;
             }
-            match super::reuseport_listeners(addr, threads) {
+            match proxy.listeners_for_workers(addr) {
                 Ok(listeners) => {
                     tracing::info!(%route, %addr, "TCP route listening");
                     let tasks = serve_route(&proxy, &route, listeners, &stop);

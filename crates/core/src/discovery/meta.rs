@@ -567,13 +567,39 @@ fn token(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
 }
 
+/// Whether a header value has no control characters (tab aside): a head can carry it as it is.
+fn plain_value(v: &str) -> bool {
+    !v.bytes().any(|b| (b < b' ' && b != b'\t') || b == 0x7f)
+}
+
+impl Changes {
+    /// Whether every name is a token and every value plain, as a service's changes are checked
+    /// (a Gateway API filter's come unchecked): a head writer can write them as they are.
+    pub fn well_formed(&self) -> bool {
+        self.set
+            .iter()
+            .chain(&self.add)
+            .all(|(n, v)| token(n) && plain_value(v))
+            && self.remove.iter().all(|n| token(n))
+    }
+
+    /// Every header name it sets, adds or removes.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.set
+            .iter()
+            .chain(&self.add)
+            .map(|(n, _)| n.as_str())
+            .chain(self.remove.iter().map(String::as_str))
+    }
+}
+
 fn changes(what: &str, c: &HeaderChanges) -> Result<Changes, String> {
     let check = |n: &str, v: Option<&str>| {
         if !token(n) {
             return Err(format!("{what}: {n:?} is not a header name"));
         }
         if let Some(v) = v
-            && v.bytes().any(|b| (b < b' ' && b != b'\t') || b == 0x7f)
+            && !plain_value(v)
         {
             return Err(format!("{what}: the value of {n:?} has control characters"));
         }

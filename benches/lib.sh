@@ -1,0 +1,46 @@
+# Sourced by the benchmark scripts, after scripts/env.sh: what they share.
+
+# Installs the Debian packages given that are missing.
+bench_packages() {
+  local need=() pkg sudo=
+  for pkg in "$@"; do dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg"); done
+  [ ${#need[@]} -gt 0 ] || return 0
+  [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${need[@]}" >/dev/null
+}
+
+# Sets `ebb`: $EBB_BIN, else the release binary, built now.
+bench_ebb() {
+  if [ -n "${EBB_BIN:-}" ]; then
+    ebb="$EBB_BIN"
+  else
+    cargo build --locked --release --bin ebb
+    ebb="$CARGO_TARGET_DIR/release/ebb"
+  fi
+}
+
+# Sets `work`, a temporary directory, and `pids`, the processes to stop: both go at exit.
+bench_workdir() {
+  work="$(mktemp -d)"
+  pids=()
+  trap bench_cleanup EXIT
+}
+
+bench_cleanup() {
+  local p
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+
+# CPU time (clock ticks, 1/100 s) the processes given spent so far, with their children's
+# (nginx serves from its workers) when asked first: [--children] PID...
+ticks() {
+  local kids=0 t=0 p
+  if [ "$1" = --children ]; then kids=1; shift; fi
+  for p in "$@" $([ $kids = 1 ] && pgrep -P "$1" | tr '\n' ' '); do
+    t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)))
+  done
+  echo "$t"
+}
