@@ -289,6 +289,53 @@ impl KubeTargets {
         unindex(&mut index, name);
     }
 
+    /// Adds (`on`) or removes ebb's finalizer on the Cleaner named by `spec`, on a fresh read and
+    /// conditioned on its `resourceVersion`. A write that lost to another (409: ebb's own status
+    /// patch, a user's edit) is read and tried again, at most five times. True when it wrote;
+    /// false when there was nothing to do (no such Cleaner, the finalizer already as asked).
+    async fn set_finalizer(&self, spec: &CleanerSpec, on: bool) -> Result<bool, String> {
+        let api = self.cleaner_api(spec);
+        let (_, name) = split_key(&spec.name);
+        let mut last = String::new();
+        for _ in 0..5 {
+            let Some(c) = api.get_opt(name).await.map_err(|e| e.to_string())? else {
+                return Ok(false);
+            };
+            if c.uid().as_deref() != Some(spec.uid.as_str()) {
+                return if on {
+                    Err("the Cleaner was replaced".into())
+                } else {
+                    Ok(false)
+                };
+            }
+            if c.finalizers().iter().any(|f| f == FINALIZER) == on {
+                return Ok(false);
+            }
+            let mut finalizers: Vec<String> = c
+                .finalizers()
+                .iter()
+                .filter(|f| *f != FINALIZER)
+                .cloned()
+                .collect();
+            if on {
+                finalizers.push(FINALIZER.to_owned());
+            }
+            let patch = serde_json::json!({
+                "metadata": {"finalizers": finalizers, "resourceVersion": c.resource_version()}
+            });
+            match api
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => return Ok(true),
+                Err(kube::Error::Api(s)) if s.code == 404 => return Ok(false),
+                Err(kube::Error::Api(s)) if s.code == 409 => last = s.message,
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Err(format!("five writes lost to others; the last: {last}"))
+    }
+
     fn cleaner_api(&self, spec: &CleanerSpec) -> Api<CleanerResource> {
         Api::namespaced(self.client.clone(), &spec.namespace)
     }
@@ -451,23 +498,11 @@ impl Backend for KubeTargets {
     }
 
     async fn begin(&self, spec: &CleanerSpec, entries: &[String]) -> Result<(), String> {
-        let api = self.cleaner_api(spec);
-        let (_, name) = split_key(&spec.name);
-        let Some(c) = api.get_opt(name).await.map_err(|e| e.to_string())? else {
-            return Ok(());
-        };
-        if c.uid().as_deref() != Some(spec.uid.as_str()) {
-            return Err("the Cleaner was replaced".into());
-        }
-        if !c.finalizers().iter().any(|f| f == FINALIZER) {
-            let mut finalizers = c.finalizers().to_vec();
-            finalizers.push(FINALIZER.to_owned());
-            let patch = serde_json::json!({
-                "metadata": {"finalizers": finalizers, "resourceVersion": c.resource_version()}
-            });
-            api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .map_err(|e| format!("adding the finalizer: {e}"))?;
+        let added = self
+            .set_finalizer(spec, true)
+            .await
+            .map_err(|e| format!("adding the finalizer: {e}"))?;
+        if added {
             self.publish(
                 spec,
                 EventType::Warning,
@@ -549,29 +584,10 @@ impl Backend for KubeTargets {
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => return Ok(()),
             Err(e) => return Err(e.to_string()),
         }
-        let Some(c) = api.get_opt(name).await.map_err(|e| e.to_string())? else {
-            return Ok(());
-        };
-        if c.uid().as_deref() != Some(spec.uid.as_str()) {
-            return Ok(());
-        }
-        let finalizers: Vec<String> = c
-            .finalizers()
-            .iter()
-            .filter(|f| *f != FINALIZER)
-            .cloned()
-            .collect();
-        let patch = serde_json::json!({
-            "metadata": {"finalizers": finalizers, "resourceVersion": c.resource_version()}
-        });
-        match api
-            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        self.set_finalizer(spec, false)
             .await
-        {
-            Ok(_) => Ok(()),
-            Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-            Err(e) => Err(format!("removing the finalizer: {e}")),
-        }
+            .map(|_| ())
+            .map_err(|e| format!("removing the finalizer: {e}"))
     }
 
     async fn blocked(&self, name: &str, spec: &CleanerSpec, step: &str, error: &str) {
