@@ -333,7 +333,7 @@ async fn states(
             ),
         ));
     }
-    let results = calls.states(&b.ids);
+    let results = calls.states(&b.ids).await;
     Ok(Json(ResultsAnswer { results: &results }).into_response())
 }
 

@@ -116,6 +116,9 @@ pub struct Calls {
     /// Per target, the ids of enqueues under way: put or being put, not yet recorded. They
     /// count against `max_queued_per_target` with the log's queued calls.
     reserved: Mutex<HashMap<String, HashSet<String>>>,
+    /// Told each time enqueues under way end (recorded, or never queued): a states request
+    /// about one of them waits for it (see [`Calls::states`]).
+    settled: tokio::sync::Notify,
     /// Other replicas' calls handed out while their owner did not know them (past the hold-back
     /// bound), by id: a forwarded start sends the owner the copy, which it records if it still
     /// does not know the call (its record stalled), so the call is not lost.
@@ -158,17 +161,23 @@ struct Reserved<'a> {
 
 impl Drop for Reserved<'_> {
     fn drop(&mut self) {
-        let mut reserved = self.calls.reserved.lock().expect("reserved lock");
-        for (t, id) in self.held.drain(..) {
-            if let Some(r) = reserved.get_mut(&t) {
-                r.remove(&id);
-                if r.is_empty() {
-                    reserved.remove(&t);
+        {
+            let mut reserved = self.calls.reserved.lock().expect("reserved lock");
+            for (t, id) in self.held.drain(..) {
+                if let Some(r) = reserved.get_mut(&t) {
+                    r.remove(&id);
+                    if r.is_empty() {
+                        reserved.remove(&t);
+                    }
                 }
             }
         }
+        self.calls.settled.notify_waiters();
     }
 }
+
+/// How long a states request waits for this replica's enqueues under way to be recorded.
+const STATES_WAIT: Duration = Duration::from_secs(1);
 
 /// Most failed-put ids remembered.
 const MAX_ABORTED: usize = 100_000;
@@ -267,6 +276,7 @@ impl Calls {
             peers: Arc::new(Peers::alone()),
             peer_token: Arc::new(crate::peers::PeerToken::None),
             reserved: Mutex::new(HashMap::new()),
+            settled: tokio::sync::Notify::new(),
             handed_unknown: Mutex::new(Bounded::new(MAX_COPIES)),
             refused_unknown: Mutex::new(IdSet::new(MAX_STALE)),
         }
@@ -1179,18 +1189,45 @@ impl Calls {
     }
 
     /// The states of calls this replica owns (`None`: unknown), for another replica about to
-    /// hand out their messages.
-    pub fn states(&self, ids: &[String]) -> Vec<Option<PeerState>> {
-        self.log.read(|s| {
-            ids.iter()
-                .map(|id| {
-                    s.calls.get(id).map(|c| PeerState {
-                        state: c.status,
-                        deadline_at_ms: c.deadline_at_ms,
+    /// hand out their messages. A call whose enqueue is under way here (put on the queue, its
+    /// record not yet written, so the other replica can read its message first) is waited for,
+    /// at most [`STATES_WAIT`]: the answer then says it is queued, and the other replica hands
+    /// it out now instead of holding it back and asking again.
+    pub async fn states(&self, ids: &[String]) -> Vec<Option<PeerState>> {
+        let look = || {
+            self.log.read(|s| {
+                ids.iter()
+                    .map(|id| {
+                        s.calls.get(id).map(|c| PeerState {
+                            state: c.status,
+                            deadline_at_ms: c.deadline_at_ms,
+                        })
                     })
-                })
-                .collect()
+                    .collect::<Vec<_>>()
+            })
+        };
+        let mut states = look();
+        let _ = tokio::time::timeout(STATES_WAIT, async {
+            loop {
+                // Registered before the look, so an enqueue that ends in between is not missed.
+                let settled = self.settled.notified();
+                tokio::pin!(settled);
+                settled.as_mut().enable();
+                states = look();
+                let under_way = {
+                    let reserved = self.reserved.lock().expect("reserved lock");
+                    ids.iter().zip(&states).any(|(id, state)| {
+                        state.is_none() && reserved.values().any(|r| r.contains(id))
+                    })
+                };
+                if !under_way {
+                    return;
+                }
+                settled.await;
+            }
         })
+        .await;
+        states
     }
 
     /// Records finished calls (the first finish of each wins) and deletes their messages.
@@ -1684,5 +1721,109 @@ mod tests {
             "its message is gone"
         );
         assert_eq!(log.read(|s| s.calls.by_id.len()), 0, "nor recorded");
+    }
+
+    /// A queue whose puts land and then wait for the test to let them return.
+    struct Gated {
+        queue: Arc<EmbeddedQueue>,
+        put: tokio::sync::watch::Sender<Vec<String>>,
+        open: tokio::sync::Semaphore,
+    }
+
+    impl Queue for Gated {
+        fn put(&self, messages: Vec<Message>) -> crate::queue::QueueFuture<'_, ()> {
+            Box::pin(async move {
+                let ids = messages.iter().map(|m| m.id.clone()).collect();
+                self.queue.put(messages).await?;
+                self.put.send_replace(ids);
+                let _open = self.open.acquire().await;
+                Ok(())
+            })
+        }
+        fn reserve(
+            &self,
+            runner: &str,
+            max: usize,
+            wait: Duration,
+        ) -> crate::queue::QueueFuture<'_, Vec<Message>> {
+            self.queue.reserve(runner, max, wait)
+        }
+        fn hold(&self, holds: Vec<(String, u64)>) -> crate::queue::QueueFuture<'_, ()> {
+            self.queue.hold(holds)
+        }
+        fn delete(&self, ids: Vec<String>) -> crate::queue::QueueFuture<'_, ()> {
+            self.queue.delete(ids)
+        }
+        fn release(&self, runner: &str) -> crate::queue::QueueFuture<'_, ()> {
+            self.queue.release(runner)
+        }
+        fn owners(&self) -> Vec<String> {
+            self.queue.owners()
+        }
+        fn stats(&self) -> crate::queue::QueueStats {
+            self.queue.stats()
+        }
+    }
+
+    /// Another replica that read a call's message while its owner's enqueue is still under way
+    /// (put, not recorded) is told the call is queued once it is recorded, not that it is
+    /// unknown (which would hold the message back and ask again later).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_states_request_waits_for_an_enqueue_under_way() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = SimClock::new(1_000);
+        let store = Arc::new(MemStore::new());
+        let (log, queue) = open(&store, dir.path(), &clock);
+        let (put, mut was_put) = tokio::sync::watch::channel(Vec::new());
+        let gated = Arc::new(Gated {
+            queue,
+            put,
+            open: tokio::sync::Semaphore::new(0),
+        });
+        let calls = Arc::new(Calls::new(
+            log.clone(),
+            gated.clone(),
+            Arc::new(clock),
+            CallOptions::default(),
+        ));
+        let route = crate::event::RouteSpec::for_test("work", &["work.localhost"]);
+        log.decide(move |_: &State, _| (vec![Event::RouteUpserted { route }], ()))
+            .await
+            .unwrap();
+        let enqueue = tokio::spawn({
+            let calls = calls.clone();
+            async move {
+                calls
+                    .enqueue(vec![NewCall {
+                        target: "work".into(),
+                        ..NewCall::default()
+                    }])
+                    .await
+            }
+        });
+        let ids = was_put
+            .wait_for(|ids| !ids.is_empty())
+            .await
+            .unwrap()
+            .clone();
+        let states = calls.states(&ids);
+        tokio::pin!(states);
+        // Polled once: the call is neither recorded nor given up, so the answer waits.
+        assert!(
+            tokio::time::timeout(Duration::ZERO, states.as_mut())
+                .await
+                .is_err(),
+            "a states request answered while the enqueue was under way"
+        );
+        gated.open.add_permits(1);
+        assert_eq!(enqueue.await.unwrap().unwrap(), ids);
+        let answered = states.await;
+        assert_eq!(
+            answered
+                .iter()
+                .map(|s| s.map(|s| s.state))
+                .collect::<Vec<_>>(),
+            vec![Some(CallStatus::Queued)]
+        );
     }
 }

@@ -9,8 +9,9 @@
 //!   its first dequeue; the group spreads the partitions over the live runners, and when a runner
 //!   is released its consumer leaves the group and its partitions move to the others.
 //! * Offsets are committed only after finish or reject ([`Queue::delete`]): per partition, up to
-//!   the oldest message still outstanding. A message read again (after a rebalance or a restart)
-//!   whose call is handed out or held already is not handed out twice.
+//!   the oldest message still outstanding, asynchronously (a commit only saves a reread). A
+//!   message read again (after a rebalance or a restart) whose call is handed out or held
+//!   already is not handed out twice.
 //! * Messages handed out are kept in memory until deleted, so a runner's reserved-but-not-started
 //!   messages can go to another runner at once when it is released, and after the visibility
 //!   timeout, without waiting for Kafka to redeliver them.
@@ -394,54 +395,52 @@ impl KafkaQueue {
         })
     }
 
-    /// Commits every partition whose point moved, through the consumer that owns it now, and
-    /// waits for the broker (off the runtime: the call blocks). A partition owned by nobody yet
-    /// (a rebalance is under way) is committed on a later call.
-    async fn commit(&self) {
-        let (work, consumers): (Vec<(i32, i64)>, Vec<Arc<StreamConsumer>>) = {
-            let books = self.books();
-            let work = books
-                .trackers
-                .iter()
-                .filter(|(_, t)| t.point() > t.committed)
-                .map(|(p, t)| (*p, t.point()))
-                .collect();
-            (work, books.consumers.values().cloned().collect())
-        };
+    /// Commits every partition whose point moved, through the consumer that owns it now: one
+    /// asynchronous commit per consumer for all its partitions, sent without waiting for the
+    /// broker. A commit only saves a reread: a message read again after a commit that did not
+    /// land is of a call the log has ended, and its start is refused and the message deleted;
+    /// and the next commit of that partition covers it. A partition owned by nobody yet (a
+    /// rebalance is under way) is committed on a later call.
+    fn commit(&self) {
+        let mut books = self.books();
+        let work: Vec<(i32, i64)> = books
+            .trackers
+            .iter()
+            .filter(|(_, t)| t.point() > t.committed)
+            .map(|(p, t)| (*p, t.point()))
+            .collect();
         if work.is_empty() {
             return;
         }
-        let topic = self.options.topic.clone();
-        let committed = tokio::task::spawn_blocking(move || {
-            let mut committed = Vec::new();
-            for (partition, offset) in work {
-                let owner = consumers.iter().find(|c| {
-                    c.assignment().is_ok_and(|a| {
-                        a.elements_for_topic(&topic)
-                            .iter()
-                            .any(|e| e.partition() == partition)
-                    })
-                });
-                let Some(owner) = owner else {
-                    continue;
-                };
-                let mut tpl = TopicPartitionList::new();
+        let topic = &self.options.topic;
+        let mut committed = Vec::new();
+        for c in books.consumers.values() {
+            let Ok(assigned) = c.assignment() else {
+                continue;
+            };
+            let mine: Vec<i32> = assigned
+                .elements_for_topic(topic)
+                .iter()
+                .map(|e| e.partition())
+                .collect();
+            let mut tpl = TopicPartitionList::new();
+            let mut these = Vec::new();
+            for (partition, offset) in work.iter().filter(|(p, _)| mine.contains(p)) {
                 if tpl
-                    .add_partition_offset(&topic, partition, Offset::Offset(offset))
-                    .is_err()
+                    .add_partition_offset(topic, *partition, Offset::Offset(*offset))
+                    .is_ok()
                 {
-                    continue;
-                }
-                match owner.commit(&tpl, CommitMode::Sync) {
-                    Ok(()) => committed.push((partition, offset)),
-                    Err(e) => tracing::debug!(partition, offset, error = %e, "commit failed"),
+                    these.push((*partition, *offset));
                 }
             }
-            committed
-        })
-        .await
-        .unwrap_or_default();
-        let mut books = self.books();
+            if these.is_empty() {
+                continue;
+            }
+            match c.commit(&tpl, CommitMode::Async) {
+                Ok(()) => committed.extend(these),
+                Err(e) => tracing::debug!(error = %e, "commit failed"),
+            }
+        }
         for (partition, offset) in committed {
             if let Some(t) = books.trackers.get_mut(&partition) {
                 t.committed = t.committed.max(offset);
@@ -586,7 +585,7 @@ impl Queue for KafkaQueue {
                     }
                 }
             }
-            self.commit().await;
+            self.commit();
             Ok(())
         })
     }
