@@ -10,7 +10,8 @@
 # with records of a no-op call's size in ebb's topic (177 bytes of value, 36 of key). The bare
 # broker's produce-and-consume rate is the rate of moving a record in and out on these CPUs:
 # 1 / (1/produced + 1/consumed), each rate as its tool reports it (without its JVM's start).
-# ebb's Kafka rows print their ratio to it.
+# ebb's Kafka rows print their ratio to it. Beside ebb's enqueue-to-start latency, the broker's
+# own produce-to-consume latency (kafka-e2e-latency, EndToEndLatency), one record at a time.
 #
 # Usage: benches/calls.sh [SECONDS]   (BENCH_KAFKA_RECORDS: records of the anchor, 2,000,000)
 set -euo pipefail
@@ -43,11 +44,18 @@ produced="$(kafka_tool ProducerPerformance --topic anchor --num-records "$record
 consumed="$(kafka_tool ConsumerPerformance --bootstrap-server "127.0.0.1:$port" --topic anchor \
   --messages "$records" --group anchor --timeout 60000 | tail -1 | awk -F', ' '{print $10}')"
 anchor="$(awk -v p="$produced" -v c="$consumed" 'BEGIN { printf "%.0f", 1 / (1 / p + 1 / c) }')"
+# The broker's own produce-to-consume latency, one record at a time (acks=all): the floor under
+# ebb's enqueue-to-start. Last line: "Percentiles: 50th = A, 99th = B, 99.9th = C" (ms).
+kafka_tool TopicCommand --bootstrap-server "127.0.0.1:$port" --create --topic e2e \
+  --partitions 1 --replication-factor 1 >/dev/null
+e2e="$(kafka_tool EndToEndLatency "127.0.0.1:$port" e2e 10000 all 213 | tail -1 | sed 's/^Percentiles: //')"
 echo
 echo "| the bare broker ($records records of 213 bytes, 8 partitions) | records/s |"
 echo "|---|---|"
 echo "| kafka-producer-perf-test (acks=all, idempotence, linger.ms=1) | $produced |"
 echo "| kafka-consumer-perf-test (fetch) | $consumed |"
 echo "| produce and consume: 1 / (1/produced + 1/consumed) | $anchor |"
+echo
+echo "the bare broker's produce-to-consume latency (kafka-e2e-latency, 10,000 records one at a time, acks=all), ms: $e2e"
 echo
 "$ebb" bench calls --seconds "$seconds" --kafka "127.0.0.1:$port" --anchor "$anchor" ${BENCH_CALLS_ARGS:-}

@@ -68,18 +68,27 @@ pub struct CallsBenchArgs {
 
 const TOKEN: &str = "bench";
 
-/// Records when each call started (relative to one stopwatch), then finishes it at once.
+/// Records when each call started (relative to one stopwatch), and which runners ran one.
 struct Recorder {
     clock: Stopwatch,
     started: Mutex<HashMap<String, f64>>,
+    ran: Vec<std::sync::atomic::AtomicBool>,
 }
 
-impl Executor for Recorder {
+/// Runner `runner`'s executor: records the start, then finishes the call at once.
+struct Runs {
+    recorder: Arc<Recorder>,
+    runner: usize,
+}
+
+impl Executor for Runs {
     fn execute(&self, job: Job, t: Duration) -> Pin<Box<dyn Future<Output = Finish> + Send>> {
-        self.started
+        let r = &self.recorder;
+        r.started
             .lock()
             .expect("recorder lock")
-            .insert(job.call.id.clone(), self.clock.elapsed().as_secs_f64());
+            .insert(job.call.id.clone(), r.clock.elapsed().as_secs_f64());
+        r.ran[self.runner].store(true, std::sync::atomic::Ordering::Relaxed);
         NoopExecutor.execute(job, t)
     }
 }
@@ -94,6 +103,8 @@ struct Setup {
     replicas: Vec<Replica>,
     stop: tokio::sync::watch::Sender<bool>,
     recorder: Arc<Recorder>,
+    /// The runners share partitions through a Kafka consumer group.
+    grouped: bool,
     runners: Vec<tokio::task::JoinHandle<()>>,
     servers: Vec<tokio::task::JoinHandle<()>>,
     _dir: tempfile::TempDir,
@@ -223,6 +234,7 @@ async fn setup(
     let recorder = Arc::new(Recorder {
         clock: Stopwatch::start(),
         started: Mutex::new(HashMap::new()),
+        ran: (0..args.runners).map(|_| Default::default()).collect(),
     });
     let mut runners = Vec::new();
     for i in 0..args.runners {
@@ -246,7 +258,10 @@ async fn setup(
         };
         runners.push(tokio::spawn(runner::run(
             client,
-            recorder.clone(),
+            Arc::new(Runs {
+                recorder: recorder.clone(),
+                runner: i,
+            }),
             options,
             stop_rx.clone(),
         )));
@@ -255,6 +270,7 @@ async fn setup(
         replicas: set,
         stop,
         recorder,
+        grouped: kafka.is_some(),
         runners,
         servers,
         _dir: dir,
@@ -392,12 +408,21 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<f64> {
 /// Latency at `rate` calls/s: small batches sent on a fixed schedule; returns (p50, p99) in ms.
 async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f64)> {
     const PER_REQUEST: usize = 10;
-    // Warm up (runners joined, connections open) before measuring.
-    let mut warm = Vec::new();
-    for r in &s.replicas {
-        warm.extend(enqueue(&runner::http_client(), r.api, PER_REQUEST).await?);
+    // Warm up before measuring: connections open and, on Kafka, every runner has run a call,
+    // so every runner's consumer has its partitions (a consumer joining the group later would
+    // move partitions under the measurement). Bounded: a runner that never gets a call is an
+    // error.
+    let mut rounds = 0;
+    let ran = |r: &std::sync::atomic::AtomicBool| r.load(std::sync::atomic::Ordering::Relaxed);
+    while rounds == 0 || (s.grouped && !s.recorder.ran.iter().all(ran)) {
+        rounds += 1;
+        anyhow::ensure!(rounds <= 200, "a runner ran no call in 200 warm-up rounds");
+        let mut warm = Vec::new();
+        for r in &s.replicas {
+            warm.extend(enqueue(&runner::http_client(), r.api, PER_REQUEST).await?);
+        }
+        drain(s, &warm).await?;
     }
-    drain(s, &warm).await?;
     // Sized up front: growing the map under the runners would be the bench's own pause.
     *s.recorder.started.lock().expect("recorder lock") =
         HashMap::with_capacity((rate * args.seconds as f64 * 1.5) as usize);
