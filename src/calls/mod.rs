@@ -1639,15 +1639,37 @@ mod tests {
         }
     }
 
-    /// A queue whose puts land and then report failure, as a Kafka produce that timed out on
-    /// the client but reached the broker.
-    struct LandsAnyway(Arc<EmbeddedQueue>);
+    /// What a test queue's put does once its messages have landed.
+    enum AfterPut {
+        /// Reports failure, as a Kafka produce that timed out on the client but reached the
+        /// broker.
+        Fail,
+        /// Tells `put` the ids, then waits until `open` has a permit.
+        Wait {
+            put: tokio::sync::watch::Sender<Vec<String>>,
+            open: tokio::sync::Semaphore,
+        },
+    }
 
-    impl Queue for LandsAnyway {
+    /// An embedded queue whose puts land and then do `after_put`.
+    struct TestQueue {
+        queue: Arc<EmbeddedQueue>,
+        after_put: AfterPut,
+    }
+
+    impl Queue for TestQueue {
         fn put(&self, messages: Vec<Message>) -> crate::queue::QueueFuture<'_, ()> {
             Box::pin(async move {
-                self.0.put(messages).await?;
-                Err(QueueError::Storage("timed out".into()))
+                let ids = messages.iter().map(|m| m.id.clone()).collect();
+                self.queue.put(messages).await?;
+                match &self.after_put {
+                    AfterPut::Fail => Err(QueueError::Storage("timed out".into())),
+                    AfterPut::Wait { put, open } => {
+                        put.send_replace(ids);
+                        let _open = open.acquire().await;
+                        Ok(())
+                    }
+                }
             })
         }
         fn reserve(
@@ -1656,22 +1678,22 @@ mod tests {
             max: usize,
             wait: Duration,
         ) -> crate::queue::QueueFuture<'_, Vec<Message>> {
-            self.0.reserve(runner, max, wait)
+            self.queue.reserve(runner, max, wait)
         }
         fn hold(&self, holds: Vec<(String, u64)>) -> crate::queue::QueueFuture<'_, ()> {
-            self.0.hold(holds)
+            self.queue.hold(holds)
         }
         fn delete(&self, ids: Vec<String>) -> crate::queue::QueueFuture<'_, ()> {
-            self.0.delete(ids)
+            self.queue.delete(ids)
         }
         fn release(&self, runner: &str) -> crate::queue::QueueFuture<'_, ()> {
-            self.0.release(runner)
+            self.queue.release(runner)
         }
         fn owners(&self) -> Vec<String> {
-            self.0.owners()
+            self.queue.owners()
         }
         fn stats(&self) -> crate::queue::QueueStats {
-            self.0.stats()
+            self.queue.stats()
         }
     }
 
@@ -1683,7 +1705,10 @@ mod tests {
         let (log, queue) = open(&store, dir.path(), &clock);
         let lying = Calls::new(
             log.clone(),
-            Arc::new(LandsAnyway(queue.clone())),
+            Arc::new(TestQueue {
+                queue: queue.clone(),
+                after_put: AfterPut::Fail,
+            }),
             Arc::new(clock.clone()),
             CallOptions::default(),
         );
@@ -1723,48 +1748,6 @@ mod tests {
         assert_eq!(log.read(|s| s.calls.by_id.len()), 0, "nor recorded");
     }
 
-    /// A queue whose puts land and then wait for the test to let them return.
-    struct Gated {
-        queue: Arc<EmbeddedQueue>,
-        put: tokio::sync::watch::Sender<Vec<String>>,
-        open: tokio::sync::Semaphore,
-    }
-
-    impl Queue for Gated {
-        fn put(&self, messages: Vec<Message>) -> crate::queue::QueueFuture<'_, ()> {
-            Box::pin(async move {
-                let ids = messages.iter().map(|m| m.id.clone()).collect();
-                self.queue.put(messages).await?;
-                self.put.send_replace(ids);
-                let _open = self.open.acquire().await;
-                Ok(())
-            })
-        }
-        fn reserve(
-            &self,
-            runner: &str,
-            max: usize,
-            wait: Duration,
-        ) -> crate::queue::QueueFuture<'_, Vec<Message>> {
-            self.queue.reserve(runner, max, wait)
-        }
-        fn hold(&self, holds: Vec<(String, u64)>) -> crate::queue::QueueFuture<'_, ()> {
-            self.queue.hold(holds)
-        }
-        fn delete(&self, ids: Vec<String>) -> crate::queue::QueueFuture<'_, ()> {
-            self.queue.delete(ids)
-        }
-        fn release(&self, runner: &str) -> crate::queue::QueueFuture<'_, ()> {
-            self.queue.release(runner)
-        }
-        fn owners(&self) -> Vec<String> {
-            self.queue.owners()
-        }
-        fn stats(&self) -> crate::queue::QueueStats {
-            self.queue.stats()
-        }
-    }
-
     /// Another replica that read a call's message while its owner's enqueue is still under way
     /// (put, not recorded) is told the call is queued once it is recorded, not that it is
     /// unknown (which would hold the message back and ask again later).
@@ -1775,10 +1758,12 @@ mod tests {
         let store = Arc::new(MemStore::new());
         let (log, queue) = open(&store, dir.path(), &clock);
         let (put, mut was_put) = tokio::sync::watch::channel(Vec::new());
-        let gated = Arc::new(Gated {
+        let gated = Arc::new(TestQueue {
             queue,
-            put,
-            open: tokio::sync::Semaphore::new(0),
+            after_put: AfterPut::Wait {
+                put,
+                open: tokio::sync::Semaphore::new(0),
+            },
         });
         let calls = Arc::new(Calls::new(
             log.clone(),
@@ -1815,7 +1800,9 @@ mod tests {
                 .is_err(),
             "a states request answered while the enqueue was under way"
         );
-        gated.open.add_permits(1);
+        if let AfterPut::Wait { open, .. } = &gated.after_put {
+            open.add_permits(1);
+        }
         assert_eq!(enqueue.await.unwrap().unwrap(), ids);
         let answered = states.await;
         assert_eq!(
