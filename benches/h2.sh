@@ -46,24 +46,11 @@ EBB_LOG=warn PATH="$(dirname "$ebb"):$PATH" "$ebb" serve --config "$work/ebb.tom
 pids+=($!)
 ebb_pid=$!
 
-mkdir -p "$work/nginx"
 forwarded='proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
       proxy_set_header X-Forwarded-Proto $scheme;
       proxy_set_header X-Forwarded-Host $host;
       proxy_set_header Forwarded "for=$remote_addr;host=\"$host\";proto=$scheme";'
-cat >"$work/nginx/nginx.conf" <<NGINX
-worker_processes auto;
-daemon off;
-pid $work/nginx/nginx.pid;
-error_log $work/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $work/nginx/body;
-  proxy_temp_path $work/nginx/proxy;
-  fastcgi_temp_path $work/nginx/fastcgi;
-  uwsgi_temp_path $work/nginx/uwsgi;
-  scgi_temp_path $work/nginx/scgi;
+bench_nginx_conf <<NGINX
   http2_max_concurrent_streams 1024;
   keepalive_requests 1000000;
   upstream app { server 127.0.0.1:$app_port; keepalive 256; keepalive_requests 1000000; }

@@ -44,3 +44,26 @@ ticks() {
   done
   echo "$t"
 }
+
+# Writes "$work/nginx/nginx.conf" for an nginx in the foreground from "$work/nginx": the head
+# every benchmark shares, up to and with the opening of the `http` block, then standard input
+# (the rest of the block and its closing brace).
+bench_nginx_conf() {
+  mkdir -p "$work/nginx"
+  { cat <<NGINX
+worker_processes auto;
+daemon off;
+pid $work/nginx/nginx.pid;
+error_log $work/nginx/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $work/nginx/body;
+  proxy_temp_path $work/nginx/proxy;
+  fastcgi_temp_path $work/nginx/fastcgi;
+  uwsgi_temp_path $work/nginx/uwsgi;
+  scgi_temp_path $work/nginx/scgi;
+NGINX
+    cat
+  } >"$work/nginx/nginx.conf"
+}

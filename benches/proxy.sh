@@ -68,20 +68,7 @@ pids+=($!)
 ebb_pid=$!
 
 # nginx as a keep-alive reverse proxy in front of the app.
-mkdir -p "$work/nginx"
-cat >"$work/nginx/nginx.conf" <<NGINX
-worker_processes auto;
-daemon off;
-pid $work/nginx/nginx.pid;
-error_log $work/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $work/nginx/body;
-  proxy_temp_path $work/nginx/proxy;
-  fastcgi_temp_path $work/nginx/fastcgi;
-  uwsgi_temp_path $work/nginx/uwsgi;
-  scgi_temp_path $work/nginx/scgi;
+bench_nginx_conf <<NGINX
   upstream app { server 127.0.0.1:$app_port; keepalive 256; }
   server {
     listen 127.0.0.1:$nginx_port;
