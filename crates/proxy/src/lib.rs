@@ -538,18 +538,17 @@ fn key_of(
 /// The request as sent to the instance at `addr`: the client's parts, `body`, and a URI of the
 /// instance's authority and `path`. `Err`: why that is not a URI.
 fn to_backend(
-    parts: &hyper::http::request::Parts,
+    mut parts: hyper::http::request::Parts,
     body: Body,
     addr: SocketAddr,
     path: &hyper::http::uri::PathAndQuery,
 ) -> Result<Request<Body>, String> {
-    let mut out = Request::from_parts(parts.clone(), body);
     let mut uri = hyper::http::uri::Parts::default();
     uri.scheme = Some(hyper::http::uri::Scheme::HTTP);
     uri.authority = Some(authority(addr));
     uri.path_and_query = Some(path.clone());
-    *out.uri_mut() = Uri::from_parts(uri).map_err(|e| e.to_string())?;
-    Ok(out)
+    parts.uri = Uri::from_parts(uri).map_err(|e| e.to_string())?;
+    Ok(Request::from_parts(parts, body))
 }
 
 /// Applies a meta route's header changes.
@@ -957,7 +956,9 @@ impl Proxy {
                         .insert(header::CONNECTION, HeaderValue::from_static("close"));
                     return Ok(r);
                 }
-                Ok::<_, std::convert::Infallible>(proxy.handle(req, peer).await)
+                // Boxed: hyper spawns a task per HTTP/2 stream holding this future, and moves it
+                // whole into the task and out at its end; the boxed one is a pointer.
+                Ok::<_, std::convert::Infallible>(Box::pin(proxy.handle(req, peer)).await)
             }
         });
         let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
@@ -1087,6 +1088,8 @@ impl Proxy {
             parts.headers.insert(header::UPGRADE, proto.clone());
         }
         let https = parts.extensions.get::<Https>().is_some();
+        // Room for the headers added below at once, not a growth per header.
+        parts.headers.reserve(FORWARDING_HEADERS);
         add_forwarded(&mut parts.headers, peer, &host, https);
         let id = ensure_request_id(&mut parts.headers);
         let key = key_of(&route.policy, &path, &parts.headers, peer);
@@ -1117,6 +1120,7 @@ impl Proxy {
         let deadline = grpc.then(|| grpc::timeout(&parts.headers)).flatten();
         // A replica that refused or reset the connection is avoided on the retry.
         let mut failed: Option<SocketAddr> = None;
+        let mut parts = Some(parts);
         loop {
             let endpoint = self.endpoint(&entry, failed, key, id.as_bytes(), wants_page);
             let found = match deadline {
@@ -1143,7 +1147,21 @@ impl Proxy {
                 }
             };
             let addr = slot.addr();
-            let out = match to_backend(&parts, body.take().unwrap_or_else(empty), addr, &path) {
+            // The head is kept for another try only while one can come (a request that can be
+            // sent again, not tried yet); otherwise it moves into the request, uncopied.
+            let head = if retry_after_miss(BackendMiss::WentAway { replayable }, failed.is_some()) {
+                parts.clone()
+            } else {
+                parts.take()
+            };
+            let Some(head) = head else {
+                return json_error(
+                    StatusCode::BAD_GATEWAY,
+                    "backend_error",
+                    "the request cannot be sent again",
+                );
+            };
+            let out = match to_backend(head, body.take().unwrap_or_else(empty), addr, &path) {
                 Ok(r) => r,
                 Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
             };
@@ -1435,7 +1453,12 @@ impl Proxy {
                     }
                 };
                 let addr = slot.addr();
-                let out = match to_backend(&parts, body.take().unwrap_or_else(empty), addr, &path) {
+                let out = match to_backend(
+                    parts.clone(),
+                    body.take().unwrap_or_else(empty),
+                    addr,
+                    &path,
+                ) {
                     Ok(r) => r,
                     Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
                 };
@@ -1952,47 +1975,138 @@ fn backend_went_away(e: &hyper_util::client::legacy::Error) -> bool {
 /// Keeps the client's first usable `X-Request-Id` (dropping any others) or adds one made here;
 /// returns it.
 fn ensure_request_id(headers: &mut HeaderMap) -> HeaderValue {
+    static NAME: HeaderName = HeaderName::from_static(request_id::HEADER);
     let given = headers
-        .get_all(request_id::HEADER)
+        .get_all(&NAME)
         .iter()
         .find(|v| request_id::usable(v.as_bytes()))
         .cloned();
     let id = given.unwrap_or_else(|| {
         HeaderValue::from_bytes(&request_id::make()).expect("hex digits are a header value")
     });
-    headers.insert(request_id::HEADER, id.clone());
+    headers.insert(&NAME, id.clone());
     id
 }
+
+/// How many headers [`add_forwarded`] and [`ensure_request_id`] may add to a request.
+const FORWARDING_HEADERS: usize = 5;
 
 /// Marks a request that came over TLS (the proxy terminated it).
 #[derive(Debug, Clone, Copy)]
 struct Https;
 
+/// `X-Forwarded-For` (after the client's own), `-Proto` and `-Host`, and `Forwarded` (after the
+/// client's own): each value written once into its own buffer, under a name known beforehand, as
+/// every request of the general path pays for it.
 fn add_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: &str, https: bool) {
+    use std::fmt::Write as _;
+    static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+    static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+    static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
     let proto = if https { "https" } else { "http" };
-    let ip = peer.ip().to_string();
-    let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-        Some(prev) => format!("{prev}, {ip}"),
-        None => ip.clone(),
+    let ip = peer.ip();
+    let earlier = |name: &HeaderName| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(|prev| format!("{prev}, "))
+            .unwrap_or_default()
     };
-    let node = if peer.is_ipv6() {
-        format!("\"[{ip}]\"")
+    let mut xff = earlier(&X_FORWARDED_FOR);
+    let _ = write!(xff, "{ip}");
+    let mut forwarded = earlier(&header::FORWARDED);
+    let _ = if peer.is_ipv6() {
+        write!(forwarded, "for=\"[{ip}]\"")
     } else {
-        ip
+        write!(forwarded, "for={ip}")
     };
-    let forwarded = format!("for={node};host=\"{host}\";proto={proto}");
-    let forwarded = match headers.get("forwarded").and_then(|v| v.to_str().ok()) {
-        Some(prev) => format!("{prev}, {forwarded}"),
-        None => forwarded,
-    };
-    for (name, value) in [
-        ("x-forwarded-for", xff),
-        ("x-forwarded-proto", proto.to_owned()),
-        ("x-forwarded-host", host.to_owned()),
-        ("forwarded", forwarded),
-    ] {
-        if let Ok(v) = HeaderValue::from_str(&value) {
-            headers.insert(name, v);
-        }
+    let _ = write!(forwarded, ";host=\"{host}\";proto={proto}");
+    let value = |s: String| HeaderValue::from_maybe_shared(Bytes::from(s)).ok();
+    if let Some(v) = value(xff) {
+        headers.insert(&X_FORWARDED_FOR, v);
+    }
+    headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(proto));
+    if let Ok(v) = HeaderValue::from_str(host) {
+        headers.insert(&X_FORWARDED_HOST, v);
+    }
+    if let Some(v) = value(forwarded) {
+        headers.insert(header::FORWARDED, v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header<'a>(headers: &'a HeaderMap, name: &str) -> &'a str {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+
+    #[test]
+    fn forwarding_headers_follow_the_clients_own_and_quote_an_ipv6_node() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        headers.insert(header::FORWARDED, HeaderValue::from_static("for=10.0.0.1"));
+        headers.insert("x-forwarded-proto", HeaderValue::from_static("ftp"));
+        add_forwarded(
+            &mut headers,
+            "127.0.0.1:5000".parse().unwrap(),
+            "a.localhost",
+            false,
+        );
+        assert_eq!(header(&headers, "x-forwarded-for"), "10.0.0.1, 127.0.0.1");
+        assert_eq!(header(&headers, "x-forwarded-proto"), "http");
+        assert_eq!(header(&headers, "x-forwarded-host"), "a.localhost");
+        assert_eq!(
+            header(&headers, "forwarded"),
+            "for=10.0.0.1, for=127.0.0.1;host=\"a.localhost\";proto=http"
+        );
+
+        let mut headers = HeaderMap::new();
+        add_forwarded(
+            &mut headers,
+            "[::1]:5000".parse().unwrap(),
+            "b.localhost:8080",
+            true,
+        );
+        assert_eq!(header(&headers, "x-forwarded-for"), "::1");
+        assert_eq!(header(&headers, "x-forwarded-proto"), "https");
+        assert_eq!(
+            header(&headers, "forwarded"),
+            "for=\"[::1]\";host=\"b.localhost:8080\";proto=https"
+        );
+        assert_eq!(headers.len(), 4);
+    }
+
+    #[test]
+    fn a_request_id_is_kept_when_usable_and_made_otherwise() {
+        let mut headers = HeaderMap::new();
+        headers.insert(request_id::HEADER, HeaderValue::from_static("abc-1"));
+        assert_eq!(ensure_request_id(&mut headers), "abc-1");
+        assert_eq!(header(&headers, request_id::HEADER), "abc-1");
+        let mut headers = HeaderMap::new();
+        headers.insert(request_id::HEADER, HeaderValue::from_static("has space"));
+        let made = ensure_request_id(&mut headers);
+        assert_eq!(made.len(), 32);
+        assert_eq!(headers.get_all(request_id::HEADER).iter().count(), 1);
+        assert_eq!(headers.get(request_id::HEADER), Some(&made));
+    }
+
+    #[test]
+    fn the_backends_request_takes_the_head_and_points_at_the_replica() {
+        let (mut parts, _) = Request::get("http://x.localhost/old")
+            .header("a", "1")
+            .body(())
+            .unwrap()
+            .into_parts();
+        parts.method = hyper::Method::POST;
+        let path = hyper::http::uri::PathAndQuery::from_static("/new?q=1");
+        let out = to_backend(parts, empty(), "127.0.0.1:9000".parse().unwrap(), &path).unwrap();
+        assert_eq!(out.uri(), "http://127.0.0.1:9000/new?q=1");
+        assert_eq!(out.method(), hyper::Method::POST);
+        assert_eq!(header(out.headers(), "a"), "1");
     }
 }

@@ -352,6 +352,14 @@ impl<S: AsyncRead + Unpin> AsyncRead for Strict<S> {
                 this.ready -= n;
                 return Poll::Ready(Ok(()));
             }
+            if matches!(this.state, State::Through)
+                && this.buf.is_empty()
+                && this.deadline.is_none()
+            {
+                // Past the HTTP/2 preface or an upgrade, with nothing held back: nothing is
+                // checked any more, so the caller's buffer is read into directly.
+                return Pin::new(&mut this.inner).poll_read(cx, dst);
+            }
             if let State::Refused(why) = this.state {
                 if this.rules == Rules::Proxy {
                     // hyper has the refusal's request, which closes the connection once
