@@ -1088,8 +1088,6 @@ impl Proxy {
             parts.headers.insert(header::UPGRADE, proto.clone());
         }
         let https = parts.extensions.get::<Https>().is_some();
-        // Room for the headers added below at once, not a growth per header.
-        parts.headers.reserve(FORWARDING_HEADERS);
         add_forwarded(&mut parts.headers, peer, &host, https);
         let id = ensure_request_id(&mut parts.headers);
         let key = key_of(&route.policy, &path, &parts.headers, peer);
@@ -2003,6 +2001,8 @@ fn add_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: &str, https: b
     static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
     static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
     static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+    // Room for these and the request id at once, not a growth per header.
+    headers.reserve(FORWARDING_HEADERS);
     let proto = if https { "https" } else { "http" };
     let ip = peer.ip();
     let earlier = |name: &HeaderName| {
