@@ -430,11 +430,21 @@ impl Calls {
         let mut reserved = self.reserved.lock().expect("reserved lock");
         let full = self.log.read(|s| {
             asked.iter().find_map(|(t, ids)| {
+                let queued = s.calls.queued_for(t);
+                let under_way = reserved.get(*t);
+                // Room even if no reserved id were recorded yet: no need to look them up (the
+                // look-up costs one search of the log's calls per call of the enqueues under way).
+                let at_most = queued
+                    .saturating_add(under_way.map_or(0, HashSet::len))
+                    .saturating_add(ids.len());
+                if at_most <= max {
+                    return None;
+                }
                 // Reserved ids the log knows by now are in `queued_for` already.
-                let pending = reserved.get(*t).map_or(0, |r| {
+                let pending = under_way.map_or(0, |r| {
                     r.iter().filter(|id| s.calls.get(id).is_none()).count()
                 });
-                let have = s.calls.queued_for(t).saturating_add(pending);
+                let have = queued.saturating_add(pending);
                 (have.saturating_add(ids.len()) > max).then(|| ((*t).to_owned(), have))
             })
         });

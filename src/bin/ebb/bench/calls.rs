@@ -1,9 +1,11 @@
 //! `ebb bench calls`: durable calls end to end on this machine. Producers enqueue batches through
 //! the HTTP runner API; runners (in process, or over HTTP) dequeue, start and finish them with a
-//! no-op target. Reports calls/s from the first enqueue until every call has finished, then the
-//! enqueue-to-start latency (from just before the enqueue request to the moment the runner holds
-//! the accepted start) at half that rate: the median of `--rounds` phases, each on a fresh log
-//! and queue. Rows for the embedded queue and Kafka, one and two ebb replicas (starts and
+//! no-op target. Each phase starts after a warm-up (on Kafka: until every runner's consumer has
+//! joined the group and run a call). Reports calls/s from the first enqueue until every call has
+//! finished and this process's CPU time per call (ebb's services, runners and producers; not the
+//! broker's), then the enqueue-to-start latency (from just before the enqueue request to the
+//! moment the runner holds the accepted start) at half that rate: the median of `--rounds`
+//! phases, each on a fresh log and queue. Rows for the embedded queue and Kafka, one and two ebb replicas (starts and
 //! finishes of the other's calls forwarded), and the cost of a start forwarded to the call's
 //! owner against one sent to the owner.
 
@@ -378,10 +380,12 @@ async fn drain(s: &Setup, ids: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// Throughput: producers enqueue as fast as they can for the phase; the clock stops when the last
-/// call has finished.
-async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<f64> {
+/// Throughput: after a warm-up, producers enqueue as fast as they can for the phase; the clock
+/// stops when the last call has finished. Returns calls/s and this process's CPU time per call.
+async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<(f64, f64)> {
+    warm_up(s).await?;
     let clock = Stopwatch::start();
+    let cpu = cpu_time()?;
     let phase = Duration::from_secs(args.seconds);
     let mut producers = Vec::new();
     for p in 0..args.producers {
@@ -402,16 +406,32 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<f64> {
         ids.extend(p.await??);
     }
     drain(s, &ids).await?;
-    Ok(ids.len() as f64 / clock.elapsed().as_secs_f64())
+    let calls = ids.len() as f64;
+    let cpu_us = (cpu_time()? - cpu).as_secs_f64() * 1e6 / calls.max(1.0);
+    Ok((calls / clock.elapsed().as_secs_f64(), cpu_us))
 }
 
-/// Latency at `rate` calls/s: small batches sent on a fixed schedule; returns (p50, p99) in ms.
-async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f64)> {
-    const PER_REQUEST: usize = 10;
-    // Warm up before measuring: connections open and, on Kafka, every runner has run a call,
-    // so every runner's consumer has its partitions (a consumer joining the group later would
-    // move partitions under the measurement). Bounded: a runner that never gets a call is an
-    // error.
+/// CPU time this process has spent so far, user and system, every thread's: ebb's services, its
+/// runners and the bench's producers all run in it (the broker does not).
+fn cpu_time() -> Result<Duration> {
+    use nix::sys::resource::{UsageWho, getrusage};
+    let u = getrusage(UsageWho::RUSAGE_SELF).context("getrusage")?;
+    let d = |t: nix::sys::time::TimeVal| {
+        Duration::from_secs(t.tv_sec().max(0) as u64)
+            + Duration::from_micros(t.tv_usec().max(0) as u64)
+    };
+    Ok(d(u.user_time()) + d(u.system_time()))
+}
+
+/// Calls per enqueue request in the latency phase and the warm-up.
+const PER_REQUEST: usize = 10;
+
+/// Warms a setup up before a phase measures it: connections open and, on Kafka, every runner
+/// has run a call, so every runner's consumer has joined the group and holds its partitions. A
+/// consumer joining later would move partitions under the measurement; and the bare broker's
+/// anchor (kafka-consumer-perf-test) leaves its group's join out too. Bounded: a runner that
+/// never gets a call is an error.
+async fn warm_up(s: &Setup) -> Result<()> {
     let mut rounds = 0;
     let ran = |r: &std::sync::atomic::AtomicBool| r.load(std::sync::atomic::Ordering::Relaxed);
     while rounds == 0 || (s.grouped && !s.recorder.ran.iter().all(ran)) {
@@ -423,6 +443,12 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
         }
         drain(s, &warm).await?;
     }
+    Ok(())
+}
+
+/// Latency at `rate` calls/s: small batches sent on a fixed schedule; returns (p50, p99) in ms.
+async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f64)> {
+    warm_up(s).await?;
     // Sized up front: growing the map under the runners would be the bench's own pause.
     *s.recorder.started.lock().expect("recorder lock") =
         HashMap::with_capacity((rate * args.seconds as f64 * 1.5) as usize);
@@ -552,8 +578,10 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         "ebb bench calls: no-op target, {} producers (HTTP, {} calls a request), {} runners x {} capacity, {} s phases",
         args.producers, args.batch, args.runners, args.capacity, args.seconds
     );
-    println!("| queue | replicas | runners | calls/s end to end | enqueue-to-start p50 | p99 |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| queue | replicas | runners | calls/s end to end | CPU per call | enqueue-to-start p50 | p99 |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     if !args.kafka_only {
         rows.push(("embedded", None, 1, false));
@@ -569,7 +597,7 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         // Each phase on a fresh log and queue, so one does not pay for the other's
         // compactions.
         let s = setup(&args, over_http, kafka, replicas).await?;
-        let rate = throughput(&args, &s).await?;
+        let (rate, cpu_us) = throughput(&args, &s).await?;
         teardown(s).await;
         let at = args.rate.unwrap_or(rate / 2.0);
         let mut p50s = Vec::new();
@@ -587,7 +615,7 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         let (lo, hi) = (p99s[0], p99s[p99s.len() - 1]);
         let name = if over_http { "over HTTP" } else { "in process" };
         println!(
-            "| {queue} | {replicas} | {name} | {rate:.0} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {} rounds: {lo:.2}-{hi:.2}) |",
+            "| {queue} | {replicas} | {name} | {rate:.0} | {cpu_us:.1} us | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {} rounds: {lo:.2}-{hi:.2}) |",
             p99s.len()
         );
         measured.push((queue, replicas, over_http, rate, p50, p99));
