@@ -151,13 +151,14 @@ async fn enqueue(
 ) -> Result<Response, ApiError> {
     let calls = calls_of(&app)?;
     let bytes = bytes.map_err(rejection)?;
+    let parsed = EnqueueBody::from_json(&bytes)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_json", e.to_string()))?;
     // A call given alone with an id another replica owns is enqueued there (an enqueue retried
     // with the id its first answer gave is the same call, whichever replica it reaches).
-    if let Ok(EnqueueBody::One(NewCall { id: Some(id), .. })) =
-        serde_json::from_slice::<EnqueueBody>(&bytes)
+    if let EnqueueBody::One(NewCall { id: Some(id), .. }) = &parsed
         && let Some(r) = super::through_owner(
             &app,
-            &id,
+            id,
             axum::http::Method::POST,
             &"/runner/enqueue".parse().expect("a path"),
             &headers,
@@ -167,7 +168,7 @@ async fn enqueue(
     {
         return Ok(r);
     }
-    let (batch, items) = match body::<EnqueueBody>(Ok(bytes))? {
+    let (batch, items) = match parsed {
         EnqueueBody::Batch { calls } => (true, calls),
         EnqueueBody::One(c) => (false, vec![c]),
     };

@@ -170,7 +170,7 @@ pub fn cel(data: &[u8]) {
 /// reason, never a panic; a call's payload that passes its checks makes a request a runner can
 /// send.
 pub fn runner_body(bytes: &[u8]) {
-    if let Ok(b) = serde_json::from_slice::<EnqueueBody>(bytes) {
+    if let Ok(b) = EnqueueBody::from_json(bytes) {
         let calls = match b {
             EnqueueBody::Batch { calls } => calls,
             EnqueueBody::One(c) => vec![c],
