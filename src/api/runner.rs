@@ -114,8 +114,12 @@ pub(super) fn body<T: serde::de::DeserializeOwned>(
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<T, ApiError> {
     let bytes = bytes.map_err(rejection)?;
-    serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_json", e.to_string()))
+    serde_json::from_slice(&bytes).map_err(bad_json)
+}
+
+/// A body that is not the JSON asked for: 400 `bad_json`, saying why.
+fn bad_json(e: serde_json::Error) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "bad_json", e.to_string())
 }
 
 /// A runner id: 1 to 128 of `A-Za-z0-9._-`.
@@ -151,8 +155,7 @@ async fn enqueue(
 ) -> Result<Response, ApiError> {
     let calls = calls_of(&app)?;
     let bytes = bytes.map_err(rejection)?;
-    let parsed = EnqueueBody::from_json(&bytes)
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_json", e.to_string()))?;
+    let parsed = EnqueueBody::from_json(&bytes).map_err(bad_json)?;
     // A call given alone with an id another replica owns is enqueued there (an enqueue retried
     // with the id its first answer gave is the same call, whichever replica it reaches).
     if let EnqueueBody::One(NewCall { id: Some(id), .. }) = &parsed

@@ -424,6 +424,13 @@ fn cpu_time() -> Result<Duration> {
     Ok(d(u.user_time()) + d(u.system_time()))
 }
 
+/// The phase whose `key` is the median of `phases` (not empty), and the lowest and highest key.
+fn spread<T: Copy>(mut phases: Vec<T>, key: impl Fn(&T) -> f64) -> (T, f64, f64) {
+    phases.sort_by(|a, b| key(a).total_cmp(&key(b)));
+    let (first, last) = (&phases[0], &phases[phases.len() - 1]);
+    (phases[phases.len() / 2], key(first), key(last))
+}
+
 /// Calls per enqueue request in the latency phase and the warm-up.
 const PER_REQUEST: usize = 10;
 
@@ -596,36 +603,29 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
     let mut measured = Vec::new();
     for (queue, kafka, replicas, over_http) in rows {
         // Each phase on a fresh log and queue, so one does not pay for the other's
-        // compactions.
-        // Throughput: the median of `--rounds` phases (one phase moves by a third between runs
-        // on a 2-core machine shared with the broker), with its CPU per call.
+        // compactions; `--rounds` of each, since one phase moves by a third between runs on a
+        // 2-core machine shared with the broker. A throughput phase's CPU per call is reported
+        // with its calls/s.
         let mut rates = Vec::new();
         for _ in 0..args.rounds.max(1) {
             let s = setup(&args, over_http, kafka, replicas).await?;
             rates.push(throughput(&args, &s).await?);
             teardown(s).await;
         }
-        rates.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let (rate, cpu_us) = rates[rates.len() / 2];
-        let (rate_lo, rate_hi) = (rates[0].0, rates[rates.len() - 1].0);
+        let ((rate, cpu_us), rate_lo, rate_hi) = spread(rates, |r| r.0);
         let at = args.rate.unwrap_or(rate / 2.0);
-        let mut p50s = Vec::new();
-        let mut p99s = Vec::new();
+        let mut latencies = Vec::new();
         for _ in 0..args.rounds.max(1) {
             let s = setup(&args, over_http, kafka, replicas).await?;
-            let (p50, p99) = latency(&args, &s, at).await?;
+            latencies.push(latency(&args, &s, at).await?);
             teardown(s).await;
-            p50s.push(p50);
-            p99s.push(p99);
         }
-        p50s.sort_by(f64::total_cmp);
-        p99s.sort_by(f64::total_cmp);
-        let (p50, p99) = (p50s[p50s.len() / 2], p99s[p99s.len() / 2]);
-        let (lo, hi) = (p99s[0], p99s[p99s.len() - 1]);
+        let rounds = latencies.len();
+        let ((_, p99), lo, hi) = spread(latencies.clone(), |l| l.1);
+        let ((p50, _), _, _) = spread(latencies, |l| l.0);
         let name = if over_http { "over HTTP" } else { "in process" };
         println!(
-            "| {queue} | {replicas} | {name} | {rate:.0} ({rate_lo:.0}-{rate_hi:.0}) | {cpu_us:.1} us | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {} rounds: {lo:.2}-{hi:.2}) |",
-            p99s.len()
+            "| {queue} | {replicas} | {name} | {rate:.0} ({rate_lo:.0}-{rate_hi:.0}) | {cpu_us:.1} us | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {rounds} rounds: {lo:.2}-{hi:.2}) |"
         );
         measured.push((queue, replicas, over_http, rate, p50, p99));
     }
