@@ -30,9 +30,11 @@
 //!   keep-alive backend connections, bodies streamed byte for byte); h2c, HTTP/1.0 and upgrades
 //!   (WebSocket) take the general path on hyper ([`Proxy::handle`]), which serves the rest of
 //!   the connection and tunnels upgrades ([`splice`]). Both add `X-Forwarded-For`, `-Proto`,
-//!   `-Host` and `Forwarded`. The general path's backend connections come from hyper's pool
-//!   through `PacedConnector`, which opens them within the same per-replica bound; hyper drops a
-//!   request whose client left. Its bodies are [`Body`] (`BoxBody<Bytes, BoxError>`), so the
+//!   `-Host` and `Forwarded`. The general path's HTTP/1.1 backend connections come from hyper's
+//!   pool through `PacedConnector`, which opens them within the same per-replica bound; hyper
+//!   drops a request whose client left. Its HTTP/2 ones (gRPC, h2c destinations) are one per
+//!   replica and thread, driven with `h2` directly ([`h2hop`]): a stream opened from the
+//!   request's own task. Its bodies are [`Body`] (`BoxBody<Bytes, BoxError>`), so the
 //!   proxy can end one itself ([`stream_idle`]). gRPC ([`grpc`]) takes the general path; TCP
 //!   routes ([`tcp`]) have listeners of their own; meta services ([`services`]) route by their
 //!   own rules. A request that meets a backend refusing the connection (its body untouched), or
@@ -67,6 +69,7 @@ pub mod discovery;
 pub mod gateway;
 pub mod grpc;
 mod h1;
+mod h2hop;
 pub mod load;
 pub mod runtime;
 pub mod services;
@@ -187,48 +190,22 @@ thread_local! {
 fn client(options: &ProxyOptions, backends: &Arc<Backends>) -> Client<PacedConnector, Body> {
     CLIENT.with(|c| {
         c.borrow_mut()
-            .get_or_insert_with(|| build_client(options, backends, false))
+            .get_or_insert_with(|| build_client(options, backends))
             .clone()
     })
 }
 
-thread_local! {
-    /// Each proxy thread's pool of HTTP/2 (h2c) backend connections, for gRPC.
-    static CLIENT_H2: std::cell::RefCell<Option<Client<PacedConnector, Body>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-/// The thread's client of backends that speak h2c (gRPC servers): one multiplexed connection per
-/// replica.
-fn client_h2(options: &ProxyOptions, backends: &Arc<Backends>) -> Client<PacedConnector, Body> {
-    CLIENT_H2.with(|c| {
-        c.borrow_mut()
-            .get_or_insert_with(|| build_client(options, backends, true))
-            .clone()
-    })
-}
-
-fn build_client(
-    options: &ProxyOptions,
-    backends: &Arc<Backends>,
-    h2: bool,
-) -> Client<PacedConnector, Body> {
+/// The general path's HTTP/1.1 client (HTTP/2 backends take [`h2hop`]).
+fn build_client(options: &ProxyOptions, backends: &Arc<Backends>) -> Client<PacedConnector, Body> {
     let connector = PacedConnector {
         backends: backends.clone(),
         attempt_ms: options.connect_attempt_ms,
         timeout_ms: options.connect_timeout_ms,
-        paced: !h2,
     };
-    let mut builder = Client::builder(TokioExecutor::new());
-    builder
+    Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(options.pool_max_idle_per_host)
-        .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms));
-    if h2 {
-        builder
-            .http2_only(true)
-            .timer(hyper_util::rt::TokioTimer::new());
-    }
-    builder.build(connector)
+        .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
+        .build(connector)
 }
 
 /// The general path's connector: connections to a replica are opened within its bound on
@@ -238,11 +215,6 @@ struct PacedConnector {
     backends: Arc<Backends>,
     attempt_ms: u64,
     timeout_ms: u64,
-    /// Whether openings are bounded. The HTTP/2 client opens one connection per replica (its
-    /// pool lets one connect at a time), so it is not paced: behind the HTTP/1.1 client's
-    /// openings, left to finish in the background when an idle connection came back first, a
-    /// gRPC call would wait for all of them.
-    paced: bool,
 }
 
 impl tower_service::Service<Uri> for PacedConnector {
@@ -269,7 +241,7 @@ impl tower_service::Service<Uri> for PacedConnector {
                     )
                 })?;
             let stream = match this.backends.find(addr) {
-                Some(r) if this.paced => r.open(this.attempt_ms, this.timeout_ms).await?,
+                Some(r) => r.open(this.attempt_ms, this.timeout_ms).await?,
                 r => {
                     backends::connect(addr, this.attempt_ms, this.timeout_ms, r.as_deref()).await?
                 }
@@ -1244,7 +1216,7 @@ impl Proxy {
                     strip_hop_by_hop(&mut parts.headers);
                     let counts = entry.traffic.clone();
                     let bounded = stream_idle::Bounded::new(
-                        body.map_err(BoxError::from).boxed(),
+                        body,
                         progress.clone(),
                         Box::new(move || counts.timed_out(traffic::Timeout::StreamIdle)),
                     );
@@ -1506,7 +1478,7 @@ impl Proxy {
                         strip_hop_by_hop(&mut parts.headers);
                         change_headers(&mut parts.headers, &route.response_headers);
                         let body = Counted {
-                            inner: body.map_err(BoxError::from).boxed(),
+                            inner: body,
                             _in_flight: in_flight.take(),
                             _slot: slot,
                         };
@@ -1551,12 +1523,37 @@ impl Proxy {
     }
 
     /// Sends a request on to a backend: over HTTP/2 without TLS when `h2` (gRPC, an h2c
-    /// backend; the `Host` dropped, `:authority` being the address dialled), else HTTP/1.1.
-    fn send(&self, h2: bool, out: Request<Body>) -> hyper_util::client::legacy::ResponseFuture {
+    /// backend; the `Host` dropped, `:authority` being the address dialled; [`h2hop`]), else
+    /// HTTP/1.1.
+    async fn send(&self, h2: bool, out: Request<Body>) -> Result<Response<Body>, SendError> {
         if h2 {
-            client_h2(&self.options, &self.backends).request(grpc::for_backend(out))
+            let Some(addr) = out
+                .uri()
+                .authority()
+                .and_then(|a| a.as_str().parse::<SocketAddr>().ok())
+            else {
+                return Err(SendError::H2(h2hop::Error::Connect(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("not a backend address: {}", out.uri()),
+                ))));
+            };
+            let dial = h2hop::Dial {
+                attempt_ms: self.options.connect_attempt_ms,
+                timeout_ms: self.options.connect_timeout_ms,
+                max_header_list_size: u32::try_from(self.options.limits.max_head_bytes)
+                    .unwrap_or(u32::MAX),
+                idle_timeout_ms: self.options.pool_idle_timeout_ms,
+                clock: &self.clock,
+            };
+            h2hop::send(grpc::for_backend(out), addr, dial, &self.backends)
+                .await
+                .map_err(SendError::H2)
         } else {
-            client(&self.options, &self.backends).request(out)
+            client(&self.options, &self.backends)
+                .request(out)
+                .await
+                .map(|r| r.map(|b| b.map_err(BoxError::from).boxed()))
+                .map_err(SendError::H1)
         }
     }
 
@@ -1946,8 +1943,33 @@ async fn tunnel<G: Send + 'static>(
 }
 
 /// A pooled connection the backend closed or reset: it is going away.
-fn backend_went_away(e: &hyper_util::client::legacy::Error) -> bool {
+/// Why a request sent on to a backend got no answer's head.
+#[derive(Debug, thiserror::Error)]
+enum SendError {
+    #[error("{0}")]
+    H1(hyper_util::client::legacy::Error),
+    #[error("{0}")]
+    H2(h2hop::Error),
+}
+
+impl SendError {
+    /// The connection could not be made.
+    fn is_connect(&self) -> bool {
+        match self {
+            SendError::H1(e) => e.is_connect(),
+            SendError::H2(e) => e.is_connect(),
+        }
+    }
+}
+
+/// Whether the backend closed or reset the connection before answering (or refused it, or the
+/// HTTP/2 stream): the request was not processed.
+fn backend_went_away(e: &SendError) -> bool {
     use std::error::Error as _;
+    let e = match e {
+        SendError::H1(e) => e,
+        SendError::H2(e) => return e.went_away(),
+    };
     let mut source = e.source();
     while let Some(s) = source {
         if let Some(h) = s.downcast_ref::<hyper::Error>()
@@ -2001,37 +2023,85 @@ fn add_forwarded(headers: &mut HeaderMap, peer: SocketAddr, host: &str, https: b
     static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
     static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
     static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+    thread_local! {
+        /// The values of the thread's last request without forwarding headers of its own: the
+        /// streams of one HTTP/2 connection share them (same client, same host), so each is
+        /// written once, not once a stream.
+        static LAST: std::cell::RefCell<Option<ForwardedValues>> =
+            const { std::cell::RefCell::new(None) };
+    }
     // Room for these and the request id at once, not a growth per header.
     headers.reserve(FORWARDING_HEADERS);
     let proto = if https { "https" } else { "http" };
     let ip = peer.ip();
-    let earlier = |name: &HeaderName| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(|prev| format!("{prev}, "))
-            .unwrap_or_default()
-    };
-    let mut xff = earlier(&X_FORWARDED_FOR);
-    let _ = write!(xff, "{ip}");
-    let mut forwarded = earlier(&header::FORWARDED);
-    let _ = if peer.is_ipv6() {
-        write!(forwarded, "for=\"[{ip}]\"")
-    } else {
-        write!(forwarded, "for={ip}")
-    };
-    let _ = write!(forwarded, ";host=\"{host}\";proto={proto}");
     let value = |s: String| HeaderValue::from_maybe_shared(Bytes::from(s)).ok();
-    if let Some(v) = value(xff) {
+    let own = headers.contains_key(&X_FORWARDED_FOR) || headers.contains_key(header::FORWARDED);
+    let values = if own {
+        None
+    } else {
+        LAST.with(|last| {
+            last.borrow()
+                .as_ref()
+                .filter(|v| v.ip == ip && v.https == https && v.host == host)
+                .map(|v| v.values.clone())
+        })
+    };
+    let [xff, xfh, forwarded] = match values {
+        Some(v) => v.map(Some),
+        None => {
+            let earlier = |name: &HeaderName| {
+                headers
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .map(|prev| format!("{prev}, "))
+                    .unwrap_or_default()
+            };
+            let mut xff = earlier(&X_FORWARDED_FOR);
+            let _ = write!(xff, "{ip}");
+            let mut forwarded = earlier(&header::FORWARDED);
+            let _ = if peer.is_ipv6() {
+                write!(forwarded, "for=\"[{ip}]\"")
+            } else {
+                write!(forwarded, "for={ip}")
+            };
+            let _ = write!(forwarded, ";host=\"{host}\";proto={proto}");
+            let made = [
+                value(xff),
+                HeaderValue::from_str(host).ok(),
+                value(forwarded),
+            ];
+            if !own && let [Some(a), Some(b), Some(c)] = &made {
+                LAST.with(|last| {
+                    *last.borrow_mut() = Some(ForwardedValues {
+                        ip,
+                        https,
+                        host: host.to_owned(),
+                        values: [a.clone(), b.clone(), c.clone()],
+                    })
+                });
+            }
+            made
+        }
+    };
+    if let Some(v) = xff {
         headers.insert(&X_FORWARDED_FOR, v);
     }
     headers.insert(&X_FORWARDED_PROTO, HeaderValue::from_static(proto));
-    if let Ok(v) = HeaderValue::from_str(host) {
+    if let Some(v) = xfh {
         headers.insert(&X_FORWARDED_HOST, v);
     }
-    if let Some(v) = value(forwarded) {
+    if let Some(v) = forwarded {
         headers.insert(header::FORWARDED, v);
     }
+}
+
+/// [`add_forwarded`]'s values for one client address, scheme and host: `X-Forwarded-For`,
+/// `X-Forwarded-Host` and `Forwarded`.
+struct ForwardedValues {
+    ip: std::net::IpAddr,
+    https: bool,
+    host: String,
+    values: [HeaderValue; 3],
 }
 
 #[cfg(test)]
@@ -2079,6 +2149,36 @@ mod tests {
             "for=\"[::1]\";host=\"b.localhost:8080\";proto=https"
         );
         assert_eq!(headers.len(), 4);
+
+        // The thread keeps the last values written: the same client and host get them again,
+        // another host or a client's own headers new ones.
+        let forwarded = |peer: &str, host: &str, own: Option<&'static str>| {
+            let mut headers = HeaderMap::new();
+            if let Some(v) = own {
+                headers.insert("x-forwarded-for", HeaderValue::from_static(v));
+            }
+            add_forwarded(&mut headers, peer.parse().unwrap(), host, false);
+            (
+                header(&headers, "x-forwarded-for").to_owned(),
+                header(&headers, "x-forwarded-host").to_owned(),
+                header(&headers, "forwarded").to_owned(),
+            )
+        };
+        let first = forwarded("127.0.0.2:1", "c.localhost", None);
+        assert_eq!(first, forwarded("127.0.0.2:2", "c.localhost", None));
+        assert_eq!(
+            forwarded("127.0.0.2:2", "d.localhost", None),
+            (
+                "127.0.0.2".to_owned(),
+                "d.localhost".to_owned(),
+                "for=127.0.0.2;host=\"d.localhost\";proto=http".to_owned()
+            )
+        );
+        assert_eq!(
+            forwarded("127.0.0.3:1", "d.localhost", Some("10.0.0.9")).0,
+            "10.0.0.9, 127.0.0.3"
+        );
+        assert_eq!(forwarded("127.0.0.3:1", "d.localhost", None).0, "127.0.0.3");
     }
 
     #[test]

@@ -1,0 +1,593 @@
+//! The HTTP/2 hop to replicas that speak h2c (gRPC servers, h2c destinations of meta services),
+//! driven with the `h2` crate directly.
+//!
+//! Each proxy thread keeps one multiplexed connection per replica address. A request opens a
+//! stream on it from the task that serves the client's request: no channel to a connection task,
+//! no task per request, no pool checkout (hyper's client does all three for each HTTP/2 request,
+//! and they were a fifth of ebb's CPU on gRPC). The connection itself is driven by a task of its
+//! own on the thread that opened it.
+//!
+//! * A request body that has fully arrived when its stream opens (a unary gRPC call's one message)
+//!   is sent at once; one still arriving is sent by a task that follows the stream's flow
+//!   control, and resets the stream when the request is abandoned before its answer began.
+//! * The answer's body is the stream's: its data, released to the replica's flow control as it
+//!   is passed on, then its trailers.
+//! * Connections are opened without pacing, as one per replica is all there is: concurrent
+//!   requests to an address with no connection wait for the one opening. A stream waits for room
+//!   under the replica's `SETTINGS_MAX_CONCURRENT_STREAMS` (the route's timeouts bound the wait).
+//! * A connection that ended (the replica closed it, or it failed) is replaced by the next
+//!   request; the addresses kept are swept of ended connections whenever a new one opens, so
+//!   the map holds at most the live connections and one entry per address being opened. A
+//!   connection with no stream open and no request for the proxy's `pool_idle_timeout_ms` is
+//!   closed, as the HTTP/1.1 pools' idle connections are.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes};
+use h2::client::SendRequest;
+use h2::{Reason, RecvStream, SendStream};
+use http_body_util::BodyExt;
+use hyper::body::{Body as _, Frame, SizeHint};
+use hyper::header::{self, HeaderMap};
+use hyper::{Request, Response};
+use tokio::sync::{OnceCell, oneshot};
+
+use super::backends::{self, Backends};
+use super::{Body, BoxError};
+use crate::clock::Clock;
+
+/// The h2 client's settings, as hyper's client sets them: 2 MiB a stream and 5 MiB a
+/// connection of receive window, at most 1 MiB buffered to send per stream.
+const STREAM_WINDOW: u32 = 2 << 20;
+const CONN_WINDOW: u32 = 5 << 20;
+const MAX_SEND_BUFFER: usize = 1 << 20;
+/// A request body's frame sent without waiting for flow control (it fits any initial window).
+const EAGER_MAX: usize = 16 * 1024;
+
+/// How to open a connection, and when to close it.
+#[derive(Clone, Copy)]
+pub struct Dial<'a> {
+    pub attempt_ms: u64,
+    pub timeout_ms: u64,
+    /// The largest head (as HPACK counts it) taken from a replica.
+    pub max_header_list_size: u32,
+    /// A connection unused this long, with no stream open, is closed (0: never).
+    pub idle_timeout_ms: u64,
+    pub clock: &'a Arc<dyn Clock>,
+}
+
+/// Why a request did not get an answer's head.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("connecting: {0}")]
+    Connect(std::io::Error),
+    #[error("{0}")]
+    H2(#[from] h2::Error),
+}
+
+impl Error {
+    /// The connection could not be made.
+    pub fn is_connect(&self) -> bool {
+        matches!(self, Error::Connect(_))
+    }
+
+    /// The replica closed or reset the connection, or refused the stream, before answering: the
+    /// request was not processed.
+    pub fn went_away(&self) -> bool {
+        match self {
+            Error::Connect(_) => false,
+            Error::H2(e) => {
+                e.is_go_away()
+                    || e.reason() == Some(Reason::REFUSED_STREAM)
+                    || e.get_io().is_some_and(|io| {
+                        matches!(
+                            io.kind(),
+                            std::io::ErrorKind::ConnectionReset
+                                | std::io::ErrorKind::ConnectionRefused
+                                | std::io::ErrorKind::BrokenPipe
+                                | std::io::ErrorKind::UnexpectedEof
+                        )
+                    })
+            }
+        }
+    }
+}
+
+/// A connection to one address: opened once by whichever request comes first.
+struct Conn {
+    sender: OnceCell<SendRequest<Bytes>>,
+    /// Set by the connection's task when it ends.
+    ended: AtomicBool,
+    /// When a request last took the connection, by the proxy's clock.
+    used_at_ms: AtomicU64,
+    /// Requests on it whose answer has not ended (or been dropped).
+    under_way: AtomicUsize,
+}
+
+/// A request under way on a connection: counted from its send until its answer's body is
+/// dropped.
+struct UnderWay(Arc<Conn>);
+
+impl UnderWay {
+    fn new(conn: Arc<Conn>) -> Self {
+        conn.under_way.fetch_add(1, Ordering::Relaxed);
+        UnderWay(conn)
+    }
+}
+
+impl Drop for UnderWay {
+    fn drop(&mut self) {
+        self.0.under_way.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+thread_local! {
+    static CONNS: RefCell<HashMap<SocketAddr, Arc<Conn>>> = RefCell::new(HashMap::new());
+}
+
+/// The thread's connection to `addr`, a new (unopened) one when it has none or it ended.
+fn conn_for(addr: SocketAddr) -> Arc<Conn> {
+    CONNS.with(|c| {
+        let mut conns = c.borrow_mut();
+        if let Some(conn) = conns.get(&addr)
+            && !conn.ended.load(Ordering::Acquire)
+        {
+            return conn.clone();
+        }
+        conns.retain(|_, c| !c.ended.load(Ordering::Acquire));
+        let conn = Arc::new(Conn {
+            sender: OnceCell::new(),
+            ended: AtomicBool::new(false),
+            used_at_ms: AtomicU64::new(0),
+            under_way: AtomicUsize::new(0),
+        });
+        conns.insert(addr, conn.clone());
+        conn
+    })
+}
+
+/// Forgets `conn` as the thread's connection to `addr` (it failed).
+fn forget(addr: SocketAddr, conn: &Arc<Conn>) {
+    conn.ended.store(true, Ordering::Release);
+    CONNS.with(|c| {
+        let mut conns = c.borrow_mut();
+        if conns.get(&addr).is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            conns.remove(&addr);
+        }
+    });
+}
+
+/// Opens a connection to `addr` and starts its task.
+async fn open(
+    addr: SocketAddr,
+    dial: Dial<'_>,
+    backends: &Backends,
+    conn: &Arc<Conn>,
+) -> Result<SendRequest<Bytes>, Error> {
+    let replica = backends.find(addr);
+    let stream = backends::connect(addr, dial.attempt_ms, dial.timeout_ms, replica.as_deref())
+        .await
+        .map_err(Error::Connect)?;
+    let (sender, connection) = h2::client::Builder::new()
+        .initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONN_WINDOW)
+        .max_send_buffer_size(MAX_SEND_BUFFER)
+        .max_header_list_size(dial.max_header_list_size)
+        .enable_push(false)
+        .handshake::<_, Bytes>(stream)
+        .await?;
+    let watched = conn.clone();
+    let (idle_ms, clock) = (dial.idle_timeout_ms, dial.clock.clone());
+    tokio::spawn(async move {
+        tokio::pin!(connection);
+        let mut wait = Duration::from_millis(idle_ms.max(1));
+        loop {
+            tokio::select! {
+                r = &mut connection => {
+                    if let Err(e) = r {
+                        tracing::debug!(%addr, error = %e, "h2c connection to a replica ended");
+                    }
+                    break;
+                }
+                () = tokio::time::sleep(wait), if idle_ms > 0 => {
+                    let used = watched.used_at_ms.load(Ordering::Relaxed);
+                    let idle_for = clock.now_ms().saturating_sub(used);
+                    if idle_for >= idle_ms && watched.under_way.load(Ordering::Relaxed) == 0 {
+                        tracing::debug!(%addr, "closing an idle h2c connection to a replica");
+                        break;
+                    }
+                    wait = Duration::from_millis(idle_ms.saturating_sub(idle_for).max(1));
+                }
+            }
+        }
+        watched.ended.store(true, Ordering::Release);
+    });
+    Ok(sender)
+}
+
+/// A stream on the thread's connection to `addr`, ready for a request: the connection is opened
+/// when there is none, and once more when the one found had ended.
+async fn ready_sender(
+    addr: SocketAddr,
+    dial: Dial<'_>,
+    backends: &Backends,
+) -> Result<(SendRequest<Bytes>, UnderWay), Error> {
+    let mut tried_fresh = false;
+    loop {
+        let conn = conn_for(addr);
+        let fresh = !conn.sender.initialized();
+        conn.used_at_ms
+            .store(dial.clock.now_ms(), Ordering::Relaxed);
+        let sender = match conn
+            .sender
+            .get_or_try_init(|| open(addr, dial, backends, &conn))
+            .await
+        {
+            Ok(s) => s.clone(),
+            Err(e) => {
+                forget(addr, &conn);
+                return Err(e);
+            }
+        };
+        let under_way = UnderWay::new(conn.clone());
+        match sender.ready().await {
+            Ok(s) => return Ok((s, under_way)),
+            Err(e) => {
+                forget(addr, &conn);
+                if fresh || tried_fresh {
+                    return Err(e.into());
+                }
+                tried_fresh = true;
+            }
+        }
+    }
+}
+
+/// Sends `req` (its URI the replica's address and the path) over h2c and waits for the
+/// answer's head.
+pub async fn send(
+    req: Request<Body>,
+    addr: SocketAddr,
+    dial: Dial<'_>,
+    backends: &Backends,
+) -> Result<Response<Body>, Error> {
+    let (mut sender, under_way) = ready_sender(addr, dial, backends).await?;
+    let (mut parts, body) = req.into_parts();
+    strip_connection_headers(&mut parts.headers);
+    let end = body.is_end_stream();
+    let (answer, stream) = sender.send_request(Request::from_parts(parts, ()), end)?;
+    let mut cancel = None;
+    if !end {
+        let (tx, rx) = oneshot::channel();
+        let mut pipe = Box::pin(pipe(body, stream, rx));
+        // A body already here (a unary call's message) goes out now, without a task.
+        let done = std::future::poll_fn(|cx| Poll::Ready(pipe.as_mut().poll(cx).is_ready())).await;
+        if !done {
+            tokio::spawn(pipe);
+            cancel = Some(Cancel(Some(tx)));
+        }
+    }
+    let answer = answer.await?;
+    if let Some(mut c) = cancel {
+        c.disarm();
+    }
+    Ok(answer.map(|recv| {
+        Stream {
+            recv,
+            data_done: false,
+            _under_way: under_way,
+        }
+        .boxed()
+    }))
+}
+
+/// Resets the stream of a request abandoned before its answer began (the pipe still sending its
+/// body holds the stream open otherwise).
+struct Cancel(Option<oneshot::Sender<()>>);
+
+impl Cancel {
+    fn disarm(&mut self) {
+        self.0.take();
+    }
+}
+
+impl Drop for Cancel {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Headers HTTP/2 forbids (RFC 9113 section 8.2.2); `h2` refuses a request carrying any.
+fn strip_connection_headers(headers: &mut HeaderMap) {
+    for n in [
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+    ] {
+        headers.remove(n);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+    if headers
+        .get(header::TE)
+        .is_some_and(|te| te.as_bytes() != b"trailers")
+    {
+        headers.remove(header::TE);
+    }
+}
+
+/// Sends a request body on its stream, within the stream's flow control: its data, then its
+/// trailers or the end. A body that fails, or a cancel, resets the stream; a stream the replica
+/// reset ends it.
+async fn pipe(mut body: Body, mut tx: SendStream<Bytes>, mut cancel: oneshot::Receiver<()>) {
+    let mut watching = true;
+    loop {
+        let frame = tokio::select! {
+            biased;
+            f = body.frame() => f,
+            r = &mut cancel, if watching => {
+                if r.is_ok() {
+                    tx.send_reset(Reason::CANCEL);
+                    return;
+                }
+                watching = false;
+                continue;
+            }
+            _ = std::future::poll_fn(|cx| tx.poll_reset(cx)) => return,
+        };
+        let frame = match frame {
+            None => {
+                let _ = tx.send_data(Bytes::new(), true);
+                return;
+            }
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "a request body failed; resetting its h2c stream");
+                tx.send_reset(Reason::CANCEL);
+                return;
+            }
+            Some(Ok(f)) => f,
+        };
+        let frame = match frame.into_data() {
+            Ok(mut data) => {
+                let end = body.is_end_stream();
+                if end && data.len() <= EAGER_MAX {
+                    let _ = tx.send_data(data, true);
+                    return;
+                }
+                while data.has_remaining() {
+                    tx.reserve_capacity(data.len());
+                    let room = match std::future::poll_fn(|cx| tx.poll_capacity(cx)).await {
+                        Some(Ok(n)) => n,
+                        _ => return,
+                    };
+                    if room == 0 {
+                        continue;
+                    }
+                    let chunk = data.split_to(room.min(data.len()));
+                    if tx.send_data(chunk, end && data.is_empty()).is_err() {
+                        return;
+                    }
+                }
+                if end {
+                    return;
+                }
+                continue;
+            }
+            Err(f) => f,
+        };
+        if let Ok(trailers) = frame.into_trailers() {
+            let _ = tx.send_trailers(trailers);
+            return;
+        }
+    }
+}
+
+/// An answer's body: the stream's data, each frame's room given back to the replica as it is
+/// passed on, then its trailers.
+struct Stream {
+    recv: RecvStream,
+    data_done: bool,
+    _under_way: UnderWay,
+}
+
+impl hyper::body::Body for Stream {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if !self.data_done {
+            match ready!(self.recv.poll_data(cx)) {
+                Some(Ok(data)) => {
+                    let _ = self.recv.flow_control().release_capacity(data.len());
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Some(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
+                None => self.data_done = true,
+            }
+        }
+        match ready!(self.recv.poll_trailers(cx)) {
+            Ok(Some(t)) => Poll::Ready(Some(Ok(Frame::trailers(t)))),
+            Ok(None) => Poll::Ready(None),
+            Err(e) => Poll::Ready(Some(Err(e.into()))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.recv.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use http_body_util::{Full, StreamBody};
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::clock::SystemClock;
+
+    /// An h2c server on loopback answering `ok` with a `grpc-status` trailer, counting the
+    /// connections it accepted and those that ended.
+    async fn server() -> (SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (accepted, ended) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (a, e) = (accepted.clone(), ended.clone());
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = listener.accept().await.unwrap();
+                a.fetch_add(1, Ordering::SeqCst);
+                let e = e.clone();
+                tokio::spawn(async move {
+                    let mut conn = h2::server::handshake(tcp).await.unwrap();
+                    while let Some(Ok((req, mut respond))) = conn.accept().await {
+                        tokio::spawn(async move {
+                            let mut body = req.into_body();
+                            let mut got = 0;
+                            while let Some(Ok(d)) = body.data().await {
+                                got += d.len();
+                                let _ = body.flow_control().release_capacity(d.len());
+                            }
+                            let mut tx = respond.send_response(Response::new(()), false).unwrap();
+                            tx.send_data(Bytes::from(format!("ok {got}")), false)
+                                .unwrap();
+                            let mut trailers = HeaderMap::new();
+                            trailers.insert("grpc-status", "0".parse().unwrap());
+                            tx.send_trailers(trailers).unwrap();
+                        });
+                    }
+                    e.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+        });
+        (addr, accepted, ended)
+    }
+
+    fn request(addr: SocketAddr, body: Body) -> Request<Body> {
+        Request::post(format!("http://{addr}/echo"))
+            .header(header::CONNECTION, "keep-alive")
+            .header(header::TE, "trailers")
+            .body(body)
+            .unwrap()
+    }
+
+    async fn answer(r: Result<Response<Body>, Error>) -> (String, Option<HeaderMap>) {
+        let collected = r.unwrap().into_body().collect().await.unwrap();
+        let trailers = collected.trailers().cloned();
+        (
+            String::from_utf8(collected.to_bytes().to_vec()).unwrap(),
+            trailers,
+        )
+    }
+
+    /// Polls `holds` for at most 10 s.
+    async fn until(what: &str, holds: impl Fn() -> bool) {
+        for _ in 0..1_000 {
+            if holds() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{what}: not within 10 s");
+    }
+
+    #[tokio::test]
+    async fn calls_share_one_connection_bodies_stream_and_an_idle_one_closes() {
+        let (addr, accepted, ended) = server().await;
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let dial = Dial {
+            attempt_ms: 1_000,
+            timeout_ms: 5_000,
+            max_header_list_size: 16 * 1024,
+            idle_timeout_ms: 300,
+            clock: &clock,
+        };
+        let backends = Backends::default();
+        // A body already here, none at all, and one still arriving (sent by the pipe's task).
+        let whole = Full::new(Bytes::from_static(b"hello"))
+            .map_err(|e| match e {})
+            .boxed();
+        let (more, mut rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, BoxError>>(1);
+        let later =
+            StreamBody::new(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx))).boxed();
+        let empty = http_body_util::Empty::new().map_err(|e| match e {}).boxed();
+        let (a, b) = (
+            send(request(addr, whole), addr, dial, &backends),
+            send(request(addr, empty), addr, dial, &backends),
+        );
+        let (a, b) = tokio::join!(a, b);
+        let (text, trailers) = answer(a).await;
+        assert_eq!(text, "ok 5");
+        assert_eq!(trailers.unwrap()["grpc-status"], "0");
+        assert_eq!(answer(b).await.0, "ok 0");
+        let streaming =
+            async { answer(send(request(addr, later), addr, dial, &backends).await).await };
+        let feed = async move {
+            for chunk in [&b"abc"[..], &b"defg"[..]] {
+                more.send(Ok(Frame::data(Bytes::from_static(chunk))))
+                    .await
+                    .unwrap();
+            }
+        };
+        let ((text, _), ()) = tokio::join!(streaming, feed);
+        assert_eq!(text, "ok 7");
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "the calls shared one connection"
+        );
+        // Unused for the idle bound, with no stream open: closed; the next call opens another.
+        until("the idle connections close", || {
+            ended.load(Ordering::SeqCst) == accepted.load(Ordering::SeqCst)
+        })
+        .await;
+        let before = accepted.load(Ordering::SeqCst);
+        let again = http_body_util::Empty::new().map_err(|e| match e {}).boxed();
+        assert_eq!(
+            answer(send(request(addr, again), addr, dial, &backends).await)
+                .await
+                .0,
+            "ok 0"
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), before + 1);
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_a_connect_error() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let dial = Dial {
+            attempt_ms: 1_000,
+            timeout_ms: 5_000,
+            max_header_list_size: 16 * 1024,
+            idle_timeout_ms: 0,
+            clock: &clock,
+        };
+        let empty = http_body_util::Empty::new().map_err(|e| match e {}).boxed();
+        let e = send(request(addr, empty), addr, dial, &Backends::default())
+            .await
+            .unwrap_err();
+        assert!(e.is_connect(), "{e}");
+        assert!(!e.went_away());
+    }
+}
