@@ -398,11 +398,6 @@ impl Settling {
             Self::end(cell, true);
         }
     }
-
-    /// Leaves the opening to the timer alone (for a path that cannot see the first answer).
-    pub fn detach(mut self) {
-        self.0 = None;
-    }
 }
 
 impl Drop for Settling {
@@ -468,26 +463,6 @@ impl Replica {
     /// Resolves when an opening to this replica ends (or ended since the last waiter woke).
     pub fn opening_ended(&self) -> tokio::sync::futures::Notified<'_> {
         self.opening_ended.notified()
-    }
-
-    /// Opens a connection, waiting while as many as allowed are being opened already
-    /// ([`connect`] inside); the opening is held until the connection settles (the general path
-    /// cannot see its first answer).
-    pub async fn open(self: &Arc<Self>, attempt_ms: u64, timeout_ms: u64) -> io::Result<TcpStream> {
-        let opening = loop {
-            let ended = self.opening_ended();
-            tokio::pin!(ended);
-            ended.as_mut().enable();
-            if let Some(o) = self.try_open() {
-                break o;
-            }
-            ended.await;
-        };
-        let stream = connect(self.addr, attempt_ms, timeout_ms, Some(self)).await;
-        if stream.is_ok() {
-            opening.settling().detach();
-        }
-        stream
     }
 }
 

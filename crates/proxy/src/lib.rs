@@ -30,11 +30,12 @@
 //!   keep-alive backend connections, bodies streamed byte for byte); h2c, HTTP/1.0 and upgrades
 //!   (WebSocket) take the general path on hyper ([`Proxy::handle`]), which serves the rest of
 //!   the connection and tunnels upgrades ([`splice`]). Both add `X-Forwarded-For`, `-Proto`,
-//!   `-Host` and `Forwarded`. The general path's HTTP/1.1 backend connections come from hyper's
-//!   pool through `PacedConnector`, which opens them within the same per-replica bound; hyper
-//!   drops a request whose client left. Its HTTP/2 ones (gRPC, h2c destinations) are one per
-//!   replica and thread, driven with `h2` directly ([`h2hop`]): a stream opened from the
-//!   request's own task. Its bodies are [`Body`] (`BoxBody<Bytes, BoxError>`), so the
+//!   `-Host` and `Forwarded`. The general path's HTTP/1.1 backend connections are per-thread
+//!   pools of hyper connections ([`h1hop`]): a request takes an idle one, opens one within the
+//!   same per-replica bound, or waits for the first of those, and never opens one it will not
+//!   use; a request whose client left is dropped with its connection. Its HTTP/2 ones (gRPC,
+//!   h2c destinations) are one per replica and thread, driven with `h2` directly ([`h2hop`]): a
+//!   stream opened from the request's own task. Its bodies are [`Body`] (`BoxBody<Bytes, BoxError>`), so the
 //!   proxy can end one itself ([`stream_idle`]). gRPC ([`grpc`]) takes the general path; TCP
 //!   routes ([`tcp`]) have listeners of their own; meta services ([`services`]) route by their
 //!   own rules. A request that meets a backend refusing the connection (its body untouched), or
@@ -69,6 +70,7 @@ pub mod discovery;
 pub mod gateway;
 pub mod grpc;
 mod h1;
+mod h1hop;
 mod h2hop;
 pub mod load;
 pub mod runtime;
@@ -96,7 +98,6 @@ use http_body_util::{BodyExt, Empty, Full};
 use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper::{Request, Response, StatusCode, Uri};
-use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 use crate::clock::Clock;
@@ -177,77 +178,6 @@ impl Default for ProxyOptions {
             limits: crate::limits::Limits::default(),
             tls: None,
         }
-    }
-}
-
-thread_local! {
-    /// Each proxy thread keeps its own pool of backend connections, so a request and the
-    /// connection task that carries it stay on one thread (no cross-thread wake-ups).
-    static CLIENT: std::cell::RefCell<Option<Client<PacedConnector, Body>>> =
-        const { std::cell::RefCell::new(None) };
-}
-
-fn client(options: &ProxyOptions, backends: &Arc<Backends>) -> Client<PacedConnector, Body> {
-    CLIENT.with(|c| {
-        c.borrow_mut()
-            .get_or_insert_with(|| build_client(options, backends))
-            .clone()
-    })
-}
-
-/// The general path's HTTP/1.1 client (HTTP/2 backends take [`h2hop`]).
-fn build_client(options: &ProxyOptions, backends: &Arc<Backends>) -> Client<PacedConnector, Body> {
-    let connector = PacedConnector {
-        backends: backends.clone(),
-        attempt_ms: options.connect_attempt_ms,
-        timeout_ms: options.connect_timeout_ms,
-    };
-    Client::builder(TokioExecutor::new())
-        .pool_max_idle_per_host(options.pool_max_idle_per_host)
-        .pool_idle_timeout(Duration::from_millis(options.pool_idle_timeout_ms))
-        .build(connector)
-}
-
-/// The general path's connector: connections to a replica are opened within its bound on
-/// openings, and an unanswered attempt is made again ([`backends`]).
-#[derive(Clone)]
-struct PacedConnector {
-    backends: Arc<Backends>,
-    attempt_ms: u64,
-    timeout_ms: u64,
-}
-
-impl tower_service::Service<Uri> for PacedConnector {
-    type Response = TokioIo<tokio::net::TcpStream>;
-    type Error = std::io::Error;
-    type Future = Pin<
-        Box<dyn std::future::Future<Output = std::io::Result<Self::Response>> + Send + 'static>,
-    >;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let this = self.clone();
-        Box::pin(async move {
-            let addr: SocketAddr = uri
-                .authority()
-                .and_then(|a| a.as_str().parse().ok())
-                .ok_or_else(|| {
-                    std::io::Error::new(
-                        std::io::ErrorKind::InvalidInput,
-                        format!("not a backend address: {uri}"),
-                    )
-                })?;
-            let stream = match this.backends.find(addr) {
-                Some(r) => r.open(this.attempt_ms, this.timeout_ms).await?,
-                r => {
-                    backends::connect(addr, this.attempt_ms, this.timeout_ms, r.as_deref()).await?
-                }
-            };
-            Ok(TokioIo::new(stream))
-        })
     }
 }
 
@@ -1527,15 +1457,8 @@ impl Proxy {
     /// HTTP/1.1.
     async fn send(&self, h2: bool, out: Request<Body>) -> Result<Response<Body>, SendError> {
         if h2 {
-            let Some(addr) = out
-                .uri()
-                .authority()
-                .and_then(|a| a.as_str().parse::<SocketAddr>().ok())
-            else {
-                return Err(SendError::H2(h2hop::Error::Connect(std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    format!("not a backend address: {}", out.uri()),
-                ))));
+            let Some(addr) = backend_addr(&out) else {
+                return Err(not_a_backend(&out));
             };
             let dial = h2hop::Dial {
                 attempt_ms: self.options.connect_attempt_ms,
@@ -1549,10 +1472,18 @@ impl Proxy {
                 .await
                 .map_err(SendError::H2)
         } else {
-            client(&self.options, &self.backends)
-                .request(out)
+            let Some(addr) = backend_addr(&out) else {
+                return Err(not_a_backend(&out));
+            };
+            let dial = h1hop::Dial {
+                attempt_ms: self.options.connect_attempt_ms,
+                timeout_ms: self.options.connect_timeout_ms,
+                max_idle: self.options.pool_max_idle_per_host,
+                idle_timeout_ms: self.options.pool_idle_timeout_ms,
+                clock: &self.clock,
+            };
+            h1hop::send(out, addr, dial, &self.backends)
                 .await
-                .map(|r| r.map(|b| b.map_err(BoxError::from).boxed()))
                 .map_err(SendError::H1)
         }
     }
@@ -1943,11 +1874,23 @@ async fn tunnel<G: Send + 'static>(
 }
 
 /// A pooled connection the backend closed or reset: it is going away.
+/// The replica address a request to a backend is for (its URI's authority).
+fn backend_addr(req: &Request<Body>) -> Option<SocketAddr> {
+    req.uri().authority()?.as_str().parse().ok()
+}
+
+fn not_a_backend(req: &Request<Body>) -> SendError {
+    SendError::H2(h2hop::Error::Connect(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!("not a backend address: {}", req.uri()),
+    )))
+}
+
 /// Why a request sent on to a backend got no answer's head.
 #[derive(Debug, thiserror::Error)]
 enum SendError {
     #[error("{0}")]
-    H1(hyper_util::client::legacy::Error),
+    H1(h1hop::Error),
     #[error("{0}")]
     H2(h2hop::Error),
 }
@@ -1965,31 +1908,10 @@ impl SendError {
 /// Whether the backend closed or reset the connection before answering (or refused it, or the
 /// HTTP/2 stream): the request was not processed.
 fn backend_went_away(e: &SendError) -> bool {
-    use std::error::Error as _;
-    let e = match e {
-        SendError::H1(e) => e,
-        SendError::H2(e) => return e.went_away(),
-    };
-    let mut source = e.source();
-    while let Some(s) = source {
-        if let Some(h) = s.downcast_ref::<hyper::Error>()
-            && (h.is_incomplete_message() || h.is_closed() || h.is_canceled())
-        {
-            return true;
-        }
-        if let Some(io) = s.downcast_ref::<std::io::Error>()
-            && matches!(
-                io.kind(),
-                std::io::ErrorKind::ConnectionReset
-                    | std::io::ErrorKind::ConnectionRefused
-                    | std::io::ErrorKind::BrokenPipe
-            )
-        {
-            return true;
-        }
-        source = s.source();
+    match e {
+        SendError::H1(e) => e.went_away(),
+        SendError::H2(e) => e.went_away(),
     }
-    false
 }
 
 /// Keeps the client's first usable `X-Request-Id` (dropping any others) or adds one made here;

@@ -1,0 +1,328 @@
+//! The general path's HTTP/1.1 hop to replicas (the requests of HTTP/2 clients and of HTTP/1.0
+//! ones, upgrades), on hyper's connection API with a pool of ebb's own per proxy thread.
+//!
+//! A request takes an idle keep-alive connection to its replica, or opens one within the
+//! replica's bound on openings ([`backends`]), or waits for whichever comes first: a connection
+//! coming back idle, or an opening ending. It never starts a connection it will not use. (hyper's
+//! pooled client raced every miss against a connect of its own and left the loser to finish in
+//! the background: under a load with more requests under way than connections, those connects
+//! queued up behind the bound on openings without end, about 2 KiB each, thousands a second.)
+//!
+//! * A connection goes back to the pool when its answer's body has been read to its end (and
+//!   its answer was not an upgrade); one whose body was dropped earlier is closed.
+//! * At most `pool_max_idle_per_host` idle connections are kept per replica and thread; one idle
+//!   for `pool_idle_timeout_ms` is closed when next met, and the addresses kept are swept of
+//!   emptied lists whenever a new one is added.
+//! * A pooled connection found closed is dropped and the next taken; a request that a pooled
+//!   connection could not send at all (it was closing) is sent once more on another.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::{Body as _, Frame, Incoming, SizeHint};
+use hyper::client::conn::http1::SendRequest;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use tokio::sync::Notify;
+
+use super::backends::{self, Backends, Settling};
+use super::{Body, BoxError};
+use crate::clock::Clock;
+
+/// How to open a connection, and how many to keep.
+#[derive(Clone, Copy)]
+pub struct Dial<'a> {
+    pub attempt_ms: u64,
+    pub timeout_ms: u64,
+    pub max_idle: usize,
+    pub idle_timeout_ms: u64,
+    pub clock: &'a Arc<dyn Clock>,
+}
+
+/// Why a request got no answer's head.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("connecting: {0}")]
+    Connect(std::io::Error),
+    #[error("{0}")]
+    Http(#[from] hyper::Error),
+}
+
+impl Error {
+    /// The connection could not be made.
+    pub fn is_connect(&self) -> bool {
+        matches!(self, Error::Connect(_))
+    }
+
+    /// The replica closed or reset the connection before answering: the request was not
+    /// processed.
+    pub fn went_away(&self) -> bool {
+        use std::error::Error as _;
+        let Error::Http(e) = self else {
+            return false;
+        };
+        if e.is_incomplete_message() || e.is_closed() || e.is_canceled() {
+            return true;
+        }
+        let mut source = e.source();
+        while let Some(s) = source {
+            if let Some(io) = s.downcast_ref::<std::io::Error>()
+                && matches!(
+                    io.kind(),
+                    std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::ConnectionRefused
+                        | std::io::ErrorKind::BrokenPipe
+                )
+            {
+                return true;
+            }
+            source = s.source();
+        }
+        false
+    }
+}
+
+/// One replica's idle connections on this thread, newest last.
+#[derive(Default)]
+struct Idle {
+    conns: Vec<(SendRequest<Body>, u64)>,
+    /// A connection came back.
+    returned: Arc<Notify>,
+}
+
+thread_local! {
+    static POOL: RefCell<HashMap<SocketAddr, Idle>> = RefCell::new(HashMap::new());
+}
+
+/// The newest idle connection to `addr` not idle past the bound.
+fn take_idle(addr: SocketAddr, dial: Dial<'_>) -> Option<SendRequest<Body>> {
+    let now = dial.clock.now_ms();
+    POOL.with(|p| {
+        let mut pool = p.borrow_mut();
+        let idle = pool.get_mut(&addr)?;
+        while let Some((sender, since)) = idle.conns.pop() {
+            let stale =
+                dial.idle_timeout_ms > 0 && now.saturating_sub(since) >= dial.idle_timeout_ms;
+            if !stale && !sender.is_closed() {
+                return Some(sender);
+            }
+        }
+        None
+    })
+}
+
+/// What tells of a connection to `addr` coming back idle.
+fn returned(addr: SocketAddr) -> Arc<Notify> {
+    POOL.with(|p| {
+        let mut pool = p.borrow_mut();
+        if !pool.contains_key(&addr) {
+            pool.retain(|_, idle| !idle.conns.is_empty());
+        }
+        pool.entry(addr).or_default().returned.clone()
+    })
+}
+
+/// Puts a connection whose answer ended back among `addr`'s idle ones.
+fn give_back(addr: SocketAddr, sender: SendRequest<Body>, max_idle: usize, now_ms: u64) {
+    if sender.is_closed() || max_idle == 0 {
+        return;
+    }
+    POOL.with(|p| {
+        let mut pool = p.borrow_mut();
+        if !pool.contains_key(&addr) {
+            pool.retain(|_, idle| !idle.conns.is_empty());
+        }
+        let idle = pool.entry(addr).or_default();
+        if idle.conns.len() >= max_idle {
+            idle.conns.remove(0);
+        }
+        idle.conns.push((sender, now_ms));
+        idle.returned.notify_one();
+    });
+}
+
+/// A connection for a request to `addr`: an idle one, a new one (with its opening, to end at
+/// the first answer), or the first of those to be had, within `timeout_ms` in all.
+async fn checkout(
+    addr: SocketAddr,
+    dial: Dial<'_>,
+    backends: &Backends,
+) -> Result<(SendRequest<Body>, Option<Settling>), Error> {
+    let replica = backends.find(addr);
+    let get = async {
+        let returned = returned(addr);
+        // Woken by an opening that ended: a request that does not take the free opening passes
+        // the news on to the next one waiting for an opening.
+        let mut told_opening = false;
+        loop {
+            let came_back = returned.notified();
+            tokio::pin!(came_back);
+            came_back.as_mut().enable();
+            let ended = replica.as_ref().map(|r| Box::pin(r.opening_ended()));
+            let mut ended = ended.map(|mut e| {
+                e.as_mut().enable();
+                e
+            });
+            if let Some(mut sender) = take_idle(addr, dial) {
+                if told_opening && let Some(r) = &replica {
+                    r.pass_on_opening();
+                }
+                told_opening = false;
+                if sender.ready().await.is_ok() {
+                    return Ok(Got::Idle(sender));
+                }
+                continue;
+            }
+            let opening = match &replica {
+                None => None,
+                Some(r) => match r.try_open() {
+                    Some(o) => Some(o),
+                    None => {
+                        told_opening = tokio::select! {
+                            () = came_back => false,
+                            () = async { if let Some(e) = ended.as_mut() { e.await } } => true,
+                            () = tokio::time::sleep(Duration::from_millis(backends::RECHECK_MS)) => false,
+                        };
+                        continue;
+                    }
+                },
+            };
+            let stream =
+                backends::connect(addr, dial.attempt_ms, dial.timeout_ms, replica.as_deref())
+                    .await?;
+            return Ok(Got::New(stream, opening));
+        }
+    };
+    let got = backends::within(dial.timeout_ms, "getting a connection", get)
+        .await
+        .map_err(Error::Connect)?;
+    let (stream, opening) = match got {
+        Got::Idle(sender) => return Ok((sender, None)),
+        Got::New(stream, opening) => (stream, opening),
+    };
+    let settling = opening.map(backends::Opening::settling);
+    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(%addr, error = %e, "connection to a replica ended");
+        }
+    });
+    Ok((sender, settling))
+}
+
+/// What [`checkout`] found.
+enum Got {
+    Idle(SendRequest<Body>),
+    New(tokio::net::TcpStream, Option<backends::Opening>),
+}
+
+/// Sends `req` (its URI the path; its `Host` set) over HTTP/1.1 to `addr` and waits for the
+/// answer's head.
+pub async fn send(
+    mut req: Request<Body>,
+    addr: SocketAddr,
+    dial: Dial<'_>,
+    backends: &Backends,
+) -> Result<Response<Body>, Error> {
+    *req.version_mut() = hyper::Version::HTTP_11;
+    // The origin form: the connection is the replica's already.
+    if let Some(pq) = req.uri().path_and_query().cloned() {
+        *req.uri_mut() = hyper::Uri::from(pq);
+    }
+    let mut again = true;
+    loop {
+        let (mut sender, settling) = checkout(addr, dial, backends).await?;
+        let pooled = settling.is_none();
+        let answer = match sender.try_send_request(req).await {
+            Ok(a) => a,
+            Err(mut e) => match e.take_message() {
+                // Never sent: the pooled connection was closing. Once more, on another.
+                Some(r) if pooled && again => {
+                    again = false;
+                    req = r;
+                    continue;
+                }
+                _ => return Err(e.into_error().into()),
+            },
+        };
+        if let Some(s) = &settling {
+            s.answered();
+        }
+        let upgraded = answer.status() == StatusCode::SWITCHING_PROTOCOLS;
+        let max_idle = if upgraded { 0 } else { dial.max_idle };
+        let clock = dial.clock.clone();
+        return Ok(answer.map(|body| {
+            Back {
+                body,
+                sender: Some(sender),
+                addr,
+                max_idle,
+                clock,
+            }
+            .boxed()
+        }));
+    }
+}
+
+/// An answer's body that gives its connection back to the pool once read to its end.
+struct Back {
+    body: Incoming,
+    sender: Option<SendRequest<Body>>,
+    addr: SocketAddr,
+    max_idle: usize,
+    clock: Arc<dyn Clock>,
+}
+
+impl Back {
+    fn ended(&mut self) {
+        if let Some(sender) = self.sender.take() {
+            give_back(self.addr, sender, self.max_idle, self.clock.now_ms());
+        }
+    }
+}
+
+impl hyper::body::Body for Back {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let frame = ready!(Pin::new(&mut self.body).poll_frame(cx));
+        match &frame {
+            None => self.ended(),
+            Some(Ok(_)) if self.body.is_end_stream() => self.ended(),
+            Some(Err(_)) => {
+                self.sender.take();
+            }
+            Some(Ok(_)) => {}
+        }
+        Poll::Ready(frame.map(|f| f.map_err(BoxError::from)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for Back {
+    fn drop(&mut self) {
+        // Read to its end already (an empty body is never polled): the connection may be used
+        // again; otherwise it is closed with its sender.
+        if self.body.is_end_stream() {
+            self.ended();
+        }
+    }
+}
