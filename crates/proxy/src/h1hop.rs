@@ -326,3 +326,153 @@ impl Drop for Back {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use http_body_util::{Empty, Full};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::clock::SystemClock;
+
+    /// An HTTP/1.1 server on loopback answering every request `ok` on keep-alive connections once
+    /// `gate` lets it, counting the connections it accepted.
+    async fn server(gate: Arc<tokio::sync::Semaphore>) -> (SocketAddr, Arc<AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut tcp, _) = listener.accept().await.unwrap();
+                counted.fetch_add(1, Ordering::SeqCst);
+                let gate = gate.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            buf.drain(..end + 4);
+                            gate.acquire().await.unwrap().forget();
+                            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                            if tcp.write_all(answer).await.is_err() {
+                                return;
+                            }
+                        }
+                        match tcp.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    fn get(addr: SocketAddr) -> Request<Body> {
+        Request::get(format!("http://{addr}/x"))
+            .header(hyper::header::HOST, "app.localhost")
+            .body(Empty::new().map_err(|e| match e {}).boxed())
+            .unwrap()
+    }
+
+    async fn text(r: Result<Response<Body>, Error>) -> String {
+        let body = r.unwrap().into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn requests_reuse_idle_connections_and_open_none_they_do_not_use() {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let (addr, accepted) = server(gate.clone()).await;
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let dial = Dial {
+            attempt_ms: 1_000,
+            timeout_ms: 10_000,
+            max_idle: 8,
+            idle_timeout_ms: 60_000,
+            clock: &clock,
+        };
+        let backends = Backends::default();
+        // A paced replica: one opening at a time, each held until its connection answers.
+        let _replica = backends.replica(addr, 1, 1);
+        // Forty requests at once, the server answering one at a time: the first connection's
+        // answer widens the window, but every request waits for an idle connection or an
+        // opening, so no connection is opened beyond those the requests take.
+        let calls: Vec<_> = (0..40)
+            .map(|_| Box::pin(send(get(addr), addr, dial, &backends)))
+            .collect();
+        let all = futures_util::future::join_all(
+            calls.into_iter().map(|c| async { text(c.await).await }),
+        );
+        let release = async {
+            for _ in 0..40 {
+                gate.add_permits(1);
+                tokio::task::yield_now().await;
+            }
+        };
+        let (answers, ()) = tokio::join!(all, release);
+        assert!(answers.iter().all(|a| a == "ok"), "{answers:?}");
+        let opened = accepted.load(Ordering::SeqCst);
+        assert!((1..=40).contains(&opened), "{opened} connections");
+        // Nothing is still being opened in the background: the next requests, one at a time,
+        // reuse the idle connections and open none.
+        gate.add_permits(10);
+        for _ in 0..10 {
+            assert_eq!(
+                text(send(get(addr), addr, dial, &backends).await).await,
+                "ok"
+            );
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), opened);
+        // A body that arrived whole is sent, and its connection kept.
+        gate.add_permits(1);
+        let post = Request::post(format!("http://{addr}/x"))
+            .header(hyper::header::HOST, "app.localhost")
+            .body(
+                Full::new(Bytes::from_static(b"hi"))
+                    .map_err(|e| match e {})
+                    .boxed(),
+            )
+            .unwrap();
+        assert_eq!(text(send(post, addr, dial, &backends).await).await, "ok");
+        assert_eq!(accepted.load(Ordering::SeqCst), opened);
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_a_connect_error_and_a_closed_one_went_away() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let dial = Dial {
+            attempt_ms: 1_000,
+            timeout_ms: 5_000,
+            max_idle: 8,
+            idle_timeout_ms: 0,
+            clock: &clock,
+        };
+        let e = send(get(addr), addr, dial, &Backends::default())
+            .await
+            .unwrap_err();
+        assert!(e.is_connect(), "{e}");
+        // A replica that closes the connection without answering.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            loop {
+                let (mut tcp, _) = listener.accept().await.unwrap();
+                let mut buf = [0u8; 1024];
+                let _ = tcp.read(&mut buf).await;
+            }
+        });
+        let e = send(get(addr), addr, dial, &Backends::default())
+            .await
+            .unwrap_err();
+        assert!(e.went_away(), "{e}");
+    }
+}
