@@ -466,6 +466,32 @@ impl Replica {
     }
 }
 
+/// How the general path's hops ([`super::h1hop`], [`super::h2hop`]) open connections to a
+/// replica and how long they keep them.
+#[derive(Clone, Copy)]
+pub struct Dial<'a> {
+    pub attempt_ms: u64,
+    pub timeout_ms: u64,
+    /// Idle connections kept per replica and thread (HTTP/1.1).
+    pub max_idle: usize,
+    /// A connection unused this long, with nothing under way on it, is closed (0: never).
+    pub idle_timeout_ms: u64,
+    /// The largest head (as HPACK counts it) taken from a replica (HTTP/2).
+    pub max_header_list_size: u32,
+    pub clock: &'a Arc<dyn crate::clock::Clock>,
+}
+
+/// Whether a connection's error says the replica went away (closed, reset or refused it): what
+/// was sent on it was not processed.
+pub fn gone(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::BrokenPipe
+    )
+}
+
 /// Connects to `addr`, abandoning an attempt that gets no answer within `attempt_ms` (doubling up
 /// to a second) and trying again, for at most `timeout_ms` in all. A refusal ends it at once.
 /// An unanswered attempt narrows `replica`'s window of openings.
@@ -510,8 +536,20 @@ pub async fn within<T>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// A [`Dial`] for the hops' tests: a second an attempt, 10 s in all, 8 idle connections kept.
+    pub fn dial(clock: &Arc<dyn crate::clock::Clock>, idle_timeout_ms: u64) -> Dial<'_> {
+        Dial {
+            attempt_ms: 1_000,
+            timeout_ms: 10_000,
+            max_idle: 8,
+            idle_timeout_ms,
+            max_header_list_size: 16 * 1024,
+            clock,
+        }
+    }
 
     fn ready_list(b: &Backends, n: u16, policy: &crate::discovery::Policy) -> Arc<Ready> {
         let replicas = (0..n)

@@ -32,62 +32,9 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::sync::Notify;
 
-use super::backends::{self, Backends, Settling};
-use super::{Body, BoxError};
+use super::backends::{self, Backends, Dial, Settling};
+use super::{Body, BoxError, SendError as Error};
 use crate::clock::Clock;
-
-/// How to open a connection, and how many to keep.
-#[derive(Clone, Copy)]
-pub struct Dial<'a> {
-    pub attempt_ms: u64,
-    pub timeout_ms: u64,
-    pub max_idle: usize,
-    pub idle_timeout_ms: u64,
-    pub clock: &'a Arc<dyn Clock>,
-}
-
-/// Why a request got no answer's head.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("connecting: {0}")]
-    Connect(std::io::Error),
-    #[error("{0}")]
-    Http(#[from] hyper::Error),
-}
-
-impl Error {
-    /// The connection could not be made.
-    pub fn is_connect(&self) -> bool {
-        matches!(self, Error::Connect(_))
-    }
-
-    /// The replica closed or reset the connection before answering: the request was not
-    /// processed.
-    pub fn went_away(&self) -> bool {
-        use std::error::Error as _;
-        let Error::Http(e) = self else {
-            return false;
-        };
-        if e.is_incomplete_message() || e.is_closed() || e.is_canceled() {
-            return true;
-        }
-        let mut source = e.source();
-        while let Some(s) = source {
-            if let Some(io) = s.downcast_ref::<std::io::Error>()
-                && matches!(
-                    io.kind(),
-                    std::io::ErrorKind::ConnectionReset
-                        | std::io::ErrorKind::ConnectionRefused
-                        | std::io::ErrorKind::BrokenPipe
-                )
-            {
-                return true;
-            }
-            source = s.source();
-        }
-        false
-    }
-}
 
 /// One replica's idle connections on this thread, newest last.
 #[derive(Default)]
@@ -390,13 +337,7 @@ mod tests {
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
         let (addr, accepted) = server(gate.clone()).await;
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let dial = Dial {
-            attempt_ms: 1_000,
-            timeout_ms: 10_000,
-            max_idle: 8,
-            idle_timeout_ms: 60_000,
-            clock: &clock,
-        };
+        let dial = backends::tests::dial(&clock, 60_000);
         let backends = Backends::default();
         // A paced replica: one opening at a time, each held until its connection answers.
         let _replica = backends.replica(addr, 1, 1);
@@ -449,13 +390,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         drop(listener);
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let dial = Dial {
-            attempt_ms: 1_000,
-            timeout_ms: 5_000,
-            max_idle: 8,
-            idle_timeout_ms: 0,
-            clock: &clock,
-        };
+        let dial = backends::tests::dial(&clock, 0);
         let e = send(get(addr), addr, dial, &Backends::default())
             .await
             .unwrap_err();
@@ -473,6 +408,6 @@ mod tests {
         let e = send(get(addr), addr, dial, &Backends::default())
             .await
             .unwrap_err();
-        assert!(e.went_away(), "{e}");
+        assert!(crate::backend_went_away(&e), "{e}");
     }
 }

@@ -40,9 +40,8 @@ use hyper::header::{self, HeaderMap};
 use hyper::{Request, Response};
 use tokio::sync::{OnceCell, oneshot};
 
-use super::backends::{self, Backends};
-use super::{Body, BoxError};
-use crate::clock::Clock;
+use super::backends::{self, Backends, Dial};
+use super::{Body, BoxError, SendError as Error};
 
 /// The h2 client's settings, as hyper's client sets them: 2 MiB a stream and 5 MiB a
 /// connection of receive window, at most 1 MiB buffered to send per stream.
@@ -51,55 +50,6 @@ const CONN_WINDOW: u32 = 5 << 20;
 const MAX_SEND_BUFFER: usize = 1 << 20;
 /// A request body's frame sent without waiting for flow control (it fits any initial window).
 const EAGER_MAX: usize = 16 * 1024;
-
-/// How to open a connection, and when to close it.
-#[derive(Clone, Copy)]
-pub struct Dial<'a> {
-    pub attempt_ms: u64,
-    pub timeout_ms: u64,
-    /// The largest head (as HPACK counts it) taken from a replica.
-    pub max_header_list_size: u32,
-    /// A connection unused this long, with no stream open, is closed (0: never).
-    pub idle_timeout_ms: u64,
-    pub clock: &'a Arc<dyn Clock>,
-}
-
-/// Why a request did not get an answer's head.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    #[error("connecting: {0}")]
-    Connect(std::io::Error),
-    #[error("{0}")]
-    H2(#[from] h2::Error),
-}
-
-impl Error {
-    /// The connection could not be made.
-    pub fn is_connect(&self) -> bool {
-        matches!(self, Error::Connect(_))
-    }
-
-    /// The replica closed or reset the connection, or refused the stream, before answering: the
-    /// request was not processed.
-    pub fn went_away(&self) -> bool {
-        match self {
-            Error::Connect(_) => false,
-            Error::H2(e) => {
-                e.is_go_away()
-                    || e.reason() == Some(Reason::REFUSED_STREAM)
-                    || e.get_io().is_some_and(|io| {
-                        matches!(
-                            io.kind(),
-                            std::io::ErrorKind::ConnectionReset
-                                | std::io::ErrorKind::ConnectionRefused
-                                | std::io::ErrorKind::BrokenPipe
-                                | std::io::ErrorKind::UnexpectedEof
-                        )
-                    })
-            }
-        }
-    }
-}
 
 /// A connection to one address: opened once by whichever request comes first.
 struct Conn {
@@ -442,7 +392,7 @@ mod tests {
     use tokio::net::TcpListener;
 
     use super::*;
-    use crate::clock::SystemClock;
+    use crate::clock::{Clock, SystemClock};
 
     /// An h2c server on loopback answering `ok` with a `grpc-status` trailer, counting the
     /// connections it accepted and those that ended.
@@ -513,13 +463,7 @@ mod tests {
     async fn calls_share_one_connection_bodies_stream_and_an_idle_one_closes() {
         let (addr, accepted, ended) = server().await;
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let dial = Dial {
-            attempt_ms: 1_000,
-            timeout_ms: 5_000,
-            max_header_list_size: 16 * 1024,
-            idle_timeout_ms: 300,
-            clock: &clock,
-        };
+        let dial = backends::tests::dial(&clock, 300);
         let backends = Backends::default();
         // A body already here, none at all, and one still arriving (sent by the pipe's task).
         let whole = Full::new(Bytes::from_static(b"hello"))
@@ -576,18 +520,12 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         drop(listener);
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let dial = Dial {
-            attempt_ms: 1_000,
-            timeout_ms: 5_000,
-            max_header_list_size: 16 * 1024,
-            idle_timeout_ms: 0,
-            clock: &clock,
-        };
+        let dial = backends::tests::dial(&clock, 0);
         let empty = http_body_util::Empty::new().map_err(|e| match e {}).boxed();
         let e = send(request(addr, empty), addr, dial, &Backends::default())
             .await
             .unwrap_err();
         assert!(e.is_connect(), "{e}");
-        assert!(!e.went_away());
+        assert!(!crate::backend_went_away(&e));
     }
 }

@@ -1456,35 +1456,29 @@ impl Proxy {
     /// backend; the `Host` dropped, `:authority` being the address dialled; [`h2hop`]), else
     /// HTTP/1.1.
     async fn send(&self, h2: bool, out: Request<Body>) -> Result<Response<Body>, SendError> {
+        let Some(addr) = out
+            .uri()
+            .authority()
+            .and_then(|a| a.as_str().parse::<SocketAddr>().ok())
+        else {
+            return Err(SendError::Connect(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("not a backend address: {}", out.uri()),
+            )));
+        };
+        let dial = backends::Dial {
+            attempt_ms: self.options.connect_attempt_ms,
+            timeout_ms: self.options.connect_timeout_ms,
+            max_idle: self.options.pool_max_idle_per_host,
+            idle_timeout_ms: self.options.pool_idle_timeout_ms,
+            max_header_list_size: u32::try_from(self.options.limits.max_head_bytes)
+                .unwrap_or(u32::MAX),
+            clock: &self.clock,
+        };
         if h2 {
-            let Some(addr) = backend_addr(&out) else {
-                return Err(not_a_backend(&out));
-            };
-            let dial = h2hop::Dial {
-                attempt_ms: self.options.connect_attempt_ms,
-                timeout_ms: self.options.connect_timeout_ms,
-                max_header_list_size: u32::try_from(self.options.limits.max_head_bytes)
-                    .unwrap_or(u32::MAX),
-                idle_timeout_ms: self.options.pool_idle_timeout_ms,
-                clock: &self.clock,
-            };
-            h2hop::send(grpc::for_backend(out), addr, dial, &self.backends)
-                .await
-                .map_err(SendError::H2)
+            h2hop::send(grpc::for_backend(out), addr, dial, &self.backends).await
         } else {
-            let Some(addr) = backend_addr(&out) else {
-                return Err(not_a_backend(&out));
-            };
-            let dial = h1hop::Dial {
-                attempt_ms: self.options.connect_attempt_ms,
-                timeout_ms: self.options.connect_timeout_ms,
-                max_idle: self.options.pool_max_idle_per_host,
-                idle_timeout_ms: self.options.pool_idle_timeout_ms,
-                clock: &self.clock,
-            };
-            h1hop::send(out, addr, dial, &self.backends)
-                .await
-                .map_err(SendError::H1)
+            h1hop::send(out, addr, dial, &self.backends).await
         }
     }
 
@@ -1874,43 +1868,52 @@ async fn tunnel<G: Send + 'static>(
 }
 
 /// A pooled connection the backend closed or reset: it is going away.
-/// The replica address a request to a backend is for (its URI's authority).
-fn backend_addr(req: &Request<Body>) -> Option<SocketAddr> {
-    req.uri().authority()?.as_str().parse().ok()
-}
-
-fn not_a_backend(req: &Request<Body>) -> SendError {
-    SendError::H2(h2hop::Error::Connect(std::io::Error::new(
-        std::io::ErrorKind::InvalidInput,
-        format!("not a backend address: {}", req.uri()),
-    )))
-}
-
-/// Why a request sent on to a backend got no answer's head.
+/// Why a request sent on to a backend got no answer's head (either hop: [`h1hop`], [`h2hop`]).
 #[derive(Debug, thiserror::Error)]
-enum SendError {
+pub enum SendError {
+    #[error("connecting: {0}")]
+    Connect(std::io::Error),
     #[error("{0}")]
-    H1(h1hop::Error),
+    H1(#[from] hyper::Error),
     #[error("{0}")]
-    H2(h2hop::Error),
+    H2(#[from] h2::Error),
 }
 
 impl SendError {
     /// The connection could not be made.
     fn is_connect(&self) -> bool {
-        match self {
-            SendError::H1(e) => e.is_connect(),
-            SendError::H2(e) => e.is_connect(),
-        }
+        matches!(self, SendError::Connect(_))
     }
 }
 
 /// Whether the backend closed or reset the connection before answering (or refused it, or the
 /// HTTP/2 stream): the request was not processed.
 fn backend_went_away(e: &SendError) -> bool {
+    use std::error::Error as _;
     match e {
-        SendError::H1(e) => e.went_away(),
-        SendError::H2(e) => e.went_away(),
+        SendError::Connect(_) => false,
+        SendError::H1(e) => {
+            if e.is_incomplete_message() || e.is_closed() || e.is_canceled() {
+                return true;
+            }
+            let mut source = e.source();
+            while let Some(s) = source {
+                if s.downcast_ref::<std::io::Error>()
+                    .is_some_and(backends::gone)
+                {
+                    return true;
+                }
+                source = s.source();
+            }
+            false
+        }
+        SendError::H2(e) => {
+            e.is_go_away()
+                || e.reason() == Some(h2::Reason::REFUSED_STREAM)
+                || e.get_io().is_some_and(|io| {
+                    backends::gone(io) || io.kind() == std::io::ErrorKind::UnexpectedEof
+                })
+        }
     }
 }
 
