@@ -466,6 +466,53 @@ impl Replica {
     }
 }
 
+/// What a request waiting for a connection to a replica got: an idle one, or a new one with its
+/// opening.
+pub enum Got<T> {
+    Idle(T),
+    New(TcpStream, Opening),
+}
+
+/// A connection to `replica` for a request, on either path's pool: an idle one `take` gives, a
+/// new one opened within the replica's bound on openings, or the first of those to be had
+/// (`returned` tells of idle ones coming back), within `timeout_ms` in all. It never opens a
+/// connection it will not use. Woken by an opening that ended, a request that takes an idle
+/// connection instead passes the news on to the next one waiting for an opening.
+pub async fn get_connection<T>(
+    replica: &Arc<Replica>,
+    returned: &Notify,
+    mut take: impl FnMut() -> Option<T>,
+    attempt_ms: u64,
+    timeout_ms: u64,
+) -> io::Result<Got<T>> {
+    let get = async {
+        let mut told_opening = false;
+        loop {
+            let came_back = returned.notified();
+            let ended = replica.opening_ended();
+            tokio::pin!(came_back, ended);
+            came_back.as_mut().enable();
+            ended.as_mut().enable();
+            if let Some(idle) = take() {
+                if told_opening {
+                    replica.pass_on_opening();
+                }
+                return Ok(Got::Idle(idle));
+            }
+            if let Some(opening) = replica.try_open() {
+                let stream = connect(replica.addr, attempt_ms, timeout_ms, Some(replica)).await?;
+                return Ok(Got::New(stream, opening));
+            }
+            told_opening = tokio::select! {
+                () = came_back => false,
+                () = ended => true,
+                () = tokio::time::sleep(Duration::from_millis(RECHECK_MS)) => false,
+            };
+        }
+    };
+    within(timeout_ms, "getting a connection", get).await
+}
+
 /// How the general path's hops ([`super::h1hop`], [`super::h2hop`]) open connections to a
 /// replica and how long they keep them.
 #[derive(Clone, Copy)]

@@ -792,38 +792,23 @@ async fn backend_conn(
     if pooled_allowed && let Some(b) = pool_take(addr, now, idle_ms, check) {
         return Ok((b, true, None));
     }
-    let timeout_ms = proxy.options.connect_timeout_ms;
-    let get = async {
-        let returned = pool_waiter(addr);
-        // Woken by an opening that ended: a request that does not take the free opening passes
-        // the news on to the next one waiting for an opening.
-        let mut told_opening = false;
-        loop {
-            let came_back = returned.notified();
-            let ended = replica.opening_ended();
-            tokio::pin!(came_back, ended);
-            came_back.as_mut().enable();
-            ended.as_mut().enable();
-            if pooled_allowed && let Some(b) = pool_take(addr, proxy.clock.now_ms(), idle_ms, check)
-            {
-                if told_opening {
-                    replica.pass_on_opening();
-                }
-                return Ok((b, true, None));
-            }
-            if let Some(opening) = replica.try_open() {
-                let attempt_ms = proxy.options.connect_attempt_ms;
-                let stream = backends::connect(addr, attempt_ms, timeout_ms, Some(replica)).await;
-                return stream.map(|stream| (Backend::new(stream), false, Some(opening)));
-            }
-            told_opening = tokio::select! {
-                () = came_back => false,
-                () = ended => true,
-                () = tokio::time::sleep(Duration::from_millis(backends::RECHECK_MS)) => false,
-            };
-        }
+    let take = || {
+        pooled_allowed
+            .then(|| pool_take(addr, proxy.clock.now_ms(), idle_ms, check))
+            .flatten()
     };
-    backends::within(timeout_ms, "getting a connection", get).await
+    let got = backends::get_connection(
+        replica,
+        &pool_waiter(addr),
+        take,
+        proxy.options.connect_attempt_ms,
+        proxy.options.connect_timeout_ms,
+    )
+    .await?;
+    Ok(match got {
+        backends::Got::Idle(b) => (b, true, None),
+        backends::Got::New(stream, opening) => (Backend::new(stream), false, Some(opening)),
+    })
 }
 
 /// A request body failed to go through.

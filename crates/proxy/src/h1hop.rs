@@ -22,7 +22,6 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
-use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -65,15 +64,12 @@ fn take_idle(addr: SocketAddr, dial: Dial<'_>) -> Option<SendRequest<Body>> {
     })
 }
 
-/// What tells of a connection to `addr` coming back idle.
-fn returned(addr: SocketAddr) -> Arc<Notify> {
-    POOL.with(|p| {
-        let mut pool = p.borrow_mut();
-        if !pool.contains_key(&addr) {
-            pool.retain(|_, idle| !idle.conns.is_empty());
-        }
-        pool.entry(addr).or_default().returned.clone()
-    })
+/// `addr`'s idle connections on this thread; a new address first sweeps away the emptied lists.
+fn idle_of(pool: &mut HashMap<SocketAddr, Idle>, addr: SocketAddr) -> &mut Idle {
+    if !pool.contains_key(&addr) {
+        pool.retain(|_, idle| !idle.conns.is_empty());
+    }
+    pool.entry(addr).or_default()
 }
 
 /// Puts a connection whose answer ended back among `addr`'s idle ones.
@@ -83,10 +79,7 @@ fn give_back(addr: SocketAddr, sender: SendRequest<Body>, max_idle: usize, now_m
     }
     POOL.with(|p| {
         let mut pool = p.borrow_mut();
-        if !pool.contains_key(&addr) {
-            pool.retain(|_, idle| !idle.conns.is_empty());
-        }
-        let idle = pool.entry(addr).or_default();
+        let idle = idle_of(&mut pool, addr);
         if idle.conns.len() >= max_idle {
             idle.conns.remove(0);
         }
@@ -96,63 +89,41 @@ fn give_back(addr: SocketAddr, sender: SendRequest<Body>, max_idle: usize, now_m
 }
 
 /// A connection for a request to `addr`: an idle one, a new one (with its opening, to end at
-/// the first answer), or the first of those to be had, within `timeout_ms` in all.
+/// the first answer), or the first of those to be had ([`backends::get_connection`], as the
+/// fast path's). An address no ready list names is not paced: a connection is opened for it
+/// when none is idle.
 async fn checkout(
     addr: SocketAddr,
     dial: Dial<'_>,
     backends: &Backends,
 ) -> Result<(SendRequest<Body>, Option<Settling>), Error> {
     let replica = backends.find(addr);
-    let get = async {
-        let returned = returned(addr);
-        // Woken by an opening that ended: a request that does not take the free opening passes
-        // the news on to the next one waiting for an opening.
-        let mut told_opening = false;
-        loop {
-            let came_back = returned.notified();
-            tokio::pin!(came_back);
-            came_back.as_mut().enable();
-            let ended = replica.as_ref().map(|r| Box::pin(r.opening_ended()));
-            let mut ended = ended.map(|mut e| {
-                e.as_mut().enable();
-                e
-            });
-            if let Some(mut sender) = take_idle(addr, dial) {
-                if told_opening && let Some(r) = &replica {
-                    r.pass_on_opening();
-                }
-                told_opening = false;
-                if sender.ready().await.is_ok() {
-                    return Ok(Got::Idle(sender));
-                }
-                continue;
+    let returned = POOL.with(|p| idle_of(&mut p.borrow_mut(), addr).returned.clone());
+    let (stream, opening) = loop {
+        let got = match &replica {
+            Some(r) => {
+                let take = || take_idle(addr, dial);
+                backends::get_connection(r, &returned, take, dial.attempt_ms, dial.timeout_ms).await
             }
-            let opening = match &replica {
-                None => None,
-                Some(r) => match r.try_open() {
-                    Some(o) => Some(o),
-                    None => {
-                        told_opening = tokio::select! {
-                            () = came_back => false,
-                            () = async { if let Some(e) = ended.as_mut() { e.await } } => true,
-                            () = tokio::time::sleep(Duration::from_millis(backends::RECHECK_MS)) => false,
-                        };
-                        continue;
-                    }
-                },
-            };
-            let stream =
-                backends::connect(addr, dial.attempt_ms, dial.timeout_ms, replica.as_deref())
-                    .await?;
-            return Ok(Got::New(stream, opening));
+            None => match take_idle(addr, dial) {
+                Some(idle) => Ok(backends::Got::Idle(idle)),
+                None => {
+                    let stream = backends::connect(addr, dial.attempt_ms, dial.timeout_ms, None)
+                        .await
+                        .map_err(Error::Connect)?;
+                    break (stream, None);
+                }
+            },
+        };
+        match got.map_err(Error::Connect)? {
+            // One that closed meanwhile is dropped, and the next looked for.
+            backends::Got::Idle(mut sender) => {
+                if sender.ready().await.is_ok() {
+                    return Ok((sender, None));
+                }
+            }
+            backends::Got::New(stream, opening) => break (stream, Some(opening)),
         }
-    };
-    let got = backends::within(dial.timeout_ms, "getting a connection", get)
-        .await
-        .map_err(Error::Connect)?;
-    let (stream, opening) = match got {
-        Got::Idle(sender) => return Ok((sender, None)),
-        Got::New(stream, opening) => (stream, opening),
     };
     let settling = opening.map(backends::Opening::settling);
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
@@ -162,12 +133,6 @@ async fn checkout(
         }
     });
     Ok((sender, settling))
-}
-
-/// What [`checkout`] found.
-enum Got {
-    Idle(SendRequest<Body>),
-    New(tokio::net::TcpStream, Option<backends::Opening>),
 }
 
 /// Sends `req` (its URI the path; its `Host` set) over HTTP/1.1 to `addr` and waits for the

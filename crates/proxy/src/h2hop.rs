@@ -104,15 +104,9 @@ fn conn_for(addr: SocketAddr) -> Arc<Conn> {
     })
 }
 
-/// Forgets `conn` as the thread's connection to `addr` (it failed).
-fn forget(addr: SocketAddr, conn: &Arc<Conn>) {
+/// Marks `conn` ended (it failed): the next request to its address replaces it ([`conn_for`]).
+fn forget(conn: &Conn) {
     conn.ended.store(true, Ordering::Release);
-    CONNS.with(|c| {
-        let mut conns = c.borrow_mut();
-        if conns.get(&addr).is_some_and(|c| Arc::ptr_eq(c, conn)) {
-            conns.remove(&addr);
-        }
-    });
 }
 
 /// Opens a connection to `addr` and starts its task.
@@ -183,7 +177,7 @@ async fn ready_sender(
         {
             Ok(s) => s.clone(),
             Err(e) => {
-                forget(addr, &conn);
+                forget(&conn);
                 return Err(e);
             }
         };
@@ -191,7 +185,7 @@ async fn ready_sender(
         match sender.ready().await {
             Ok(s) => return Ok((s, under_way)),
             Err(e) => {
-                forget(addr, &conn);
+                forget(&conn);
                 if fresh || tried_fresh {
                     return Err(e.into());
                 }

@@ -35,8 +35,8 @@
 //!   same per-replica bound, or waits for the first of those, and never opens one it will not
 //!   use; a request whose client left is dropped with its connection. Its HTTP/2 ones (gRPC,
 //!   h2c destinations) are one per replica and thread, driven with `h2` directly ([`h2hop`]): a
-//!   stream opened from the request's own task. Its bodies are [`Body`] (`BoxBody<Bytes, BoxError>`), so the
-//!   proxy can end one itself ([`stream_idle`]). gRPC ([`grpc`]) takes the general path; TCP
+//!   stream opened from the request's own task. Its bodies are [`Body`] (`BoxBody<Bytes,
+//!   BoxError>`), so the proxy can end one itself ([`stream_idle`]). gRPC ([`grpc`]) takes the general path; TCP
 //!   routes ([`tcp`]) have listeners of their own; meta services ([`services`]) route by their
 //!   own rules. A request that meets a backend refusing the connection (its body untouched), or
 //!   a body-less one whose connection is reset or closed before an answer (the replica is
@@ -1065,7 +1065,7 @@ impl Proxy {
                 Ok(r) => r,
                 Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
             };
-            let sent = self.send(grpc, out);
+            let sent = self.send(grpc, addr, out);
             progress.mark_now();
             // Until the answer's head, the stream-idle bound holds too.
             let sent = async {
@@ -1362,7 +1362,7 @@ impl Proxy {
                     Ok(r) => r,
                     Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
                 };
-                let sent = self.send(h2, out);
+                let sent = self.send(h2, addr, out);
                 let answered = match route.backend_timeout_ms {
                     0 => sent.await,
                     ms => match tokio::time::timeout(Duration::from_millis(ms), sent).await {
@@ -1452,20 +1452,15 @@ impl Proxy {
         }
     }
 
-    /// Sends a request on to a backend: over HTTP/2 without TLS when `h2` (gRPC, an h2c
+    /// Sends a request on to the backend at `addr` (`out`'s URI points there): over HTTP/2 without TLS when `h2` (gRPC, an h2c
     /// backend; the `Host` dropped, `:authority` being the address dialled; [`h2hop`]), else
     /// HTTP/1.1.
-    async fn send(&self, h2: bool, out: Request<Body>) -> Result<Response<Body>, SendError> {
-        let Some(addr) = out
-            .uri()
-            .authority()
-            .and_then(|a| a.as_str().parse::<SocketAddr>().ok())
-        else {
-            return Err(SendError::Connect(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("not a backend address: {}", out.uri()),
-            )));
-        };
+    async fn send(
+        &self,
+        h2: bool,
+        addr: SocketAddr,
+        out: Request<Body>,
+    ) -> Result<Response<Body>, SendError> {
         let dial = backends::Dial {
             attempt_ms: self.options.connect_attempt_ms,
             timeout_ms: self.options.connect_timeout_ms,
@@ -1867,7 +1862,6 @@ async fn tunnel<G: Send + 'static>(
     drop(guards);
 }
 
-/// A pooled connection the backend closed or reset: it is going away.
 /// Why a request sent on to a backend got no answer's head (either hop: [`h1hop`], [`h2hop`]).
 #[derive(Debug, thiserror::Error)]
 pub enum SendError {
