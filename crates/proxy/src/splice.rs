@@ -1,5 +1,6 @@
-//! Byte splicing between two connections with an idle bound: a TCP route's connection, and an
-//! upgraded connection (WebSocket). Each side is wrapped so that every read that moves bytes
+//! Byte splicing between two connections with an idle bound: a TCP route's connection
+//! ([`splice_tcp`]: two sockets, in a copy loop of its own) and an upgraded connection
+//! (WebSocket; [`splice`]: any two streams, through tokio's copy). Every read that moves bytes
 //! marks the pair's last activity (by ebb's clock; every byte written was read first, so reads
 //! alone tell when bytes last moved, at one clock read per chunk); one timer, moved only when it
 //! fires, ends the splice once nothing moved for the bound (the route's
@@ -8,10 +9,12 @@
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::net::tcp::WriteHalf;
 
 use crate::clock::Clock;
 
@@ -48,6 +51,136 @@ where
         last: &last,
     };
     let copy = tokio::io::copy_bidirectional(&mut a, &mut b);
+    bounded(copy, &last, idle, clock).await
+}
+
+/// [`splice`] for two TCP sockets (a TCP route's connection): the same copying, in a loop of
+/// its own that reads each socket only while it may hold bytes. A read that fills less than the
+/// buffer took all the socket had, so the socket counts as drained until its next readiness
+/// event, instead of being read once more to hear `EAGAIN` (one syscall saved per chunk each
+/// way, a third of the syscalls of a small request and its answer).
+pub async fn splice_tcp(
+    mut a: TcpStream,
+    mut b: TcpStream,
+    idle: Option<Duration>,
+    clock: &dyn Clock,
+) -> io::Result<Ended> {
+    let last = AtomicU64::new(clock.now_ms());
+    let mark = || {
+        last.fetch_max(clock.now_ms(), Ordering::Relaxed);
+    };
+    let (a_read, mut a_write) = a.split();
+    let (b_read, mut b_write) = b.split();
+    let mut up = Flow::new();
+    let mut down = Flow::new();
+    let copy = std::future::poll_fn(|cx| {
+        let up = up.poll(cx, a_read.as_ref(), &mut b_write, &mark)?;
+        let down = down.poll(cx, b_read.as_ref(), &mut a_write, &mark)?;
+        match (up, down) {
+            (Poll::Ready(up), Poll::Ready(down)) => Poll::Ready(Ok((up, down))),
+            _ => Poll::Pending,
+        }
+    });
+    bounded(copy, &last, idle, clock).await
+}
+
+/// Each way's buffer in [`splice_tcp`].
+const FLOW_BUF: usize = 16 * 1024;
+
+/// One way of a [`splice_tcp`]: the bytes read and not yet written on.
+struct Flow {
+    buf: Box<[u8]>,
+    /// What of `buf[..filled]` is written on already.
+    written: usize,
+    filled: usize,
+    /// The reading side ended (its peer closed its way).
+    eof: bool,
+    /// The writing side is shut down too: this way is over.
+    done: bool,
+    moved: u64,
+}
+
+impl Flow {
+    fn new() -> Self {
+        Flow {
+            buf: vec![0; FLOW_BUF].into_boxed_slice(),
+            written: 0,
+            filled: 0,
+            eof: false,
+            done: false,
+            moved: 0,
+        }
+    }
+
+    /// Moves what `from` has to `to` until one of them must wait, or until `from` ended and `to`
+    /// is shut down for writing (then: the bytes moved).
+    fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+        from: &TcpStream,
+        to: &mut WriteHalf<'_>,
+        mark: &impl Fn(),
+    ) -> Poll<io::Result<u64>> {
+        loop {
+            if self.done {
+                return Poll::Ready(Ok(self.moved));
+            }
+            while self.written < self.filled {
+                ready!(to.as_ref().poll_write_ready(cx))?;
+                match to.as_ref().try_write(&self.buf[self.written..self.filled]) {
+                    Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                    Ok(n) => {
+                        self.written += n;
+                        self.moved += n as u64;
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Poll::Ready(Err(e)),
+                }
+            }
+            if self.eof {
+                ready!(Pin::new(&mut *to).poll_shutdown(cx))?;
+                self.done = true;
+                continue;
+            }
+            ready!(from.poll_read_ready(cx))?;
+            let mut got = 0;
+            let buf = &mut self.buf;
+            // A short read returns WouldBlock from the closure, which clears the socket's
+            // readiness (unless an event came in since it was read), with the bytes in `got`.
+            let read = from.try_io(Interest::READABLE, || {
+                got = from.try_read(buf)?;
+                if got > 0 && got < buf.len() {
+                    Err(io::ErrorKind::WouldBlock.into())
+                } else {
+                    Ok(())
+                }
+            });
+            match read {
+                Ok(()) if got == 0 => self.eof = true,
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if got == 0 {
+                        continue;
+                    }
+                }
+                Err(e) => return Poll::Ready(Err(e)),
+            }
+            if got > 0 {
+                mark();
+                self.written = 0;
+                self.filled = got;
+            }
+        }
+    }
+}
+
+/// Runs `copy` until it ends, or until nothing moved (`last`, by `clock`) for `idle`.
+async fn bounded(
+    copy: impl std::future::Future<Output = io::Result<(u64, u64)>>,
+    last: &AtomicU64,
+    idle: Option<Duration>,
+    clock: &dyn Clock,
+) -> io::Result<Ended> {
     let Some(idle) = idle else {
         let (up, down) = copy.await?;
         return Ok(Ended::Closed { up, down });
@@ -170,5 +303,106 @@ mod tests {
             splice.await.unwrap().unwrap(),
             Ended::Closed { up: 5, down: 0 }
         );
+    }
+
+    /// A connected pair of loopback sockets: (the accepted side, the connecting side).
+    async fn tcp_pair() -> (TcpStream, TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (accepted, connected) = tokio::join!(listener.accept(), TcpStream::connect(addr));
+        (accepted.unwrap().0, connected.unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_tcp_splice_carries_small_exchanges_and_bulk_both_ways() {
+        let (a, mut client) = tcp_pair().await;
+        let (mut server, b) = tcp_pair().await;
+        let splice = tokio::spawn(async move {
+            splice_tcp(
+                a,
+                b,
+                Some(Duration::from_secs(60)),
+                &crate::clock::SystemClock,
+            )
+            .await
+        });
+        // Small exchanges: every read is short, so each one leaves its socket drained; a
+        // readiness cleared wrongly would hang the next exchange (bounded by the timeout).
+        let exchanges = async {
+            for i in 0..2_000u32 {
+                let ask = i.to_be_bytes();
+                client.write_all(&ask).await.unwrap();
+                let mut got = [0u8; 4];
+                server.read_exact(&mut got).await.unwrap();
+                assert_eq!(got, ask);
+                server.write_all(&got).await.unwrap();
+                client.read_exact(&mut got).await.unwrap();
+                assert_eq!(got, ask);
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), exchanges)
+            .await
+            .expect("the exchanges went through");
+        // Bulk, far past a buffer's size, both ways at once, then each side closes its way.
+        let up: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let down: Vec<u8> = (0..2_000_000u32).map(|i| (i % 241) as u8).collect();
+        let (mut client_read, mut client_write) = client.split();
+        let (mut server_read, mut server_write) = server.split();
+        let send_up = async {
+            client_write.write_all(&up).await.unwrap();
+            client_write.shutdown().await.unwrap();
+        };
+        let send_down = async {
+            server_write.write_all(&down).await.unwrap();
+            server_write.shutdown().await.unwrap();
+        };
+        let mut got_up = Vec::new();
+        let mut got_down = Vec::new();
+        let bulk = async {
+            tokio::join!(
+                send_up,
+                send_down,
+                server_read.read_to_end(&mut got_up),
+                client_read.read_to_end(&mut got_down),
+            )
+        };
+        let (_, _, read_up, read_down) = tokio::time::timeout(Duration::from_secs(60), bulk)
+            .await
+            .expect("the bulk went through");
+        read_up.unwrap();
+        read_down.unwrap();
+        assert!(got_up == up, "the bytes up arrived whole and in order");
+        assert!(
+            got_down == down,
+            "the bytes down arrived whole and in order"
+        );
+        assert_eq!(
+            splice.await.unwrap().unwrap(),
+            Ended::Closed {
+                up: 2_000 * 4 + 3_000_000,
+                down: 2_000 * 4 + 2_000_000
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn an_idle_tcp_splice_ends_and_closes_both_sides() {
+        let (a, mut client) = tcp_pair().await;
+        let (mut server, b) = tcp_pair().await;
+        let ended = tokio::time::timeout(
+            Duration::from_secs(30),
+            splice_tcp(
+                a,
+                b,
+                Some(Duration::from_millis(50)),
+                &crate::clock::SystemClock,
+            ),
+        )
+        .await
+        .expect("the splice ended");
+        assert_eq!(ended.unwrap(), Ended::Idle);
+        let mut rest = Vec::new();
+        assert_eq!(client.read_to_end(&mut rest).await.unwrap(), 0);
+        assert_eq!(server.read_to_end(&mut rest).await.unwrap(), 0);
     }
 }

@@ -219,7 +219,7 @@ async fn connection(proxy: &Proxy, entry: &Entry, client: TcpStream, peer: Socke
     entry.traffic.answered(200, None);
     let idle = (route.connection_idle_timeout_ms > 0)
         .then(|| Duration::from_millis(route.connection_idle_timeout_ms));
-    match super::splice::splice(client, stream, idle, &*proxy.clock).await {
+    match super::splice::splice_tcp(client, stream, idle, &*proxy.clock).await {
         Ok(super::splice::Ended::Idle) => {
             entry
                 .traffic
