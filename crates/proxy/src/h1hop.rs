@@ -97,6 +97,22 @@ async fn checkout(
     dial: Dial<'_>,
     backends: &Backends,
 ) -> Result<(SendRequest<Body>, Option<Settling>), Error> {
+    // The common case first: an idle connection, ready. The wait and the opening are a future
+    // of their own, boxed, so that every request's state does not carry theirs.
+    if let Some(mut sender) = take_idle(addr, dial)
+        && sender.ready().await.is_ok()
+    {
+        return Ok((sender, None));
+    }
+    Box::pin(wait_or_open(addr, dial, backends)).await
+}
+
+/// [`checkout`] when no idle connection was at hand.
+async fn wait_or_open(
+    addr: SocketAddr,
+    dial: Dial<'_>,
+    backends: &Backends,
+) -> Result<(SendRequest<Body>, Option<Settling>), Error> {
     let replica = backends.find(addr);
     let returned = POOL.with(|p| idle_of(&mut p.borrow_mut(), addr).returned.clone());
     let (stream, opening) = loop {

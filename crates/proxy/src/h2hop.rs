@@ -172,7 +172,8 @@ async fn ready_sender(
             .store(dial.clock.now_ms(), Ordering::Relaxed);
         let sender = match conn
             .sender
-            .get_or_try_init(|| open(addr, dial, backends, &conn))
+            // Boxed: the opening's state is not every request's.
+            .get_or_try_init(|| Box::pin(open(addr, dial, backends, &conn)))
             .await
         {
             Ok(s) => s.clone(),

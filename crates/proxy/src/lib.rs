@@ -922,7 +922,9 @@ impl Proxy {
             }
             let service = entry.and_then(|s| s.lookup(&host));
             return match service {
-                Some(service) => self.handle_service(req, peer, host, path, service).await,
+                Some(service) => {
+                    Box::pin(self.handle_service(req, peer, host, path, service)).await
+                }
                 None if grpc::is_grpc_request(&req) => grpc::status(
                     grpc::UNIMPLEMENTED,
                     &format!(
@@ -942,7 +944,7 @@ impl Proxy {
             };
         }
         if let Some(service) = self.services.lookup(&host) {
-            return self.handle_service(req, peer, host, path, service).await;
+            return Box::pin(self.handle_service(req, peer, host, path, service)).await;
         }
         let Some(entry) = self.route(&host) else {
             return json_error(
@@ -1022,22 +1024,30 @@ impl Proxy {
         let mut failed: Option<SocketAddr> = None;
         let mut parts = Some(parts);
         loop {
-            let endpoint = self.endpoint(&entry, failed, key, id.as_bytes(), wants_page);
-            let found = match deadline {
-                None => endpoint.await,
-                Some(d) => match tokio::time::timeout(d, endpoint).await {
-                    Ok(found) => found,
-                    Err(_) => {
-                        entry.traffic.answered(200, None);
-                        return grpc::status(
-                            grpc::DEADLINE_EXCEEDED,
-                            &format!(
-                                "no replica of {} was ready within the call's deadline",
-                                route.name
-                            ),
-                        );
+            let found = match self.free_slot(&entry, failed, key) {
+                // The common case: a replica has room now. The wait is a future of its own,
+                // boxed, so that every request's state does not carry the wait's.
+                Some(slot) => Ok(slot),
+                None => {
+                    let endpoint =
+                        Box::pin(self.endpoint(&entry, failed, key, id.as_bytes(), wants_page));
+                    match deadline {
+                        None => endpoint.await,
+                        Some(d) => match tokio::time::timeout(d, endpoint).await {
+                            Ok(found) => found,
+                            Err(_) => {
+                                entry.traffic.answered(200, None);
+                                return grpc::status(
+                                    grpc::DEADLINE_EXCEEDED,
+                                    &format!(
+                                        "no replica of {} was ready within the call's deadline",
+                                        route.name
+                                    ),
+                                );
+                            }
+                        },
                     }
-                },
+                }
             };
             let slot = match found {
                 Ok(s) => s,
@@ -1065,53 +1075,59 @@ impl Proxy {
                 Ok(r) => r,
                 Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", &e),
             };
-            let sent = self.send(grpc, addr, out);
             progress.mark_now();
+            // Boxed, as the wait for a replica is: every request's state would carry the
+            // send's otherwise, and be copied whole at its start.
+            let sent = Box::pin(self.send(grpc, addr, out));
             // Until the answer's head, the stream-idle bound holds too.
-            let sent = async {
-                tokio::select! {
-                    r = sent => Some(r),
-                    () = progress.stalled() => None,
-                }
-            };
-            let stalled = || {
-                entry.traffic.timed_out(traffic::Timeout::StreamIdle);
-                entry.traffic.answered(504, None);
-                let message = format!(
-                    "the request moved no byte either way for {stall_ms} ms (stream_idle_timeout_ms)"
-                );
-                if grpc {
-                    grpc::status(grpc::DEADLINE_EXCEEDED, &message)
-                } else {
-                    json_error(StatusCode::GATEWAY_TIMEOUT, "stream_idle_timeout", &message)
-                }
-            };
+            let stalled = std::pin::pin!(progress.stalled());
             let answered = match route.response_timeout_ms {
-                0 => match sent.await {
-                    Some(r) => r,
-                    None => return stalled(),
+                0 => tokio::select! {
+                    biased;
+                    r = sent => Ok(r),
+                    () = stalled => Err(None),
                 },
-                ms => match tokio::time::timeout(Duration::from_millis(ms), sent).await {
-                    Ok(Some(r)) => r,
-                    Ok(None) => return stalled(),
-                    Err(_) => {
-                        entry.traffic.timed_out(traffic::Timeout::Response);
-                        entry.traffic.answered(504, None);
-                        if grpc {
-                            return grpc::status(
-                                grpc::DEADLINE_EXCEEDED,
-                                &format!("the replica did not begin its answer within {ms} ms"),
-                            );
-                        }
-                        return json_error(
-                            StatusCode::GATEWAY_TIMEOUT,
-                            "response_timeout",
-                            &format!(
-                                "the replica did not begin its answer within {ms} ms (response_timeout_ms)"
-                            ),
+                ms => tokio::select! {
+                    biased;
+                    r = sent => Ok(r),
+                    () = stalled => Err(None),
+                    () = tokio::time::sleep(Duration::from_millis(ms)) => Err(Some(ms)),
+                },
+            };
+            let answered = match answered {
+                Ok(r) => r,
+                Err(None) => {
+                    entry.traffic.timed_out(traffic::Timeout::StreamIdle);
+                    entry.traffic.answered(504, None);
+                    let message = format!(
+                        "the request moved no byte either way for {stall_ms} ms (stream_idle_timeout_ms)"
+                    );
+                    if grpc {
+                        return grpc::status(grpc::DEADLINE_EXCEEDED, &message);
+                    }
+                    return json_error(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "stream_idle_timeout",
+                        &message,
+                    );
+                }
+                Err(Some(ms)) => {
+                    entry.traffic.timed_out(traffic::Timeout::Response);
+                    entry.traffic.answered(504, None);
+                    if grpc {
+                        return grpc::status(
+                            grpc::DEADLINE_EXCEEDED,
+                            &format!("the replica did not begin its answer within {ms} ms"),
                         );
                     }
-                },
+                    return json_error(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "response_timeout",
+                        &format!(
+                            "the replica did not begin its answer within {ms} ms (response_timeout_ms)"
+                        ),
+                    );
+                }
             };
             match answered {
                 Ok(mut resp) => {
@@ -1725,6 +1741,23 @@ impl Proxy {
             }
         }
         answer
+    }
+
+    /// A slot on a ready replica other than `avoid` with room now, without waiting
+    /// ([`Proxy::endpoint`]'s first look).
+    fn free_slot(
+        &self,
+        entry: &Entry,
+        avoid: Option<SocketAddr>,
+        key: Option<u64>,
+    ) -> Option<Slot> {
+        backends::take_slot(
+            &self.ready(entry),
+            avoid,
+            entry.spec.concurrency,
+            key,
+            &entry.group,
+        )
     }
 
     /// The route's ready replicas, read from the orchestrator only when it reported a change.
