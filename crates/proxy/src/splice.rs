@@ -21,7 +21,7 @@ use crate::clock::Clock;
 /// How a splice ended.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Ended {
-    /// Both sides closed (or one failed): bytes moved each way.
+    /// Both sides closed: bytes moved each way.
     Closed { up: u64, down: u64 },
     /// Nothing moved either way for the idle bound.
     Idle,
@@ -59,6 +59,14 @@ where
 /// buffer took all the socket had, so the socket counts as drained until its next readiness
 /// event, instead of being read once more to hear `EAGAIN` (one syscall saved per chunk each
 /// way, a third of the syscalls of a small request and its answer).
+///
+/// This leans on how tokio clears readiness (1.x, edge-triggered epoll): a closure under
+/// `try_io` that returns `WouldBlock` clears the socket's readable readiness only if no event
+/// came since it was observed, so bytes arriving after the read always wake the loop again, and
+/// a close or reset (read-closed readiness) is never cleared.
+/// One case where a short read does not drain the socket: a read stops at TCP urgent data's
+/// mark. The bytes after it wait for the peer's next bytes (or the idle bound); urgent data is
+/// not relayed as such by a TCP route in any case (nor by HAProxy in `mode tcp`).
 pub async fn splice_tcp(
     mut a: TcpStream,
     mut b: TcpStream,
@@ -84,8 +92,9 @@ pub async fn splice_tcp(
     bounded(copy, &last, idle, clock).await
 }
 
-/// Each way's buffer in [`splice_tcp`].
-const FLOW_BUF: usize = 16 * 1024;
+/// Each way's buffer in [`splice_tcp`]: tokio's copy's size, so a connection holds no more
+/// than it did.
+const FLOW_BUF: usize = 8 * 1024;
 
 /// One way of a [`splice_tcp`]: the bytes read and not yet written on.
 struct Flow {
