@@ -6,6 +6,7 @@
 //! fires, ends the splice once nothing moved for the bound (the route's
 //! `connection_idle_timeout_ms`).
 
+use std::cell::RefCell;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -92,14 +93,40 @@ pub async fn splice_tcp(
     bounded(copy, &last, idle, clock).await
 }
 
-/// Each way's buffer in [`splice_tcp`]: tokio's copy's size, so a connection holds no more
-/// than it did.
-const FLOW_BUF: usize = 8 * 1024;
+/// Each way's buffer in [`splice_tcp`]. It is taken from the thread's spares when a read is to
+/// be made and given back once its bytes are written on, as HAProxy does with its buffers: a
+/// connection with nothing in flight holds none, and the few buffers that a thread's connections
+/// use in turn stay in its caches (a buffer per connection and way, as tokio's copy keeps, spreads
+/// the same bytes over megabytes).
+const FLOW_BUF: usize = 16 * 1024;
+
+/// Spare buffers kept per thread; more are freed.
+const SPARE_BUFS: usize = 64;
+
+thread_local! {
+    static SPARES: RefCell<Vec<Box<[u8]>>> = const { RefCell::new(Vec::new()) };
+}
+
+fn take_buf() -> Box<[u8]> {
+    SPARES
+        .with(|s| s.borrow_mut().pop())
+        .unwrap_or_else(|| vec![0; FLOW_BUF].into_boxed_slice())
+}
+
+fn give_back(buf: Box<[u8]>) {
+    // At the thread's end the spares are gone: the buffer is freed.
+    let _ = SPARES.try_with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() < SPARE_BUFS {
+            s.push(buf);
+        }
+    });
+}
 
 /// One way of a [`splice_tcp`]: the bytes read and not yet written on.
 struct Flow {
-    buf: Box<[u8]>,
-    /// What of `buf[..filled]` is written on already.
+    /// Holds `filled` bytes read, of which `written` are written on; none once all are.
+    buf: Option<Box<[u8]>>,
     written: usize,
     filled: usize,
     /// The reading side ended (its peer closed its way).
@@ -109,10 +136,18 @@ struct Flow {
     moved: u64,
 }
 
+impl Drop for Flow {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            give_back(buf);
+        }
+    }
+}
+
 impl Flow {
     fn new() -> Self {
         Flow {
-            buf: vec![0; FLOW_BUF].into_boxed_slice(),
+            buf: None,
             written: 0,
             filled: 0,
             eof: false,
@@ -134,16 +169,21 @@ impl Flow {
             if self.done {
                 return Poll::Ready(Ok(self.moved));
             }
-            while self.written < self.filled {
-                ready!(to.as_ref().poll_write_ready(cx))?;
-                match to.as_ref().try_write(&self.buf[self.written..self.filled]) {
-                    Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
-                    Ok(n) => {
-                        self.written += n;
-                        self.moved += n as u64;
+            if let Some(buf) = &self.buf {
+                while self.written < self.filled {
+                    ready!(to.as_ref().poll_write_ready(cx))?;
+                    match to.as_ref().try_write(&buf[self.written..self.filled]) {
+                        Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                        Ok(n) => {
+                            self.written += n;
+                            self.moved += n as u64;
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(e) => return Poll::Ready(Err(e)),
                     }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                    Err(e) => return Poll::Ready(Err(e)),
+                }
+                if let Some(buf) = self.buf.take() {
+                    give_back(buf);
                 }
             }
             if self.eof {
@@ -152,12 +192,12 @@ impl Flow {
                 continue;
             }
             ready!(from.poll_read_ready(cx))?;
+            let mut buf = take_buf();
             let mut got = 0;
-            let buf = &mut self.buf;
             // A short read returns WouldBlock from the closure, which clears the socket's
             // readiness (unless an event came in since it was read), with the bytes in `got`.
             let read = from.try_io(Interest::READABLE, || {
-                got = from.try_read(buf)?;
+                got = from.try_read(&mut buf)?;
                 if got > 0 && got < buf.len() {
                     Err(io::ErrorKind::WouldBlock.into())
                 } else {
@@ -165,19 +205,23 @@ impl Flow {
                 }
             });
             match read {
-                Ok(()) if got == 0 => self.eof = true,
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if got == 0 {
-                        continue;
-                    }
+                // Bytes: a full buffer (Ok), or all the socket had (the short read's WouldBlock).
+                Ok(()) | Err(_) if got > 0 => {
+                    mark();
+                    self.buf = Some(buf);
+                    self.written = 0;
+                    self.filled = got;
                 }
-                Err(e) => return Poll::Ready(Err(e)),
-            }
-            if got > 0 {
-                mark();
-                self.written = 0;
-                self.filled = got;
+                Ok(()) => {
+                    give_back(buf);
+                    self.eof = true;
+                }
+                // Nothing after all: the readiness is cleared, and the next look waits.
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => give_back(buf),
+                Err(e) => {
+                    give_back(buf);
+                    return Poll::Ready(Err(e));
+                }
             }
         }
     }
@@ -413,5 +457,22 @@ mod tests {
         let mut rest = Vec::new();
         assert_eq!(client.read_to_end(&mut rest).await.unwrap(), 0);
         assert_eq!(server.read_to_end(&mut rest).await.unwrap(), 0);
+    }
+
+    #[test]
+    fn buffers_are_reused_and_the_spares_are_bounded() {
+        let first = take_buf();
+        let at = first.as_ptr();
+        give_back(first);
+        let again = take_buf();
+        assert_eq!(
+            again.as_ptr(),
+            at,
+            "the buffer given back is the next one taken"
+        );
+        let many: Vec<_> = (0..SPARE_BUFS + 5).map(|_| take_buf()).collect();
+        many.into_iter().for_each(give_back);
+        give_back(again);
+        assert_eq!(SPARES.with(|s| s.borrow().len()), SPARE_BUFS);
     }
 }
