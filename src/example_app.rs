@@ -205,8 +205,14 @@ async fn count(req: Request) -> Result<String, StatusCode> {
     Ok(format!("{n} bytes\n"))
 }
 
+/// The request's headers, a line each. A body is read to its end first (and dropped): hyper
+/// closes a keep-alive connection whose request body was left unread when the answer is done,
+/// and a proxy that pooled it would meet the close with its next request.
 async fn headers(req: Request) -> String {
-    req.headers()
+    let (parts, body) = req.into_parts();
+    let _ = axum::body::to_bytes(body, 1 << 20).await;
+    parts
+        .headers
         .iter()
         .map(|(k, v)| format!("{k}: {}\n", String::from_utf8_lossy(v.as_bytes())))
         .collect()
