@@ -90,8 +90,8 @@ fn give_back(addr: SocketAddr, sender: SendRequest<Body>, max_idle: usize, now_m
 
 /// A connection for a request to `addr`: an idle one, a new one (with its opening, to end at
 /// the first answer), or the first of those to be had ([`backends::get_connection`], as the
-/// HTTP/1.1 fast path's in `h1.rs`). An address no ready list names is not paced: a connection is opened for it
-/// when none is idle.
+/// HTTP/1.1 fast path's in `h1.rs`). An address no ready list names is not paced: a connection
+/// is opened for it when none is idle.
 async fn checkout(
     addr: SocketAddr,
     dial: Dial<'_>,

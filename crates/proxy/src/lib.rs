@@ -35,8 +35,9 @@
 //!   same per-replica bound, or waits for the first of those, and never opens one it will not
 //!   use; a request whose client left is dropped with its connection. Its HTTP/2 ones (gRPC,
 //!   h2c destinations) are one per replica and thread, driven with `h2` directly ([`h2hop`]): a
-//!   stream opened from the request's own task. Its bodies are [`Body`] (`BoxBody<Bytes,
-//!   BoxError>`), so the proxy can end one itself ([`stream_idle`]). gRPC ([`grpc`]) takes the general path; TCP
+//!   stream opened from the request's own task. Its bodies are [`Body`]
+//!   (`BoxBody<Bytes, BoxError>`), so the proxy can end one itself ([`stream_idle`]). gRPC
+//!   ([`grpc`]) takes the general path; TCP
 //!   routes ([`tcp`]) have listeners of their own; meta services ([`services`]) route by their
 //!   own rules. A request that meets a backend refusing the connection (its body untouched), or
 //!   a body-less one whose connection is reset or closed before an answer (the replica is
@@ -1024,30 +1025,22 @@ impl Proxy {
         let mut failed: Option<SocketAddr> = None;
         let mut parts = Some(parts);
         loop {
-            let found = match self.free_slot(&entry, failed, key) {
-                // The common case: a replica has room now. The wait is a future of its own,
-                // boxed, so that every request's state does not carry the wait's.
-                Some(slot) => Ok(slot),
-                None => {
-                    let endpoint =
-                        Box::pin(self.endpoint(&entry, failed, key, id.as_bytes(), wants_page));
-                    match deadline {
-                        None => endpoint.await,
-                        Some(d) => match tokio::time::timeout(d, endpoint).await {
-                            Ok(found) => found,
-                            Err(_) => {
-                                entry.traffic.answered(200, None);
-                                return grpc::status(
-                                    grpc::DEADLINE_EXCEEDED,
-                                    &format!(
-                                        "no replica of {} was ready within the call's deadline",
-                                        route.name
-                                    ),
-                                );
-                            }
-                        },
+            let endpoint = self.endpoint(&entry, failed, key, id.as_bytes(), wants_page);
+            let found = match deadline {
+                None => endpoint.await,
+                Some(d) => match tokio::time::timeout(d, endpoint).await {
+                    Ok(found) => found,
+                    Err(_) => {
+                        entry.traffic.answered(200, None);
+                        return grpc::status(
+                            grpc::DEADLINE_EXCEEDED,
+                            &format!(
+                                "no replica of {} was ready within the call's deadline",
+                                route.name
+                            ),
+                        );
                     }
-                }
+                },
             };
             let slot = match found {
                 Ok(s) => s,
@@ -1079,20 +1072,14 @@ impl Proxy {
             // Boxed, as the wait for a replica is: every request's state would carry the
             // send's otherwise, and be copied whole at its start.
             let sent = Box::pin(self.send(grpc, addr, out));
-            // Until the answer's head, the stream-idle bound holds too.
-            let stalled = std::pin::pin!(progress.stalled());
-            let answered = match route.response_timeout_ms {
-                0 => tokio::select! {
-                    biased;
-                    r = sent => Ok(r),
-                    () = stalled => Err(None),
-                },
-                ms => tokio::select! {
-                    biased;
-                    r = sent => Ok(r),
-                    () = stalled => Err(None),
-                    () = tokio::time::sleep(Duration::from_millis(ms)) => Err(Some(ms)),
-                },
+            // Until the answer's head, the stream-idle bound holds too, and the route's
+            // response timeout when it has one.
+            let ms = route.response_timeout_ms;
+            let answered = tokio::select! {
+                biased;
+                r = sent => Ok(r),
+                () = progress.stalled() => Err(None),
+                () = tokio::time::sleep(Duration::from_millis(ms)), if ms > 0 => Err(Some(ms)),
             };
             let answered = match answered {
                 Ok(r) => r,
@@ -1468,9 +1455,9 @@ impl Proxy {
         }
     }
 
-    /// Sends a request on to the backend at `addr` (`out`'s URI points there): over HTTP/2 without TLS when `h2` (gRPC, an h2c
-    /// backend; the `Host` dropped, `:authority` being the address dialled; [`h2hop`]), else
-    /// HTTP/1.1.
+    /// Sends a request on to the backend at `addr` (`out`'s URI points there): over HTTP/2
+    /// without TLS when `h2` (gRPC, an h2c backend; the `Host` dropped, `:authority` being the
+    /// address dialled; [`h2hop`]), else HTTP/1.1.
     async fn send(
         &self,
         h2: bool,
@@ -1564,6 +1551,9 @@ impl Proxy {
     /// `id`: the request's id, for the lines logged about it while it is held.
     /// `page`: a browser's page load, answered with the route's waiting page (if it has one)
     /// instead of being held.
+    ///
+    /// A replica with room now is taken at once; the hold is a future of its own, boxed, so that
+    /// the state of every request (which holds this future) does not carry the hold's.
     async fn endpoint(
         &self,
         entry: &Entry,
@@ -1572,8 +1562,17 @@ impl Proxy {
         id: &[u8],
         page: bool,
     ) -> Result<Slot, Refusal> {
-        self.endpoint_on(entry, avoid, key, id, page, &|| self.ready(entry))
-            .await
+        let free = backends::take_slot(
+            &self.ready(entry),
+            avoid,
+            entry.spec.concurrency,
+            key,
+            &entry.group,
+        );
+        if let Some(slot) = free {
+            return Ok(slot);
+        }
+        Box::pin(self.endpoint_on(entry, avoid, key, id, page, &|| self.ready(entry))).await
     }
 
     /// [`Proxy::endpoint`] with the route's replicas as `ready` gives them (a meta service's
@@ -1741,23 +1740,6 @@ impl Proxy {
             }
         }
         answer
-    }
-
-    /// A slot on a ready replica other than `avoid` with room now, without waiting
-    /// ([`Proxy::endpoint`]'s first look).
-    fn free_slot(
-        &self,
-        entry: &Entry,
-        avoid: Option<SocketAddr>,
-        key: Option<u64>,
-    ) -> Option<Slot> {
-        backends::take_slot(
-            &self.ready(entry),
-            avoid,
-            entry.spec.concurrency,
-            key,
-            &entry.group,
-        )
     }
 
     /// The route's ready replicas, read from the orchestrator only when it reported a change.

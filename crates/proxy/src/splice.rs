@@ -13,9 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
-use tokio::net::tcp::WriteHalf;
+use tokio::net::tcp::{ReadHalf, WriteHalf};
 
 use crate::clock::Clock;
 
@@ -59,17 +59,6 @@ where
 /// its own whose buffers are held only while bytes are in flight (`FLOW_BUF`): an open
 /// connection that moves nothing holds none (tokio's copy keeps 8 KiB a way for the connection's
 /// life: 72 MB for 4,000 idle connections, against 10 MB here).
-///
-/// A read that fills less than the buffer took all the socket had, so the socket counts as
-/// drained until its next readiness event instead of being read again to hear `EAGAIN`, as
-/// tokio's own `poll_read` does. The loop reads with `try_read` into a buffer it takes only once
-/// the socket is ready, so it does the same by hand: a closure under `try_io` that returns
-/// `WouldBlock` clears the socket's readable readiness, and tokio (1.x, edge-triggered epoll)
-/// clears it only if no event came since it was observed, so bytes arriving after the read always
-/// wake the loop again, and a close or reset (read-closed readiness) is never cleared.
-/// One case where a short read does not drain the socket: a read stops at TCP urgent data's
-/// mark. The bytes after it wait for the peer's next bytes (or the idle bound); urgent data is
-/// not relayed as such by a TCP route in any case (nor by HAProxy in `mode tcp`).
 pub async fn splice_tcp(
     mut a: TcpStream,
     mut b: TcpStream,
@@ -80,13 +69,13 @@ pub async fn splice_tcp(
     let mark = || {
         last.fetch_max(clock.now_ms(), Ordering::Relaxed);
     };
-    let (a_read, mut a_write) = a.split();
-    let (b_read, mut b_write) = b.split();
+    let (mut a_read, mut a_write) = a.split();
+    let (mut b_read, mut b_write) = b.split();
     let mut up = Flow::new();
     let mut down = Flow::new();
     let copy = std::future::poll_fn(|cx| {
-        let up = up.poll(cx, a_read.as_ref(), &mut b_write, &mark)?;
-        let down = down.poll(cx, b_read.as_ref(), &mut a_write, &mark)?;
+        let up = up.poll(cx, &mut a_read, &mut b_write, &mark)?;
+        let down = down.poll(cx, &mut b_read, &mut a_write, &mark)?;
         match (up, down) {
             (Poll::Ready(up), Poll::Ready(down)) => Poll::Ready(Ok((up, down))),
             _ => Poll::Pending,
@@ -162,7 +151,7 @@ impl Flow {
     fn poll(
         &mut self,
         cx: &mut Context<'_>,
-        from: &TcpStream,
+        from: &mut ReadHalf<'_>,
         to: &mut WriteHalf<'_>,
         mark: &impl Fn(),
     ) -> Poll<io::Result<u64>> {
@@ -172,58 +161,48 @@ impl Flow {
             }
             if let Some(buf) = &self.buf {
                 while self.written < self.filled {
-                    ready!(to.as_ref().poll_write_ready(cx))?;
-                    match to.as_ref().try_write(&buf[self.written..self.filled]) {
-                        Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
-                        Ok(n) => {
-                            self.written += n;
-                            self.moved += n as u64;
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        Err(e) => return Poll::Ready(Err(e)),
+                    let n =
+                        ready!(Pin::new(&mut *to).poll_write(cx, &buf[self.written..self.filled]))?;
+                    if n == 0 {
+                        return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
                     }
+                    self.written += n;
+                    self.moved += n as u64;
                 }
-                if let Some(buf) = self.buf.take() {
-                    give_back(buf);
-                }
+            }
+            if let Some(buf) = self.buf.take() {
+                give_back(buf);
             }
             if self.eof {
                 ready!(Pin::new(&mut *to).poll_shutdown(cx))?;
                 self.done = true;
                 continue;
             }
-            ready!(from.poll_read_ready(cx))?;
+            // A buffer is taken only once the socket has bytes (or its end) to read; tokio's
+            // read treats a short read as having drained the socket until its next event.
+            ready!(from.as_ref().poll_read_ready(cx))?;
             let mut buf = take_buf();
-            let mut got = 0;
-            // A short read returns WouldBlock from the closure, which clears the socket's
-            // readiness (unless an event came in since it was read), with the bytes in `got`.
-            let read = from.try_io(Interest::READABLE, || {
-                got = from.try_read(&mut buf)?;
-                if got > 0 && got < buf.len() {
-                    Err(io::ErrorKind::WouldBlock.into())
-                } else {
-                    Ok(())
-                }
-            });
-            match read {
-                // Bytes: a full buffer (Ok), or all the socket had (the short read's WouldBlock).
-                Ok(()) | Err(_) if got > 0 => {
-                    mark();
-                    self.buf = Some(buf);
-                    self.written = 0;
-                    self.filled = got;
-                }
-                Ok(()) => {
-                    give_back(buf);
-                    self.eof = true;
-                }
-                // Nothing after all: the readiness is cleared, and the next look waits.
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => give_back(buf),
-                Err(e) => {
+            let mut read = ReadBuf::new(&mut buf);
+            let got = match Pin::new(&mut *from).poll_read(cx, &mut read) {
+                Poll::Ready(Ok(())) => read.filled().len(),
+                Poll::Ready(Err(e)) => {
                     give_back(buf);
                     return Poll::Ready(Err(e));
                 }
+                Poll::Pending => {
+                    give_back(buf);
+                    return Poll::Pending;
+                }
+            };
+            if got == 0 {
+                give_back(buf);
+                self.eof = true;
+                continue;
             }
+            mark();
+            self.buf = Some(buf);
+            self.written = 0;
+            self.filled = got;
         }
     }
 }
