@@ -76,8 +76,23 @@ fn java() -> PathBuf {
 }
 
 /// Starts Apache Kafka (one KRaft node, broker and controller, on two free loopback ports, its
-/// data in a temporary directory) and waits until it answers metadata requests.
+/// data in a temporary directory) and waits until it answers metadata requests. A port picked free
+/// can be taken by another test's outgoing connection before the broker binds it: a broker that
+/// exits while starting is started again on new ports, up to three times.
 pub async fn broker() -> Broker {
+    let mut last = String::new();
+    for _ in 0..3 {
+        let mut b = formatted_kafka();
+        match b.try_start().await {
+            Ok(()) => return b,
+            Err(e) => last = e,
+        }
+    }
+    panic!("Apache Kafka did not start in three tries: {last}");
+}
+
+/// A formatted Apache Kafka on two free loopback ports, not started.
+fn formatted_kafka() -> Broker {
     let dir = tempfile::tempdir().unwrap();
     let (port, controller) = (free_port(), free_port());
     let data = dir.path().join("data");
@@ -122,13 +137,11 @@ pub async fn broker() -> Broker {
         "formatting Kafka's storage failed: {}",
         String::from_utf8_lossy(&format.stderr)
     );
-    let mut b = Broker {
+    Broker {
         child: None,
         addr: format!("127.0.0.1:{port}").parse().unwrap(),
         kind: Kind::Kafka { dir, libs },
-    };
-    b.start().await;
-    b
+    }
 }
 
 /// Starts tansu (memory storage) on a free loopback port and waits until it answers.
@@ -143,20 +156,33 @@ pub async fn tansu_broker() -> Broker {
 }
 
 impl Broker {
-    /// Starts the broker's process (again, for Apache Kafka: same ports, same data).
+    /// Starts the broker's process (again, for Apache Kafka: same ports, same data) and waits
+    /// until it answers.
     pub async fn start(&mut self) {
+        if let Err(e) = self.try_start().await {
+            panic!("{e}");
+        }
+    }
+
+    /// Starts the broker's process and waits until it answers metadata requests: an error if
+    /// it exits first (with the end of its stderr) or does not answer in 60 s.
+    async fn try_start(&mut self) -> Result<(), String> {
         assert!(self.child.is_none(), "the broker runs already");
         let child = match &self.kind {
-            Kind::Kafka { dir, libs } => Command::new(java())
-                .args(["-Xms128m", "-Xmx512m", "-XX:+UseSerialGC"])
-                .arg("-cp")
-                .arg(libs.join("*"))
-                .arg("kafka.Kafka")
-                .arg(dir.path().join("server.properties"))
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.path().join("broker.err")).unwrap())
-                .spawn()
-                .unwrap_or_else(|e| panic!("cannot start {:?}: {e}", java())),
+            Kind::Kafka { dir, libs } => {
+                // Its log (log4j's default writes errors to stdout) and stderr, in one file.
+                let log = std::fs::File::create(dir.path().join("broker.err")).unwrap();
+                Command::new(java())
+                    .args(["-Xms128m", "-Xmx512m", "-XX:+UseSerialGC"])
+                    .arg("-cp")
+                    .arg(libs.join("*"))
+                    .arg("kafka.Kafka")
+                    .arg(dir.path().join("server.properties"))
+                    .stdout(log.try_clone().unwrap())
+                    .stderr(log)
+                    .spawn()
+                    .unwrap_or_else(|e| panic!("cannot start {:?}: {e}", java()))
+            }
             Kind::Tansu => {
                 let url = format!("tcp://{}", self.addr);
                 Command::new(tansu())
@@ -184,11 +210,22 @@ impl Broker {
                 .unwrap(),
         );
         // Polled with a deadline: a metadata request (blocking, so off the runtime) until one
-        // lists the broker.
+        // lists the broker, or the process has exited.
         let answering = async {
             let mut tick = tokio::time::interval(Duration::from_millis(50));
             loop {
                 tick.tick().await;
+                if let Some(status) = self
+                    .child
+                    .as_mut()
+                    .and_then(|c| c.try_wait().ok().flatten())
+                {
+                    self.child = None;
+                    return Err(format!(
+                        "the broker at {addr} exited while starting ({status}): {}",
+                        self.stderr_tail()
+                    ));
+                }
                 let c = client.clone();
                 let up = tokio::task::spawn_blocking(move || {
                     c.fetch_metadata(None, Duration::from_millis(500))
@@ -197,14 +234,30 @@ impl Broker {
                 .await
                 .unwrap();
                 if up {
-                    return;
+                    return Ok(());
                 }
             }
         };
-        let answers = tokio::time::timeout(Duration::from_secs(60), answering)
-            .await
-            .is_ok();
-        assert!(answers, "the broker at {addr} did not answer in 60 s");
+        match tokio::time::timeout(Duration::from_secs(60), answering).await {
+            Ok(r) => r,
+            Err(_) => Err(format!(
+                "the broker at {addr} did not answer in 60 s: {}",
+                self.stderr_tail()
+            )),
+        }
+    }
+
+    /// The last lines of Apache Kafka's stderr (tansu's is not kept).
+    fn stderr_tail(&self) -> String {
+        match &self.kind {
+            Kind::Kafka { dir, .. } => {
+                let err =
+                    std::fs::read_to_string(dir.path().join("broker.err")).unwrap_or_default();
+                let lines: Vec<&str> = err.lines().collect();
+                lines[lines.len().saturating_sub(20)..].join("\n")
+            }
+            Kind::Tansu => String::from("(tansu's stderr is not kept)"),
+        }
     }
 
     /// Kills the broker's process (SIGKILL) and waits for it.
