@@ -33,5 +33,6 @@ pub mod peers;
 pub mod queue;
 pub mod serve;
 pub mod strict;
+pub mod telemetry;
 pub mod tls;
 pub mod tools;

@@ -681,6 +681,20 @@ impl Collector for Scraped {
             gauge(|f| f.held),
         )?;
         let mut family = encoder.encode_descriptor(
+            "ebb_trace_spans",
+            "Spans ended while traces are on (OTEL_*), by what became of them: exported, dropped (the export queue was full) or lost (their export failed).",
+            None,
+            MetricType::Counter,
+        )?;
+        let spans = crate::telemetry::spans();
+        for (outcome, n) in [
+            ("exported", spans.exported),
+            ("dropped_queue_full", spans.queue_full),
+            ("export_failed", spans.export_failed),
+        ] {
+            ConstCounter::new(n).encode(family.encode_family(&[("outcome", outcome)])?)?;
+        }
+        let mut family = encoder.encode_descriptor(
             "ebb_limit_refusals",
             "What a limit refused (or stopped), by the limit's setting.",
             None,

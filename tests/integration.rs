@@ -34,5 +34,6 @@ mod simulation;
 mod tcp;
 mod timeouts;
 mod tls;
+mod traces;
 mod waiting;
 mod warm;

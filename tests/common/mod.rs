@@ -7,6 +7,7 @@ pub mod http;
 pub mod kafka;
 pub mod kubelet;
 pub mod node;
+pub mod otelcol;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

@@ -257,6 +257,27 @@ pub trait Routes {
     }
     fn max_headers(&self) -> usize;
     fn max_head_bytes(&self) -> usize;
+    /// Whether requests are traced: the head writer then leaves the request's `traceparent`
+    /// and `tracestate` (W3C Trace Context) to [`Routes::trace`] instead of copying them.
+    fn traces(&self) -> bool {
+        false
+    }
+    /// A traced request's trace context, as the client sent it (the first of each header):
+    /// writes the header lines that carry the context on to `out` (its own span's, or the
+    /// client's as they came). `id`: where the request id is in `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn trace(
+        &self,
+        _route: &Self::Route,
+        _method: &str,
+        _host: &str,
+        _path: &str,
+        _traceparent: Option<&[u8]>,
+        _tracestate: Option<&[u8]>,
+        _id: std::ops::Range<usize>,
+        _out: &mut Vec<u8>,
+    ) {
+    }
 }
 
 /// The client's address as the forwarding headers write it, formatted once per connection.
@@ -445,8 +466,20 @@ pub fn parse_request<R: Routes>(
     out.extend_from_slice(sent_host.unwrap_or(host).as_bytes());
     out.extend_from_slice(b"\r\n");
     let mut id = 0..0;
+    let traces = proxy.traces();
+    let (mut traceparent, mut tracestate) = (None, None);
     for h in headers {
         let name = h.name;
+        if traces {
+            if name.eq_ignore_ascii_case("traceparent") {
+                traceparent = traceparent.or(Some(h.value));
+                continue;
+            }
+            if name.eq_ignore_ascii_case("tracestate") {
+                tracestate = tracestate.or(Some(h.value));
+                continue;
+            }
+        }
         // The framing is written below from what was parsed, so `Connection` naming
         // Content-Length cannot take a body's framing away; Host was written above, from the
         // target's authority when it had one.
@@ -491,6 +524,19 @@ pub fn parse_request<R: Routes>(
         out.extend_from_slice(&crate::request_id::make());
         id = at..out.len();
         out.extend_from_slice(b"\r\n");
+    }
+    if traces {
+        let path = sent.as_deref().unwrap_or(&target.path);
+        proxy.trace(
+            &entry,
+            method,
+            host,
+            path,
+            traceparent,
+            tracestate,
+            id.clone(),
+            out,
+        );
     }
     // X-Forwarded-For and Forwarded extend what earlier proxies said.
     out.extend_from_slice(b"x-forwarded-for: ");

@@ -52,7 +52,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -128,13 +128,14 @@ impl Target {
         key: Option<u64>,
         id: &[u8],
         page: bool,
+        span: Option<&opentelemetry::Context>,
     ) -> Result<Slot, Refusal> {
         match self {
-            Target::Route(e) => proxy.endpoint(e, avoid, key, id, page).await,
+            Target::Route(e) => proxy.endpoint(e, avoid, key, id, page, span).await,
             Target::Service(s) => {
                 let app = s.app.as_deref();
                 proxy
-                    .service_slot(&s.service, s.route, s.dest, app, avoid, key, id)
+                    .service_slot(&s.service, s.route, s.dest, app, avoid, key, id, span)
                     .await
             }
         }
@@ -156,6 +157,8 @@ pub(super) async fn serve_connection(
     let routing = Routing {
         proxy: &proxy,
         gateway,
+        span: std::cell::Cell::new(None),
+        peer,
     };
     let mut buf = BytesMut::with_capacity(8 * 1024);
     let mut head = Vec::with_capacity(1024);
@@ -276,6 +279,8 @@ pub(super) async fn serve_connection(
             }
         };
         buf.advance(req.head_len);
+        // Its span, when tracing is on and it was sampled.
+        let span = routing.span.take();
         let route = req.entry.spec();
         let stall_ms = match route.stream_idle_timeout_ms {
             0 => proxy.options.request_stall_timeout_ms,
@@ -291,6 +296,7 @@ pub(super) async fn serve_connection(
                 &req,
                 &mut out,
                 &progress,
+                span.as_ref(),
             );
             tokio::pin!(exchanged);
             loop {
@@ -325,11 +331,15 @@ pub(super) async fn serve_connection(
                         ),
                     );
                     req.entry.traffic().answered(refusal.status.as_u16(), None);
+                    progress.answered(refusal.status.as_u16());
                     let _ = write_refusal(&mut client, &mut out, &proxy, &refusal, true).await;
                 }
                 false
             }
         };
+        if let Some(cx) = span {
+            super::trace::answered(cx, progress.status.load(Ordering::Relaxed));
+        }
         idle_ms = match route.connection_idle_timeout_ms {
             0 => proxy.options.client_idle_timeout_ms,
             ms => ms,
@@ -403,6 +413,8 @@ struct Progress<'a> {
     wrote: AtomicBool,
     /// The request under way waits for a replica.
     held: AtomicBool,
+    /// The status the request under way was answered with (0: not yet), for its span.
+    status: AtomicU16,
 }
 
 impl<'a> Progress<'a> {
@@ -412,7 +424,13 @@ impl<'a> Progress<'a> {
             clock,
             wrote: AtomicBool::new(false),
             held: AtomicBool::new(false),
+            status: AtomicU16::new(0),
         }
+    }
+
+    /// Notes the status the request under way was answered with.
+    fn answered(&self, status: u16) {
+        self.status.store(status, Ordering::Relaxed);
     }
 
     fn mark(&self) {
@@ -569,9 +587,11 @@ async fn exchange(
     req: &Request,
     out: &mut Vec<u8>,
     progress: &Progress<'_>,
+    span: Option<&opentelemetry::Context>,
 ) -> bool {
     let _in_flight = entry.traffic().begin(progress.at());
     progress.wrote.store(false, Ordering::Relaxed);
+    progress.status.store(0, Ordering::Relaxed);
     let has_body = req.body != Framing::Empty;
     let (mut cr, mut cw) = client.split();
     let mut avoid: Option<SocketAddr> = None;
@@ -580,7 +600,14 @@ async fn exchange(
         let ready = async {
             progress.held.store(true, Ordering::Relaxed);
             let slot = entry
-                .endpoint(proxy, avoid, req.key, &head[req.id.clone()], req.wants_page)
+                .endpoint(
+                    proxy,
+                    avoid,
+                    req.key,
+                    &head[req.id.clone()],
+                    req.wants_page,
+                    span,
+                )
                 .await;
             progress.held.store(false, Ordering::Relaxed);
             let slot = slot?;
@@ -593,6 +620,7 @@ async fn exchange(
                 Ok(got) => got,
                 Err(refusal) => {
                     entry.traffic().answered(refusal.status.as_u16(), None);
+                    progress.answered(refusal.status.as_u16());
                     return write_refusal(&mut cw, out, proxy, &refusal, has_body)
                         .await
                         .is_ok()
@@ -605,6 +633,7 @@ async fn exchange(
             }
         };
         let addr = slot.addr();
+        super::trace::replica(span, addr);
         let (mut backend, reused, opening) = match conn {
             Ok((backend, reused, opening)) => {
                 if !reused {
@@ -627,6 +656,7 @@ async fn exchange(
                 slot.failed();
                 let refusal = Refusal::bad_gateway(format!("backend {addr}: {e}"));
                 entry.traffic().answered(refusal.status.as_u16(), None);
+                progress.answered(refusal.status.as_u16());
                 return write_refusal(&mut cw, out, proxy, &refusal, has_body)
                     .await
                     .is_ok()
@@ -722,6 +752,7 @@ async fn exchange(
                 let refusal =
                     Refusal::new(StatusCode::GATEWAY_TIMEOUT, "response_timeout", e.message);
                 entry.traffic().answered(refusal.status.as_u16(), None);
+                progress.answered(refusal.status.as_u16());
                 if wrote {
                     return false;
                 }
@@ -763,6 +794,7 @@ async fn exchange(
                 };
                 if !counted.load(Ordering::Relaxed) {
                     entry.traffic().answered(refusal.status.as_u16(), None);
+                    progress.answered(refusal.status.as_u16());
                 }
                 let _ = write_refusal(&mut cw, out, proxy, &refusal, true).await;
                 return false;
@@ -1021,6 +1053,7 @@ where
         if !resp.interim {
             let rtt_us = slot.answered(resp.status, resp.load);
             traffic.answered(resp.status, Some(rtt_us));
+            progress.answered(resp.status);
             counted.store(true, Ordering::Relaxed);
         }
         if resp.interim {
@@ -1099,10 +1132,66 @@ where
 struct Routing<'a> {
     proxy: &'a Proxy,
     gateway: Option<SocketAddr>,
+    /// The span of the request whose head was parsed last (tracing on and the request sampled).
+    span: std::cell::Cell<Option<opentelemetry::Context>>,
+    /// The client, for the span.
+    peer: SocketAddr,
 }
 
 impl Routes for Routing<'_> {
     type Route = Target;
+
+    fn traces(&self) -> bool {
+        super::trace::tracing().is_some()
+    }
+
+    fn trace(
+        &self,
+        route: &Target,
+        method: &str,
+        host: &str,
+        path: &str,
+        traceparent: Option<&[u8]>,
+        tracestate: Option<&[u8]>,
+        id: std::ops::Range<usize>,
+        out: &mut Vec<u8>,
+    ) {
+        let Some(tracing) = super::trace::tracing() else {
+            return;
+        };
+        let carried = super::trace::Carried {
+            traceparent: traceparent.and_then(|v| std::str::from_utf8(v).ok()),
+            tracestate: tracestate.and_then(|v| std::str::from_utf8(v).ok()),
+        };
+        let spec = route.spec();
+        let cx = tracing.request(
+            &carried,
+            super::trace::RequestSpan {
+                method,
+                path,
+                host,
+                route: Some(&spec.name),
+                client: Some(self.peer),
+                request_id: Some(&out[id]),
+            },
+        );
+        match &cx {
+            Some(cx) => tracing.inject(cx, &mut super::trace::HeadLines(out)),
+            None => {
+                // Sampled out: the client's context goes on as it came.
+                let carried = [
+                    (&b"traceparent"[..], traceparent),
+                    (&b"tracestate"[..], tracestate),
+                ];
+                for (name, value) in carried {
+                    if let Some(v) = value {
+                        ebb_http::h1::push_header(out, name, v);
+                    }
+                }
+            }
+        }
+        self.span.set(cx);
+    }
 
     fn spec(route: &Target) -> &RouteSpec {
         route.spec()

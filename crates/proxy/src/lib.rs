@@ -81,6 +81,7 @@ pub mod stream_idle;
 pub mod strict;
 pub mod table;
 pub mod tcp;
+pub mod trace;
 pub mod traffic;
 pub use ebb_core::scaler::{BackendMiss, retry_after_miss};
 pub use ebb_core::waiting;
@@ -108,8 +109,10 @@ use crate::scaler::{awake_replicas, decide_wake, warm_min};
 use crate::state::State;
 use backends::{Backends, Slot};
 use ebb_core::orchestrator::Orchestrator;
+use opentelemetry::trace::TraceContextExt as _;
 use table::{Entry, Table};
 use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
 pub use traffic::{InFlight, RouteTraffic, Traffic};
 
 /// Bodies the proxy sends and answers with.
@@ -861,7 +864,39 @@ impl Proxy {
                 }
                 // Boxed: hyper spawns a task per HTTP/2 stream holding this future, and moves it
                 // whole into the task and out at its end; the boxed one is a pointer.
-                Ok::<_, std::convert::Infallible>(Box::pin(proxy.handle(req, peer)).await)
+                let Some(tracing) = trace::tracing() else {
+                    return Ok::<_, std::convert::Infallible>(
+                        Box::pin(proxy.handle(req, peer)).await,
+                    );
+                };
+                // Traced: the request's span from its head to its answer's head, its context
+                // sent on in place of the client's.
+                let cx = {
+                    let host = routed_by(&req).map(|(h, _)| h).unwrap_or_default();
+                    let method = req.method().as_str().to_owned();
+                    let path = req.uri().path().to_owned();
+                    let carrier = trace::Headers(req.headers_mut());
+                    tracing.request(
+                        &carrier,
+                        trace::RequestSpan {
+                            method: &method,
+                            path: &path,
+                            host: &host,
+                            route: None,
+                            client: Some(peer),
+                            request_id: None,
+                        },
+                    )
+                };
+                if let Some(cx) = &cx {
+                    tracing.inject(cx, &mut trace::Headers(req.headers_mut()));
+                    req.extensions_mut().insert(trace::RequestCx(cx.clone()));
+                }
+                let resp = Box::pin(proxy.handle(req, peer)).await;
+                if let Some(cx) = cx {
+                    trace::answered(cx, resp.status().as_u16());
+                }
+                Ok(resp)
             }
         });
         let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
@@ -995,6 +1030,11 @@ impl Proxy {
         let https = parts.extensions.get::<Https>().is_some();
         add_forwarded(&mut parts.headers, peer, &host, https);
         let id = ensure_request_id(&mut parts.headers);
+        let span = parts
+            .extensions
+            .get::<trace::RequestCx>()
+            .map(|c| c.0.clone());
+        trace::routed(span.as_ref(), &route.name, id.as_bytes());
         let key = key_of(&route.policy, &path, &parts.headers, peer);
         let wants_page = route.waiting_page.is_some()
             && upgrade_to.is_none()
@@ -1025,7 +1065,14 @@ impl Proxy {
         let mut failed: Option<SocketAddr> = None;
         let mut parts = Some(parts);
         loop {
-            let endpoint = self.endpoint(&entry, failed, key, id.as_bytes(), wants_page);
+            let endpoint = self.endpoint(
+                &entry,
+                failed,
+                key,
+                id.as_bytes(),
+                wants_page,
+                span.as_ref(),
+            );
             let found = match deadline {
                 None => endpoint.await,
                 Some(d) => match tokio::time::timeout(d, endpoint).await {
@@ -1050,6 +1097,7 @@ impl Proxy {
                 }
             };
             let addr = slot.addr();
+            trace::replica(span.as_ref(), addr);
             // The head is kept for another try only while one can come (a request that can be
             // sent again, not tried yet); otherwise it moves into the request, uncopied.
             let head = if retry_after_miss(BackendMiss::WentAway { replayable }, failed.is_some()) {
@@ -1306,6 +1354,11 @@ impl Proxy {
         change_headers(&mut parts.headers, &dest.request_headers);
         add_forwarded(&mut parts.headers, peer, &host, https);
         let id = ensure_request_id(&mut parts.headers);
+        let span = parts
+            .extensions
+            .get::<trace::RequestCx>()
+            .map(|c| c.0.clone());
+        trace::routed(span.as_ref(), &service.meta.id, id.as_bytes());
         let key = key_of(&dest.policy, &target, &parts.headers, peer);
         let path = match hyper::http::uri::PathAndQuery::try_from(sent.as_str()) {
             Ok(p) => p,
@@ -1344,7 +1397,16 @@ impl Proxy {
         let tries = async {
             loop {
                 let slot = match self
-                    .service_slot(&service, ri, di, app.as_deref(), failed, key, id.as_bytes())
+                    .service_slot(
+                        &service,
+                        ri,
+                        di,
+                        app.as_deref(),
+                        failed,
+                        key,
+                        id.as_bytes(),
+                        span.as_ref(),
+                    )
                     .await
                 {
                     Ok(slot) => slot,
@@ -1356,6 +1418,7 @@ impl Proxy {
                     }
                 };
                 let addr = slot.addr();
+                trace::replica(span.as_ref(), addr);
                 let out = match to_backend(
                     parts.clone(),
                     body.take().unwrap_or_else(empty),
@@ -1510,10 +1573,13 @@ impl Proxy {
         avoid: Option<SocketAddr>,
         key: Option<u64>,
         id: &[u8],
+        span: Option<&opentelemetry::Context>,
     ) -> Result<Slot, Refusal> {
         let ready = || self.service_ready(service, ri, di);
         if let Some(app) = app {
-            return self.endpoint_on(app, avoid, key, id, false, &ready).await;
+            return self
+                .endpoint_on(app, avoid, key, id, false, span, &ready)
+                .await;
         }
         let ready = ready();
         let take = |avoid| backends::take_slot(&ready, avoid, 0, key, &service.group);
@@ -1561,6 +1627,7 @@ impl Proxy {
         key: Option<u64>,
         id: &[u8],
         page: bool,
+        span: Option<&opentelemetry::Context>,
     ) -> Result<Slot, Refusal> {
         let free = backends::take_slot(
             &self.ready(entry),
@@ -1572,11 +1639,13 @@ impl Proxy {
         if let Some(slot) = free {
             return Ok(slot);
         }
-        Box::pin(self.endpoint_on(entry, avoid, key, id, page, &|| self.ready(entry))).await
+        let ready = || self.ready(entry);
+        Box::pin(self.endpoint_on(entry, avoid, key, id, page, span, &ready)).await
     }
 
     /// [`Proxy::endpoint`] with the route's replicas as `ready` gives them (a meta service's
     /// `ebb://app` destination: the app's replicas under the destination's policy).
+    #[allow(clippy::too_many_arguments)]
     async fn endpoint_on(
         &self,
         entry: &Entry,
@@ -1584,6 +1653,7 @@ impl Proxy {
         key: Option<u64>,
         id: &[u8],
         page: bool,
+        traced: Option<&opentelemetry::Context>,
         ready: &(dyn Fn() -> Arc<backends::Ready> + Send + Sync),
     ) -> Result<Slot, Refusal> {
         let route = &entry.spec;
@@ -1647,6 +1717,24 @@ impl Proxy {
                 ),
             ));
         };
+        // Traced: the hold's span under the request's, and the wake's under the hold that
+        // starts it; every hold links to the wake it waits for.
+        let hold = match traced {
+            Some(cx) => {
+                let hold = tracing::info_span!(
+                    parent: &span,
+                    "proxy.hold",
+                    ebb.route = %route.name,
+                    ebb.hold.reason = if has_ready() { "replicas_busy" } else { "no_ready_replica" },
+                    ebb.held_ms = tracing::field::Empty,
+                    ebb.outcome = tracing::field::Empty,
+                );
+                let _ = hold.set_parent(cx.clone());
+                hold
+            }
+            None => tracing::Span::none(),
+        };
+        let mut linked = hold.is_none();
         let mut changes = self.orch.changes();
         let wait = async {
             // The wake runs as a task of its own, so that it completes even when the request that
@@ -1675,15 +1763,33 @@ impl Proxy {
                     if let Some(guard) = entry.traffic.begin_wake() {
                         let (log, orch, route) =
                             (self.log.clone(), self.orch.clone(), route.clone());
+                        let within = if hold.is_none() {
+                            tracing::Span::current()
+                        } else {
+                            let scale = tracing::info_span!(
+                                parent: &hold,
+                                "scale",
+                                ebb.route = %route.name,
+                                ebb.scale.reason = "a request is held and no replica is ready",
+                                ebb.scale.from = tracing::field::Empty,
+                                ebb.scale.to = tracing::field::Empty,
+                            );
+                            guard.traced(scale.context().span().span_context().clone());
+                            scale
+                        };
                         waking = Some(tokio::spawn(
                             async move {
                                 let r = wake(&log, &*orch, &route).await;
                                 drop(guard);
                                 r
                             }
-                            .instrument(tracing::Span::current()),
+                            .instrument(within),
                         ));
                     }
+                }
+                if !linked && let Some(scale) = entry.traffic.wake_span() {
+                    hold.add_link(scale);
+                    linked = true;
                 }
                 tokio::select! {
                     r = changes.changed() => if r.is_err() {
@@ -1731,6 +1837,16 @@ impl Proxy {
                 ),
             )),
         };
+        if !hold.is_none() {
+            hold.record("ebb.held_ms", held_ms);
+            hold.record(
+                "ebb.outcome",
+                match &answer {
+                    Ok(_) => "forwarded",
+                    Err(r) => r.code,
+                },
+            );
+        }
         match &answer {
             Ok(slot) => {
                 tracing::info!(parent: &span, held_ms, replica = %slot.addr(), "forwarding")
@@ -1777,6 +1893,10 @@ async fn wake(log: &Log, orch: &dyn Orchestrator, route: &RouteSpec) -> Result<(
         .await
         .map_err(|e| e.to_string())?;
     let desired = orch.observe(&route.deployment).map_or(0, |o| o.desired);
+    // On the wake's `scale` span when it is traced (a no-op on any other).
+    let span = tracing::Span::current();
+    span.record("ebb.scale.from", desired);
+    span.record("ebb.scale.to", want.max(desired));
     if desired < want {
         orch.scale(&route.deployment, want)
             .map_err(|e| e.to_string())?;

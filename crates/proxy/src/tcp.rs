@@ -178,7 +178,7 @@ async fn connection(proxy: &Proxy, entry: &Entry, client: TcpStream, peer: Socke
     let id = super::request_id::make();
     let mut avoid: Option<SocketAddr> = None;
     let backend = loop {
-        let slot = match proxy.endpoint(entry, avoid, None, &id, false).await {
+        let slot = match proxy.endpoint(entry, avoid, None, &id, false, None).await {
             Ok(slot) => slot,
             Err(refusal) => {
                 tracing::warn!(route = %route.name, %peer, code = refusal.code, "TCP connection refused: {}", refusal.message);

@@ -39,6 +39,9 @@ pub struct RouteTraffic {
     flushed: AtomicU64,
     last_at_ms: AtomicU64,
     waking: std::sync::atomic::AtomicBool,
+    /// The span of the wake under way (its `scale` span), when it is traced: the requests held
+    /// for it link to it.
+    wake_span: std::sync::Mutex<Option<opentelemetry::trace::SpanContext>>,
     /// Answers by status class and the replicas' answer times.
     answers: Answers,
     /// Requests and connections cut by a timeout, by [`Timeout`].
@@ -118,8 +121,16 @@ impl AnswerTimes {
 #[derive(Debug)]
 pub struct Waking(Arc<RouteTraffic>);
 
+impl Waking {
+    /// Names the wake's span, for the requests held for it to link to.
+    pub fn traced(&self, span: opentelemetry::trace::SpanContext) {
+        *self.0.wake_span.lock().expect("wake span lock") = Some(span);
+    }
+}
+
 impl Drop for Waking {
     fn drop(&mut self) {
+        self.0.wake_span.lock().expect("wake span lock").take();
         self.0.waking.store(false, Ordering::Release);
     }
 }
@@ -266,6 +277,11 @@ impl RouteTraffic {
         let prev = self.held.fetch_add(1, Ordering::AcqRel);
         let held = Held(self.clone());
         (prev < max).then_some(held)
+    }
+
+    /// The span of the wake under way, when it is traced.
+    pub fn wake_span(&self) -> Option<opentelemetry::trace::SpanContext> {
+        self.wake_span.lock().expect("wake span lock").clone()
     }
 
     /// Starts a wake unless one is under way.

@@ -103,18 +103,64 @@ fn main() {
                 .ok()
         })
         .unwrap_or_else(|| tracing_subscriber::EnvFilter::new(log_filter::quiet("info")));
-    let lines = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match cli.log_format {
-        LogFormat::Text => lines.with_ansi(std::io::stderr().is_terminal()).init(),
-        LogFormat::Json => lines
-            .json()
-            .with_current_span(true)
-            .with_span_list(true)
-            .init(),
+    // Traces (OpenTelemetry, by the OTEL_* variables) for the commands that serve.
+    let telemetry = match &cli.command {
+        Command::Serve(_) | Command::Runner(_) => match ebb::telemetry::Telemetry::from_env() {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                std::process::exit(2);
+            }
+        },
+        _ => None,
+    };
+    match &telemetry {
+        None => {
+            let lines = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr);
+            match cli.log_format {
+                LogFormat::Text => lines.with_ansi(std::io::stderr().is_terminal()).init(),
+                LogFormat::Json => lines
+                    .json()
+                    .with_current_span(true)
+                    .with_span_list(true)
+                    .init(),
+            }
+        }
+        Some(t) => {
+            // The log lines under their filter, and ebb's spans of interest as OpenTelemetry
+            // spans whatever the log level.
+            use tracing_subscriber::Layer as _;
+            use tracing_subscriber::layer::SubscriberExt as _;
+            use tracing_subscriber::util::SubscriberInitExt as _;
+            let lines = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+            let registry = tracing_subscriber::registry().with(t.layer());
+            match cli.log_format {
+                LogFormat::Text => registry
+                    .with(
+                        lines
+                            .with_ansi(std::io::stderr().is_terminal())
+                            .with_filter(filter),
+                    )
+                    .init(),
+                LogFormat::Json => registry
+                    .with(
+                        lines
+                            .json()
+                            .with_current_span(true)
+                            .with_span_list(true)
+                            .with_filter(filter),
+                    )
+                    .init(),
+            }
+        }
     }
-    if let Err(e) = run(cli) {
+    let result = run(cli);
+    if let Some(t) = telemetry {
+        t.shutdown();
+    }
+    if let Err(e) = result {
         if is_broken_pipe(&e) {
             std::process::exit(0);
         }

@@ -1,0 +1,235 @@
+//! Traces (OpenTelemetry): the W3C Trace Context read from each request, a span of ebb's own for
+//! it, and that span's context sent on to the replica, so the app's spans are its children.
+//!
+//! Off until the binary has set a tracer provider up (with its exporter) and calls [`enable`];
+//! while off, nothing here runs and the headers pass as any other. Once on, every request on
+//! every path (the HTTP/1.1 fast path, hyper's for HTTP/2, gRPC and the rest) starts a
+//! `proxy.request` span (kind server) under the context its `traceparent` and `tracestate`
+//! carry, sampled by the provider's sampler (parent-based by default). A sampled request's
+//! replica gets a `traceparent` naming that span as its parent; a request sampled out goes on
+//! with the client's headers as they came, and costs no span. A request that waits for a
+//! replica gets a `proxy.hold` span under its own, and the wake it starts a `scale` span under
+//! that (`tracing` spans, which the binary's `tracing-opentelemetry` layer exports); the other
+//! requests held for the same wake link to it.
+//!
+//! Attributes follow OpenTelemetry's semantic conventions for HTTP servers where they have a
+//! name (`http.request.method`, `url.path`, `server.address`, `client.address`,
+//! `http.response.status_code`), and are `ebb.*` for the rest (`ebb.route`, `ebb.replica`,
+//! `ebb.request_id`).
+
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+
+use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
+use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer};
+use opentelemetry::{Context, KeyValue, global};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+
+/// The proxy's tracer and propagator, once tracing is on.
+pub struct Tracing {
+    tracer: global::BoxedTracer,
+    propagator: TraceContextPropagator,
+}
+
+static TRACING: OnceLock<Tracing> = OnceLock::new();
+
+/// Turns tracing on for every proxy of this process, with the global tracer provider's tracer:
+/// call it after the provider is set (`opentelemetry::global::set_tracer_provider`).
+pub fn enable() {
+    let _ = TRACING.set(Tracing {
+        tracer: global::tracer("ebb.proxy"),
+        propagator: TraceContextPropagator::new(),
+    });
+}
+
+/// The tracer, when tracing is on.
+pub(crate) fn tracing() -> Option<&'static Tracing> {
+    TRACING.get()
+}
+
+/// What a request's span starts with.
+pub(crate) struct RequestSpan<'a> {
+    pub method: &'a str,
+    pub path: &'a str,
+    pub host: &'a str,
+    /// Known on the fast path when the span starts; the general path names it later
+    /// ([`routed`]).
+    pub route: Option<&'a str>,
+    pub client: Option<SocketAddr>,
+    pub request_id: Option<&'a [u8]>,
+}
+
+impl Tracing {
+    /// Starts a request's `proxy.request` span under the context `carrier` holds: its context
+    /// (with the span in it), or None when the sampler dropped it.
+    pub(crate) fn request(&self, carrier: &dyn Extractor, r: RequestSpan<'_>) -> Option<Context> {
+        let parent = self.propagator.extract(carrier);
+        let mut attributes = Vec::with_capacity(6);
+        attributes.push(KeyValue::new("http.request.method", r.method.to_owned()));
+        attributes.push(KeyValue::new("url.path", r.path.to_owned()));
+        attributes.push(KeyValue::new("server.address", r.host.to_owned()));
+        if let Some(route) = r.route {
+            attributes.push(KeyValue::new("ebb.route", route.to_owned()));
+        }
+        if let Some(c) = r.client {
+            attributes.push(KeyValue::new("client.address", c.ip().to_string()));
+        }
+        if let Some(id) = r.request_id {
+            let id = String::from_utf8_lossy(id).into_owned();
+            attributes.push(KeyValue::new("ebb.request_id", id));
+        }
+        let span = self
+            .tracer
+            .span_builder("proxy.request")
+            .with_kind(SpanKind::Server)
+            .with_attributes(attributes)
+            .start_with_context(&self.tracer, &parent);
+        use opentelemetry::trace::Span as _;
+        if !span.is_recording() {
+            return None;
+        }
+        Some(parent.with_span(span))
+    }
+
+    /// Writes `cx`'s trace context (`traceparent`, and `tracestate` when it has one) to `to`.
+    pub(crate) fn inject(&self, cx: &Context, to: &mut dyn Injector) {
+        self.propagator.inject_context(cx, to);
+    }
+}
+
+/// A request's span as the general path carries it, in the request's extensions.
+#[derive(Clone)]
+pub(crate) struct RequestCx(pub Context);
+
+/// Records a request's route and id on its span (the general path knows them once routed).
+pub(crate) fn routed(cx: Option<&Context>, route: &dyn std::fmt::Display, id: &[u8]) {
+    if let Some(cx) = cx {
+        cx.span().set_attributes([
+            KeyValue::new("ebb.route", route.to_string()),
+            KeyValue::new("ebb.request_id", String::from_utf8_lossy(id).into_owned()),
+        ]);
+    }
+}
+
+/// Records the replica a request went to on its span.
+pub(crate) fn replica(cx: Option<&Context>, addr: SocketAddr) {
+    if let Some(cx) = cx {
+        cx.span()
+            .set_attribute(KeyValue::new("ebb.replica", addr.to_string()));
+    }
+}
+
+/// Ends a request's span with the status it was answered with (0: none, the client left or the
+/// connection broke first); 5xx marks the span an error, as the HTTP conventions say of a
+/// server's span.
+pub(crate) fn answered(cx: Context, status: u16) {
+    let span = cx.span();
+    if status > 0 {
+        span.set_attribute(KeyValue::new(
+            "http.response.status_code",
+            i64::from(status),
+        ));
+        if status >= 500 {
+            span.set_status(Status::error(""));
+        }
+    } else {
+        span.set_status(Status::error("no answer was sent"));
+    }
+    span.end();
+}
+
+/// A request head's trace headers as the HTTP/1.1 fast path found them.
+pub(crate) struct Carried<'a> {
+    pub traceparent: Option<&'a str>,
+    pub tracestate: Option<&'a str>,
+}
+
+impl Extractor for Carried<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        match key {
+            "traceparent" => self.traceparent,
+            "tracestate" => self.tracestate,
+            _ => None,
+        }
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        let mut keys = Vec::with_capacity(2);
+        if self.traceparent.is_some() {
+            keys.push("traceparent");
+        }
+        if self.tracestate.is_some() {
+            keys.push("tracestate");
+        }
+        keys
+    }
+}
+
+/// Writes injected headers as head lines.
+pub(crate) struct HeadLines<'a>(pub &'a mut Vec<u8>);
+
+impl Injector for HeadLines<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        ebb_http::h1::push_header(self.0, key.as_bytes(), value.as_bytes());
+    }
+}
+
+/// A `http::HeaderMap` as a carrier, read and written.
+pub(crate) struct Headers<'a>(pub &'a mut hyper::HeaderMap);
+
+impl Extractor for Headers<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
+    }
+}
+
+impl Injector for Headers<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(name), Ok(value)) = (
+            hyper::header::HeaderName::from_bytes(key.as_bytes()),
+            hyper::header::HeaderValue::from_str(&value),
+        ) {
+            self.0.insert(name, value);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_carried_context_is_read_and_written_as_w3c_trace_context() {
+        let propagator = TraceContextPropagator::new();
+        let carried = Carried {
+            traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+            tracestate: Some("congo=t61rcWkgMzE"),
+        };
+        let cx = propagator.extract(&carried);
+        let sc = cx.span().span_context().clone();
+        assert!(sc.is_valid() && sc.is_remote() && sc.is_sampled());
+        assert_eq!(
+            sc.trace_id().to_string(),
+            "0af7651916cd43dd8448eb211c80319c"
+        );
+        let mut out = Vec::new();
+        propagator.inject_context(&cx, &mut HeadLines(&mut out));
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.contains(
+                "traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n"
+            )
+        );
+        assert!(text.contains("tracestate: congo=t61rcWkgMzE\r\n"));
+        // A malformed one is no context at all.
+        let bad = Carried {
+            traceparent: Some("00-zz-b7ad6b7169203331-01"),
+            tracestate: None,
+        };
+        assert!(!propagator.extract(&bad).span().span_context().is_valid());
+    }
+}

@@ -1,0 +1,268 @@
+//! Traces: a real `ebb serve` exporting OTLP to a real OpenTelemetry Collector (built from its Go
+//! modules, on loopback). A request carrying a W3C `traceparent` that wakes an app from zero gives
+//! one trace: ebb's `proxy.request` under the client's span, `proxy.hold` under it, the wake's
+//! `scale` under the hold (and linked from it), and the app receives a `traceparent` naming ebb's
+//! span as its parent; on the HTTP/1.1 fast path and on the general path (HTTP/2 here). A request
+//! sampled out passes its context on untouched. With the collector killed, ebb serves on and
+//! counts the spans it could not send.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::common;
+use common::otelcol::{Collector, Span};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn config(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("ebb.toml");
+    std::fs::write(
+        &path,
+        "[[app]]\nname = \"traced\"\ndomains = [\"traced.localhost\"]\n\
+         command = [\"ebb\", \"example-app\"]\nstartup_timeout_ms = 20000\n",
+    )
+    .unwrap();
+    path
+}
+
+/// The `traceparent` lines the app received, from its `/headers` answer.
+fn received(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("traceparent: "))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// (trace id, parent id, flags) of a `traceparent`.
+fn parts(tp: &str) -> (String, String, String) {
+    let p: Vec<&str> = tp.split('-').collect();
+    assert_eq!(p.len(), 4, "{tp}");
+    (p[1].to_owned(), p[2].to_owned(), p[3].to_owned())
+}
+
+/// Polls the collector until `found` picks what the test waits for from the spans received.
+async fn spans_until<T>(
+    collector: &Collector,
+    what: &str,
+    mut found: impl FnMut(&[Span]) -> Option<T>,
+) -> T {
+    let wait = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        loop {
+            tick.tick().await;
+            if let Some(t) = found(&collector.spans()) {
+                return t;
+            }
+        }
+    };
+    match tokio::time::timeout(DEADLINE, wait).await {
+        Ok(t) => t,
+        Err(_) => panic!(
+            "{what}: not received within {DEADLINE:?}; the collector has {:#?}",
+            collector.spans()
+        ),
+    }
+}
+
+async fn metric(c: &common::http::Http, admin: SocketAddr, outcome: &str) -> u64 {
+    let r = common::http::send(c, admin, "GET", "localhost", "/metrics", &[]).await;
+    let needle = format!("ebb_trace_spans_total{{outcome=\"{outcome}\"}} ");
+    r.body
+        .lines()
+        .find_map(|l| l.strip_prefix(&needle))
+        .unwrap_or_else(|| panic!("no {needle:?} in /metrics:\n{}", r.body))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_blocks_nothing() {
+    let collector = Collector::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("http://{}", collector.http);
+    let env: Vec<(&str, &std::ffi::OsStr)> = vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_ref()),
+        ("OTEL_SERVICE_NAME", "ebb-under-test".as_ref()),
+        ("OTEL_BSP_SCHEDULE_DELAY", "50".as_ref()),
+        ("OTEL_EXPORTER_OTLP_TIMEOUT", "2000".as_ref()),
+    ];
+    let ebb = common::serve_env(
+        &dir.path().join("data"),
+        Some(&config(dir.path())),
+        None,
+        &[],
+        &env,
+    );
+    let c = common::http::client();
+    let trace = "4bf92f3577b34da6a3ce929e0e4736aa";
+    let client_span = "00f067aa0ba902b7";
+
+    // The HTTP/1.1 fast path: the request wakes the app from zero.
+    let tp = format!("00-{trace}-{client_span}-01");
+    let r = common::http::send(
+        &c,
+        ebb.proxy,
+        "GET",
+        "traced.localhost",
+        "/headers",
+        &[("traceparent", &tp), ("tracestate", "vendor=opaque")],
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let got = received(&r.body);
+    assert_eq!(got.len(), 1, "{}", r.body);
+    let (t, ebb_span, flags) = parts(&got[0]);
+    assert_eq!(t, trace, "the app's request is in the client's trace");
+    assert_ne!(ebb_span, client_span, "the app's parent is ebb's span");
+    assert_eq!(flags, "01");
+    assert!(r.body.contains("tracestate: vendor=opaque\n"), "{}", r.body);
+
+    let (request, hold, scale) = spans_until(&collector, "the woken request's spans", |spans| {
+        let request = spans
+            .iter()
+            .find(|s| s.name == "proxy.request" && s.span_id == ebb_span)?;
+        let hold = spans
+            .iter()
+            .find(|s| s.name == "proxy.hold" && s.parent == ebb_span)?;
+        let scale = spans
+            .iter()
+            .find(|s| s.name == "scale" && s.parent == hold.span_id)?;
+        Some((request.clone(), hold.clone(), scale.clone()))
+    })
+    .await;
+    assert_eq!(request.trace_id, trace);
+    assert_eq!(
+        request.parent, client_span,
+        "ebb's span is the client's child"
+    );
+    assert_eq!(request.kind, 2, "a server span");
+    assert_eq!(request.service, "ebb-under-test");
+    assert_eq!(request.attr("ebb.route").as_deref(), Some("traced"));
+    assert_eq!(request.attr("http.request.method").as_deref(), Some("GET"));
+    assert_eq!(request.attr("url.path").as_deref(), Some("/headers"));
+    assert_eq!(
+        request.attr("http.response.status_code").as_deref(),
+        Some("200")
+    );
+    assert!(request.attr("ebb.replica").is_some(), "{request:?}");
+    assert_eq!(hold.trace_id, trace);
+    assert_eq!(
+        hold.attr("ebb.hold.reason").as_deref(),
+        Some("no_ready_replica")
+    );
+    assert_eq!(hold.attr("ebb.outcome").as_deref(), Some("forwarded"));
+    assert!(hold.attr("ebb.held_ms").is_some(), "{hold:?}");
+    assert_eq!(scale.trace_id, trace);
+    assert_eq!(scale.attr("ebb.route").as_deref(), Some("traced"));
+    assert_eq!(scale.attr("ebb.scale.to").as_deref(), Some("1"));
+    assert!(
+        hold.links
+            .contains(&(trace.to_owned(), scale.span_id.clone())),
+        "the hold links to the wake it waited for: {hold:?}"
+    );
+
+    // The general path (HTTP/2 over cleartext, `:authority` the app's host): the same
+    // propagation.
+    let stream = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let trace2 = "0af7651916cd43dd8448eb211c80319c";
+    let req = hyper::Request::get("http://traced.localhost/headers")
+        .header("traceparent", format!("00-{trace2}-b7ad6b7169203331-01"))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let resp = h2.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    let got = received(&String::from_utf8_lossy(&body));
+    assert_eq!(got.len(), 1);
+    let (t, ebb_span2, _) = parts(&got[0]);
+    assert_eq!(t, trace2);
+    let request2 = spans_until(&collector, "the HTTP/2 request's span", |spans| {
+        spans
+            .iter()
+            .find(|s| s.name == "proxy.request" && s.span_id == ebb_span2)
+            .cloned()
+    })
+    .await;
+    assert_eq!(request2.parent, "b7ad6b7169203331");
+    assert_eq!(request2.attr("ebb.route").as_deref(), Some("traced"));
+    assert_eq!(
+        request2.attr("http.response.status_code").as_deref(),
+        Some("200")
+    );
+
+    // A request without a context starts a trace of its own; one its client sampled out goes on
+    // with its context as it came, and ebb records no span of it.
+    let r = common::http::send(&c, ebb.proxy, "GET", "traced.localhost", "/headers", &[]).await;
+    let got = received(&r.body);
+    assert_eq!(got.len(), 1, "{}", r.body);
+    let (root_trace, root_span, _) = parts(&got[0]);
+    spans_until(&collector, "the root request's span", |spans| {
+        spans
+            .iter()
+            .find(|s| {
+                s.name == "proxy.request"
+                    && s.span_id == root_span
+                    && s.trace_id == root_trace
+                    && s.parent.is_empty()
+            })
+            .cloned()
+    })
+    .await;
+    let unsampled = "00-11111111111111111111111111111111-2222222222222222-00";
+    let r = common::http::send(
+        &c,
+        ebb.proxy,
+        "GET",
+        "traced.localhost",
+        "/headers",
+        &[("traceparent", unsampled)],
+    )
+    .await;
+    assert_eq!(received(&r.body), [unsampled]);
+
+    // The collector killed: ebb serves on, and counts the spans it could not send.
+    let lost_before = metric(&c, ebb.admin, "export_failed").await
+        + metric(&c, ebb.admin, "dropped_queue_full").await;
+    let exported = metric(&c, ebb.admin, "exported").await;
+    assert!(exported >= 5, "exported {exported}");
+    let mut collector = collector;
+    collector.kill();
+    for _ in 0..50 {
+        let r = common::http::send(
+            &c,
+            ebb.proxy,
+            "GET",
+            "traced.localhost",
+            "/headers",
+            &[("traceparent", &tp)],
+        )
+        .await;
+        assert_eq!(r.status, 200);
+    }
+    let wait = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tick.tick().await;
+            let lost = metric(&c, ebb.admin, "export_failed").await
+                + metric(&c, ebb.admin, "dropped_queue_full").await;
+            if lost > lost_before {
+                return;
+            }
+        }
+    };
+    tokio::time::timeout(DEADLINE, wait)
+        .await
+        .expect("the spans a dead collector could not take are counted");
+}
