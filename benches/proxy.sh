@@ -9,7 +9,11 @@
 #   2. a meta service's rewrite: the same, through an ebb `[[service]]` route that rewrites the
 #      path (`/api/{rest:**}` to `/v2/{rest}`) and sets a request header, against nginx (`rewrite`
 #      and `proxy_set_header`) and HAProxy (`set-path` and `set-header`) doing the same;
-#   3. cold-start overhead (`ebb bench cold-start`): first byte through ebb for a workload at zero
+#   3. traces: the same warm GET through ebb with tracing off (the ebb above), with tracing on and
+#      every request sampled out (OTEL_TRACES_SAMPLER=always_off), and with every request sampled
+#      and exported to an OpenTelemetry Collector on loopback (scripts/otelcol), in alternating
+#      rounds, with the ratios to tracing off;
+#   4. cold-start overhead (`ebb bench cold-start`): first byte through ebb for a workload at zero
 #      minus the app's own start-to-ready time, and a cold burst of 200 requests against an app
 #      with a tiny accept backlog, through ebb against the same burst sent to the app directly.
 # Installs wrk, nginx and haproxy (Debian packages) when missing.
@@ -230,6 +234,73 @@ for _ in $(seq 1 "$rounds"); do
 done
 results+=("$(median ebb "${ebb_runs[@]}")" "$(median nginx "${ngx_runs[@]}")" "$(median haproxy "${hap_runs[@]}")")
 table "${results[@]}"
+
+# Traces: two more ebbs beside the first, one with every request sampled out and one with every
+# request sampled, both exporting over OTLP/HTTP to a collector on loopback.
+otelcol="${EBB_OTELCOL:-$(scripts/otelcol build)}"
+otlp_port=$((base + 8)); off_port=$((base + 9)); on_port=$((base + 11))
+cat >"$work/otelcol.yaml" <<YAML
+receivers:
+  otlp:
+    protocols:
+      http:
+        endpoint: 127.0.0.1:$otlp_port
+exporters:
+  file:
+    path: $work/traces.jsonl
+    rotation:
+      max_megabytes: 64
+      max_backups: 1
+service:
+  telemetry:
+    metrics:
+      level: none
+  pipelines:
+    traces:
+      receivers: [otlp]
+      exporters: [file]
+YAML
+"$otelcol" --config "$work/otelcol.yaml" >"$work/otelcol.log" 2>&1 &
+pids+=($!)
+traced_ebb() { # NAME PORT SAMPLER: starts an ebb exporting traces, sets traced_pid
+  OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$otlp_port" OTEL_TRACES_SAMPLER="$3" \
+    EBB_LOG=warn "$ebb" serve --config "$work/ebb.toml" --data-dir "$work/data-$1" \
+    --listen "127.0.0.1:$2" --admin-listen "127.0.0.1:$(($2 + 1))" >/dev/null &
+  pids+=($!)
+  traced_pid=$!
+}
+traced_ebb sampled-out "$off_port" always_off
+off_pid=$traced_pid
+traced_ebb sampled "$on_port" always_on
+on_pid=$traced_pid
+req_host=bench.localhost req_path=/
+wait_http "http://127.0.0.1:$off_port/health" bench.localhost
+wait_http "http://127.0.0.1:$on_port/health" bench.localhost
+echo
+echo "traces: GET / through ebb with tracing off, on with every request sampled out, and on with"
+echo "every request sampled and exported (OTLP/HTTP to a collector on loopback); $rounds alternating rounds"
+plain_runs=(); out_runs=(); in_runs=()
+for _ in $(seq 1 "$rounds"); do
+  plain_runs+=("$(run ebb-tracing-off "$ebb_port" "$ebb_pid")")
+  out_runs+=("$(run ebb-sampled-out "$off_port" "$off_pid")")
+  in_runs+=("$(run ebb-sampled "$on_port" "$on_pid")")
+done
+results=("$(median ebb-tracing-off "${plain_runs[@]}")" "$(median ebb-sampled-out "${out_runs[@]}")" "$(median ebb-sampled "${in_runs[@]}")")
+echo
+echo "| target | requests/s | p50 | p99 | ebb CPU per request |"
+echo "|---|---|---|---|---|"
+for r in "${results[@]}"; do
+  read -r name rps p50 p99 cpu <<<"$r"
+  echo "| $name | $rps | $p50 | $p99 | ${cpu}us |"
+done
+read -r _ off_rps _ off_p99 off_cpu <<<"${results[0]}"
+for i in 1 2; do
+  read -r name rps _ p99 cpu <<<"${results[$i]}"
+  awk -v n="$name" -v a="$rps" -v b="$off_rps" -v c="$(to_us "$p99")" -v d="$(to_us "$off_p99")" \
+      -v g="$cpu" -v h="$off_cpu" 'BEGIN {
+    printf "| %s / tracing off | %.3f x throughput | | %.2f x p99 | %.2f x CPU per request |\n", n, a / b, c / d, g / h
+  }'
+done
 echo
 echo "cold start:"
 "$ebb" bench cold-start

@@ -194,6 +194,48 @@ impl Telemetry {
     }
 }
 
+/// Records a span of a traced call's after the fact, from the log's times (ms since the epoch),
+/// under the context the call was enqueued with: `call.queue` (queued to started) and `call.run`
+/// or, for a function's step, `function.step` (started to finished). Nothing when traces are
+/// off or the call carries no context.
+pub fn call_span(
+    name: &'static str,
+    call: &crate::event::CallSpec,
+    start_ms: u64,
+    end_ms: u64,
+    mut attributes: Vec<opentelemetry::KeyValue>,
+) {
+    use opentelemetry::KeyValue;
+    use opentelemetry::propagation::TextMapPropagator as _;
+    use opentelemetry::trace::{Span as _, SpanKind, Tracer as _};
+    let (Some(traceparent), true) = (&call.trace, ebb_proxy::trace::enabled()) else {
+        return;
+    };
+    let carrier =
+        std::collections::HashMap::from([("traceparent".to_owned(), traceparent.clone())]);
+    let parent = opentelemetry_sdk::propagation::TraceContextPropagator::new().extract(&carrier);
+    let at = |ms: u64| std::time::UNIX_EPOCH + Duration::from_millis(ms);
+    attributes.extend([
+        KeyValue::new("messaging.system", "ebb"),
+        KeyValue::new("messaging.message.id", call.id.clone()),
+        KeyValue::new("messaging.destination.name", call.target.clone()),
+    ]);
+    let kind = if name == "call.queue" {
+        SpanKind::Internal
+    } else {
+        attributes.push(KeyValue::new("messaging.operation.type", "process"));
+        SpanKind::Consumer
+    };
+    let tracer = opentelemetry::global::tracer("ebb");
+    let mut span = tracer
+        .span_builder(name)
+        .with_kind(kind)
+        .with_start_time(at(start_ms))
+        .with_attributes(attributes)
+        .start_with_context(&tracer, &parent);
+    span.end_with_timestamp(at(end_ms.max(start_ms)));
+}
+
 /// The SDK's batch processor behind ebb's bound, which counts what it drops: a span ended while
 /// `max` are queued and not yet handed to the exporter is dropped here, so the batch
 /// processor's queue (of the same size) never fills and every drop is counted.

@@ -109,6 +109,7 @@ fn write_history(dir: &Path) -> Vec<Event> {
                 kind: CallKind::Async,
                 timeout_ms: 10_000,
                 partition: None,
+                trace: None,
                 payload: Payload::default(),
             },
         },

@@ -133,6 +133,7 @@ fn call_spec() -> impl Strategy<Value = CallSpec> {
                 kind,
                 timeout_ms,
                 partition,
+                trace: None,
                 payload: Payload {
                     method,
                     path,
@@ -487,7 +488,7 @@ proptest! {
                     if !exists {
                         rt.block_on(log.append(Event::CallQueued { call: CallSpec {
                             id, target: "t".into(), kind: CallKind::Async, timeout_ms,
-                            partition: None, payload: Payload::default(),
+                            partition: None, payload: Payload::default(), trace: None,
                         }})).unwrap();
                     }
                 }

@@ -14,6 +14,7 @@ use crate::common;
 use common::otelcol::{Collector, Span};
 
 const DEADLINE: Duration = Duration::from_secs(60);
+const TOKEN: &str = "traces";
 
 fn config(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("ebb.toml");
@@ -92,7 +93,7 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
         &dir.path().join("data"),
         Some(&config(dir.path())),
         None,
-        &[],
+        &["--runner-token", TOKEN],
         &env,
     );
     let c = common::http::client();
@@ -231,6 +232,77 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
     )
     .await;
     assert_eq!(received(&r.body), [unsampled]);
+
+    // A call enqueued with a context: its time in the queue, its run and the request the
+    // built-in runner sends the app join the enqueuer's trace.
+    let trace3 = "5c1f0e3d2b4a69788796a5b4c3d2e1f0";
+    let enqueuer = "a1a2a3a4a5a6a7a8";
+    let tp3 = format!("00-{trace3}-{enqueuer}-01");
+    let r = common::http::send_body(
+        &c,
+        ebb.admin,
+        "POST",
+        "localhost",
+        "/runner/enqueue",
+        &[
+            ("authorization", &format!("Bearer {TOKEN}")),
+            ("content-type", "application/json"),
+            ("traceparent", &tp3),
+        ],
+        bytes::Bytes::from_static(
+            br#"{"target": "traced", "payload": {"method": "GET", "path": "/headers"}}"#,
+        ),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let call: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+    let call_id = call["id"].as_str().unwrap().to_owned();
+    let (queue, run, forwarded) = spans_until(&collector, "the call's spans", |spans| {
+        let in_trace = |name: &str| {
+            spans
+                .iter()
+                .find(|s| s.name == name && s.trace_id == trace3 && s.parent == enqueuer)
+                .cloned()
+        };
+        Some((
+            in_trace("call.queue")?,
+            in_trace("call.run")?,
+            in_trace("proxy.request")?,
+        ))
+    })
+    .await;
+    for s in [&queue, &run] {
+        assert_eq!(
+            s.attr("messaging.message.id").as_deref(),
+            Some(call_id.as_str())
+        );
+        assert_eq!(
+            s.attr("messaging.destination.name").as_deref(),
+            Some("traced")
+        );
+        assert_eq!(s.attr("ebb.runner").as_deref(), Some("builtin"), "{s:?}");
+    }
+    assert_eq!(run.kind, 5, "a consumer span");
+    assert_eq!(run.attr("ebb.call.status").as_deref(), Some("success"));
+    assert_eq!(forwarded.attr("ebb.route").as_deref(), Some("traced"));
+    let answer = common::http::send(
+        &c,
+        ebb.admin,
+        "GET",
+        "localhost",
+        &format!("/v1/calls/{call_id}"),
+        &[("authorization", &format!("Bearer {TOKEN}"))],
+    )
+    .await;
+    let answer: serde_json::Value = serde_json::from_str(&answer.body).unwrap();
+    let got = received(answer["result"]["body"].as_str().unwrap_or_default());
+    assert_eq!(got.len(), 1, "{answer}");
+    let (t, parent, _) = parts(&got[0]);
+    assert_eq!(t, trace3, "the app's request is in the enqueuer's trace");
+    assert_eq!(
+        parent, forwarded.span_id,
+        "under ebb's span of the runner's request"
+    );
 
     // The collector killed: ebb serves on, and counts the spans it could not send.
     let lost_before = metric(&c, ebb.admin, "export_failed").await

@@ -222,7 +222,9 @@ async fn invoke(
     let wait = wait_of(&q, &headers)?;
     let args = args(body)?;
     let svc = service(&app)?;
-    let id = svc.invoke(&name, args).await?;
+    let id = svc
+        .invoke(&name, args, ebb_proxy::trace::carried(&headers))
+        .await?;
     if let Some(secs) = wait {
         wait_until_done(&app.log, &id, secs).await;
         let v = app

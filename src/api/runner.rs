@@ -171,10 +171,16 @@ async fn enqueue(
     {
         return Ok(r);
     }
-    let (batch, items) = match parsed {
+    let (batch, mut items) = match parsed {
         EnqueueBody::Batch { calls } => (true, calls),
         EnqueueBody::One(c) => (false, vec![c]),
     };
+    // Traced: the calls keep the enqueue's trace context.
+    if let Some(tp) = ebb_proxy::trace::carried(&headers) {
+        for c in &mut items {
+            c.trace = Some(tp.clone());
+        }
+    }
     let ids = calls.enqueue(items).await?;
     let state = CallStatus::Queued;
     Ok(if batch {

@@ -410,6 +410,7 @@ impl Calls {
             kind: CallKind::Async,
             timeout_ms,
             partition,
+            trace: new.trace,
             payload,
         })
     }
@@ -1001,6 +1002,21 @@ impl Calls {
                     let code = match verdict {
                         Some(StartVerdict::Accepted) => {
                             tracing::debug!(call = %id, runner, "started");
+                            if let Some(c) = s.calls.get(&id)
+                                && c.spec.trace.is_some()
+                            {
+                                let started = c.started_at_ms.unwrap_or(now);
+                                crate::telemetry::call_span(
+                                    "call.queue",
+                                    &c.spec,
+                                    c.created_at_ms,
+                                    started,
+                                    vec![opentelemetry::KeyValue::new(
+                                        "ebb.runner",
+                                        runner.to_owned(),
+                                    )],
+                                );
+                            }
                             return Started {
                                 id,
                                 started: true,
@@ -1280,19 +1296,30 @@ impl Calls {
         }
         let ids: Vec<String> = finishes.iter().map(|f| f.id.clone()).collect();
         let who = runner.to_owned();
-        self.log
+        let (accepted, _) = self
+            .log
             .decide(move |s: &State, _| {
                 let mut seen = HashSet::new();
+                let mut accepted = Vec::new();
                 let events = finishes
                     .into_iter()
                     .filter(|f| seen.insert(f.id.clone()))
                     .filter_map(|f| {
-                        decide_finish(&s.calls, &f.id, &who, f.outcome, f.result, f.log)
+                        let id = f.id.clone();
+                        let e = decide_finish(&s.calls, &f.id, &who, f.outcome, f.result, f.log);
+                        e.inspect(|_| accepted.push(id))
                     })
                     .collect();
-                (events, ())
+                (events, accepted)
             })
             .await?;
+        if ebb_proxy::trace::enabled() {
+            self.log.read(|s| {
+                for c in accepted.iter().filter_map(|id| s.calls.get(id)) {
+                    run_span(c);
+                }
+            });
+        }
         if let Err(e) = self.queue.delete(ids.clone()).await {
             // A message left behind comes back; its start is refused as final and deletes it.
             tracing::warn!(error = %e, "deleting finished calls' messages failed");
@@ -1441,6 +1468,42 @@ impl Drop for Polling<'_> {
 }
 
 /// Runs [`Calls::expire`] every `every` until `stop` changes.
+/// A finished traced call's run span: `function.step` for a function's step (its instance, function
+/// and number as attributes), `call.run` for any other.
+fn run_span(c: &crate::state::calls::Call) {
+    if c.spec.trace.is_none() {
+        return;
+    }
+    let (Some(started), Some(finished)) = (c.started_at_ms, c.finished_at_ms) else {
+        return;
+    };
+    use opentelemetry::KeyValue;
+    let header = |name: &str| {
+        c.spec
+            .payload
+            .headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
+    };
+    let mut attributes = vec![
+        KeyValue::new("ebb.call.status", format!("{:?}", c.status).to_lowercase()),
+        KeyValue::new("ebb.runner", c.runner.clone().unwrap_or_default()),
+    ];
+    let name = match (header("x-ebb-instance"), header("x-ebb-function")) {
+        (Some(instance), Some(function)) => {
+            attributes.push(KeyValue::new("ebb.function.instance", instance));
+            attributes.push(KeyValue::new("ebb.function.name", function));
+            if let Some(step) = header("x-ebb-step") {
+                attributes.push(KeyValue::new("ebb.function.step", step));
+            }
+            "function.step"
+        }
+        _ => "call.run",
+    };
+    crate::telemetry::call_span(name, &c.spec, started, finished, attributes);
+}
+
 pub async fn run_expiry(
     calls: Arc<Calls>,
     every: Duration,

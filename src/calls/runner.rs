@@ -375,6 +375,16 @@ impl Executor for ProxyExecutor {
             for (k, v) in &p.headers {
                 req = req.header(k, v);
             }
+            // A traced call's request joins the trace it was enqueued in (unless the caller's
+            // payload names a context of its own).
+            if let Some(tp) = &job.call.trace
+                && !p
+                    .headers
+                    .iter()
+                    .any(|(k, _)| k.eq_ignore_ascii_case("traceparent"))
+            {
+                req = req.header("traceparent", tp);
+            }
             // The call's id is its request's id unless the caller gave one: ebb's lines about
             // the request and the app's own carry it.
             if !p

@@ -143,7 +143,13 @@ impl FunctionService {
 
     /// Invokes template `name` with `args`: a new instance whose first step is queued. Returns
     /// the instance id.
-    pub async fn invoke(&self, name: &str, args: Vec<u8>) -> Result<String, FnError> {
+    /// `trace`: the W3C `traceparent` of the invocation, which its steps' calls keep.
+    pub async fn invoke(
+        &self,
+        name: &str,
+        args: Vec<u8>,
+        trace: Option<String>,
+    ) -> Result<String, FnError> {
         let template = self
             .template(name)
             .ok_or_else(|| FnError::UnknownFunction(name.to_owned()))?;
@@ -152,7 +158,8 @@ impl FunctionService {
             .read(|s| super::check_chain(s, name))
             .map_err(FnError::UnknownNext)?;
         let id = self.calls.peers().new_id();
-        let call = step_call(&id, 1, &template, args.clone());
+        let mut call = step_call(&id, 1, &template, args.clone());
+        call.trace = trace;
         let function = name;
         let (iid, name) = (id.clone(), name.to_owned());
         self.calls
@@ -171,6 +178,13 @@ impl FunctionService {
             .await??;
         self.count(function);
         Ok(id)
+    }
+
+    /// The trace context instance `id` was invoked in (its first step's), which every step keeps.
+    fn instance_trace(&self, id: &str) -> Option<String> {
+        let first = super::step_call_id(id, 1);
+        self.log
+            .read(|s| s.calls.get(&first).and_then(|c| c.spec.trace.clone()))
     }
 
     /// Runs `name` as the next step of instance `id` with `body` as its input (a function that
@@ -217,7 +231,8 @@ impl FunctionService {
             return Err(FnError::Bound(id.to_owned(), self.max_steps));
         }
         let number = steps + 1;
-        let call = step_call(id, number, &template, body);
+        let mut call = step_call(id, number, &template, body);
+        call.trace = self.instance_trace(id);
         let function = name.to_owned();
         let number = self
             .calls
@@ -336,7 +351,8 @@ impl FunctionService {
                 let Some(template) = self.template(&function) else {
                     return Ok(false);
                 };
-                let call = step_call(id, steps + 1, &template, input);
+                let mut call = step_call(id, steps + 1, &template, input);
+                call.trace = self.instance_trace(id);
                 let counted = function.clone();
                 let changed = self
                     .calls

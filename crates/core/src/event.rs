@@ -189,6 +189,10 @@ pub struct CallSpec {
     /// The request to send to the target.
     #[serde(default)]
     pub payload: Payload,
+    /// The W3C `traceparent` of the request that enqueued it, while traces are on: its queue
+    /// and run spans, and the request sent to its target, join that trace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace: Option<String>,
 }
 
 impl CallSpec {
@@ -202,6 +206,7 @@ impl CallSpec {
             timeout_ms: 1_000,
             partition: None,
             payload: Payload::default(),
+            trace: None,
         }
     }
 }
@@ -938,6 +943,7 @@ pub fn examples() -> Vec<Event> {
         kind: CallKind::Async,
         timeout_ms: 30_000,
         partition: Some("runner-1".into()),
+        trace: None,
         payload: Payload {
             method: "POST".into(),
             path: "/resize?w=100".into(),

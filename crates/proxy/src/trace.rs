@@ -42,6 +42,25 @@ pub fn enable() {
     });
 }
 
+/// Whether tracing is on.
+pub fn enabled() -> bool {
+    TRACING.get().is_some()
+}
+
+/// The W3C `traceparent` of the context `headers` carry, as ebb keeps it with a call it
+/// enqueues (so its spans join that trace): None when tracing is off or the headers carry no
+/// valid context.
+pub fn carried(headers: &hyper::HeaderMap) -> Option<String> {
+    let tracing = TRACING.get()?;
+    let cx = tracing.propagator.extract(&Reading(headers));
+    if !cx.span().span_context().is_valid() {
+        return None;
+    }
+    let mut out = hyper::HeaderMap::new();
+    tracing.inject(&cx, &mut Headers(&mut out));
+    out.get("traceparent")?.to_str().ok().map(str::to_owned)
+}
+
 /// The tracer, when tracing is on.
 pub(crate) fn tracing() -> Option<&'static Tracing> {
     TRACING.get()
@@ -171,6 +190,19 @@ pub(crate) struct HeadLines<'a>(pub &'a mut Vec<u8>);
 impl Injector for HeadLines<'_> {
     fn set(&mut self, key: &str, value: String) {
         ebb_http::h1::push_header(self.0, key.as_bytes(), value.as_bytes());
+    }
+}
+
+/// A `http::HeaderMap` as a carrier, read.
+struct Reading<'a>(&'a hyper::HeaderMap);
+
+impl Extractor for Reading<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
     }
 }
 

@@ -1366,6 +1366,7 @@ impl World {
             kind: CallKind::Async,
             timeout_ms: c.timeout_ms,
             partition,
+            trace: None,
             payload: Payload::default(),
         }
     }

@@ -155,6 +155,7 @@ impl JobJson {
                 kind: CallKind::Async,
                 timeout_ms: self.timeout_ms,
                 partition: self.partition.clone(),
+                trace: None,
                 payload: self.payload.payload()?,
             },
             host: self.host.clone(),
@@ -198,7 +199,9 @@ impl FinishJson {
 }
 
 /// `POST /runner/enqueue`: one call or `{"calls": [...]}`. Read with [`EnqueueBody::from_json`].
+/// Parsed once per request: the size of its one call does not matter.
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 pub enum EnqueueBody {
     Batch { calls: Vec<NewCall> },
     One(NewCall),

@@ -321,6 +321,7 @@ pub fn step_call(instance: &str, step: usize, t: &TemplateSpec, input: Vec<u8>) 
         kind: CallKind::Async,
         timeout_ms: t.timeout_ms,
         partition: None,
+        trace: None,
         payload: Payload {
             method: "POST".into(),
             path: "/".into(),

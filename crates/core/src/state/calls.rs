@@ -316,6 +316,7 @@ impl Calls {
                         kind: CallKind::Sync,
                         timeout_ms: 0,
                         partition: None,
+                        trace: None,
                         payload: Payload::default(),
                     };
                     Call::new(spec, CallStatus::Running, at_ms)

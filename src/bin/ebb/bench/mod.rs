@@ -95,6 +95,7 @@ pub fn sample_event(i: u64) -> Event {
                 kind: CallKind::Async,
                 timeout_ms: 30_000,
                 partition: Some("runner-1".into()),
+                trace: None,
                 payload: Payload {
                     method: "POST".into(),
                     path: "/invoke".into(),
