@@ -20,8 +20,26 @@ fn config(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("ebb.toml");
     std::fs::write(
         &path,
-        "[[app]]\nname = \"traced\"\ndomains = [\"traced.localhost\"]\n\
-         command = [\"ebb\", \"example-app\"]\nstartup_timeout_ms = 20000\n",
+        r#"
+[[app]]
+name = "traced"
+domains = ["traced.localhost"]
+command = ["ebb", "example-app"]
+startup_timeout_ms = 20000
+
+[[function]]
+name = "scratch"
+function = "upper"
+serviceAddress = "127.0.0.1:9"
+
+# Evaluated and fired at once: its spans are traces of their own.
+[[cleaner]]
+name = "scratch-function"
+ttl = "0s"
+retry = { period = "1s" }
+targets = [{ name = "f", reference = { apiVersion = "ebb.dev/v1", kind = "Function", matchLabels = { name = "scratch" } }, delete = true, includeWhenEvaluating = true }]
+conditions = ["size(f.items) == 1"]
+"#,
     )
     .unwrap();
     path
@@ -164,6 +182,18 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
         "the hold links to the wake it waited for: {hold:?}"
     );
 
+    // The hold's histogram bucket names the woken request's trace as its exemplar.
+    let metrics = common::http::send(&c, ebb.admin, "GET", "localhost", "/metrics", &[]).await;
+    assert!(
+        metrics
+            .body
+            .lines()
+            .any(|l| l.starts_with("ebb_proxy_hold_duration_seconds_bucket")
+                && l.contains(&format!("# {{trace_id=\"{trace}\"}}"))),
+        "no exemplar of trace {trace} in:\n{}",
+        metrics.body
+    );
+
     // The general path (HTTP/2 over cleartext, `:authority` the app's host): the same
     // propagation.
     let stream = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
@@ -303,6 +333,32 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
         parent, forwarded.span_id,
         "under ebb's span of the runner's request"
     );
+
+    // The cleaner's evaluation and its firing.
+    let (evaluate, fire) = spans_until(&collector, "the cleaner's spans", |spans| {
+        let named = |name: &str| {
+            spans
+                .iter()
+                .find(|s| {
+                    s.name == name
+                        && s.attr("ebb.cleaner").as_deref() == Some("config/scratch-function")
+                })
+                .cloned()
+        };
+        // The evaluation whose conditions held, and the firing it led to.
+        let evaluate = spans.iter().find(|s| {
+            s.name == "cleaner.evaluate"
+                && s.attr("ebb.cleaner").as_deref() == Some("config/scratch-function")
+                && s.attr("ebb.cleaner.fire").as_deref() == Some("true")
+        })?;
+        Some((evaluate.clone(), named("cleaner.fire")?))
+    })
+    .await;
+    assert!(
+        evaluate.attr("ebb.cleaner.cel_evaluations").is_some(),
+        "{evaluate:?}"
+    );
+    assert_eq!(fire.attr("ebb.cleaner.completed").as_deref(), Some("true"));
 
     // The collector killed: ebb serves on, and counts the spans it could not send.
     let lost_before = metric(&c, ebb.admin, "export_failed").await

@@ -263,6 +263,25 @@ impl<B: Backend> Cleaners<B> {
     /// Returns the evaluation, or `None` when there was nothing to evaluate (unknown, fired,
     /// firing, or its TTL not passed).
     pub async fn evaluate(&self, name: &str) -> crate::log::Result<Option<Evaluation>> {
+        use tracing::Instrument as _;
+        // A span of its own (a trace's root), exported when traces are on.
+        let span = tracing::info_span!(
+            "cleaner.evaluate",
+            ebb.cleaner = %name,
+            ebb.cleaner.fire = tracing::field::Empty,
+            ebb.cleaner.reason = tracing::field::Empty,
+            ebb.cleaner.cel_evaluations = tracing::field::Empty,
+        );
+        let evaluated = self.evaluate_now(name).instrument(span.clone()).await;
+        if let Ok(Some(e)) = &evaluated {
+            span.record("ebb.cleaner.fire", e.fire);
+            span.record("ebb.cleaner.reason", tracing::field::debug(&e.reason));
+            span.record("ebb.cleaner.cel_evaluations", e.evaluations);
+        }
+        evaluated
+    }
+
+    async fn evaluate_now(&self, name: &str) -> crate::log::Result<Option<Evaluation>> {
         let Some(cleaner) = self.log.read(|s| s.cleaners.by_name.get(name).cloned()) else {
             return Ok(None);
         };
@@ -422,6 +441,20 @@ impl<B: Backend> Cleaners<B> {
     /// then records `CleanerFired`. Returns whether it completed; one that did not stays in the
     /// log as firing and is tried again by the loop.
     pub async fn fire(&self, name: &str) -> crate::log::Result<bool> {
+        use tracing::Instrument as _;
+        let span = tracing::info_span!(
+            "cleaner.fire",
+            ebb.cleaner = %name,
+            ebb.cleaner.completed = tracing::field::Empty,
+        );
+        let fired = self.fire_now(name).instrument(span.clone()).await;
+        if let Ok(done) = &fired {
+            span.record("ebb.cleaner.completed", *done);
+        }
+        fired
+    }
+
+    async fn fire_now(&self, name: &str) -> crate::log::Result<bool> {
         let Some(c) = self.log.read(|s| s.cleaners.by_name.get(name).cloned()) else {
             return Ok(false);
         };

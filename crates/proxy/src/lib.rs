@@ -1814,7 +1814,8 @@ impl Proxy {
             .instrument(span.clone())
             .await;
         let held = watch.elapsed();
-        self.traffic.observe_hold(held);
+        let trace = traced.map(|cx| cx.span().span_context().trace_id().to_string());
+        self.traffic.observe_hold(held, trace);
         let held_ms = held.as_millis() as u64;
         if waited.is_err() {
             entry.traffic.timed_out(traffic::Timeout::Hold);

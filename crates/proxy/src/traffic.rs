@@ -19,8 +19,15 @@ use std::sync::{Arc, RwLock};
 pub struct Traffic {
     routes: RwLock<HashMap<String, Arc<RouteTraffic>>>,
     /// How long held requests waited for a replica (`ebb_proxy_hold_duration_seconds`); only
-    /// requests that found no free replica are observed, off the fast path.
-    pub hold: prometheus_client::metrics::histogram::Histogram,
+    /// requests that found no free replica are observed, off the fast path. A traced request's
+    /// wait is its bucket's exemplar, with its trace id.
+    pub hold: prometheus_client::metrics::exemplar::HistogramWithExemplars<TraceExemplar>,
+}
+
+/// An exemplar's labels: the trace of the request it was observed for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, prometheus_client::encoding::EncodeLabelSet)]
+pub struct TraceExemplar {
+    pub trace_id: String,
 }
 
 /// Buckets of the hold time, in seconds: a wake takes tens of milliseconds for a local process
@@ -159,15 +166,18 @@ impl Default for Traffic {
     fn default() -> Self {
         Self {
             routes: RwLock::default(),
-            hold: prometheus_client::metrics::histogram::Histogram::new(HOLD_BUCKETS),
+            hold: prometheus_client::metrics::exemplar::HistogramWithExemplars::new(
+                HOLD_BUCKETS.into_iter(),
+            ),
         }
     }
 }
 
 impl Traffic {
-    /// Counts one held request's wait.
-    pub fn observe_hold(&self, held: std::time::Duration) {
-        self.hold.observe(held.as_secs_f64());
+    /// Counts one held request's wait; `trace`: the id of its trace, when it is traced.
+    pub fn observe_hold(&self, held: std::time::Duration, trace: Option<String>) {
+        let exemplar = trace.map(|trace_id| TraceExemplar { trace_id });
+        self.hold.observe(held.as_secs_f64(), exemplar, None);
     }
 
     /// The route's counters, created on first use.
