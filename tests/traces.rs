@@ -84,6 +84,15 @@ async fn spans_until<T>(
     }
 }
 
+/// `GET /headers` of the app through ebb's HTTP/1.1 path, with `headers`.
+async fn headers(
+    c: &common::http::Http,
+    proxy: SocketAddr,
+    headers: &[(&str, &str)],
+) -> common::http::Answer {
+    common::http::send(c, proxy, "GET", "traced.localhost", "/headers", headers).await
+}
+
 async fn metric(c: &common::http::Http, admin: SocketAddr, outcome: &str) -> u64 {
     let r = common::http::send(c, admin, "GET", "localhost", "/metrics", &[]).await;
     let needle = format!("ebb_trace_spans_total{{outcome=\"{outcome}\"}} ");
@@ -120,12 +129,9 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
 
     // The HTTP/1.1 fast path: the request wakes the app from zero.
     let tp = format!("00-{trace}-{client_span}-01");
-    let r = common::http::send(
+    let r = headers(
         &c,
         ebb.proxy,
-        "GET",
-        "traced.localhost",
-        "/headers",
         &[("traceparent", &tp), ("tracestate", "vendor=opaque")],
     )
     .await;
@@ -235,7 +241,7 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
 
     // A request without a context starts a trace of its own; one its client sampled out goes on
     // with its context as it came, and ebb records no span of it.
-    let r = common::http::send(&c, ebb.proxy, "GET", "traced.localhost", "/headers", &[]).await;
+    let r = headers(&c, ebb.proxy, &[]).await;
     let got = received(&r.body);
     assert_eq!(got.len(), 1, "{}", r.body);
     let (root_trace, root_span, _) = parts(&got[0]);
@@ -252,15 +258,7 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
     })
     .await;
     let unsampled = "00-11111111111111111111111111111111-2222222222222222-00";
-    let r = common::http::send(
-        &c,
-        ebb.proxy,
-        "GET",
-        "traced.localhost",
-        "/headers",
-        &[("traceparent", unsampled)],
-    )
-    .await;
+    let r = headers(&c, ebb.proxy, &[("traceparent", unsampled)]).await;
     assert_eq!(received(&r.body), [unsampled]);
 
     // A call enqueued with a context: its time in the queue, its run and the request the
@@ -368,15 +366,7 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
     let mut collector = collector;
     collector.kill();
     for _ in 0..50 {
-        let r = common::http::send(
-            &c,
-            ebb.proxy,
-            "GET",
-            "traced.localhost",
-            "/headers",
-            &[("traceparent", &tp)],
-        )
-        .await;
+        let r = headers(&c, ebb.proxy, &[("traceparent", &tp)]).await;
         assert_eq!(r.status, 200);
     }
     let wait = async {
