@@ -239,6 +239,26 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
         Some("200")
     );
 
+    // A gRPC call on the general path: its span names the service and the method.
+    let trace4 = "7d2c4b3a59687f8e9d0c1b2a39485766";
+    let req = hyper::Request::post("http://traced.localhost/ebb.test.Echo/Say")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("traceparent", format!("00-{trace4}-b7ad6b7169203331-01"))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let _ = h2.send_request(req).await.unwrap();
+    let call = spans_until(&collector, "the gRPC call's span", |spans| {
+        spans
+            .iter()
+            .find(|s| s.name == "proxy.request" && s.trace_id == trace4)
+            .cloned()
+    })
+    .await;
+    assert_eq!(call.attr("rpc.system").as_deref(), Some("grpc"));
+    assert_eq!(call.attr("rpc.service").as_deref(), Some("ebb.test.Echo"));
+    assert_eq!(call.attr("rpc.method").as_deref(), Some("Say"));
+
     // A request without a context starts a trace of its own; one its client sampled out goes on
     // with its context as it came, and ebb records no span of it.
     let r = headers(&c, ebb.proxy, &[]).await;

@@ -888,12 +888,21 @@ impl Proxy {
                         },
                     )
                 };
+                let grpc = grpc::is_grpc_request(&req);
                 if let Some(cx) = &cx {
+                    if grpc {
+                        trace::rpc(cx, req.uri().path());
+                    }
                     tracing.inject(cx, &mut trace::Headers(req.headers_mut()));
                     req.extensions_mut().insert(trace::RequestCx(cx.clone()));
                 }
                 let resp = Box::pin(proxy.handle(req, peer)).await;
                 if let Some(cx) = cx {
+                    if grpc {
+                        // A status in the head (a trailers-only answer: ebb's own, or an
+                        // error); one in the trailers comes after the span ends.
+                        trace::grpc_status(&cx, resp.headers().get("grpc-status"));
+                    }
                     trace::answered(cx, resp.status().as_u16());
                 }
                 Ok(resp)

@@ -130,6 +130,28 @@ pub(crate) fn routed(cx: Option<&Context>, route: &dyn std::fmt::Display, id: &[
     }
 }
 
+/// Names a gRPC call's service and method on its span (`/package.Service/Method`), as the RPC
+/// conventions do.
+pub(crate) fn rpc(cx: &Context, path: &str) {
+    let mut attributes = vec![KeyValue::new("rpc.system", "grpc")];
+    if let Some((service, method)) = path.trim_start_matches('/').split_once('/') {
+        attributes.push(KeyValue::new("rpc.service", service.to_owned()));
+        attributes.push(KeyValue::new("rpc.method", method.to_owned()));
+    }
+    cx.span().set_attributes(attributes);
+}
+
+/// Records a gRPC status given in an answer's head.
+pub(crate) fn grpc_status(cx: &Context, status: Option<&hyper::header::HeaderValue>) {
+    if let Some(code) = status
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<i64>().ok())
+    {
+        cx.span()
+            .set_attribute(KeyValue::new("rpc.grpc.status_code", code));
+    }
+}
+
 /// Records the replica a request went to on its span.
 pub(crate) fn replica(cx: Option<&Context>, addr: SocketAddr) {
     if let Some(cx) = cx {
