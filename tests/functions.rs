@@ -1260,6 +1260,93 @@ async fn a_chain_owned_by_one_replica_runs_on_the_other_replicas_runner() {
     }
 }
 
+/// The same chain with traces on: invoked on the first replica with a `traceparent`, its steps
+/// decided there and run by the second replica's runner, it is one trace across both: each
+/// step's `function.step` (recorded by the owner) and the second replica's `proxy.request` of
+/// each step's request under the invoker's span.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_invoked_on_one_replica_and_run_on_the_other_is_one_trace() {
+    let collector = common::otelcol::Collector::start().await;
+    let pair = common::KafkaPair::start().await;
+    let endpoint = format!("http://{}", collector.http);
+    let replica = |i: usize, capacity: &str| {
+        let mut args = pair.args(i);
+        args.extend(["--runner-capacity".to_owned(), capacity.to_owned()]);
+        args.extend(["--runner-token".to_owned(), RUNNER_TOKEN.to_owned()]);
+        args.extend(["--api-token".to_owned(), TOKEN.to_owned()]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let service = format!("ebb-{i}");
+        let env: Vec<(&str, &std::ffi::OsStr)> = vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_ref()),
+            ("OTEL_SERVICE_NAME", service.as_ref()),
+            ("OTEL_BSP_SCHEDULE_DELAY", "50".as_ref()),
+        ];
+        common::serve_env(&pair.data(i), None, None, &args, &env)
+    };
+    let e0 = replica(0, "0");
+    let e1 = replica(1, "8");
+    chain(&e0).await;
+    chain(&e1).await;
+    let trace = "3e1d5c7b9a0f2e4d6c8b0a1f3e5d7c9b";
+    let invoker = "1f2e3d4c5b6a7988";
+    let c = common::http::client();
+    let r = common::http::send_body(
+        &c,
+        e0.admin,
+        "POST",
+        "localhost",
+        "/api/funcs/classify",
+        &[
+            ("authorization", &format!("Bearer {TOKEN}")),
+            ("traceparent", &format!("00-{trace}-{invoker}-01")),
+        ],
+        bytes::Bytes::from_static(b"hey"),
+    )
+    .await;
+    assert_eq!(r.status, 202, "{}", r.body);
+    let id = serde_json::from_str::<Value>(&r.body).unwrap()["instanceId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let done = ended(&e1, &id).await;
+    assert_eq!(done["state"], "success", "{done}");
+    let (steps, forwarded) = collector
+        .spans_until("the chain's spans", |spans| {
+            let in_trace = |name: &str, service: &str| -> Vec<common::otelcol::Span> {
+                spans
+                    .iter()
+                    .filter(|s| s.name == name && s.trace_id == trace && s.service == service)
+                    .cloned()
+                    .collect()
+            };
+            let steps = in_trace("function.step", "ebb-0");
+            let forwarded = in_trace("proxy.request", "ebb-1");
+            (steps.len() == 3 && forwarded.len() >= 3).then_some((steps, forwarded))
+        })
+        .await;
+    let mut functions: Vec<String> = steps
+        .iter()
+        .map(|s| {
+            assert_eq!(s.parent, invoker, "{s:?}");
+            assert_eq!(
+                s.attr("ebb.function.instance").as_deref(),
+                Some(id.as_str())
+            );
+            assert_eq!(
+                s.attr("ebb.runner").as_deref(),
+                Some("builtin-ebb-1"),
+                "{s:?}"
+            );
+            s.attr("ebb.function.name").unwrap_or_default()
+        })
+        .collect();
+    functions.sort();
+    assert_eq!(functions, ["classify", "exclaim", "upper"], "{steps:#?}");
+    for f in &forwarded {
+        assert_eq!(f.parent, invoker, "{f:?}");
+    }
+}
+
 /// `GET /v1/calls/{id}` with the runner token.
 async fn call_get(ebb: &Ebb, id: &str) -> (u16, Value) {
     let path = format!("/v1/calls/{id}");

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::common;
-use common::otelcol::{Collector, Span};
+use common::otelcol::Collector;
 
 const DEADLINE: Duration = Duration::from_secs(60);
 const TOKEN: &str = "traces";
@@ -58,30 +58,6 @@ fn parts(tp: &str) -> (String, String, String) {
     let p: Vec<&str> = tp.split('-').collect();
     assert_eq!(p.len(), 4, "{tp}");
     (p[1].to_owned(), p[2].to_owned(), p[3].to_owned())
-}
-
-/// Polls the collector until `found` picks what the test waits for from the spans received.
-async fn spans_until<T>(
-    collector: &Collector,
-    what: &str,
-    mut found: impl FnMut(&[Span]) -> Option<T>,
-) -> T {
-    let wait = async {
-        let mut tick = tokio::time::interval(Duration::from_millis(50));
-        loop {
-            tick.tick().await;
-            if let Some(t) = found(&collector.spans()) {
-                return t;
-            }
-        }
-    };
-    match tokio::time::timeout(DEADLINE, wait).await {
-        Ok(t) => t,
-        Err(_) => panic!(
-            "{what}: not received within {DEADLINE:?}; the collector has {:#?}",
-            collector.spans()
-        ),
-    }
 }
 
 /// `GET /headers` of the app through ebb's HTTP/1.1 path, with `headers`.
@@ -144,19 +120,20 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
     assert_eq!(flags, "01");
     assert!(r.body.contains("tracestate: vendor=opaque\n"), "{}", r.body);
 
-    let (request, hold, scale) = spans_until(&collector, "the woken request's spans", |spans| {
-        let request = spans
-            .iter()
-            .find(|s| s.name == "proxy.request" && s.span_id == ebb_span)?;
-        let hold = spans
-            .iter()
-            .find(|s| s.name == "proxy.hold" && s.parent == ebb_span)?;
-        let scale = spans
-            .iter()
-            .find(|s| s.name == "scale" && s.parent == hold.span_id)?;
-        Some((request.clone(), hold.clone(), scale.clone()))
-    })
-    .await;
+    let (request, hold, scale) = collector
+        .spans_until("the woken request's spans", |spans| {
+            let request = spans
+                .iter()
+                .find(|s| s.name == "proxy.request" && s.span_id == ebb_span)?;
+            let hold = spans
+                .iter()
+                .find(|s| s.name == "proxy.hold" && s.parent == ebb_span)?;
+            let scale = spans
+                .iter()
+                .find(|s| s.name == "scale" && s.parent == hold.span_id)?;
+            Some((request.clone(), hold.clone(), scale.clone()))
+        })
+        .await;
     assert_eq!(request.trace_id, trace);
     assert_eq!(
         request.parent, client_span,
@@ -225,13 +202,14 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
     assert_eq!(got.len(), 1);
     let (t, ebb_span2, _) = parts(&got[0]);
     assert_eq!(t, trace2);
-    let request2 = spans_until(&collector, "the HTTP/2 request's span", |spans| {
-        spans
-            .iter()
-            .find(|s| s.name == "proxy.request" && s.span_id == ebb_span2)
-            .cloned()
-    })
-    .await;
+    let request2 = collector
+        .spans_until("the HTTP/2 request's span", |spans| {
+            spans
+                .iter()
+                .find(|s| s.name == "proxy.request" && s.span_id == ebb_span2)
+                .cloned()
+        })
+        .await;
     assert_eq!(request2.parent, "b7ad6b7169203331");
     assert_eq!(request2.attr("ebb.route").as_deref(), Some("traced"));
     assert_eq!(
@@ -248,13 +226,14 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
         .body(http_body_util::Empty::<bytes::Bytes>::new())
         .unwrap();
     let _ = h2.send_request(req).await.unwrap();
-    let call = spans_until(&collector, "the gRPC call's span", |spans| {
-        spans
-            .iter()
-            .find(|s| s.name == "proxy.request" && s.trace_id == trace4)
-            .cloned()
-    })
-    .await;
+    let call = collector
+        .spans_until("the gRPC call's span", |spans| {
+            spans
+                .iter()
+                .find(|s| s.name == "proxy.request" && s.trace_id == trace4)
+                .cloned()
+        })
+        .await;
     assert_eq!(call.attr("rpc.system").as_deref(), Some("grpc"));
     assert_eq!(call.attr("rpc.service").as_deref(), Some("ebb.test.Echo"));
     assert_eq!(call.attr("rpc.method").as_deref(), Some("Say"));
@@ -265,18 +244,19 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
     let got = received(&r.body);
     assert_eq!(got.len(), 1, "{}", r.body);
     let (root_trace, root_span, _) = parts(&got[0]);
-    spans_until(&collector, "the root request's span", |spans| {
-        spans
-            .iter()
-            .find(|s| {
-                s.name == "proxy.request"
-                    && s.span_id == root_span
-                    && s.trace_id == root_trace
-                    && s.parent.is_empty()
-            })
-            .cloned()
-    })
-    .await;
+    collector
+        .spans_until("the root request's span", |spans| {
+            spans
+                .iter()
+                .find(|s| {
+                    s.name == "proxy.request"
+                        && s.span_id == root_span
+                        && s.trace_id == root_trace
+                        && s.parent.is_empty()
+                })
+                .cloned()
+        })
+        .await;
     let unsampled = "00-11111111111111111111111111111111-2222222222222222-00";
     let r = headers(&c, ebb.proxy, &[("traceparent", unsampled)]).await;
     assert_eq!(received(&r.body), [unsampled]);
@@ -305,20 +285,21 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
     assert_eq!(r.status, 200, "{}", r.body);
     let call: serde_json::Value = serde_json::from_str(&r.body).unwrap();
     let call_id = call["id"].as_str().unwrap().to_owned();
-    let (queue, run, forwarded) = spans_until(&collector, "the call's spans", |spans| {
-        let in_trace = |name: &str| {
-            spans
-                .iter()
-                .find(|s| s.name == name && s.trace_id == trace3 && s.parent == enqueuer)
-                .cloned()
-        };
-        Some((
-            in_trace("call.queue")?,
-            in_trace("call.run")?,
-            in_trace("proxy.request")?,
-        ))
-    })
-    .await;
+    let (queue, run, forwarded) = collector
+        .spans_until("the call's spans", |spans| {
+            let in_trace = |name: &str| {
+                spans
+                    .iter()
+                    .find(|s| s.name == name && s.trace_id == trace3 && s.parent == enqueuer)
+                    .cloned()
+            };
+            Some((
+                in_trace("call.queue")?,
+                in_trace("call.run")?,
+                in_trace("proxy.request")?,
+            ))
+        })
+        .await;
     for s in [&queue, &run] {
         assert_eq!(
             s.attr("messaging.message.id").as_deref(),
@@ -353,25 +334,26 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
     );
 
     // The cleaner's evaluation and its firing.
-    let (evaluate, fire) = spans_until(&collector, "the cleaner's spans", |spans| {
-        let named = |name: &str| {
-            spans
-                .iter()
-                .find(|s| {
-                    s.name == name
-                        && s.attr("ebb.cleaner").as_deref() == Some("config/scratch-function")
-                })
-                .cloned()
-        };
-        // The evaluation whose conditions held, and the firing it led to.
-        let evaluate = spans.iter().find(|s| {
-            s.name == "cleaner.evaluate"
-                && s.attr("ebb.cleaner").as_deref() == Some("config/scratch-function")
-                && s.attr("ebb.cleaner.fire").as_deref() == Some("true")
-        })?;
-        Some((evaluate.clone(), named("cleaner.fire")?))
-    })
-    .await;
+    let (evaluate, fire) = collector
+        .spans_until("the cleaner's spans", |spans| {
+            let named = |name: &str| {
+                spans
+                    .iter()
+                    .find(|s| {
+                        s.name == name
+                            && s.attr("ebb.cleaner").as_deref() == Some("config/scratch-function")
+                    })
+                    .cloned()
+            };
+            // The evaluation whose conditions held, and the firing it led to.
+            let evaluate = spans.iter().find(|s| {
+                s.name == "cleaner.evaluate"
+                    && s.attr("ebb.cleaner").as_deref() == Some("config/scratch-function")
+                    && s.attr("ebb.cleaner.fire").as_deref() == Some("true")
+            })?;
+            Some((evaluate.clone(), named("cleaner.fire")?))
+        })
+        .await;
     assert!(
         evaluate.attr("ebb.cleaner.cel_evaluations").is_some(),
         "{evaluate:?}"

@@ -179,6 +179,30 @@ impl Collector {
         spans
     }
 
+    /// Polls the spans received until `found` picks what the caller waits for (60 s at most).
+    pub async fn spans_until<T>(
+        &self,
+        what: &str,
+        mut found: impl FnMut(&[Span]) -> Option<T>,
+    ) -> T {
+        let wait = async {
+            let mut tick = tokio::time::interval(Duration::from_millis(50));
+            loop {
+                tick.tick().await;
+                if let Some(t) = found(&self.spans()) {
+                    return t;
+                }
+            }
+        };
+        match tokio::time::timeout(Duration::from_secs(60), wait).await {
+            Ok(t) => t,
+            Err(_) => panic!(
+                "{what}: not received within 60 s; the collector has {:#?}",
+                self.spans()
+            ),
+        }
+    }
+
     /// Kills the collector (SIGKILL) and waits for it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
