@@ -1263,12 +1263,17 @@ async fn a_chain_owned_by_one_replica_runs_on_the_other_replicas_runner() {
 /// The same chain with traces on: invoked on the first replica with a `traceparent`, its steps
 /// decided there and run by the second replica's runner, it is one trace across both: each
 /// step's `function.step` (recorded by the owner) and the second replica's `proxy.request` of
-/// each step's request under the invoker's span.
+/// each step's request under the invoker's span. The replicas export over OTLP/HTTP and
+/// OTLP/gRPC.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_invoked_on_one_replica_and_run_on_the_other_is_one_trace() {
     let collector = common::otelcol::Collector::start().await;
     let pair = common::KafkaPair::start().await;
-    let endpoint = format!("http://{}", collector.http);
+    // The first replica exports over OTLP/HTTP, the second over OTLP/gRPC.
+    let endpoints = [
+        format!("http://{}", collector.http),
+        format!("http://{}", collector.grpc),
+    ];
     let replica = |i: usize, capacity: &str| {
         let mut args = pair.args(i);
         args.extend(["--runner-capacity".to_owned(), capacity.to_owned()]);
@@ -1276,8 +1281,10 @@ async fn a_chain_invoked_on_one_replica_and_run_on_the_other_is_one_trace() {
         args.extend(["--api-token".to_owned(), TOKEN.to_owned()]);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let service = format!("ebb-{i}");
+        let protocol = ["http/protobuf", "grpc"][i];
         let env: Vec<(&str, &std::ffi::OsStr)> = vec![
-            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_ref()),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoints[i].as_ref()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", protocol.as_ref()),
             ("OTEL_SERVICE_NAME", service.as_ref()),
             ("OTEL_BSP_SCHEDULE_DELAY", "50".as_ref()),
         ];
