@@ -134,8 +134,8 @@ pub struct Telemetry {
 
 impl Telemetry {
     /// Sets traces up as the process's environment says: None when they are off. Sets the
-    /// global tracer provider and the W3C Trace Context propagator, and turns the proxy's
-    /// tracing on. An error for a setting ebb cannot honour.
+    /// global tracer provider and turns the proxy's tracing on (the proxy keeps its own W3C
+    /// Trace Context propagator). An error for a setting ebb cannot honour.
     pub fn from_env() -> Result<Option<Telemetry>> {
         let Some(settings) = settings(&|name| std::env::var(name).ok())? else {
             return Ok(None);
@@ -163,9 +163,6 @@ impl Telemetry {
             .with_resource(resource.build())
             .build();
         opentelemetry::global::set_tracer_provider(provider.clone());
-        opentelemetry::global::set_text_map_propagator(
-            opentelemetry_sdk::propagation::TraceContextPropagator::new(),
-        );
         ebb_proxy::trace::enable();
         Ok(Some(Telemetry { provider }))
     }
@@ -206,14 +203,11 @@ pub fn call_span(
     mut attributes: Vec<opentelemetry::KeyValue>,
 ) {
     use opentelemetry::KeyValue;
-    use opentelemetry::propagation::TextMapPropagator as _;
     use opentelemetry::trace::{Span as _, SpanKind, Tracer as _};
     let (Some(traceparent), true) = (&call.trace, ebb_proxy::trace::enabled()) else {
         return;
     };
-    let carrier =
-        std::collections::HashMap::from([("traceparent".to_owned(), traceparent.clone())]);
-    let parent = opentelemetry_sdk::propagation::TraceContextPropagator::new().extract(&carrier);
+    let parent = ebb_proxy::trace::parent_of(traceparent);
     let at = |ms: u64| std::time::UNIX_EPOCH + Duration::from_millis(ms);
     attributes.extend([
         KeyValue::new("messaging.system", "ebb"),

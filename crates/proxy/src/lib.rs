@@ -875,9 +875,8 @@ impl Proxy {
                     let host = routed_by(&req).map(|(h, _)| h).unwrap_or_default();
                     let method = req.method().as_str().to_owned();
                     let path = req.uri().path().to_owned();
-                    let carrier = trace::Headers(req.headers_mut());
                     tracing.request(
-                        &carrier,
+                        &trace::Reading(req.headers()),
                         trace::RequestSpan {
                             method: &method,
                             path: &path,

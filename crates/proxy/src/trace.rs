@@ -61,6 +61,15 @@ pub fn carried(headers: &hyper::HeaderMap) -> Option<String> {
     out.get("traceparent")?.to_str().ok().map(str::to_owned)
 }
 
+/// The context a call's kept `traceparent` names, as the parent of its spans.
+pub fn parent_of(traceparent: &str) -> Context {
+    let carried = Carried {
+        traceparent: Some(traceparent),
+        tracestate: None,
+    };
+    TraceContextPropagator::new().extract(&carried)
+}
+
 /// The tracer, when tracing is on.
 pub(crate) fn tracing() -> Option<&'static Tracing> {
     TRACING.get()
@@ -216,7 +225,7 @@ impl Injector for HeadLines<'_> {
 }
 
 /// A `http::HeaderMap` as a carrier, read.
-struct Reading<'a>(&'a hyper::HeaderMap);
+pub(crate) struct Reading<'a>(pub &'a hyper::HeaderMap);
 
 impl Extractor for Reading<'_> {
     fn get(&self, key: &str) -> Option<&str> {
@@ -228,18 +237,8 @@ impl Extractor for Reading<'_> {
     }
 }
 
-/// A `http::HeaderMap` as a carrier, read and written.
+/// A `http::HeaderMap` as a carrier, written.
 pub(crate) struct Headers<'a>(pub &'a mut hyper::HeaderMap);
-
-impl Extractor for Headers<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|v| v.to_str().ok())
-    }
-
-    fn keys(&self) -> Vec<&str> {
-        self.0.keys().map(|k| k.as_str()).collect()
-    }
-}
 
 impl Injector for Headers<'_> {
     fn set(&mut self, key: &str, value: String) {
