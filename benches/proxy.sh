@@ -10,9 +10,11 @@
 #      path (`/api/{rest:**}` to `/v2/{rest}`) and sets a request header, against nginx (`rewrite`
 #      and `proxy_set_header`) and HAProxy (`set-path` and `set-header`) doing the same;
 #   3. traces: the same warm GET through ebb with tracing off (the ebb above), with tracing on and
-#      every request sampled out (OTEL_TRACES_SAMPLER=always_off), and with every request sampled
-#      and exported to an OpenTelemetry Collector on loopback (scripts/otelcol), in alternating
-#      rounds, with the ratios to tracing off;
+#      every request sampled out (OTEL_TRACES_SAMPLER=always_off), with 1 % of requests sampled
+#      (traceidratio 0.01) and with every request sampled, exported to an OpenTelemetry Collector
+#      on loopback (scripts/otelcol), in alternating rounds, with the ratios to tracing off
+#      (benches/instructions.sh counts the same in instructions per request, which repeats
+#      closely enough to show a difference of 2 %);
 #   4. cold-start overhead (`ebb bench cold-start`): first byte through ebb for a workload at zero
 #      minus the app's own start-to-ready time, and a cold burst of 200 requests against an app
 #      with a tiny accept backlog, through ebb against the same burst sent to the app directly.
@@ -238,7 +240,7 @@ table "${results[@]}"
 # Traces: two more ebbs beside the first, one with every request sampled out and one with every
 # request sampled, both exporting over OTLP/HTTP to a collector on loopback.
 otelcol="${EBB_OTELCOL:-$(scripts/otelcol build)}"
-otlp_port=$((base + 8)); off_port=$((base + 9)); on_port=$((base + 11))
+otlp_port=$((base + 8)); off_port=$((base + 9)); on_port=$((base + 11)); some_port=$((base + 13))
 cat >"$work/otelcol.yaml" <<YAML
 receivers:
   otlp:
@@ -262,9 +264,9 @@ service:
 YAML
 "$otelcol" --config "$work/otelcol.yaml" >"$work/otelcol.log" 2>&1 &
 pids+=($!)
-traced_ebb() { # NAME PORT SAMPLER: starts an ebb exporting traces, sets traced_pid
+traced_ebb() { # NAME PORT SAMPLER [RATIO]: starts an ebb exporting traces, sets traced_pid
   OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$otlp_port" OTEL_TRACES_SAMPLER="$3" \
-    EBB_LOG=warn "$ebb" serve --config "$work/ebb.toml" --data-dir "$work/data-$1" \
+    OTEL_TRACES_SAMPLER_ARG="${4:-1}" EBB_LOG=warn "$ebb" serve --config "$work/ebb.toml" --data-dir "$work/data-$1" \
     --listen "127.0.0.1:$2" --admin-listen "127.0.0.1:$(($2 + 1))" >/dev/null &
   pids+=($!)
   traced_pid=$!
@@ -273,19 +275,25 @@ traced_ebb sampled-out "$off_port" always_off
 off_pid=$traced_pid
 traced_ebb sampled "$on_port" always_on
 on_pid=$traced_pid
+traced_ebb sampled-1% "$some_port" traceidratio 0.01
+some_pid=$traced_pid
 req_host=bench.localhost req_path=/
 wait_http "http://127.0.0.1:$off_port/health" bench.localhost
 wait_http "http://127.0.0.1:$on_port/health" bench.localhost
+wait_http "http://127.0.0.1:$some_port/health" bench.localhost
 echo
-echo "traces: GET / through ebb with tracing off, on with every request sampled out, and on with"
-echo "every request sampled and exported (OTLP/HTTP to a collector on loopback); $rounds alternating rounds"
-plain_runs=(); out_runs=(); in_runs=()
+echo "traces: GET / through ebb with tracing off, on with every request sampled out, on with 1 %"
+echo "sampled, and on with every request sampled, exported over OTLP/HTTP to a collector on"
+echo "loopback; $rounds alternating rounds"
+plain_runs=(); out_runs=(); some_runs=(); in_runs=()
 for _ in $(seq 1 "$rounds"); do
   plain_runs+=("$(run ebb-tracing-off "$ebb_port" "$ebb_pid")")
   out_runs+=("$(run ebb-sampled-out "$off_port" "$off_pid")")
-  in_runs+=("$(run ebb-sampled "$on_port" "$on_pid")")
+  some_runs+=("$(run ebb-sampled-1% "$some_port" "$some_pid")")
+  in_runs+=("$(run ebb-sampled-all "$on_port" "$on_pid")")
 done
-results=("$(median ebb-tracing-off "${plain_runs[@]}")" "$(median ebb-sampled-out "${out_runs[@]}")" "$(median ebb-sampled "${in_runs[@]}")")
+results=("$(median ebb-tracing-off "${plain_runs[@]}")" "$(median ebb-sampled-out "${out_runs[@]}")"
+  "$(median ebb-sampled-1% "${some_runs[@]}")" "$(median ebb-sampled-all "${in_runs[@]}")")
 echo
 echo "| target | requests/s | p50 | p99 | ebb CPU per request |"
 echo "|---|---|---|---|---|"
@@ -294,7 +302,7 @@ for r in "${results[@]}"; do
   echo "| $name | $rps | $p50 | $p99 | ${cpu}us |"
 done
 read -r _ off_rps _ off_p99 off_cpu <<<"${results[0]}"
-for i in 1 2; do
+for i in 1 2 3; do
   read -r name rps _ p99 cpu <<<"${results[$i]}"
   awk -v n="$name" -v a="$rps" -v b="$off_rps" -v c="$(to_us "$p99")" -v d="$(to_us "$off_p99")" \
       -v g="$cpu" -v h="$off_cpu" 'BEGIN {
