@@ -29,6 +29,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::exemplar::HistogramWithExemplars;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -37,7 +38,7 @@ use prometheus_client::registry::{Registry, Unit};
 use crate::event::{Envelope, Event, ScaleReason};
 use crate::log::Log;
 use crate::orchestrator::Orchestrator;
-use crate::proxy::traffic::{AnswerTimes, Traffic};
+use crate::proxy::traffic::{AnswerExemplar, AnswerTimes, TraceExemplar, Traffic};
 use crate::state::calls::CallStatus;
 
 /// Default bound of the `route` label's values.
@@ -72,10 +73,12 @@ struct Decided {
     cold_start_seconds: Histogram,
     /// Wakes from zero awaiting their `ScaledUp`: deployment to the wake's time.
     pending_wakes: Mutex<HashMap<String, u64>>,
-    /// From a call's enqueue to its accepted start.
-    queue_wait_seconds: Histogram,
-    /// Calls queued and not yet started: id to the enqueue's time (bounded).
-    pending_calls: Mutex<HashMap<String, u64>>,
+    /// From a call's enqueue to its accepted start; a traced call's wait is its bucket's
+    /// exemplar.
+    queue_wait_seconds: HistogramWithExemplars<TraceExemplar>,
+    /// Calls queued and not yet started: id to the enqueue's time and the trace the call is
+    /// part of, if any (bounded).
+    pending_calls: Mutex<HashMap<String, (u64, Option<String>)>>,
     /// Calls that ended, by how.
     calls_ended: Family<EndLabels, Counter>,
     /// Instances started, by function (the label bounded like routes).
@@ -112,7 +115,12 @@ const MAX_PENDING_CALLS: usize = 100_000;
 pub struct Metrics {
     registry: Registry,
     decided: Arc<Decided>,
+    /// The answer-time exemplars of the last scrape, by route label (see [`with_exemplars`]).
+    exemplars: Exemplars,
 }
+
+/// Each route label's answer-time exemplars, bucket by bucket, as the last scrape read them.
+type Exemplars = Arc<Mutex<Vec<(String, Vec<Option<AnswerExemplar>>)>>>;
 
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -225,8 +233,13 @@ impl Metrics {
             "Events per durable batch of the log",
             decided.batch_events.clone(),
         );
-        registry.register_collector(Box::new(Scraped(sources)));
-        Metrics { registry, decided }
+        let exemplars = Exemplars::default();
+        registry.register_collector(Box::new(Scraped(sources, exemplars.clone())));
+        Metrics {
+            registry,
+            decided,
+            exemplars,
+        }
     }
 
     /// Counts what the log decides from now on (a task of the current runtime, until the log's
@@ -240,7 +253,7 @@ impl Metrics {
             let mut calls = decided.pending_calls.lock().expect("calls lock");
             for id in s.calls.queued.iter().take(MAX_PENDING_CALLS) {
                 if let Some(c) = s.calls.get(id) {
-                    calls.insert(id.clone(), c.created_at_ms);
+                    calls.insert(id.clone(), (c.created_at_ms, trace_id(&c.spec)));
                 }
             }
             let mut due = decided.cleaner_due.lock().expect("cleaners lock");
@@ -276,14 +289,18 @@ impl Metrics {
         let mut out = String::new();
         // Writing into a String does not fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
-        out
+        let exemplars = self.exemplars.lock().expect("exemplars lock").clone();
+        if exemplars.is_empty() {
+            return out;
+        }
+        with_exemplars(&out, &exemplars)
     }
 }
 
 impl Decided {
     fn new(max_functions: usize) -> Decided {
         Decided {
-            queue_wait_seconds: Histogram::new(exponential_buckets(0.001, 4.0, 12)),
+            queue_wait_seconds: HistogramWithExemplars::new(exponential_buckets(0.001, 4.0, 12)),
             pending_calls: Mutex::new(HashMap::new()),
             calls_ended: Family::default(),
             invocations: Family::default(),
@@ -350,14 +367,16 @@ impl Decided {
             Event::CallQueued { call } => {
                 let mut pending = self.pending_calls.lock().expect("calls lock");
                 if pending.len() < MAX_PENDING_CALLS {
-                    pending.insert(call.id.clone(), env.at_ms);
+                    pending.insert(call.id.clone(), (env.at_ms, trace_id(call)));
                 }
             }
             Event::CallStarted { id, .. } => {
                 let queued = self.pending_calls.lock().expect("calls lock").remove(id);
-                if let Some(at) = queued {
+                if let Some((at, trace)) = queued {
                     let ms = env.at_ms.saturating_sub(at);
-                    self.queue_wait_seconds.observe(ms as f64 / 1_000.0);
+                    let exemplar = trace.map(|trace_id| TraceExemplar { trace_id });
+                    self.queue_wait_seconds
+                        .observe(ms as f64 / 1_000.0, exemplar, None);
                 }
             }
             Event::CallFinished { id, outcome, .. } => {
@@ -438,8 +457,8 @@ impl Decided {
     }
 }
 
-/// The metrics read when scraped.
-struct Scraped(Sources);
+/// The metrics read when scraped, and where the answer-time exemplars they read go.
+struct Scraped(Sources, Exemplars);
 
 impl std::fmt::Debug for Scraped {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -477,6 +496,94 @@ impl RouteFigures {
         }
         self.times.add(&o.times);
     }
+}
+
+/// The trace a call is part of, when it was enqueued with a sampled trace context (traces on).
+fn trace_id(call: &crate::event::CallSpec) -> Option<String> {
+    use opentelemetry::trace::TraceContextExt;
+    let cx = crate::proxy::trace::parent_of(call.trace.as_deref()?);
+    let span = cx.span();
+    let sc = span.span_context();
+    (sc.is_valid() && sc.is_sampled()).then(|| sc.trace_id().to_string())
+}
+
+/// The answer-time histogram's family, whose bucket lines get exemplars.
+const ANSWER_BUCKET: &str = "ebb_proxy_response_duration_seconds_bucket{";
+
+/// `text` with each answer-time bucket's exemplar after its line: `# {trace_id="…"} value
+/// timestamp`, as OpenMetrics writes one.
+///
+/// prometheus-client 0.26 builds an exemplar only inside its `HistogramWithExemplars`, which
+/// takes a write lock on every observation; the proxy's answer times are atomics that never
+/// lock. So the exemplars, kept apart and written only for traced answers, are added to the
+/// encoded text: a bucket line is found by its route label and its place among that route's
+/// buckets, which the encoder writes in order (the family and the route's labels are what
+/// this reads of the text, checked against the encoder by the unit test).
+fn with_exemplars(text: &str, exemplars: &[(String, Vec<Option<AnswerExemplar>>)]) -> String {
+    let escaped: Vec<(String, &[Option<AnswerExemplar>])> = exemplars
+        .iter()
+        .map(|(route, e)| (label_value(route), e.as_slice()))
+        .collect();
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let mut out = String::with_capacity(text.len() + exemplars.len() * 512);
+    for line in text.split_inclusive('\n') {
+        let exemplar = line
+            .strip_prefix(ANSWER_BUCKET)
+            .and_then(|labels| label(labels, "route"))
+            .and_then(|route| {
+                let (_, buckets) = escaped.iter().find(|(r, _)| r == route)?;
+                let i = seen.entry(route).or_default();
+                let e = buckets.get(*i)?.as_ref();
+                *i += 1;
+                e
+            });
+        match exemplar {
+            Some(e) => {
+                let at = e.at_ms as f64 / 1e3;
+                out.push_str(line.trim_end_matches('\n'));
+                out.push_str(&format!(
+                    " # {{trace_id=\"{}\"}} {} {at:.3}\n",
+                    label_value(&e.trace_id),
+                    e.seconds
+                ));
+            }
+            None => out.push_str(line),
+        }
+    }
+    out
+}
+
+/// The value of label `name`, as written (escaped), in `labels`: a line's text after its `{`.
+fn label<'a>(mut labels: &'a str, name: &str) -> Option<&'a str> {
+    loop {
+        let (key, rest) = labels.split_once("=\"")?;
+        // The value ends at the first quote that no backslash escapes.
+        let mut end = None;
+        let mut escaped = false;
+        for (i, c) in rest.char_indices() {
+            match c {
+                _ if escaped => escaped = false,
+                '\\' => escaped = true,
+                '"' => {
+                    end = Some(i);
+                    break;
+                }
+                _ => {}
+            }
+        }
+        let end = end?;
+        if key == name {
+            return Some(&rest[..end]);
+        }
+        labels = rest[end + 1..].strip_prefix(',')?;
+    }
+}
+
+/// A label value as OpenMetrics writes it: `\`, `"` and newlines escaped.
+fn label_value(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// A histogram read from atomics when scraped.
@@ -735,10 +842,15 @@ impl Collector for Scraped {
             Some(&Unit::Seconds),
             MetricType::Histogram,
         )?;
+        let mut exemplars = Vec::new();
         for (route, f) in routes {
             let labels = [("route", route.as_str())];
             ReadHistogram(&f.times).encode(family.encode_family(&labels)?)?;
+            if f.times.exemplars.iter().any(Option::is_some) {
+                exemplars.push((route.clone(), f.times.exemplars.clone()));
+            }
         }
+        *self.1.lock().expect("exemplars lock") = exemplars;
         by_route(
             &mut encoder,
             "ebb_workload_replicas_desired",
@@ -921,5 +1033,73 @@ mod tests {
         prometheus_client::encoding::text::encode(&mut text, &r).unwrap();
         assert!(text.contains("t_seconds_sum 0.25"), "{text}");
         assert!(text.contains("t_seconds_count 1"), "{text}");
+    }
+
+    /// Two routes' answer times as the scrape encodes them, one with a traced answer.
+    #[derive(Debug)]
+    struct TwoRoutes(AnswerTimes, AnswerTimes);
+
+    impl Collector for TwoRoutes {
+        fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+            let mut family = encoder.encode_descriptor(
+                "ebb_proxy_response_duration",
+                "t",
+                Some(&Unit::Seconds),
+                MetricType::Histogram,
+            )?;
+            for (route, t) in [("a\"b", &self.0), ("c", &self.1)] {
+                ReadHistogram(t).encode(family.encode_family(&[("route", route)])?)?;
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_traced_answer_is_its_buckets_exemplar_and_the_text_stays_the_same_otherwise() {
+        let traffic = Traffic::default();
+        let (a, c) = (traffic.route("a\"b"), traffic.route("c"));
+        a.answered(200, Some(300));
+        a.answered(200, Some(400));
+        a.exemplar(
+            400,
+            "4bf92f3577b34da6a3ce929d0e0e4736".into(),
+            1_700_000_000_123,
+        );
+        a.answered(200, Some(7_000_000));
+        a.exemplar(
+            7_000_000,
+            "00f067aa0ba902b700f067aa0ba902b7".into(),
+            1_700_000_001_000,
+        );
+        c.answered(200, Some(100));
+        let (ta, tc) = (a.answer_times(), c.answer_times());
+        let mut r = Registry::default();
+        r.register_collector(Box::new(TwoRoutes(ta.clone(), tc.clone())));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &r).unwrap();
+
+        let with = with_exemplars(&text, &[("a\"b".into(), ta.exemplars.clone())]);
+        let exemplars: Vec<&str> = with.lines().filter(|l| l.contains(" # {")).collect();
+        assert_eq!(exemplars.len(), 2, "{with}");
+        assert!(
+            exemplars[0].starts_with(
+                r#"ebb_proxy_response_duration_seconds_bucket{le="0.0005",route="a\"b"} 2 # {trace_id="4bf92f3577b34da6a3ce929d0e0e4736"} 0.0004 1700000000.123"#
+            ),
+            "{with}"
+        );
+        assert!(
+            exemplars[1].starts_with(
+                r#"ebb_proxy_response_duration_seconds_bucket{le="+Inf",route="a\"b"} 3 # {trace_id="00f067aa0ba902b700f067aa0ba902b7"} 7 1700000001.000"#
+            ),
+            "{with}"
+        );
+        // Everything else is the encoder's text, line for line.
+        let without: Vec<String> = with
+            .lines()
+            .map(|l| l.split(" # {").next().unwrap().to_owned())
+            .collect();
+        assert_eq!(without, text.lines().collect::<Vec<_>>());
+        assert!(with.ends_with("# EOF\n"), "{with}");
+        assert_eq!(with_exemplars(&text, &[]), text);
     }
 }

@@ -8,8 +8,11 @@
 //! * The protocol: `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`, else `OTEL_EXPORTER_OTLP_PROTOCOL`:
 //!   `http/protobuf` (the default, as the specification says) or `grpc`. The exporter reads the
 //!   endpoint, `OTEL_EXPORTER_OTLP_HEADERS` and `OTEL_EXPORTER_OTLP_TIMEOUT` itself; the
-//!   resource is `OTEL_SERVICE_NAME` (else `ebb`) with `OTEL_RESOURCE_ATTRIBUTES`; the sampler
-//!   `OTEL_TRACES_SAMPLER` with `OTEL_TRACES_SAMPLER_ARG` (default parent-based, always on).
+//!   resource is `OTEL_SERVICE_NAME` (else `ebb`) with `OTEL_RESOURCE_ATTRIBUTES`. The sampler
+//!   is `OTEL_TRACES_SAMPLER` with `OTEL_TRACES_SAMPLER_ARG` (default parent-based, always on),
+//!   read here rather than by the SDK so that a sampler ebb does not have or a ratio outside 0 to
+//!   1 is an error, and so that the proxy holds the same sampler to drop a request's span before
+//!   the SDK is asked ([`ebb_proxy::trace::enable`]).
 //! * Spans are batched by the SDK's batch processor (`OTEL_BSP_*`: queue size, delay, batch
 //!   size, export timeout) behind a bound of ebb's own: a span that finds the queue full is
 //!   dropped and counted, never waited for, so a collector that is down or slow never blocks a
@@ -22,6 +25,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context as _, Result, bail};
+use ebb_proxy::trace::Sampling;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::error::OTelSdkResult;
@@ -71,11 +75,42 @@ enum Protocol {
 }
 
 /// Whether traces are on and how they go out, from the environment as `var` reads it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 struct Settings {
     protocol: Protocol,
     service_name: Option<String>,
     max_queue: usize,
+    sampler: Sampling,
+}
+
+/// The sampler `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG` name.
+fn sampling(var: &dyn Fn(&str) -> Option<String>) -> Result<Sampling> {
+    let name = var("OTEL_TRACES_SAMPLER").map(|v| v.trim().to_ascii_lowercase());
+    let name = name.as_deref().unwrap_or("parentbased_always_on");
+    let (parent_based, root) = match name.strip_prefix("parentbased_") {
+        Some(root) => (true, root),
+        None => (false, name),
+    };
+    let ratio = match root {
+        "always_on" => 1.0,
+        "always_off" => 0.0,
+        // The specification's default ratio is 1.
+        "traceidratio" => match var("OTEL_TRACES_SAMPLER_ARG") {
+            None => 1.0,
+            Some(v) => match v.trim().parse::<f64>() {
+                Ok(r) if (0.0..=1.0).contains(&r) => r,
+                _ => bail!("OTEL_TRACES_SAMPLER_ARG={v:?}: a ratio from 0 to 1"),
+            },
+        },
+        _ => bail!(
+            "OTEL_TRACES_SAMPLER={name:?}: ebb samples with always_on, always_off, \
+             traceidratio or their parentbased_ forms"
+        ),
+    };
+    Ok(Sampling {
+        parent_based,
+        ratio,
+    })
 }
 
 fn settings(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<Settings>> {
@@ -120,10 +155,12 @@ fn settings(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<Settings>> {
     } else {
         Some("ebb".to_owned())
     };
+    let sampler = sampling(&var)?;
     Ok(Some(Settings {
         protocol,
         service_name,
         max_queue,
+        sampler,
     }))
 }
 
@@ -159,11 +196,12 @@ impl Telemetry {
             resource = resource.with_service_name(name);
         }
         let provider = SdkTracerProvider::builder()
+            .with_sampler(settings.sampler.sampler())
             .with_span_processor(processor)
             .with_resource(resource.build())
             .build();
         opentelemetry::global::set_tracer_provider(provider.clone());
-        ebb_proxy::trace::enable();
+        ebb_proxy::trace::enable(provider.tracer("ebb.proxy"), settings.sampler);
         Ok(Some(Telemetry { provider }))
     }
 
@@ -359,6 +397,10 @@ mod tests {
                 protocol: Protocol::HttpProtobuf,
                 service_name: Some("ebb".into()),
                 max_queue: 2048,
+                sampler: Sampling {
+                    parent_based: true,
+                    ratio: 1.0,
+                },
             })
         );
         let grpc = from(&[
@@ -421,6 +463,56 @@ mod tests {
                 ("OTEL_BSP_MAX_QUEUE_SIZE", "0"),
             ],
             "OTEL_BSP_MAX_QUEUE_SIZE",
+        );
+        let on = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://x:1");
+        refused(
+            &[on, ("OTEL_TRACES_SAMPLER", "jaeger_remote")],
+            "OTEL_TRACES_SAMPLER",
+        );
+        for arg in ["1.5", "-0.1", "half"] {
+            refused(
+                &[
+                    on,
+                    ("OTEL_TRACES_SAMPLER", "traceidratio"),
+                    ("OTEL_TRACES_SAMPLER_ARG", arg),
+                ],
+                "OTEL_TRACES_SAMPLER_ARG",
+            );
+        }
+    }
+
+    #[test]
+    fn the_sampler_is_read_as_the_specification_names_it() {
+        let on = ("OTEL_EXPORTER_OTLP_ENDPOINT", "http://x:1");
+        let sampling = |vars: &[(&str, &str)]| {
+            let mut all = vec![on];
+            all.extend_from_slice(vars);
+            from(&all).unwrap().unwrap().sampler
+        };
+        let s = |parent_based, ratio| Sampling {
+            parent_based,
+            ratio,
+        };
+        assert_eq!(sampling(&[]), s(true, 1.0));
+        assert_eq!(
+            sampling(&[("OTEL_TRACES_SAMPLER", "always_off")]),
+            s(false, 0.0)
+        );
+        assert_eq!(
+            sampling(&[("OTEL_TRACES_SAMPLER", "parentbased_always_off")]),
+            s(true, 0.0)
+        );
+        assert_eq!(
+            sampling(&[
+                ("OTEL_TRACES_SAMPLER", "parentbased_traceidratio"),
+                ("OTEL_TRACES_SAMPLER_ARG", "0.01"),
+            ]),
+            s(true, 0.01)
+        );
+        // The ratio's default is 1.
+        assert_eq!(
+            sampling(&[("OTEL_TRACES_SAMPLER", "traceidratio")]),
+            s(false, 1.0)
         );
     }
 }

@@ -110,6 +110,8 @@ fn write_history(dir: &Path) -> Vec<Event> {
                 timeout_ms: 10_000,
                 partition: None,
                 trace: None,
+                tracestate: None,
+                baggage: None,
                 payload: Payload::default(),
             },
         },

@@ -134,6 +134,8 @@ fn call_spec() -> impl Strategy<Value = CallSpec> {
                 timeout_ms,
                 partition,
                 trace: None,
+                tracestate: None,
+                baggage: None,
                 payload: Payload {
                     method,
                     path,
@@ -488,7 +490,7 @@ proptest! {
                     if !exists {
                         rt.block_on(log.append(Event::CallQueued { call: CallSpec {
                             id, target: "t".into(), kind: CallKind::Async, timeout_ms,
-                            partition: None, payload: Payload::default(), trace: None,
+                            partition: None, payload: Payload::default(), trace: None, tracestate: None, baggage: None,
                         }})).unwrap();
                     }
                 }

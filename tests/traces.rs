@@ -69,6 +69,17 @@ async fn headers(
     common::http::send(c, proxy, "GET", "traced.localhost", "/headers", headers).await
 }
 
+/// Whether a line of `family` in the OpenMetrics `text` has `trace` as its exemplar (on the
+/// route `traced`'s line where the family is by route).
+fn exemplar(text: &str, family: &str, trace: &str) -> bool {
+    let wanted = format!("# {{trace_id=\"{trace}\"}}");
+    text.lines().any(|l| {
+        l.starts_with(family)
+            && (!l.contains("route=") || l.contains("route=\"traced\""))
+            && l.contains(&wanted)
+    })
+}
+
 async fn metric(c: &common::http::Http, admin: SocketAddr, outcome: &str) -> u64 {
     let r = common::http::send(c, admin, "GET", "localhost", "/metrics", &[]).await;
     let needle = format!("ebb_trace_spans_total{{outcome=\"{outcome}\"}} ");
@@ -165,17 +176,19 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
         "the hold links to the wake it waited for: {hold:?}"
     );
 
-    // The hold's histogram bucket names the woken request's trace as its exemplar.
+    // The hold's histogram bucket names the woken request's trace as its exemplar, and so
+    // does the bucket of the route's answer times the request's answer fell in.
     let metrics = common::http::send(&c, ebb.admin, "GET", "localhost", "/metrics", &[]).await;
-    assert!(
-        metrics
-            .body
-            .lines()
-            .any(|l| l.starts_with("ebb_proxy_hold_duration_seconds_bucket")
-                && l.contains(&format!("# {{trace_id=\"{trace}\"}}"))),
-        "no exemplar of trace {trace} in:\n{}",
-        metrics.body
-    );
+    for family in [
+        "ebb_proxy_hold_duration_seconds_bucket{",
+        "ebb_proxy_response_duration_seconds_bucket{",
+    ] {
+        assert!(
+            exemplar(&metrics.body, family, trace),
+            "no exemplar of trace {trace} on {family} in:\n{}",
+            metrics.body
+        );
+    }
 
     // The general path (HTTP/2 over cleartext, `:authority` the app's host): the same
     // propagation.
@@ -262,7 +275,8 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
     assert_eq!(received(&r.body), [unsampled]);
 
     // A call enqueued with a context: its time in the queue, its run and the request the
-    // built-in runner sends the app join the enqueuer's trace.
+    // built-in runner sends the app join the enqueuer's trace; its trace state and baggage
+    // reach the app.
     let trace3 = "5c1f0e3d2b4a69788796a5b4c3d2e1f0";
     let enqueuer = "a1a2a3a4a5a6a7a8";
     let tp3 = format!("00-{trace3}-{enqueuer}-01");
@@ -276,6 +290,8 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
             ("authorization", &format!("Bearer {TOKEN}")),
             ("content-type", "application/json"),
             ("traceparent", &tp3),
+            ("tracestate", "congo=t61rcWkgMzE"),
+            ("baggage", "tenant=acme,user.id=42"),
         ],
         bytes::Bytes::from_static(
             br#"{"target": "traced", "payload": {"method": "GET", "path": "/headers"}}"#,
@@ -314,6 +330,22 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
     assert_eq!(run.kind, 5, "a consumer span");
     assert_eq!(run.attr("ebb.call.status").as_deref(), Some("success"));
     assert_eq!(forwarded.attr("ebb.route").as_deref(), Some("traced"));
+    // The call's wait in the queue is its bucket's exemplar (counted from the log's tail, which
+    // the metrics follow on a task of their own).
+    let polled = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+        loop {
+            let m = common::http::send(&c, ebb.admin, "GET", "localhost", "/metrics", &[]).await;
+            if exemplar(&m.body, "ebb_call_queue_wait_seconds_bucket{", trace3) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    if polled.is_err() {
+        let m = common::http::send(&c, ebb.admin, "GET", "localhost", "/metrics", &[]).await;
+        panic!("no exemplar of trace {trace3} within 30 s in:\n{}", m.body);
+    }
     let answer = common::http::send(
         &c,
         ebb.admin,
@@ -332,6 +364,13 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
         parent, forwarded.span_id,
         "under ebb's span of the runner's request"
     );
+    let body = answer["result"]["body"].as_str().unwrap_or_default();
+    for line in [
+        "tracestate: congo=t61rcWkgMzE",
+        "baggage: tenant=acme,user.id=42",
+    ] {
+        assert!(body.lines().any(|l| l == line), "{line:?} not in:\n{body}");
+    }
 
     // The cleaner's evaluation and its firing.
     let (evaluate, fire) = collector

@@ -404,15 +404,21 @@ impl Calls {
             Some(p) if !p.is_empty() => Some(p),
             _ => None,
         };
-        Ok(CallSpec {
+        let mut call = CallSpec {
             id,
             target: new.target,
             kind: CallKind::Async,
             timeout_ms,
             partition,
-            trace: new.trace,
+            trace: None,
+            tracestate: None,
+            baggage: None,
             payload,
-        })
+        };
+        if let Some(t) = new.trace {
+            t.keep(&mut call);
+        }
+        Ok(call)
     }
 
     /// Refuses calls whose target would have more than `max_queued_per_target` queued, counting

@@ -348,6 +348,11 @@ impl Executor for ProxyExecutor {
         let balanced = self.balanced.clone();
         Box::pin(async move {
             let id = job.call.id.clone();
+            let carried = [
+                ("traceparent", job.call.trace),
+                ("tracestate", job.call.tracestate),
+                ("baggage", job.call.baggage),
+            ];
             let p = job.call.payload;
             // Through ebb's proxy by Host, or straight to a function served elsewhere.
             let (to, host, chosen) = match &job.address {
@@ -375,15 +380,18 @@ impl Executor for ProxyExecutor {
             for (k, v) in &p.headers {
                 req = req.header(k, v);
             }
-            // A traced call's request joins the trace it was enqueued in (unless the caller's
-            // payload names a context of its own).
-            if let Some(tp) = &job.call.trace
-                && !p
-                    .headers
-                    .iter()
-                    .any(|(k, _)| k.eq_ignore_ascii_case("traceparent"))
-            {
-                req = req.header("traceparent", tp);
+            // A traced call's request joins the trace it was enqueued in, with its baggage
+            // (unless the caller's payload names a context of its own: then only a header the
+            // payload lacks is added).
+            let has = |name: &str| p.headers.iter().any(|(k, _)| k.eq_ignore_ascii_case(name));
+            if carried[0].1.is_some() {
+                let own = has("traceparent");
+                for (name, value) in carried {
+                    let given = if name == "baggage" { has(name) } else { own };
+                    if let (Some(v), false) = (value, given) {
+                        req = req.header(name, v);
+                    }
+                }
             }
             // The call's id is its request's id unless the caller gave one: ebb's lines about
             // the request and the app's own carry it.

@@ -24,8 +24,9 @@ use std::sync::Mutex;
 use super::{Autoscale, Next, decide_autoscale, decide_next, step_call, step_events};
 use super::{decide_fire, firing_instance_id};
 use crate::calls::{CallError, Calls};
+
 use crate::clock::Clock;
-use crate::event::{Event, Outcome};
+use crate::event::{CallSpec, CallTrace, Event, Outcome};
 use crate::log::Log;
 use crate::state::Due;
 use crate::state::{InstanceStatus, State};
@@ -143,12 +144,12 @@ impl FunctionService {
 
     /// Invokes template `name` with `args`: a new instance whose first step is queued. Returns
     /// the instance id.
-    /// `trace`: the W3C `traceparent` of the invocation, which its steps' calls keep.
+    /// `trace`: the trace context and baggage of the invocation, which its steps' calls keep.
     pub async fn invoke(
         &self,
         name: &str,
         args: Vec<u8>,
-        trace: Option<String>,
+        trace: Option<CallTrace>,
     ) -> Result<String, FnError> {
         let template = self
             .template(name)
@@ -159,7 +160,9 @@ impl FunctionService {
             .map_err(FnError::UnknownNext)?;
         let id = self.calls.peers().new_id();
         let mut call = step_call(&id, 1, &template, args.clone());
-        call.trace = trace;
+        if let Some(t) = trace {
+            t.keep(&mut call);
+        }
         let function = name;
         let (iid, name) = (id.clone(), name.to_owned());
         self.calls
@@ -180,11 +183,16 @@ impl FunctionService {
         Ok(id)
     }
 
-    /// The trace context instance `id` was invoked in (its first step's), which every step keeps.
-    fn instance_trace(&self, id: &str) -> Option<String> {
+    /// Makes `call` keep the trace context instance `id` was invoked in (its first step's), as
+    /// every step does.
+    fn keep_instance_trace(&self, id: &str, call: &mut CallSpec) {
         let first = super::step_call_id(id, 1);
-        self.log
-            .read(|s| s.calls.get(&first).and_then(|c| c.spec.trace.clone()))
+        let trace = self
+            .log
+            .read(|s| s.calls.get(&first).and_then(|c| CallTrace::of(&c.spec)));
+        if let Some(t) = trace {
+            t.keep(call);
+        }
     }
 
     /// Runs `name` as the next step of instance `id` with `body` as its input (a function that
@@ -232,7 +240,7 @@ impl FunctionService {
         }
         let number = steps + 1;
         let mut call = step_call(id, number, &template, body);
-        call.trace = self.instance_trace(id);
+        self.keep_instance_trace(id, &mut call);
         let function = name.to_owned();
         let number = self
             .calls
@@ -352,7 +360,7 @@ impl FunctionService {
                     return Ok(false);
                 };
                 let mut call = step_call(id, steps + 1, &template, input);
-                call.trace = self.instance_trace(id);
+                self.keep_instance_trace(id, &mut call);
                 let counted = function.clone();
                 let changed = self
                     .calls

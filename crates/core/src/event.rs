@@ -193,6 +193,45 @@ pub struct CallSpec {
     /// and run spans, and the request sent to its target, join that trace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub trace: Option<String>,
+    /// The W3C `tracestate` that came with `trace`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tracestate: Option<String>,
+    /// The W3C `baggage` of the request that enqueued it, while traces are on: sent on with the
+    /// request to its target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baggage: Option<String>,
+}
+
+/// The W3C trace context (`traceparent`, `tracestate`) and `baggage` a call keeps from the
+/// request that enqueued it (a function's steps, from the invocation), while traces are on.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct CallTrace {
+    pub traceparent: String,
+    pub tracestate: Option<String>,
+    pub baggage: Option<String>,
+}
+
+impl CallTrace {
+    /// The longest `tracestate` kept: the W3C limit of 32 members of 16 characters or so.
+    pub const MAX_TRACESTATE: usize = 512;
+    /// The longest `baggage` kept: the W3C limit.
+    pub const MAX_BAGGAGE: usize = 8192;
+
+    /// What `call` keeps, if it is traced.
+    pub fn of(call: &CallSpec) -> Option<CallTrace> {
+        Some(CallTrace {
+            traceparent: call.trace.clone()?,
+            tracestate: call.tracestate.clone(),
+            baggage: call.baggage.clone(),
+        })
+    }
+
+    /// Makes `call` keep it.
+    pub fn keep(self, call: &mut CallSpec) {
+        call.trace = Some(self.traceparent);
+        call.tracestate = self.tracestate;
+        call.baggage = self.baggage;
+    }
 }
 
 impl CallSpec {
@@ -207,6 +246,8 @@ impl CallSpec {
             partition: None,
             payload: Payload::default(),
             trace: None,
+            tracestate: None,
+            baggage: None,
         }
     }
 }
@@ -944,6 +985,8 @@ pub fn examples() -> Vec<Event> {
         timeout_ms: 30_000,
         partition: Some("runner-1".into()),
         trace: None,
+        tracestate: None,
+        baggage: None,
         payload: Payload {
             method: "POST".into(),
             path: "/resize?w=100".into(),

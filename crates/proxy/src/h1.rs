@@ -338,6 +338,10 @@ pub(super) async fn serve_connection(
             }
         };
         if let Some(cx) = span {
+            let rtt_us = progress.rtt_us.load(Ordering::Relaxed);
+            if rtt_us > 0 {
+                super::trace::exemplar(req.entry.traffic(), rtt_us, &cx, progress.at());
+            }
             super::trace::answered(cx, progress.status.load(Ordering::Relaxed));
         }
         idle_ms = match route.connection_idle_timeout_ms {
@@ -415,6 +419,9 @@ struct Progress<'a> {
     held: AtomicBool,
     /// The status the request under way was answered with (0: not yet), for its span.
     status: AtomicU16,
+    /// Microseconds from its replica being picked to its answer's head (0: ebb answered), for
+    /// its span's exemplar.
+    rtt_us: AtomicU64,
 }
 
 impl<'a> Progress<'a> {
@@ -425,6 +432,7 @@ impl<'a> Progress<'a> {
             wrote: AtomicBool::new(false),
             held: AtomicBool::new(false),
             status: AtomicU16::new(0),
+            rtt_us: AtomicU64::new(0),
         }
     }
 
@@ -592,6 +600,7 @@ async fn exchange(
     let _in_flight = entry.traffic().begin(progress.at());
     progress.wrote.store(false, Ordering::Relaxed);
     progress.status.store(0, Ordering::Relaxed);
+    progress.rtt_us.store(0, Ordering::Relaxed);
     let has_body = req.body != Framing::Empty;
     let (mut cr, mut cw) = client.split();
     let mut avoid: Option<SocketAddr> = None;
@@ -1054,6 +1063,7 @@ where
             let rtt_us = slot.answered(resp.status, resp.load);
             traffic.answered(resp.status, Some(rtt_us));
             progress.answered(resp.status);
+            progress.rtt_us.store(rtt_us.max(1), Ordering::Relaxed);
             counted.store(true, Ordering::Relaxed);
         }
         if resp.interim {

@@ -1181,6 +1181,9 @@ impl Proxy {
                             .and_then(|v| crate::discovery::parse_load(v.as_bytes()));
                         let rtt_us = slot.answered(resp.status().as_u16(), load);
                         entry.traffic.answered(resp.status().as_u16(), Some(rtt_us));
+                        if let Some(cx) = &span {
+                            trace::exemplar(&entry.traffic, rtt_us, cx, self.clock.now_ms());
+                        }
                     } else {
                         entry.traffic.answered(101, None);
                     }

@@ -22,24 +22,72 @@ use std::sync::OnceLock;
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::{SpanKind, Status, TraceContextExt, Tracer};
-use opentelemetry::{Context, KeyValue, global};
+use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{Sampler, SdkTracer};
+
+use ebb_core::event::CallTrace;
 
 /// The proxy's tracer and propagator, once tracing is on.
 pub struct Tracing {
-    tracer: global::BoxedTracer,
+    /// The SDK's own tracer, not the global boxed one: a span it starts is not boxed.
+    tracer: SdkTracer,
+    /// The sampler the tracer's provider was built from, to drop a request's span before the
+    /// SDK makes one when the decision cannot be to keep it ([`Sampling::dropped`]).
+    sampling: Sampling,
     propagator: TraceContextPropagator,
 }
 
 static TRACING: OnceLock<Tracing> = OnceLock::new();
 
-/// Turns tracing on for every proxy of this process, with the global tracer provider's tracer:
-/// call it after the provider is set (`opentelemetry::global::set_tracer_provider`).
-pub fn enable() {
+/// Turns tracing on for every proxy of this process, with `tracer` (the provider's tracer named
+/// `ebb.proxy`) and the sampling its provider's sampler was built from
+/// ([`Sampling::sampler`]).
+pub fn enable(tracer: SdkTracer, sampling: Sampling) {
     let _ = TRACING.set(Tracing {
-        tracer: global::tracer("ebb.proxy"),
+        tracer,
+        sampling,
         propagator: TraceContextPropagator::new(),
     });
+}
+
+/// A sampler of the kinds `OTEL_TRACES_SAMPLER` names: a root's decision by ratio, under its
+/// parent's when parent-based.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    pub parent_based: bool,
+    /// The share of roots sampled: 0 (`always_off`) to 1 (`always_on`).
+    pub ratio: f64,
+}
+
+impl Sampling {
+    /// The SDK's sampler for it.
+    pub fn sampler(self) -> Sampler {
+        let root = if self.ratio >= 1.0 {
+            Sampler::AlwaysOn
+        } else if self.ratio > 0.0 {
+            Sampler::TraceIdRatioBased(self.ratio)
+        } else {
+            Sampler::AlwaysOff
+        };
+        if self.parent_based {
+            Sampler::ParentBased(Box::new(root))
+        } else {
+            root
+        }
+    }
+
+    /// Whether its sampler drops a span under `parent` whatever the span's trace id, as the
+    /// SDK's `Sampler::should_sample` decides: parent-based under a parent that was not sampled,
+    /// or a root with a ratio of 0. Then a request costs no span, no id and no call into the
+    /// SDK. A decision that depends on the trace id (a ratio between 0 and 1) is the SDK's.
+    fn dropped(self, parent: &Context) -> bool {
+        if self.parent_based && parent.has_active_span() {
+            return !parent.span().span_context().is_sampled();
+        }
+        // The ratio is from 0 to 1 (`OTEL_TRACES_SAMPLER_ARG` is checked).
+        self.ratio <= 0.0
+    }
 }
 
 /// Whether tracing is on.
@@ -47,10 +95,10 @@ pub fn enabled() -> bool {
     TRACING.get().is_some()
 }
 
-/// The W3C `traceparent` of the context `headers` carry, as ebb keeps it with a call it
-/// enqueues (so its spans join that trace): None when tracing is off or the headers carry no
-/// valid context.
-pub fn carried(headers: &hyper::HeaderMap) -> Option<String> {
+/// The W3C trace context and baggage `headers` carry, as ebb keeps them with a call it enqueues
+/// (so its spans join that trace and its target's request carries them on): None when tracing
+/// is off or the headers carry no valid context.
+pub fn carried(headers: &hyper::HeaderMap) -> Option<CallTrace> {
     let tracing = TRACING.get()?;
     let cx = tracing.propagator.extract(&Reading(headers));
     if !cx.span().span_context().is_valid() {
@@ -58,7 +106,23 @@ pub fn carried(headers: &hyper::HeaderMap) -> Option<String> {
     }
     let mut out = hyper::HeaderMap::new();
     tracing.inject(&cx, &mut Headers(&mut out));
-    out.get("traceparent")?.to_str().ok().map(str::to_owned)
+    let text = |v: &hyper::header::HeaderValue| v.to_str().ok().map(str::to_owned);
+    // Several `baggage` headers are one list (W3C Baggage); one longer than the limit is not
+    // kept at all rather than cut.
+    let baggage = headers
+        .get_all("baggage")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect::<Vec<_>>()
+        .join(",");
+    Some(CallTrace {
+        traceparent: out.get("traceparent").and_then(text)?,
+        tracestate: out
+            .get("tracestate")
+            .and_then(text)
+            .filter(|s| !s.is_empty() && s.len() <= CallTrace::MAX_TRACESTATE),
+        baggage: Some(baggage).filter(|b| !b.is_empty() && b.len() <= CallTrace::MAX_BAGGAGE),
+    })
 }
 
 /// The context a call's kept `traceparent` names, as the parent of its spans.
@@ -90,8 +154,30 @@ pub(crate) struct RequestSpan<'a> {
 impl Tracing {
     /// Starts a request's `proxy.request` span under the context `carrier` holds: its context
     /// (with the span in it), or None when the sampler dropped it.
+    ///
+    /// A request sampled out whatever its trace id is dropped here ([`Sampling::dropped`]);
+    /// otherwise the
+    /// SDK's sampler decides before the attributes are made (the samplers `OTEL_TRACES_SAMPLER`
+    /// names look at the parent and the trace id, never at attributes), so a request sampled out
+    /// costs no allocation for them.
     pub(crate) fn request(&self, carrier: &dyn Extractor, r: RequestSpan<'_>) -> Option<Context> {
-        let parent = self.propagator.extract(carrier);
+        use opentelemetry::trace::Span as _;
+        let parent = match carrier.get("traceparent") {
+            Some(_) => self.propagator.extract(carrier),
+            // No context to read: a root (the proxy never makes a context current).
+            None => Context::new(),
+        };
+        if self.sampling.dropped(&parent) {
+            return None;
+        }
+        let mut span = self
+            .tracer
+            .span_builder("proxy.request")
+            .with_kind(SpanKind::Server)
+            .start_with_context(&self.tracer, &parent);
+        if !span.is_recording() {
+            return None;
+        }
         let mut attributes = Vec::with_capacity(6);
         attributes.push(KeyValue::new("http.request.method", r.method.to_owned()));
         attributes.push(KeyValue::new("url.path", r.path.to_owned()));
@@ -106,16 +192,7 @@ impl Tracing {
             let id = String::from_utf8_lossy(id).into_owned();
             attributes.push(KeyValue::new("ebb.request_id", id));
         }
-        let span = self
-            .tracer
-            .span_builder("proxy.request")
-            .with_kind(SpanKind::Server)
-            .with_attributes(attributes)
-            .start_with_context(&self.tracer, &parent);
-        use opentelemetry::trace::Span as _;
-        if !span.is_recording() {
-            return None;
-        }
+        span.set_attributes(attributes);
         Some(parent.with_span(span))
     }
 
@@ -167,6 +244,17 @@ pub(crate) fn replica(cx: Option<&Context>, addr: SocketAddr) {
         cx.span()
             .set_attribute(KeyValue::new("ebb.replica", addr.to_string()));
     }
+}
+
+/// Makes a traced answer its route's answer-time exemplar (`ebb_proxy_response_duration_seconds`).
+pub(crate) fn exemplar(
+    traffic: &crate::traffic::RouteTraffic,
+    rtt_us: u64,
+    cx: &Context,
+    at_ms: u64,
+) {
+    let trace_id = cx.span().span_context().trace_id().to_string();
+    traffic.exemplar(rtt_us, trace_id, at_ms);
 }
 
 /// Ends a request's span with the status it was answered with (0: none, the client left or the
@@ -254,6 +342,60 @@ impl Injector for Headers<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_span_is_dropped_early_only_when_the_sdk_would_drop_it_for_any_trace_id() {
+        use opentelemetry::trace::TraceId;
+        use opentelemetry_sdk::trace::{SamplingDecision, ShouldSample};
+        let propagator = TraceContextPropagator::new();
+        let parent = |tp: Option<&str>| match tp {
+            Some(tp) => propagator.extract(&Carried {
+                traceparent: Some(tp),
+                tracestate: None,
+            }),
+            None => Context::new(),
+        };
+        let sampled = parent(Some(
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ));
+        let unsampled = parent(Some(
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+        ));
+        let malformed = parent(Some("00-zz-b7ad6b7169203331-01"));
+        let none = parent(None);
+        for parent_based in [false, true] {
+            for ratio in [0.0, 0.01, 0.5, 1.0] {
+                let sampling = Sampling {
+                    parent_based,
+                    ratio,
+                };
+                early(sampling, [&sampled, &unsampled, &malformed, &none]);
+            }
+        }
+        fn early(sampling: Sampling, parents: [&Context; 4]) {
+            let sampler = sampling.sampler();
+            for cx in parents {
+                let decisions: Vec<SamplingDecision> = (0..2_000u128)
+                    .map(|i| {
+                        let id = TraceId::from(
+                            i.wrapping_mul(0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835),
+                        );
+                        let kind = SpanKind::Server;
+                        sampler
+                            .should_sample(Some(cx), id, "proxy.request", &kind, &[], &[])
+                            .decision
+                    })
+                    .collect();
+                let always_dropped = decisions.iter().all(|d| *d == SamplingDecision::Drop);
+                assert_eq!(
+                    sampling.dropped(cx),
+                    always_dropped,
+                    "{sampling:?} under {:?}",
+                    cx.span().span_context()
+                );
+            }
+        }
+    }
 
     #[test]
     fn a_carried_context_is_read_and_written_as_w3c_trace_context() {

@@ -5,7 +5,8 @@
 //! [`RouteTraffic`] also holds what `/metrics` reads when scraped: the request counter the flusher
 //! swaps plus what it has flushed (a monotonic total), answers by status class and a histogram of
 //! the time from a pick to the answer's head (three relaxed additions per answer, with the time
-//! the picker already measured: no lock, no extra clock read), and the timeouts each route's
+//! the picker already measured: no lock, no extra clock read; a sampled request's answer also
+//! becomes its bucket's exemplar, [`RouteTraffic::exemplar`]), and the timeouts each route's
 //! requests met ([`Timeout`]). The hold time is observed where a request found no free replica,
 //! off the fast path ([`Traffic::observe_hold`]). A TCP connection's end marks the route's last
 //! use ([`RouteTraffic::touch`]).
@@ -93,6 +94,14 @@ pub const ANSWER_BOUNDS_US: [u64; 12] = [
     250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000, 5_000_000,
 ];
 
+/// The answer-time bucket of `us`.
+fn answer_bucket(us: u64) -> usize {
+    ANSWER_BOUNDS_US
+        .iter()
+        .position(|b| us <= *b)
+        .unwrap_or(ANSWER_BOUNDS_US.len())
+}
+
 /// A route's answers: a counter per status class and a histogram of the time from a replica
 /// being picked to its answer's head, kept in atomics (three relaxed additions per answer).
 #[derive(Debug, Default)]
@@ -102,6 +111,19 @@ struct Answers {
     /// Answers from replicas by time bucket; the last counts those above every bound.
     buckets: [AtomicU64; ANSWER_BOUNDS_US.len() + 1],
     sum_us: AtomicU64,
+    /// Per bucket, the newest traced answer in it: its exemplar. Only a sampled request writes
+    /// one (a lock per traced answer); the others never touch these.
+    exemplars: [std::sync::Mutex<Option<AnswerExemplar>>; ANSWER_BOUNDS_US.len() + 1],
+}
+
+/// A traced answer kept as its time bucket's exemplar: the trace it belongs to, the answer time
+/// and when it was observed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AnswerExemplar {
+    pub trace_id: String,
+    pub seconds: f64,
+    /// Unix milliseconds.
+    pub at_ms: u64,
 }
 
 /// A route's answer-time histogram as read: sum in seconds, count, and per bucket (upper bound
@@ -111,6 +133,8 @@ pub struct AnswerTimes {
     pub sum_s: f64,
     pub count: u64,
     pub buckets: Vec<(f64, u64)>,
+    /// Each bucket's exemplar, when a traced answer fell in it.
+    pub exemplars: Vec<Option<AnswerExemplar>>,
 }
 
 impl AnswerTimes {
@@ -120,6 +144,14 @@ impl AnswerTimes {
         self.count += o.count;
         for (a, b) in self.buckets.iter_mut().zip(&o.buckets) {
             a.1 += b.1;
+        }
+        // The newer of two exemplars stands for the bucket.
+        for (a, b) in self.exemplars.iter_mut().zip(&o.exemplars) {
+            if let Some(b) = b
+                && a.as_ref().is_none_or(|a| a.at_ms < b.at_ms)
+            {
+                *a = Some(b.clone());
+            }
         }
     }
 }
@@ -212,13 +244,20 @@ impl RouteTraffic {
         let a = &self.answers;
         a.classes[class].fetch_add(1, Ordering::Relaxed);
         if let Some(us) = rtt_us {
-            let i = ANSWER_BOUNDS_US
-                .iter()
-                .position(|b| us <= *b)
-                .unwrap_or(ANSWER_BOUNDS_US.len());
-            a.buckets[i].fetch_add(1, Ordering::Relaxed);
+            a.buckets[answer_bucket(us)].fetch_add(1, Ordering::Relaxed);
             a.sum_us.fetch_add(us, Ordering::Relaxed);
         }
+    }
+
+    /// Makes a traced answer, `rtt_us` after its replica was picked and observed at `at_ms`, its
+    /// time bucket's exemplar (after [`RouteTraffic::answered`] counted it).
+    pub fn exemplar(&self, rtt_us: u64, trace_id: String, at_ms: u64) {
+        let slot = &self.answers.exemplars[answer_bucket(rtt_us)];
+        *slot.lock().expect("exemplar lock") = Some(AnswerExemplar {
+            trace_id,
+            seconds: rtt_us as f64 / 1e6,
+            at_ms,
+        });
     }
 
     /// Counts a request or connection cut by timeout `t`.
@@ -265,6 +304,11 @@ impl RouteTraffic {
             sum_s: a.sum_us.load(Ordering::Relaxed) as f64 / 1e6,
             count,
             buckets,
+            exemplars: a
+                .exemplars
+                .iter()
+                .map(|e| e.lock().expect("exemplar lock").clone())
+                .collect(),
         }
     }
 

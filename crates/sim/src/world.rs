@@ -135,7 +135,7 @@ enum ApiOp {
 
 #[derive(Debug, Clone)]
 enum NodeReq {
-    Enqueue(CallSpec),
+    Enqueue(Box<CallSpec>),
     Dequeue {
         max: usize,
     },
@@ -1367,6 +1367,8 @@ impl World {
             timeout_ms: c.timeout_ms,
             partition,
             trace: None,
+            tracestate: None,
+            baggage: None,
             payload: Payload::default(),
         }
     }
@@ -1392,7 +1394,7 @@ impl World {
             let next = self.new_call();
             self.at(gap.max(1), Action::Enqueue(next, 0));
         }
-        self.send(PRODUCER, NodeReq::Enqueue(spec), attempt, 0);
+        self.send(PRODUCER, NodeReq::Enqueue(Box::new(spec)), attempt, 0);
     }
 
     /// Appends to node `k`'s log; `false` when a torn write crashed it.
@@ -1453,7 +1455,13 @@ impl World {
         let lat = self.latency();
         self.at(
             lat,
-            Action::NodeReply(PRODUCER, 0, NodeReq::Enqueue(spec), answer, attempt),
+            Action::NodeReply(
+                PRODUCER,
+                0,
+                NodeReq::Enqueue(Box::new(spec)),
+                answer,
+                attempt,
+            ),
         );
     }
 
@@ -1627,7 +1635,10 @@ impl World {
                     self.latency()
                 };
                 let epoch = self.nodes[k].epoch;
-                self.at(lat, Action::EnqueueRecord(k, epoch, spec.clone(), attempt));
+                self.at(
+                    lat,
+                    Action::EnqueueRecord(k, epoch, (**spec).clone(), attempt),
+                );
                 NodeAnswer::Pending
             }
             NodeReq::Dequeue { max } => {
@@ -1754,7 +1765,7 @@ impl World {
                         self.acked.push(spec.id);
                     }
                     _ if attempt + 1 < RUNNER_ATTEMPTS => {
-                        self.at(200, Action::Enqueue(spec, attempt + 1));
+                        self.at(200, Action::Enqueue(*spec, attempt + 1));
                     }
                     _ => {}
                 }

@@ -113,9 +113,9 @@ pub struct NewCall {
     /// The HTTP request to send.
     #[serde(default)]
     pub payload: Option<PayloadIn>,
-    /// The W3C `traceparent` of the enqueue request (its header, not its JSON).
+    /// The trace context and baggage of the enqueue request (its headers, not its JSON).
     #[serde(skip)]
-    pub trace: Option<String>,
+    pub trace: Option<crate::event::CallTrace>,
 }
 
 /// An HTTP request as JSON: the body as text, or as base64 for bytes.

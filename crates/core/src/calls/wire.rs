@@ -156,6 +156,8 @@ impl JobJson {
                 timeout_ms: self.timeout_ms,
                 partition: self.partition.clone(),
                 trace: None,
+                tracestate: None,
+                baggage: None,
                 payload: self.payload.payload()?,
             },
             host: self.host.clone(),

@@ -322,6 +322,8 @@ pub fn step_call(instance: &str, step: usize, t: &TemplateSpec, input: Vec<u8>) 
         timeout_ms: t.timeout_ms,
         partition: None,
         trace: None,
+        tracestate: None,
+        baggage: None,
         payload: Payload {
             method: "POST".into(),
             path: "/".into(),

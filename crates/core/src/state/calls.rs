@@ -317,6 +317,8 @@ impl Calls {
                         timeout_ms: 0,
                         partition: None,
                         trace: None,
+                        tracestate: None,
+                        baggage: None,
                         payload: Payload::default(),
                     };
                     Call::new(spec, CallStatus::Running, at_ms)

@@ -96,6 +96,8 @@ pub fn sample_event(i: u64) -> Event {
                 timeout_ms: 30_000,
                 partition: Some("runner-1".into()),
                 trace: None,
+                tracestate: None,
+                baggage: None,
                 payload: Payload {
                     method: "POST".into(),
                     path: "/invoke".into(),
