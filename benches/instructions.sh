@@ -45,27 +45,7 @@ destinations = [{ addresses = ["127.0.0.1:$app_port"] }]
 TOML
 
 if printf '%s\n' "${targets[@]}" | grep -q ':'; then
-  otelcol="${EBB_OTELCOL:-$(scripts/otelcol build)}"
-  cat >"$work/otelcol.yaml" <<YAML
-receivers:
-  otlp:
-    protocols:
-      http:
-        endpoint: 127.0.0.1:$otlp_port
-exporters:
-  file:
-    path: $work/traces.jsonl
-service:
-  telemetry:
-    metrics:
-      level: none
-  pipelines:
-    traces:
-      receivers: [otlp]
-      exporters: [file]
-YAML
-  "$otelcol" --config "$work/otelcol.yaml" >"$work/otelcol.log" 2>&1 &
-  pids+=($!)
+  bench_otelcol "$otlp_port"
 fi
 
 # N keep-alive requests, one after another; fails on any answer other than 200.

@@ -67,3 +67,32 @@ NGINX
     cat
   } >"$work/nginx/nginx.conf"
 }
+
+# Starts an OpenTelemetry Collector (scripts/otelcol, or $EBB_OTELCOL) taking OTLP/HTTP on
+# 127.0.0.1:PORT and writing the spans to "$work/traces.jsonl" (rotated at 64 MB): PORT.
+bench_otelcol() {
+  local otelcol="${EBB_OTELCOL:-$(scripts/otelcol build)}"
+  cat >"$work/otelcol.yaml" <<YAML
+receivers:
+  otlp:
+    protocols:
+      http:
+        endpoint: 127.0.0.1:$1
+exporters:
+  file:
+    path: $work/traces.jsonl
+    rotation:
+      max_megabytes: 64
+      max_backups: 1
+service:
+  telemetry:
+    metrics:
+      level: none
+  pipelines:
+    traces:
+      receivers: [otlp]
+      exporters: [file]
+YAML
+  "$otelcol" --config "$work/otelcol.yaml" >"$work/otelcol.log" 2>&1 &
+  pids+=($!)
+}

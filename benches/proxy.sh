@@ -237,33 +237,10 @@ done
 results+=("$(median ebb "${ebb_runs[@]}")" "$(median nginx "${ngx_runs[@]}")" "$(median haproxy "${hap_runs[@]}")")
 table "${results[@]}"
 
-# Traces: two more ebbs beside the first, one with every request sampled out and one with every
-# request sampled, both exporting over OTLP/HTTP to a collector on loopback.
-otelcol="${EBB_OTELCOL:-$(scripts/otelcol build)}"
+# Traces: three more ebbs beside the first, with every request sampled out, 1 % sampled and every
+# request sampled, all exporting over OTLP/HTTP to a collector on loopback.
 otlp_port=$((base + 8)); off_port=$((base + 9)); on_port=$((base + 11)); some_port=$((base + 13))
-cat >"$work/otelcol.yaml" <<YAML
-receivers:
-  otlp:
-    protocols:
-      http:
-        endpoint: 127.0.0.1:$otlp_port
-exporters:
-  file:
-    path: $work/traces.jsonl
-    rotation:
-      max_megabytes: 64
-      max_backups: 1
-service:
-  telemetry:
-    metrics:
-      level: none
-  pipelines:
-    traces:
-      receivers: [otlp]
-      exporters: [file]
-YAML
-"$otelcol" --config "$work/otelcol.yaml" >"$work/otelcol.log" 2>&1 &
-pids+=($!)
+bench_otelcol "$otlp_port"
 traced_ebb() { # NAME PORT SAMPLER [RATIO]: starts an ebb exporting traces, sets traced_pid
   OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:$otlp_port" OTEL_TRACES_SAMPLER="$3" \
     OTEL_TRACES_SAMPLER_ARG="${4:-1}" EBB_LOG=warn "$ebb" serve --config "$work/ebb.toml" --data-dir "$work/data-$1" \

@@ -11,6 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::common;
+use common::controlplane::wait_until;
 use common::otelcol::Collector;
 
 const DEADLINE: Duration = Duration::from_secs(60);
@@ -332,20 +333,15 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
     assert_eq!(forwarded.attr("ebb.route").as_deref(), Some("traced"));
     // The call's wait in the queue is its bucket's exemplar (counted from the log's tail, which
     // the metrics follow on a task of their own).
-    let polled = tokio::time::timeout(std::time::Duration::from_secs(30), async {
-        loop {
+    wait_until(
+        "the traced call's exemplar on ebb_call_queue_wait_seconds",
+        Duration::from_secs(30),
+        || async {
             let m = common::http::send(&c, ebb.admin, "GET", "localhost", "/metrics", &[]).await;
-            if exemplar(&m.body, "ebb_call_queue_wait_seconds_bucket{", trace3) {
-                return;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-    })
+            exemplar(&m.body, "ebb_call_queue_wait_seconds_bucket{", trace3).then_some(())
+        },
+    )
     .await;
-    if polled.is_err() {
-        let m = common::http::send(&c, ebb.admin, "GET", "localhost", "/metrics", &[]).await;
-        panic!("no exemplar of trace {trace3} within 30 s in:\n{}", m.body);
-    }
     let answer = common::http::send(
         &c,
         ebb.admin,
