@@ -13,6 +13,8 @@
 # Targets, each `NAME=BINARY[:SAMPLER]`: SAMPLER unset runs with tracing off; `always_off` or a
 # ratio (`0.01`) exports over OTLP/HTTP to an OpenTelemetry Collector on loopback (scripts/otelcol)
 # with that sampler. Default: the release binary with tracing off, sampled out, and sampled at 1 %.
+# BENCH_CALLGRIND_DIR keeps each target's busy window there as NAME.callgrind (callgrind_annotate
+# reads it; the symbols are the binary's).
 # Usage: benches/instructions.sh [N] [NAME=BINARY[:SAMPLER]...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -119,7 +121,13 @@ count() { # NAME BINARY SAMPLER: prints "NAME instructions-per-request"
   callgrind_control --zero "$pid" >/dev/null 2>&1
   sleep "$elapsed" # the idle window measured, not a wait for anything
   callgrind_control --dump=idle "$pid" >/dev/null 2>&1
-  busy=$(total_ir "$(grep -l '^desc: Trigger: dump busy' "$out"/cg.* | head -1)")
+  local dump
+  dump="$(grep -l '^desc: Trigger: dump busy' "$out"/cg.* | head -1)"
+  busy=$(total_ir "$dump")
+  if [ -n "${BENCH_CALLGRIND_DIR:-}" ]; then # the busy window's profile, for callgrind_annotate
+    mkdir -p "$BENCH_CALLGRIND_DIR"
+    cp "$dump" "$BENCH_CALLGRIND_DIR/$dir.callgrind"
+  fi
   idle=$(total_ir "$(grep -l '^desc: Trigger: dump idle' "$out"/cg.* | head -1)")
   kill "$pid"
   wait "$pid" 2>/dev/null || true

@@ -229,25 +229,35 @@ pub fn content_length(value: &[u8]) -> Option<u64> {
     std::str::from_utf8(v).ok()?.parse().ok()
 }
 
+/// A request's Host as the meta services see it ([`Routes::service`]).
+pub enum ServiceMatch<R> {
+    /// No meta service has the Host: the routes are looked at.
+    NotAService,
+    /// A meta service's Host, and the general path serves the request (no rule matches, or the
+    /// rule needs what only that path does).
+    Elsewhere,
+    /// A request the fast path serves: the route it goes to under the service's matching rule,
+    /// and the target sent on (the rule's rewrite).
+    Fast(R, String),
+}
+
 /// What the head parser asks of the proxy: whether a Host is a meta service's, and its route.
 pub trait Routes {
     /// What a request's route is to the caller (the proxy's table entry).
     type Route;
     /// The spec of a route.
     fn spec(route: &Self::Route) -> &RouteSpec;
-    fn serves_service(&self, host: &str) -> bool;
     fn route(&self, host: &str) -> Option<Self::Route>;
-    /// A request to a meta service's Host that the fast path serves: the route it goes to under
-    /// the service's matching rule, and the target sent on (the rule's rewrite). None: the
-    /// general path serves it (no rule matches, or the rule needs what only that path does).
+    /// What a meta service makes of a request to its Host (one lookup of the Host answers both
+    /// whether it is a service's and the rule's route): see [`ServiceMatch`].
     fn service<'v>(
         &self,
         _host: &str,
         _method: &str,
         _target: &str,
         _header: &dyn Fn(&str) -> Option<&'v [u8]>,
-    ) -> Option<(Self::Route, String)> {
-        None
+    ) -> ServiceMatch<Self::Route> {
+        ServiceMatch::NotAService
     }
     /// A meta service's changes to a request's headers (names in lower case, every one a
     /// header this head writer does not write itself, values valid), and the Host it sends
@@ -431,21 +441,18 @@ pub fn parse_request<R: Routes>(
         }
     };
     let host = target.host;
-    let (entry, sent) = if proxy.serves_service(host) {
-        // A meta service: its matching rule rewrites the head here, or the general path serves
-        // the request.
-        let header = |n: &str| {
-            headers
-                .iter()
-                .find(|h| h.name.eq_ignore_ascii_case(n))
-                .map(|h| h.value)
-        };
-        match proxy.service(host, method, &target.path, &header) {
-            Some((entry, sent)) => (entry, Some(sent)),
-            None => return Parsed::Elsewhere,
-        }
-    } else {
-        match proxy.route(host) {
+    // A meta service: its matching rule rewrites the head here, or the general path serves the
+    // request.
+    let header = |n: &str| {
+        headers
+            .iter()
+            .find(|h| h.name.eq_ignore_ascii_case(n))
+            .map(|h| h.value)
+    };
+    let (entry, sent) = match proxy.service(host, method, &target.path, &header) {
+        ServiceMatch::Fast(entry, sent) => (entry, Some(sent)),
+        ServiceMatch::Elsewhere => return Parsed::Elsewhere,
+        ServiceMatch::NotAService => match proxy.route(host) {
             Some(entry) => (entry, None),
             None => {
                 let message = format!("no route for host {host:?}");
@@ -455,7 +462,7 @@ pub fn parse_request<R: Routes>(
                     close,
                 };
             }
-        }
+        },
     };
     let (changes, sent_host) = R::request_changes(&entry);
 
@@ -784,12 +791,22 @@ pub mod fuzzing {
             route
         }
 
-        fn serves_service(&self, host: &str) -> bool {
-            host == "svc.fuzz.test"
-        }
-
         fn route(&self, host: &str) -> Option<Arc<RouteSpec>> {
             (host == "fuzz.test").then(|| self.0.clone())
+        }
+
+        fn service<'v>(
+            &self,
+            host: &str,
+            _: &str,
+            _: &str,
+            _: &dyn Fn(&str) -> Option<&'v [u8]>,
+        ) -> ServiceMatch<Arc<RouteSpec>> {
+            if host == "svc.fuzz.test" {
+                ServiceMatch::Elsewhere
+            } else {
+                ServiceMatch::NotAService
+            }
         }
 
         fn max_headers(&self) -> usize {
@@ -925,22 +942,24 @@ mod tests {
             &SPEC
         }
 
-        fn serves_service(&self, host: &str) -> bool {
-            host == "svc.test"
-        }
-
         fn route(&self, _: &str) -> Option<()> {
             None
         }
 
         fn service<'v>(
             &self,
-            _: &str,
+            host: &str,
             _: &str,
             target: &str,
             _: &dyn Fn(&str) -> Option<&'v [u8]>,
-        ) -> Option<((), String)> {
-            Some(((), format!("/v2/{}", target.strip_prefix("/api/")?)))
+        ) -> ServiceMatch<()> {
+            if host != "svc.test" {
+                return ServiceMatch::NotAService;
+            }
+            match target.strip_prefix("/api/") {
+                Some(rest) => ServiceMatch::Fast((), format!("/v2/{rest}")),
+                None => ServiceMatch::Elsewhere,
+            }
         }
 
         fn request_changes(_: &()) -> (Option<&Changes>, Option<&str>) {

@@ -63,7 +63,9 @@ use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
 use ebb_http::chunked::Chunked;
-use ebb_http::h1::{Framing, Parsed, Peer, Routes, parse_request, parse_response, push_display};
+use ebb_http::h1::{
+    Framing, Parsed, Peer, Routes, ServiceMatch, parse_request, parse_response, push_display,
+};
 
 use super::backends::{self, Opening, Replica, Settling, Slot};
 use super::table::Entry;
@@ -1148,6 +1150,53 @@ struct Routing<'a> {
     peer: SocketAddr,
 }
 
+impl Routing<'_> {
+    /// The fast path's target for a request to meta service `service` under its matching rule,
+    /// and the target sent on; None when the general path serves it.
+    fn fast_service<'v>(
+        proxy: &Proxy,
+        service: Arc<super::services::ServiceEntry>,
+        host: &str,
+        method: &str,
+        target: &str,
+        header: &dyn Fn(&str) -> Option<&'v [u8]>,
+    ) -> Option<(Target, String)> {
+        let bare = crate::ids::host_without_port(host);
+        let authority: std::borrow::Cow<'_, str> = if bare.bytes().any(|b| b.is_ascii_uppercase()) {
+            bare.to_ascii_lowercase().into()
+        } else {
+            bare.into()
+        };
+        let (ri, sent) = service.meta.route(&crate::discovery::meta::RequestView {
+            authority: &authority,
+            method,
+            target,
+            header: &|n| header(n),
+        })?;
+        // gRPC goes on over HTTP/2: the general path's.
+        let grpc = header("content-type").is_some_and(super::grpc::is_grpc_content_type);
+        if !service.fast(ri) || grpc {
+            return None;
+        }
+        let route = &service.meta.routes[ri];
+        if route.total_weight() == 0 {
+            return None;
+        }
+        let di = super::services::draw(route);
+        let app = match route.destinations[di].app() {
+            Some(a) => Some(proxy.table().named(a)?),
+            None => None,
+        };
+        let target = ServiceTarget {
+            service,
+            route: ri,
+            dest: di,
+            app,
+        };
+        Some((Target::Service(Arc::new(target)), sent))
+    }
+}
+
 impl Routes for Routing<'_> {
     type Route = Target;
 
@@ -1215,12 +1264,6 @@ impl Routes for Routing<'_> {
         self.proxy.options.limits.max_head_bytes
     }
 
-    fn serves_service(&self, host: &str) -> bool {
-        // On a Gateway socket every Host is the socket's: one it has no routes for is the
-        // general path's to answer.
-        self.gateway.is_some() || self.proxy.serves_service(host)
-    }
-
     fn route(&self, host: &str) -> Option<Target> {
         self.proxy.route(host).map(Target::Route)
     }
@@ -1231,40 +1274,24 @@ impl Routes for Routing<'_> {
         method: &str,
         target: &str,
         header: &dyn Fn(&str) -> Option<&'v [u8]>,
-    ) -> Option<(Target, String)> {
+    ) -> ServiceMatch<Target> {
         let proxy = self.proxy;
         let service = match self.gateway {
-            Some(addr) => proxy.gateway_socket(addr)?.lookup(host)?,
-            None => proxy.services.lookup(host)?,
+            // On a Gateway socket every Host is the socket's: one it has no routes for is the
+            // general path's to answer.
+            Some(addr) => match proxy.gateway_socket(addr).and_then(|s| s.lookup(host)) {
+                Some(s) => s,
+                None => return ServiceMatch::Elsewhere,
+            },
+            None => match proxy.services.lookup(host) {
+                Some(s) => s,
+                None => return ServiceMatch::NotAService,
+            },
         };
-        let authority = crate::ids::host_without_port(host).to_ascii_lowercase();
-        let (ri, sent) = service.meta.route(&crate::discovery::meta::RequestView {
-            authority: &authority,
-            method,
-            target,
-            header: &|n| header(n),
-        })?;
-        // gRPC goes on over HTTP/2: the general path's.
-        let grpc = header("content-type").is_some_and(super::grpc::is_grpc_content_type);
-        if !service.fast(ri) || grpc {
-            return None;
+        match Self::fast_service(proxy, service, host, method, target, header) {
+            Some((target, sent)) => ServiceMatch::Fast(target, sent),
+            None => ServiceMatch::Elsewhere,
         }
-        let route = &service.meta.routes[ri];
-        if route.total_weight() == 0 {
-            return None;
-        }
-        let di = super::services::draw(route);
-        let app = match route.destinations[di].app() {
-            Some(a) => Some(proxy.table().named(a)?),
-            None => None,
-        };
-        let target = ServiceTarget {
-            service,
-            route: ri,
-            dest: di,
-            app,
-        };
-        Some((Target::Service(Arc::new(target)), sent))
     }
 
     fn request_changes(
@@ -1343,7 +1370,8 @@ impl Backend {
 /// signal that one came back for requests of this thread waiting for one.
 #[derive(Default)]
 struct Pool {
-    idle: HashMap<SocketAddr, Idle>,
+    /// By replica address (FNV: the keys are ebb's replicas, not a client's to choose).
+    idle: HashMap<SocketAddr, Idle, fnv::FnvBuildHasher>,
     swept_at_ms: u64,
 }
 

@@ -1554,11 +1554,6 @@ impl Proxy {
         }
     }
 
-    /// Whether a Host leads to a meta service.
-    fn serves_service(&self, host: &str) -> bool {
-        self.services.lookup(host).is_some()
-    }
-
     /// The instances of destination `di` of rule `ri` of a meta service now.
     fn service_ready(
         &self,

@@ -15,7 +15,6 @@
 //! hold-and-wake over the destination's replicas), held and woken from zero under the app's
 //! concurrency and hold bounds.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -102,18 +101,18 @@ pub fn fast_path(r: &crate::discovery::meta::MetaRoute) -> bool {
 /// Every meta service by domain.
 #[derive(Debug, Default)]
 pub struct Services {
-    by_domain: HashMap<String, Arc<ServiceEntry>>,
+    by_domain: crate::ids::Domains<Arc<ServiceEntry>>,
 }
 
 impl Services {
     /// The services, each under its domains (checked at load not to overlap); destinations that
     /// discovery resolves are watched through `cache` from now on.
     pub fn build(metas: &[MetaService], backends: &Backends, cache: Option<&Cache>) -> Services {
-        let mut by_domain = HashMap::new();
+        let mut by_domain = crate::ids::Domains::default();
         for m in metas {
             let entry = Arc::new(ServiceEntry::new(m, backends, cache));
             for d in &m.domains {
-                by_domain.insert(d.clone(), entry.clone());
+                by_domain.insert(d, entry.clone());
             }
         }
         Services { by_domain }
@@ -124,7 +123,7 @@ impl Services {
         if self.by_domain.is_empty() {
             return None;
         }
-        crate::ids::match_host(host, |d| self.by_domain.get(d).cloned())
+        self.by_domain.get(host).cloned()
     }
 }
 

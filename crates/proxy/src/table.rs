@@ -13,7 +13,7 @@ use std::sync::Arc;
 use super::backends::{Backends, Group, Ready, ReadyCache};
 use super::traffic::{RouteTraffic, Traffic};
 use crate::event::RouteSpec;
-use crate::ids::match_host;
+use crate::ids::Domains;
 use crate::state::State;
 
 /// One route as the proxy sees it.
@@ -60,19 +60,19 @@ impl Entry {
 pub struct Table {
     /// `routes.changed_at_seq` of the state it was built from.
     pub seq: u64,
-    domains: HashMap<String, Arc<Entry>>,
+    domains: Domains<Arc<Entry>>,
     by_name: HashMap<String, Arc<Entry>>,
 }
 
 impl Table {
     /// Builds the table from the route store.
     pub fn build(state: &State, traffic: &Traffic, backends: &Backends) -> Table {
-        let mut domains = HashMap::new();
+        let mut domains = Domains::default();
         let mut by_name = HashMap::new();
         for r in state.routes.by_name.values() {
             let entry = Entry::new(r.spec.clone(), traffic, backends);
             for d in &r.spec.domains {
-                domains.insert(d.to_ascii_lowercase(), entry.clone());
+                domains.insert(d, entry.clone());
             }
             by_name.insert(r.spec.name.clone(), entry);
         }
@@ -90,6 +90,6 @@ impl Table {
 
     /// The route a Host leads to.
     pub fn lookup(&self, host: &str) -> Option<Arc<Entry>> {
-        match_host(host, |d| self.domains.get(d).cloned())
+        self.domains.get(host).cloned()
     }
 }
