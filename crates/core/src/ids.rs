@@ -198,7 +198,11 @@ pub fn host_without_port(host: &str) -> &str {
     // The digits at the end, then a colon: a byte scan from the end (this runs for every
     // request, and most Hosts end in a letter).
     let bytes = host.as_bytes();
-    let digits = bytes.iter().rev().take_while(|b| b.is_ascii_digit()).count();
+    let digits = bytes
+        .iter()
+        .rev()
+        .take_while(|b| b.is_ascii_digit())
+        .count();
     match bytes.len().checked_sub(digits + 1) {
         Some(i) if bytes[i] == b':' => &host[..i],
         _ => host,

@@ -164,7 +164,10 @@ pub fn valid_host(host: &[u8]) -> bool {
             && (after.is_empty() || (after[0] == b':' && port(&after[1..])));
     }
     // One pass over the name by table (this runs for every request), then the port if any.
-    let name = host.iter().take_while(|b| NAME_BYTE[usize::from(**b)]).count();
+    let name = host
+        .iter()
+        .take_while(|b| NAME_BYTE[usize::from(**b)])
+        .count();
     name > 0
         && match &host[name..] {
             [] => true,
