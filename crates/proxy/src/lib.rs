@@ -7,9 +7,11 @@
 //!   ([`tcp`]).
 //! * **Routing** reads where a request goes with [`head::target`] (exactly one valid `Host`, or
 //!   400; an absolute-form target's authority wins over `Host`), then looks the host up in the
-//!   routing table ([`table`], a snapshot of the route store matched with
-//!   `ids::match_host`: port and case ignored, exact names before `*.suffix`
-//!   wildcards); an unknown host gets 404 with a JSON error.
+//!   routing table ([`table`], a snapshot of the route store in an `ids::Domains` table: port
+//!   and case ignored, exact names before `*.suffix` wildcards, one hash lookup for a table
+//!   without wildcards); on the HTTP/1.1 fast path one lookup of the meta services' table tells
+//!   both whether the Host is a service's and its rule's route; an unknown host gets 404 with a
+//!   JSON error.
 //! * **Hold-and-wake**: a request for a workload with no ready replica waits in a bounded per-route
 //!   hold (beyond `hold_queue_max`: 503 at once). The first waiter's wake decision is logged once
 //!   (single flight, decided on the log's writer, in a task of its own so an abandoned request
