@@ -131,13 +131,8 @@ impl<T> Domains<T> {
     /// The value a `Host` leads to: the port, the case and a trailing dot are ignored; an exact
     /// domain wins over a wildcard, and a longer wildcard suffix over a shorter one.
     pub fn get(&self, host: &str) -> Option<&T> {
-        let host = host_without_port(host);
-        let lower: std::borrow::Cow<'_, str> = if host.bytes().any(|b| b.is_ascii_uppercase()) {
-            host.to_ascii_lowercase().into()
-        } else {
-            host.into()
-        };
-        let host = lower.trim_end_matches('.');
+        let key = host_key(host);
+        let host = &*key;
         if let Some(v) = self.exact.get(host) {
             return Some(v);
         }
@@ -163,13 +158,8 @@ impl<T> Domains<T> {
 /// Looks a `Host` up in a table of domains: the port and case are ignored; an exact domain wins
 /// over a wildcard (`*.suffix`), and a longer wildcard suffix over a shorter one.
 pub fn match_host<T>(host: &str, mut get: impl FnMut(&str) -> Option<T>) -> Option<T> {
-    let host = host_without_port(host);
-    let lower: std::borrow::Cow<'_, str> = if host.bytes().any(|b| b.is_ascii_uppercase()) {
-        host.to_ascii_lowercase().into()
-    } else {
-        host.into()
-    };
-    let host = lower.trim_end_matches('.');
+    let key = host_key(host);
+    let host = &*key;
     if let Some(v) = get(host) {
         return Some(v);
     }
@@ -185,6 +175,17 @@ pub fn match_host<T>(host: &str, mut get: impl FnMut(&str) -> Option<T>) -> Opti
         }
     }
     None
+}
+
+/// A `Host` as a table of domains keys it: without its port or a trailing dot, in lower case
+/// (copied only when it has a capital).
+pub fn host_key(host: &str) -> std::borrow::Cow<'_, str> {
+    let host = host_without_port(host).trim_end_matches('.');
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        host.to_ascii_lowercase().into()
+    } else {
+        host.into()
+    }
 }
 
 /// `example.com:8080` -> `example.com`; `[::1]:80` -> `[::1]`.
