@@ -2,13 +2,14 @@
 //! replica, a function or a route's domain, and how a `Host` finds its route. Also what forwarding
 //! a request to an id's owner can fail with, shared by the calls and the replicas' API.
 
+use std::borrow::Cow;
+use std::collections::HashMap;
+
 /// The header a forwarded request carries: the replica that forwarded it.
 pub const FORWARDED_BY: &str = "x-ebb-forwarded-by";
 
 /// How long a client is told to wait before asking again when an owner is down, in seconds.
 pub const RETRY_AFTER_S: u64 = 2;
-
-use std::collections::HashMap;
 
 /// Whether `name` may name a replica: a DNS label (1 to 63 of `a-z`, `0-9`, `-`, starting and
 /// ending with a letter or digit), as a StatefulSet pod's hostname is.
@@ -179,12 +180,22 @@ pub fn match_host<T>(host: &str, mut get: impl FnMut(&str) -> Option<T>) -> Opti
 
 /// A `Host` as a table of domains keys it: without its port or a trailing dot, in lower case
 /// (copied only when it has a capital).
-pub fn host_key(host: &str) -> std::borrow::Cow<'_, str> {
-    let host = host_without_port(host).trim_end_matches('.');
-    if host.bytes().any(|b| b.is_ascii_uppercase()) {
-        host.to_ascii_lowercase().into()
+pub fn host_key(host: &str) -> Cow<'_, str> {
+    lower(host_without_port(host).trim_end_matches('.'))
+}
+
+/// A `Host` as a meta service's rules match its authority: without its port, in lower case
+/// (copied only when it has a capital).
+pub fn authority(host: &str) -> Cow<'_, str> {
+    lower(host_without_port(host))
+}
+
+/// `s` in ASCII lower case, copied only when it has a capital.
+fn lower(s: &str) -> Cow<'_, str> {
+    if s.bytes().any(|b| b.is_ascii_uppercase()) {
+        s.to_ascii_lowercase().into()
     } else {
-        host.into()
+        s.into()
     }
 }
 

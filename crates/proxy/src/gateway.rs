@@ -42,7 +42,8 @@ pub struct Socket {
 
 /// What one socket serves.
 pub struct SocketEntry {
-    hosts: HashMap<String, Arc<ServiceEntry>>,
+    /// By hostname (`*` for a listener without one).
+    hosts: crate::ids::Domains<Arc<ServiceEntry>>,
     tls: Option<Arc<rustls::ServerConfig>>,
     /// Its listeners' hostnames (`*` for none).
     listeners: Vec<String>,
@@ -51,8 +52,10 @@ pub struct SocketEntry {
 impl SocketEntry {
     /// The routes a Host leads to on this socket.
     pub fn lookup(&self, host: &str) -> Option<Arc<ServiceEntry>> {
-        crate::ids::match_host(host, |d| self.hosts.get(d).cloned())
-            .or_else(|| self.hosts.get("*").cloned())
+        self.hosts
+            .get(host)
+            .or_else(|| self.hosts.get("*"))
+            .cloned()
     }
 
     /// Whether a request for `host` (lower case, no port) over a TLS connection that asked for
@@ -153,20 +156,12 @@ impl Proxy {
     fn serve_gateway(&self, sockets: &[SocketSpec]) {
         let mut served = Served::default();
         for s in sockets {
-            let hosts = s
-                .hosts
-                .iter()
-                .map(|(h, meta)| {
-                    (
-                        h.clone(),
-                        Arc::new(ServiceEntry::new(
-                            meta,
-                            &self.backends,
-                            self.options.discovery.as_deref(),
-                        )),
-                    )
-                })
-                .collect();
+            let mut hosts = crate::ids::Domains::default();
+            for (h, meta) in &s.hosts {
+                let entry =
+                    ServiceEntry::new(meta, &self.backends, self.options.discovery.as_deref());
+                hosts.insert(h, Arc::new(entry));
+            }
             let tls = s.tls.as_deref().and_then(tls_config);
             served.sockets.insert(
                 s.addr,

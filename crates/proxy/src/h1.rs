@@ -1154,21 +1154,15 @@ impl Routing<'_> {
     /// The fast path's target for a request to meta service `service` under its matching rule,
     /// and the target sent on; None when the general path serves it.
     fn fast_service<'v>(
-        proxy: &Proxy,
+        &self,
         service: Arc<super::services::ServiceEntry>,
         host: &str,
         method: &str,
         target: &str,
         header: &dyn Fn(&str) -> Option<&'v [u8]>,
     ) -> Option<(Target, String)> {
-        let bare = crate::ids::host_without_port(host);
-        let authority: std::borrow::Cow<'_, str> = if bare.bytes().any(|b| b.is_ascii_uppercase()) {
-            bare.to_ascii_lowercase().into()
-        } else {
-            bare.into()
-        };
         let (ri, sent) = service.meta.route(&crate::discovery::meta::RequestView {
-            authority: &authority,
+            authority: &crate::ids::authority(host),
             method,
             target,
             header: &|n| header(n),
@@ -1184,7 +1178,7 @@ impl Routing<'_> {
         }
         let di = super::services::draw(route);
         let app = match route.destinations[di].app() {
-            Some(a) => Some(proxy.table().named(a)?),
+            Some(a) => Some(self.proxy.table().named(a)?),
             None => None,
         };
         let target = ServiceTarget {
@@ -1288,7 +1282,7 @@ impl Routes for Routing<'_> {
                 None => return ServiceMatch::NotAService,
             },
         };
-        match Self::fast_service(proxy, service, host, method, target, header) {
+        match self.fast_service(service, host, method, target, header) {
             Some((target, sent)) => ServiceMatch::Fast(target, sent),
             None => ServiceMatch::Elsewhere,
         }

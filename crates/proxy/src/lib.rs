@@ -953,7 +953,7 @@ impl Proxy {
         };
         if let Some(socket) = req.extensions().get::<gateway::Socket>().cloned() {
             let entry = self.gateway_socket(socket.addr);
-            let bare = crate::ids::host_without_port(&host).to_ascii_lowercase();
+            let bare = crate::ids::authority(&host);
             if let (Some(entry), Some(sni)) = (&entry, &socket.sni)
                 && entry.misdirected(sni, &bare)
             {
@@ -1275,7 +1275,7 @@ impl Proxy {
                 json_error(status, code, message)
             }
         };
-        let bare_host = crate::ids::host_without_port(&host).to_ascii_lowercase();
+        let bare_host = crate::ids::authority(&host);
         let matched = {
             let headers = &parts.headers;
             let header = |n: &str| headers.get(n).map(|v| v.as_bytes());
