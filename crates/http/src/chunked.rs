@@ -92,8 +92,55 @@ impl Chunked {
                 }
                 continue;
             }
-            let b = data[i];
+            self.step(data[i])?;
             i += 1;
+        }
+        Ok(i)
+    }
+
+    /// Decodes the next bytes of the body: scans `data` as [`Chunked::advance`] does, but stops
+    /// after the first run of chunk data, so that the caller can pass on the data without the
+    /// framing. The trailer section's bytes (up to and with the final empty line) are pointed out
+    /// as they pass; they are bounded by [`MAX_TRAILERS`].
+    pub fn decode(&mut self, data: &[u8]) -> Result<Decoded, ChunkedError> {
+        let mut i = 0;
+        let mut trailers_from = None;
+        while i < data.len() && self.st != St::Done {
+            if self.st == St::Data {
+                let take = usize::try_from(self.size)
+                    .unwrap_or(usize::MAX)
+                    .min(data.len() - i);
+                self.size -= take as u64;
+                if self.size == 0 {
+                    self.st = St::DataCr;
+                }
+                return Ok(Decoded {
+                    consumed: i + take,
+                    data: i..i + take,
+                    trailers: i..i,
+                });
+            }
+            if trailers_from.is_none()
+                && matches!(
+                    self.st,
+                    St::TrailerStart | St::Trailer | St::TrailerLf | St::EndLf
+                )
+            {
+                trailers_from = Some(i);
+            }
+            self.step(data[i])?;
+            i += 1;
+        }
+        Ok(Decoded {
+            consumed: i,
+            data: i..i,
+            trailers: trailers_from.unwrap_or(i)..i,
+        })
+    }
+
+    /// Takes one byte of framing (anything but chunk data).
+    fn step(&mut self, b: u8) -> Result<(), ChunkedError> {
+        {
             self.st = match self.st {
                 St::Size => match b {
                     b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F' => {
@@ -174,11 +221,23 @@ impl Chunked {
                     b'\n' => St::Done,
                     _ => return Err(ChunkedError("expected LF at the end of the body")),
                 },
-                St::Data | St::Done => unreachable!("handled above"),
+                // Chunk data is taken by the callers, and nothing comes after the end.
+                St::Data | St::Done => return Err(ChunkedError("bytes after the end of the body")),
             };
         }
-        Ok(i)
+        Ok(())
     }
+}
+
+/// What [`Chunked::decode`] took of its input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decoded {
+    /// Bytes of the input that belong to the body.
+    pub consumed: usize,
+    /// Where the chunk data among them is (empty when none).
+    pub data: std::ops::Range<usize>,
+    /// Where the trailer section's bytes among them are (empty when none).
+    pub trailers: std::ops::Range<usize>,
 }
 
 fn hex(b: u8) -> u8 {
@@ -257,8 +316,65 @@ mod tests {
         }
 
         #[test]
+        fn decodes_the_data_and_the_trailers_however_the_bytes_arrive(
+            chunks in prop::collection::vec(prop::collection::vec(any::<u8>(), 0..300), 0..8),
+            ext in any::<bool>(),
+            trailers in prop::collection::vec(("[a-z]{1,8}", "[!-~]{0,12}"), 0..3),
+            splits in prop::collection::vec(1usize..64, 0..40),
+            tail in prop::collection::vec(any::<u8>(), 0..32),
+        ) {
+            let body = encode(&chunks, ext, &trailers);
+            let mut stream = body.clone();
+            stream.extend_from_slice(&tail);
+            let mut c = Chunked::new();
+            let (mut data, mut trailer_bytes) = (Vec::new(), Vec::new());
+            // The bytes arrive in pieces; each piece is decoded until it is used up or the body
+            // ends, what is left of it waiting for the next (as a connection's buffer does).
+            let (mut at, mut pending) = (0usize, Vec::new());
+            for &s in splits.iter().chain(std::iter::once(&usize::MAX)) {
+                let end = at.saturating_add(s).min(stream.len());
+                pending.extend_from_slice(&stream[at..end]);
+                at = end;
+                loop {
+                    let d = c.decode(&pending).unwrap();
+                    data.extend_from_slice(&pending[d.data.clone()]);
+                    trailer_bytes.extend_from_slice(&pending[d.trailers.clone()]);
+                    pending.drain(..d.consumed);
+                    if d.consumed == 0 || c.is_done() {
+                        break;
+                    }
+                }
+                if c.is_done() || at == stream.len() {
+                    break;
+                }
+            }
+            prop_assert!(c.is_done());
+            prop_assert_eq!(data, chunks.concat());
+            prop_assert_eq!(&pending[..], &tail[..pending.len()], "the bytes after the body are left");
+            let mut headers = [httparse::EMPTY_HEADER; 8];
+            let parsed = httparse::parse_headers(&trailer_bytes, &mut headers).unwrap();
+            let httparse::Status::Complete((n, fields)) = parsed else {
+                panic!("the trailer section is cut: {trailer_bytes:?}");
+            };
+            prop_assert_eq!(n, trailer_bytes.len());
+            let got: Vec<(String, String)> = fields
+                .iter()
+                .map(|h| (h.name.to_owned(), String::from_utf8_lossy(h.value).into_owned()))
+                .collect();
+            prop_assert_eq!(got, trailers);
+        }
+
+        #[test]
         fn never_panics_on_garbage(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
             let _ = Chunked::new().advance(&bytes);
+            let mut c = Chunked::new();
+            let mut rest = &bytes[..];
+            while let Ok(d) = c.decode(rest) {
+                if d.consumed == 0 {
+                    break;
+                }
+                rest = &rest[d.consumed..];
+            }
         }
     }
 

@@ -614,37 +614,50 @@ pub fn parse_request<R: Routes>(
     })
 }
 
-/// Parses a response head and writes the client's head to `out`. `Ok(None)`: more bytes needed.
-/// `changes`: a meta service's changes to the response's headers (as [`Routes::request_changes`]
-/// says of a request's).
-pub fn parse_response(
-    buf: &[u8],
-    out: &mut Vec<u8>,
+/// What a response head says of its message and its connection; both HTTP/1.1 hops to replicas
+/// read it ([`parse_response`], and the general path's hop for HTTP/2 clients).
+pub struct ResponseHead<'h> {
+    /// 0 for HTTP/1.0, 1 for HTTP/1.1.
+    pub version: u8,
+    pub code: u16,
+    /// A 1xx answer before the final one.
+    pub interim: bool,
+    pub conn: ConnectionTokens<'h>,
+    /// The `Content-Length`, when the head has one (the same value in every field).
+    pub length: Option<u64>,
+    /// The `Transfer-Encoding`, when the head has one.
+    pub transfer: Option<&'h [u8]>,
+    /// The load factor it reported (`X-Runner-Load`).
+    pub load: Option<f64>,
+    pub body: Framing,
+    /// The connection may carry another request after this answer.
+    pub keep_alive: bool,
+}
+
+/// Reads a parsed response head (of an answer to a HEAD request when `is_head`): its framing
+/// (RFC 9112 section 6.3) and its connection's fate. A 101 is refused: no request a hop sends
+/// this way asks for an upgrade.
+pub fn read_response<'h>(
+    resp: &httparse::Response<'_, 'h>,
     is_head: bool,
-    client_wants_close: bool,
-    changes: Option<&Changes>,
-) -> Result<Option<Response>, String> {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut resp = httparse::Response::new(&mut headers);
-    let head_len = match resp.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(e) => return Err(format!("malformed response head: {e}")),
-    };
+) -> Result<ResponseHead<'h>, String> {
     let (Some(version), Some(code)) = (resp.version, resp.code) else {
         return Err("malformed response head".into());
     };
     if code == 101 {
         return Err("unexpected 101 Switching Protocols".into());
     }
+    if !(100..1000).contains(&code) {
+        return Err(format!("invalid status code {code}"));
+    }
     let interim = (100..200).contains(&code);
-    let headers = &*resp.headers;
+    let headers: &[httparse::Header<'h>] = resp.headers;
     let conn = ConnectionTokens::read(headers);
     if conn.overflow {
         return Err("too many Connection tokens in the response".into());
     }
     let mut length: Option<u64> = None;
-    let mut transfer: Option<&[u8]> = None;
+    let mut transfer: Option<&'h [u8]> = None;
     let mut load = None;
     for h in headers {
         if h.name.eq_ignore_ascii_case("content-length") {
@@ -679,18 +692,55 @@ pub fn parse_response(
     } else {
         Framing::Close
     };
-    let backend_keep_alive = !conn.close && (version == 1 || conn.keep_alive);
+    let keep_alive = !conn.close && (version == 1 || conn.keep_alive);
+    Ok(ResponseHead {
+        version,
+        code,
+        interim,
+        conn,
+        length,
+        transfer,
+        load,
+        body,
+        keep_alive,
+    })
+}
 
+/// Parses a response head and writes the client's head to `out`. `Ok(None)`: more bytes needed.
+/// `changes`: a meta service's changes to the response's headers (as [`Routes::request_changes`]
+/// says of a request's).
+pub fn parse_response(
+    buf: &[u8],
+    out: &mut Vec<u8>,
+    is_head: bool,
+    client_wants_close: bool,
+    changes: Option<&Changes>,
+) -> Result<Option<Response>, String> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut headers);
+    let head_len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(format!("malformed response head: {e}")),
+    };
+    let ResponseHead {
+        code,
+        interim,
+        conn,
+        length,
+        transfer,
+        load,
+        body,
+        keep_alive: backend_keep_alive,
+        ..
+    } = read_response(&resp, is_head)?;
+    let headers = &*resp.headers;
     out.extend_from_slice(b"HTTP/1.1 ");
-    if (100..1000).contains(&code) {
-        out.extend_from_slice(&[
-            b'0' + (code / 100) as u8,
-            b'0' + (code / 10 % 10) as u8,
-            b'0' + (code % 10) as u8,
-        ]);
-    } else {
-        return Err(format!("invalid status code {code}"));
-    }
+    out.extend_from_slice(&[
+        b'0' + (code / 100) as u8,
+        b'0' + (code / 10 % 10) as u8,
+        b'0' + (code % 10) as u8,
+    ]);
     out.push(b' ');
     out.extend_from_slice(resp.reason.unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");

@@ -405,10 +405,11 @@ async fn linger_close(mut client: TcpStream) {
     let _ = tokio::time::timeout(Duration::from_millis(LINGER_MS), drain).await;
 }
 
-/// A backend connection with its read buffer.
-struct Backend {
-    stream: TcpStream,
-    buf: BytesMut,
+/// A backend connection with its read buffer (the general path's HTTP/1.1 hop takes them from
+/// the same pool: [`super::h1hop`]).
+pub(super) struct Backend {
+    pub(super) stream: TcpStream,
+    pub(super) buf: BytesMut,
 }
 
 /// When a connection last moved bytes, for the stall and idle bounds, and whether anything went
@@ -747,7 +748,9 @@ async fn exchange(
         match result {
             Ok(r) => {
                 if r.backend_reusable {
-                    pool_put(addr, backend, progress.at(), &proxy.options);
+                    let o = &proxy.options;
+                    let (max, idle_ms) = (o.pool_max_idle_per_host, o.pool_idle_timeout_ms);
+                    pool_put(addr, backend, progress.at(), max, idle_ms);
                 }
                 return !r.client_close;
             }
@@ -1352,7 +1355,7 @@ async fn write_refusal<W: AsyncWrite + Unpin>(
 }
 
 impl Backend {
-    fn new(stream: TcpStream) -> Self {
+    pub(super) fn new(stream: TcpStream) -> Self {
         Self {
             stream,
             buf: BytesMut::with_capacity(8 * 1024),
@@ -1382,7 +1385,12 @@ thread_local! {
 
 /// The newest idle connection to `addr` that has not timed out; with `check`, one the backend has
 /// closed (or written to out of turn) is dropped instead of returned.
-fn pool_take(addr: SocketAddr, now_ms: u64, idle_timeout_ms: u64, check: bool) -> Option<Backend> {
+pub(super) fn pool_take(
+    addr: SocketAddr,
+    now_ms: u64,
+    idle_timeout_ms: u64,
+    check: bool,
+) -> Option<Backend> {
     POOL.with(|p| {
         let mut p = p.borrow_mut();
         let conns = &mut p.idle.get_mut(&addr)?.conns;
@@ -1402,7 +1410,7 @@ fn pool_take(addr: SocketAddr, now_ms: u64, idle_timeout_ms: u64, check: bool) -
 }
 
 /// What tells this thread's requests waiting for a connection to `addr` that one came back.
-fn pool_waiter(addr: SocketAddr) -> Arc<Notify> {
+pub(super) fn pool_waiter(addr: SocketAddr) -> Arc<Notify> {
     POOL.with(|p| {
         p.borrow_mut()
             .idle
@@ -1420,15 +1428,23 @@ fn alive(stream: &TcpStream) -> bool {
     matches!(stream.try_read(&mut byte), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
 }
 
-fn pool_put(addr: SocketAddr, b: Backend, now_ms: u64, options: &super::ProxyOptions) {
-    if options.pool_max_idle_per_host == 0 {
+/// Keeps an idle connection to `addr`: at most `max_idle` per backend (the oldest goes), each
+/// for `idle_timeout_ms`.
+pub(super) fn pool_put(
+    addr: SocketAddr,
+    b: Backend,
+    now_ms: u64,
+    max_idle: usize,
+    idle_timeout_ms: u64,
+) {
+    if max_idle == 0 {
         return;
     }
     POOL.with(|p| {
         let mut p = p.borrow_mut();
         if now_ms.saturating_sub(p.swept_at_ms) >= 1_000 {
             p.swept_at_ms = now_ms;
-            let timeout = options.pool_idle_timeout_ms;
+            let timeout = idle_timeout_ms;
             // Connections past their idle time, and those the backend closed (a replica that
             // stopped: its address may never be asked for again), are let go.
             p.idle.retain(|_, idle| {
@@ -1447,7 +1463,7 @@ fn pool_put(addr: SocketAddr, b: Backend, now_ms: u64, options: &super::ProxyOpt
             });
         }
         let idle = p.idle.entry(addr).or_default();
-        if idle.conns.len() >= options.pool_max_idle_per_host {
+        if idle.conns.len() >= max_idle {
             idle.conns.remove(0);
         }
         idle.conns.push((b, now_ms));

@@ -1,5 +1,18 @@
 //! The general path's HTTP/1.1 hop to replicas (the requests of HTTP/2 clients and of HTTP/1.0
-//! ones, upgrades), on hyper's connection API with a pool of ebb's own per proxy thread.
+//! ones, upgrades).
+//!
+//! A request without a body that asks for no upgrade (most of them: GETs, HEADs, DELETEs) is
+//! written and its answer read by ebb itself, on the HTTP/1.1 fast path's connections and pool
+//! ([`super::h1`]): its head is written from the request's parts in one write, the answer's head
+//! parsed with `httparse` ([`ebb_http::h1::read_response`]: its framing, its connection's fate;
+//! interim 1xx answers skipped), and its body read as the answer's body is polled, decoded from
+//! chunked (trailers and all) or counted by `Content-Length`, its connection going back to the pool
+//! once read to its end. No task and no channel stand between the request and its connection. A
+//! pooled connection that the replica had closed (the write fails, or it ends before a byte of the
+//! answer) is left for a fresh one, once.
+//!
+//! Other requests (with a body, which streams while the answer may begin, or asking for an
+//! upgrade) go on hyper's connection API with a pool of ebb's own per proxy thread:
 //!
 //! A request takes an idle keep-alive connection to its replica, or opens one within the
 //! replica's bound on openings ([`backends`]), or waits for whichever comes first: a connection
@@ -164,6 +177,9 @@ pub async fn send(
     if let Some(pq) = req.uri().path_and_query().cloned() {
         *req.uri_mut() = hyper::Uri::from(pq);
     }
+    if raw::takes(&req) {
+        return raw::send(req, addr, dial, backends).await;
+    }
     let mut again = true;
     loop {
         let (mut sender, settling) = checkout(addr, dial, backends).await?;
@@ -254,6 +270,8 @@ impl Drop for Back {
         }
     }
 }
+
+mod raw;
 
 #[cfg(test)]
 mod tests {
@@ -351,18 +369,247 @@ mod tests {
             );
         }
         assert_eq!(accepted.load(Ordering::SeqCst), opened);
-        // A body that arrived whole is sent, and its connection kept.
+        // A body is sent too.
         gate.add_permits(1);
-        let post = Request::post(format!("http://{addr}/x"))
+        assert_eq!(
+            text(send(post(addr), addr, dial, &backends).await).await,
+            "ok"
+        );
+        // Requests with a body go on hyper's connections, which are pooled apart: the first
+        // opens one, the next reuses it.
+        assert_eq!(accepted.load(Ordering::SeqCst), opened + 1);
+        gate.add_permits(1);
+        assert_eq!(
+            text(send(post(addr), addr, dial, &backends).await).await,
+            "ok"
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), opened + 1);
+    }
+
+    fn post(addr: SocketAddr) -> Request<Body> {
+        Request::post(format!("http://{addr}/x"))
             .header(hyper::header::HOST, "app.localhost")
             .body(
                 Full::new(Bytes::from_static(b"hi"))
                     .map_err(|e| match e {})
                     .boxed(),
             )
+            .unwrap()
+    }
+
+    /// A replica answering the n-th request it reads (of any connection) with `answers[n]` and
+    /// closing that connection afterwards when `closes[n]`; it keeps the request heads it read
+    /// and counts the connections it accepted.
+    async fn scripted(
+        answers: Vec<&'static [u8]>,
+        closes: Vec<bool>,
+    ) -> (
+        SocketAddr,
+        Arc<AtomicUsize>,
+        Arc<std::sync::Mutex<Vec<String>>>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let heads = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let script = Arc::new((answers, closes));
+        let (counted, kept) = (accepted.clone(), heads.clone());
+        tokio::spawn(async move {
+            loop {
+                let (mut tcp, _) = listener.accept().await.unwrap();
+                counted.fetch_add(1, Ordering::SeqCst);
+                let (script, kept) = (script.clone(), kept.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head: Vec<u8> = buf.drain(..end + 4).collect();
+                            let n = {
+                                let mut k = kept.lock().unwrap();
+                                k.push(String::from_utf8(head).unwrap());
+                                k.len() - 1
+                            };
+                            if tcp.write_all(script.0[n]).await.is_err() {
+                                return;
+                            }
+                            if script.1[n] {
+                                let _ = tcp.shutdown().await;
+                                return;
+                            }
+                        }
+                        match tcp.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                });
+            }
+        });
+        (addr, accepted, heads)
+    }
+
+    fn request(method: &str, addr: SocketAddr, path: &str) -> Request<Body> {
+        Request::builder()
+            .method(method)
+            .uri(format!("http://{addr}{path}"))
+            .header(hyper::header::HOST, "app.localhost")
+            .header("x-in", "1")
+            .body(Empty::new().map_err(|e| match e {}).boxed())
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn bodyless_requests_are_exchanged_here_on_kept_connections() {
+        let (addr, accepted, heads) = scripted(
+            vec![
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n\
+                  HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-a: 1\r\nx-a: 2\r\n\r\nhello",
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
+                  3;x=y\r\nabc\r\n2\r\nde\r\n0\r\ngrpc-status: 0\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\ncontent-length: 99\r\n\r\n",
+                b"HTTP/1.1 204 No Content\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nab\r\n0\r\n\r\n",
+            ],
+            vec![false; 5],
+        )
+        .await;
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let dial = backends::tests::dial(&clock, 60_000);
+        let backends = Backends::default();
+        let got = send(request("GET", addr, "/x?q=1"), addr, dial, &backends)
+            .await
             .unwrap();
-        assert_eq!(text(send(post, addr, dial, &backends).await).await, "ok");
-        assert_eq!(accepted.load(Ordering::SeqCst), opened);
+        assert_eq!(got.status(), StatusCode::OK);
+        let a: Vec<_> = got.headers().get_all("x-a").iter().collect();
+        assert_eq!(
+            a,
+            ["1", "2"],
+            "the final answer's headers, not the interim ones'"
+        );
+        assert!(!got.headers().contains_key("link"));
+        assert_eq!(got.into_body().collect().await.unwrap().to_bytes(), "hello");
+        // A chunked answer, decoded, with its trailers.
+        let got = send(request("GET", addr, "/"), addr, dial, &backends)
+            .await
+            .unwrap();
+        let body = got.into_body().collect().await.unwrap();
+        assert_eq!(body.trailers().unwrap()["grpc-status"], "0");
+        assert_eq!(body.to_bytes(), "abcde");
+        // HEAD's answer has no body whatever its length says; nor has a 204.
+        let got = send(request("HEAD", addr, "/"), addr, dial, &backends)
+            .await
+            .unwrap();
+        assert_eq!(got.headers()["content-length"], "99");
+        assert_eq!(text(Ok(got)).await, "");
+        let got = send(request("DELETE", addr, "/"), addr, dial, &backends)
+            .await
+            .unwrap();
+        assert_eq!(got.status(), StatusCode::NO_CONTENT);
+        assert_eq!(text(Ok(got)).await, "");
+        // A chunked answer without trailers has none.
+        let got = send(request("GET", addr, "/"), addr, dial, &backends)
+            .await
+            .unwrap();
+        let body = got.into_body().collect().await.unwrap();
+        assert!(body.trailers().is_none());
+        assert_eq!(body.to_bytes(), "ab");
+        // One connection carried them all.
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+        let heads = heads.lock().unwrap().clone();
+        assert_eq!(
+            heads[0],
+            "GET /x?q=1 HTTP/1.1\r\nhost: app.localhost\r\nx-in: 1\r\n\r\n"
+        );
+        assert!(heads[2].starts_with("HEAD / HTTP/1.1\r\n"), "{}", heads[2]);
+    }
+
+    #[tokio::test]
+    async fn only_a_connection_whose_answer_was_read_to_its_end_in_keep_alive_is_kept() {
+        let (addr, accepted, _) = scripted(
+            vec![
+                // Read to the replica's close.
+                b"HTTP/1.1 200 OK\r\n\r\nuntil close",
+                // Dropped before its end.
+                b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabcd",
+                // The replica asks to close.
+                b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok",
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+            ],
+            vec![true, false, false, false],
+        )
+        .await;
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let dial = backends::tests::dial(&clock, 60_000);
+        let backends = Backends::default();
+        let got = send(request("GET", addr, "/"), addr, dial, &backends).await;
+        assert_eq!(text(got).await, "until close");
+        let got = send(request("GET", addr, "/"), addr, dial, &backends)
+            .await
+            .unwrap();
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        drop(got);
+        assert_eq!(
+            text(send(request("GET", addr, "/"), addr, dial, &backends).await).await,
+            "ok"
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+        assert_eq!(
+            text(send(request("GET", addr, "/"), addr, dial, &backends).await).await,
+            "ok"
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 4);
+    }
+
+    #[tokio::test]
+    async fn a_kept_connection_the_replica_closed_is_left_for_a_fresh_one() {
+        // The replica closes each connection after its answer, without saying so.
+        let ok: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+        let (addr, accepted, heads) = scripted(vec![ok, ok], vec![true, true]).await;
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let dial = backends::tests::dial(&clock, 60_000);
+        let backends = Backends::default();
+        for _ in 0..2 {
+            assert_eq!(
+                text(send(request("GET", addr, "/"), addr, dial, &backends).await).await,
+                "ok"
+            );
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        assert_eq!(
+            heads.lock().unwrap().len(),
+            2,
+            "each request was processed once"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_malformed_answer_is_an_error_that_is_not_a_went_away() {
+        let (addr, _, _) = scripted(
+            vec![
+                b"HTTP/1.1 2000 OK\r\n\r\n",
+                b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+                b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nok",
+            ],
+            vec![true, true, true],
+        )
+        .await;
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let dial = backends::tests::dial(&clock, 60_000);
+        let backends = Backends::default();
+        let e = send(request("GET", addr, "/"), addr, dial, &backends)
+            .await
+            .unwrap_err();
+        assert!(!crate::backend_went_away(&e), "{e}");
+        let got = send(request("GET", addr, "/"), addr, dial, &backends)
+            .await
+            .unwrap();
+        let e = got.into_body().collect().await.unwrap_err();
+        assert!(e.to_string().contains("chunk"), "{e}");
+        let e = send(request("GET", addr, "/"), addr, dial, &backends)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("Content-Length"), "{e}");
     }
 
     #[tokio::test]

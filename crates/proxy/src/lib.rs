@@ -32,10 +32,12 @@
 //!   keep-alive backend connections, bodies streamed byte for byte); h2c, HTTP/1.0 and upgrades
 //!   (WebSocket) take the general path on hyper ([`Proxy::handle`]), which serves the rest of
 //!   the connection and tunnels upgrades ([`splice`]). Both add `X-Forwarded-For`, `-Proto`,
-//!   `-Host` and `Forwarded`. The general path's HTTP/1.1 backend connections are per-thread
-//!   pools of hyper connections ([`h1hop`]): a request takes an idle one, opens one within the
-//!   same per-replica bound, or waits for the first of those, and never opens one it will not
-//!   use; a request whose client left is dropped with its connection. Its HTTP/2 ones (gRPC,
+//!   `-Host` and `Forwarded`. The general path's HTTP/1.1 hop ([`h1hop`]) writes a body-less
+//!   request and reads its answer itself, on the fast path's pooled connections; a request with
+//!   a body or an upgrade goes on per-thread pools of hyper connections. Either takes an idle
+//!   connection, opens one within the same per-replica bound, or waits for the first of those,
+//!   and never opens one it will not use; a request whose client left is dropped with its
+//!   connection. Its HTTP/2 ones (gRPC,
 //!   h2c destinations) are one per replica and thread, driven with `h2` directly ([`h2hop`]): a
 //!   stream opened from the request's own task. Its bodies are [`Body`]
 //!   (`BoxBody<Bytes, BoxError>`), so the proxy can end one itself ([`stream_idle`]). gRPC
@@ -2015,6 +2017,31 @@ pub enum SendError {
     H1(#[from] hyper::Error),
     #[error("{0}")]
     H2(#[from] h2::Error),
+    #[error("{0}")]
+    Raw(#[from] RawError),
+}
+
+/// Why the HTTP/1.1 hop's own exchange ([`h1hop`]) got no answer's head.
+#[derive(Debug, thiserror::Error)]
+pub enum RawError {
+    #[error("the replica closed the connection before answering")]
+    Closed,
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Malformed(String),
+}
+
+impl RawError {
+    /// The replica closed or reset the connection (or refused it) before the whole answer's head
+    /// came: the request was not processed.
+    fn went_away(&self) -> bool {
+        match self {
+            RawError::Closed => true,
+            RawError::Io(e) => backends::gone(e) || e.kind() == std::io::ErrorKind::UnexpectedEof,
+            RawError::Malformed(_) => false,
+        }
+    }
 }
 
 impl SendError {
@@ -2045,6 +2072,7 @@ fn backend_went_away(e: &SendError) -> bool {
             }
             false
         }
+        SendError::Raw(e) => e.went_away(),
         SendError::H2(e) => {
             e.is_go_away()
                 || e.reason() == Some(h2::Reason::REFUSED_STREAM)
