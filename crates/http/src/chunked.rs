@@ -140,91 +140,89 @@ impl Chunked {
 
     /// Takes one byte of framing (anything but chunk data).
     fn step(&mut self, b: u8) -> Result<(), ChunkedError> {
-        {
-            self.st = match self.st {
-                St::Size => match b {
-                    b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F' => {
-                        if self.digits == 15 {
-                            return Err(ChunkedError("chunk size too large"));
-                        }
-                        self.digits += 1;
-                        self.line += 1;
-                        self.size = self.size * 16 + u64::from(hex(b));
-                        St::Size
+        self.st = match self.st {
+            St::Size => match b {
+                b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F' => {
+                    if self.digits == 15 {
+                        return Err(ChunkedError("chunk size too large"));
                     }
-                    _ if self.digits == 0 => return Err(ChunkedError("chunk size missing")),
-                    b' ' | b'\t' => St::SizeWs,
-                    b';' => St::Ext,
-                    b'\r' => St::SizeLf,
-                    _ => return Err(ChunkedError("invalid chunk size")),
-                },
-                St::SizeWs => match b {
-                    b' ' | b'\t' => {
-                        self.line += 1;
-                        if self.line > MAX_SIZE_LINE {
-                            return Err(ChunkedError("chunk size line too long"));
-                        }
-                        St::SizeWs
-                    }
-                    b';' => St::Ext,
-                    b'\r' => St::SizeLf,
-                    _ => return Err(ChunkedError("invalid chunk size line")),
-                },
-                St::Ext => match b {
-                    b'\r' => St::SizeLf,
-                    b'\n' => return Err(ChunkedError("bare LF in chunk extension")),
-                    _ => {
-                        self.line += 1;
-                        if self.line > MAX_SIZE_LINE {
-                            return Err(ChunkedError("chunk size line too long"));
-                        }
-                        St::Ext
-                    }
-                },
-                St::SizeLf => {
-                    if b != b'\n' {
-                        return Err(ChunkedError("expected LF after chunk size"));
-                    }
-                    self.digits = 0;
-                    self.line = 0;
-                    if self.size == 0 {
-                        St::TrailerStart
-                    } else {
-                        St::Data
-                    }
+                    self.digits += 1;
+                    self.line += 1;
+                    self.size = self.size * 16 + u64::from(hex(b));
+                    St::Size
                 }
-                St::DataCr => match b {
-                    b'\r' => St::DataLf,
-                    _ => return Err(ChunkedError("expected CR after chunk data")),
-                },
-                St::DataLf => match b {
-                    b'\n' => St::Size,
-                    _ => return Err(ChunkedError("expected LF after chunk data")),
-                },
-                St::TrailerStart | St::Trailer => {
-                    self.trailers += 1;
-                    if self.trailers > MAX_TRAILERS {
-                        return Err(ChunkedError("trailers too long"));
+                _ if self.digits == 0 => return Err(ChunkedError("chunk size missing")),
+                b' ' | b'\t' => St::SizeWs,
+                b';' => St::Ext,
+                b'\r' => St::SizeLf,
+                _ => return Err(ChunkedError("invalid chunk size")),
+            },
+            St::SizeWs => match b {
+                b' ' | b'\t' => {
+                    self.line += 1;
+                    if self.line > MAX_SIZE_LINE {
+                        return Err(ChunkedError("chunk size line too long"));
                     }
-                    match (self.st, b) {
-                        (St::TrailerStart, b'\r') => St::EndLf,
-                        (_, b'\r') => St::TrailerLf,
-                        (_, b'\n') => return Err(ChunkedError("bare LF in trailers")),
-                        _ => St::Trailer,
-                    }
+                    St::SizeWs
                 }
-                St::TrailerLf => match b {
-                    b'\n' => St::TrailerStart,
-                    _ => return Err(ChunkedError("expected LF after trailer")),
-                },
-                St::EndLf => match b {
-                    b'\n' => St::Done,
-                    _ => return Err(ChunkedError("expected LF at the end of the body")),
-                },
-                // Chunk data is taken by the callers, and nothing comes after the end.
-                St::Data | St::Done => return Err(ChunkedError("bytes after the end of the body")),
-            };
-        }
+                b';' => St::Ext,
+                b'\r' => St::SizeLf,
+                _ => return Err(ChunkedError("invalid chunk size line")),
+            },
+            St::Ext => match b {
+                b'\r' => St::SizeLf,
+                b'\n' => return Err(ChunkedError("bare LF in chunk extension")),
+                _ => {
+                    self.line += 1;
+                    if self.line > MAX_SIZE_LINE {
+                        return Err(ChunkedError("chunk size line too long"));
+                    }
+                    St::Ext
+                }
+            },
+            St::SizeLf => {
+                if b != b'\n' {
+                    return Err(ChunkedError("expected LF after chunk size"));
+                }
+                self.digits = 0;
+                self.line = 0;
+                if self.size == 0 {
+                    St::TrailerStart
+                } else {
+                    St::Data
+                }
+            }
+            St::DataCr => match b {
+                b'\r' => St::DataLf,
+                _ => return Err(ChunkedError("expected CR after chunk data")),
+            },
+            St::DataLf => match b {
+                b'\n' => St::Size,
+                _ => return Err(ChunkedError("expected LF after chunk data")),
+            },
+            St::TrailerStart | St::Trailer => {
+                self.trailers += 1;
+                if self.trailers > MAX_TRAILERS {
+                    return Err(ChunkedError("trailers too long"));
+                }
+                match (self.st, b) {
+                    (St::TrailerStart, b'\r') => St::EndLf,
+                    (_, b'\r') => St::TrailerLf,
+                    (_, b'\n') => return Err(ChunkedError("bare LF in trailers")),
+                    _ => St::Trailer,
+                }
+            }
+            St::TrailerLf => match b {
+                b'\n' => St::TrailerStart,
+                _ => return Err(ChunkedError("expected LF after trailer")),
+            },
+            St::EndLf => match b {
+                b'\n' => St::Done,
+                _ => return Err(ChunkedError("expected LF at the end of the body")),
+            },
+            // Chunk data is taken by the callers, and nothing comes after the end.
+            St::Data | St::Done => return Err(ChunkedError("bytes after the end of the body")),
+        };
         Ok(())
     }
 }

@@ -634,10 +634,28 @@ pub struct ResponseHead<'h> {
     pub keep_alive: bool,
 }
 
-/// Reads a parsed response head (of an answer to a HEAD request when `is_head`): its framing
-/// (RFC 9112 section 6.3) and its connection's fate. A 101 is refused: no request a hop sends
-/// this way asks for an upgrade.
-pub fn read_response<'h>(
+/// Parses a response head at the start of `buf` into `fields` and reads it (of an answer to a
+/// HEAD request when `is_head`): `Ok(None)` when more bytes are needed, else the head's length,
+/// the parsed head and what it says.
+#[allow(clippy::type_complexity)]
+pub fn parse_response_head<'f, 'b>(
+    buf: &'b [u8],
+    fields: &'f mut [httparse::Header<'b>],
+    is_head: bool,
+) -> Result<Option<(usize, httparse::Response<'f, 'b>, ResponseHead<'b>)>, String> {
+    let mut resp = httparse::Response::new(fields);
+    let len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(format!("malformed response head: {e}")),
+    };
+    let head = read_response(&resp, is_head)?;
+    Ok(Some((len, resp, head)))
+}
+
+/// Reads a parsed response head: its framing (RFC 9112 section 6.3) and its connection's fate. A
+/// 101 is refused: no request a hop sends this way asks for an upgrade.
+fn read_response<'h>(
     resp: &httparse::Response<'_, 'h>,
     is_head: bool,
 ) -> Result<ResponseHead<'h>, String> {
@@ -716,12 +734,9 @@ pub fn parse_response(
     client_wants_close: bool,
     changes: Option<&Changes>,
 ) -> Result<Option<Response>, String> {
-    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut resp = httparse::Response::new(&mut headers);
-    let head_len = match resp.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(e) => return Err(format!("malformed response head: {e}")),
+    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let Some((head_len, resp, head)) = parse_response_head(buf, &mut fields, is_head)? else {
+        return Ok(None);
     };
     let ResponseHead {
         code,
@@ -733,7 +748,7 @@ pub fn parse_response(
         body,
         keep_alive: backend_keep_alive,
         ..
-    } = read_response(&resp, is_head)?;
+    } = head;
     let headers = &*resp.headers;
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(&[

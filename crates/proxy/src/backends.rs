@@ -539,6 +539,12 @@ pub fn gone(e: &io::Error) -> bool {
     )
 }
 
+/// Whether a connection's error says the replica went away or cut it off mid-message (an early
+/// end of the stream).
+pub fn cut_off(e: &io::Error) -> bool {
+    gone(e) || e.kind() == io::ErrorKind::UnexpectedEof
+}
+
 /// Connects to `addr`, abandoning an attempt that gets no answer within `attempt_ms` (doubling up
 /// to a second) and trying again, for at most `timeout_ms` in all. A refusal ends it at once.
 /// An unanswered attempt narrows `replica`'s window of openings.

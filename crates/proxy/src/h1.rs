@@ -67,7 +67,7 @@ use ebb_http::h1::{
     Framing, Parsed, Peer, Routes, ServiceMatch, parse_request, parse_response, push_display,
 };
 
-use super::backends::{self, Opening, Replica, Settling, Slot};
+use super::backends::{self, Dial, Opening, Replica, Settling, Slot};
 use super::table::Entry;
 use super::{Proxy, Refusal};
 use crate::clock::Clock;
@@ -623,8 +623,8 @@ async fn exchange(
                 .await;
             progress.held.store(false, Ordering::Relaxed);
             let slot = slot?;
-            let conn =
-                backend_conn(proxy, slot.replica(), pooled_allowed, has_body, progress).await;
+            let (replica, dial) = (slot.replica(), proxy.dial());
+            let conn = backend_conn(replica, pooled_allowed, has_body, progress.at(), dial).await;
             Ok::<_, Refusal>((slot, conn))
         };
         let (slot, conn) = tokio::select! {
@@ -748,9 +748,8 @@ async fn exchange(
         match result {
             Ok(r) => {
                 if r.backend_reusable {
-                    let o = &proxy.options;
-                    let (max, idle_ms) = (o.pool_max_idle_per_host, o.pool_idle_timeout_ms);
-                    pool_put(addr, backend, progress.at(), max, idle_ms);
+                    let d = proxy.dial();
+                    pool_put(addr, backend, progress.at(), d.max_idle, d.idle_timeout_ms);
                 }
                 return !r.client_close;
             }
@@ -825,30 +824,30 @@ async fn exchange(
 /// `check`: make sure a pooled connection is still open first (for a request with a body, which
 /// cannot be sent again; a body-less one meeting a closed pooled connection is retried instead,
 /// which saves a system call per request).
-async fn backend_conn(
-    proxy: &Proxy,
+/// The general path's HTTP/1.1 hop takes its connections here too ([`super::h1hop`]).
+pub(super) async fn backend_conn(
     replica: &Arc<Replica>,
     pooled_allowed: bool,
     check: bool,
-    progress: &Progress<'_>,
+    now_ms: u64,
+    dial: Dial<'_>,
 ) -> io::Result<(Backend, bool, Option<Opening>)> {
     let addr = replica.addr;
-    let idle_ms = proxy.options.pool_idle_timeout_ms;
-    let now = progress.at();
-    if pooled_allowed && let Some(b) = pool_take(addr, now, idle_ms, check) {
+    let idle_ms = dial.idle_timeout_ms;
+    if pooled_allowed && let Some(b) = pool_take(addr, now_ms, idle_ms, check) {
         return Ok((b, true, None));
     }
     let take = || {
         pooled_allowed
-            .then(|| pool_take(addr, proxy.clock.now_ms(), idle_ms, check))
+            .then(|| pool_take(addr, dial.clock.now_ms(), idle_ms, check))
             .flatten()
     };
     let got = backends::get_connection(
         replica,
         &pool_waiter(addr),
         take,
-        proxy.options.connect_attempt_ms,
-        proxy.options.connect_timeout_ms,
+        dial.attempt_ms,
+        dial.timeout_ms,
     )
     .await?;
     Ok(match got {
@@ -1410,7 +1409,7 @@ pub(super) fn pool_take(
 }
 
 /// What tells this thread's requests waiting for a connection to `addr` that one came back.
-pub(super) fn pool_waiter(addr: SocketAddr) -> Arc<Notify> {
+fn pool_waiter(addr: SocketAddr) -> Arc<Notify> {
     POOL.with(|p| {
         p.borrow_mut()
             .idle

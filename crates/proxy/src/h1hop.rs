@@ -2,14 +2,15 @@
 //! ones, upgrades).
 //!
 //! A request without a body that asks for no upgrade (most of them: GETs, HEADs, DELETEs) is
-//! written and its answer read by ebb itself, on the HTTP/1.1 fast path's connections and pool
-//! ([`super::h1`]): its head is written from the request's parts in one write, the answer's head
-//! parsed with `httparse` ([`ebb_http::h1::read_response`]: its framing, its connection's fate;
-//! interim 1xx answers skipped), and its body read as the answer's body is polled, decoded from
-//! chunked (trailers and all) or counted by `Content-Length`, its connection going back to the pool
-//! once read to its end. No task and no channel stand between the request and its connection. A
-//! pooled connection that the replica had closed (the write fails, or it ends before a byte of the
-//! answer) is left for a fresh one, once.
+//! written and its answer read by ebb itself (`h1hop/raw.rs`), on the HTTP/1.1 fast path's
+//! connections and pool ([`super::h1`]'s `backend_conn`): its head is written from the request's
+//! parts in one write, the answer's head parsed with `httparse`
+//! ([`ebb_http::h1::parse_response_head`]: its framing, its connection's fate; interim 1xx
+//! answers skipped), and its body read as the answer's body is polled, decoded from chunked
+//! (trailers and all) or counted by `Content-Length`, its connection going back to the pool once
+//! read to its end. No task and no channel stand between the request and its connection. A
+//! pooled connection that the replica had closed (the write fails, or it ends before a byte of
+//! the answer) is left for a fresh one, once.
 //!
 //! Other requests (with a body, which streams while the answer may begin, or asking for an
 //! upgrade) go on hyper's connection API with a pool of ebb's own per proxy thread:
@@ -284,27 +285,48 @@ mod tests {
     use super::*;
     use crate::clock::SystemClock;
 
-    /// An HTTP/1.1 server on loopback answering every request `ok` on keep-alive connections once
-    /// `gate` lets it, counting the connections it accepted.
-    async fn server(gate: Arc<tokio::sync::Semaphore>) -> (SocketAddr, Arc<AtomicUsize>) {
+    /// The requests' heads a [`replica`] read, in order.
+    type Heads = Arc<std::sync::Mutex<Vec<String>>>;
+
+    /// An HTTP/1.1 replica on loopback answering the n-th request head it reads (of any
+    /// connection) with `answer(n)`: the bytes, and whether it closes that connection after them;
+    /// with a `gate`, each answer waits for a permit. It keeps the request heads it read and
+    /// counts the connections it accepted.
+    async fn replica(
+        answer: impl Fn(usize) -> (&'static [u8], bool) + Send + Sync + 'static,
+        gate: Option<Arc<tokio::sync::Semaphore>>,
+    ) -> (SocketAddr, Arc<AtomicUsize>, Heads) {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let accepted = Arc::new(AtomicUsize::new(0));
-        let counted = accepted.clone();
+        let heads: Heads = Default::default();
+        let answer = Arc::new(answer);
+        let (counted, kept) = (accepted.clone(), heads.clone());
         tokio::spawn(async move {
             loop {
                 let (mut tcp, _) = listener.accept().await.unwrap();
                 counted.fetch_add(1, Ordering::SeqCst);
-                let gate = gate.clone();
+                let (answer, kept, gate) = (answer.clone(), kept.clone(), gate.clone());
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 4096];
                     loop {
                         while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            buf.drain(..end + 4);
-                            gate.acquire().await.unwrap().forget();
-                            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                            if tcp.write_all(answer).await.is_err() {
+                            let head: Vec<u8> = buf.drain(..end + 4).collect();
+                            let n = {
+                                let mut k = kept.lock().unwrap();
+                                k.push(String::from_utf8_lossy(&head).into_owned());
+                                k.len() - 1
+                            };
+                            if let Some(g) = &gate {
+                                g.acquire().await.unwrap().forget();
+                            }
+                            let (bytes, close) = answer(n);
+                            if tcp.write_all(bytes).await.is_err() {
+                                return;
+                            }
+                            if close {
+                                let _ = tcp.shutdown().await;
                                 return;
                             }
                         }
@@ -316,7 +338,15 @@ mod tests {
                 });
             }
         });
-        (addr, accepted)
+        (addr, accepted, heads)
+    }
+
+    /// A [`replica`] answering the n-th request with `answers[n]`, closing after it if `closes[n]`.
+    async fn scripted(
+        answers: Vec<&'static [u8]>,
+        closes: Vec<bool>,
+    ) -> (SocketAddr, Arc<AtomicUsize>, Heads) {
+        replica(move |n| (answers[n], closes[n]), None).await
     }
 
     fn get(addr: SocketAddr) -> Request<Body> {
@@ -334,7 +364,9 @@ mod tests {
     #[tokio::test]
     async fn requests_reuse_idle_connections_and_open_none_they_do_not_use() {
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let (addr, accepted) = server(gate.clone()).await;
+        // Every request answered `ok` on keep-alive connections once the gate lets it.
+        let ok: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+        let (addr, accepted, _) = replica(move |_| (ok, false), Some(gate.clone())).await;
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let dial = backends::tests::dial(&clock, 60_000);
         let backends = Backends::default();
@@ -395,58 +427,6 @@ mod tests {
                     .boxed(),
             )
             .unwrap()
-    }
-
-    /// A replica answering the n-th request it reads (of any connection) with `answers[n]` and
-    /// closing that connection afterwards when `closes[n]`; it keeps the request heads it read
-    /// and counts the connections it accepted.
-    async fn scripted(
-        answers: Vec<&'static [u8]>,
-        closes: Vec<bool>,
-    ) -> (
-        SocketAddr,
-        Arc<AtomicUsize>,
-        Arc<std::sync::Mutex<Vec<String>>>,
-    ) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let heads = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let script = Arc::new((answers, closes));
-        let (counted, kept) = (accepted.clone(), heads.clone());
-        tokio::spawn(async move {
-            loop {
-                let (mut tcp, _) = listener.accept().await.unwrap();
-                counted.fetch_add(1, Ordering::SeqCst);
-                let (script, kept) = (script.clone(), kept.clone());
-                tokio::spawn(async move {
-                    let mut buf = Vec::new();
-                    let mut chunk = [0u8; 4096];
-                    loop {
-                        while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            let head: Vec<u8> = buf.drain(..end + 4).collect();
-                            let n = {
-                                let mut k = kept.lock().unwrap();
-                                k.push(String::from_utf8(head).unwrap());
-                                k.len() - 1
-                            };
-                            if tcp.write_all(script.0[n]).await.is_err() {
-                                return;
-                            }
-                            if script.1[n] {
-                                let _ = tcp.shutdown().await;
-                                return;
-                            }
-                        }
-                        match tcp.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    }
-                });
-            }
-        });
-        (addr, accepted, heads)
     }
 
     fn request(method: &str, addr: SocketAddr, path: &str) -> Request<Body> {

@@ -1542,7 +1542,17 @@ impl Proxy {
         addr: SocketAddr,
         out: Request<Body>,
     ) -> Result<Response<Body>, SendError> {
-        let dial = backends::Dial {
+        let dial = self.dial();
+        if h2 {
+            h2hop::send(grpc::for_backend(out), addr, dial, &self.backends).await
+        } else {
+            h1hop::send(out, addr, dial, &self.backends).await
+        }
+    }
+
+    /// How connections to replicas are opened and kept (both paths, both hops).
+    fn dial(&self) -> backends::Dial<'_> {
+        backends::Dial {
             attempt_ms: self.options.connect_attempt_ms,
             timeout_ms: self.options.connect_timeout_ms,
             max_idle: self.options.pool_max_idle_per_host,
@@ -1550,11 +1560,6 @@ impl Proxy {
             max_header_list_size: u32::try_from(self.options.limits.max_head_bytes)
                 .unwrap_or(u32::MAX),
             clock: &self.clock,
-        };
-        if h2 {
-            h2hop::send(grpc::for_backend(out), addr, dial, &self.backends).await
-        } else {
-            h1hop::send(out, addr, dial, &self.backends).await
         }
     }
 
@@ -2038,7 +2043,7 @@ impl RawError {
     fn went_away(&self) -> bool {
         match self {
             RawError::Closed => true,
-            RawError::Io(e) => backends::gone(e) || e.kind() == std::io::ErrorKind::UnexpectedEof,
+            RawError::Io(e) => backends::cut_off(e),
             RawError::Malformed(_) => false,
         }
     }
@@ -2076,9 +2081,7 @@ fn backend_went_away(e: &SendError) -> bool {
         SendError::H2(e) => {
             e.is_go_away()
                 || e.reason() == Some(h2::Reason::REFUSED_STREAM)
-                || e.get_io().is_some_and(|io| {
-                    backends::gone(io) || io.kind() == std::io::ErrorKind::UnexpectedEof
-                })
+                || e.get_io().is_some_and(backends::cut_off)
         }
     }
 }

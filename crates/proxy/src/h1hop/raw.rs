@@ -15,10 +15,10 @@ use hyper::{Method, Request, Response, StatusCode};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use ebb_http::chunked::Chunked;
-use ebb_http::h1::{Framing, MAX_HEADERS, push_header, read_response};
+use ebb_http::h1::{Framing, MAX_HEADERS, parse_response_head, push_header};
 
 use super::super::backends::{self, Backends, Dial, Settling};
-use super::super::h1::{Backend, pool_put, pool_take, pool_waiter};
+use super::super::h1::{Backend, backend_conn, pool_put, pool_take};
 use super::super::{Body, BoxError, RawError, SendError as Error};
 use crate::clock::Clock;
 
@@ -66,35 +66,24 @@ pub async fn send(
             framing,
             keep_alive,
         } = answer;
-        let body = match framing {
-            Framing::Empty => {
-                if keep_alive && b.buf.is_empty() {
-                    pool_put(
-                        addr,
-                        b,
-                        dial.clock.now_ms(),
-                        dial.max_idle,
-                        dial.idle_timeout_ms,
-                    );
-                }
-                http_body_util::Empty::new().map_err(|e| match e {}).boxed()
-            }
-            f => AnswerBody {
-                conn: Some(b),
-                left: match f {
-                    Framing::Length(n) => Left::Length(n),
-                    Framing::Chunked => Left::Chunked(Chunked::new(), Vec::new()),
-                    _ => Left::Close,
-                },
-                keep_alive,
-                addr,
-                max_idle: dial.max_idle,
-                idle_timeout_ms: dial.idle_timeout_ms,
-                clock: dial.clock.clone(),
-            }
-            .boxed(),
+        let mut body = AnswerBody {
+            conn: Some(b),
+            left: match framing {
+                Framing::Length(n) => Left::Length(n),
+                Framing::Chunked => Left::Chunked(Chunked::new(), Vec::new()),
+                Framing::Close => Left::Close,
+                Framing::Empty => Left::Length(0),
+            },
+            keep_alive,
+            addr,
+            max_idle: dial.max_idle,
+            idle_timeout_ms: dial.idle_timeout_ms,
+            clock: dial.clock.clone(),
         };
-        let mut response = Response::new(body);
+        if framing == Framing::Empty {
+            body.ended();
+        }
+        let mut response = Response::new(body.boxed());
         *response.version_mut() = version;
         *response.status_mut() = status;
         *response.headers_mut() = headers;
@@ -121,50 +110,33 @@ fn request_head(parts: &hyper::http::request::Parts) -> Vec<u8> {
 }
 
 /// A connection to `addr`: an idle pooled one of this thread (unless `pooled_allowed` is false),
-/// a new one within the replica's bound on openings (with its opening, to end at the first
-/// answer), or the first of those to be had ([`backends::get_connection`]). Whether it was pooled
-/// comes with it.
+/// else as the fast path gets one for a replica ([`backend_conn`]: a new one within the
+/// replica's bound on openings, with its opening to end at the first answer, or whichever of
+/// those comes first). Whether it was pooled comes with it.
 async fn conn(
     addr: SocketAddr,
     dial: Dial<'_>,
     backends: &Backends,
     pooled_allowed: bool,
 ) -> Result<(Backend, bool, Option<Settling>), Error> {
-    let take = || {
-        pooled_allowed
-            .then(|| pool_take(addr, dial.clock.now_ms(), dial.idle_timeout_ms, false))
-            .flatten()
-    };
-    if let Some(b) = take() {
+    let now = dial.clock.now_ms();
+    if pooled_allowed && let Some(b) = pool_take(addr, now, dial.idle_timeout_ms, false) {
         return Ok((b, true, None));
     }
     // The wait and the opening are a future of their own, boxed, so that every request's state
     // does not carry theirs.
     Box::pin(async move {
-        let got = match backends.find(addr) {
-            Some(r) => backends::get_connection(
-                &r,
-                &pool_waiter(addr),
-                take,
-                dial.attempt_ms,
-                dial.timeout_ms,
-            )
-            .await
-            .map_err(Error::Connect)?,
+        let Some(replica) = backends.find(addr) else {
             // An address no ready list names is not paced.
-            None => {
-                let stream = backends::connect(addr, dial.attempt_ms, dial.timeout_ms, None)
-                    .await
-                    .map_err(Error::Connect)?;
-                return Ok((Backend::new(stream), false, None));
-            }
+            let stream = backends::connect(addr, dial.attempt_ms, dial.timeout_ms, None)
+                .await
+                .map_err(Error::Connect)?;
+            return Ok((Backend::new(stream), false, None));
         };
-        Ok(match got {
-            backends::Got::Idle(b) => (b, true, None),
-            backends::Got::New(stream, opening) => {
-                (Backend::new(stream), false, Some(opening.settling()))
-            }
-        })
+        let (b, pooled, opening) = backend_conn(&replica, pooled_allowed, false, now, dial)
+            .await
+            .map_err(Error::Connect)?;
+        Ok((b, pooled, opening.map(backends::Opening::settling)))
     })
     .await
 }
@@ -189,7 +161,8 @@ async fn exchange(
     if let Err(e) = b.stream.write_all(head).await {
         return Err((e.into(), false));
     }
-    let mut got_any = !b.buf.is_empty();
+    // A connection's buffer is empty when it is handed out: the pool keeps only such ones.
+    let mut got_any = false;
     loop {
         if !b.buf.is_empty() {
             match parse(&b.buf, is_head) {
@@ -232,13 +205,9 @@ async fn exchange(
 /// length and the answer (`None` for an interim one).
 fn parse(buf: &[u8], is_head: bool) -> Result<Option<(usize, Option<Answer>)>, String> {
     let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut resp = httparse::Response::new(&mut fields);
-    let len = match resp.parse(buf) {
-        Ok(httparse::Status::Complete(n)) => n,
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(e) => return Err(format!("malformed response head: {e}")),
+    let Some((len, resp, head)) = parse_response_head(buf, &mut fields, is_head)? else {
+        return Ok(None);
     };
-    let head = read_response(&resp, is_head)?;
     if head.interim {
         return Ok(Some((len, None)));
     }
@@ -291,12 +260,12 @@ struct AnswerBody {
 }
 
 impl AnswerBody {
-    /// The body is read to its end: its connection is kept if it may carry another request (and
-    /// the replica sent nothing past the answer).
+    /// The body is read to its end (by its framing; one read to the replica's close has no
+    /// connection left): its connection is kept if it may carry another request and the replica
+    /// sent nothing past the answer.
     fn ended(&mut self) {
         if let Some(b) = self.conn.take()
             && self.keep_alive
-            && !matches!(self.left, Left::Close)
             && b.buf.is_empty()
         {
             let now = self.clock.now_ms();
