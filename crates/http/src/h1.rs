@@ -637,7 +637,11 @@ pub struct ResponseHead<'h> {
 /// Parses a response head at the start of `buf` into `fields` and reads it (of an answer to a
 /// HEAD request when `is_head`): `Ok(None)` when more bytes are needed, else the head's length,
 /// the parsed head and what it says.
+///
+/// Inlined: its answer is a few hundred bytes, which the fast path's [`parse_response`] would
+/// otherwise copy on every response.
 #[allow(clippy::type_complexity)]
+#[inline(always)]
 pub fn parse_response_head<'f, 'b>(
     buf: &'b [u8],
     fields: &'f mut [httparse::Header<'b>],
@@ -655,6 +659,7 @@ pub fn parse_response_head<'f, 'b>(
 
 /// Reads a parsed response head: its framing (RFC 9112 section 6.3) and its connection's fate. A
 /// 101 is refused: no request a hop sends this way asks for an upgrade.
+#[inline(always)]
 fn read_response<'h>(
     resp: &httparse::Response<'_, 'h>,
     is_head: bool,
