@@ -11,7 +11,9 @@
 # broker's produce-and-consume rate is the rate of moving a record in and out on these CPUs:
 # 1 / (1/produced + 1/consumed), each rate as its tool reports it (without its JVM's start).
 # ebb's Kafka rows print their ratio to it. Beside ebb's enqueue-to-start latency, the broker's
-# own produce-to-consume latency (kafka-e2e-latency, EndToEndLatency), one record at a time.
+# own produce-to-consume latency (kafka-e2e-latency, EndToEndLatency), one record at a time. The
+# Kafka rows print the broker's CPU time per call beside ebb's (the broker shares the cores), and
+# the line after the ratios what half the anchor's rate leaves per call to the two together.
 #
 # Usage: benches/calls.sh [SECONDS]   (BENCH_KAFKA_RECORDS: records of the anchor, 2,000,000)
 set -euo pipefail
@@ -30,6 +32,7 @@ port="${BENCH_KAFKA_PORT:-19092}"
 libs="$(scripts/kafka fetch)"
 scripts/kafka run "$work/kafka" "$port" >"$work/broker.log" 2>&1 &
 pids+=($!)
+broker=$! # the broker's JVM (scripts/kafka execs it)
 for _ in $(seq 1 600); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
 kafka_tool() { java -Xms256m -Xmx1g -cp "$libs/*" "org.apache.kafka.tools.$1" "${@:2}" 2>"$work/tool.err"; }
 records="${BENCH_KAFKA_RECORDS:-2000000}"
@@ -58,4 +61,5 @@ echo "| produce and consume: 1 / (1/produced + 1/consumed) | $anchor |"
 echo
 echo "the bare broker's produce-to-consume latency (kafka-e2e-latency, 10,000 records one at a time, acks=all), ms: $e2e"
 echo
-"$ebb" bench calls --seconds "$seconds" --kafka "127.0.0.1:$port" --anchor "$anchor" ${BENCH_CALLS_ARGS:-}
+"$ebb" bench calls --seconds "$seconds" --kafka "127.0.0.1:$port" --anchor "$anchor" \
+  --broker-pid "$broker" ${BENCH_CALLS_ARGS:-}

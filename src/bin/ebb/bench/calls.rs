@@ -67,6 +67,11 @@ pub struct CallsBenchArgs {
     /// Kafka's own perf-test tools (benches/calls.sh): the Kafka rows print their ratio to it.
     #[arg(long, requires = "kafka")]
     pub anchor: Option<f64>,
+    /// The broker's process (on this machine): its CPU time over each Kafka throughput phase is
+    /// printed per call beside ebb's, with the CPU per call the machine's cores leave ebb and the
+    /// broker together at half the anchor's rate.
+    #[arg(long, requires = "kafka")]
+    pub broker_pid: Option<i32>,
 }
 
 const TOKEN: &str = "bench";
@@ -381,12 +386,24 @@ async fn drain(s: &Setup, ids: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// What a throughput phase measured.
+#[derive(Debug, Clone, Copy)]
+struct Rate {
+    calls_per_s: f64,
+    /// This process's CPU time per call, us.
+    cpu_us: f64,
+    /// The broker's CPU time per call, us (with `--broker-pid` on Kafka).
+    broker_us: Option<f64>,
+}
+
 /// Throughput: after a warm-up, producers enqueue as fast as they can for the phase; the clock
-/// stops when the last call has finished. Returns calls/s and this process's CPU time per call.
-async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<(f64, f64)> {
+/// stops when the last call has finished.
+async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
     warm_up(s).await?;
+    let broker = args.broker_pid.filter(|_| s.grouped);
     let clock = Stopwatch::start();
     let cpu = cpu_time()?;
+    let broker_cpu = broker.map(process_cpu_time).transpose()?;
     let phase = Duration::from_secs(args.seconds);
     let mut producers = Vec::new();
     for p in 0..args.producers {
@@ -408,8 +425,45 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<(f64, f64)> {
     }
     drain(s, &ids).await?;
     let calls = ids.len() as f64;
-    let cpu_us = (cpu_time()? - cpu).as_secs_f64() * 1e6 / calls.max(1.0);
-    Ok((calls / clock.elapsed().as_secs_f64(), cpu_us))
+    let per_call = |d: Duration| d.as_secs_f64() * 1e6 / calls.max(1.0);
+    let cpu_us = per_call(cpu_time()? - cpu);
+    let broker_us = match (broker, broker_cpu) {
+        (Some(pid), Some(before)) => Some(per_call(process_cpu_time(pid)?.saturating_sub(before))),
+        _ => None,
+    };
+    Ok(Rate {
+        calls_per_s: calls / clock.elapsed().as_secs_f64(),
+        cpu_us,
+        broker_us,
+    })
+}
+
+/// CPU time process `pid` has spent so far, user and system, every thread's (`/proc/PID/stat`,
+/// in clock ticks): the broker's.
+fn process_cpu_time(pid: i32) -> Result<Duration> {
+    let path = format!("/proc/{pid}/stat");
+    let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
+    // After the command in parentheses (which may hold spaces and parentheses): field 3 (state)
+    // on; utime and stime are fields 14 and 15.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .with_context(|| format!("{path}: no command field"))?
+        .1
+        .split_whitespace()
+        .collect();
+    let field = |n: usize| -> Result<u64> {
+        fields
+            .get(n - 3)
+            .with_context(|| format!("{path}: no field {n}"))?
+            .parse()
+            .with_context(|| format!("{path}: field {n} is not a number"))
+    };
+    let ticks = field(14)? + field(15)?;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)
+        .context("sysconf(CLK_TCK)")?
+        .filter(|hz| *hz > 0)
+        .unwrap_or(100);
+    Ok(Duration::from_secs_f64(ticks as f64 / hz as f64))
 }
 
 /// CPU time this process has spent so far, user and system, every thread's: ebb's services, its
@@ -587,9 +641,9 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         args.producers, args.batch, args.runners, args.capacity, args.seconds
     );
     println!(
-        "| queue | replicas | runners | calls/s end to end (range) | CPU per call | enqueue-to-start p50 | p99 |"
+        "| queue | replicas | runners | calls/s end to end (range) | CPU per call | broker CPU per call | enqueue-to-start p50 | p99 |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     if !args.kafka_only {
         rows.push(("embedded", None, 1, false));
@@ -612,7 +666,15 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             rates.push(throughput(&args, &s).await?);
             teardown(s).await;
         }
-        let ((rate, cpu_us), rate_lo, rate_hi) = spread(rates, |r| r.0);
+        let (
+            Rate {
+                calls_per_s: rate,
+                cpu_us,
+                broker_us,
+            },
+            rate_lo,
+            rate_hi,
+        ) = spread(rates, |r| r.calls_per_s);
         let at = args.rate.unwrap_or(rate / 2.0);
         let mut latencies = Vec::new();
         for _ in 0..args.rounds.max(1) {
@@ -624,10 +686,13 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         let ((_, p99), lo, hi) = spread(latencies.clone(), |l| l.1);
         let ((p50, _), _, _) = spread(latencies, |l| l.0);
         let name = if over_http { "over HTTP" } else { "in process" };
+        let broker = broker_us.map_or("-".to_owned(), |b| format!("{b:.1} us"));
         println!(
-            "| {queue} | {replicas} | {name} | {rate:.0} ({rate_lo:.0}-{rate_hi:.0}) | {cpu_us:.1} us | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {rounds} rounds: {lo:.2}-{hi:.2}) |"
+            "| {queue} | {replicas} | {name} | {rate:.0} ({rate_lo:.0}-{rate_hi:.0}) | {cpu_us:.1} us | {broker} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {rounds} rounds: {lo:.2}-{hi:.2}) |"
         );
-        measured.push((queue, replicas, over_http, rate, p50, p99));
+        measured.push((
+            queue, replicas, over_http, rate, p50, p99, cpu_us, broker_us,
+        ));
     }
     let row = |q: &str, r: usize| {
         measured
@@ -644,7 +709,7 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         );
     }
     if let Some(anchor) = args.anchor {
-        for (queue, replicas, over_http, rate, _, _) in &measured {
+        for (queue, replicas, over_http, rate, ..) in &measured {
             if *queue == "kafka" {
                 let name = if *over_http {
                     "over HTTP"
@@ -656,6 +721,21 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
                     rate / anchor
                 );
             }
+        }
+        // What half the anchor's rate leaves per call on this machine, where the broker, ebb and
+        // the producers share the cores, against what the in-process row spent.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let budget_us = cores as f64 * 1e6 / (anchor / 2.0);
+        if let Some((.., ebb_us, Some(broker_us))) =
+            measured.iter().find(|m| m.0 == "kafka" && m.1 == 1 && !m.2)
+        {
+            println!(
+                "at 0.5x the bare broker ({:.0} calls/s), {cores} cores leave {budget_us:.1} us of CPU per call to ebb, its producers and the broker together; \
+                 1 replica, in process, spent {:.1} us ({ebb_us:.1} us in this process, {broker_us:.1} us in the broker's): {:.2}x the budget",
+                anchor / 2.0,
+                ebb_us + broker_us,
+                (ebb_us + broker_us) / budget_us
+            );
         }
     }
     let (queue, kafka) = match &args.kafka {
