@@ -219,11 +219,7 @@ fn children(pid: u32) -> Result<Vec<u32>> {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
             continue;
         };
-        // The fields after the command's closing parenthesis: state, ppid, pgrp, ...
-        let Some(rest) = stat.rsplit_once(") ").map(|(_, r)| r) else {
-            continue;
-        };
-        let ppid = rest.split(' ').nth(1).and_then(|v| v.parse::<u32>().ok());
+        let ppid = super::stat_field(&stat, 4).and_then(|v| v.parse::<u32>().ok());
         if ppid == Some(pid) {
             out.push(p);
         }

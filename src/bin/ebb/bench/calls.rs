@@ -398,14 +398,28 @@ struct Rate {
     broker_us: Option<f64>,
 }
 
+/// One row of the table: its throughput phase (the median of the rounds) and latencies.
+struct Row {
+    queue: &'static str,
+    replicas: usize,
+    over_http: bool,
+    phase: Rate,
+    p50: f64,
+    p99: f64,
+}
+
 /// Throughput: after a warm-up, producers enqueue as fast as they can for the phase; the clock
 /// stops when the last call has finished.
 async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
     warm_up(s).await?;
-    let broker = args.broker_pid.filter(|_| s.grouped);
     let clock = Stopwatch::start();
     let cpu = cpu_time()?;
-    let broker_cpu = broker.map(process_cpu_time).transpose()?;
+    // The broker's pid and its CPU time at the start (on Kafka, with `--broker-pid`).
+    let broker = args
+        .broker_pid
+        .filter(|_| s.grouped)
+        .map(|pid| process_cpu_time(pid).map(|t| (pid, t)))
+        .transpose()?;
     let phase = Duration::from_secs(args.seconds);
     let mut producers = Vec::new();
     for p in 0..args.producers {
@@ -429,10 +443,9 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
     let calls = ids.len() as f64;
     let per_call = |d: Duration| d.as_secs_f64() * 1e6 / calls.max(1.0);
     let cpu_us = per_call(cpu_time()? - cpu);
-    let broker_us = match (broker, broker_cpu) {
-        (Some(pid), Some(before)) => Some(per_call(process_cpu_time(pid)?.saturating_sub(before))),
-        _ => None,
-    };
+    let broker_us = broker
+        .map(|(pid, before)| process_cpu_time(pid).map(|t| per_call(t.saturating_sub(before))))
+        .transpose()?;
     Ok(Rate {
         calls_per_s: calls / clock.elapsed().as_secs_f64(),
         cpu_us,
@@ -445,19 +458,9 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
 fn process_cpu_time(pid: i32) -> Result<Duration> {
     let path = format!("/proc/{pid}/stat");
     let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
-    // After the command in parentheses (which may hold spaces and parentheses): field 3 (state)
-    // on; utime and stime are fields 14 and 15.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .with_context(|| format!("{path}: no command field"))?
-        .1
-        .split_whitespace()
-        .collect();
     let field = |n: usize| -> Result<u64> {
-        fields
-            .get(n - 3)
-            .with_context(|| format!("{path}: no field {n}"))?
-            .parse()
+        super::stat_field(&stat, n)
+            .and_then(|v| v.parse().ok())
             .with_context(|| format!("{path}: field {n} is not a number"))
     };
     let ticks = field(14)? + field(15)?;
@@ -656,19 +659,18 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         rows.push(("kafka", Some(k.as_str()), 1, true));
         rows.push(("kafka", Some(k.as_str()), 2, true));
     }
+    if let Some(k) = &args.kafka {
+        // One throughput phase on Kafka, not measured, before the rows: the broker's JIT has not
+        // compiled the requests ebb sends (consumer groups, offset commits, keyed idempotent
+        // produces) until then, and the first Kafka row would pay for it. Measured: the broker's
+        // CPU per call 17-34 us in a fresh broker's first phases, 4-6 us after a dozen; one phase
+        // takes part of that off (9.2 us in the first row of `benches/calls.sh 5`), not all.
+        let s = setup(&args, false, Some(k.as_str()), 1).await?;
+        throughput(&args, &s).await?;
+        teardown(s).await;
+    }
     let mut measured = Vec::new();
-    let mut broker_warm = false;
     for (queue, kafka, replicas, over_http) in rows {
-        if kafka.is_some() && !broker_warm {
-            // One throughput phase, not measured, before the first Kafka row: the broker's JIT
-            // has not compiled the requests ebb sends (consumer groups, offset commits, keyed
-            // idempotent produces) until then, and the first row would pay for it (measured: the
-            // broker's CPU per call 23-27 us in a fresh broker's first phase, 4-6 us after).
-            let s = setup(&args, false, kafka, 1).await?;
-            throughput(&args, &s).await?;
-            teardown(s).await;
-            broker_warm = true;
-        }
         // Each phase on a fresh log and queue, so one does not pay for the other's
         // compactions; `--rounds` of each, since one phase moves by a third between runs on a
         // 2-core machine shared with the broker. A throughput phase's CPU per call is reported
@@ -679,15 +681,12 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             rates.push(throughput(&args, &s).await?);
             teardown(s).await;
         }
-        let (
-            Rate {
-                calls_per_s: rate,
-                cpu_us,
-                broker_us,
-            },
-            rate_lo,
-            rate_hi,
-        ) = spread(rates, |r| r.calls_per_s);
+        let (phase, rate_lo, rate_hi) = spread(rates, |r| r.calls_per_s);
+        let Rate {
+            calls_per_s: rate,
+            cpu_us,
+            broker_us,
+        } = phase;
         let at = args.rate.unwrap_or(rate / 2.0);
         let mut latencies = Vec::new();
         for _ in 0..args.rounds.max(1) {
@@ -703,44 +702,50 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         println!(
             "| {queue} | {replicas} | {name} | {rate:.0} ({rate_lo:.0}-{rate_hi:.0}) | {cpu_us:.1} us | {broker} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {rounds} rounds: {lo:.2}-{hi:.2}) |"
         );
-        measured.push((
-            queue, replicas, over_http, rate, p50, p99, cpu_us, broker_us,
-        ));
+        measured.push(Row {
+            queue,
+            replicas,
+            over_http,
+            phase,
+            p50,
+            p99,
+        });
     }
-    let row = |q: &str, r: usize| {
+    let row = |q: &str, r: usize, over_http: bool| {
         measured
             .iter()
-            .find(|m| m.0 == q && m.1 == r && m.2)
-            .copied()
+            .find(|m| m.queue == q && m.replicas == r && m.over_http == over_http)
     };
-    if let (Some(one), Some(two)) = (row("kafka", 1), row("kafka", 2)) {
+    if let (Some(one), Some(two)) = (row("kafka", 1, true), row("kafka", 2, true)) {
         println!(
             "kafka, 2 replicas / 1 replica (over HTTP): calls/s {:.2}x, enqueue-to-start p50 {:.2}x, p99 {:.2}x",
-            two.3 / one.3,
-            two.4 / one.4,
-            two.5 / one.5
+            two.phase.calls_per_s / one.phase.calls_per_s,
+            two.p50 / one.p50,
+            two.p99 / one.p99
         );
     }
     if let Some(anchor) = args.anchor {
-        for (queue, replicas, over_http, rate, ..) in &measured {
-            if *queue == "kafka" {
-                let name = if *over_http {
-                    "over HTTP"
-                } else {
-                    "in process"
-                };
-                println!(
-                    "kafka, {replicas} replica(s), {name} / the bare broker's produce-and-consume rate ({anchor:.0}/s): {:.2}x",
-                    rate / anchor
-                );
-            }
+        for m in measured.iter().filter(|m| m.queue == "kafka") {
+            let name = if m.over_http {
+                "over HTTP"
+            } else {
+                "in process"
+            };
+            println!(
+                "kafka, {} replica(s), {name} / the bare broker's produce-and-consume rate ({anchor:.0}/s): {:.2}x",
+                m.replicas,
+                m.phase.calls_per_s / anchor
+            );
         }
         // What half the anchor's rate leaves per call on this machine, where the broker, ebb and
         // the producers share the cores, against what the in-process row spent.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let budget_us = cores as f64 * 1e6 / (anchor / 2.0);
-        if let Some((.., ebb_us, Some(broker_us))) =
-            measured.iter().find(|m| m.0 == "kafka" && m.1 == 1 && !m.2)
+        if let Some(Rate {
+            cpu_us: ebb_us,
+            broker_us: Some(broker_us),
+            ..
+        }) = row("kafka", 1, false).map(|m| m.phase)
         {
             println!(
                 "at 0.5x the bare broker ({:.0} calls/s), {cores} cores leave {budget_us:.1} us of CPU per call to ebb, its producers and the broker together; \

@@ -18,6 +18,14 @@ pub mod cleaners;
 pub mod discovery;
 pub mod functions;
 
+/// Field `n` of a `/proc/PID/stat` line, numbered as in proc(5) (1 the pid, 4 the parent's,
+/// 14 and 15 the user and system CPU time): counted from the command's closing parenthesis, since
+/// the command may hold spaces and parentheses.
+pub fn stat_field(stat: &str, n: usize) -> Option<&str> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(n.checked_sub(3)?)
+}
+
 /// `ebb bench`'s measurements.
 #[derive(clap::Subcommand)]
 pub enum BenchCommand {
