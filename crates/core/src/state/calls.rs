@@ -19,7 +19,7 @@
 //! call service puts back when the queue lost them) and of their count by target
 //! ([`Calls::queued_by_target`], the bound `--max-queued-per-target`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, btree_map};
 
 use serde::{Deserialize, Serialize};
 
@@ -221,31 +221,33 @@ impl Calls {
     }
 
     pub(crate) fn apply(&mut self, at_ms: u64, event: &Event) -> Timer {
-        let timer = self.apply_call(at_ms, event);
-        let id = match event {
-            Event::CallQueued { call } => Some(&call.id),
-            Event::CallStarted { id, .. }
-            | Event::CallRejected { id, .. }
-            | Event::CallFinished { id, .. }
-            | Event::CallTimedOut { id }
-            | Event::CallCancelled { id } => Some(id),
-            _ => None,
-        };
-        if let Some(id) = id {
-            let call = self.by_id.get(id);
-            let target = call.map(|c| c.spec.target.as_str());
-            let changed = if call.is_some_and(|c| c.status == CallStatus::Queued) {
-                self.queued.insert(id.clone()).then_some(true)
-            } else {
-                self.queued.remove(id).then_some(false)
-            };
-            if let (Some(now_queued), Some(target)) = (changed, target) {
-                if now_queued {
-                    *self.queued_by_target.entry(target.to_owned()).or_default() += 1;
-                } else if let Some(n) = self.queued_by_target.get_mut(target) {
+        let Calls {
+            by_id,
+            queued,
+            queued_by_target,
+            ..
+        } = self;
+        let (timer, stepped) = apply_call(by_id, at_ms, event);
+        // The indexes change only when the call enters or leaves `queued`.
+        if let Some((was_queued, c)) = stepped
+            && (c.status == CallStatus::Queued) != was_queued
+        {
+            let target = c.spec.target.as_str();
+            if was_queued {
+                queued.remove(&c.spec.id);
+                if let Some(n) = queued_by_target.get_mut(target) {
                     *n = n.saturating_sub(1);
                     if *n == 0 {
-                        self.queued_by_target.remove(target);
+                        queued_by_target.remove(target);
+                    }
+                }
+            } else {
+                queued.insert(c.spec.id.clone());
+                // The target's name is copied only for its first queued call.
+                match queued_by_target.get_mut(target) {
+                    Some(n) => *n += 1,
+                    None => {
+                        queued_by_target.insert(target.to_owned(), 1);
                     }
                 }
             }
@@ -257,97 +259,112 @@ impl Calls {
     pub fn queued_for(&self, target: &str) -> usize {
         self.queued_by_target.get(target).copied().unwrap_or(0)
     }
+}
 
-    fn apply_call(&mut self, at_ms: u64, event: &Event) -> Timer {
-        match event {
-            Event::CallQueued { call } => {
-                self.by_id
-                    .entry(call.id.clone())
-                    .or_insert_with(|| Call::new(call.clone(), CallStatus::Queued, at_ms));
+/// Steps the call `event` is about, if it is a call event: the schedule's change, and whether
+/// the call was queued before the step with the call after it.
+fn apply_call<'a>(
+    by_id: &'a mut BTreeMap<String, Call>,
+    at_ms: u64,
+    event: &Event,
+) -> (Timer, Option<(bool, &'a Call)>) {
+    let queued = |c: &Call| c.status == CallStatus::Queued;
+    // One search of the map per event (its keys share their owner's prefix, so each comparison
+    // reads far into both ids: a search costs more than copying an id).
+    let c = match event {
+        Event::CallQueued { call } => {
+            return match by_id.entry(call.id.clone()) {
+                btree_map::Entry::Occupied(o) => {
+                    let c = o.into_mut();
+                    (Timer::Keep, Some((queued(c), &*c)))
+                }
+                btree_map::Entry::Vacant(v) => {
+                    let c = v.insert(Call::new(call.clone(), CallStatus::Queued, at_ms));
+                    (Timer::Keep, Some((false, &*c)))
+                }
+            };
+        }
+        // A finish for a call that was never queued (a sync call, or a lost enqueue) is
+        // recorded, as the runner API asks.
+        Event::CallFinished { id, .. } => by_id.entry(id.clone()).or_insert_with(|| {
+            let spec = CallSpec {
+                id: id.clone(),
+                target: String::new(),
+                kind: CallKind::Sync,
+                timeout_ms: 0,
+                partition: None,
+                trace: None,
+                tracestate: None,
+                baggage: None,
+                payload: Payload::default(),
+            };
+            Call::new(spec, CallStatus::Running, at_ms)
+        }),
+        Event::CallStarted { id, .. }
+        | Event::CallRejected { id, .. }
+        | Event::CallTimedOut { id }
+        | Event::CallCancelled { id } => match by_id.get_mut(id) {
+            Some(c) => c,
+            None => return (Timer::Keep, None),
+        },
+        _ => return (Timer::Keep, None),
+    };
+    let was_queued = queued(c);
+    let timer = match event {
+        Event::CallStarted {
+            runner,
+            deadline_at_ms,
+            ..
+        } => {
+            let (next, verdict) = c.status.on_start();
+            c.status = next;
+            match verdict {
+                StartVerdict::Accepted => {
+                    c.starts += 1;
+                    c.started_at_ms = Some(at_ms);
+                    c.deadline_at_ms = Some(*deadline_at_ms);
+                    c.runner = Some(runner.clone());
+                    Timer::Set(*deadline_at_ms)
+                }
+                StartVerdict::Refused(_) => {
+                    c.refused_starts += 1;
+                    c.mark_final(at_ms)
+                }
+            }
+        }
+        Event::CallRejected { .. } => {
+            c.refused_starts += 1;
+            if c.status == CallStatus::Running {
+                c.status = CallStatus::Error;
+            }
+            c.mark_final(at_ms)
+        }
+        Event::CallFinished {
+            outcome,
+            result,
+            log,
+            ..
+        } => {
+            if c.status.is_final() {
                 Timer::Keep
-            }
-            Event::CallStarted {
-                id,
-                runner,
-                deadline_at_ms,
-            } => {
-                let Some(c) = self.by_id.get_mut(id) else {
-                    return Timer::Keep;
-                };
-                let (next, verdict) = c.status.on_start();
-                c.status = next;
-                match verdict {
-                    StartVerdict::Accepted => {
-                        c.starts += 1;
-                        c.started_at_ms = Some(at_ms);
-                        c.deadline_at_ms = Some(*deadline_at_ms);
-                        c.runner = Some(runner.clone());
-                        Timer::Set(*deadline_at_ms)
-                    }
-                    StartVerdict::Refused(_) => {
-                        c.refused_starts += 1;
-                        c.mark_final(at_ms)
-                    }
-                }
-            }
-            Event::CallRejected { id, .. } => {
-                let Some(c) = self.by_id.get_mut(id) else {
-                    return Timer::Keep;
-                };
-                c.refused_starts += 1;
-                if c.status == CallStatus::Running {
-                    c.status = CallStatus::Error;
-                }
-                c.mark_final(at_ms)
-            }
-            Event::CallFinished {
-                id,
-                outcome,
-                result,
-                log,
-                ..
-            } => {
-                // A finish for a call that was never queued (a sync call, or a lost enqueue) is
-                // recorded, as the runner API asks.
-                let c = self.by_id.entry(id.clone()).or_insert_with(|| {
-                    let spec = CallSpec {
-                        id: id.clone(),
-                        target: String::new(),
-                        kind: CallKind::Sync,
-                        timeout_ms: 0,
-                        partition: None,
-                        trace: None,
-                        tracestate: None,
-                        baggage: None,
-                        payload: Payload::default(),
-                    };
-                    Call::new(spec, CallStatus::Running, at_ms)
-                });
-                if c.status.is_final() {
-                    return Timer::Keep;
-                }
+            } else {
                 c.status = c.status.on_finish(*outcome);
                 c.result = result.clone();
                 c.log = log.clone();
                 c.mark_final(at_ms)
             }
-            Event::CallTimedOut { id } => {
-                let Some(c) = self.by_id.get_mut(id) else {
-                    return Timer::Keep;
-                };
-                c.status = c.status.on_deadline();
-                c.mark_final(at_ms)
-            }
-            Event::CallCancelled { id } => {
-                let Some(c) = self.by_id.get_mut(id) else {
-                    return Timer::Keep;
-                };
-                c.status = c.status.on_cancel();
-                c.mark_final(at_ms)
-            }
-            _ => Timer::Keep,
         }
-    }
+        Event::CallTimedOut { .. } => {
+            c.status = c.status.on_deadline();
+            c.mark_final(at_ms)
+        }
+        Event::CallCancelled { .. } => {
+            c.status = c.status.on_cancel();
+            c.mark_final(at_ms)
+        }
+        _ => Timer::Keep,
+    };
+    (timer, Some((was_queued, &*c)))
 }
 
 impl Call {
