@@ -363,8 +363,8 @@ impl Calls {
             .is_some_and(|s| now.saturating_sub(s.at_ms) < self.options.runner_lease_ms)
     }
 
-    /// Validates a new call into a spec.
-    fn spec(&self, new: NewCall) -> Result<CallSpec, CallError> {
+    /// Validates a new call into a spec; `known`: whether the log knows its target.
+    fn spec(&self, new: NewCall, known: bool) -> Result<CallSpec, CallError> {
         let id = match new.id {
             Some(id) => {
                 let (owner, u) = crate::peers::parse_id(&id).map_err(CallError::Bad)?;
@@ -383,9 +383,6 @@ impl Calls {
         if new.target.is_empty() {
             return Err(CallError::Bad("a call needs a target".into()));
         }
-        let known = self
-            .log
-            .read(|s| s.routes.by_name.contains_key(&new.target));
         if !known {
             return Err(CallError::UnknownTarget(new.target));
         }
@@ -484,8 +481,15 @@ impl Calls {
         }
         let mut specs = Vec::with_capacity(calls.len());
         let steers = self.queue.steers_to_runners();
-        for c in calls {
-            let mut spec = self.spec(c)?;
+        // Every target looked up in one read of the log.
+        let known: Vec<bool> = self.log.read(|s| {
+            calls
+                .iter()
+                .map(|c| s.routes.by_name.contains_key(&c.target))
+                .collect()
+        });
+        for (c, known) in calls.into_iter().zip(known) {
+            let mut spec = self.spec(c, known)?;
             let partition = match spec.partition.take() {
                 // A live runner's, or (on a queue that does not steer by runner, Kafka) any key.
                 Some(p) if !steers || self.is_live(&p) => Some(p),
@@ -663,56 +667,60 @@ impl Calls {
             let _polling = Polling::new(self, runner);
             self.queue.reserve(runner, max, wait).await?
         };
-        let mut specs = Vec::with_capacity(messages.len());
-        let mut broken = Vec::new();
-        for m in messages {
-            // An aborted put's message is dropped, unless the call was recorded after all (the
-            // same id enqueued again, or a step decided again): then it is that call's.
-            let in_memory = self.aborted.lock().expect("aborted lock").contains(&m.id);
-            let (recorded, in_log) = self
-                .log
-                .read(|s| (s.calls.get(&m.id).is_some(), s.calls.is_aborted(&m.id)));
-            if (in_memory || in_log) && !recorded {
-                broken.push(m.id);
-                continue;
-            }
-            if in_memory {
-                self.aborted.lock().expect("aborted lock").remove(&m.id);
-            }
-            match rmp_serde::from_slice::<CallSpec>(&m.body) {
-                Ok(spec) if spec.id == m.id => specs.push((spec, m.deliveries)),
-                _ => {
-                    tracing::warn!(id = %m.id, "a queue message is not a call; deleting it");
-                    broken.push(m.id);
-                }
-            }
-        }
+        // Failed puts this replica remembers (one look at the set for the whole batch).
+        let in_memory: Vec<bool> = {
+            let aborted = self.aborted.lock().expect("aborted lock");
+            messages
+                .iter()
+                .map(|m| !aborted.is_empty() && aborted.contains(&m.id))
+                .collect()
+        };
         // Calls other replicas own: their owners say what became of them.
-        let (foreign, specs): (Vec<_>, Vec<_>) = specs
+        let (foreign, local): (Vec<_>, Vec<_>) = messages
             .into_iter()
-            .partition(|(spec, _)| self.peers.other_owner(&spec.id).is_some());
+            .zip(in_memory)
+            .partition(|(m, _)| self.peers.other_owner(&m.id).is_some());
+        let mut broken = Vec::new();
         let mut foreign_jobs = if foreign.is_empty() {
             Vec::new()
         } else {
-            self.hand_out_foreign(foreign).await?
+            let mut specs = Vec::with_capacity(foreign.len());
+            for (m, in_memory) in foreign {
+                let (recorded, in_log) = self
+                    .log
+                    .read(|s| (s.calls.get(&m.id).is_some(), s.calls.is_aborted(&m.id)));
+                if (in_memory || in_log) && !recorded {
+                    broken.push(m.id);
+                    continue;
+                }
+                match decode_message(&m) {
+                    Some(spec) => specs.push((spec, m.deliveries)),
+                    None => broken.push(m.id),
+                }
+            }
+            self.hand_out_foreign(specs).await?
         };
-        // A known call is handed out as the log records it (a message put by a decision that
-        // lost a race to another with the same id carries the loser's copy); one that already
-        // ended (a redelivery) is deleted instead, and a running one is held again. A call the
-        // log does not know yet (its enqueue is still under way, or ebb stopped between put and
-        // record) is handed out as its message says.
+        // This replica's calls, in one look at the log. A known call is handed out as the log
+        // records it (a message put by a decision that lost a race to another with the same id
+        // carries the loser's copy), so its message is not decoded; one that already ended (a
+        // redelivery) is deleted instead, and a running one is held again. A call the log does
+        // not know yet (its enqueue is still under way, or ebb stopped between put and record)
+        // is handed out as its message says; an aborted put's message is dropped, unless the
+        // call was recorded after all (the same id enqueued again, or a step decided again):
+        // then it is that call's.
         let grace = self.options.hold_grace_ms;
         let now = self.clock.now_ms();
-        let (jobs, unknown, recorded, done, running) = self.log.read(|s| {
-            let mut jobs = Vec::new();
+        let (jobs, unknown, recorded, done, running, bad) = self.log.read(|s| {
+            let mut jobs = Vec::with_capacity(local.len());
             let mut unknown = Vec::new();
-            let mut recorded = Vec::new();
+            let mut recorded = Vec::with_capacity(local.len());
             let mut done = Vec::new();
             let mut running = Vec::new();
-            for (spec, deliveries) in specs {
-                let spec = match s.calls.get(&spec.id) {
+            let mut bad = Vec::new();
+            for (m, in_memory) in local {
+                let spec = match s.calls.get(&m.id) {
                     Some(c) if c.status.is_final() => {
-                        done.push(spec.id);
+                        done.push(m.id);
                         continue;
                     }
                     // Started already (a queue that lost the hold, e.g. Kafka after a restart):
@@ -723,27 +731,44 @@ impl Calls {
                             .unwrap_or(0)
                             .saturating_add(grace)
                             .max(now.saturating_add(grace));
-                        running.push((spec.id, until));
+                        running.push((m.id, until));
                         continue;
                     }
                     Some(c) => {
-                        recorded.push(spec.id);
+                        recorded.push((m.id, in_memory));
                         c.spec.clone()
                     }
-                    None => {
-                        unknown.push(spec.clone());
-                        spec
+                    None if in_memory || s.calls.is_aborted(&m.id) => {
+                        bad.push(m.id);
+                        continue;
                     }
+                    None => match decode_message(&m) {
+                        Some(spec) => {
+                            unknown.push(spec.clone());
+                            spec
+                        }
+                        None => {
+                            bad.push(m.id);
+                            continue;
+                        }
+                    },
                 };
-                jobs.push(job_of(s, spec, deliveries));
+                jobs.push(job_of(s, spec, m.deliveries));
             }
-            (jobs, unknown, recorded, done, running)
+            (jobs, unknown, recorded, done, running, bad)
         });
+        broken.extend(bad);
+        if recorded.iter().any(|(_, in_memory)| *in_memory) {
+            let mut aborted = self.aborted.lock().expect("aborted lock");
+            for (id, _) in recorded.iter().filter(|(_, in_memory)| *in_memory) {
+                aborted.remove(id);
+            }
+        }
         {
             // Handed out as the log's copy now: an earlier delivery's stale mark is void.
             let mut stale = self.stale.lock().expect("stale lock");
             if !stale.is_empty() {
-                for id in &recorded {
+                for (id, _) in &recorded {
                     stale.remove(id);
                 }
             }
@@ -1004,11 +1029,12 @@ impl Calls {
             verdicts
                 .into_iter()
                 .map(|(id, verdict, deadline)| {
-                    let state = s.calls.get(&id).map_or(CallStatus::Error, |c| c.status);
+                    let call = s.calls.get(&id);
+                    let state = call.map_or(CallStatus::Error, |c| c.status);
                     let code = match verdict {
                         Some(StartVerdict::Accepted) => {
                             tracing::debug!(call = %id, runner, "started");
-                            if let Some(c) = s.calls.get(&id)
+                            if let Some(c) = call
                                 && c.spec.trace.is_some()
                             {
                                 let started = c.started_at_ms.unwrap_or(now);
@@ -1435,6 +1461,18 @@ impl Calls {
             self.recover().await?;
         }
         Ok(timed_out)
+    }
+}
+
+/// The call a queue message carries; `None` (with a warning) for a message that is not a call,
+/// or not the one its id names.
+fn decode_message(m: &Message) -> Option<CallSpec> {
+    match rmp_serde::from_slice::<CallSpec>(&m.body) {
+        Ok(spec) if spec.id == m.id => Some(spec),
+        _ => {
+            tracing::warn!(id = %m.id, "a queue message is not a call; deleting it");
+            None
+        }
     }
 }
 
