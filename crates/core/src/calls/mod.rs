@@ -323,10 +323,14 @@ pub fn job_of(s: &State, spec: CallSpec, deliveries: u32) -> Job {
 }
 
 pub fn message_of(spec: &CallSpec) -> Message {
+    // Sized up front for the field names and a few headers: the encoder would otherwise grow it
+    // from nothing, copying it several times.
+    let mut body = Vec::with_capacity(192 + spec.payload.body.len() + spec.id.len());
+    rmp_serde::encode::write_named(&mut body, spec).expect("a call spec always encodes");
     Message::new(
         spec.id.clone(),
         spec.partition.clone().unwrap_or_default(),
-        rmp_serde::to_vec_named(spec).expect("a call spec always encodes"),
+        body,
     )
 }
 

@@ -473,43 +473,46 @@ impl Queue for KafkaQueue {
     fn put(&self, messages: Vec<Message>) -> QueueFuture<'_, ()> {
         Box::pin(async move {
             let timeout = Duration::from_millis(self.options.put_timeout_ms);
-            let mut sends = Vec::with_capacity(messages.len());
             // Messages put together without a partition share a key (the id of the first of each
             // KEY_RUN of them): the producer batches each run onto one Kafka partition, and runs
-            // spread over all partitions and so over every runner's consumer.
-            let mut run_key = String::new();
+            // spread over all partitions and so over every runner's consumer. Each record names
+            // its key by place in `keys`, so a run's key is copied once.
+            let mut keys: Vec<String> = Vec::new();
+            let mut records: Vec<(usize, Vec<u8>)> = Vec::with_capacity(messages.len());
             let mut in_run = 0;
             for m in messages {
-                let key = if m.partition.is_empty() {
+                if m.partition.is_empty() {
                     if in_run % KEY_RUN == 0 {
-                        run_key = m.id.clone();
+                        keys.push(m.id.clone());
                     }
                     in_run += 1;
-                    run_key.clone()
                 } else {
-                    m.partition.clone()
-                };
-                let payload = rmp_serde::to_vec(&Envelope {
-                    id: m.id,
-                    partition: m.partition,
-                    body: m.body,
-                })
+                    keys.push(m.partition.clone());
+                }
+                let key = keys.len() - 1;
+                // Sized up front: the encoder would otherwise grow it from nothing.
+                let mut payload =
+                    Vec::with_capacity(m.body.len() + m.id.len() + m.partition.len() + 16);
+                rmp_serde::encode::write(
+                    &mut payload,
+                    &Envelope {
+                        id: m.id,
+                        partition: m.partition,
+                        body: m.body,
+                    },
+                )
                 .map_err(kafka)?;
-                let producer = self.producer.clone();
-                let topic = self.options.topic.clone();
-                sends.push(async move {
-                    producer
-                        .send(
-                            FutureRecord::to(&topic).key(&key).payload(&payload),
-                            timeout,
-                        )
-                        .await
-                        .map(|_| ())
-                        .map_err(|(e, _)| kafka(e))
-                });
+                records.push((key, payload));
             }
+            let topic = self.options.topic.as_str();
+            let sends = records.iter().map(|(key, payload)| {
+                self.producer.send(
+                    FutureRecord::to(topic).key(&keys[*key]).payload(payload),
+                    timeout,
+                )
+            });
             for r in futures_util::future::join_all(sends).await {
-                r?;
+                r.map_err(|(e, _)| kafka(e))?;
             }
             Ok(())
         })
