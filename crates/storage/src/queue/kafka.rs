@@ -21,7 +21,7 @@
 //!   again, and the call service holds it again from its owner's log (`CallStarted` and its
 //!   deadline), never hands it out twice.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -105,9 +105,10 @@ impl Books {
     /// Changes an entry's state, keeping its timer.
     fn set_out(&mut self, id: &str, out: Out) {
         if let Some(e) = self.entries.get_mut(id) {
-            self.timers.remove(&(e.out.due_ms(), id.to_owned()));
+            if let Some(id) = self.timers.remove(&(e.out.due_ms(), e.serial)) {
+                self.timers.insert((out.due_ms(), e.serial), id);
+            }
             e.out = out;
-            self.timers.insert((out.due_ms(), id.to_owned()));
         }
     }
 }
@@ -125,6 +126,8 @@ enum Out {
 #[derive(Debug)]
 struct Entry {
     out: Out,
+    /// Its place among the timers' entries of the same time.
+    serial: u64,
     runner: String,
     partition: String,
     body: Vec<u8>,
@@ -162,8 +165,11 @@ impl Tracker {
 #[derive(Default)]
 struct Books {
     entries: HashMap<String, Entry>,
-    /// Every entry once, by when it is anyone's again (free ones at 0): (time, id).
-    timers: BTreeSet<(u64, String)>,
+    /// Every entry's id once, by when it is anyone's again (free ones at 0) and its entry's
+    /// serial: a timer moves without comparing or copying ids.
+    timers: BTreeMap<(u64, u64), String>,
+    /// The serial of the last entry booked.
+    serial: u64,
     trackers: HashMap<i32, Tracker>,
     consumers: HashMap<String, Arc<StreamConsumer>>,
     /// Each runner's reserves under way and when it last asked.
@@ -330,7 +336,7 @@ impl KafkaQueue {
         let due: Vec<String> = books
             .timers
             .iter()
-            .take_while(|(at, _)| *at <= now)
+            .take_while(|((at, _), _)| *at <= now)
             .take(max)
             .map(|(_, id)| id.clone())
             .collect();
@@ -379,11 +385,14 @@ impl KafkaQueue {
             return None;
         }
         let until_ms = self.clock.now_ms() + self.options.visibility_timeout_ms;
-        books.timers.insert((until_ms, env.id.clone()));
+        books.serial += 1;
+        let serial = books.serial;
+        books.timers.insert((until_ms, serial), env.id.clone());
         books.entries.insert(
             env.id.clone(),
             Entry {
                 out: Out::Reserved { until_ms },
+                serial,
                 runner: runner.to_owned(),
                 partition: env.partition.clone(),
                 body: env.body.clone(),
@@ -585,7 +594,7 @@ impl Queue for KafkaQueue {
                 let mut books = self.books();
                 for id in &ids {
                     if let Some(e) = books.entries.remove(id) {
-                        books.timers.remove(&(e.out.due_ms(), id.clone()));
+                        books.timers.remove(&(e.out.due_ms(), e.serial));
                         if let Some(t) = books.trackers.get_mut(&e.at.0) {
                             t.done(e.at.1);
                         }
