@@ -684,15 +684,15 @@ impl Calls {
         let mut foreign_jobs = if foreign.is_empty() {
             Vec::new()
         } else {
+            // Aborted puts' messages are dropped, as this replica's are below.
+            let (aborted, foreign): (Vec<_>, Vec<_>) = self.log.read(|s| {
+                foreign.into_iter().partition(|(m, in_memory)| {
+                    s.calls.get(&m.id).is_none() && (*in_memory || s.calls.is_aborted(&m.id))
+                })
+            });
+            broken.extend(aborted.into_iter().map(|(m, _)| m.id));
             let mut specs = Vec::with_capacity(foreign.len());
-            for (m, in_memory) in foreign {
-                let (recorded, in_log) = self
-                    .log
-                    .read(|s| (s.calls.get(&m.id).is_some(), s.calls.is_aborted(&m.id)));
-                if (in_memory || in_log) && !recorded {
-                    broken.push(m.id);
-                    continue;
-                }
+            for (m, _) in foreign {
                 match decode_message(&m) {
                     Some(spec) => specs.push((spec, m.deliveries)),
                     None => broken.push(m.id),
@@ -1464,16 +1464,13 @@ impl Calls {
     }
 }
 
-/// The call a queue message carries; `None` (with a warning) for a message that is not a call,
-/// or not the one its id names.
+/// [`spec_of`], with a warning for a message that is not a call (it is deleted).
 fn decode_message(m: &Message) -> Option<CallSpec> {
-    match rmp_serde::from_slice::<CallSpec>(&m.body) {
-        Ok(spec) if spec.id == m.id => Some(spec),
-        _ => {
-            tracing::warn!(id = %m.id, "a queue message is not a call; deleting it");
-            None
-        }
+    let spec = spec_of(m);
+    if spec.is_none() {
+        tracing::warn!(id = %m.id, "a queue message is not a call; deleting it");
     }
+    spec
 }
 
 /// How often the expiry loop puts back queued calls whose message is gone.

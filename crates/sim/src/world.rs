@@ -38,7 +38,7 @@ use crate::cluster::{PodTimer, SimCluster};
 use crate::log::SimLog;
 use crate::queue::SimQueue;
 use crate::scenario::{Faults, Range, Scenario};
-use ebb_core::calls::message_of;
+use ebb_core::calls::{message_of, spec_of};
 use ebb_core::clock::{Clock, SimClock, SkewedClock};
 use ebb_core::event::{CallKind, CallSpec, Event, Payload, RouteSpec};
 use ebb_core::orchestrator::Orchestrator;
@@ -1652,7 +1652,7 @@ impl World {
                 let mut holds = Vec::new();
                 for m in messages {
                     let deliveries = m.deliveries;
-                    let Ok(spec) = rmp_serde::from_slice::<CallSpec>(&m.body) else {
+                    let Some(spec) = spec_of(&m) else {
                         done.push(m.id);
                         continue;
                     };

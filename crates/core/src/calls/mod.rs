@@ -334,6 +334,14 @@ pub fn message_of(spec: &CallSpec) -> Message {
     )
 }
 
+/// The call a queue message carries (what [`message_of`] wrote); `None` for a message that is
+/// not a call, or not the call its id names.
+pub fn spec_of(m: &Message) -> Option<CallSpec> {
+    rmp_serde::from_slice::<CallSpec>(&m.body)
+        .ok()
+        .filter(|spec| spec.id == m.id)
+}
+
 /// `CallQueued` for the calls the log does not know yet; also the ids it knows as another copy
 /// (for calls handed out as their messages say: stale handed-out copies).
 pub fn record_handed_out(s: &State, specs: Vec<CallSpec>) -> (Vec<Event>, Vec<String>) {

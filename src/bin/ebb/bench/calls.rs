@@ -314,29 +314,21 @@ async fn post(
     Ok(body)
 }
 
-/// Enqueues `batch` calls; returns their ids.
+/// An enqueue request of `batch` calls, written once by each producer and sent again and again
+/// (a producer's own encoding is not what the bench measures).
+fn enqueue_body(batch: usize) -> Bytes {
+    let calls: Vec<_> = (0..batch)
+        .map(|_| json!({ "target": "noop", "payload": { "body": "x" } }))
+        .collect();
+    Bytes::from(json!({ "calls": calls }).to_string())
+}
+
+/// Enqueues the calls of `body` (an [`enqueue_body`]); returns their ids.
 async fn enqueue(
     client: &Client<HttpConnector, Full<Bytes>>,
     api: std::net::SocketAddr,
-    batch: usize,
+    body: &Bytes,
 ) -> Result<Vec<String>> {
-    // The same request each time, written once per batch size (a producer's own encoding is
-    // not what the bench measures).
-    static BODIES: Mutex<Vec<(usize, Bytes)>> = Mutex::new(Vec::new());
-    let body = {
-        let mut bodies = BODIES.lock().expect("bodies lock");
-        match bodies.iter().find(|(n, _)| *n == batch) {
-            Some((_, b)) => b.clone(),
-            None => {
-                let calls: Vec<_> = (0..batch)
-                    .map(|_| json!({ "target": "noop", "payload": { "body": "x" } }))
-                    .collect();
-                let b = Bytes::from(json!({ "calls": calls }).to_string());
-                bodies.push((batch, b.clone()));
-                b
-            }
-        }
-    };
     // A full queue (503 target_queue_full) is the producers outrunning the runners: back off
     // and send the same batch again, as a producer honouring the bound would.
     let body = loop {
@@ -442,13 +434,13 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
     let mut producers = Vec::new();
     for p in 0..args.producers {
         let api = s.replicas[p % s.replicas.len()].api;
-        let batch = args.batch;
+        let body = enqueue_body(args.batch);
         producers.push(tokio::spawn(async move {
             let client = runner::http_client();
             let clock = Stopwatch::start();
             let mut ids = Vec::new();
             while clock.elapsed() < phase {
-                ids.extend(enqueue(&client, api, batch).await?);
+                ids.extend(enqueue(&client, api, &body).await?);
             }
             anyhow::Ok(ids)
         }));
@@ -524,7 +516,7 @@ async fn warm_up(s: &Setup) -> Result<()> {
         anyhow::ensure!(rounds <= 200, "a runner ran no call in 200 warm-up rounds");
         let mut warm = Vec::new();
         for r in &s.replicas {
-            warm.extend(enqueue(&runner::http_client(), r.api, PER_REQUEST).await?);
+            warm.extend(enqueue(&runner::http_client(), r.api, &enqueue_body(PER_REQUEST)).await?);
         }
         drain(s, &warm).await?;
     }
@@ -548,6 +540,7 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
     for p in 0..args.producers {
         let api = s.replicas[p % s.replicas.len()].api;
         let recorder = s.recorder.clone();
+        let body = enqueue_body(PER_REQUEST);
         producers.push(tokio::spawn(async move {
             let client = runner::http_client();
             let clock = Stopwatch::start();
@@ -557,7 +550,7 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
             while clock.elapsed() < phase {
                 tick.tick().await;
                 let at = recorder.clock.elapsed().as_secs_f64();
-                for id in enqueue(&client, api, PER_REQUEST).await? {
+                for id in enqueue(&client, api, &body).await? {
                     sent.push((id, at));
                 }
             }
@@ -638,8 +631,9 @@ async fn start_cost(
     let s = setup(&quiet, true, kafka, 2).await?;
     let client = runner::http_client();
     let mut ids = Vec::with_capacity(CALLS);
+    let body = enqueue_body(250);
     while ids.len() < CALLS {
-        ids.extend(enqueue(&client, s.replicas[0].api, 250).await?);
+        ids.extend(enqueue(&client, s.replicas[0].api, &body).await?);
     }
     let (mut local, mut forwarded) = (Vec::new(), Vec::new());
     for (i, id) in ids.iter().enumerate() {
