@@ -523,9 +523,13 @@ async fn warm_up(s: &Setup) -> Result<()> {
     Ok(())
 }
 
-/// Latency at `rate` calls/s: small batches sent on a fixed schedule; returns (p50, p99) in ms.
-async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f64)> {
+/// Latency at `rate` calls/s: small batches sent on a fixed schedule; returns (p50, p99) in ms
+/// and this process's CPU time per call, us. At a fixed `--rate` that CPU time compares two
+/// builds more steadily than a throughput phase's, whose batches grow and shrink with the rate
+/// it reaches.
+async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f64, f64)> {
     warm_up(s).await?;
+    let cpu = cpu_time()?;
     // Sized up front: growing the map under the runners would be the bench's own pause.
     *s.recorder.started.lock().expect("recorder lock") =
         HashMap::with_capacity((rate * args.seconds as f64 * 1.5) as usize);
@@ -563,6 +567,7 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
     }
     let ids: Vec<String> = sent.iter().map(|(id, _)| id.clone()).collect();
     drain(s, &ids).await?;
+    let cpu_us = (cpu_time()? - cpu).as_secs_f64() * 1e6 / ids.len().max(1) as f64;
     let started = s.recorder.started.lock().expect("recorder lock");
     let mut ms: Vec<f64> = sent
         .iter()
@@ -571,7 +576,7 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
     anyhow::ensure!(!ms.is_empty(), "no call started");
     ms.sort_by(f64::total_cmp);
     let pick = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
-    Ok((pick(0.50), pick(0.99)))
+    Ok((pick(0.50), pick(0.99), cpu_us))
 }
 
 /// Stops the runners and the API, so the phase's log and queue close (their RocksDB background
@@ -661,9 +666,9 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         args.producers, args.batch, args.runners, args.capacity, args.seconds
     );
     println!(
-        "| queue | replicas | runners | calls/s end to end (range) | CPU per call | broker CPU per call | enqueue-to-start p50 | p99 |"
+        "| queue | replicas | runners | calls/s end to end (range) | CPU per call | broker CPU per call | enqueue-to-start p50 | p99 | CPU per call at that rate |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     if !args.kafka_only {
         rows.push(("embedded", None, 1, false));
@@ -710,12 +715,13 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             teardown(s).await;
         }
         let rounds = latencies.len();
-        let ((_, p99), lo, hi) = spread(latencies.clone(), |l| l.1);
-        let ((p50, _), _, _) = spread(latencies, |l| l.0);
+        let ((_, p99, _), lo, hi) = spread(latencies.clone(), |l| l.1);
+        let ((p50, _, _), _, _) = spread(latencies.clone(), |l| l.0);
+        let ((_, _, fixed_us), fixed_lo, fixed_hi) = spread(latencies, |l| l.2);
         let name = if over_http { "over HTTP" } else { "in process" };
         let broker = broker_us.map_or("-".to_owned(), |b| format!("{b:.1} us"));
         println!(
-            "| {queue} | {replicas} | {name} | {rate:.0} ({rate_lo:.0}-{rate_hi:.0}) | {cpu_us:.1} us | {broker} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {rounds} rounds: {lo:.2}-{hi:.2}) |"
+            "| {queue} | {replicas} | {name} | {rate:.0} ({rate_lo:.0}-{rate_hi:.0}) | {cpu_us:.1} us | {broker} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {rounds} rounds: {lo:.2}-{hi:.2}) | {fixed_us:.1} us ({fixed_lo:.1}-{fixed_hi:.1}) |"
         );
         measured.push(Row {
             queue,
