@@ -490,26 +490,15 @@ async fn list(
         query.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_query", e.body_text()))?;
     let limit = q.limit.unwrap_or(100).clamp(1, MAX_PAGE);
     Ok(Json(app.log.read(|s| {
-        use std::ops::Bound;
-        let from = match &q.after {
-            Some(a) => Bound::Excluded(a.clone()),
-            None => Bound::Unbounded,
+        let found = s.calls.page(q.after.as_deref(), limit, |c| {
+            q.state.is_none_or(|st| st == c.status)
+                && q.target.as_ref().is_none_or(|t| *t == c.spec.target)
+        });
+        let next = match found.last() {
+            Some((id, _)) if found.len() == limit => Some(id.to_string()),
+            _ => None,
         };
-        let mut page: Vec<Value> = Vec::new();
-        let mut last = None;
-        for (id, c) in s.calls.by_id.range((from, Bound::Unbounded)) {
-            if q.state.is_some_and(|st| st != c.status)
-                || q.target.as_ref().is_some_and(|t| *t != c.spec.target)
-            {
-                continue;
-            }
-            if page.len() == limit {
-                break;
-            }
-            page.push(view(c));
-            last = Some(id.clone());
-        }
-        let next = if page.len() == limit { last } else { None };
+        let page: Vec<Value> = found.into_iter().map(|(_, c)| view(c)).collect();
         json!({ "calls": page, "next": next })
     })))
 }

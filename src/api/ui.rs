@@ -434,14 +434,11 @@ async fn calls(
     };
     let limit = q.limit.unwrap_or(100).clamp(1, MAX_CALLS);
     let list: Vec<Value> = app.log.read(|s| {
-        // Call ids are UUID v7: newest last in the map.
+        // Call ids are UUID v7: the highest are the newest.
         s.calls
-            .by_id
-            .values()
-            .rev()
-            .filter(|c| wanted.is_none_or(|w| w == c.status))
-            .take(limit)
-            .map(|c| {
+            .newest(limit, |c| wanted.is_none_or(|w| w == c.status))
+            .into_iter()
+            .map(|(_, c)| {
                 json!({
                     "id": c.spec.id,
                     "target": c.spec.target,

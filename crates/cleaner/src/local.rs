@@ -101,8 +101,8 @@ impl Ended {
         match self {
             Ended::Calls => s
                 .calls
-                .by_id
-                .iter()
+                .sorted()
+                .into_iter()
                 .filter(|(_, c)| c.status.is_final())
                 .filter_map(|(id, c)| {
                     let at = ended(c.finished_at_ms)?;

@@ -2048,8 +2048,9 @@ impl World {
             .log
             .state
             .calls
-            .by_id
-            .values()
+            .sorted()
+            .into_iter()
+            .map(|(_, c)| c)
             .filter(|c| c.status == CallStatus::Queued)
             .map(|c| c.spec.clone())
             .collect();

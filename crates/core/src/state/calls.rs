@@ -19,7 +19,8 @@
 //! call service puts back when the queue lost them) and of their count by target
 //! ([`Calls::queued_by_target`], the bound `--max-queued-per-target`).
 
-use std::collections::{BTreeMap, BTreeSet, btree_map};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, hash_map};
 
 use serde::{Deserialize, Serialize};
 
@@ -145,11 +146,19 @@ pub struct Call {
     pub log: String,
 }
 
+/// Calls by id. A hash map: a call is looked up about a dozen times in its life (enqueue,
+/// dequeue, start, finish, their events and answers), and an ordered map's search compares ids
+/// that share their owner's name and their time's prefix, reading far into both each time. Its
+/// order is not an order: what needs one sorts ([`Calls::sorted`], [`Calls::page`],
+/// [`Calls::newest`]), and it is serialized in id order, so snapshots stay deterministic.
+pub type CallMap = HashMap<String, Call, foldhash::fast::RandomState>;
+
 /// All calls by id.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Calls {
     /// Calls by id.
-    pub by_id: BTreeMap<String, Call>,
+    #[serde(serialize_with = "in_id_order")]
+    pub by_id: CallMap,
     /// Ids of the calls still queued (an index of `by_id`).
     #[serde(default)]
     pub queued: BTreeSet<String>,
@@ -175,8 +184,80 @@ fn ended_before(c: &Call, before_ms: u64) -> bool {
     c.status.is_final() && c.finished_at_ms.is_some_and(|f| f < before_ms)
 }
 
+/// Serializes the calls in id order (a map's own order would change every snapshot's bytes).
+fn in_id_order<S: serde::Serializer>(by_id: &CallMap, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_map(sorted(by_id))
+}
+
+fn sorted(by_id: &CallMap) -> Vec<(&String, &Call)> {
+    let mut all: Vec<_> = by_id.iter().collect();
+    all.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    all
+}
+
 impl Calls {
-    /// A call by id.
+    /// Every call, in id order (ids are UUID v7 under their owner's name: by owner, then oldest
+    /// first).
+    pub fn sorted(&self) -> Vec<(&String, &Call)> {
+        sorted(&self.by_id)
+    }
+
+    /// Up to `limit` calls that `keep` accepts, with the lowest ids after `after`, in id order:
+    /// one pass over the calls, keeping the best `limit` in a heap.
+    pub fn page(
+        &self,
+        after: Option<&str>,
+        limit: usize,
+        keep: impl Fn(&Call) -> bool,
+    ) -> Vec<(&String, &Call)> {
+        let mut best: BinaryHeap<&String> = BinaryHeap::with_capacity(limit + 1);
+        for (id, c) in &self.by_id {
+            if after.is_some_and(|a| id.as_str() <= a) || !keep(c) {
+                continue;
+            }
+            if best.len() == limit {
+                match best.peek() {
+                    Some(worst) if id < *worst => {
+                        best.pop();
+                    }
+                    _ => continue,
+                }
+            }
+            best.push(id);
+        }
+        self.found(best.into_sorted_vec())
+    }
+
+    /// Up to `limit` calls that `keep` accepts with the highest ids, highest first (for one
+    /// owner, newest first): one pass over the calls, keeping the best `limit` in a heap.
+    pub fn newest(&self, limit: usize, keep: impl Fn(&Call) -> bool) -> Vec<(&String, &Call)> {
+        let mut best: BinaryHeap<Reverse<&String>> = BinaryHeap::with_capacity(limit + 1);
+        for (id, c) in &self.by_id {
+            if !keep(c) {
+                continue;
+            }
+            if best.len() == limit {
+                match best.peek() {
+                    Some(Reverse(worst)) if id > *worst => {
+                        best.pop();
+                    }
+                    _ => continue,
+                }
+            }
+            best.push(Reverse(id));
+        }
+        // Ascending in `Reverse` is highest first.
+        let ids = best.into_sorted_vec().into_iter().map(|Reverse(id)| id);
+        self.found(ids.collect())
+    }
+
+    /// The calls of `ids`, which are keys of the map.
+    fn found<'a>(&'a self, ids: Vec<&'a String>) -> Vec<(&'a String, &'a Call)> {
+        ids.into_iter()
+            .filter_map(|id| Some((id, self.by_id.get(id)?)))
+            .collect()
+    }
+
     /// How many calls are in each state, in the order of [`CallStatus::ALL`].
     pub fn count_by_status(&self) -> [u64; 6] {
         let mut n = [0u64; 6];
@@ -186,6 +267,7 @@ impl Calls {
         n
     }
 
+    /// A call by id.
     pub fn get(&self, id: &str) -> Option<&Call> {
         self.by_id.get(id)
     }
@@ -264,7 +346,7 @@ impl Calls {
 /// Steps the call `event` is about, if it is a call event: the schedule's change, and whether
 /// the call was queued before the step with the call after it.
 fn apply_call<'a>(
-    by_id: &'a mut BTreeMap<String, Call>,
+    by_id: &'a mut CallMap,
     at_ms: u64,
     event: &Event,
 ) -> (Timer, Option<(bool, &'a Call)>) {
@@ -274,11 +356,11 @@ fn apply_call<'a>(
     let c = match event {
         Event::CallQueued { call } => {
             return match by_id.entry(call.id.clone()) {
-                btree_map::Entry::Occupied(o) => {
+                hash_map::Entry::Occupied(o) => {
                     let c = o.into_mut();
                     (Timer::Keep, Some((queued(c), &*c)))
                 }
-                btree_map::Entry::Vacant(v) => {
+                hash_map::Entry::Vacant(v) => {
                     let c = v.insert(Call::new(call.clone(), CallStatus::Queued, at_ms));
                     (Timer::Keep, Some((false, &*c)))
                 }
@@ -523,5 +605,78 @@ mod tests {
         }
         assert_eq!(Queued.on_deadline(), Queued);
         assert_eq!(Running.on_finish(Outcome::Error), Error);
+    }
+
+    fn calls_of(ids: &[(u16, bool)]) -> Calls {
+        let mut calls = Calls::default();
+        for (n, done) in ids {
+            let id = format!("ebb-0.{n:05}");
+            let mut c = Call::new(
+                CallSpec {
+                    id: id.clone(),
+                    target: "t".into(),
+                    kind: CallKind::Async,
+                    timeout_ms: 0,
+                    partition: None,
+                    trace: None,
+                    tracestate: None,
+                    baggage: None,
+                    payload: Payload::default(),
+                },
+                CallStatus::Queued,
+                0,
+            );
+            if *done {
+                c.status = CallStatus::Success;
+            }
+            calls.by_id.insert(id, c);
+        }
+        calls
+    }
+
+    proptest::proptest! {
+        /// A page and the newest are what the ids in order give, filtered and cut.
+        #[test]
+        fn pages_and_the_newest_are_the_ids_in_order(
+            ids in proptest::collection::vec((0u16..500, proptest::bool::ANY), 0..120),
+            after in proptest::option::of(0u16..500),
+            limit in 0usize..30,
+            only_done in proptest::bool::ANY,
+        ) {
+            let calls = calls_of(&ids);
+            let keep = |c: &Call| !only_done || c.status.is_final();
+            let after = after.map(|n| format!("ebb-0.{n:05}"));
+            let ordered: Vec<&String> = calls.sorted().into_iter().map(|(id, _)| id).collect();
+            let mut want: Vec<&String> = ordered
+                .iter()
+                .copied()
+                .filter(|id| after.as_ref().is_none_or(|a| *id > a) && keep(&calls.by_id[*id]))
+                .take(limit)
+                .collect();
+            let page: Vec<&String> =
+                calls.page(after.as_deref(), limit, keep).into_iter().map(|(id, _)| id).collect();
+            proptest::prop_assert_eq!(&page, &want);
+            want = ordered.iter().rev().copied().filter(|id| keep(&calls.by_id[*id])).take(limit).collect();
+            let newest: Vec<&String> =
+                calls.newest(limit, keep).into_iter().map(|(id, _)| id).collect();
+            proptest::prop_assert_eq!(newest, want);
+            let mut sorted = ordered.clone();
+            sorted.sort();
+            proptest::prop_assert_eq!(ordered, sorted);
+        }
+    }
+
+    #[test]
+    fn calls_serialize_in_id_order() {
+        let calls = calls_of(&[(3, false), (1, true), (2, false), (10, false)]);
+        // As written, not through a JSON map (which orders its keys itself).
+        let json = serde_json::to_string(&calls).unwrap();
+        let at = |id: &str| json.find(&format!("\"{id}\":")).unwrap();
+        let ids = ["ebb-0.00001", "ebb-0.00002", "ebb-0.00003", "ebb-0.00010"];
+        assert!(ids.windows(2).all(|w| at(w[0]) < at(w[1])), "{json}");
+        let back: Calls = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, calls);
+        let bytes = rmp_serde::to_vec_named(&calls).unwrap();
+        assert_eq!(bytes, rmp_serde::to_vec_named(&back).unwrap());
     }
 }
