@@ -418,8 +418,13 @@ pub async fn browser_test(name: &str, env: Vec<(&'static str, String)>) {
         Path::new(&chromium).exists(),
         "no Chromium at {chromium}: ./scripts/test installs Debian's chromium"
     );
-    let script =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/browser/{name}.mjs"));
+    let browser = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/browser");
+    assert!(
+        browser.join("node_modules/playwright-core").is_dir(),
+        "tests/browser has no node_modules/playwright-core: ./scripts/test installs it, or by \
+         hand: (cd tests/browser && npm ci --no-audit --no-fund)"
+    );
+    let script = browser.join(format!("{name}.mjs"));
     let out = tokio::task::spawn_blocking(move || {
         Command::new("node")
             .arg(script)
