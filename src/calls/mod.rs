@@ -1327,25 +1327,40 @@ impl Calls {
             return self.finish_through_owners(runner, finishes).await;
         }
         let ids: Vec<String> = finishes.iter().map(|f| f.id.clone()).collect();
+        // A call finished twice in one batch: its first finish counts. Found here, so the log's
+        // writer, which every decision waits for, does not hash and copy the ids.
+        let first: Vec<bool> = {
+            let mut seen = HashSet::with_capacity(ids.len());
+            ids.iter().map(|id| seen.insert(id.as_str())).collect()
+        };
+        let traced = ebb_proxy::trace::enabled();
         let who = runner.to_owned();
         let (accepted, _) = self
             .log
             .decide(move |s: &State, _| {
-                let mut seen = HashSet::new();
+                let mut events = Vec::with_capacity(finishes.len());
                 let mut accepted = Vec::new();
-                let events = finishes
-                    .into_iter()
-                    .filter(|f| seen.insert(f.id.clone()))
-                    .filter_map(|f| {
-                        let id = f.id.clone();
-                        let e = decide_finish(&s.calls, &f.id, &who, f.outcome, f.result, f.log);
-                        e.inspect(|_| accepted.push(id))
-                    })
-                    .collect();
+                for (f, first) in finishes.into_iter().zip(first) {
+                    if !first {
+                        continue;
+                    }
+                    let Finish {
+                        id,
+                        outcome,
+                        result,
+                        log,
+                    } = f;
+                    if let Some(e) = decide_finish(&s.calls, &id, &who, outcome, result, log) {
+                        events.push(e);
+                        if traced {
+                            accepted.push(id);
+                        }
+                    }
+                }
                 (events, accepted)
             })
             .await?;
-        if ebb_proxy::trace::enabled() {
+        if traced {
             self.log.read(|s| {
                 for c in accepted.iter().filter_map(|id| s.calls.get(id)) {
                     run_span(c);

@@ -687,11 +687,11 @@ async fn report(
                 Err(_) => break,
             }
         }
-        match send_finishes(&*api, &options, batch.clone(), &load).await {
+        match send_finishes(&*api, &options, &batch, &load).await {
             Err(e) if e.is_refusal() && batch.len() > 1 => {
                 tracing::warn!(runner = %options.id, error = %e, "finish batch refused; reporting one by one");
-                for f in batch {
-                    let _ = send_finishes(&*api, &options, vec![f], &load).await;
+                for f in &batch {
+                    let _ = send_finishes(&*api, &options, std::slice::from_ref(f), &load).await;
                 }
             }
             _ => {}
@@ -699,16 +699,17 @@ async fn report(
     }
 }
 
-/// Sends one finish request, retrying with backoff unless the API refuses it.
+/// Sends one finish request, retrying with backoff unless the API refuses it. Each attempt
+/// sends its own copy of `batch` (the API takes it), so a failed one leaves it for the next.
 async fn send_finishes(
     api: &dyn RunnerApi,
     options: &RunnerOptions,
-    batch: Vec<Finish>,
+    batch: &[Finish],
     load: &impl Fn() -> Load,
 ) -> Result<(), RunnerError> {
     let mut attempt = 0;
     loop {
-        match api.finish(&options.id, batch.clone(), load()).await {
+        match api.finish(&options.id, batch.to_vec(), load()).await {
             Ok(()) => return Ok(()),
             Err(e) if e.is_refusal() => {
                 tracing::error!(runner = %options.id, error = %e, calls = batch.len(), "finish refused");
