@@ -368,20 +368,9 @@ fn apply_call<'a>(
         }
         // A finish for a call that was never queued (a sync call, or a lost enqueue) is
         // recorded, as the runner API asks.
-        Event::CallFinished { id, .. } => by_id.entry(id.clone()).or_insert_with(|| {
-            let spec = CallSpec {
-                id: id.clone(),
-                target: String::new(),
-                kind: CallKind::Sync,
-                timeout_ms: 0,
-                partition: None,
-                trace: None,
-                tracestate: None,
-                baggage: None,
-                payload: Payload::default(),
-            };
-            Call::new(spec, CallStatus::Running, at_ms)
-        }),
+        Event::CallFinished { id, .. } => by_id
+            .entry(id.clone())
+            .or_insert_with(|| Call::new(placeholder(id), CallStatus::Running, at_ms)),
         Event::CallStarted { id, .. }
         | Event::CallRejected { id, .. }
         | Event::CallTimedOut { id }
@@ -447,6 +436,21 @@ fn apply_call<'a>(
         _ => Timer::Keep,
     };
     (timer, Some((was_queued, &*c)))
+}
+
+/// The spec of a call first seen at its finish: only its id.
+fn placeholder(id: &str) -> CallSpec {
+    CallSpec {
+        id: id.to_owned(),
+        target: String::new(),
+        kind: CallKind::Sync,
+        timeout_ms: 0,
+        partition: None,
+        trace: None,
+        tracestate: None,
+        baggage: None,
+        payload: Payload::default(),
+    }
 }
 
 impl Call {
@@ -611,21 +615,7 @@ mod tests {
         let mut calls = Calls::default();
         for (n, done) in ids {
             let id = format!("ebb-0.{n:05}");
-            let mut c = Call::new(
-                CallSpec {
-                    id: id.clone(),
-                    target: "t".into(),
-                    kind: CallKind::Async,
-                    timeout_ms: 0,
-                    partition: None,
-                    trace: None,
-                    tracestate: None,
-                    baggage: None,
-                    payload: Payload::default(),
-                },
-                CallStatus::Queued,
-                0,
-            );
+            let mut c = Call::new(placeholder(&id), CallStatus::Queued, 0);
             if *done {
                 c.status = CallStatus::Success;
             }
