@@ -195,6 +195,45 @@ fn sorted(by_id: &CallMap) -> Vec<(&String, &Call)> {
     all
 }
 
+/// A call ordered by its id alone (ids are the map's keys: unique).
+struct ById<'a>(&'a String, &'a Call);
+
+impl PartialEq for ById<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.0 == other.0
+    }
+}
+
+impl Eq for ById<'_> {}
+
+impl PartialOrd for ById<'_> {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for ById<'_> {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.cmp(other.0)
+    }
+}
+
+/// The `limit` lowest of `items`, lowest first, keeping no more than `limit` at a time (a
+/// max-heap whose top is the one to drop).
+fn lowest<T: Ord>(limit: usize, items: impl Iterator<Item = T>) -> Vec<T> {
+    let mut best = BinaryHeap::with_capacity(limit + 1);
+    for item in items {
+        if best.len() < limit {
+            best.push(item);
+        } else if let Some(mut worst) = best.peek_mut()
+            && item < *worst
+        {
+            *worst = item;
+        }
+    }
+    best.into_sorted_vec()
+}
+
 impl Calls {
     /// Every call, in id order (ids are UUID v7 under their owner's name: by owner, then oldest
     /// first).
@@ -203,58 +242,36 @@ impl Calls {
     }
 
     /// Up to `limit` calls that `keep` accepts, with the lowest ids after `after`, in id order:
-    /// one pass over the calls, keeping the best `limit` in a heap.
+    /// one pass over the calls.
     pub fn page(
         &self,
         after: Option<&str>,
         limit: usize,
         keep: impl Fn(&Call) -> bool,
     ) -> Vec<(&String, &Call)> {
-        let mut best: BinaryHeap<&String> = BinaryHeap::with_capacity(limit + 1);
-        for (id, c) in &self.by_id {
-            if after.is_some_and(|a| id.as_str() <= a) || !keep(c) {
-                continue;
-            }
-            if best.len() == limit {
-                match best.peek() {
-                    Some(worst) if id < *worst => {
-                        best.pop();
-                    }
-                    _ => continue,
-                }
-            }
-            best.push(id);
-        }
-        self.found(best.into_sorted_vec())
+        let calls = self
+            .by_id
+            .iter()
+            .filter(|(id, c)| after.is_none_or(|a| id.as_str() > a) && keep(c))
+            .map(|(id, c)| ById(id, c));
+        lowest(limit, calls)
+            .into_iter()
+            .map(|c| (c.0, c.1))
+            .collect()
     }
 
     /// Up to `limit` calls that `keep` accepts with the highest ids, highest first (for one
-    /// owner, newest first): one pass over the calls, keeping the best `limit` in a heap.
+    /// owner, newest first): one pass over the calls.
     pub fn newest(&self, limit: usize, keep: impl Fn(&Call) -> bool) -> Vec<(&String, &Call)> {
-        let mut best: BinaryHeap<Reverse<&String>> = BinaryHeap::with_capacity(limit + 1);
-        for (id, c) in &self.by_id {
-            if !keep(c) {
-                continue;
-            }
-            if best.len() == limit {
-                match best.peek() {
-                    Some(Reverse(worst)) if id > *worst => {
-                        best.pop();
-                    }
-                    _ => continue,
-                }
-            }
-            best.push(Reverse(id));
-        }
-        // Ascending in `Reverse` is highest first.
-        let ids = best.into_sorted_vec().into_iter().map(|Reverse(id)| id);
-        self.found(ids.collect())
-    }
-
-    /// The calls of `ids`, which are keys of the map.
-    fn found<'a>(&'a self, ids: Vec<&'a String>) -> Vec<(&'a String, &'a Call)> {
-        ids.into_iter()
-            .filter_map(|id| Some((id, self.by_id.get(id)?)))
+        let calls = self
+            .by_id
+            .iter()
+            .filter(|(_, c)| keep(c))
+            .map(|(id, c)| Reverse(ById(id, c)));
+        // Lowest in `Reverse` is highest first.
+        lowest(limit, calls)
+            .into_iter()
+            .map(|Reverse(c)| (c.0, c.1))
             .collect()
     }
 
