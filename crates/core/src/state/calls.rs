@@ -151,7 +151,12 @@ pub struct Call {
 /// that share their owner's name and their time's prefix, reading far into both each time. Its
 /// order is not an order: what needs one sorts ([`Calls::sorted`], [`Calls::page`],
 /// [`Calls::newest`]), and it is serialized in id order, so snapshots stay deterministic.
-pub type CallMap = HashMap<String, Call, foldhash::fast::RandomState>;
+///
+/// Each call is boxed: a call is 432 bytes, and the table moves every entry when it grows (the
+/// log's writer, which every decision waits for, stalls meanwhile) and keeps up to half its
+/// slots empty after. Inline, the growth past 229,376 calls moved 105 MB into a fresh 240 MB
+/// table; boxed, that table is 17 MB and the growth takes less than half as long.
+pub type CallMap = HashMap<String, Box<Call>, foldhash::fast::RandomState>;
 
 /// All calls by id.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -190,7 +195,7 @@ fn in_id_order<S: serde::Serializer>(by_id: &CallMap, s: S) -> Result<S::Ok, S::
 }
 
 fn sorted(by_id: &CallMap) -> Vec<(&String, &Call)> {
-    let mut all: Vec<_> = by_id.iter().collect();
+    let mut all: Vec<_> = by_id.iter().map(|(id, c)| (id, &**c)).collect();
     all.sort_unstable_by(|a, b| a.0.cmp(b.0));
     all
 }
@@ -286,7 +291,7 @@ impl Calls {
 
     /// A call by id.
     pub fn get(&self, id: &str) -> Option<&Call> {
-        self.by_id.get(id)
+        self.by_id.get(id).map(|c| &**c)
     }
 
     /// Drops calls that ended before `finished_before_ms`, except those in `keep` (the current
@@ -378,7 +383,7 @@ fn apply_call<'a>(
                     (Timer::Keep, Some((queued(c), &*c)))
                 }
                 hash_map::Entry::Vacant(v) => {
-                    let c = v.insert(Call::new(call.clone(), CallStatus::Queued, at_ms));
+                    let c = v.insert(Box::new(Call::new(call.clone(), CallStatus::Queued, at_ms)));
                     (Timer::Keep, Some((false, &*c)))
                 }
             };
@@ -387,7 +392,7 @@ fn apply_call<'a>(
         // recorded, as the runner API asks.
         Event::CallFinished { id, .. } => by_id
             .entry(id.clone())
-            .or_insert_with(|| Call::new(placeholder(id), CallStatus::Running, at_ms)),
+            .or_insert_with(|| Box::new(Call::new(placeholder(id), CallStatus::Running, at_ms))),
         Event::CallStarted { id, .. }
         | Event::CallRejected { id, .. }
         | Event::CallTimedOut { id }
@@ -636,7 +641,7 @@ mod tests {
             if *done {
                 c.status = CallStatus::Success;
             }
-            calls.by_id.insert(id, c);
+            calls.by_id.insert(id, Box::new(c));
         }
         calls
     }
