@@ -5,6 +5,14 @@
 //! alone tell when bytes last moved, at one clock read per chunk); one timer, moved only when it
 //! fires, ends the splice once nothing moved for the bound (the route's
 //! `connection_idle_timeout_ms`).
+//!
+//! The copy loop makes the syscalls HAProxy's `mode tcp` makes (measured with redis-benchmark:
+//! two `recvfrom` and two `sendto` per unpipelined request, one of each per pipelined batch),
+//! the least a user-space copy can. Handing the pair to the kernel instead (a `SOCKHASH` and an
+//! `sk_skb` verdict program redirecting each socket's bytes to the other) was measured slower
+//! without pipelining, 0.89-0.93x HAProxy: a redirect to a socket's egress is sent by a kernel
+//! worker, a context switch per hop. With pipelining it gained nothing over this loop, and it
+//! would need unsafe `bpf(2)` calls and a drain check before passing on each FIN.
 
 use std::cell::RefCell;
 use std::io;
