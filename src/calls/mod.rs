@@ -1293,7 +1293,7 @@ impl Calls {
     pub async fn finish(
         &self,
         runner: &str,
-        finishes: Vec<Finish>,
+        mut finishes: Vec<Finish>,
     ) -> Result<Vec<(String, CallStatus)>, CallError> {
         if finishes.len() > self.options.max_batch {
             return Err(CallError::Bad(format!(
@@ -1327,12 +1327,13 @@ impl Calls {
             return self.finish_through_owners(runner, finishes).await;
         }
         let ids: Vec<String> = finishes.iter().map(|f| f.id.clone()).collect();
-        // A call finished twice in one batch: its first finish counts. Found here, so the log's
-        // writer, which every decision waits for, does not hash and copy the ids.
-        let first: Vec<bool> = {
+        // A call finished twice in one batch: its first finish counts. Dropped here, so the
+        // log's writer, which every decision waits for, does not hash and copy the ids.
+        {
             let mut seen = HashSet::with_capacity(ids.len());
-            ids.iter().map(|id| seen.insert(id.as_str())).collect()
-        };
+            let mut first = ids.iter().map(|id| seen.insert(id.as_str()));
+            finishes.retain(|_| first.next().unwrap_or(false));
+        }
         let traced = ebb_proxy::trace::enabled();
         let who = runner.to_owned();
         let (accepted, _) = self
@@ -1340,10 +1341,7 @@ impl Calls {
             .decide(move |s: &State, _| {
                 let mut events = Vec::with_capacity(finishes.len());
                 let mut accepted = Vec::new();
-                for (f, first) in finishes.into_iter().zip(first) {
-                    if !first {
-                        continue;
-                    }
+                for f in finishes {
                     let Finish {
                         id,
                         outcome,
@@ -1663,17 +1661,23 @@ mod tests {
         assert_eq!(stale, vec![id(2)]);
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_stale_copy_is_not_started_and_comes_back_as_the_logs_copy() {
-        let dir = tempfile::tempdir().unwrap();
+    /// A call service with default options on a fresh log and an embedded queue in `dir`.
+    fn service(dir: &std::path::Path) -> (Calls, Arc<Log>, Arc<EmbeddedQueue>) {
         let clock = SimClock::new(1_000);
-        let (log, queue) = open(&Arc::new(MemStore::new()), dir.path(), &clock);
+        let (log, queue) = open(&Arc::new(MemStore::new()), dir, &clock);
         let calls = Calls::new(
             log.clone(),
             queue.clone(),
             Arc::new(clock),
             CallOptions::default(),
         );
+        (calls, log, queue)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stale_copy_is_not_started_and_comes_back_as_the_logs_copy() {
+        let dir = tempfile::tempdir().unwrap();
+        let (calls, log, queue) = service(dir.path());
         let id = uuid::Uuid::now_v7().to_string();
         // A message the log does not know: handed out as it is, and recorded so.
         queue.put(vec![message_of(&spec(&id, "a"))]).await.unwrap();
@@ -1699,6 +1703,45 @@ mod tests {
         assert_eq!(again.len(), 1, "the message comes back at once");
         let started = calls.start("r", vec![id.clone()]).await.unwrap();
         assert!(started[0].started, "{started:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_finished_twice_in_one_batch_keeps_its_first_finish() {
+        let dir = tempfile::tempdir().unwrap();
+        let (calls, log, queue) = service(dir.path());
+        let id = uuid::Uuid::now_v7().to_string();
+        queue.put(vec![message_of(&spec(&id, "a"))]).await.unwrap();
+        assert_eq!(calls.dequeue("r", 10, 0).await.unwrap().len(), 1);
+        assert!(calls.start("r", vec![id.clone()]).await.unwrap()[0].started);
+        let finish = |outcome, log: &str| Finish {
+            id: id.clone(),
+            outcome,
+            result: None,
+            log: log.into(),
+        };
+        let seq = log.applied_seq();
+        let answer = calls
+            .finish(
+                "r",
+                vec![
+                    finish(crate::event::Outcome::Success, "first"),
+                    finish(crate::event::Outcome::Error, "second"),
+                ],
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            answer,
+            vec![
+                (id.clone(), CallStatus::Success),
+                (id.clone(), CallStatus::Success)
+            ]
+        );
+        assert_eq!(log.applied_seq(), seq + 1, "one finish recorded");
+        assert_eq!(
+            log.read(|s| s.calls.get(&id).map(|c| c.log.clone())),
+            Some("first".to_owned())
+        );
     }
 
     proptest::proptest! {
