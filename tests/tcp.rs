@@ -184,4 +184,18 @@ async fn tcp_routes_are_checked() {
         err.contains(&format!("TCP route a: listening on 127.0.0.1:{busy}")),
         "{err}"
     );
+    // So does a port another ebb's proxy holds: its listeners take the port with
+    // `SO_REUSEPORT`, and a second `SO_REUSEPORT` bind of the same user would share it, the
+    // kernel splitting its connections between an HTTP proxy and this route.
+    let other = common::serve(&dir.path().join("other"), None, None);
+    let held = other.proxy.port();
+    let cfg = config(dir.path(), &redis_app("a", held, 1000));
+    let err = common::serve_refused(
+        &dir.path().join("data3"),
+        ["--config".as_ref(), cfg.as_os_str()],
+    );
+    assert!(
+        err.contains(&format!("TCP route a: listening on 127.0.0.1:{held}")),
+        "{err}"
+    );
 }

@@ -145,13 +145,30 @@ impl XorShift {
 #[allow(unused_imports)]
 pub use kafka::broker;
 
-/// A loopback port free now (the kernel's pick; bound by someone else only by a rare race).
+/// A loopback port free now, for a server the test starts on it.
+///
+/// It comes from below the kernel's ephemeral range (`net.ipv4.ip_local_port_range`), where
+/// the kernel's own picks land: every server started on port 0 (ebb's listeners, its apps'
+/// replicas, other tests' servers) and every client socket. A port from that range could be
+/// given to one of them between this call and the bind of the server it is for. Each test
+/// process walks its own sequence from a start its pid sets, and hands no port out twice.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOWEST: u32 = 10_000;
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let span = ephemeral.saturating_sub(LOWEST).max(1_000);
+    let start = std::process::id().wrapping_mul(7_919) % span;
+    for _ in 0..span {
+        let port = LOWEST + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % span;
+        if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return port as u16;
+        }
+    }
+    panic!("no free loopback port in {LOWEST}..{}", LOWEST + span)
 }
 
 /// A functions API watch (`GET /api/funcs/template?watch=true`): its lines as they arrive.
@@ -312,7 +329,7 @@ pub fn serve_refused<S: AsRef<std::ffi::OsStr>>(
     data: &Path,
     extra: impl IntoIterator<Item = S>,
 ) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_ebb"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ebb"))
         .args([
             "serve",
             "--listen",
@@ -323,10 +340,34 @@ pub fn serve_refused<S: AsRef<std::ffi::OsStr>>(
         .arg("--data-dir")
         .arg(data)
         .args(extra)
-        .output()
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(!out.status.success(), "ebb serve started: {err}");
+    // A refused start ends at once; one that serves would run on: it is stopped at a deadline.
+    let mut stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut err = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut err);
+        err
+    });
+    let waited = ebb::clock::Stopwatch::start();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if waited.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let err = reader.join().unwrap();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "ebb serve started: {err}"
+    );
     err
 }
 

@@ -218,10 +218,19 @@ pub struct Proxy {
 }
 
 /// `n` listeners on one address with `SO_REUSEPORT`; the first one picks the port when it is 0.
+///
+/// A port named outright is first bound alone, without `SO_REUSEPORT`, and let go: a
+/// `SO_REUSEPORT` bind succeeds on a port that any other process of the same user holds with
+/// `SO_REUSEPORT` too (another ebb, nginx), and the kernel would then split that port's
+/// connections between the two. The bind alone fails there as on any port in use, so the start
+/// stops with `address in use` instead.
 pub fn reuseport_listeners(
     addr: SocketAddr,
     n: usize,
 ) -> std::io::Result<Vec<std::net::TcpListener>> {
+    if addr.port() != 0 {
+        drop(std::net::TcpListener::bind(addr)?);
+    }
     let mut addr = addr;
     let mut out = Vec::new();
     for i in 0..n.max(1) {
