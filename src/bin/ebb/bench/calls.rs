@@ -7,7 +7,8 @@
 //! time per call (ebb's services, runners and producers), with `--broker-pid` the broker's beside
 //! it, the median of `--rounds` phases; then the
 //! enqueue-to-start latency (from just before the enqueue request to the moment the runner holds
-//! the accepted start) at half that rate, the median of `--rounds` phases. Rows for the embedded
+//! the accepted start) at half that rate, the median of `--rounds` phases, with the stages on the
+//! way (the enqueue answered, the call handed to a runner). Rows for the embedded
 //! queue and Kafka, one and two ebb replicas (starts and finishes of the other's calls
 //! forwarded), and the cost of a start forwarded to the call's owner against one sent to the
 //! owner.
@@ -78,13 +79,62 @@ pub struct CallsBenchArgs {
 
 const TOKEN: &str = "bench";
 
-/// Records when each call started (relative to one stopwatch) while a latency phase asks
-/// (`timing`), and which runners ran one.
+/// Records when each call was handed to a runner and when it started (relative to one
+/// stopwatch) while a latency phase asks (`timing`), and which runners ran one.
 struct Recorder {
     clock: Stopwatch,
     timing: std::sync::atomic::AtomicBool,
+    dequeued: Mutex<HashMap<String, f64>>,
     started: Mutex<HashMap<String, f64>>,
     ran: Vec<std::sync::atomic::AtomicBool>,
+}
+
+/// A runner's API that notes when each dequeue answered, for the latency phase's stages.
+struct Timed {
+    api: Arc<dyn RunnerApi>,
+    recorder: Arc<Recorder>,
+}
+
+impl RunnerApi for Timed {
+    fn dequeue(
+        &self,
+        runner: &str,
+        max: usize,
+        wait_ms: u64,
+        load: ebb::calls::Load,
+    ) -> runner::RunnerFuture<'_, Vec<Job>> {
+        let runner = runner.to_owned();
+        Box::pin(async move {
+            let jobs = self.api.dequeue(&runner, max, wait_ms, load).await?;
+            let r = &self.recorder;
+            if r.timing.load(std::sync::atomic::Ordering::Relaxed) {
+                let at = r.clock.elapsed().as_secs_f64();
+                let mut dequeued = r.dequeued.lock().expect("recorder lock");
+                for j in &jobs {
+                    dequeued.insert(j.call.id.clone(), at);
+                }
+            }
+            Ok(jobs)
+        })
+    }
+
+    fn start(
+        &self,
+        runner: &str,
+        ids: Vec<String>,
+        load: ebb::calls::Load,
+    ) -> runner::RunnerFuture<'_, Vec<ebb::calls::Started>> {
+        self.api.start(runner, ids, load)
+    }
+
+    fn finish(
+        &self,
+        runner: &str,
+        finishes: Vec<Finish>,
+        load: ebb::calls::Load,
+    ) -> runner::RunnerFuture<'_, ()> {
+        self.api.finish(runner, finishes, load)
+    }
 }
 
 /// Runner `runner`'s executor: records the start, then finishes the call at once.
@@ -248,6 +298,7 @@ async fn setup(
     let recorder = Arc::new(Recorder {
         clock: Stopwatch::start(),
         timing: std::sync::atomic::AtomicBool::new(false),
+        dequeued: Mutex::new(HashMap::new()),
         started: Mutex::new(HashMap::new()),
         ran: (0..args.runners).map(|_| Default::default()).collect(),
     });
@@ -264,6 +315,10 @@ async fn setup(
         } else {
             Arc::new(r.calls.clone())
         };
+        let client = Arc::new(Timed {
+            api: client,
+            recorder: recorder.clone(),
+        });
         let options = RunnerOptions {
             id: format!("bench-{i}"),
             capacity: args.capacity,
@@ -416,6 +471,8 @@ struct Row {
     phase: Rate,
     p50: f64,
     p99: f64,
+    /// The latency round with the median p99.
+    stages: Latency,
 }
 
 /// Throughput: after a warm-up, producers enqueue as fast as they can for the phase; the clock
@@ -523,16 +580,28 @@ async fn warm_up(s: &Setup) -> Result<()> {
     Ok(())
 }
 
-/// Latency at `rate` calls/s: small batches sent on a fixed schedule; returns (p50, p99) in ms
-/// and this process's CPU time per call, us. At a fixed `--rate` that CPU time compares two
-/// builds more steadily than a throughput phase's, whose batches grow and shrink with the rate
-/// it reaches.
-async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f64, f64)> {
+/// One latency phase: enqueue-to-start p50 and p99 in ms, this process's CPU time per call in
+/// us, and the stages on the way as (p50, p99) in ms from the same moment (just before the
+/// enqueue request): the enqueue answered, the call handed to a runner by a dequeue.
+#[derive(Clone, Copy)]
+struct Latency {
+    p50: f64,
+    p99: f64,
+    cpu_us: f64,
+    answered: (f64, f64),
+    dequeued: (f64, f64),
+}
+
+/// Latency at `rate` calls/s: small batches sent on a fixed schedule. At a fixed `--rate` the
+/// CPU time per call compares two builds more steadily than a throughput phase's, whose batches
+/// grow and shrink with the rate it reaches.
+async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<Latency> {
     warm_up(s).await?;
     let cpu = cpu_time()?;
-    // Sized up front: growing the map under the runners would be the bench's own pause.
-    *s.recorder.started.lock().expect("recorder lock") =
-        HashMap::with_capacity((rate * args.seconds as f64 * 1.5) as usize);
+    // Sized up front: growing the maps under the runners would be the bench's own pause.
+    let expected = (rate * args.seconds as f64 * 1.5) as usize;
+    *s.recorder.started.lock().expect("recorder lock") = HashMap::with_capacity(expected);
+    *s.recorder.dequeued.lock().expect("recorder lock") = HashMap::with_capacity(expected);
     s.recorder
         .timing
         .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -554,8 +623,10 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
             while clock.elapsed() < phase {
                 tick.tick().await;
                 let at = recorder.clock.elapsed().as_secs_f64();
-                for id in enqueue(&client, api, &body).await? {
-                    sent.push((id, at));
+                let ids = enqueue(&client, api, &body).await?;
+                let answered = recorder.clock.elapsed().as_secs_f64();
+                for id in ids {
+                    sent.push((id, at, answered));
                 }
             }
             anyhow::Ok(sent)
@@ -565,18 +636,35 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<(f64, f6
     for p in producers {
         sent.extend(p.await??);
     }
-    let ids: Vec<String> = sent.iter().map(|(id, _)| id.clone()).collect();
+    let ids: Vec<String> = sent.iter().map(|(id, _, _)| id.clone()).collect();
     drain(s, &ids).await?;
     let cpu_us = (cpu_time()? - cpu).as_secs_f64() * 1e6 / ids.len().max(1) as f64;
     let started = s.recorder.started.lock().expect("recorder lock");
-    let mut ms: Vec<f64> = sent
+    let dequeued = s.recorder.dequeued.lock().expect("recorder lock");
+    let quantiles = |mut ms: Vec<f64>| {
+        ms.sort_by(f64::total_cmp);
+        let pick = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
+        (pick(0.50), pick(0.99))
+    };
+    let ms: Vec<f64> = sent
         .iter()
-        .filter_map(|(id, at)| started.get(id).map(|t| (t - at) * 1e3))
+        .filter_map(|(id, at, _)| started.get(id).map(|t| (t - at) * 1e3))
         .collect();
     anyhow::ensure!(!ms.is_empty(), "no call started");
-    ms.sort_by(f64::total_cmp);
-    let pick = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
-    Ok((pick(0.50), pick(0.99), cpu_us))
+    let (p50, p99) = quantiles(ms);
+    let answered = quantiles(sent.iter().map(|(_, at, a)| (a - at) * 1e3).collect());
+    let dequeued = quantiles(
+        sent.iter()
+            .filter_map(|(id, at, _)| dequeued.get(id).map(|t| (t - at) * 1e3))
+            .collect(),
+    );
+    Ok(Latency {
+        p50,
+        p99,
+        cpu_us,
+        answered,
+        dequeued,
+    })
 }
 
 /// Stops the runners and the API, so the phase's log and queue close (their RocksDB background
@@ -715,9 +803,16 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             teardown(s).await;
         }
         let rounds = latencies.len();
-        let ((_, p99, _), lo, hi) = spread(latencies.clone(), |l| l.1);
-        let ((p50, _, _), _, _) = spread(latencies.clone(), |l| l.0);
-        let ((_, _, fixed_us), fixed_lo, fixed_hi) = spread(latencies, |l| l.2);
+        let (median, lo, hi) = spread(latencies.clone(), |l| l.p99);
+        let p99 = median.p99;
+        let (Latency { p50, .. }, _, _) = spread(latencies.clone(), |l| l.p50);
+        let (
+            Latency {
+                cpu_us: fixed_us, ..
+            },
+            fixed_lo,
+            fixed_hi,
+        ) = spread(latencies, |l| l.cpu_us);
         let name = if over_http { "over HTTP" } else { "in process" };
         let broker = broker_us.map_or("-".to_owned(), |b| format!("{b:.1} us"));
         println!(
@@ -730,7 +825,35 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             phase,
             p50,
             p99,
+            stages: median,
         });
+    }
+    println!();
+    println!(
+        "where enqueue-to-start goes, in the latency round with the median p99: each stage's time from just before the enqueue request"
+    );
+    println!(
+        "| queue | replicas | runners | enqueue answered p50 / p99 | handed to a runner p50 / p99 | started p50 / p99 |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for m in &measured {
+        let l = m.stages;
+        println!(
+            "| {} | {} | {} | {:.2} / {:.2} ms | {:.2} / {:.2} ms | {:.2} / {:.2} ms |",
+            m.queue,
+            m.replicas,
+            if m.over_http {
+                "over HTTP"
+            } else {
+                "in process"
+            },
+            l.answered.0,
+            l.answered.1,
+            l.dequeued.0,
+            l.dequeued.1,
+            l.p50,
+            l.p99
+        );
     }
     let row = |q: &str, r: usize, over_http: bool| {
         measured
