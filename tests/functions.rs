@@ -1086,11 +1086,7 @@ async fn pre_run_runs_once_before_the_first_instance_and_a_failing_one_fails_the
 /// A template with a `serviceAddress` and no command is served there, not by ebb.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_template_with_a_service_address_is_called_there() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let mut app = std::process::Command::new(env!("CARGO_BIN_EXE_ebb"))
         .args([
             "example-app",
