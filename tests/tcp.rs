@@ -173,29 +173,22 @@ async fn tcp_routes_are_checked() {
         assert!(err.contains(want), "{err}");
     }
     // A port another process holds stops the start with the reason.
+    let refused_on = |port: u16, data: &str| {
+        let cfg = config(dir.path(), &redis_app("a", port, 1000));
+        let err = common::serve_refused(
+            &dir.path().join(data),
+            ["--config".as_ref(), cfg.as_os_str()],
+        );
+        assert!(
+            err.contains(&format!("TCP route a: listening on 127.0.0.1:{port}")),
+            "{err}"
+        );
+    };
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let busy = taken.local_addr().unwrap().port();
-    let cfg = config(dir.path(), &redis_app("a", busy, 1000));
-    let err = common::serve_refused(
-        &dir.path().join("data2"),
-        ["--config".as_ref(), cfg.as_os_str()],
-    );
-    assert!(
-        err.contains(&format!("TCP route a: listening on 127.0.0.1:{busy}")),
-        "{err}"
-    );
+    refused_on(taken.local_addr().unwrap().port(), "data2");
     // So does a port another ebb's proxy holds: its listeners take the port with
     // `SO_REUSEPORT`, and a second `SO_REUSEPORT` bind of the same user would share it, the
     // kernel splitting its connections between an HTTP proxy and this route.
     let other = common::serve(&dir.path().join("other"), None, None);
-    let held = other.proxy.port();
-    let cfg = config(dir.path(), &redis_app("a", held, 1000));
-    let err = common::serve_refused(
-        &dir.path().join("data3"),
-        ["--config".as_ref(), cfg.as_os_str()],
-    );
-    assert!(
-        err.contains(&format!("TCP route a: listening on 127.0.0.1:{held}")),
-        "{err}"
-    );
+    refused_on(other.proxy.port(), "data3");
 }

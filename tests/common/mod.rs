@@ -351,17 +351,15 @@ pub fn serve_refused<S: AsRef<std::ffi::OsStr>>(
         let _ = std::io::Read::read_to_string(&mut stderr, &mut err);
         err
     });
-    let waited = ebb::clock::Stopwatch::start();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break Some(status);
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let (ended, exit) = std::sync::mpsc::channel();
+    std::thread::spawn(move || ended.send(child.wait().unwrap()));
+    let status = match exit.recv_timeout(std::time::Duration::from_secs(60)) {
+        Ok(status) => Some(status),
+        Err(_) => {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+            None
         }
-        if waited.elapsed() > std::time::Duration::from_secs(60) {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
     };
     let err = reader.join().unwrap();
     assert!(

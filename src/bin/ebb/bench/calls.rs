@@ -470,7 +470,6 @@ struct Row {
     over_http: bool,
     phase: Rate,
     p50: f64,
-    p99: f64,
     /// The latency round with the median p99.
     stages: Latency,
 }
@@ -643,8 +642,7 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<Latency>
     let dequeued = s.recorder.dequeued.lock().expect("recorder lock");
     let quantiles = |mut ms: Vec<f64>| {
         ms.sort_by(f64::total_cmp);
-        let pick = |q: f64| ms[((ms.len() as f64 * q) as usize).min(ms.len() - 1)];
-        (pick(0.50), pick(0.99))
+        (super::percentile(&ms, 0.50), super::percentile(&ms, 0.99))
     };
     let ms: Vec<f64> = sent
         .iter()
@@ -824,7 +822,6 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             over_http,
             phase,
             p50,
-            p99,
             stages: median,
         });
     }
@@ -865,7 +862,7 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             "kafka, 2 replicas / 1 replica (over HTTP): calls/s {:.2}x, enqueue-to-start p50 {:.2}x, p99 {:.2}x",
             two.phase.calls_per_s / one.phase.calls_per_s,
             two.p50 / one.p50,
-            two.p99 / one.p99
+            two.stages.p99 / one.stages.p99
         );
     }
     if let Some(anchor) = args.anchor {
