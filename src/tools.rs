@@ -504,14 +504,14 @@ mod tests {
 
     fn route(name: &str, deployment: &str) -> Event {
         Event::RouteUpserted {
-            route: RouteSpec {
+            route: Box::new(RouteSpec {
                 name: name.into(),
                 domains: vec![format!("{name}.localhost")],
                 deployment: deployment.into(),
                 idle_after_ms: 60_000,
                 max_replicas: 3,
                 ..Default::default()
-            },
+            }),
         }
     }
 
@@ -534,11 +534,11 @@ mod tests {
 
     fn call(id: &str, target: &str) -> Event {
         Event::CallQueued {
-            call: CallSpec {
+            call: Box::new(CallSpec {
                 target: target.into(),
                 timeout_ms: 30_000,
                 ..CallSpec::for_test(id)
-            },
+            }),
         }
     }
 
@@ -587,11 +587,11 @@ mod tests {
                 replicas: 0,
             },
             Event::TemplateUpserted {
-                template: TemplateSpec {
+                template: Box::new(TemplateSpec {
                     name: "f".into(),
                     max_instances: 4,
                     ..Default::default()
-                },
+                }),
             },
             route("fn-f", "fn-f"),
             Event::CounterAdded {
@@ -648,10 +648,10 @@ mod tests {
                 finished_before_ms: 1_000_000,
             },
             Event::CleanerUpserted {
-                cleaner: CleanerSpec {
+                cleaner: Box::new(CleanerSpec {
                     name: "tidy".into(),
                     ..Default::default()
-                },
+                }),
             },
             Event::CleanerEvaluated {
                 name: "tidy".into(),

@@ -86,7 +86,9 @@ fn route() -> RouteSpec {
 /// Writes a small known history, one event per second from T0.
 fn write_history(dir: &Path) -> Vec<Event> {
     let events = vec![
-        Event::RouteUpserted { route: route() },
+        Event::RouteUpserted {
+            route: Box::new(route()),
+        },
         Event::ScaleRequested {
             deployment: "demo-app".into(),
             from: 0,
@@ -103,7 +105,7 @@ fn write_history(dir: &Path) -> Vec<Event> {
             last_at_ms: T0 + 3_000,
         },
         Event::CallQueued {
-            call: CallSpec {
+            call: Box::new(CallSpec {
                 id: "call-1".into(),
                 target: "demo".into(),
                 kind: CallKind::Async,
@@ -113,7 +115,7 @@ fn write_history(dir: &Path) -> Vec<Event> {
                 tracestate: None,
                 baggage: None,
                 payload: Payload::default(),
-            },
+            }),
         },
         Event::CallStarted {
             id: "call-1".into(),

@@ -224,7 +224,9 @@ fn cleaner() -> impl Strategy<Value = CleanerSpec> {
 /// Every event variant, over a small id space so that events collide on the same objects.
 fn event() -> impl Strategy<Value = Event> {
     prop_oneof![
-        route_spec().prop_map(|route| Event::RouteUpserted { route }),
+        route_spec().prop_map(|route| Event::RouteUpserted {
+            route: Box::new(route)
+        }),
         name().prop_map(|name| Event::RouteRemoved { name }),
         (name(), 1u64..100, 0u64..1_000_000).prop_map(|(route, count, last_at_ms)| {
             Event::RequestsSeen {
@@ -265,7 +267,9 @@ fn event() -> impl Strategy<Value = Event> {
             to,
             error
         }),
-        call_spec().prop_map(|call| Event::CallQueued { call }),
+        call_spec().prop_map(|call| Event::CallQueued {
+            call: Box::new(call)
+        }),
         (name(), name(), 0u64..1_000_000).prop_map(|(id, runner, deadline_at_ms)| {
             Event::CallStarted {
                 id,
@@ -304,7 +308,9 @@ fn event() -> impl Strategy<Value = Event> {
                 log
             }),
         name().prop_map(|id| Event::CallTimedOut { id }),
-        template().prop_map(|template| Event::TemplateUpserted { template }),
+        template().prop_map(|template| Event::TemplateUpserted {
+            template: Box::new(template)
+        }),
         name().prop_map(|name| Event::TemplateDeleted { name }),
         (name(), name(), bytes()).prop_map(|(id, template, args)| Event::InstanceCreated {
             id,
@@ -327,7 +333,9 @@ fn event() -> impl Strategy<Value = Event> {
             cap
         }),
         (name(), 0u64..50).prop_map(|(function, by)| Event::CounterDecayed { function, by }),
-        cleaner().prop_map(|cleaner| Event::CleanerUpserted { cleaner }),
+        cleaner().prop_map(|cleaner| Event::CleanerUpserted {
+            cleaner: Box::new(cleaner)
+        }),
         (name(), any::<bool>(), proptest::option::of(0u64..1_000_000)).prop_map(
             |(name, result, next_at_ms)| Event::CleanerEvaluated {
                 name,
@@ -488,10 +496,10 @@ proptest! {
                 Command::Queue(id, timeout_ms) => {
                     let exists = log.read(|s| s.calls.get(&id).is_some());
                     if !exists {
-                        rt.block_on(log.append(Event::CallQueued { call: CallSpec {
+                        rt.block_on(log.append(Event::CallQueued { call: Box::new(CallSpec {
                             id, target: "t".into(), kind: CallKind::Async, timeout_ms,
                             partition: None, payload: Payload::default(), trace: None, tracestate: None, baggage: None,
-                        }})).unwrap();
+                        })})).unwrap();
                     }
                 }
                 Command::Start(id, runner) => {

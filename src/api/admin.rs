@@ -130,7 +130,12 @@ async fn put(
                     }
                 }
                 let created = !s.routes.by_name.contains_key(&decided.name);
-                (vec![Event::RouteUpserted { route: decided }], Ok(created))
+                (
+                    vec![Event::RouteUpserted {
+                        route: Box::new(decided),
+                    }],
+                    Ok(created),
+                )
             })
             .await?;
     match outcome {

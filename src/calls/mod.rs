@@ -1632,14 +1632,14 @@ mod tests {
             at_ms: 0,
             version: crate::event::SCHEMA_VERSION,
             event: Event::CallQueued {
-                call: spec(&id(2), "recorded"),
+                call: Box::new(spec(&id(2), "recorded")),
             },
         };
         crate::log::replay::Projection::apply(&mut state, &env);
         let same = crate::event::Envelope {
             seq: 2,
             event: Event::CallQueued {
-                call: spec(&id(3), "same"),
+                call: Box::new(spec(&id(3), "same")),
             },
             ..env
         };
@@ -1655,7 +1655,7 @@ mod tests {
         assert_eq!(
             events,
             vec![Event::CallQueued {
-                call: spec(&id(1), "new")
+                call: Box::new(spec(&id(1), "new"))
             }]
         );
         assert_eq!(stale, vec![id(2)]);
@@ -1764,7 +1764,7 @@ mod tests {
                 let dir = tempfile::tempdir().unwrap();
                 let clock = SimClock::new(1_000);
                 let (log, queue) = open(&Arc::new(MemStore::new()), dir.path(), &clock);
-                let route = crate::event::RouteSpec::for_test("work", &["work.localhost"]);
+                let route = Box::new(crate::event::RouteSpec::for_test("work", &["work.localhost"]));
                 log.decide(move |_: &State, _| (vec![Event::RouteUpserted { route }], ()))
                     .await
                     .unwrap();
@@ -1885,9 +1885,16 @@ mod tests {
             CallOptions::default(),
         );
         let route = crate::event::RouteSpec::for_test("work", &["work.localhost"]);
-        log.decide(move |_: &State, _| (vec![Event::RouteUpserted { route }], ()))
-            .await
-            .unwrap();
+        log.decide(move |_: &State, _| {
+            (
+                vec![Event::RouteUpserted {
+                    route: Box::new(route),
+                }],
+                (),
+            )
+        })
+        .await
+        .unwrap();
         let failed = lying
             .enqueue(vec![NewCall {
                 target: "work".into(),
@@ -1944,9 +1951,16 @@ mod tests {
             CallOptions::default(),
         ));
         let route = crate::event::RouteSpec::for_test("work", &["work.localhost"]);
-        log.decide(move |_: &State, _| (vec![Event::RouteUpserted { route }], ()))
-            .await
-            .unwrap();
+        log.decide(move |_: &State, _| {
+            (
+                vec![Event::RouteUpserted {
+                    route: Box::new(route),
+                }],
+                (),
+            )
+        })
+        .await
+        .unwrap();
         let enqueue = tokio::spawn({
             let calls = calls.clone();
             async move {

@@ -107,7 +107,9 @@ fn config_routes(state: &State, routes: &[RouteSpec]) -> Vec<Event> {
     routes
         .iter()
         .filter(|r| state.routes.by_name.get(&r.name).map(|x| &x.spec) != Some(*r))
-        .map(|r| Event::RouteUpserted { route: r.clone() })
+        .map(|r| Event::RouteUpserted {
+            route: Box::new(r.clone()),
+        })
         .collect()
 }
 

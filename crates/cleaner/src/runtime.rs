@@ -212,7 +212,12 @@ impl<B: Backend> Cleaners<B> {
                 if same {
                     (Vec::new(), false)
                 } else {
-                    (vec![Event::CleanerUpserted { cleaner: spec }], true)
+                    (
+                        vec![Event::CleanerUpserted {
+                            cleaner: Box::new(spec),
+                        }],
+                        true,
+                    )
                 }
             })
             .await?;

@@ -593,7 +593,12 @@ mod tests {
     #[test]
     fn a_wake_and_an_idle_scale_down_say_why() {
         let lines = tell_all(vec![
-            (T0, Event::RouteUpserted { route: route() }),
+            (
+                T0,
+                Event::RouteUpserted {
+                    route: Box::new(route()),
+                },
+            ),
             (
                 T0 + 1_000,
                 Event::ScaleRequested {
@@ -652,7 +657,12 @@ mod tests {
         let mut call = CallSpec::for_test("c1");
         call.timeout_ms = 30_000;
         let lines = tell_all(vec![
-            (T0, Event::CallQueued { call }),
+            (
+                T0,
+                Event::CallQueued {
+                    call: Box::new(call),
+                },
+            ),
             (
                 T0 + 250,
                 Event::CallStarted {
@@ -711,7 +721,12 @@ mod tests {
             ..Default::default()
         };
         let lines = tell_all(vec![
-            (T0, Event::CleanerUpserted { cleaner }),
+            (
+                T0,
+                Event::CleanerUpserted {
+                    cleaner: Box::new(cleaner),
+                },
+            ),
             (
                 T0 + 60_000,
                 Event::CleanerEvaluated {

@@ -767,7 +767,9 @@ pub fn decide_routes(state: &State, routes: &[RouteSpec]) -> (Vec<Event>, Vec<(S
             continue;
         }
         if state.routes.by_name.get(&r.name).map(|x| &x.spec) != Some(r) {
-            events.push(Event::RouteUpserted { route: r.clone() });
+            events.push(Event::RouteUpserted {
+                route: Box::new(r.clone()),
+            });
         }
     }
     (events, refused)
@@ -1861,12 +1863,17 @@ mod tests {
         apply(
             &mut state,
             vec![Event::RouteUpserted {
-                route: route("local", "local.test"),
+                route: Box::new(route("local", "local.test")),
             }],
         );
         let a = route("default/a", "a.test");
         let (events, refused) = decide_routes(&state, std::slice::from_ref(&a));
-        assert_eq!(events, vec![Event::RouteUpserted { route: a.clone() }]);
+        assert_eq!(
+            events,
+            vec![Event::RouteUpserted {
+                route: Box::new(a.clone())
+            }]
+        );
         assert!(refused.is_empty());
         apply(&mut state, events);
         // Unchanged: nothing to do.

@@ -95,8 +95,13 @@ impl Sim {
             violation: None,
             stats: Stats::default(),
         };
-        sim.log
-            .append(vec![Event::RouteUpserted { route }], T0, false);
+        sim.log.append(
+            vec![Event::RouteUpserted {
+                route: Box::new(route),
+            }],
+            T0,
+            false,
+        );
         let gap = sim.draw(warm.gap_ms);
         sim.next_burst = T0 + gap;
         sim

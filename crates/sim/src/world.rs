@@ -470,7 +470,7 @@ impl World {
                 let mut log = SimLog::new();
                 log.append(
                     vec![Event::RouteUpserted {
-                        route: route.clone(),
+                        route: Box::new(route.clone()),
                     }],
                     clock.now_ms(),
                     false,
@@ -1437,7 +1437,12 @@ impl World {
         let answer = if !node.up || node.epoch != epoch {
             NodeAnswer::Down
         } else if self.node_state(k).calls.get(&spec.id).is_some()
-            || self.node_append(k, vec![Event::CallQueued { call: spec.clone() }])
+            || self.node_append(
+                k,
+                vec![Event::CallQueued {
+                    call: Box::new(spec.clone()),
+                }],
+            )
         {
             if self.nodes[k].refused_unknown.remove(&spec.id) {
                 // Its start was refused as unknown and its message deleted meanwhile: put again.
@@ -1534,7 +1539,12 @@ impl World {
             let who = self.nodes[j].name.clone();
             self.note(&who, format_args!("records {id} from the copy handed out"));
             self.stats.recorded_from_copy += 1;
-            if !self.node_append(j, vec![Event::CallQueued { call: spec }]) {
+            if !self.node_append(
+                j,
+                vec![Event::CallQueued {
+                    call: Box::new(spec),
+                }],
+            ) {
                 return None;
             }
         }
@@ -1667,8 +1677,12 @@ impl World {
                     let status = self.node_state(j).calls.get(&spec.id).map(|c| c.status);
                     match status {
                         None if own => {
-                            if !self.node_append(k, vec![Event::CallQueued { call: spec.clone() }])
-                            {
+                            if !self.node_append(
+                                k,
+                                vec![Event::CallQueued {
+                                    call: Box::new(spec.clone()),
+                                }],
+                            ) {
                                 return NodeAnswer::Down;
                             }
                             jobs.push(spec);

@@ -349,7 +349,9 @@ pub fn record_handed_out(s: &State, specs: Vec<CallSpec>) -> (Vec<Event>, Vec<St
     let mut stale = Vec::new();
     for spec in specs {
         match s.calls.get(&spec.id) {
-            None => events.push(Event::CallQueued { call: spec }),
+            None => events.push(Event::CallQueued {
+                call: Box::new(spec),
+            }),
             Some(c) if c.spec != spec => stale.push(spec.id),
             Some(_) => {}
         }

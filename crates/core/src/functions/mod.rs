@@ -345,7 +345,9 @@ pub fn step_events(instance: String, function: String, call: CallSpec) -> [Event
             function,
             call_id: call.id.clone(),
         },
-        Event::CallQueued { call },
+        Event::CallQueued {
+            call: Box::new(call),
+        },
     ]
 }
 
@@ -943,7 +945,9 @@ fn upsert(state: &State, spec: TemplateSpec) -> Result<Vec<Event>, Refused> {
                 }
             }
             if state.routes.by_name.get(&route.name).map(|r| &r.spec) != Some(&route) {
-                events.push(Event::RouteUpserted { route });
+                events.push(Event::RouteUpserted {
+                    route: Box::new(route),
+                });
             }
         }
         None if state.routes.by_name.contains_key(&route_name) => {
@@ -951,7 +955,12 @@ fn upsert(state: &State, spec: TemplateSpec) -> Result<Vec<Event>, Refused> {
         }
         None => {}
     }
-    events.insert(0, Event::TemplateUpserted { template: spec });
+    events.insert(
+        0,
+        Event::TemplateUpserted {
+            template: Box::new(spec),
+        },
+    );
     Ok(events)
 }
 
@@ -1250,7 +1259,9 @@ mod tests {
         };
         step(
             &mut state,
-            vec![Event::TemplateUpserted { template: spec }],
+            vec![Event::TemplateUpserted {
+                template: Box::new(spec),
+            }],
             t0 + 1,
         );
         assert_eq!(

@@ -378,7 +378,7 @@ mod tests {
 
     fn route() -> Event {
         Event::RouteUpserted {
-            route: RouteSpec {
+            route: Box::new(RouteSpec {
                 name: "r".into(),
                 domains: vec!["r.test".into()],
                 deployment: "d".into(),
@@ -392,7 +392,7 @@ mod tests {
                 max_connecting: 0,
                 policy: Default::default(),
                 ..Default::default()
-            },
+            }),
         }
     }
 
@@ -550,12 +550,12 @@ mod tests {
             unreachable!()
         };
         Event::RouteUpserted {
-            route: RouteSpec {
+            route: Box::new(RouteSpec {
                 max_replicas: 3,
                 warm: windows,
                 idle_replicas: idle,
-                ..route
-            },
+                ..*route
+            }),
         }
     }
 
@@ -720,12 +720,12 @@ mod tests {
             min_replicas: 2,
             max_replicas: 2,
             idle_replicas: Some(0),
-            ..route.clone()
+            ..(*route).clone()
         };
         assert_eq!((idle_floor(&pool), awake_replicas(&pool)), (0, 2));
         let kept = RouteSpec {
             idle_replicas: Some(1),
-            ..route.clone()
+            ..(*route).clone()
         };
         assert_eq!((idle_floor(&kept), awake_replicas(&kept)), (1, 1));
         assert_eq!((idle_floor(&route), awake_replicas(&route)), (0, 1));

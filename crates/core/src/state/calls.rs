@@ -383,7 +383,11 @@ fn apply_call<'a>(
                     (Timer::Keep, Some((queued(c), &*c)))
                 }
                 hash_map::Entry::Vacant(v) => {
-                    let c = v.insert(Box::new(Call::new(call.clone(), CallStatus::Queued, at_ms)));
+                    let c = v.insert(Box::new(Call::new(
+                        (**call).clone(),
+                        CallStatus::Queued,
+                        at_ms,
+                    )));
                     (Timer::Keep, Some((false, &*c)))
                 }
             };

@@ -250,7 +250,13 @@ mod tests {
                 call_id: "c1".into(),
             },
         );
-        apply(&mut s, 0, Event::CallQueued { call });
+        apply(
+            &mut s,
+            0,
+            Event::CallQueued {
+                call: Box::new(call),
+            },
+        );
         apply(
             &mut s,
             1,

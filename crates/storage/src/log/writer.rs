@@ -759,9 +759,13 @@ mod tests {
         let call = CallSpec::for_test("c");
         // Submitted, not awaited: the start decided next still finds the call queued, and its
         // acknowledgement covers both.
-        log.submit(move |_: &State, _| vec![Event::CallQueued { call }])
-            .await
-            .unwrap();
+        log.submit(move |_: &State, _| {
+            vec![Event::CallQueued {
+                call: Box::new(call),
+            }]
+        })
+        .await
+        .unwrap();
         let (verdict, committed) = log
             .decide(|s: &State, now| {
                 let (ev, v) = decide_start(&s.calls, "c", "r", now);
@@ -815,7 +819,7 @@ mod tests {
         let clock = SimClock::new(0);
         let log = Arc::new(open(Arc::new(MemStore::new()), &clock));
         log.append(Event::CallQueued {
-            call: CallSpec::for_test("c"),
+            call: Box::new(CallSpec::for_test("c")),
         })
         .await
         .unwrap();

@@ -237,7 +237,7 @@ async fn setup(
             )?),
         };
         log.append(Event::RouteUpserted {
-            route: super::bench_route("noop", None),
+            route: Box::new(super::bench_route("noop", None)),
         })
         .await?;
         let peers = if replicas > 1 {

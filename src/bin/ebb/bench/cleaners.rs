@@ -154,7 +154,7 @@ pub async fn run(args: CleanersBenchArgs) -> Result<()> {
             i + 1,
             1_000,
             Event::CleanerUpserted {
-                cleaner: spec(i, 1_000 + (i * 7_919) % 86_400_000, "true"),
+                cleaner: Box::new(spec(i, 1_000 + (i * 7_919) % 86_400_000, "true")),
             },
         );
         state.apply(&e);

@@ -97,7 +97,7 @@ pub fn sample_event(i: u64) -> Event {
     let route = |i: u64| format!("route-{}", i % ROUTES);
     match i % 50 {
         0 => Event::CallQueued {
-            call: CallSpec {
+            call: Box::new(CallSpec {
                 id: format!("call-{}", i / 50),
                 target: route(i),
                 kind: CallKind::Async,
@@ -112,7 +112,7 @@ pub fn sample_event(i: u64) -> Event {
                     headers: vec![("content-type".into(), "application/json".into())],
                     body: ByteBuf::from(&b"{\"n\":1}"[..]),
                 },
-            },
+            }),
         },
         1 => Event::CallStarted {
             id: format!("call-{}", i / 50),
@@ -146,7 +146,7 @@ pub fn sample_event(i: u64) -> Event {
 fn route_events() -> Vec<Event> {
     (0..ROUTES)
         .map(|i| Event::RouteUpserted {
-            route: RouteSpec {
+            route: Box::new(RouteSpec {
                 name: format!("route-{i}"),
                 domains: vec![format!("r{i}.example.com")],
                 deployment: format!("deploy-{i}"),
@@ -160,7 +160,7 @@ fn route_events() -> Vec<Event> {
                 max_connecting: 0,
                 policy: Default::default(),
                 ..Default::default()
-            },
+            }),
         })
         .collect()
 }
@@ -681,7 +681,7 @@ pub async fn cold_start(args: ColdStartArgs) -> Result<()> {
     };
     orch.register(WorkloadSpec::from_process("cold", &process, &exe))?;
     log.append(Event::RouteUpserted {
-        route: bench_route("cold", Some(process.clone())),
+        route: Box::new(bench_route("cold", Some(process.clone()))),
     })
     .await?;
     let dyn_orch: Arc<dyn Orchestrator> = orch.clone();
@@ -725,12 +725,12 @@ pub async fn cold_start(args: ColdStartArgs) -> Result<()> {
     };
     orch.register(WorkloadSpec::from_process("burst", &fragile, &exe))?;
     log.append(Event::RouteUpserted {
-        route: RouteSpec {
+        route: Box::new(RouteSpec {
             // The whole burst waits for the wake.
             hold_queue_max: u32::try_from(args.burst).unwrap_or(u32::MAX),
             concurrency: args.burst_concurrency,
             ..bench_route("burst", Some(fragile))
-        },
+        }),
     })
     .await?;
     let limit = Duration::from_secs(60);
