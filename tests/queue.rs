@@ -164,6 +164,46 @@ async fn the_kafka_queue_keeps_the_contract_on_tansu() {
     kafka_contract(&common::kafka::tansu_broker().await).await;
 }
 
+/// On Kafka, what is deleted is committed at most once per `commit_every_ms` (a commit is a
+/// write on the broker's offsets topic; it only saves rereading what was deleted), and when a
+/// runner's consumer leaves the group: a queue opened after a drop rereads what was deleted since
+/// the last commit, and one opened after a release rereads nothing deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kafka_queue_commits_once_an_interval_and_when_a_runner_leaves() {
+    let broker = common::broker().await;
+    let options = KafkaOptions {
+        brokers: broker.addr.to_string(),
+        partitions: 1,
+        commit_every_ms: 3_600_000,
+        ..KafkaOptions::default()
+    };
+    let open = async || {
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let q: Arc<dyn Queue> = Arc::new(KafkaQueue::open(clock, options.clone()).await.unwrap());
+        q
+    };
+    let q = open().await;
+    q.put(vec![msg("a", ""), msg("b", ""), msg("c", "")])
+        .await
+        .unwrap();
+    assert_eq!(ids(&reserve_n(&*q, "r", 3).await), ["a", "b", "c"]);
+    // The first delete commits; the second, within the interval, does not.
+    q.delete(vec!["a".into()]).await.unwrap();
+    q.delete(vec!["b".into()]).await.unwrap();
+    drop(q);
+    let q = open().await;
+    assert_eq!(ids(&reserve_n(&*q, "r", 2).await), ["b", "c"]);
+    q.delete(vec!["b".into()]).await.unwrap();
+    q.delete(vec!["c".into()]).await.unwrap();
+    // The runner leaves: its consumer commits the delete of c on its way out.
+    q.release("r").await.unwrap();
+    drop(q);
+    // On the one partition, a reread c would come before d.
+    let q = open().await;
+    q.put(vec![msg("d", "")]).await.unwrap();
+    assert_eq!(ids(&reserve_n(&*q, "r", 1).await), ["d"]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_embedded_queue_redelivers_after_the_visibility_timeout_and_holds_started_calls() {
     let dir = tempfile::tempdir().unwrap();

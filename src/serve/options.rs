@@ -187,6 +187,10 @@ pub struct CallFlags {
     /// Partitions of the Kafka topic when ebb creates it.
     #[arg(long, default_value_t = 8)]
     pub kafka_partitions: i32,
+    /// The runners' consumers commit their offsets at most once in this long, in ms (a commit
+    /// only saves rereading calls already ended, after a restart or a rebalance).
+    #[arg(long, default_value_t = crate::queue::kafka::COMMIT_EVERY_MS)]
+    pub kafka_commit_every_ms: u64,
 }
 
 /// The function autoscaler.
@@ -436,6 +440,7 @@ impl CallFlags {
             partitions: self.kafka_partitions,
             visibility_timeout_ms: self.visibility_timeout_ms,
             max_out: self.max_queued,
+            commit_every_ms: self.kafka_commit_every_ms,
             ..KafkaOptions::default()
         })
     }

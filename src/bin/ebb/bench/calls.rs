@@ -75,6 +75,9 @@ pub struct CallsBenchArgs {
     /// broker together at half the anchor's rate.
     #[arg(long, requires = "kafka")]
     pub broker_pid: Option<i32>,
+    /// The Kafka queue commits its consumers' offsets at most once in this long (ms).
+    #[arg(long, default_value_t = ebb::queue::kafka::COMMIT_EVERY_MS)]
+    pub kafka_commit_every_ms: u64,
 }
 
 const TOKEN: &str = "bench";
@@ -225,6 +228,7 @@ async fn setup(
                         brokers: brokers.to_owned(),
                         topic: topic.clone(),
                         group: group.clone(),
+                        commit_every_ms: args.kafka_commit_every_ms,
                         ..KafkaOptions::default()
                     },
                 )
