@@ -140,18 +140,19 @@ async fn the_embedded_queue_hands_a_runner_its_own_partition_first() {
     assert_eq!(ids(&reserve_n(&*q, "a", 1).await), ["b1"]);
 }
 
+/// A Kafka queue with `options`, on the system clock.
+async fn kafka(options: &KafkaOptions) -> Arc<dyn Queue> {
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    Arc::new(KafkaQueue::open(clock, options.clone()).await.unwrap())
+}
+
 async fn kafka_contract(broker: &common::kafka::Broker) {
     let options = KafkaOptions {
         brokers: broker.addr.to_string(),
         partitions: 4,
         ..KafkaOptions::default()
     };
-    contract(async || {
-        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let q: Arc<dyn Queue> = Arc::new(KafkaQueue::open(clock, options.clone()).await.unwrap());
-        q
-    })
-    .await;
+    contract(async || kafka(&options).await).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -177,12 +178,7 @@ async fn the_kafka_queue_commits_once_an_interval_and_when_a_runner_leaves() {
         commit_every_ms: 3_600_000,
         ..KafkaOptions::default()
     };
-    let open = async || {
-        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-        let q: Arc<dyn Queue> = Arc::new(KafkaQueue::open(clock, options.clone()).await.unwrap());
-        q
-    };
-    let q = open().await;
+    let q = kafka(&options).await;
     q.put(vec![msg("a", ""), msg("b", ""), msg("c", "")])
         .await
         .unwrap();
@@ -191,7 +187,7 @@ async fn the_kafka_queue_commits_once_an_interval_and_when_a_runner_leaves() {
     q.delete(vec!["a".into()]).await.unwrap();
     q.delete(vec!["b".into()]).await.unwrap();
     drop(q);
-    let q = open().await;
+    let q = kafka(&options).await;
     assert_eq!(ids(&reserve_n(&*q, "r", 2).await), ["b", "c"]);
     q.delete(vec!["b".into()]).await.unwrap();
     q.delete(vec!["c".into()]).await.unwrap();
@@ -199,7 +195,7 @@ async fn the_kafka_queue_commits_once_an_interval_and_when_a_runner_leaves() {
     q.release("r").await.unwrap();
     drop(q);
     // On the one partition, a reread c would come before d.
-    let q = open().await;
+    let q = kafka(&options).await;
     q.put(vec![msg("d", "")]).await.unwrap();
     assert_eq!(ids(&reserve_n(&*q, "r", 1).await), ["d"]);
 }

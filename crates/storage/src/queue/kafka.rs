@@ -313,9 +313,9 @@ impl KafkaQueue {
     /// (busy ones): their partitions move to the consumers of runners that ask.
     async fn release_idle(&self) {
         let now = self.clock.now_ms();
-        let names: Vec<String> = {
-            let books = self.books();
-            books
+        let idle: Vec<(String, Arc<StreamConsumer>)> = {
+            let mut books = self.books();
+            let names: Vec<String> = books
                 .consumers
                 .keys()
                 .filter(|r| {
@@ -325,15 +325,10 @@ impl KafkaQueue {
                     })
                 })
                 .cloned()
-                .collect()
-        };
-        if names.is_empty() {
-            return;
-        }
-        // What the leaving consumers' partitions have done is committed while they own them.
-        self.commit(0);
-        let idle: Vec<(String, Arc<StreamConsumer>)> = {
-            let mut books = self.books();
+                .collect();
+            if !names.is_empty() {
+                self.commit(&mut books, Commit::Now);
+            }
             names
                 .into_iter()
                 .filter_map(|r| {
@@ -434,12 +429,13 @@ impl KafkaQueue {
     /// broker. A commit only saves a reread: a message read again after a commit that did not
     /// land is of a call the log has ended, and its start is refused and the message deleted;
     /// and the next commit of that partition covers it. A partition owned by nobody yet (a
-    /// rebalance is under way) is committed on a later call. Nothing is committed before
-    /// `every_ms` passed since the last commit that sent something (0: whenever a point moved).
-    fn commit(&self, every_ms: u64) {
+    /// rebalance is under way) is committed on a later call. [`Commit::Due`] commits nothing
+    /// before `commit_every_ms` passed since the last commit that sent something.
+    fn commit(&self, books: &mut Books, when: Commit) {
         let now = self.clock.now_ms();
-        let mut books = self.books();
-        if now.saturating_sub(books.committed_ms) < every_ms {
+        if when == Commit::Due
+            && now.saturating_sub(books.committed_ms) < self.options.commit_every_ms
+        {
             return;
         }
         let work: Vec<(i32, i64)> = books
@@ -489,6 +485,15 @@ impl KafkaQueue {
             }
         }
     }
+}
+
+/// When [`KafkaQueue::commit`] commits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Commit {
+    /// Once `commit_every_ms` passed since the last commit: after a delete or on a reserve.
+    Due,
+    /// At once: a consumer is about to leave the group.
+    Now,
 }
 
 /// A reserve under way (see [`KafkaQueue::asking`]).
@@ -562,7 +567,7 @@ impl Queue for KafkaQueue {
             let _asking = self.asking(&runner);
             self.release_idle().await;
             // Deletes since the last commit that was due are committed now at the latest.
-            self.commit(self.options.commit_every_ms);
+            self.commit(&mut self.books(), Commit::Due);
             let max = max.max(1);
             let mut got = self.take_known(&runner, max, self.clock.now_ms());
             if got.len() >= max {
@@ -621,18 +626,16 @@ impl Queue for KafkaQueue {
 
     fn delete(&self, ids: Vec<String>) -> QueueFuture<'_, ()> {
         Box::pin(async move {
-            {
-                let mut books = self.books();
-                for id in &ids {
-                    if let Some(e) = books.entries.remove(id) {
-                        books.timers.remove(&(e.out.due_ms(), e.serial));
-                        if let Some(t) = books.trackers.get_mut(&e.at.0) {
-                            t.done(e.at.1);
-                        }
+            let mut books = self.books();
+            for id in &ids {
+                if let Some(e) = books.entries.remove(id) {
+                    books.timers.remove(&(e.out.due_ms(), e.serial));
+                    if let Some(t) = books.trackers.get_mut(&e.at.0) {
+                        t.done(e.at.1);
                     }
                 }
             }
-            self.commit(self.options.commit_every_ms);
+            self.commit(&mut books, Commit::Due);
             Ok(())
         })
     }
@@ -640,9 +643,10 @@ impl Queue for KafkaQueue {
     fn release(&self, runner: &str) -> QueueFuture<'_, ()> {
         let runner = runner.to_owned();
         Box::pin(async move {
-            self.commit(0);
             let consumer = {
                 let mut books = self.books();
+                // What its partitions have done is committed while it owns them.
+                self.commit(&mut books, Commit::Now);
                 let theirs: Vec<String> = books
                     .entries
                     .iter()
