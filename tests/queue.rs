@@ -200,6 +200,74 @@ async fn the_kafka_queue_commits_once_an_interval_and_when_a_runner_leaves() {
     assert_eq!(ids(&reserve_n(&*q, "r", 1).await), ["d"]);
 }
 
+/// On Kafka, calls put on a replica (a queue) without a partition go onto the partitions its own
+/// runners read while one of them waits for work, so the replica that enqueued a call is the one
+/// whose runner gets it: two queues in one group, each with a runner, each get back only what
+/// was put on them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kafka_queue_puts_a_replicas_calls_where_its_own_waiting_runners_read() {
+    let broker = common::broker().await;
+    let options = KafkaOptions {
+        brokers: broker.addr.to_string(),
+        partitions: 4,
+        ..KafkaOptions::default()
+    };
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let one = Arc::new(
+        KafkaQueue::open(clock.clone(), options.clone())
+            .await
+            .unwrap(),
+    );
+    let two = Arc::new(KafkaQueue::open(clock, options).await.unwrap());
+    // Each queue's runner joins the group and asks until the group split the partitions.
+    let watch = ebb::clock::Stopwatch::start();
+    loop {
+        let wait = Duration::from_millis(300);
+        let (a, b) = tokio::join!(one.reserve("a", 1, wait), two.reserve("b", 1, wait));
+        assert!(a.unwrap().is_empty() && b.unwrap().is_empty());
+        let (mine, theirs) = (one.assigned(), two.assigned());
+        if !mine.is_empty() && !theirs.is_empty() && mine.len() + theirs.len() == 4 {
+            assert!(
+                mine.iter().all(|p| !theirs.contains(p)),
+                "{mine:?} {theirs:?}"
+            );
+            break;
+        }
+        assert!(
+            watch.elapsed() < WAIT,
+            "the group never split: {mine:?} {theirs:?}"
+        );
+    }
+    for (q, runner, prefix) in [(&one, "a", "one"), (&two, "b", "two")] {
+        let names: Vec<String> = (0..20).map(|i| format!("{prefix}-{i:02}")).collect();
+        let asking = tokio::spawn({
+            let q = q.clone();
+            async move {
+                // Waits, as a runner with room does, until something comes.
+                let mut got = q.reserve(runner, 20, WAIT).await.unwrap();
+                got.extend(reserve_n(&*q, runner, 20 - got.len()).await);
+                got
+            }
+        });
+        let watch = ebb::clock::Stopwatch::start();
+        while q.waiting() != q.assigned() {
+            assert!(watch.elapsed() < WAIT, "runner {runner} never waited");
+            tokio::task::yield_now().await;
+        }
+        q.put(names.iter().map(|n| msg(n, "")).collect())
+            .await
+            .unwrap();
+        let mut got = asking.await.unwrap();
+        got.sort_by(|a, b| a.id.cmp(&b.id));
+        assert_eq!(
+            ids(&got),
+            names,
+            "runner {runner} got what was put beside it"
+        );
+        q.delete(names).await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_embedded_queue_redelivers_after_the_visibility_timeout_and_holds_started_calls() {
     let dir = tempfile::tempdir().unwrap();

@@ -2,9 +2,13 @@
 //!
 //! * [`Queue::put`] produces with `acks=all` and returns once the broker has every message; a
 //!   message's key is the partition its enqueue named (calls sharing it share a Kafka
-//!   partition), or else shared by runs of [`KEY_RUN`] calls put together (the producer batches
-//!   each run onto one Kafka partition), so calls spread over every partition and every
-//!   runner's consumer; ebb does not steer calls to runners by name here ([`Queue::steers_to_runners`]).
+//!   partition). Calls without one go in runs of [`KEY_RUN`] (the producer batches each run
+//!   onto one Kafka partition): onto the partitions this replica's own runners read, turn
+//!   about, while one of them waits for work; else each run shares a key, so runs spread over
+//!   every partition and every runner's consumer. A call read by a runner of the replica that
+//!   enqueued it is decided there, without asking its owner for its state and forwarding its
+//!   start and finish. ebb does not steer calls to runners by name here
+//!   ([`Queue::steers_to_runners`]).
 //! * Each runner that asks for work gets a consumer of its own in one consumer group, created on
 //!   its first dequeue; the group spreads the partitions over the live runners, and when a runner
 //!   is released its consumer leaves the group and its partitions move to the others.
@@ -29,8 +33,10 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 use rdkafka::Message as _;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
@@ -182,11 +188,50 @@ struct Books {
     /// The serial of the last entry booked.
     serial: u64,
     trackers: HashMap<i32, Tracker>,
-    consumers: HashMap<String, Arc<StreamConsumer>>,
+    consumers: HashMap<String, Arc<RunnerConsumer>>,
     /// Each runner's reserves under way and when it last asked.
     asking: HashMap<String, Asking>,
     /// When offsets were last committed.
     committed_ms: u64,
+    /// Runs put onto this replica's own partitions so far: the next run's turn among them.
+    turn: usize,
+}
+
+/// A runner's consumer.
+type RunnerConsumer = StreamConsumer<Assigned>;
+
+/// A runner's consumer's context: the partitions the group assigned it, as its rebalances said
+/// (read on every put, without a request to librdkafka's thread as `assignment()` makes).
+#[derive(Debug, Default)]
+struct Assigned {
+    partitions: Mutex<BTreeSet<i32>>,
+}
+
+impl Assigned {
+    fn partitions(&self) -> std::sync::MutexGuard<'_, BTreeSet<i32>> {
+        self.partitions.lock().expect("assigned partitions lock")
+    }
+}
+
+impl ClientContext for Assigned {}
+
+impl ConsumerContext for Assigned {
+    // Cooperative rebalances assign and revoke partitions a few at a time; an eager one revokes
+    // them all, then assigns the new set. The consumer reads one topic, the calls'.
+    fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let mut partitions = self.partitions();
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                partitions.extend(tpl.elements().iter().map(|e| e.partition()))
+            }
+            Rebalance::Revoke(tpl) => {
+                for e in tpl.elements() {
+                    partitions.remove(&e.partition());
+                }
+            }
+            Rebalance::Error(_) => {}
+        }
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -262,11 +307,11 @@ impl KafkaQueue {
     }
 
     /// The runner's consumer, joining the group on first use.
-    fn consumer(&self, runner: &str) -> Result<Arc<StreamConsumer>, QueueError> {
+    fn consumer(&self, runner: &str) -> Result<Arc<RunnerConsumer>, QueueError> {
         if let Some(c) = self.books().consumers.get(runner) {
             return Ok(c.clone());
         }
-        let c: StreamConsumer = ClientConfig::new()
+        let c: RunnerConsumer = ClientConfig::new()
             .set("bootstrap.servers", &self.options.brokers)
             .set("group.id", &self.options.group)
             .set("client.id", format!("ebb-runner-{runner}"))
@@ -284,7 +329,7 @@ impl KafkaQueue {
             // Hand calls over as soon as they are on the broker.
             .set("fetch.wait.max.ms", "5")
             .set("fetch.min.bytes", "1")
-            .create()
+            .create_with_context(Assigned::default())
             .map_err(kafka)?;
         c.subscribe(&[&self.options.topic]).map_err(kafka)?;
         let c = Arc::new(c);
@@ -309,11 +354,39 @@ impl KafkaQueue {
         }
     }
 
+    /// A partition for each of `runs` runs of calls put here: the partitions that this
+    /// replica's runners waiting for work now read, each run the next in turn; none (spread them
+    /// by key) when no runner of this replica waits. A partition that moved since its last
+    /// rebalance only sends a run to another replica's runners, who ask this one about it.
+    fn own_partitions(&self, runs: usize) -> Vec<i32> {
+        let mut books = self.books();
+        let waiting = partitions_of(&books, true);
+        if waiting.is_empty() {
+            return Vec::new();
+        }
+        let first = books.turn;
+        books.turn = books.turn.wrapping_add(runs);
+        (0..runs)
+            .map(|i| waiting[first.wrapping_add(i) % waiting.len()])
+            .collect()
+    }
+
+    /// The partitions this replica's runners' consumers read now, as their rebalances said.
+    pub fn assigned(&self) -> Vec<i32> {
+        partitions_of(&self.books(), false)
+    }
+
+    /// The partitions read by this replica's runners that wait for work now (a reserve of
+    /// theirs is under way): where a put sends calls that name no partition.
+    pub fn waiting(&self) -> Vec<i32> {
+        partitions_of(&self.books(), true)
+    }
+
     /// Closes the consumers of runners that have not asked for work for `idle_consumer_ms`
     /// (busy ones): their partitions move to the consumers of runners that ask.
     async fn release_idle(&self) {
         let now = self.clock.now_ms();
-        let idle: Vec<(String, Arc<StreamConsumer>)> = {
+        let idle: Vec<(String, Arc<RunnerConsumer>)> = {
             let mut books = self.books();
             let names: Vec<String> = books
                 .consumers
@@ -487,6 +560,27 @@ impl KafkaQueue {
     }
 }
 
+/// The partitions, sorted, that the consumers in `books` read now: of every runner, or only of
+/// those `waiting` for work (a reserve under way).
+fn partitions_of(books: &Books, waiting: bool) -> Vec<i32> {
+    let mut out = BTreeSet::new();
+    for (runner, c) in &books.consumers {
+        if !waiting || books.asking.get(runner).is_some_and(|a| a.under_way > 0) {
+            out.extend(c.context().partitions().iter().copied());
+        }
+    }
+    out.into_iter().collect()
+}
+
+/// Where a put sends a record.
+#[derive(Debug, Clone, Copy)]
+enum Onto {
+    /// Where its key (by place in the put's keys) hashes to.
+    Key(usize),
+    /// That partition.
+    Partition(i32),
+}
+
 /// When [`KafkaQueue::commit`] commits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Commit {
@@ -516,23 +610,33 @@ impl Queue for KafkaQueue {
     fn put(&self, messages: Vec<Message>) -> QueueFuture<'_, ()> {
         Box::pin(async move {
             let timeout = Duration::from_millis(self.options.put_timeout_ms);
-            // Messages put together without a partition share a key (the id of the first of each
-            // KEY_RUN of them): the producer batches each run onto one Kafka partition, and runs
-            // spread over all partitions and so over every runner's consumer. Each record names
-            // its key by place in `keys`, so a run's key is copied once.
+            // Messages put together without a partition go in runs of KEY_RUN, each run onto one
+            // Kafka partition (the producer batches it): one of this replica's own runners'
+            // while one waits for work, else the one the run's key (the id of its first message)
+            // hashes to, so runs spread over all partitions and so over every runner's consumer.
+            // Each keyed record names its key by place in `keys`, so a run's key is copied once.
+            let unnamed = messages.iter().filter(|m| m.partition.is_empty()).count();
+            let own = self.own_partitions(unnamed.div_ceil(KEY_RUN));
             let mut keys: Vec<String> = Vec::new();
-            let mut records: Vec<(usize, Vec<u8>)> = Vec::with_capacity(messages.len());
+            let mut records: Vec<(Onto, Vec<u8>)> = Vec::with_capacity(messages.len());
             let mut in_run = 0;
             for m in messages {
-                if m.partition.is_empty() {
-                    if in_run % KEY_RUN == 0 {
-                        keys.push(m.id.clone());
-                    }
+                let onto = if m.partition.is_empty() {
+                    let (run, starts_run) = (in_run / KEY_RUN, in_run % KEY_RUN == 0);
                     in_run += 1;
+                    match own.get(run) {
+                        Some(p) => Onto::Partition(*p),
+                        None => {
+                            if starts_run {
+                                keys.push(m.id.clone());
+                            }
+                            Onto::Key(keys.len() - 1)
+                        }
+                    }
                 } else {
                     keys.push(m.partition.clone());
-                }
-                let key = keys.len() - 1;
+                    Onto::Key(keys.len() - 1)
+                };
                 // Sized up front: the encoder would otherwise grow it from nothing.
                 let mut payload =
                     Vec::with_capacity(m.body.len() + m.id.len() + m.partition.len() + 16);
@@ -545,14 +649,16 @@ impl Queue for KafkaQueue {
                     },
                 )
                 .map_err(kafka)?;
-                records.push((key, payload));
+                records.push((onto, payload));
             }
             let topic = self.options.topic.as_str();
-            let sends = records.iter().map(|(key, payload)| {
-                self.producer.send(
-                    FutureRecord::to(topic).key(&keys[*key]).payload(payload),
-                    timeout,
-                )
+            let sends = records.iter().map(|(onto, payload)| {
+                let record = FutureRecord::<str, [u8]>::to(topic).payload(payload);
+                let record = match onto {
+                    Onto::Key(k) => record.key(keys[*k].as_str()),
+                    Onto::Partition(p) => record.partition(*p),
+                };
+                self.producer.send(record, timeout)
             });
             for r in futures_util::future::join_all(sends).await {
                 r.map_err(|(e, _)| kafka(e))?;
