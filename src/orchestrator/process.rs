@@ -316,6 +316,10 @@ async fn reconcile(inner: Arc<Inner>, name: String, wake: Arc<Notify>) {
     loop {
         let action = {
             let mut all = inner.lock();
+            let taken: Vec<u16> = all
+                .values()
+                .flat_map(|w| w.replicas.values().map(|r| r.addr.port()))
+                .collect();
             let Some(w) = all.get_mut(&name) else { return };
             let live: Vec<u64> = w
                 .replicas
@@ -324,7 +328,7 @@ async fn reconcile(inner: Arc<Inner>, name: String, wake: Arc<Notify>) {
                 .map(|(id, _)| *id)
                 .collect();
             if (live.len() as u32) < w.desired {
-                match free_port() {
+                match free_port(&taken, kernel_port) {
                     Ok(addr) => {
                         let id = w.next_id;
                         w.next_id += 1;
@@ -399,9 +403,37 @@ async fn reconcile(inner: Arc<Inner>, name: String, wake: Arc<Notify>) {
     }
 }
 
-fn free_port() -> std::io::Result<SocketAddr> {
+/// How many ports [`free_port`] asks the kernel for before it gives up.
+const PORT_PICKS: usize = 16;
+
+/// A port for a new replica: one the kernel has free now (`pick`) that no replica of this
+/// orchestrator was given (`taken`). The kernel may hand out a port again as soon as its
+/// listener here is gone, before the replica it was picked for has bound it; two replicas
+/// starting at once could then get the same port, one fail to bind it, and its readiness probe
+/// reach the other's app (a request for one function answered by another's). Each port the
+/// kernel offers stays bound until the pick is over, so it is not offered twice.
+fn free_port<H>(
+    taken: &[u16],
+    mut pick: impl FnMut() -> std::io::Result<(SocketAddr, H)>,
+) -> std::io::Result<SocketAddr> {
+    let mut held = Vec::new();
+    for _ in 0..PORT_PICKS {
+        let (addr, listener) = pick()?;
+        if !taken.contains(&addr.port()) {
+            return Ok(addr);
+        }
+        held.push(listener);
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::AddrInUse,
+        format!("the kernel offered only ports replicas hold, {PORT_PICKS} times"),
+    ))
+}
+
+/// A port the kernel has free on loopback, with the listener that holds it.
+fn kernel_port() -> std::io::Result<(SocketAddr, std::net::TcpListener)> {
     let l = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
-    l.local_addr()
+    Ok((l.local_addr()?, l))
 }
 
 /// Records that a replica is gone; a replica that was not being stopped counts as a failure.
@@ -684,4 +716,31 @@ async fn ready_once(addr: SocketAddr, readiness: &Readiness) -> bool {
         }
     }
     head.starts_with(b"HTTP/1.") && head[9] == b'2'
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_replica_never_gets_a_port_another_replica_was_given() {
+        let at = |port| SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        let mut offers = vec![at(41_000), at(41_001), at(41_002)].into_iter();
+        let picked = free_port(&[41_000, 41_001], || Ok((offers.next().unwrap(), ())));
+        assert_eq!(picked.unwrap(), at(41_002));
+        // A kernel that offers only taken ports: an error, after a bounded number of asks.
+        let mut asked = 0;
+        let err = free_port(&[41_000], || {
+            asked += 1;
+            Ok((at(41_000), ()))
+        })
+        .unwrap_err();
+        assert_eq!(
+            (err.kind(), asked),
+            (std::io::ErrorKind::AddrInUse, PORT_PICKS)
+        );
+        // The kernel's own pick: a port on loopback.
+        let free = free_port(&[], kernel_port).unwrap();
+        assert!(free.ip().is_loopback() && free.port() != 0, "{free}");
+    }
 }
