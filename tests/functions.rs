@@ -836,7 +836,7 @@ async fn until_replicas(ebb: &Ebb, function: &str, want: (u64, u64)) {
     .await
 }
 
-/// A burst, a steady trickle, then silence: the function goes 0 -> max -> 0, never past its
+/// Load, a steady trickle, then silence: the function goes 0 -> max -> 0, never past its
 /// bounds, and `ebb explain function` lists the counter and scaling events behind each change.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_autoscaler_follows_the_call_counter_from_zero_to_max_and_back() {
@@ -864,12 +864,27 @@ async fn the_autoscaler_follows_the_call_counter_from_zero_to_max_and_back() {
     t["maxInstanceNum"] = json!(3);
     assert_eq!(api(&ebb, "POST", "/api/funcs/template", t).await.0, 201);
     assert_eq!(replicas(&ebb, "busy").await, (0, 0));
-    // Burst: the counter reaches its cap, which asks for 8 instances; the bound is 3.
+    // Load: the counter reaches its cap, which asks for 8 instances; the bound is 3. Invocations
+    // go on (8 each 100 ms, more than the counter decays) until 3 stand ready, so the counter
+    // stays up however long the replicas take to start on a loaded machine.
     let mut ids = Vec::new();
-    for i in 0..40 {
-        ids.push(invoke(&ebb, "busy", &format!("b{i}")).await);
+    let watch = ebb::clock::Stopwatch::start();
+    let mut pace = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        pace.tick().await;
+        for _ in 0..8 {
+            let n = ids.len();
+            ids.push(invoke(&ebb, "busy", &format!("b{n}")).await);
+        }
+        let now = replicas(&ebb, "busy").await;
+        if now == (3, 3) {
+            break;
+        }
+        assert!(
+            watch.elapsed() < Duration::from_secs(60),
+            "busy at (desired, ready) {now:?} under load, never (3, 3)"
+        );
     }
-    until_replicas(&ebb, "busy", (3, 3)).await;
     // Steady: a trickle keeps it up.
     for i in 0..5 {
         ids.push(invoke(&ebb, "busy", &format!("s{i}")).await);
