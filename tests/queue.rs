@@ -141,7 +141,7 @@ async fn the_embedded_queue_hands_a_runner_its_own_partition_first() {
 }
 
 /// A Kafka queue with `options`, on the system clock.
-async fn kafka(options: &KafkaOptions) -> Arc<dyn Queue> {
+async fn kafka(options: &KafkaOptions) -> Arc<KafkaQueue> {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     Arc::new(KafkaQueue::open(clock, options.clone()).await.unwrap())
 }
@@ -152,7 +152,7 @@ async fn kafka_contract(broker: &common::kafka::Broker) {
         partitions: 4,
         ..KafkaOptions::default()
     };
-    contract(async || kafka(&options).await).await;
+    contract(async || kafka(&options).await as Arc<dyn Queue>).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -212,13 +212,7 @@ async fn the_kafka_queue_puts_a_replicas_calls_where_its_own_waiting_runners_rea
         partitions: 4,
         ..KafkaOptions::default()
     };
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let one = Arc::new(
-        KafkaQueue::open(clock.clone(), options.clone())
-            .await
-            .unwrap(),
-    );
-    let two = Arc::new(KafkaQueue::open(clock, options).await.unwrap());
+    let (one, two) = (kafka(&options).await, kafka(&options).await);
     // Each queue's runner joins the group and asks until the group split the partitions.
     let watch = ebb::clock::Stopwatch::start();
     loop {
