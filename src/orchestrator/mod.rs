@@ -4,6 +4,7 @@
 //! [`kube_templates`]): the Kubernetes ones are `ebb_kube`'s, re-exported under these names. The
 //! [`Orchestrator`] contract is the core's (`ebb_core::orchestrator`).
 
+mod listener;
 pub mod process;
 
 pub use ebb_core::orchestrator::*;

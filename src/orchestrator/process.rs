@@ -27,6 +27,7 @@ use nix::unistd::Pid;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{Notify, oneshot, watch};
 
+use super::listener;
 use super::{Error, Observed, Orchestrator, Readiness, Result, WorkloadSpec};
 
 /// Tuning of the process backend. Every bound is a named value.
@@ -608,8 +609,11 @@ async fn run_replica(inner: Arc<Inner>, name: String, id: u64, addr: SocketAddr)
     tracing::debug!(workload = %name, replica = id, pid, %addr, "replica started");
 
     let startup = Duration::from_millis(spec.startup_timeout_ms);
+    // Why the last probe that passed did not count (another process held the port).
+    let refused = Mutex::new(None);
+    let waiting = wait_ready(&inner.options, addr, &spec.readiness, pid, &refused);
     let ready = tokio::select! {
-        r = tokio::time::timeout(startup, wait_ready(&inner.options, addr, &spec.readiness)) => {
+        r = tokio::time::timeout(startup, waiting) => {
             r.map_err(|_| format!("not ready after {} ms", spec.startup_timeout_ms))
         }
         status = child.wait() => {
@@ -617,10 +621,11 @@ async fn run_replica(inner: Arc<Inner>, name: String, id: u64, addr: SocketAddr)
                 Ok(s) => format!("exited before it was ready ({s})"),
                 Err(e) => format!("lost before it was ready: {e}"),
             };
-            return replica_gone(&inner, &name, id, Some(why));
+            return replica_gone(&inner, &name, id, Some(with_refusal(why, &refused)));
         }
         _ = stop.notified() => Err(String::new()),
     };
+    let ready = ready.map_err(|why| with_refusal(why, &refused));
     match ready {
         Ok(()) => {
             if let Some(w) = inner.lock().get_mut(&name) {
@@ -683,16 +688,48 @@ async fn stop_child(child: &mut tokio::process::Child, pid: u32, spec: &Workload
     signal_group(pid, Signal::SIGKILL);
 }
 
-/// Polls until the readiness check passes.
-async fn wait_ready(options: &ProcessOptions, addr: SocketAddr, readiness: &Readiness) {
+/// `why` a replica failed, with why its last passing probe did not count, if one did not.
+fn with_refusal(why: String, refused: &Mutex<Option<String>>) -> String {
+    match refused.lock().expect("refusal lock").take() {
+        Some(r) if !why.is_empty() => format!("{why}; {r}"),
+        _ => why,
+    }
+}
+
+/// Polls until the readiness check passes on a listener of the replica's process group (`pgid`,
+/// its first process's pid): a probe answered by another process (given the same port before the
+/// replica bound it) does not count, and says why in `refused`.
+async fn wait_ready(
+    options: &ProcessOptions,
+    addr: SocketAddr,
+    readiness: &Readiness,
+    pgid: u32,
+    refused: &Mutex<Option<String>>,
+) {
     let poll = Duration::from_millis(options.readiness_poll_ms.max(1));
     let check = Duration::from_millis(options.readiness_check_timeout_ms.max(1));
     loop {
         if let Ok(true) = tokio::time::timeout(check, ready_once(addr, readiness)).await {
-            return;
+            match owned(addr.port(), pgid).await {
+                None => return,
+                Some(why) => {
+                    tracing::debug!(%addr, pgid, %why, "readiness probe answered by another process");
+                    *refused.lock().expect("refusal lock") = Some(why);
+                }
+            }
         }
         tokio::time::sleep(poll).await;
     }
+}
+
+/// Why the listener on `port` is not the replica's (process group `pgid`), or `None` when it is,
+/// or when this machine cannot tell.
+async fn owned(port: u16, pgid: u32) -> Option<String> {
+    let pgid = i32::try_from(pgid).ok().filter(|p| *p > 0)?;
+    tokio::task::spawn_blocking(move || listener::holder(port, pgid).refusal(port))
+        .await
+        .ok()
+        .flatten()
 }
 
 async fn ready_once(addr: SocketAddr, readiness: &Readiness) -> bool {
@@ -742,5 +779,58 @@ mod tests {
         // The kernel's own pick: a port on loopback.
         let free = free_port(&[], kernel_port).unwrap();
         assert!(free.ip().is_loopback() && free.port() != 0, "{free}");
+    }
+
+    #[tokio::test]
+    async fn a_probe_answered_by_another_process_does_not_make_a_replica_ready() {
+        // The port is held here, by the test's process; the replica is a process of its own
+        // group that listens on nothing (as an app that failed to bind the port it was given).
+        let held = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let addr = held.local_addr().unwrap();
+        let mut replica = tokio::process::Command::new("sleep")
+            .arg("60")
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let options = ProcessOptions {
+            readiness_poll_ms: 10,
+            ..ProcessOptions::default()
+        };
+        let refused = Mutex::new(None);
+        let waiting = wait_ready(
+            &options,
+            addr,
+            &Readiness::Tcp,
+            replica.id().unwrap(),
+            &refused,
+        );
+        let refusal = async {
+            let deadline = ebb_core::clock::Stopwatch::start();
+            loop {
+                if let Some(why) = refused.lock().unwrap().clone() {
+                    return why;
+                }
+                assert!(
+                    deadline.elapsed() < Duration::from_secs(30),
+                    "no probe refused"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        let why = tokio::select! {
+            () = waiting => panic!("ready on another process's listener"),
+            why = refusal => why,
+        };
+        assert!(
+            why.contains(&format!("port {} is held by another process", addr.port())),
+            "{why}"
+        );
+        let _ = replica.kill().await;
+        // The same probe for the group that holds the listener (the test's own): ready.
+        let mine = nix::unistd::getpgrp().as_raw() as u32;
+        let refused = Mutex::new(None);
+        wait_ready(&options, addr, &Readiness::Tcp, mine, &refused).await;
+        assert_eq!(*refused.lock().unwrap(), None);
     }
 }
