@@ -251,7 +251,12 @@ impl Metrics {
         // and cleaners waiting for their firing (the tail repeats whatever lands meanwhile).
         log.read(|s| {
             let mut calls = decided.pending_calls.lock().expect("calls lock");
-            for id in s.calls.queued.iter().take(MAX_PENDING_CALLS) {
+            for id in s
+                .calls
+                .queued_in_order()
+                .into_iter()
+                .take(MAX_PENDING_CALLS)
+            {
                 if let Some(c) = s.calls.get(id) {
                     calls.insert(id.clone(), (c.created_at_ms, trace_id(&c.spec)));
                 }

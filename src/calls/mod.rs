@@ -592,8 +592,8 @@ impl Calls {
     pub async fn recover(&self) -> Result<usize, CallError> {
         let queued: Vec<CallSpec> = self.log.read(|s| {
             s.calls
-                .queued
-                .iter()
+                .queued_in_order()
+                .into_iter()
                 .filter_map(|id| s.calls.get(id))
                 .map(|c| c.spec.clone())
                 .collect()

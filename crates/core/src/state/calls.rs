@@ -20,7 +20,7 @@
 //! ([`Calls::queued_by_target`], the bound `--max-queued-per-target`).
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, hash_map};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, hash_map};
 
 use serde::{Deserialize, Serialize};
 
@@ -158,6 +158,12 @@ pub struct Call {
 /// table; boxed, that table is 17 MB and the growth takes less than half as long.
 pub type CallMap = HashMap<String, Box<Call>, foldhash::fast::RandomState>;
 
+/// The ids of the queued calls, hashed for the reason [`CallMap`] is: every enqueue inserts one
+/// and every start removes one, and an ordered set of 100,000 queued ids (the default bound per
+/// target) compares ids sharing their prefix a few dozen times per step, each behind a pointer.
+/// Serialized in id order; what needs an order sorts ([`Calls::queued_in_order`]).
+pub type IdSet = HashSet<String, foldhash::fast::RandomState>;
+
 /// All calls by id.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Calls {
@@ -165,8 +171,8 @@ pub struct Calls {
     #[serde(serialize_with = "in_id_order")]
     pub by_id: CallMap,
     /// Ids of the calls still queued (an index of `by_id`).
-    #[serde(default)]
-    pub queued: BTreeSet<String>,
+    #[serde(default, serialize_with = "set_in_id_order")]
+    pub queued: IdSet,
     /// How many of them each target has (an index of `queued`, for `--max-queued-per-target`).
     /// A snapshot from before it was kept starts it empty: counts then err low, never high.
     #[serde(default)]
@@ -192,6 +198,17 @@ fn ended_before(c: &Call, before_ms: u64) -> bool {
 /// Serializes the calls in id order (a map's own order would change every snapshot's bytes).
 fn in_id_order<S: serde::Serializer>(by_id: &CallMap, s: S) -> Result<S::Ok, S::Error> {
     s.collect_map(sorted(by_id))
+}
+
+/// Serializes a set of ids in id order, as the ordered set it replaced did.
+fn set_in_id_order<S: serde::Serializer>(ids: &IdSet, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(ids_in_order(ids))
+}
+
+fn ids_in_order(ids: &IdSet) -> Vec<&String> {
+    let mut all: Vec<&String> = ids.iter().collect();
+    all.sort_unstable();
+    all
 }
 
 fn sorted(by_id: &CallMap) -> Vec<(&String, &Call)> {
@@ -357,6 +374,12 @@ impl Calls {
             }
         }
         timer
+    }
+
+    /// The ids of the queued calls in id order (for UUID v7 ids, the order they were enqueued
+    /// in). Sorts them all: for start-up and for a bounded look, not per request.
+    pub fn queued_in_order(&self) -> Vec<&String> {
+        ids_in_order(&self.queued)
     }
 
     /// Calls queued for `target` now.

@@ -60,16 +60,21 @@ impl Schedule {
     /// Sets (or moves) the deadline of `key`.
     pub fn set(&mut self, key: Due, at_ms: u64) {
         let q = &mut self.queues[key.kind()];
-        if let Some(old) = self.by_key.insert(key.clone(), at_ms) {
-            q.remove(&(old, key.clone()));
+        let mut entry = (at_ms, key);
+        if let Some(old) = self.by_key.insert(entry.1.clone(), at_ms) {
+            // The old entry, found with the new one's key (no copy of it).
+            entry.0 = old;
+            q.remove(&entry);
+            entry.0 = at_ms;
         }
-        q.insert((at_ms, key));
+        q.insert(entry);
     }
 
     /// Removes the deadline of `key`, if any.
     pub fn clear(&mut self, key: &Due) {
-        if let Some(old) = self.by_key.remove(key) {
-            self.queues[key.kind()].remove(&(old, key.clone()));
+        if let Some((key, old)) = self.by_key.remove_entry(key) {
+            let kind = key.kind();
+            self.queues[kind].remove(&(old, key));
         }
     }
 
