@@ -213,7 +213,27 @@ impl Assigned {
     }
 }
 
-impl ClientContext for Assigned {}
+impl ClientContext for Assigned {
+    // A commit sent while the group rebalances is refused (its generation is over); the offsets
+    // are committed again after the rebalance, and a call read again meanwhile is deleted as
+    // ended. librdkafka logs each refusal as a warning: here it is a debug line. Every other
+    // line goes as librdkafka's default context logs it.
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        if is_stale_commit(fac, message) {
+            tracing::debug!(target: "librdkafka", "librdkafka: {fac} {message}");
+        } else {
+            DefaultClientContext.log(level, fac, message);
+        }
+    }
+}
+
+/// Whether a librdkafka log line is a commit refused because the group's generation changed
+/// under it (a rebalance), which the next commit after it covers.
+fn is_stale_commit(fac: &str, message: &str) -> bool {
+    fac == "COMMITFAIL"
+        && (message.contains("generation id is not valid")
+            || message.contains("rebalance in progress"))
+}
 
 impl ConsumerContext for Assigned {
     // Cooperative rebalances assign and revoke partitions a few at a time; an eager one revokes
@@ -813,5 +833,29 @@ impl Queue for KafkaQueue {
             ready: books.entries.len() - reserved,
             reserved,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_commits_refused_by_a_rebalance_are_stale() {
+        // librdkafka's line for a commit that met a new generation (seen with two replicas).
+        let stale = "Offset commit (manual) failed for 4/4 partition(s) in join-state wait-metadata: \
+                     Broker: Specified group generation id is not valid: t[4]@20(Broker: Specified \
+                     group generation id is not valid)";
+        assert!(is_stale_commit("COMMITFAIL", stale));
+        assert!(is_stale_commit(
+            "COMMITFAIL",
+            "Offset commit (manual) failed for 1/1 partition(s): Broker: Group rebalance in progress"
+        ));
+        // Any other failure of a commit, and the same words under another facility, stay warnings.
+        assert!(!is_stale_commit(
+            "COMMITFAIL",
+            "Offset commit (manual) failed for 1/1 partition(s): Broker: Not coordinator"
+        ));
+        assert!(!is_stale_commit("FAIL", stale));
     }
 }
