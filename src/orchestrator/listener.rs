@@ -90,23 +90,18 @@ pub fn holder(port: u16, pgid: i32) -> Holder {
     let Ok(all) = procfs::process::all_processes() else {
         return Holder::Unknown;
     };
-    let mut others = Vec::new();
-    for p in all.flatten() {
-        match p.stat() {
-            Ok(s) if s.pgrp == pgid => {
-                if s.pid != pgid && holds(&p, &inodes) {
-                    return Holder::Group;
-                }
-            }
-            Ok(s) => others.push((p, s.comm)),
-            Err(_) => {}
-        }
+    let (group, others): (Vec<_>, Vec<_>) = all
+        .flatten()
+        .filter_map(|p| p.stat().ok().map(|s| (p, s)))
+        .partition(|(_, s)| s.pgrp == pgid);
+    if group.iter().any(|(p, _)| holds(p, &inodes)) {
+        return Holder::Group;
     }
     Holder::Other(
         others
             .into_iter()
             .find(|(p, _)| holds(p, &inodes))
-            .map(|(p, name)| (p.pid, name)),
+            .map(|(p, s)| (p.pid, s.comm)),
     )
 }
 

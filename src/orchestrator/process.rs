@@ -710,7 +710,7 @@ async fn wait_ready(
     let check = Duration::from_millis(options.readiness_check_timeout_ms.max(1));
     loop {
         if let Ok(true) = tokio::time::timeout(check, ready_once(addr, readiness)).await {
-            match owned(addr.port(), pgid).await {
+            match foreign_holder(addr.port(), pgid).await {
                 None => return,
                 Some(why) => {
                     tracing::debug!(%addr, pgid, %why, "readiness probe answered by another process");
@@ -722,9 +722,9 @@ async fn wait_ready(
     }
 }
 
-/// Why the listener on `port` is not the replica's (process group `pgid`), or `None` when it is,
-/// or when this machine cannot tell.
-async fn owned(port: u16, pgid: u32) -> Option<String> {
+/// Why the listener on `port` is not the replica's (process group `pgid`): which other process
+/// holds it; `None` when the group holds it, or when this machine cannot tell.
+async fn foreign_holder(port: u16, pgid: u32) -> Option<String> {
     let pgid = i32::try_from(pgid).ok().filter(|p| *p > 0)?;
     tokio::task::spawn_blocking(move || listener::holder(port, pgid).refusal(port))
         .await
