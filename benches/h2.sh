@@ -12,7 +12,7 @@
 # machine's two cores. Installs nghttp2-client, nginx and haproxy (Debian packages) when missing.
 # Usage: benches/h2.sh [SECONDS] [CONNS] [STREAMS]   (EBB_BIN: an ebb binary to use instead of
 # building the release one; BENCH_ROUNDS: rounds, default 3; BENCH_PERF=FILE: a `perf record`
-# profile of ebb over its gRPC rounds)
+# profile of ebb over its gRPC rounds, with BENCH_PERF_ARGS its options, `-F 1999 -g` by default)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -184,7 +184,7 @@ section() { # TITLE PATH NGINX_PORT HAPROXY_PORT [h2load args...]
   local results=("$(run direct "$app_port" "$path" "$@" --)")
   for _ in $(seq 1 "$rounds"); do
     if [ -n "${BENCH_PERF:-}" ] && [ "$path" = "$grpc_path" ]; then
-      perf record -q -F 1999 -g -p "$ebb_pid" -o "$BENCH_PERF" 2>/dev/null &
+      perf record -q ${BENCH_PERF_ARGS:--F 1999 -g} -p "$ebb_pid" -o "$BENCH_PERF" 2>/dev/null &
       perf_pid=$!
     fi
     runs_e+=("$(run ebb "$ebb_port" "$path" "$@" -- "$ebb_pid")")

@@ -325,15 +325,18 @@ impl Extractor for Reading<'_> {
     }
 }
 
-/// A `http::HeaderMap` as a carrier, written.
+/// A `http::HeaderMap` as a carrier, written. `traceparent` is marked sensitive, as the request
+/// id is: it names a span of its own in every request, so HPACK writes it as a literal never
+/// indexed rather than filling the HTTP/2 encoder's table with values never sent again.
 pub(crate) struct Headers<'a>(pub &'a mut hyper::HeaderMap);
 
 impl Injector for Headers<'_> {
     fn set(&mut self, key: &str, value: String) {
-        if let (Ok(name), Ok(value)) = (
+        if let (Ok(name), Ok(mut value)) = (
             hyper::header::HeaderName::from_bytes(key.as_bytes()),
             hyper::header::HeaderValue::from_str(&value),
         ) {
+            value.set_sensitive(name == "traceparent");
             self.0.insert(name, value);
         }
     }
@@ -420,6 +423,17 @@ mod tests {
             )
         );
         assert!(text.contains("tracestate: congo=t61rcWkgMzE\r\n"));
+        // Into a header map (the general path): the span's own `traceparent` never indexed by
+        // HPACK, the shared `tracestate` indexed as any header.
+        let mut headers = hyper::HeaderMap::new();
+        propagator.inject_context(&cx, &mut Headers(&mut headers));
+        assert_eq!(
+            headers["traceparent"],
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        );
+        assert!(headers["traceparent"].is_sensitive());
+        assert_eq!(headers["tracestate"], "congo=t61rcWkgMzE");
+        assert!(!headers["tracestate"].is_sensitive());
         // A malformed one is no context at all.
         let bad = Carried {
             traceparent: Some("00-zz-b7ad6b7169203331-01"),
