@@ -12,7 +12,7 @@
 # machine's two cores. Installs nghttp2-client, nginx and haproxy (Debian packages) when missing.
 # Usage: benches/h2.sh [SECONDS] [CONNS] [STREAMS]   (EBB_BIN: an ebb binary to use instead of
 # building the release one; BENCH_ROUNDS: rounds, default 3; BENCH_PERF=FILE: a `perf record`
-# profile of ebb over its gRPC rounds, with BENCH_PERF_ARGS its options, `-F 1999 -g` by default)
+# profile of ebb over its gRPC rounds, BENCH_PERF_ARGS its options: benches/lib.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -183,12 +183,9 @@ section() { # TITLE PATH NGINX_PORT HAPROXY_PORT [h2load args...]
   echo "$title: h2load -c$conns -m$streams -t2 -D$seconds, $rounds alternating rounds, each figure the median"
   local results=("$(run direct "$app_port" "$path" "$@" --)")
   for _ in $(seq 1 "$rounds"); do
-    if [ -n "${BENCH_PERF:-}" ] && [ "$path" = "$grpc_path" ]; then
-      perf record -q ${BENCH_PERF_ARGS:--F 1999 -g} -p "$ebb_pid" -o "$BENCH_PERF" 2>/dev/null &
-      perf_pid=$!
-    fi
+    if [ "$path" = "$grpc_path" ]; then bench_perf_start "$ebb_pid"; fi
     runs_e+=("$(run ebb "$ebb_port" "$path" "$@" -- "$ebb_pid")")
-    if [ -n "$perf_pid" ]; then kill -INT "$perf_pid"; wait "$perf_pid" || true; perf_pid=; fi
+    bench_perf_stop
     runs_n+=("$(run nginx "$ngx" "$path" "$@" -- --children "$nginx_pid")")
     runs_h+=("$(run haproxy "$hap" "$path" "$@" -- "$haproxy_pid")")
   done

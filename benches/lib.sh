@@ -34,6 +34,25 @@ bench_cleanup() {
   rm -rf "$work"
 }
 
+# With BENCH_PERF=FILE, starts `perf record` on PID, writing FILE, and sets `perf_pid`
+# (BENCH_PERF_ARGS: its options, `-F 1999 -g` by default; `-F 999 --call-graph dwarf,16384` names
+# the callers in code built without frame pointers); without, does nothing: PID.
+bench_perf_start() {
+  perf_pid=
+  [ -n "${BENCH_PERF:-}" ] || return 0
+  # shellcheck disable=SC2086 # the options are words
+  perf record -q ${BENCH_PERF_ARGS:--F 1999 -g} -p "$1" -o "$BENCH_PERF" 2>/dev/null &
+  perf_pid=$!
+}
+
+# Stops the recording bench_perf_start started, if any (perf writes its file as it stops).
+bench_perf_stop() {
+  [ -n "${perf_pid:-}" ] || return 0
+  kill -INT "$perf_pid"
+  wait "$perf_pid" || true
+  perf_pid=
+}
+
 # CPU time (clock ticks, 1/100 s) the processes given spent so far, with their children's
 # (nginx serves from its workers) when asked first: [--children] PID...
 ticks() {

@@ -8,7 +8,7 @@
 # Installs redis-server, redis-tools and haproxy (Debian packages) when missing.
 # Usage: benches/tcp.sh [REQUESTS] [CLIENTS] [PIPELINE]   (EBB_BIN: an ebb binary to use instead
 #        of a release build; BENCH_ROUNDS: rounds, default 3; BENCH_PERF=FILE: a `perf record`
-#        profile of ebb over its rounds, written to FILE; EBB_SERVE_ARGS: more `ebb serve` flags)
+#        profile of ebb over its rounds, written to FILE, BENCH_PERF_ARGS its options; EBB_SERVE_ARGS: more `ebb serve` flags)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -84,9 +84,9 @@ median() { sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 : >"$work/direct"; : >"$work/ebb"; : >"$work/haproxy"
 for _ in $(seq 1 "$rounds"); do
   run "$direct_port" >>"$work/direct"
-  [ -n "${BENCH_PERF:-}" ] && { perf record -q -F 1999 -g -p "$ebb_pid" -o "$BENCH_PERF" 2>/dev/null & perf_pid=$!; }
+  bench_perf_start "$ebb_pid"
   run "$route_port" "$ebb_pid" >>"$work/ebb"
-  [ -n "${BENCH_PERF:-}" ] && { kill -INT "$perf_pid"; wait "$perf_pid" || true; }
+  bench_perf_stop
   run "$haproxy_port" "$haproxy_pid" >>"$work/haproxy"
 done
 col() { awk -v c="$2" '{ print $c }' "$work/$1" | median; }

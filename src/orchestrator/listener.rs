@@ -94,7 +94,11 @@ pub fn holder(port: u16, pgid: i32) -> Holder {
         .flatten()
         .filter_map(|p| p.stat().ok().map(|s| (p, s)))
         .partition(|(_, s)| s.pgrp == pgid);
-    if group.iter().any(|(p, _)| holds(p, &inodes)) {
+    // The leader was asked above.
+    if group
+        .iter()
+        .any(|(p, _)| p.pid != pgid && holds(p, &inodes))
+    {
         return Holder::Group;
     }
     Holder::Other(

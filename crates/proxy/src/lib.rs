@@ -2102,7 +2102,7 @@ fn backend_went_away(e: &SendError) -> bool {
 /// differs in every request gains nothing from the HTTP/2 encoder's table, and each one indexed
 /// would evict an entry that is reused and lengthen the chain of `x-request-id` values every
 /// later id is compared with before it is added (measured: the table's search was a twentieth of
-/// the proxy's CPU under h2c load).
+/// the proxy's CPU under gRPC load).
 fn ensure_request_id(headers: &mut HeaderMap) -> HeaderValue {
     static NAME: HeaderName = HeaderName::from_static(request_id::HEADER);
     let given = headers
