@@ -404,6 +404,56 @@ async fn h2c_clients_are_served() {
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(v["code"], "bad_host");
+
+    // A body larger than every flow-control window on the way (ebb's 1 MiB a stream, the
+    // client's), streamed up and echoed back while still being sent.
+    const CHUNK: usize = 64 * 1024;
+    const CHUNKS: usize = 128; // 8 MiB
+    let tcp = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
+    let (mut streaming, conn) = hyper::client::conn::http2::handshake(
+        TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let chunk = Bytes::from((0..CHUNK).map(|i| (i % 253) as u8).collect::<Vec<u8>>());
+    let frames =
+        futures_util::stream::iter((0..CHUNKS).map(move |_| {
+            Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(chunk.clone()))
+        }));
+    let req = hyper::Request::post("http://h2.localhost/upload")
+        .body(http_body_util::StreamBody::new(frames))
+        .unwrap();
+    let resp = streaming.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let (mut got, mut sum) = (0usize, 0u64);
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            sum += data.iter().map(|&b| u64::from(b)).sum::<u64>();
+            got += data.len();
+        }
+    }
+    assert_eq!(got, CHUNK * CHUNKS);
+    let per_chunk: u64 = (0..CHUNK).map(|i| (i % 253) as u64).sum();
+    assert_eq!(sum, per_chunk * CHUNKS as u64, "the bytes came back intact");
+
+    // A download the client gives up on (its stream reset) leaves the connection serving.
+    let req = hyper::Request::get("http://h2.localhost/bytes?n=1073741824")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    assert!(body.frame().await.unwrap().unwrap().is_data());
+    drop(body);
+    let req = hyper::Request::get("http://h2.localhost/after/reset")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-echo-path"], "/after/reset");
 }
 
 /// A burst of HTTP/2 requests makes ebb open many HTTP/1.1 connections to the app, some left
