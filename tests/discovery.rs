@@ -533,3 +533,83 @@ async fn a_function_served_at_a_dns_name_is_called_on_the_addresses_its_policy_p
         assert_eq!(invoke().await, "cba", "no step for the address gone");
     }
 }
+
+/// A gRPC call whose body no length announces (as gRPC clients send it), drawn onto an instance
+/// that refuses the connection: ebb does not send it again to the other instance without its
+/// message. Every call is answered with its message echoed whole, or with an error status;
+/// none arrives empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_call_with_a_body_is_never_sent_again_without_it() {
+    use http_body_util::StreamBody;
+    use hyper::body::Frame;
+
+    let c = client();
+    let live = app(&c, &[]).await;
+    // A port bound but never listening: connections to it are refused, and no other process
+    // can take it while the socket is held.
+    let refusing = tokio::net::TcpSocket::new_v4().unwrap();
+    refusing
+        .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .unwrap();
+    let dead = refusing.local_addr().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = format!(
+        r#"
+[[service]]
+name = "greeter"
+domains = ["greeter.localhost"]
+policy = {{ balancer = "round_robin" }}
+
+[[service.route]]
+destinations = [{{ addresses = ["{dead}", "{live}"] }}]
+"#,
+        live = live.addr
+    );
+    let ebb = start(dir.path(), &config);
+    let tcp = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    // HelloRequest { name: "world" }, which the example app echoes as the reply.
+    const HELLO: &[u8] = b"\0\0\0\0\x07\x0a\x05world";
+    let (mut echoed, mut refused) = (0, 0);
+    for _ in 0..4 {
+        let frames = futures_util::stream::iter([Ok::<_, std::convert::Infallible>(Frame::data(
+            Bytes::from_static(HELLO),
+        ))]);
+        let req = hyper::Request::post("http://greeter.localhost/helloworld.Greeter/SayHello")
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(StreamBody::new(frames))
+            .unwrap();
+        let resp = h2.send_request(req).await.unwrap();
+        let head_status = resp.headers().get("grpc-status").cloned();
+        let collected = resp.into_body().collect().await.unwrap();
+        let status = head_status
+            .or_else(|| {
+                collected
+                    .trailers()
+                    .and_then(|t| t.get("grpc-status").cloned())
+            })
+            .expect("a grpc-status");
+        let body = collected.to_bytes();
+        if status == "0" {
+            assert_eq!(
+                &body[..],
+                HELLO,
+                "a call answered OK carries its message back"
+            );
+            echoed += 1;
+        } else {
+            assert_eq!(status, "14", "the refused call is UNAVAILABLE");
+            refused += 1;
+        }
+    }
+    // Round robin over the two: half met the refusing one first.
+    assert_eq!((echoed, refused), (2, 2));
+    drop(refusing);
+}

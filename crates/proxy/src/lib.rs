@@ -46,7 +46,10 @@
 //!   own rules. A request that meets a backend refusing the connection (its body untouched), or
 //!   a body-less one whose connection is reset or closed before an answer (the replica is
 //!   stopping), wakes the workload again and is retried once on another replica
-//!   ([`retry_after_miss`]); a stale pooled connection is first retried on a fresh one.
+//!   ([`retry_after_miss`]); a stale pooled connection is first retried on a fresh one. On the
+//!   general path a request is retried only when it has no body (its body, handed to the failed
+//!   hop, is gone): a body the head does not announce by a length (HTTP/2's, a gRPC call's)
+//!   counts as one.
 //! * **Timeouts**, per route, on both paths: the wait for the answer's head
 //!   (`response_timeout_ms`, a 504), a request moving no byte (`stream_idle_timeout_ms`), an
 //!   idle connection (`connection_idle_timeout_ms`: keep-alive after a request, upgraded and TCP
@@ -1023,11 +1026,9 @@ impl Proxy {
         };
         let route = &entry.spec;
         let in_flight = entry.traffic.begin(self.clock.now_ms());
-        let replayable = !req.headers().contains_key(header::TRANSFER_ENCODING)
-            && req
-                .headers()
-                .get(header::CONTENT_LENGTH)
-                .is_none_or(|v| v.as_bytes() == b"0");
+        // Sent again only without a body: an HTTP/2 request's body need not be announced by a
+        // length (a gRPC call's seldom is), so the body says, not the head.
+        let replayable = req.body().is_end_stream();
         // An upgrade (WebSocket) keeps its Upgrade header and becomes a byte tunnel after a 101.
         let upgrade_to = upgrade_protocol(req.headers());
         let client_upgrade = upgrade_to.is_some().then(|| hyper::upgrade::on(&mut req));
@@ -1357,11 +1358,8 @@ impl Proxy {
         if let crate::discovery::meta::Source::Invalid(why) = &dest.source {
             return refuse(StatusCode::INTERNAL_SERVER_ERROR, "invalid_backend", why);
         }
-        let replayable = !parts.headers.contains_key(header::TRANSFER_ENCODING)
-            && parts
-                .headers
-                .get(header::CONTENT_LENGTH)
-                .is_none_or(|v| v.as_bytes() == b"0");
+        // As on a route's path: sent again only without a body.
+        let replayable = body.is_end_stream();
         strip_hop_by_hop(&mut parts.headers);
         // gRPC, and every request to an h2c destination, goes on over HTTP/2.
         let h2 = grpc || dest.h2c;
