@@ -296,6 +296,33 @@ async fn websockets_pass_through_and_keep_their_app_awake() {
     assert_eq!(spawns(&ebb.data, "ws"), 1);
 }
 
+/// The body of a streamed upload: `chunks` chunks of `chunk` bytes, byte `i` of each `i % 253`.
+fn upload(
+    chunk: usize,
+    chunks: usize,
+) -> http_body_util::StreamBody<
+    impl futures_util::Stream<Item = Result<hyper::body::Frame<Bytes>, std::convert::Infallible>>,
+> {
+    let data = Bytes::from((0..chunk).map(|i| (i % 253) as u8).collect::<Vec<u8>>());
+    http_body_util::StreamBody::new(futures_util::stream::iter(
+        (0..chunks).map(move |_| Ok(hyper::body::Frame::data(data.clone()))),
+    ))
+}
+
+/// Reads an echo of [`upload`]`(chunk, chunks)` to its end, and checks it came back whole.
+async fn echoed_whole(mut body: hyper::body::Incoming, chunk: usize, chunks: usize) {
+    let (mut got, mut sum) = (0usize, 0u64);
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            sum += data.iter().map(|&b| u64::from(b)).sum::<u64>();
+            got += data.len();
+        }
+    }
+    assert_eq!(got, chunk * chunks);
+    let per_chunk: u64 = (0..chunk).map(|i| (i % 253) as u64).sum();
+    assert_eq!(sum, per_chunk * chunks as u64, "the bytes came back intact");
+}
+
 fn peak_rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     status
@@ -308,7 +335,6 @@ fn peak_rss_kib(pid: u32) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_megabytes_stream_both_ways_in_bounded_memory() {
     use http_body_util::StreamBody;
-    use hyper::body::Frame;
 
     const CHUNK: usize = 64 * 1024;
     const CHUNKS: usize = 1_600; // 100 MiB
@@ -340,27 +366,13 @@ async fn a_hundred_megabytes_stream_both_ways_in_bounded_memory() {
     // Upload, echoed back while it is still being sent.
     let streaming: Client<HttpConnector, StreamBody<_>> =
         Client::builder(TokioExecutor::new()).build_http();
-    let chunk = Bytes::from((0..CHUNK).map(|i| (i % 253) as u8).collect::<Vec<u8>>());
-    let frames = futures_util::stream::iter(
-        (0..CHUNKS).map(move |_| Ok::<_, std::convert::Infallible>(Frame::data(chunk.clone()))),
-    );
     let req = hyper::Request::post(format!("http://{}/upload", ebb.proxy))
         .header("host", "big.localhost")
-        .body(StreamBody::new(frames))
+        .body(upload(CHUNK, CHUNKS))
         .unwrap();
     let resp = streaming.request(req).await.unwrap();
     assert_eq!(resp.status(), 200);
-    let mut body = resp.into_body();
-    let (mut got, mut sum) = (0usize, 0u64);
-    while let Some(frame) = body.frame().await {
-        if let Ok(data) = frame.unwrap().into_data() {
-            sum += data.iter().map(|&b| u64::from(b)).sum::<u64>();
-            got += data.len();
-        }
-    }
-    assert_eq!(got, CHUNK * CHUNKS);
-    let per_chunk: u64 = (0..CHUNK).map(|i| (i % 253) as u64).sum();
-    assert_eq!(sum, per_chunk * CHUNKS as u64, "the bytes came back intact");
+    echoed_whole(resp.into_body(), CHUNK, CHUNKS).await;
     // Neither body was held whole in ebb's memory: its peak grew by less than half of one.
     let peak = peak_rss_kib(ebb.child.id());
     eprintln!("ebb peak RSS: {baseline} KiB before, {peak} KiB after 2 x 100 MiB");
@@ -417,27 +429,12 @@ async fn h2c_clients_are_served() {
     .await
     .unwrap();
     tokio::spawn(conn);
-    let chunk = Bytes::from((0..CHUNK).map(|i| (i % 253) as u8).collect::<Vec<u8>>());
-    let frames =
-        futures_util::stream::iter((0..CHUNKS).map(move |_| {
-            Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(chunk.clone()))
-        }));
     let req = hyper::Request::post("http://h2.localhost/upload")
-        .body(http_body_util::StreamBody::new(frames))
+        .body(upload(CHUNK, CHUNKS))
         .unwrap();
     let resp = streaming.send_request(req).await.unwrap();
     assert_eq!(resp.status(), 200);
-    let mut body = resp.into_body();
-    let (mut got, mut sum) = (0usize, 0u64);
-    while let Some(frame) = body.frame().await {
-        if let Ok(data) = frame.unwrap().into_data() {
-            sum += data.iter().map(|&b| u64::from(b)).sum::<u64>();
-            got += data.len();
-        }
-    }
-    assert_eq!(got, CHUNK * CHUNKS);
-    let per_chunk: u64 = (0..CHUNK).map(|i| (i % 253) as u64).sum();
-    assert_eq!(sum, per_chunk * CHUNKS as u64, "the bytes came back intact");
+    echoed_whole(resp.into_body(), CHUNK, CHUNKS).await;
 
     // A download the client gives up on (its stream reset) leaves the connection serving.
     let req = hyper::Request::get("http://h2.localhost/bytes?n=1073741824")
