@@ -140,12 +140,12 @@ async fn wait_or_open(
                 None => {
                     let stream = backends::connect(addr, dial.attempt_ms, dial.timeout_ms, None)
                         .await
-                        .map_err(Error::Connect)?;
+                        .map_err(Error::connect)?;
                     break (stream, None);
                 }
             },
         };
-        match got.map_err(Error::Connect)? {
+        match got.map_err(Error::connect)? {
             // One that closed meanwhile is dropped, and the next looked for.
             backends::Got::Idle(mut sender) => {
                 if sender.ready().await.is_ok() {
@@ -183,7 +183,11 @@ pub async fn send(
     }
     let mut again = true;
     loop {
-        let (mut sender, settling) = checkout(addr, dial, backends).await?;
+        let (mut sender, settling) = match checkout(addr, dial, backends).await {
+            Ok(c) => c,
+            // Not connected: the request goes back whole, for another try.
+            Err(e) => return Err(e.unsent(req)),
+        };
         let pooled = settling.is_none();
         let answer = match sender.try_send_request(req).await {
             Ok(a) => a,

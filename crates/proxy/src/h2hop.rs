@@ -119,7 +119,7 @@ async fn open(
     let replica = backends.find(addr);
     let stream = backends::connect(addr, dial.attempt_ms, dial.timeout_ms, replica.as_deref())
         .await
-        .map_err(Error::Connect)?;
+        .map_err(Error::connect)?;
     let (sender, connection) = h2::client::Builder::new()
         .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONN_WINDOW)
@@ -204,7 +204,11 @@ pub async fn send(
     dial: Dial<'_>,
     backends: &Backends,
 ) -> Result<Response<Body>, Error> {
-    let (mut sender, under_way) = ready_sender(addr, dial, backends).await?;
+    let (mut sender, under_way) = match ready_sender(addr, dial, backends).await {
+        Ok(s) => s,
+        // Not connected: the request goes back whole, for another try.
+        Err(e) => return Err(e.unsent(req)),
+    };
     let (mut parts, body) = req.into_parts();
     strip_connection_headers(&mut parts.headers);
     let end = body.is_end_stream();

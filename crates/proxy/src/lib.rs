@@ -47,9 +47,9 @@
 //!   a body-less one whose connection is reset or closed before an answer (the replica is
 //!   stopping), wakes the workload again and is retried once on another replica
 //!   ([`retry_after_miss`]); a stale pooled connection is first retried on a fresh one. On the
-//!   general path a request is retried only when it has no body (its body, handed to the failed
-//!   hop, is gone): a body the head does not announce by a length (HTTP/2's, a gRPC call's)
-//!   counts as one.
+//!   general path the hop that could not connect gives the request back whole
+//!   ([`SendError::Connect`]); one cut off after it was sent goes again only when it has no body
+//!   (a body the head does not announce by a length, HTTP/2's or a gRPC call's, counts as one).
 //! * **Timeouts**, per route, on both paths: the wait for the answer's head
 //!   (`response_timeout_ms`, a 504), a request moving no byte (`stream_idle_timeout_ms`), an
 //!   idle connection (`connection_idle_timeout_ms`: keep-alive after a request, upgraded and TCP
@@ -1244,22 +1244,32 @@ impl Proxy {
                     };
                     return Response::from_parts(parts, body.boxed());
                 }
-                Err(e)
-                    if (e.is_connect() || backend_went_away(&e))
-                        && retry_after_miss(
-                            BackendMiss::WentAway { replayable },
-                            failed.is_some(),
-                        ) =>
-                {
+                Err(mut e) => {
+                    slot.failed();
                     // The replica is stopping or gone: wake the workload again and try once more,
-                    // on another replica.
-                    tracing::debug!(route = %route.name, %addr, error = %e, "backend went away; retrying");
-                    slot.failed();
-                    failed = Some(addr);
-                    continue;
-                }
-                Err(e) => {
-                    slot.failed();
+                    // on another replica. A refused connection's request comes back whole from
+                    // the hop (its body untouched); one cut off after it was sent goes again
+                    // only without a body.
+                    let again = match e.take_unsent() {
+                        Some(req) if retry_after_miss(BackendMiss::Refused, failed.is_some()) => {
+                            let (p, b) = req.into_parts();
+                            parts = Some(p);
+                            body = Some(b);
+                            true
+                        }
+                        _ => {
+                            (e.is_connect() || backend_went_away(&e))
+                                && retry_after_miss(
+                                    BackendMiss::WentAway { replayable },
+                                    failed.is_some(),
+                                )
+                        }
+                    };
+                    if again {
+                        tracing::debug!(route = %route.name, %addr, error = %e, "backend went away; retrying");
+                        failed = Some(addr);
+                        continue;
+                    }
                     entry.traffic.answered(502, None);
                     if grpc {
                         return grpc::status(grpc::UNAVAILABLE, &format!("backend {addr}: {e}"));
@@ -1513,15 +1523,26 @@ impl Proxy {
                         };
                         return Response::from_parts(parts, body.boxed());
                     }
-                    Err(e) => {
+                    Err(mut e) => {
                         slot.failed();
-                        if (e.is_connect() || backend_went_away(&e))
-                            && retry_after_miss(
-                                BackendMiss::WentAway { replayable },
-                                failed.is_some(),
-                            )
-                            && ready().items().len() > 1
-                        {
+                        // As on a route's path: a refused connection's request whole, one cut
+                        // off after it was sent only without a body.
+                        let again = match e.take_unsent() {
+                            Some(req)
+                                if retry_after_miss(BackendMiss::Refused, failed.is_some()) =>
+                            {
+                                body = Some(req.into_body());
+                                true
+                            }
+                            _ => {
+                                (e.is_connect() || backend_went_away(&e))
+                                    && retry_after_miss(
+                                        BackendMiss::WentAway { replayable },
+                                        failed.is_some(),
+                                    )
+                            }
+                        };
+                        if again && ready().items().len() > 1 {
                             tracing::debug!(service = %service.meta.id, %addr, error = %e, "instance went away; retrying");
                             failed = Some(addr);
                             continue;
@@ -2034,8 +2055,10 @@ async fn tunnel<G: Send + 'static>(
 /// Why a request sent on to a backend got no answer's head (either hop: [`h1hop`], [`h2hop`]).
 #[derive(Debug, thiserror::Error)]
 pub enum SendError {
+    /// The connection could not be made; with the request given back whole when the hop had
+    /// it (none of it left ebb), so it can be tried again, body and all ([`SendError::unsent`]).
     #[error("connecting: {0}")]
-    Connect(std::io::Error),
+    Connect(std::io::Error, Option<Unsent>),
     #[error("{0}")]
     H1(#[from] hyper::Error),
     #[error("{0}")]
@@ -2067,10 +2090,40 @@ impl RawError {
     }
 }
 
+/// A request a hop gives back because it could not connect: none of it left ebb.
+pub struct Unsent(Box<Request<Body>>);
+
+impl std::fmt::Debug for Unsent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Unsent")
+    }
+}
+
 impl SendError {
+    /// A connect error (of the dial, before any request).
+    fn connect(e: std::io::Error) -> Self {
+        SendError::Connect(e, None)
+    }
+
     /// The connection could not be made.
     fn is_connect(&self) -> bool {
-        matches!(self, SendError::Connect(_))
+        matches!(self, SendError::Connect(..))
+    }
+
+    /// `self` with `req` given back when it is a connect error (else `req` is dropped).
+    fn unsent(self, req: Request<Body>) -> Self {
+        match self {
+            SendError::Connect(e, _) => SendError::Connect(e, Some(Unsent(Box::new(req)))),
+            other => other,
+        }
+    }
+
+    /// The request a connect error gave back, taken out.
+    fn take_unsent(&mut self) -> Option<Request<Body>> {
+        match self {
+            SendError::Connect(_, unsent) => unsent.take().map(|u| *u.0),
+            _ => None,
+        }
     }
 }
 
@@ -2079,7 +2132,7 @@ impl SendError {
 fn backend_went_away(e: &SendError) -> bool {
     use std::error::Error as _;
     match e {
-        SendError::Connect(_) => false,
+        SendError::Connect(..) => false,
         SendError::H1(e) => {
             if e.is_incomplete_message() || e.is_closed() || e.is_canceled() {
                 return true;

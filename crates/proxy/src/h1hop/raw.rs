@@ -130,12 +130,12 @@ async fn conn(
             // An address no ready list names is not paced.
             let stream = backends::connect(addr, dial.attempt_ms, dial.timeout_ms, None)
                 .await
-                .map_err(Error::Connect)?;
+                .map_err(Error::connect)?;
             return Ok((Backend::new(stream), false, None));
         };
         let (b, pooled, opening) = backend_conn(&replica, pooled_allowed, false, now, dial)
             .await
-            .map_err(Error::Connect)?;
+            .map_err(Error::connect)?;
         Ok((b, pooled, opening.map(backends::Opening::settling)))
     })
     .await
