@@ -1247,25 +1247,13 @@ impl Proxy {
                 Err(mut e) => {
                     slot.failed();
                     // The replica is stopping or gone: wake the workload again and try once more,
-                    // on another replica. A refused connection's request comes back whole from
-                    // the hop (its body untouched); one cut off after it was sent goes again
-                    // only without a body.
-                    let again = match e.take_unsent() {
-                        Some(req) if retry_after_miss(BackendMiss::Refused, failed.is_some()) => {
+                    // on another replica.
+                    if let Some(unsent) = try_again(&mut e, replayable, failed.is_some()) {
+                        if let Some(req) = unsent {
                             let (p, b) = req.into_parts();
                             parts = Some(p);
                             body = Some(b);
-                            true
                         }
-                        _ => {
-                            (e.is_connect() || backend_went_away(&e))
-                                && retry_after_miss(
-                                    BackendMiss::WentAway { replayable },
-                                    failed.is_some(),
-                                )
-                        }
-                    };
-                    if again {
                         tracing::debug!(route = %route.name, %addr, error = %e, "backend went away; retrying");
                         failed = Some(addr);
                         continue;
@@ -1525,24 +1513,13 @@ impl Proxy {
                     }
                     Err(mut e) => {
                         slot.failed();
-                        // As on a route's path: a refused connection's request whole, one cut
-                        // off after it was sent only without a body.
-                        let again = match e.take_unsent() {
-                            Some(req)
-                                if retry_after_miss(BackendMiss::Refused, failed.is_some()) =>
-                            {
+                        let again = try_again(&mut e, replayable, failed.is_some());
+                        if let Some(unsent) = again
+                            && ready().items().len() > 1
+                        {
+                            if let Some(req) = unsent {
                                 body = Some(req.into_body());
-                                true
                             }
-                            _ => {
-                                (e.is_connect() || backend_went_away(&e))
-                                    && retry_after_miss(
-                                        BackendMiss::WentAway { replayable },
-                                        failed.is_some(),
-                                    )
-                            }
-                        };
-                        if again && ready().items().len() > 1 {
                             tracing::debug!(service = %service.meta.id, %addr, error = %e, "instance went away; retrying");
                             failed = Some(addr);
                             continue;
@@ -2125,6 +2102,22 @@ impl SendError {
             _ => None,
         }
     }
+}
+
+/// How a try that failed with `e` goes again on another replica ([`retry_after_miss`]): `None`,
+/// not at all; `Some(Some(request))`, the request the hop gave back whole (its connection was
+/// refused: none of it left ebb, its body untouched); `Some(None)`, with the head kept for it (a
+/// connection cut off after the request was sent, which only a request without a body survives:
+/// `replayable`). `retried`: the request was tried again already.
+fn try_again(e: &mut SendError, replayable: bool, retried: bool) -> Option<Option<Request<Body>>> {
+    if let Some(req) = e.take_unsent()
+        && retry_after_miss(BackendMiss::Refused, retried)
+    {
+        return Some(Some(req));
+    }
+    ((e.is_connect() || backend_went_away(e))
+        && retry_after_miss(BackendMiss::WentAway { replayable }, retried))
+    .then_some(None)
 }
 
 /// Whether the backend closed or reset the connection before answering (or refused it, or the
