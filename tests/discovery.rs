@@ -565,14 +565,7 @@ destinations = [{{ addresses = ["{dead}", "{live}"] }}]
         live = live.addr
     );
     let ebb = start(dir.path(), &config);
-    let tcp = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
-    let (mut h2, conn) = hyper::client::conn::http2::handshake(
-        TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut h2 = common::http::h2c(ebb.proxy).await;
     // HelloRequest { name: "world" }, which the example app echoes as the reply.
     const HELLO: &[u8] = b"\0\0\0\0\x07\x0a\x05world";
     let (mut echoed, mut refused) = (0, 0);

@@ -387,14 +387,7 @@ async fn h2c_clients_are_served() {
     let dir = tempfile::tempdir().unwrap();
     let ebb = start(dir.path(), &write_config(dir.path(), &app("h2", "")));
     // HTTP/2 with prior knowledge, the host in :authority as h2 clients send it.
-    let tcp = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut sender = common::http::h2c(ebb.proxy).await;
     let mut send = |uri: &str, host: Option<&str>| {
         let mut req = hyper::Request::post(uri);
         if let Some(h) = host {
@@ -421,14 +414,7 @@ async fn h2c_clients_are_served() {
     // client's), streamed up and echoed back while still being sent.
     const CHUNK: usize = 64 * 1024;
     const CHUNKS: usize = 128; // 8 MiB
-    let tcp = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
-    let (mut streaming, conn) = hyper::client::conn::http2::handshake(
-        TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut streaming = common::http::h2c(ebb.proxy).await;
     let req = hyper::Request::post("http://h2.localhost/upload")
         .body(upload(CHUNK, CHUNKS))
         .unwrap();
@@ -460,18 +446,7 @@ async fn h2c_clients_are_served() {
 async fn a_grpc_call_after_a_burst_of_http2_requests_is_not_held_behind_their_connections() {
     let dir = tempfile::tempdir().unwrap();
     let ebb = start(dir.path(), &write_config(dir.path(), &app("mix", "")));
-    let h2 = |addr| async move {
-        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let (sender, conn) = hyper::client::conn::http2::handshake(
-            TokioExecutor::new(),
-            hyper_util::rt::TokioIo::new(tcp),
-        )
-        .await
-        .unwrap();
-        tokio::spawn(conn);
-        sender
-    };
-    let burst = h2(ebb.proxy).await;
+    let burst = common::http::h2c(ebb.proxy).await;
     let mut answers = Vec::new();
     for i in 0..400 {
         let mut sender = burst.clone();
@@ -486,7 +461,7 @@ async fn a_grpc_call_after_a_burst_of_http2_requests_is_not_held_behind_their_co
         assert_eq!(a.await.unwrap().unwrap(), 200);
     }
     // HelloRequest { name: "world" }, which the example app echoes as the reply.
-    let mut grpc = h2(ebb.proxy).await;
+    let mut grpc = common::http::h2c(ebb.proxy).await;
     let req = hyper::Request::post("http://mix.localhost/helloworld.Greeter/SayHello")
         .header("content-type", "application/grpc")
         .header("te", "trailers")

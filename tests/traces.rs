@@ -193,14 +193,7 @@ async fn a_traced_request_that_wakes_an_app_is_one_trace_and_a_dead_collector_bl
 
     // The general path (HTTP/2 over cleartext, `:authority` the app's host): the same
     // propagation.
-    let stream = tokio::net::TcpStream::connect(ebb.proxy).await.unwrap();
-    let (mut h2, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut h2 = common::http::h2c(ebb.proxy).await;
     let trace2 = "0af7651916cd43dd8448eb211c80319c";
     let req = hyper::Request::get("http://traced.localhost/headers")
         .header("traceparent", format!("00-{trace2}-b7ad6b7169203331-01"))

@@ -16,6 +16,24 @@ pub fn client() -> Http {
     Client::builder(TokioExecutor::new()).build_http()
 }
 
+/// An HTTP/2 connection with prior knowledge (h2c) to `addr`, driven by a task of its own.
+pub async fn h2c<B>(addr: SocketAddr) -> hyper::client::conn::http2::SendRequest<B>
+where
+    B: hyper::body::Body + Unpin + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
 /// An answer, read whole.
 pub struct Answer {
     pub status: u16,

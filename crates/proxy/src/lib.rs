@@ -1248,9 +1248,9 @@ impl Proxy {
                     slot.failed();
                     // The replica is stopping or gone: wake the workload again and try once more,
                     // on another replica.
-                    if let Some(unsent) = try_again(&mut e, replayable, failed.is_some()) {
-                        if let Some(req) = unsent {
-                            let (p, b) = req.into_parts();
+                    if let Some(again) = try_again(&mut e, replayable, failed.is_some()) {
+                        if let Again::Whole(req) = again {
+                            let (p, b) = (*req).into_parts();
                             parts = Some(p);
                             body = Some(b);
                         }
@@ -1514,11 +1514,11 @@ impl Proxy {
                     Err(mut e) => {
                         slot.failed();
                         let again = try_again(&mut e, replayable, failed.is_some());
-                        if let Some(unsent) = again
+                        if let Some(again) = again
                             && ready().items().len() > 1
                         {
-                            if let Some(req) = unsent {
-                                body = Some(req.into_body());
+                            if let Again::Whole(req) = again {
+                                body = Some((*req).into_body());
                             }
                             tracing::debug!(service = %service.meta.id, %addr, error = %e, "instance went away; retrying");
                             failed = Some(addr);
@@ -2096,28 +2096,35 @@ impl SendError {
     }
 
     /// The request a connect error gave back, taken out.
-    fn take_unsent(&mut self) -> Option<Request<Body>> {
+    fn take_unsent(&mut self) -> Option<Box<Request<Body>>> {
         match self {
-            SendError::Connect(_, unsent) => unsent.take().map(|u| *u.0),
+            SendError::Connect(_, unsent) => unsent.take().map(|u| u.0),
             _ => None,
         }
     }
 }
 
-/// How a try that failed with `e` goes again on another replica ([`retry_after_miss`]): `None`,
-/// not at all; `Some(Some(request))`, the request the hop gave back whole (its connection was
-/// refused: none of it left ebb, its body untouched); `Some(None)`, with the head kept for it (a
-/// connection cut off after the request was sent, which only a request without a body survives:
-/// `replayable`). `retried`: the request was tried again already.
-fn try_again(e: &mut SendError, replayable: bool, retried: bool) -> Option<Option<Request<Body>>> {
+/// How a failed try goes again on another replica ([`try_again`]).
+enum Again {
+    /// With the request the hop gave back whole: its connection was refused, none of it left
+    /// ebb, its body untouched.
+    Whole(Box<Request<Body>>),
+    /// With the head kept for it: the connection was cut off after the request was sent, which
+    /// only a request without a body survives.
+    Head,
+}
+
+/// Whether a try that failed with `e` goes again ([`retry_after_miss`]), and how. `replayable`:
+/// the request has no body; `retried`: it was tried again already.
+fn try_again(e: &mut SendError, replayable: bool, retried: bool) -> Option<Again> {
     if let Some(req) = e.take_unsent()
         && retry_after_miss(BackendMiss::Refused, retried)
     {
-        return Some(Some(req));
+        return Some(Again::Whole(req));
     }
     ((e.is_connect() || backend_went_away(e))
         && retry_after_miss(BackendMiss::WentAway { replayable }, retried))
-    .then_some(None)
+    .then_some(Again::Head)
 }
 
 /// Whether the backend closed or reset the connection before answering (or refused it, or the
