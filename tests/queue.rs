@@ -200,6 +200,30 @@ async fn the_kafka_queue_commits_once_an_interval_and_when_a_runner_leaves() {
     assert_eq!(ids(&reserve_n(&*q, "r", 1).await), ["d"]);
 }
 
+/// On Kafka, a put whose record the producer refuses before sending (one larger than
+/// `message.max.bytes`) fails, after the records before it were delivered and without sending
+/// those after it; the next put works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kafka_queue_fails_a_put_with_a_record_the_producer_refuses() {
+    let broker = common::broker().await;
+    let options = KafkaOptions {
+        brokers: broker.addr.to_string(),
+        partitions: 1,
+        ..KafkaOptions::default()
+    };
+    let q = kafka(&options).await;
+    let huge = Message::new("huge", "", vec![b'x'; 2_000_000]);
+    let put = q.put(vec![msg("before", ""), huge, msg("after", "")]).await;
+    let err = put
+        .expect_err("a record over message.max.bytes")
+        .to_string();
+    assert!(err.contains("too large"), "{err}");
+    assert_eq!(ids(&reserve_n(&*q, "r", 1).await), ["before"]);
+    q.put(vec![msg("next", "")]).await.unwrap();
+    // On the one partition, "after" would come before "next" had it been sent.
+    assert_eq!(ids(&reserve_n(&*q, "r", 1).await), ["next"]);
+}
+
 /// On Kafka, calls put on a replica (a queue) without a partition go onto the partitions its own
 /// runners read while one of them waits for work, so the replica that enqueued a call is the one
 /// whose runner gets it: two queues in one group, each with a runner, each get back only what
