@@ -619,7 +619,7 @@ pub async fn run(
                     return;
                 }
             };
-            let accepted: std::collections::HashSet<String> = started
+            let accepted: std::collections::HashSet<String, foldhash::fast::RandomState> = started
                 .into_iter()
                 .filter(|s| s.started)
                 .map(|s| s.id)
