@@ -534,7 +534,7 @@ mod tests {
 
     fn call(id: &str, target: &str) -> Event {
         Event::CallQueued {
-            call: Box::new(CallSpec {
+            call: std::sync::Arc::new(CallSpec {
                 target: target.into(),
                 timeout_ms: 30_000,
                 ..CallSpec::for_test(id)

@@ -105,7 +105,7 @@ fn write_history(dir: &Path) -> Vec<Event> {
             last_at_ms: T0 + 3_000,
         },
         Event::CallQueued {
-            call: Box::new(CallSpec {
+            call: std::sync::Arc::new(CallSpec {
                 id: "call-1".into(),
                 target: "demo".into(),
                 kind: CallKind::Async,

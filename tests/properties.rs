@@ -268,7 +268,7 @@ fn event() -> impl Strategy<Value = Event> {
             error
         }),
         call_spec().prop_map(|call| Event::CallQueued {
-            call: Box::new(call)
+            call: std::sync::Arc::new(call)
         }),
         (name(), name(), 0u64..1_000_000).prop_map(|(id, runner, deadline_at_ms)| {
             Event::CallStarted {
@@ -496,7 +496,7 @@ proptest! {
                 Command::Queue(id, timeout_ms) => {
                     let exists = log.read(|s| s.calls.get(&id).is_some());
                     if !exists {
-                        rt.block_on(log.append(Event::CallQueued { call: Box::new(CallSpec {
+                        rt.block_on(log.append(Event::CallQueued { call: std::sync::Arc::new(CallSpec {
                             id, target: "t".into(), kind: CallKind::Async, timeout_ms,
                             partition: None, payload: Payload::default(), trace: None, tracestate: None, baggage: None,
                         })})).unwrap();

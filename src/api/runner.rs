@@ -20,7 +20,8 @@ use serde_json::{Value, json};
 use super::access::Api;
 use super::{ApiError, AppState};
 use crate::calls::wire::{
-    DequeueBody, EnqueueBody, FinishBody, FinishJson, JobJson, MessageJson, StartBody, StatesBody,
+    DequeueBody, EnqueueBody, FinishBody, FinishJson, JobJsonRef, MessageJson, StartBody,
+    StatesBody,
 };
 use crate::calls::{CallError, Calls, Load, NewCall};
 use crate::state::calls::{Call, CallStatus};
@@ -206,7 +207,7 @@ struct IdAnswer<'a> {
 
 #[derive(Serialize)]
 struct JobsAnswer<'a> {
-    calls: &'a [JobJson],
+    calls: &'a [JobJsonRef<'a>],
 }
 
 #[derive(Serialize)]
@@ -229,7 +230,7 @@ async fn dequeue(
     let resp = if jobs.is_empty() {
         StatusCode::NO_CONTENT.into_response()
     } else {
-        let jobs: Vec<JobJson> = jobs.iter().map(JobJson::of).collect();
+        let jobs: Vec<JobJsonRef> = jobs.iter().map(JobJsonRef::of).collect();
         Json(JobsAnswer { calls: &jobs }).into_response()
     };
     Ok(with_load(calls, runner, &headers, resp))

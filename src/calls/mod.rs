@@ -595,7 +595,7 @@ impl Calls {
     /// away; the log, synced before any enqueue was answered, still has them). Run at start-up,
     /// before runners are served; returns how many were put back.
     pub async fn recover(&self) -> Result<usize, CallError> {
-        let queued: Vec<CallSpec> = self.log.read(|s| {
+        let queued: Vec<Arc<CallSpec>> = self.log.read(|s| {
             s.calls
                 .queued_in_order()
                 .into_iter()
@@ -616,7 +616,7 @@ impl Calls {
             let messages: Vec<Message> = chunk
                 .iter()
                 .filter(|c| missing.contains(&c.id))
-                .map(message_of)
+                .map(|c| message_of(c))
                 .collect();
             restored += messages.len();
             self.queue.put(messages).await?;
@@ -749,6 +749,7 @@ impl Calls {
                     }
                     None => match decode_message(&m) {
                         Some(spec) => {
+                            let spec = Arc::new(spec);
                             unknown.push(spec.clone());
                             spec
                         }
@@ -1640,14 +1641,14 @@ mod tests {
             at_ms: 0,
             version: crate::event::SCHEMA_VERSION,
             event: Event::CallQueued {
-                call: Box::new(spec(&id(2), "recorded")),
+                call: std::sync::Arc::new(spec(&id(2), "recorded")),
             },
         };
         crate::log::replay::Projection::apply(&mut state, &env);
         let same = crate::event::Envelope {
             seq: 2,
             event: Event::CallQueued {
-                call: Box::new(spec(&id(3), "same")),
+                call: std::sync::Arc::new(spec(&id(3), "same")),
             },
             ..env
         };
@@ -1663,7 +1664,7 @@ mod tests {
         assert_eq!(
             events,
             vec![Event::CallQueued {
-                call: Box::new(spec(&id(1), "new"))
+                call: std::sync::Arc::new(spec(&id(1), "new"))
             }]
         );
         assert_eq!(stale, vec![id(2)]);

@@ -24,10 +24,9 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use serde_json::json;
 use tokio::sync::{Semaphore, mpsc, watch};
 
-use super::wire::{FinishJson, JobJson};
+use super::wire::{FinishJsonRef, JobJson};
 use super::{Calls, Finish, Job, Load, Started};
 use crate::discovery::{Balanced, Chosen, Policy, ServiceId};
 use crate::event::{CallResult, Outcome};
@@ -174,9 +173,10 @@ impl HttpApi {
         &self,
         runner: &str,
         path: &str,
-        body: serde_json::Value,
+        body: Result<Bytes, RunnerError>,
         load: Load,
     ) -> Result<(u16, Bytes), RunnerError> {
+        let body = body?;
         let key = crate::discovery::hash_key(runner.as_bytes());
         let chosen = self
             .balanced
@@ -188,7 +188,7 @@ impl HttpApi {
             .header("authorization", format!("Bearer {}", self.token))
             .header("content-type", "application/json")
             .header("x-runner-load", load.to_string())
-            .body(Full::new(Bytes::from(body.to_string())))
+            .body(Full::new(body))
             .map_err(RunnerError::other)?;
         let resp = match self.client.request(req).await {
             Ok(r) => r,
@@ -223,7 +223,8 @@ impl RunnerApi for HttpApi {
         wait_ms: u64,
         load: Load,
     ) -> RunnerFuture<'_, Vec<Job>> {
-        let body = json!({ "runner": runner, "max": max, "wait_ms": wait_ms });
+        let body =
+            json_body(&serde_json::json!({ "runner": runner, "max": max, "wait_ms": wait_ms }));
         let who = runner.to_owned();
         Box::pin(async move {
             let (status, bytes) = self.post(&who, "/runner/dequeue", body, load).await?;
@@ -236,15 +237,20 @@ impl RunnerApi for HttpApi {
             }
             let a: Answer = serde_json::from_slice(&bytes).map_err(RunnerError::other)?;
             a.calls
-                .iter()
-                .map(JobJson::job)
+                .into_iter()
+                .map(JobJson::into_job)
                 .collect::<Result<_, _>>()
                 .map_err(RunnerError::other)
         })
     }
 
     fn start(&self, runner: &str, ids: Vec<String>, load: Load) -> RunnerFuture<'_, Vec<Started>> {
-        let body = json!({ "runner": runner, "ids": ids });
+        #[derive(serde::Serialize)]
+        struct Body<'a> {
+            runner: &'a str,
+            ids: &'a [String],
+        }
+        let body = json_body(&Body { runner, ids: &ids });
         let who = runner.to_owned();
         Box::pin(async move {
             let (_, bytes) = self.post(&who, "/runner/start", body, load).await?;
@@ -258,14 +264,26 @@ impl RunnerApi for HttpApi {
     }
 
     fn finish(&self, runner: &str, finishes: Vec<Finish>, load: Load) -> RunnerFuture<'_, ()> {
-        let calls: Vec<FinishJson> = finishes.iter().map(FinishJson::of).collect();
-        let body = json!({ "runner": runner, "calls": calls });
+        #[derive(serde::Serialize)]
+        struct Body<'a> {
+            runner: &'a str,
+            calls: Vec<FinishJsonRef<'a>>,
+        }
+        let calls = finishes.iter().map(FinishJsonRef::of).collect();
+        let body = json_body(&Body { runner, calls });
         let who = runner.to_owned();
         Box::pin(async move {
             self.post(&who, "/runner/finish", body, load).await?;
             Ok(())
         })
     }
+}
+
+/// A request's JSON body, written straight from `value` (no `serde_json::Value` in between).
+fn json_body(value: &impl serde::Serialize) -> Result<Bytes, RunnerError> {
+    serde_json::to_vec(value)
+        .map(Bytes::from)
+        .map_err(RunnerError::other)
 }
 
 /// Runs a call's request.
@@ -349,11 +367,12 @@ impl Executor for ProxyExecutor {
         Box::pin(async move {
             let id = job.call.id.clone();
             let carried = [
-                ("traceparent", job.call.trace),
-                ("tracestate", job.call.tracestate),
-                ("baggage", job.call.baggage),
+                ("traceparent", job.call.trace.as_deref()),
+                ("tracestate", job.call.tracestate.as_deref()),
+                ("baggage", job.call.baggage.as_deref()),
             ];
-            let p = job.call.payload;
+            // The call is the log's (in process, shared): its body is copied into the request.
+            let p = &job.call.payload;
             // Through ebb's proxy by Host, or straight to a function served elsewhere.
             let (to, host, chosen) = match &job.address {
                 Some(a) => {
@@ -361,7 +380,7 @@ impl Executor for ProxyExecutor {
                         &balanced,
                         a,
                         job.policy.as_ref(),
-                        &p,
+                        p,
                         timeout.min(RESOLVE_WAIT),
                     )
                     .await
@@ -402,7 +421,7 @@ impl Executor for ProxyExecutor {
             {
                 req = req.header(ebb_http::request_id::HEADER, &id);
             }
-            let req = match req.body(Full::new(Bytes::from(p.body.into_vec()))) {
+            let req = match req.body(Full::new(Bytes::copy_from_slice(&p.body))) {
                 Ok(r) => r,
                 Err(e) => return failed(id, format!("bad request: {e}")),
             };
@@ -476,7 +495,7 @@ impl Executor for NoopExecutor {
     fn execute(&self, job: Job, _: Duration) -> Pin<Box<dyn Future<Output = Finish> + Send>> {
         Box::pin(async move {
             Finish {
-                id: job.call.id,
+                id: job.call.id.clone(),
                 outcome: Outcome::Success,
                 result: Some(CallResult {
                     status: 200,

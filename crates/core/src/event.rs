@@ -17,6 +17,7 @@
 //! This module is pure: no IO, no clock.
 
 use std::fmt;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
@@ -170,6 +171,24 @@ pub struct Payload {
     /// The body, bounded by the API that accepted it.
     #[serde(default)]
     pub body: ByteBuf,
+}
+
+/// Serde for a shared value: written and read as the value itself, as serde's `rc` feature
+/// would (turning that on would build every crate that uses serde a second time).
+pub mod shared {
+    use std::sync::Arc;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub fn serialize<T: Serialize, S: Serializer>(v: &Arc<T>, s: S) -> Result<S::Ok, S::Error> {
+        T::serialize(v, s)
+    }
+
+    pub fn deserialize<'de, T: Deserialize<'de>, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<Arc<T>, D::Error> {
+        T::deserialize(d).map(Arc::new)
+    }
 }
 
 /// A call as it was queued.
@@ -679,8 +698,12 @@ pub enum Event {
         error: String,
     },
     // Calls.
-    /// A call was put on the queue.
-    CallQueued { call: Box<CallSpec> },
+    /// A call was put on the queue. Shared: the projection's call and the jobs handed out
+    /// hold the same spec, never a copy.
+    CallQueued {
+        #[serde(with = "shared")]
+        call: Arc<CallSpec>,
+    },
     /// A runner's start was accepted: the call is running until `deadline_at_ms`.
     CallStarted {
         id: String,
@@ -1044,7 +1067,7 @@ pub fn examples() -> Vec<Event> {
             to: 1,
             error: "spawn failed: no such file".into(),
         },
-        Event::CallQueued { call: Box::new(call.clone()) },
+        Event::CallQueued { call: Arc::new(call.clone()) },
         Event::CallStarted {
             id: call.id.clone(),
             runner: "runner-1".into(),

@@ -660,7 +660,7 @@ mod tests {
             (
                 T0,
                 Event::CallQueued {
-                    call: Box::new(call),
+                    call: std::sync::Arc::new(call),
                 },
             ),
             (

@@ -1440,7 +1440,7 @@ impl World {
             || self.node_append(
                 k,
                 vec![Event::CallQueued {
-                    call: Box::new(spec.clone()),
+                    call: std::sync::Arc::new(spec.clone()),
                 }],
             )
         {
@@ -1542,7 +1542,7 @@ impl World {
             if !self.node_append(
                 j,
                 vec![Event::CallQueued {
-                    call: Box::new(spec),
+                    call: std::sync::Arc::new(spec),
                 }],
             ) {
                 return None;
@@ -1680,7 +1680,7 @@ impl World {
                             if !self.node_append(
                                 k,
                                 vec![Event::CallQueued {
-                                    call: Box::new(spec.clone()),
+                                    call: std::sync::Arc::new(spec.clone()),
                                 }],
                             ) {
                                 return NodeAnswer::Down;
@@ -2058,7 +2058,7 @@ impl World {
         let seq = node.log.state.seq;
         // As `Calls::recover`: queued calls the queue lost go back on it from the log (the
         // embedded queue; a shared one, Kafka, loses no acknowledged put).
-        let queued: Vec<CallSpec> = node
+        let queued: Vec<std::sync::Arc<CallSpec>> = node
             .log
             .state
             .calls
@@ -2078,7 +2078,7 @@ impl World {
             let back: Vec<Message> = queued
                 .iter()
                 .filter(|c| missing.contains(&c.id))
-                .map(message_of)
+                .map(|c| message_of(c))
                 .collect();
             let n = back.len();
             let _ = queue.put(back).now_or_never();

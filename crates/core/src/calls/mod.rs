@@ -5,6 +5,8 @@
 
 pub mod wire;
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use crate::event::{CallResult, CallSpec, Event, Outcome, Payload, RejectReason};
@@ -186,8 +188,9 @@ pub fn payload(p: PayloadIn, max_payload_bytes: usize) -> Result<Payload, CallEr
 /// A call handed to a runner.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Job {
-    /// The call.
-    pub call: CallSpec,
+    /// The call (the log's spec, shared).
+    #[serde(with = "crate::event::shared")]
+    pub call: Arc<CallSpec>,
     /// The Host to send it with through the proxy (a domain of the target route).
     pub host: String,
     /// The service to send it to directly instead of through the proxy (a function served
@@ -296,9 +299,9 @@ pub fn reject_code(r: RejectReason) -> &'static str {
     }
 }
 
-/// The queue message of a call: its spec, MessagePack with named fields, on its partition.
 /// The job a runner gets for a call: the Host of its target route, or its function's address.
-pub fn job_of(s: &State, spec: CallSpec, deliveries: u32) -> Job {
+pub fn job_of(s: &State, spec: impl Into<Arc<CallSpec>>, deliveries: u32) -> Job {
+    let spec = spec.into();
     let host = s
         .routes
         .by_name
@@ -322,6 +325,7 @@ pub fn job_of(s: &State, spec: CallSpec, deliveries: u32) -> Job {
     }
 }
 
+/// The queue message of a call: its spec, MessagePack with named fields, on its partition.
 pub fn message_of(spec: &CallSpec) -> Message {
     // Sized up front for the field names and a few headers: the encoder would otherwise grow it
     // from nothing, copying it several times.
@@ -344,15 +348,17 @@ pub fn spec_of(m: &Message) -> Option<CallSpec> {
 
 /// `CallQueued` for the calls the log does not know yet; also the ids it knows as another copy
 /// (for calls handed out as their messages say: stale handed-out copies).
-pub fn record_handed_out(s: &State, specs: Vec<CallSpec>) -> (Vec<Event>, Vec<String>) {
+pub fn record_handed_out(
+    s: &State,
+    specs: Vec<impl Into<Arc<CallSpec>>>,
+) -> (Vec<Event>, Vec<String>) {
     let mut events = Vec::new();
     let mut stale = Vec::new();
     for spec in specs {
+        let spec = spec.into();
         match s.calls.get(&spec.id) {
-            None => events.push(Event::CallQueued {
-                call: Box::new(spec),
-            }),
-            Some(c) if c.spec != spec => stale.push(spec.id),
+            None => events.push(Event::CallQueued { call: spec }),
+            Some(c) if c.spec != spec => stale.push(spec.id.clone()),
             Some(_) => {}
         }
     }

@@ -31,11 +31,11 @@ impl BodyJson {
         }
     }
 
-    /// The bytes.
-    pub fn bytes(&self) -> Result<Vec<u8>, String> {
-        match (&self.body, &self.body_base64) {
+    /// The bytes (a text body's own, not a copy).
+    pub fn into_bytes(self) -> Result<Vec<u8>, String> {
+        match (self.body, self.body_base64) {
             (Some(_), Some(_)) => Err("give a body as body or body_base64, not both".into()),
-            (Some(t), None) => Ok(t.clone().into_bytes()),
+            (Some(t), None) => Ok(t.into_bytes()),
             (None, Some(b)) => base64::engine::general_purpose::STANDARD
                 .decode(b.as_bytes())
                 .map_err(|e| format!("body_base64: {e}")),
@@ -62,11 +62,11 @@ pub struct MessageJson {
 }
 
 impl MessageJson {
-    fn body_json(&self) -> BodyJson {
-        BodyJson {
-            body: self.body.clone(),
-            body_base64: self.body_base64.clone(),
-        }
+    fn body_bytes(
+        body: Option<String>,
+        body_base64: Option<String>,
+    ) -> Result<serde_bytes::ByteBuf, String> {
+        Ok(BodyJson { body, body_base64 }.into_bytes()?.into())
     }
 
     /// A call's request.
@@ -95,22 +95,22 @@ impl MessageJson {
         }
     }
 
-    /// Back to a call's request.
-    pub fn payload(&self) -> Result<Payload, String> {
+    /// Back to a call's request (its strings moved, not copied).
+    pub fn into_payload(self) -> Result<Payload, String> {
         Ok(Payload {
-            method: self.method.clone().unwrap_or_else(|| "POST".into()),
-            path: self.path.clone().unwrap_or_else(|| "/".into()),
-            headers: self.headers.clone(),
-            body: self.body_json().bytes()?.into(),
+            body: Self::body_bytes(self.body, self.body_base64)?,
+            method: self.method.unwrap_or_else(|| "POST".into()),
+            path: self.path.unwrap_or_else(|| "/".into()),
+            headers: self.headers,
         })
     }
 
-    /// Back to a call's result.
-    pub fn result(&self) -> Result<CallResult, String> {
+    /// Back to a call's result (its strings moved, not copied).
+    pub fn into_result(self) -> Result<CallResult, String> {
         Ok(CallResult {
             status: self.status.ok_or("a result needs a status")?,
-            headers: self.headers.clone(),
-            body: self.body_json().bytes()?.into(),
+            body: Self::body_bytes(self.body, self.body_base64)?,
+            headers: self.headers,
         })
     }
 }
@@ -147,24 +147,136 @@ impl JobJson {
         }
     }
 
-    pub fn job(&self) -> Result<Job, String> {
+    /// The job (its strings moved, not copied).
+    pub fn into_job(self) -> Result<Job, String> {
         Ok(Job {
-            call: CallSpec {
-                id: self.id.clone(),
-                target: self.target.clone(),
+            call: std::sync::Arc::new(CallSpec {
+                payload: self.payload.into_payload()?,
+                id: self.id,
+                target: self.target,
                 kind: CallKind::Async,
                 timeout_ms: self.timeout_ms,
-                partition: self.partition.clone(),
+                partition: self.partition,
                 trace: None,
                 tracestate: None,
                 baggage: None,
-                payload: self.payload.payload()?,
-            },
-            host: self.host.clone(),
-            address: self.address.clone(),
-            policy: self.policy.clone(),
+            }),
+            host: self.host,
+            address: self.address,
+            policy: self.policy,
             deliveries: self.deliveries,
         })
+    }
+}
+
+/// A job as JSON, written from the job itself: the JSON [`JobJson::of`] gives, without copying
+/// the job's strings into one first (each dequeue answer writes one per call).
+#[derive(Serialize)]
+pub struct JobJsonRef<'a> {
+    id: &'a str,
+    target: &'a str,
+    host: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    address: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    policy: Option<&'a crate::discovery::Policy>,
+    timeout_ms: u64,
+    deliveries: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    partition: Option<&'a str>,
+    payload: MessageJsonRef<'a>,
+}
+
+/// A request or answer as [`MessageJson`] writes it, borrowed.
+#[derive(Serialize)]
+pub struct MessageJsonRef<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    method: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    path: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<u16>,
+    headers: &'a [(String, String)],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    body: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    body_base64: Option<String>,
+}
+
+impl<'a> MessageJsonRef<'a> {
+    /// Text when the bytes are UTF-8 (borrowed), base64 otherwise, as [`BodyJson::of`].
+    fn body(bytes: &'a [u8]) -> (Option<&'a str>, Option<String>) {
+        match std::str::from_utf8(bytes) {
+            Ok(text) => (Some(text), None),
+            Err(_) => (
+                None,
+                Some(base64::engine::general_purpose::STANDARD.encode(bytes)),
+            ),
+        }
+    }
+
+    /// [`MessageJson::of_payload`], borrowed.
+    pub fn of_payload(p: &'a Payload) -> Self {
+        let (body, body_base64) = Self::body(&p.body);
+        Self {
+            method: Some(&p.method),
+            path: Some(&p.path),
+            status: None,
+            headers: &p.headers,
+            body,
+            body_base64,
+        }
+    }
+
+    /// [`MessageJson::of_result`], borrowed.
+    pub fn of_result(r: &'a CallResult) -> Self {
+        let (body, body_base64) = Self::body(&r.body);
+        Self {
+            method: None,
+            path: None,
+            status: Some(r.status),
+            headers: &r.headers,
+            body,
+            body_base64,
+        }
+    }
+}
+
+impl<'a> JobJsonRef<'a> {
+    pub fn of(job: &'a Job) -> Self {
+        Self {
+            id: &job.call.id,
+            target: &job.call.target,
+            host: &job.host,
+            address: job.address.as_deref(),
+            policy: job.policy.as_ref(),
+            timeout_ms: job.call.timeout_ms,
+            deliveries: job.deliveries,
+            partition: job.call.partition.as_deref(),
+            payload: MessageJsonRef::of_payload(&job.call.payload),
+        }
+    }
+}
+
+/// A finish as JSON, written from the finish itself: the JSON [`FinishJson::of`] gives, without
+/// copying its strings into one first.
+#[derive(Serialize)]
+pub struct FinishJsonRef<'a> {
+    id: &'a str,
+    outcome: Outcome,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    result: Option<MessageJsonRef<'a>>,
+    log: &'a str,
+}
+
+impl<'a> FinishJsonRef<'a> {
+    pub fn of(f: &'a Finish) -> Self {
+        Self {
+            id: &f.id,
+            outcome: f.outcome,
+            result: f.result.as_ref().map(MessageJsonRef::of_result),
+            log: &f.log,
+        }
     }
 }
 
@@ -194,7 +306,7 @@ impl FinishJson {
         Ok(Finish {
             id: self.id,
             outcome: self.outcome,
-            result: self.result.map(|r| r.result()).transpose()?,
+            result: self.result.map(MessageJson::into_result).transpose()?,
             log: self.log,
         })
     }
@@ -298,7 +410,102 @@ pub fn check_runner(id: &str) -> Result<&str, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::EnqueueBody;
+    use super::{EnqueueBody, FinishJson, FinishJsonRef, JobJson, JobJsonRef};
+    use crate::calls::{Finish, Job};
+    use crate::discovery::{Balancer, Policy};
+    use crate::event::{CallResult, CallSpec, Outcome, Payload};
+
+    /// Jobs with and without each optional field, with a text and a binary body.
+    fn jobs() -> Vec<Job> {
+        let plain = CallSpec::for_test("c-1");
+        let mut full = CallSpec::for_test("c-2");
+        full.partition = Some("runner-1".into());
+        full.payload = Payload {
+            method: "PUT".into(),
+            path: "/a?b=\"c\"".into(),
+            headers: vec![("x-one".into(), "1".into()), ("x-two".into(), "é".into())],
+            body: b"caf\xc3\xa9 \"quoted\"\n".to_vec().into(),
+        };
+        let mut binary = full.clone();
+        binary.id = "c-3".into();
+        binary.payload.body = vec![0, 159, 146, 150, 255].into();
+        vec![
+            Job {
+                call: plain.into(),
+                host: "t.example".into(),
+                address: None,
+                policy: None,
+                deliveries: 1,
+            },
+            Job {
+                call: full.into(),
+                host: String::new(),
+                address: Some("http://127.0.0.1:9".into()),
+                policy: Some(Policy::of(Balancer::RoundRobin)),
+                deliveries: 3,
+            },
+            Job {
+                call: binary.into(),
+                host: "h".into(),
+                address: None,
+                policy: None,
+                deliveries: 2,
+            },
+        ]
+    }
+
+    #[test]
+    fn a_job_is_written_from_itself_as_its_json_copy_writes_it_and_read_back_whole() {
+        for job in jobs() {
+            let borrowed = serde_json::to_string(&JobJsonRef::of(&job)).unwrap();
+            let copied = serde_json::to_string(&JobJson::of(&job)).unwrap();
+            assert_eq!(borrowed, copied);
+            let back = serde_json::from_str::<JobJson>(&borrowed)
+                .unwrap()
+                .into_job()
+                .unwrap();
+            assert_eq!(back, job);
+        }
+    }
+
+    #[test]
+    fn a_finish_is_written_from_itself_as_its_json_copy_writes_it_and_read_back_whole() {
+        let result = |body: &[u8]| CallResult {
+            status: 201,
+            headers: vec![("content-type".into(), "text/plain".into())],
+            body: body.to_vec().into(),
+        };
+        let finishes = [
+            Finish {
+                id: "c-1".into(),
+                outcome: Outcome::Success,
+                result: Some(result(b"d\xc3\xa9j\xc3\xa0 \"vu\"")),
+                log: "ran\n".into(),
+            },
+            Finish {
+                id: "c-2".into(),
+                outcome: Outcome::Error,
+                result: Some(result(&[0xff, 0, 0xfe])),
+                log: String::new(),
+            },
+            Finish {
+                id: "c-3".into(),
+                outcome: Outcome::Error,
+                result: None,
+                log: "no answer".into(),
+            },
+        ];
+        for finish in finishes {
+            let borrowed = serde_json::to_string(&FinishJsonRef::of(&finish)).unwrap();
+            let copied = serde_json::to_string(&FinishJson::of(&finish)).unwrap();
+            assert_eq!(borrowed, copied);
+            let back = serde_json::from_str::<FinishJson>(&borrowed)
+                .unwrap()
+                .finish()
+                .unwrap();
+            assert_eq!(back, finish);
+        }
+    }
 
     fn read(body: &str) -> Result<EnqueueBody, String> {
         EnqueueBody::from_json(body.as_bytes()).map_err(|e| e.to_string())

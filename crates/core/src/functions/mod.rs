@@ -346,7 +346,7 @@ pub fn step_events(instance: String, function: String, call: CallSpec) -> [Event
             call_id: call.id.clone(),
         },
         Event::CallQueued {
-            call: Box::new(call),
+            call: std::sync::Arc::new(call),
         },
     ]
 }

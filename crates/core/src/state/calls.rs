@@ -21,6 +21,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, hash_map};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -123,7 +124,8 @@ impl CallStatus {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Call {
     /// What was queued (for a call first seen at its finish, a placeholder with only the id).
-    pub spec: CallSpec,
+    #[serde(with = "crate::event::shared")]
+    pub spec: Arc<CallSpec>,
     /// Current state.
     pub status: CallStatus,
     /// When it was queued (or first recorded).
@@ -406,20 +408,20 @@ fn apply_call<'a>(
                     (Timer::Keep, Some((queued(c), &*c)))
                 }
                 hash_map::Entry::Vacant(v) => {
-                    let c = v.insert(Box::new(Call::new(
-                        (**call).clone(),
-                        CallStatus::Queued,
-                        at_ms,
-                    )));
+                    let c = v.insert(Box::new(Call::new(call.clone(), CallStatus::Queued, at_ms)));
                     (Timer::Keep, Some((false, &*c)))
                 }
             };
         }
         // A finish for a call that was never queued (a sync call, or a lost enqueue) is
         // recorded, as the runner API asks.
-        Event::CallFinished { id, .. } => by_id
-            .entry(id.clone())
-            .or_insert_with(|| Box::new(Call::new(placeholder(id), CallStatus::Running, at_ms))),
+        Event::CallFinished { id, .. } => by_id.entry(id.clone()).or_insert_with(|| {
+            Box::new(Call::new(
+                Arc::new(placeholder(id)),
+                CallStatus::Running,
+                at_ms,
+            ))
+        }),
         Event::CallStarted { id, .. }
         | Event::CallRejected { id, .. }
         | Event::CallTimedOut { id }
@@ -503,7 +505,7 @@ fn placeholder(id: &str) -> CallSpec {
 }
 
 impl Call {
-    fn new(spec: CallSpec, status: CallStatus, created_at_ms: u64) -> Self {
+    fn new(spec: Arc<CallSpec>, status: CallStatus, created_at_ms: u64) -> Self {
         Call {
             spec,
             status,
@@ -664,7 +666,7 @@ mod tests {
         let mut calls = Calls::default();
         for (n, done) in ids {
             let id = format!("ebb-0.{n:05}");
-            let mut c = Call::new(placeholder(&id), CallStatus::Queued, 0);
+            let mut c = Call::new(Arc::new(placeholder(&id)), CallStatus::Queued, 0);
             if *done {
                 c.status = CallStatus::Success;
             }

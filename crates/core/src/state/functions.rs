@@ -254,7 +254,7 @@ mod tests {
             &mut s,
             0,
             Event::CallQueued {
-                call: Box::new(call),
+                call: std::sync::Arc::new(call),
             },
         );
         apply(

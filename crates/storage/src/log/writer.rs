@@ -761,7 +761,7 @@ mod tests {
         // acknowledgement covers both.
         log.submit(move |_: &State, _| {
             vec![Event::CallQueued {
-                call: Box::new(call),
+                call: std::sync::Arc::new(call),
             }]
         })
         .await
@@ -819,7 +819,7 @@ mod tests {
         let clock = SimClock::new(0);
         let log = Arc::new(open(Arc::new(MemStore::new()), &clock));
         log.append(Event::CallQueued {
-            call: Box::new(CallSpec::for_test("c")),
+            call: std::sync::Arc::new(CallSpec::for_test("c")),
         })
         .await
         .unwrap();

@@ -97,7 +97,7 @@ pub fn sample_event(i: u64) -> Event {
     let route = |i: u64| format!("route-{}", i % ROUTES);
     match i % 50 {
         0 => Event::CallQueued {
-            call: Box::new(CallSpec {
+            call: std::sync::Arc::new(CallSpec {
                 id: format!("call-{}", i / 50),
                 target: route(i),
                 kind: CallKind::Async,
