@@ -141,17 +141,22 @@ async fn the_embedded_queue_hands_a_runner_its_own_partition_first() {
 }
 
 /// A Kafka queue with `options`, on the system clock.
+/// The Kafka queue's options on `broker`, with a topic of `partitions` partitions.
+fn on(broker: &common::kafka::Broker, partitions: i32) -> KafkaOptions {
+    KafkaOptions {
+        brokers: broker.addr.to_string(),
+        partitions,
+        ..KafkaOptions::default()
+    }
+}
+
 async fn kafka(options: &KafkaOptions) -> Arc<KafkaQueue> {
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     Arc::new(KafkaQueue::open(clock, options.clone()).await.unwrap())
 }
 
 async fn kafka_contract(broker: &common::kafka::Broker) {
-    let options = KafkaOptions {
-        brokers: broker.addr.to_string(),
-        partitions: 4,
-        ..KafkaOptions::default()
-    };
+    let options = on(broker, 4);
     contract(async || kafka(&options).await as Arc<dyn Queue>).await;
 }
 
@@ -173,10 +178,8 @@ async fn the_kafka_queue_keeps_the_contract_on_tansu() {
 async fn the_kafka_queue_commits_once_an_interval_and_when_a_runner_leaves() {
     let broker = common::broker().await;
     let options = KafkaOptions {
-        brokers: broker.addr.to_string(),
-        partitions: 1,
         commit_every_ms: 3_600_000,
-        ..KafkaOptions::default()
+        ..on(&broker, 1)
     };
     let q = kafka(&options).await;
     q.put(vec![msg("a", ""), msg("b", ""), msg("c", "")])
@@ -206,11 +209,7 @@ async fn the_kafka_queue_commits_once_an_interval_and_when_a_runner_leaves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kafka_queue_fails_a_put_with_a_record_the_producer_refuses() {
     let broker = common::broker().await;
-    let options = KafkaOptions {
-        brokers: broker.addr.to_string(),
-        partitions: 1,
-        ..KafkaOptions::default()
-    };
+    let options = on(&broker, 1);
     let q = kafka(&options).await;
     let huge = Message::new("huge", "", vec![b'x'; 2_000_000]);
     let put = q.put(vec![msg("before", ""), huge, msg("after", "")]).await;
@@ -231,11 +230,7 @@ async fn the_kafka_queue_fails_a_put_with_a_record_the_producer_refuses() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kafka_queue_puts_a_replicas_calls_where_its_own_waiting_runners_read() {
     let broker = common::broker().await;
-    let options = KafkaOptions {
-        brokers: broker.addr.to_string(),
-        partitions: 4,
-        ..KafkaOptions::default()
-    };
+    let options = on(&broker, 4);
     let (one, two) = (kafka(&options).await, kafka(&options).await);
     // Each queue's runner joins the group and asks until the group split the partitions.
     let watch = ebb::clock::Stopwatch::start();

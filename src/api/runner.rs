@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 use super::access::Api;
 use super::{ApiError, AppState};
 use crate::calls::wire::{
-    DequeueBody, EnqueueBody, FinishBody, FinishJson, JobJsonRef, MessageJson, StartBody,
+    DequeueBody, EnqueueBody, FinishBody, FinishJson, JobJsonRef, MessageJsonRef, StartBody,
     StatesBody,
 };
 use crate::calls::{CallError, Calls, Load, NewCall};
@@ -400,8 +400,8 @@ fn view(c: &Call) -> Value {
         "deadline_at_ms": c.deadline_at_ms,
         "runner": c.runner,
         "attempt": c.starts + c.refused_starts,
-        "payload": MessageJson::of_payload(&c.spec.payload),
-        "result": c.result.as_ref().map(MessageJson::of_result),
+        "payload": MessageJsonRef::of_payload(&c.spec.payload),
+        "result": c.result.as_ref().map(MessageJsonRef::of_result),
     })
 }
 

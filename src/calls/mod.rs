@@ -53,11 +53,6 @@ pub mod runner;
 pub use ebb_core::calls::*;
 
 use std::collections::{HashMap, HashSet};
-
-/// A set of call ids hashed with foldhash, as the log's call map is: each enqueue, start and
-/// finish hashes its ids a few times, and the standard library's SipHash was 1 % of ebb's CPU on
-/// the Kafka calls path.
-type IdHashSet<T> = HashSet<T, foldhash::fast::RandomState>;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -72,6 +67,11 @@ use crate::state::calls::{
     CallStatus, StartVerdict, decide_cancel, decide_finish, decide_start, decide_timeouts,
 };
 use crate::state::{Due, State};
+
+/// A set of call ids hashed with foldhash, as the log's call map is: each enqueue, start and
+/// finish hashes its ids a few times, and the standard library's SipHash was 1 % of ebb's CPU on
+/// the Kafka calls path.
+type IdHashSet<T> = HashSet<T, foldhash::fast::RandomState>;
 
 /// A batch answer (`{"results": [...]}`), as the runner API gives it.
 #[derive(Debug, Deserialize)]
@@ -1220,14 +1220,13 @@ impl Calls {
             answers.extend(Box::pin(self.finish(runner, local)).await?);
         }
         for (owner, finishes) in by_owner {
-            let calls: Vec<wire::FinishJson> = finishes.iter().map(wire::FinishJson::of).collect();
             let asked = self
                 .peers
                 .post_json::<Results<IdState>>(
                     &owner,
                     "/runner/finish",
                     self.peer_token.get().as_deref(),
-                    &serde_json::json!({ "runner": runner, "calls": calls }),
+                    &wire::FinishBatchRef::of(runner, &finishes),
                 )
                 .await?;
             let results = match asked {

@@ -26,7 +26,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::{Semaphore, mpsc, watch};
 
-use super::wire::{FinishJsonRef, JobJson};
+use super::wire::{FinishBatchRef, JobJson};
 use super::{Calls, Finish, Job, Load, Started};
 use crate::discovery::{Balanced, Chosen, Policy, ServiceId};
 use crate::event::{CallResult, Outcome};
@@ -173,10 +173,11 @@ impl HttpApi {
         &self,
         runner: &str,
         path: &str,
-        body: Result<Bytes, RunnerError>,
+        body: &(impl serde::Serialize + Sync),
         load: Load,
     ) -> Result<(u16, Bytes), RunnerError> {
-        let body = body?;
+        // Written straight from `body` (no `serde_json::Value` in between).
+        let body = serde_json::to_vec(body).map_err(RunnerError::other)?;
         let key = crate::discovery::hash_key(runner.as_bytes());
         let chosen = self
             .balanced
@@ -188,7 +189,7 @@ impl HttpApi {
             .header("authorization", format!("Bearer {}", self.token))
             .header("content-type", "application/json")
             .header("x-runner-load", load.to_string())
-            .body(Full::new(body))
+            .body(Full::new(Bytes::from(body)))
             .map_err(RunnerError::other)?;
         let resp = match self.client.request(req).await {
             Ok(r) => r,
@@ -223,11 +224,10 @@ impl RunnerApi for HttpApi {
         wait_ms: u64,
         load: Load,
     ) -> RunnerFuture<'_, Vec<Job>> {
-        let body =
-            json_body(&serde_json::json!({ "runner": runner, "max": max, "wait_ms": wait_ms }));
+        let body = serde_json::json!({ "runner": runner, "max": max, "wait_ms": wait_ms });
         let who = runner.to_owned();
         Box::pin(async move {
-            let (status, bytes) = self.post(&who, "/runner/dequeue", body, load).await?;
+            let (status, bytes) = self.post(&who, "/runner/dequeue", &body, load).await?;
             if status == 204 {
                 return Ok(Vec::new());
             }
@@ -246,14 +246,18 @@ impl RunnerApi for HttpApi {
 
     fn start(&self, runner: &str, ids: Vec<String>, load: Load) -> RunnerFuture<'_, Vec<Started>> {
         #[derive(serde::Serialize)]
-        struct Body<'a> {
-            runner: &'a str,
-            ids: &'a [String],
+        struct Body {
+            runner: String,
+            ids: Vec<String>,
         }
-        let body = json_body(&Body { runner, ids: &ids });
-        let who = runner.to_owned();
+        let body = Body {
+            runner: runner.to_owned(),
+            ids,
+        };
         Box::pin(async move {
-            let (_, bytes) = self.post(&who, "/runner/start", body, load).await?;
+            let (_, bytes) = self
+                .post(&body.runner, "/runner/start", &body, load)
+                .await?;
             #[derive(serde::Deserialize)]
             struct Answer {
                 results: Vec<Started>,
@@ -264,26 +268,13 @@ impl RunnerApi for HttpApi {
     }
 
     fn finish(&self, runner: &str, finishes: Vec<Finish>, load: Load) -> RunnerFuture<'_, ()> {
-        #[derive(serde::Serialize)]
-        struct Body<'a> {
-            runner: &'a str,
-            calls: Vec<FinishJsonRef<'a>>,
-        }
-        let calls = finishes.iter().map(FinishJsonRef::of).collect();
-        let body = json_body(&Body { runner, calls });
         let who = runner.to_owned();
         Box::pin(async move {
-            self.post(&who, "/runner/finish", body, load).await?;
+            let body = FinishBatchRef::of(&who, &finishes);
+            self.post(&who, "/runner/finish", &body, load).await?;
             Ok(())
         })
     }
-}
-
-/// A request's JSON body, written straight from `value` (no `serde_json::Value` in between).
-fn json_body(value: &impl serde::Serialize) -> Result<Bytes, RunnerError> {
-    serde_json::to_vec(value)
-        .map(Bytes::from)
-        .map_err(RunnerError::other)
 }
 
 /// Runs a call's request.
@@ -638,7 +629,7 @@ pub async fn run(
                     return;
                 }
             };
-            let accepted: std::collections::HashSet<String, foldhash::fast::RandomState> = started
+            let accepted: super::IdHashSet<String> = started
                 .into_iter()
                 .filter(|s| s.started)
                 .map(|s| s.id)

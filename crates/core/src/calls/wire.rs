@@ -7,44 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::{Finish, Job, NewCall};
 use crate::event::{CallKind, CallResult, CallSpec, Outcome, Payload};
 
-/// A body as JSON.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BodyJson {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub body: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub body_base64: Option<String>,
-}
-
-impl BodyJson {
-    /// Text when the bytes are UTF-8, base64 otherwise.
-    pub fn of(bytes: &[u8]) -> Self {
-        match std::str::from_utf8(bytes) {
-            Ok(text) => Self {
-                body: Some(text.to_owned()),
-                body_base64: None,
-            },
-            Err(_) => Self {
-                body: None,
-                body_base64: Some(base64::engine::general_purpose::STANDARD.encode(bytes)),
-            },
-        }
-    }
-
-    /// The bytes (a text body's own, not a copy).
-    pub fn into_bytes(self) -> Result<Vec<u8>, String> {
-        match (self.body, self.body_base64) {
-            (Some(_), Some(_)) => Err("give a body as body or body_base64, not both".into()),
-            (Some(t), None) => Ok(t.into_bytes()),
-            (None, Some(b)) => base64::engine::general_purpose::STANDARD
-                .decode(b.as_bytes())
-                .map_err(|e| format!("body_base64: {e}")),
-            (None, None) => Ok(Vec::new()),
-        }
-    }
-}
-
-/// An HTTP request or answer as JSON.
+/// An HTTP request or answer as JSON, as read ([`MessageJsonRef`] writes it).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MessageJson {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -62,36 +25,19 @@ pub struct MessageJson {
 }
 
 impl MessageJson {
+    /// The body's bytes: a text body's own (not a copy), or base64's decoded.
     fn body_bytes(
         body: Option<String>,
         body_base64: Option<String>,
     ) -> Result<serde_bytes::ByteBuf, String> {
-        Ok(BodyJson { body, body_base64 }.into_bytes()?.into())
-    }
-
-    /// A call's request.
-    pub fn of_payload(p: &Payload) -> Self {
-        let b = BodyJson::of(&p.body);
-        Self {
-            method: Some(p.method.clone()),
-            path: Some(p.path.clone()),
-            status: None,
-            headers: p.headers.clone(),
-            body: b.body,
-            body_base64: b.body_base64,
-        }
-    }
-
-    /// A call's result.
-    pub fn of_result(r: &CallResult) -> Self {
-        let b = BodyJson::of(&r.body);
-        Self {
-            method: None,
-            path: None,
-            status: Some(r.status),
-            headers: r.headers.clone(),
-            body: b.body,
-            body_base64: b.body_base64,
+        match (body, body_base64) {
+            (Some(_), Some(_)) => Err("give a body as body or body_base64, not both".into()),
+            (Some(t), None) => Ok(t.into_bytes().into()),
+            (None, Some(b)) => base64::engine::general_purpose::STANDARD
+                .decode(b.as_bytes())
+                .map(Into::into)
+                .map_err(|e| format!("body_base64: {e}")),
+            (None, None) => Ok(Default::default()),
         }
     }
 
@@ -115,7 +61,7 @@ impl MessageJson {
     }
 }
 
-/// A job as JSON.
+/// A job as JSON, as a runner reads it ([`JobJsonRef`] writes it).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobJson {
     pub id: String,
@@ -133,20 +79,6 @@ pub struct JobJson {
 }
 
 impl JobJson {
-    pub fn of(job: &Job) -> Self {
-        Self {
-            id: job.call.id.clone(),
-            target: job.call.target.clone(),
-            host: job.host.clone(),
-            address: job.address.clone(),
-            policy: job.policy.clone(),
-            timeout_ms: job.call.timeout_ms,
-            deliveries: job.deliveries,
-            partition: job.call.partition.clone(),
-            payload: MessageJson::of_payload(&job.call.payload),
-        }
-    }
-
     /// The job (its strings moved, not copied).
     pub fn into_job(self) -> Result<Job, String> {
         Ok(Job {
@@ -169,8 +101,8 @@ impl JobJson {
     }
 }
 
-/// A job as JSON, written from the job itself: the JSON [`JobJson::of`] gives, without copying
-/// the job's strings into one first (each dequeue answer writes one per call).
+/// A job as JSON, written from the job itself (each dequeue answer writes one per call, and
+/// copies none of their strings).
 #[derive(Serialize)]
 pub struct JobJsonRef<'a> {
     id: &'a str,
@@ -187,7 +119,7 @@ pub struct JobJsonRef<'a> {
     payload: MessageJsonRef<'a>,
 }
 
-/// A request or answer as [`MessageJson`] writes it, borrowed.
+/// A request or answer as JSON, written from it.
 #[derive(Serialize)]
 pub struct MessageJsonRef<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -204,7 +136,7 @@ pub struct MessageJsonRef<'a> {
 }
 
 impl<'a> MessageJsonRef<'a> {
-    /// Text when the bytes are UTF-8 (borrowed), base64 otherwise, as [`BodyJson::of`].
+    /// Text when the bytes are UTF-8 (borrowed), base64 otherwise.
     fn body(bytes: &'a [u8]) -> (Option<&'a str>, Option<String>) {
         match std::str::from_utf8(bytes) {
             Ok(text) => (Some(text), None),
@@ -215,7 +147,7 @@ impl<'a> MessageJsonRef<'a> {
         }
     }
 
-    /// [`MessageJson::of_payload`], borrowed.
+    /// A call's request.
     pub fn of_payload(p: &'a Payload) -> Self {
         let (body, body_base64) = Self::body(&p.body);
         Self {
@@ -228,7 +160,7 @@ impl<'a> MessageJsonRef<'a> {
         }
     }
 
-    /// [`MessageJson::of_result`], borrowed.
+    /// A call's result.
     pub fn of_result(r: &'a CallResult) -> Self {
         let (body, body_base64) = Self::body(&r.body);
         Self {
@@ -258,8 +190,7 @@ impl<'a> JobJsonRef<'a> {
     }
 }
 
-/// A finish as JSON, written from the finish itself: the JSON [`FinishJson::of`] gives, without
-/// copying its strings into one first.
+/// A finish as JSON, written from the finish itself.
 #[derive(Serialize)]
 pub struct FinishJsonRef<'a> {
     id: &'a str,
@@ -280,7 +211,7 @@ impl<'a> FinishJsonRef<'a> {
     }
 }
 
-/// A finish as JSON.
+/// A finish as JSON, as read ([`FinishJsonRef`] writes it).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FinishJson {
@@ -293,15 +224,6 @@ pub struct FinishJson {
 }
 
 impl FinishJson {
-    pub fn of(f: &Finish) -> Self {
-        Self {
-            id: f.id.clone(),
-            outcome: f.outcome,
-            result: f.result.as_ref().map(MessageJson::of_result),
-            log: f.log.clone(),
-        }
-    }
-
     pub fn finish(self) -> Result<Finish, String> {
         Ok(Finish {
             id: self.id,
@@ -373,6 +295,23 @@ pub struct StartBody {
     pub copies: Option<std::collections::BTreeMap<String, String>>,
 }
 
+/// `POST /runner/finish` with a batch, as a runner or a replica forwarding finishes writes it
+/// (read as [`FinishBody::Batch`]).
+#[derive(Serialize)]
+pub struct FinishBatchRef<'a> {
+    runner: &'a str,
+    calls: Vec<FinishJsonRef<'a>>,
+}
+
+impl<'a> FinishBatchRef<'a> {
+    pub fn of(runner: &'a str, finishes: &'a [Finish]) -> Self {
+        Self {
+            runner,
+            calls: finishes.iter().map(FinishJsonRef::of).collect(),
+        }
+    }
+}
+
 /// `POST /runner/finish`: one result or `{"calls": [...]}`.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -410,7 +349,9 @@ pub fn check_runner(id: &str) -> Result<&str, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::{EnqueueBody, FinishJson, FinishJsonRef, JobJson, JobJsonRef};
+    use super::{
+        EnqueueBody, FinishBatchRef, FinishBody, FinishJson, FinishJsonRef, JobJson, JobJsonRef,
+    };
     use crate::calls::{Finish, Job};
     use crate::discovery::{Balancer, Policy};
     use crate::event::{CallResult, CallSpec, Outcome, Payload};
@@ -454,17 +395,27 @@ mod tests {
         ]
     }
 
+    /// What `written` writes, its owned shape reads and writes again byte for byte, and reads
+    /// back as `value`.
+    fn written_alike_and_read_back<T, O>(
+        value: &T,
+        written: impl serde::Serialize,
+        back: impl FnOnce(O) -> Result<T, String>,
+    ) where
+        T: PartialEq + std::fmt::Debug,
+        O: serde::Serialize + serde::de::DeserializeOwned,
+    {
+        let borrowed = serde_json::to_string(&written).unwrap();
+        let read: O = serde_json::from_str(&borrowed).unwrap();
+        let copied = serde_json::to_string(&read).unwrap();
+        assert_eq!(borrowed, copied);
+        assert_eq!(&back(read).unwrap(), value);
+    }
+
     #[test]
     fn a_job_is_written_from_itself_as_its_json_copy_writes_it_and_read_back_whole() {
         for job in jobs() {
-            let borrowed = serde_json::to_string(&JobJsonRef::of(&job)).unwrap();
-            let copied = serde_json::to_string(&JobJson::of(&job)).unwrap();
-            assert_eq!(borrowed, copied);
-            let back = serde_json::from_str::<JobJson>(&borrowed)
-                .unwrap()
-                .into_job()
-                .unwrap();
-            assert_eq!(back, job);
+            written_alike_and_read_back(&job, JobJsonRef::of(&job), JobJson::into_job);
         }
     }
 
@@ -495,15 +446,18 @@ mod tests {
                 log: "no answer".into(),
             },
         ];
-        for finish in finishes {
-            let borrowed = serde_json::to_string(&FinishJsonRef::of(&finish)).unwrap();
-            let copied = serde_json::to_string(&FinishJson::of(&finish)).unwrap();
-            assert_eq!(borrowed, copied);
-            let back = serde_json::from_str::<FinishJson>(&borrowed)
-                .unwrap()
-                .finish()
-                .unwrap();
-            assert_eq!(back, finish);
+        for finish in &finishes {
+            written_alike_and_read_back(finish, FinishJsonRef::of(finish), FinishJson::finish);
+        }
+        // A batch of them is read as one.
+        let batch = serde_json::to_vec(&FinishBatchRef::of("r-1", &finishes)).unwrap();
+        match serde_json::from_slice::<FinishBody>(&batch).unwrap() {
+            FinishBody::Batch { runner, calls } => {
+                assert_eq!(runner, "r-1");
+                let back: Vec<Finish> = calls.into_iter().map(|c| c.finish().unwrap()).collect();
+                assert_eq!(back, finishes);
+            }
+            other => panic!("a batch, not {other:?}"),
         }
     }
 
