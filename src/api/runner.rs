@@ -302,7 +302,8 @@ async fn finish(
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let calls = calls_of(&app)?;
-    let (batch, runner, items) = match body::<FinishBody>(bytes)? {
+    let bytes = bytes.map_err(rejection)?;
+    let (batch, runner, items) = match FinishBody::from_json(&bytes).map_err(bad_json)? {
         FinishBody::Batch { runner, calls } => (true, runner, calls),
         FinishBody::One { runner, call } => (false, runner, vec![call]),
     };

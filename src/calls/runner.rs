@@ -96,8 +96,14 @@ pub trait RunnerApi: Send + Sync {
     ) -> RunnerFuture<'_, Vec<Job>>;
     /// Starts calls; only those answered `started` may run.
     fn start(&self, runner: &str, ids: Vec<String>, load: Load) -> RunnerFuture<'_, Vec<Started>>;
-    /// Reports finished calls.
-    fn finish(&self, runner: &str, finishes: Vec<Finish>, load: Load) -> RunnerFuture<'_, ()>;
+    /// Reports finished calls (borrowed: a runner keeps them to report again should this
+    /// attempt fail).
+    fn finish<'a>(
+        &'a self,
+        runner: &str,
+        finishes: &'a [Finish],
+        load: Load,
+    ) -> RunnerFuture<'a, ()>;
 }
 
 impl RunnerApi for Arc<Calls> {
@@ -123,11 +129,16 @@ impl RunnerApi for Arc<Calls> {
         })
     }
 
-    fn finish(&self, runner: &str, finishes: Vec<Finish>, load: Load) -> RunnerFuture<'_, ()> {
+    fn finish<'a>(
+        &'a self,
+        runner: &str,
+        finishes: &'a [Finish],
+        load: Load,
+    ) -> RunnerFuture<'a, ()> {
         let runner = runner.to_owned();
         Box::pin(async move {
             self.seen(&runner, Some(load));
-            Calls::finish(self, &runner, finishes).await?;
+            Calls::finish(self, &runner, finishes.to_vec()).await?;
             Ok(())
         })
     }
@@ -267,10 +278,15 @@ impl RunnerApi for HttpApi {
         })
     }
 
-    fn finish(&self, runner: &str, finishes: Vec<Finish>, load: Load) -> RunnerFuture<'_, ()> {
+    fn finish<'a>(
+        &'a self,
+        runner: &str,
+        finishes: &'a [Finish],
+        load: Load,
+    ) -> RunnerFuture<'a, ()> {
         let who = runner.to_owned();
         Box::pin(async move {
-            let body = FinishBatchRef::of(&who, &finishes);
+            let body = FinishBatchRef::of(&who, finishes);
             self.post(&who, "/runner/finish", &body, load).await?;
             Ok(())
         })
@@ -710,7 +726,7 @@ async fn report(
 }
 
 /// Sends one finish request, retrying with backoff unless the API refuses it. Each attempt
-/// sends its own copy of `batch` (the API takes it), so a failed one leaves it for the next.
+/// lends the API `batch`, so a failed one leaves it whole for the next.
 async fn send_finishes(
     api: &dyn RunnerApi,
     options: &RunnerOptions,
@@ -719,7 +735,7 @@ async fn send_finishes(
 ) -> Result<(), RunnerError> {
     let mut attempt = 0;
     loop {
-        match api.finish(&options.id, batch.to_vec(), load()).await {
+        match api.finish(&options.id, batch, load()).await {
             Ok(()) => return Ok(()),
             Err(e) if e.is_refusal() => {
                 tracing::error!(runner = %options.id, error = %e, calls = batch.len(), "finish refused");

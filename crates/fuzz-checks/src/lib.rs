@@ -196,7 +196,7 @@ pub fn runner_body(bytes: &[u8]) {
             let _ = ebb_core::ids::parse_id(id);
         }
     }
-    if let Ok(b) = serde_json::from_slice::<FinishBody>(bytes) {
+    if let Ok(b) = FinishBody::from_json(bytes) {
         let items = match b {
             FinishBody::Batch { calls, .. } => calls,
             FinishBody::One { call, .. } => vec![call],

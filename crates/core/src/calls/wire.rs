@@ -312,9 +312,8 @@ impl<'a> FinishBatchRef<'a> {
     }
 }
 
-/// `POST /runner/finish`: one result or `{"calls": [...]}`.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+/// `POST /runner/finish`: one result or `{"calls": [...]}`. Read with [`FinishBody::from_json`].
+#[derive(Debug)]
 pub enum FinishBody {
     Batch {
         runner: String,
@@ -322,9 +321,63 @@ pub enum FinishBody {
     },
     One {
         runner: String,
-        #[serde(flatten)]
         call: FinishJson,
     },
+}
+
+/// A finish body that may be a batch: anything but `runner` and `calls` is left for
+/// [`OneFinish`] to judge.
+#[derive(Deserialize)]
+struct MaybeFinishBatch {
+    #[serde(default)]
+    runner: Option<String>,
+    #[serde(default)]
+    calls: Option<Vec<FinishJson>>,
+}
+
+/// One finish with its runner: [`FinishJson`]'s fields and `runner`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OneFinish {
+    runner: String,
+    id: String,
+    outcome: Outcome,
+    #[serde(default)]
+    result: Option<MessageJson>,
+    #[serde(default)]
+    log: String,
+}
+
+impl FinishBody {
+    /// Reads a body: a batch if it has `calls`, else one finish, each straight from the bytes (an
+    /// untagged enum would first copy the body into a tree of strings and read that once per
+    /// variant). The error is a batch's when the body has `calls` or is no JSON object, the one
+    /// finish's otherwise.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+        let one = |bytes| {
+            serde_json::from_slice::<OneFinish>(bytes).map(|o| Self::One {
+                runner: o.runner,
+                call: FinishJson {
+                    id: o.id,
+                    outcome: o.outcome,
+                    result: o.result,
+                    log: o.log,
+                },
+            })
+        };
+        match serde_json::from_slice::<MaybeFinishBatch>(bytes) {
+            Ok(MaybeFinishBatch {
+                runner: Some(runner),
+                calls: Some(calls),
+            }) => Ok(Self::Batch { runner, calls }),
+            Ok(MaybeFinishBatch {
+                runner: None,
+                calls: Some(_),
+            }) => Err(serde::de::Error::missing_field("runner")),
+            Ok(MaybeFinishBatch { calls: None, .. }) => one(bytes),
+            Err(batch) => one(bytes).map_err(|_| batch),
+        }
+    }
 }
 
 /// `POST /runner/states`: the states of calls this replica owns (asked by another replica).
@@ -451,7 +504,7 @@ mod tests {
         }
         // A batch of them is read as one.
         let batch = serde_json::to_vec(&FinishBatchRef::of("r-1", &finishes)).unwrap();
-        match serde_json::from_slice::<FinishBody>(&batch).unwrap() {
+        match FinishBody::from_json(&batch).unwrap() {
             FinishBody::Batch { runner, calls } => {
                 assert_eq!(runner, "r-1");
                 let back: Vec<Finish> = calls.into_iter().map(|c| c.finish().unwrap()).collect();
@@ -501,5 +554,52 @@ mod tests {
         assert!(read("{not json").is_err());
         assert!(read(r#""a string""#).is_err());
         assert!(read(r#"{"calls": null}"#).is_err());
+    }
+
+    fn finish_body(body: &str) -> Result<FinishBody, String> {
+        FinishBody::from_json(body.as_bytes()).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_finish_body_is_a_batch_with_calls_else_one_finish() {
+        match finish_body(r#"{"runner": "r", "id": "c-1", "outcome": "success", "log": "ok"}"#) {
+            Ok(FinishBody::One { runner, call }) => {
+                assert_eq!(runner, "r");
+                assert_eq!((call.id.as_str(), call.outcome), ("c-1", Outcome::Success));
+                assert_eq!((call.result, call.log.as_str()), (None, "ok"));
+            }
+            other => panic!("one finish, not {other:?}"),
+        }
+        match finish_body(r#"{"runner": "r", "calls": [{"id": "c-1", "outcome": "error"}]}"#) {
+            Ok(FinishBody::Batch { runner, calls }) => {
+                assert_eq!(runner, "r");
+                assert_eq!(calls.len(), 1);
+                assert_eq!(
+                    (calls[0].id.as_str(), calls[0].outcome),
+                    ("c-1", Outcome::Error)
+                );
+            }
+            other => panic!("a batch, not {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_bad_finish_body_is_refused_with_what_is_wrong() {
+        // One finish with a field finishes do not have: its error names it.
+        let e = finish_body(r#"{"runner": "r", "id": "c", "outcome": "success", "nope": 1}"#)
+            .unwrap_err();
+        assert!(e.contains("unknown field `nope`"), "{e}");
+        // A batch with a bad finish: the batch's error.
+        let e = finish_body(r#"{"runner": "r", "calls": [{"id": "c", "outcome": "maybe"}]}"#)
+            .unwrap_err();
+        assert!(e.contains("unknown variant `maybe`"), "{e}");
+        // A batch without its runner.
+        let e = finish_body(r#"{"calls": []}"#).unwrap_err();
+        assert!(e.contains("missing field `runner`"), "{e}");
+        // Neither.
+        let e = finish_body(r#"{"runner": "r"}"#).unwrap_err();
+        assert!(e.contains("missing field `id`"), "{e}");
+        assert!(finish_body("{not json").is_err());
+        assert!(finish_body(r#"[1]"#).is_err());
     }
 }

@@ -130,12 +130,12 @@ impl RunnerApi for Timed {
         self.api.start(runner, ids, load)
     }
 
-    fn finish(
-        &self,
+    fn finish<'a>(
+        &'a self,
         runner: &str,
-        finishes: Vec<Finish>,
+        finishes: &'a [Finish],
         load: ebb::calls::Load,
-    ) -> runner::RunnerFuture<'_, ()> {
+    ) -> runner::RunnerFuture<'a, ()> {
         self.api.finish(runner, finishes, load)
     }
 }
