@@ -5,7 +5,7 @@
 //! projection like any other: rebuilt from the log, never written to directly, so a restart
 //! rebuilds every deadline. Each key has at most one deadline; setting it again moves it.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 
@@ -52,7 +52,7 @@ pub enum DueKind {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(from = "Vec<(Due, u64)>", into = "Vec<(Due, u64)>")]
 pub struct Schedule {
-    by_key: BTreeMap<Due, u64>,
+    by_key: HashMap<Due, u64, foldhash::fast::RandomState>,
     queues: [BTreeSet<(u64, Due)>; 5],
 }
 
@@ -139,8 +139,11 @@ impl From<Vec<(Due, u64)>> for Schedule {
 }
 
 impl From<Schedule> for Vec<(Due, u64)> {
+    /// In key order, whatever the map's: a snapshot's bytes depend on its state alone.
     fn from(s: Schedule) -> Self {
-        s.by_key.into_iter().collect()
+        let mut all: Vec<(Due, u64)> = s.by_key.into_iter().collect();
+        all.sort_unstable();
+        all
     }
 }
 
@@ -168,5 +171,30 @@ mod tests {
         assert_eq!(s.len(), 2);
         let round: Schedule = Vec::from(s.clone()).into();
         assert_eq!(round, s);
+    }
+
+    #[test]
+    fn a_schedule_is_written_in_key_order_whatever_order_it_was_set_in() {
+        let keys = [
+            (Due::RouteIdle("r".into()), 10),
+            (Due::CallTimeout("c-2".into()), 20),
+            (Due::CallTimeout("c-1".into()), 20),
+            (Due::CleanerEval("a".into()), 5),
+        ];
+        let mut forward = Schedule::default();
+        let mut backward = Schedule::default();
+        for (k, at) in &keys {
+            forward.set(k.clone(), *at);
+        }
+        for (k, at) in keys.iter().rev() {
+            backward.set(k.clone(), *at);
+        }
+        let mut sorted = keys.to_vec();
+        sorted.sort();
+        assert_eq!(Vec::from(forward.clone()), sorted);
+        assert_eq!(
+            rmp_serde::to_vec(&forward).unwrap(),
+            rmp_serde::to_vec(&backward).unwrap()
+        );
     }
 }
