@@ -2,6 +2,7 @@
 //! (`body_base64`) when they are not, so people can read them and bytes survive.
 
 use base64::Engine as _;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::{Finish, Job, NewCall};
@@ -251,19 +252,30 @@ struct MaybeBatch {
 }
 
 impl EnqueueBody {
-    /// Reads a body: a batch if it has `calls`, else one call. Each is read straight from the
-    /// bytes (an untagged enum would first copy the whole body into a tree of strings and read
-    /// that once per variant: the enqueue's largest cost after the log). The error is the one
-    /// that tells what is wrong: a batch's when the body has `calls` or is no JSON object, the
-    /// call's otherwise.
+    /// Reads a body: a batch if it has `calls`, else one call ([`batch_or_one`]).
     pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
-        match serde_json::from_slice::<MaybeBatch>(bytes) {
-            Ok(MaybeBatch { calls: Some(calls) }) => Ok(Self::Batch { calls }),
-            Ok(MaybeBatch { calls: None }) => serde_json::from_slice(bytes).map(Self::One),
-            Err(batch) => serde_json::from_slice(bytes)
-                .map(Self::One)
-                .map_err(|_| batch),
-        }
+        batch_or_one(
+            bytes,
+            |b: MaybeBatch| b.calls.map(|calls| Ok(Self::Batch { calls })),
+            Self::One,
+        )
+    }
+}
+
+/// Reads a body that is a batch `B` when it has `calls` (`batch` says, `None` for no `calls`),
+/// else one `O`, each straight from the bytes: an untagged enum would first copy the whole body
+/// into a tree of strings and read that once per variant (the enqueue's largest cost after the
+/// log). The error is the one that tells what is wrong: the batch's when the body has `calls`
+/// or is no JSON object, the one's otherwise.
+fn batch_or_one<T, B: DeserializeOwned, O: DeserializeOwned>(
+    bytes: &[u8],
+    batch: impl FnOnce(B) -> Option<Result<T, serde_json::Error>>,
+    one: impl FnOnce(O) -> T,
+) -> Result<T, serde_json::Error> {
+    match serde_json::from_slice::<B>(bytes).map(batch) {
+        Ok(Some(read)) => read,
+        Ok(None) => serde_json::from_slice(bytes).map(one),
+        Err(batch) => serde_json::from_slice(bytes).map(one).map_err(|_| batch),
     }
 }
 
@@ -349,13 +361,19 @@ struct OneFinish {
 }
 
 impl FinishBody {
-    /// Reads a body: a batch if it has `calls`, else one finish, each straight from the bytes (an
-    /// untagged enum would first copy the body into a tree of strings and read that once per
-    /// variant). The error is a batch's when the body has `calls` or is no JSON object, the one
-    /// finish's otherwise.
+    /// Reads a body: a batch if it has `calls` (and then its `runner`), else one finish
+    /// ([`batch_or_one`]).
     pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
-        let one = |bytes| {
-            serde_json::from_slice::<OneFinish>(bytes).map(|o| Self::One {
+        batch_or_one(
+            bytes,
+            |b: MaybeFinishBatch| {
+                let calls = b.calls?;
+                Some(match b.runner {
+                    Some(runner) => Ok(Self::Batch { runner, calls }),
+                    None => Err(serde::de::Error::missing_field("runner")),
+                })
+            },
+            |o: OneFinish| Self::One {
                 runner: o.runner,
                 call: FinishJson {
                     id: o.id,
@@ -363,20 +381,8 @@ impl FinishBody {
                     result: o.result,
                     log: o.log,
                 },
-            })
-        };
-        match serde_json::from_slice::<MaybeFinishBatch>(bytes) {
-            Ok(MaybeFinishBatch {
-                runner: Some(runner),
-                calls: Some(calls),
-            }) => Ok(Self::Batch { runner, calls }),
-            Ok(MaybeFinishBatch {
-                runner: None,
-                calls: Some(_),
-            }) => Err(serde::de::Error::missing_field("runner")),
-            Ok(MaybeFinishBatch { calls: None, .. }) => one(bytes),
-            Err(batch) => one(bytes).map_err(|_| batch),
-        }
+            },
+        )
     }
 }
 
