@@ -1,7 +1,9 @@
 //! Crash safety with real processes: a child appends as fast as it can with `sync` durability and
 //! prints every acknowledged seq; the test kills it with SIGKILL after a random number of
 //! acknowledgements, several rounds on the same data dir, and checks that every acknowledged seq
-//! is present, seqs are contiguous and every record decodes.
+//! is present, seqs are contiguous and every record decodes. Every other round flushes the
+//! memtables every few dozen appends, so the kill lands among WAL switches, table writes and
+//! deleted WALs, as it would in a long run (RocksDB flushes by itself every 64 MiB).
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -17,6 +19,8 @@ use common::XorShift;
 
 const ROUNDS: usize = 6;
 const DEADLINE: Duration = Duration::from_secs(120);
+/// Acknowledged appends between two flushes in a flushing round.
+const FLUSH_EVERY: u64 = 64;
 
 #[test]
 fn acknowledged_appends_survive_sigkill() {
@@ -25,11 +29,18 @@ fn acknowledged_appends_survive_sigkill() {
     let mut rng = XorShift(0x5eed_ebb0_1234_5678);
     let mut max_acked = 0u64;
     for round in 0..ROUNDS {
-        let kill_after = 50 + rng.next() % 3_000;
+        // A round that flushes goes on long enough for several flushes.
+        let flushing = round % 2 == 1;
+        let kill_after = if flushing { 12 * FLUSH_EVERY } else { 50 } + rng.next() % 3_000;
         let appenders = [1, 8, 64, 256][round % 4];
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ebb"))
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ebb"));
+        child
             .args(["debug", "append-stress", "--appenders"])
-            .arg(appenders.to_string())
+            .arg(appenders.to_string());
+        if flushing {
+            child.args(["--flush-every", &FLUSH_EVERY.to_string()]);
+        }
+        let mut child = child
             .arg("--data-dir")
             .arg(&data)
             .env("EBB_LOG", "warn")
@@ -58,6 +69,15 @@ fn acknowledged_appends_survive_sigkill() {
         child.kill().unwrap();
         let status = child.wait().unwrap();
         assert!(!status.success(), "the child was killed");
+        if flushing {
+            // RocksDB's own log of the killed process: it flushed, moving to new WALs.
+            let info = std::fs::read_to_string(data.join("LOG")).unwrap();
+            let flushes = info.matches("\"event\": \"flush_finished\"").count();
+            assert!(
+                flushes >= 2,
+                "round {round}: {flushes} flushes before the kill, expected several"
+            );
+        }
         reader.join().unwrap();
         // Acknowledgements the child printed before it died count too.
         acked.extend(rx.try_iter());

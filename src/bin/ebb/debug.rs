@@ -7,11 +7,11 @@ use std::sync::Arc;
 use anyhow::Result;
 use clap::Subcommand;
 
-use crate::logs::open_writer;
 use crate::runtime;
+use ebb::clock::SystemClock;
 use ebb::event::Event;
-use ebb::log::Durability;
 use ebb::log::rocks::OpenMode;
+use ebb::log::{Durability, Log, Options, RocksStore};
 
 #[derive(Subcommand)]
 pub enum DebugCommand {
@@ -36,13 +36,21 @@ pub enum DebugCommand {
         /// Stop after this many acknowledged appends (default: never).
         #[arg(long)]
         count: Option<u64>,
+        /// Flush the memtables after every this many acknowledged appends (default: when they
+        /// fill), so the WALs they free are written over by later ones while appends go on.
+        #[arg(long)]
+        flush_every: Option<u64>,
     },
 }
 
 /// Runs a debug command.
 pub fn run(dir: &Path, cmd: DebugCommand) -> Result<()> {
     match cmd {
-        DebugCommand::AppendStress { appenders, count } => append_stress(dir, appenders, count),
+        DebugCommand::AppendStress {
+            appenders,
+            count,
+            flush_every,
+        } => append_stress(dir, appenders, count, flush_every),
         DebugCommand::RunWorkload {
             replicas,
             log_dir,
@@ -51,8 +59,23 @@ pub fn run(dir: &Path, cmd: DebugCommand) -> Result<()> {
     }
 }
 
-fn append_stress(dir: &Path, appenders: usize, count: Option<u64>) -> Result<()> {
-    let log = Arc::new(open_writer(dir, OpenMode::Create, Durability::Sync)?);
+fn append_stress(
+    dir: &Path,
+    appenders: usize,
+    count: Option<u64>,
+    flush_every: Option<u64>,
+) -> Result<()> {
+    let store = Arc::new(RocksStore::open(dir, OpenMode::Create)?);
+    let options = Options {
+        durability: Durability::Sync,
+        ..Options::default()
+    };
+    let log = Arc::new(Log::<ebb::state::State>::open(
+        store.clone(),
+        options,
+        Arc::new(SystemClock),
+        &mut |_| {},
+    )?);
     let rt = runtime()?;
     rt.block_on(async {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<u64>(65_536);
@@ -95,9 +118,16 @@ fn append_stress(dir: &Path, appenders: usize, count: Option<u64>) -> Result<()>
         }
         drop(tx);
         let mut out = std::io::stdout().lock();
+        let mut acked = 0u64;
         while let Some(seq) = rx.recv().await {
             writeln!(out, "{seq}")?;
             out.flush()?;
+            acked += 1;
+            if flush_every.is_some_and(|n| acked.is_multiple_of(n.max(1))) {
+                // The appenders go on meanwhile; their acknowledgements wait in the channel.
+                let store = store.clone();
+                tokio::task::spawn_blocking(move || store.flush()).await??;
+            }
         }
         Ok::<_, anyhow::Error>(())
     })?;

@@ -102,6 +102,44 @@ pub fn open_reader(dir: &Path) -> Result<RocksStore> {
     Ok(RocksStore::open(dir, OpenMode::ReadOnly)?)
 }
 
+/// Readings of a log a writer may be changing: how many times [`read_live`] opens it.
+const READ_TRIES: u32 = 10;
+
+/// Opens the log read-only and runs `read` on it, again on a fresh opening (at most
+/// [`READ_TRIES`] in all) when what it met is a writer's change under the opening rather than
+/// damage. A read-only opening reads the table list, then the WALs after it; a running ebb that
+/// flushes a memtable in between (every 64 MiB) or compacts adds a table and deletes the WAL or
+/// tables the opening was about to read, and the opening sees the log with a gap, or misses a
+/// file. A fresh opening sees the log whole; a gap that stays is reported.
+fn read_live<T>(dir: &Path, mut read: impl FnMut(&RocksStore) -> Result<T>) -> Result<T> {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match open_reader(dir).and_then(|store| read(&store)) {
+            Err(e) if tries < READ_TRIES && moved_under(&e) => {
+                tracing::debug!(error = %e, tries, "the log changed under its reading; reading again");
+                // A little later each time, so that a flush or compaction under way ends first.
+                std::thread::sleep(std::time::Duration::from_millis(10 * u64::from(tries)));
+            }
+            r => return r,
+        }
+    }
+}
+
+/// Whether `e` is what a reading meets when a writer flushed or compacted under it: a gap in
+/// the seqs (or a record missing in the range), a file of the log gone, or the format marker
+/// missed.
+fn moved_under(e: &anyhow::Error) -> bool {
+    match e.downcast_ref::<ebb::log::Error>() {
+        Some(ebb::log::Error::Gap { .. } | ebb::log::Error::MissingRecord { .. }) => true,
+        // RocksDB's words for a file deleted between its listing and its reading.
+        Some(ebb::log::Error::Storage(msg)) => msg.contains("No such file or directory"),
+        // The meta family's WAL missed the same way (its marker is written once, at creation).
+        Some(ebb::log::Error::NotALog { why, .. }) => why == ebb::log::rocks::NO_FORMAT_MARKER,
+        _ => false,
+    }
+}
+
 pub fn open_writer(dir: &Path, mode: OpenMode, durability: Durability) -> Result<Log> {
     open_writer_with(
         dir,
@@ -152,36 +190,59 @@ fn print_envelope(out: &mut impl Write, env: &Envelope, json: bool) -> Result<()
 }
 
 /// Prints the records `from..=to`; returns the seq after the last one printed.
+/// Prints the events from `*next` up to `to`, moving `*next` past each one printed (also when a
+/// later one fails).
 fn print_range(
     store: &dyn LogStore,
-    from: u64,
+    next: &mut u64,
     to: u64,
     json: bool,
     out: &mut impl Write,
-) -> Result<u64> {
+) -> Result<()> {
     let mut failure = None;
-    let next = tools::for_each(
+    let read = tools::for_each(
         store,
-        from,
+        *next,
         to,
         &mut |env, _| match print_envelope(out, &env, json) {
-            Ok(()) => true,
+            Ok(()) => {
+                *next = env.seq + 1;
+                true
+            }
             Err(e) => {
                 failure = Some(e);
                 false
             }
         },
-    )?;
-    failure.map_or(Ok(next), Err)
+    );
+    match (read, failure) {
+        (Ok(after), None) => {
+            *next = after;
+            Ok(())
+        }
+        (_, Some(e)) => Err(e),
+        (Err(e), None) => Err(e.into()),
+    }
 }
+
+/// Catch-ups a follower waits for a gap in what it sees to fill before calling it corruption.
+///
+/// A follower sees the writer's WAL files and flushed tables as they were at its last catch-up.
+/// When the writer flushes a memtable, it deletes the WAL that held it: a catch-up that read the
+/// table list just before the flush and the WALs just after it sees the records of the WALs
+/// after the flushed one but not the flushed one's last records, a gap that the next catch-up
+/// (reading the new table) fills.
+const TAIL_GAP_POLLS: u32 = 100;
 
 pub fn log_command(dir: &Path, cmd: LogCommand) -> Result<()> {
     match cmd {
         LogCommand::Stats { json } => {
-            let store = open_reader(dir)?;
-            let pb = progress(store.last_seq()?, "scanning");
-            let st = tools::stats(&store, &mut |seq| pb.set_position(seq))?;
-            pb.finish_and_clear();
+            let st = read_live(dir, |store| {
+                let pb = progress(store.last_seq()?, "scanning");
+                let st = tools::stats(store, &mut |seq| pb.set_position(seq))?;
+                pb.finish_and_clear();
+                Ok(st)
+            })?;
             let mut out = std::io::stdout().lock();
             if json {
                 serde_json::to_writer_pretty(&mut out, &st)?;
@@ -207,18 +268,21 @@ pub fn log_command(dir: &Path, cmd: LogCommand) -> Result<()> {
             Ok(())
         }
         LogCommand::Dump { from, to, json } => {
-            let store = open_reader(dir)?;
-            let last = store.last_seq()?;
             if let Some(to) = to
                 && to < from
             {
                 bail!("--to {to} is before --from {from}");
             }
-            if from > last.max(1) {
-                bail!("--from {from} is past the end of the log (last seq is {last})");
-            }
             let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-            print_range(&store, from, to.unwrap_or(u64::MAX), json, &mut out)?;
+            let mut next = from;
+            // A reading again goes on from the first event not printed.
+            read_live(dir, |store| {
+                let last = store.last_seq()?;
+                if next == from && from > last.max(1) {
+                    bail!("--from {from} is past the end of the log (last seq is {last})");
+                }
+                print_range(store, &mut next, to.unwrap_or(u64::MAX), json, &mut out)
+            })?;
             out.flush()?;
             Ok(())
         }
@@ -264,8 +328,13 @@ fn tail(dir: &Path, from: Option<u64>, json: bool, poll_ms: u64) -> Result<()> {
     // Ends on Ctrl-C or SIGTERM, so the scratch directory is removed.
     rt.block_on(async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut gap_polls = 0u32;
         loop {
-            next = print_range(&store, next, u64::MAX, json, &mut out)?;
+            match print_range(&store, &mut next, u64::MAX, json, &mut out) {
+                Ok(()) => gap_polls = 0,
+                Err(e) if is_gap(&e) && gap_polls < TAIL_GAP_POLLS => gap_polls += 1,
+                Err(e) => return Err(e),
+            }
             out.flush()?;
             tokio::select! {
                 _ = tokio::time::sleep(std::time::Duration::from_millis(poll_ms.max(1))) => {}
@@ -277,21 +346,36 @@ fn tail(dir: &Path, from: Option<u64>, json: bool, poll_ms: u64) -> Result<()> {
     })
 }
 
+/// Whether `e` is a gap in the log's seqs.
+fn is_gap(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<ebb::log::Error>(),
+        Some(ebb::log::Error::Gap { .. })
+    )
+}
+
 pub fn replay(dir: &Path, args: ReplayArgs) -> Result<()> {
     let ReplayArgs { until, at, json } = args;
-    let store = open_reader(dir)?;
-    let until = match at {
-        Some(t) => {
-            let t = chrono::DateTime::parse_from_rfc3339(&t)
-                .with_context(|| format!("--at {t:?} is not an RFC 3339 time"))?;
-            Some(tools::seq_at(&store, t.timestamp_millis().max(0) as u64)?)
-        }
-        None => until,
+    let at = match at {
+        Some(t) => Some(
+            chrono::DateTime::parse_from_rfc3339(&t)
+                .with_context(|| format!("--at {t:?} is not an RFC 3339 time"))?
+                .timestamp_millis()
+                .max(0) as u64,
+        ),
+        None => None,
     };
-    let target = until.unwrap_or(store.last_seq()?);
-    let pb = progress(target, "replaying");
-    let (state, snapshot) = open_state::<State>(&store, until, &mut |seq| pb.set_position(seq))?;
-    pb.finish_and_clear();
+    let (state, snapshot) = read_live(dir, |store| {
+        let until = match at {
+            Some(at_ms) => Some(tools::seq_at(store, at_ms)?),
+            None => until,
+        };
+        let target = until.unwrap_or(store.last_seq()?);
+        let pb = progress(target, "replaying");
+        let replayed = open_state::<State>(store, until, &mut |seq| pb.set_position(seq))?;
+        pb.finish_and_clear();
+        Ok(replayed)
+    })?;
     let mut out = std::io::stdout().lock();
     if json {
         serde_json::to_writer_pretty(&mut out, &state)?;
@@ -383,10 +467,12 @@ fn print_state(out: &mut impl Write, s: &State, snapshot: u64) -> Result<()> {
 pub fn explain(dir: &Path, args: ExplainArgs) -> Result<()> {
     let ExplainArgs { kind, id, json } = args;
     let id = id.as_str();
-    let store = open_reader(dir)?;
-    let pb = progress(store.last_seq()?, "scanning");
-    let found = tools::explain(&store, kind, id, &mut |seq| pb.set_position(seq))?;
-    pb.finish_and_clear();
+    let found = read_live(dir, |store| {
+        let pb = progress(store.last_seq()?, "scanning");
+        let found = tools::explain(store, kind, id, &mut |seq| pb.set_position(seq))?;
+        pb.finish_and_clear();
+        Ok(found)
+    })?;
     let Some(ex) = found else {
         bail!("no {} {id:?} in the log", kind.name());
     };

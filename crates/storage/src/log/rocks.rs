@@ -32,6 +32,10 @@ const FORMAT_KEY: &[u8] = b"format";
 const INDEXED_KEY: &[u8] = b"subjects-indexed";
 const FORMAT: &[u8] = b"ebb-log/1";
 
+/// Why an opening is refused when the format marker is missing: a log written by something else,
+/// or a read-only opening that missed the WAL holding the marker while the writer flushed it.
+pub const NO_FORMAT_MARKER: &str = "its format marker is missing";
+
 /// How to open a data directory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OpenMode {
@@ -76,6 +80,9 @@ fn db_options() -> DbOptions {
     o.set_write_buffer_size(64 << 20);
     o.set_max_total_wal_size(256 << 20);
     o.set_keep_log_file_num(4);
+    // WAL recycling (`recycle_log_file_num`) is left off, though it saves the inode write of
+    // each sync: a follower (`ebb log tail`, a RocksDB secondary) catching up over a recycled
+    // WAL was seen spinning in RocksDB's log reader at full CPU for minutes, never returning.
     o
 }
 
@@ -185,7 +192,7 @@ impl RocksStore {
             None if is_db => {
                 return Err(Error::NotALog {
                     path: store.path.clone(),
-                    why: "its format marker is missing".into(),
+                    why: NO_FORMAT_MARKER.into(),
                 });
             }
             None => {
@@ -227,6 +234,20 @@ impl RocksStore {
     /// Catches a follower up with what the writer has written since.
     pub fn catch_up(&self) -> Result<()> {
         self.db.try_catch_up_with_primary().map_err(storage)
+    }
+
+    /// Writes every column family's memtable to a table file and moves the writes that follow to
+    /// a new WAL, deleting the ones every column family has flushed past. RocksDB does this by
+    /// itself as memtables fill (every 64 MiB); `ebb debug append-stress` does it every few
+    /// dozen appends, so that tests meet it while they kill the writer or follow it.
+    pub fn flush(&self) -> Result<()> {
+        let cfs: Vec<_> = [CF_EVENTS, CF_SNAPSHOTS, CF_META, CF_SUBJECTS]
+            .into_iter()
+            .filter_map(|name| self.db.cf_handle(name))
+            .collect();
+        self.db
+            .flush_cfs_opt(&cfs, &rocksdb::FlushOptions::default())
+            .map_err(storage)
     }
 
     /// The directory this store lives in.
