@@ -393,21 +393,18 @@ impl Drop for KillOnDrop {
     }
 }
 
+/// Runs `ebb debug append-stress` with `args` to its end.
+fn appended(dir: &Path, args: &[&str]) {
+    let mut all = vec!["debug", "append-stress"];
+    all.extend_from_slice(args);
+    ok(&ebb(dir, &all));
+}
+
 #[test]
 fn tail_follows_another_process_appending() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
-    ok(&ebb(
-        &dir,
-        &[
-            "debug",
-            "append-stress",
-            "--appenders",
-            "4",
-            "--count",
-            "10",
-        ],
-    ));
+    appended(&dir, &["--appenders", "4", "--count", "10"]);
     let scratch = tmp.path().join("scratch");
     std::fs::create_dir(&scratch).unwrap();
     let mut tail = KillOnDrop(
@@ -432,27 +429,15 @@ fn tail_follows_another_process_appending() {
     for want in 1..=10 {
         assert_eq!(next_seq(&rx), want);
     }
-    ok(&ebb(
-        &dir,
-        &[
-            "debug",
-            "append-stress",
-            "--appenders",
-            "4",
-            "--count",
-            "25",
-        ],
-    ));
+    appended(&dir, &["--appenders", "4", "--count", "25"]);
     for want in 11..=35 {
         assert_eq!(next_seq(&rx), want);
     }
     // The writer flushing its memtables while the tail follows (moving to new WALs and deleting
     // the flushed ones, as it does every 64 MiB): every event still comes, once, in order.
-    ok(&ebb(
+    appended(
         &dir,
         &[
-            "debug",
-            "append-stress",
             "--appenders",
             "8",
             "--count",
@@ -460,7 +445,7 @@ fn tail_follows_another_process_appending() {
             "--flush-every",
             "200",
         ],
-    ));
+    );
     for want in 36..=20_035 {
         assert_eq!(next_seq(&rx), want);
     }
@@ -478,17 +463,7 @@ fn tail_follows_another_process_appending() {
 fn the_log_reads_whole_while_its_writer_flushes() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("data");
-    ok(&ebb(
-        &dir,
-        &[
-            "debug",
-            "append-stress",
-            "--appenders",
-            "8",
-            "--count",
-            "1000",
-        ],
-    ));
+    appended(&dir, &["--appenders", "8", "--count", "1000"]);
     // A writer flushing its memtables many times a second (a running ebb does it every 64 MiB):
     // tables added, WALs and, by compactions, tables deleted under the openings.
     let _writer = KillOnDrop(
