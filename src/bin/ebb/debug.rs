@@ -7,11 +7,11 @@ use std::sync::Arc;
 use anyhow::Result;
 use clap::Subcommand;
 
+use crate::logs::open_writer_on;
 use crate::runtime;
-use ebb::clock::SystemClock;
 use ebb::event::Event;
 use ebb::log::rocks::OpenMode;
-use ebb::log::{Durability, Log, Options, RocksStore};
+use ebb::log::{Durability, Options, RocksStore};
 
 #[derive(Subcommand)]
 pub enum DebugCommand {
@@ -37,7 +37,7 @@ pub enum DebugCommand {
         #[arg(long)]
         count: Option<u64>,
         /// Flush the memtables after every this many acknowledged appends (default: when they
-        /// fill), so the WALs they free are written over by later ones while appends go on.
+        /// fill), so WAL switches, table writes and deleted WALs happen while appends go on.
         #[arg(long)]
         flush_every: Option<u64>,
     },
@@ -70,12 +70,7 @@ fn append_stress(
         durability: Durability::Sync,
         ..Options::default()
     };
-    let log = Arc::new(Log::<ebb::state::State>::open(
-        store.clone(),
-        options,
-        Arc::new(SystemClock),
-        &mut |_| {},
-    )?);
+    let log = Arc::new(open_writer_on(store.clone(), options)?);
     let rt = runtime()?;
     rt.block_on(async {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<u64>(65_536);

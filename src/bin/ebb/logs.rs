@@ -152,7 +152,11 @@ pub fn open_writer(dir: &Path, mode: OpenMode, durability: Durability) -> Result
 }
 
 pub fn open_writer_with(dir: &Path, mode: OpenMode, options: Options) -> Result<Log> {
-    let store = Arc::new(RocksStore::open(dir, mode)?);
+    open_writer_on(Arc::new(RocksStore::open(dir, mode)?), options)
+}
+
+/// The log's writer on a store opened for writing (a caller that keeps the store too).
+pub fn open_writer_on(store: Arc<RocksStore>, options: Options) -> Result<Log> {
     let last = store.last_seq()?;
     let pb = progress(last, "replaying");
     let log = Log::open(store, options, Arc::new(SystemClock), &mut |seq| {
@@ -189,7 +193,6 @@ fn print_envelope(out: &mut impl Write, env: &Envelope, json: bool) -> Result<()
     Ok(())
 }
 
-/// Prints the records `from..=to`; returns the seq after the last one printed.
 /// Prints the events from `*next` up to `to`, moving `*next` past each one printed (also when a
 /// later one fails).
 fn print_range(
@@ -332,7 +335,7 @@ fn tail(dir: &Path, from: Option<u64>, json: bool, poll_ms: u64) -> Result<()> {
         loop {
             match print_range(&store, &mut next, u64::MAX, json, &mut out) {
                 Ok(()) => gap_polls = 0,
-                Err(e) if is_gap(&e) && gap_polls < TAIL_GAP_POLLS => gap_polls += 1,
+                Err(e) if moved_under(&e) && gap_polls < TAIL_GAP_POLLS => gap_polls += 1,
                 Err(e) => return Err(e),
             }
             out.flush()?;
@@ -344,14 +347,6 @@ fn tail(dir: &Path, from: Option<u64>, json: bool, poll_ms: u64) -> Result<()> {
             store.catch_up()?;
         }
     })
-}
-
-/// Whether `e` is a gap in the log's seqs.
-fn is_gap(e: &anyhow::Error) -> bool {
-    matches!(
-        e.downcast_ref::<ebb::log::Error>(),
-        Some(ebb::log::Error::Gap { .. })
-    )
 }
 
 pub fn replay(dir: &Path, args: ReplayArgs) -> Result<()> {
