@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # TCP route benchmark: redis-benchmark against redis-server directly, against the same kind of
-# redis-server behind an ebb TCP route (woken first, so no cold start is measured), and against
-# the direct one behind HAProxy in `mode tcp` (two threads, one per core, as ebb), in one run, in
-# alternating rounds; prints requests/s of each (the median of the rounds), the CPU time each proxy
-# spent per request, and the ratios ebb/HAProxy and ebb/direct. ebb, HAProxy, redis and
-# redis-benchmark share the machine's cores.
+# redis-server behind an ebb TCP route (woken first, so no cold start is measured) twice, through
+# ebb's io_uring relay (the default) and through its copy loop on the proxy threads
+# (`--tcp-relay-threads 0`, what ebb does where io_uring cannot be had), and against the direct one
+# behind HAProxy in `mode tcp` (two threads, one per core), in one run, in alternating rounds;
+# prints requests/s of each (the median of the rounds), the CPU time each proxy spent per request,
+# and the ratios to HAProxy and to direct. ebb, HAProxy, redis and redis-benchmark share the
+# machine's cores.
 # Installs redis-server, redis-tools and haproxy (Debian packages) when missing.
 # Usage: benches/tcp.sh [REQUESTS] [CLIENTS] [PIPELINE]   (EBB_BIN: an ebb binary to use instead
 #        of a release build; BENCH_ROUNDS: rounds, default 3; BENCH_PERF=FILE: a `perf record`
@@ -24,7 +26,8 @@ bench_workdir
 
 base="${BENCH_PORT_BASE:-18100}"
 direct_port=$((base + 1)); route_port=$((base + 2)); proxy_port=$((base + 3)); admin_port=$((base + 4))
-haproxy_port=$((base + 5))
+haproxy_port=$((base + 5)); copy_route_port=$((base + 6)); copy_proxy_port=$((base + 7))
+copy_admin_port=$((base + 8))
 redis_args="--bind 127.0.0.1 --save '' --appendonly no"
 redis-server --port "$direct_port" --bind 127.0.0.1 --save '' --appendonly no >"$work/redis.log" 2>&1 &
 pids+=($!)
@@ -40,6 +43,14 @@ EBB_LOG=warn "$ebb" serve --config "$work/ebb.toml" --data-dir "$work/data" \
   --listen "127.0.0.1:$proxy_port" --admin-listen "127.0.0.1:$admin_port" ${EBB_SERVE_ARGS:-} >"$work/ebb.log" 2>&1 &
 pids+=($!)
 ebb_pid=$!
+# The same, copying on the proxy threads.
+mkdir -p "$work/copy"
+sed "s/127.0.0.1:$route_port/127.0.0.1:$copy_route_port/" "$work/ebb.toml" >"$work/copy/ebb.toml"
+EBB_LOG=warn "$ebb" serve --config "$work/copy/ebb.toml" --data-dir "$work/copy/data" \
+  --listen "127.0.0.1:$copy_proxy_port" --admin-listen "127.0.0.1:$copy_admin_port" \
+  --tcp-relay-threads 0 ${EBB_SERVE_ARGS:-} >"$work/copy/ebb.log" 2>&1 &
+pids+=($!)
+copy_pid=$!
 cat >"$work/haproxy.cfg" <<HAPROXY
 global
   nbthread 2
@@ -60,12 +71,14 @@ for _ in $(seq 1 100); do
   redis-cli -p "$direct_port" PING >/dev/null 2>&1 && break
   sleep 0.1
 done
-# Waits for ebb's port, whose first PING wakes the route's redis (held until it is ready).
-for _ in $(seq 1 300); do
-  [ "$(redis-cli -p "$route_port" PING 2>/dev/null)" = PONG ] && break
-  sleep 0.1
+# Waits for ebb's ports, whose first PING wakes the route's redis (held until it is ready).
+for port in "$route_port" "$copy_route_port"; do
+  for _ in $(seq 1 300); do
+    [ "$(redis-cli -p "$port" PING 2>/dev/null)" = PONG ] && break
+    sleep 0.1
+  done
+  [ "$(redis-cli -p "$port" PING)" = PONG ] || { echo "ebb's TCP route on $port does not answer" >&2; cat "$work/ebb.log" "$work/copy/ebb.log" >&2; exit 1; }
 done
-[ "$(redis-cli -p "$route_port" PING)" = PONG ] || { echo "ebb's TCP route does not answer" >&2; cat "$work/ebb.log" >&2; exit 1; }
 
 rps() { # port -> requests/s of PING, SET and GET together (redis-benchmark's CSV)
   redis-benchmark -h 127.0.0.1 -p "$1" -n "$requests" -c "$clients" -P "$pipeline" -t ping_mbulk,set,get --csv 2>/dev/null |
@@ -81,25 +94,30 @@ run() { # PORT [PID] -> "requests/s CPU-per-request(us)" (CPU only for a PID)
 }
 median() { sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 
-: >"$work/direct"; : >"$work/ebb"; : >"$work/haproxy"
+: >"$work/direct"; : >"$work/ebb"; : >"$work/copy.txt"; : >"$work/haproxy"
 for _ in $(seq 1 "$rounds"); do
   run "$direct_port" >>"$work/direct"
   bench_perf_start "$ebb_pid"
   run "$route_port" "$ebb_pid" >>"$work/ebb"
   bench_perf_stop
+  run "$copy_route_port" "$copy_pid" >>"$work/copy.txt"
   run "$haproxy_port" "$haproxy_pid" >>"$work/haproxy"
 done
 col() { awk -v c="$2" '{ print $c }' "$work/$1" | median; }
 direct=$(col direct 1)
 through=$(col ebb 1); ebb_cpu=$(col ebb 2)
+copied=$(col copy.txt 1); copy_cpu=$(col copy.txt 2)
 hap=$(col haproxy 1); hap_cpu=$(col haproxy 2)
 echo "redis-benchmark: $requests requests each of PING, SET, GET; $clients clients; pipeline $pipeline; median of $rounds alternating rounds"
 echo
 echo "| target | requests/s | proxy CPU per request |"
 echo "|---|---|---|"
 echo "| redis directly | $direct | - |"
-echo "| ebb (TCP route) | $through | ${ebb_cpu}us |"
+echo "| ebb (TCP route, io_uring relay) | $through | ${ebb_cpu}us |"
+echo "| ebb (TCP route, copy loop) | $copied | ${copy_cpu}us |"
 echo "| HAProxy mode tcp | $hap | ${hap_cpu}us |"
 awk -v a="$through" -v b="$hap" -v c="$ebb_cpu" -v d="$hap_cpu" 'BEGIN {
   printf "| ebb / HAProxy | %.2f x throughput | %.2f x CPU per request |\n", a / b, (d > 0 ? c / d : 0) }'
+awk -v a="$copied" -v b="$hap" -v c="$copy_cpu" -v d="$hap_cpu" 'BEGIN {
+  printf "| ebb copy loop / HAProxy | %.2f x throughput | %.2f x CPU per request |\n", a / b, (d > 0 ? c / d : 0) }'
 awk -v a="$through" -v b="$direct" 'BEGIN { printf "| ebb / direct | %.2f x throughput | |\n", a / b }'

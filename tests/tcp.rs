@@ -63,13 +63,35 @@ async fn ping(port: u16) -> String {
     String::from_utf8_lossy(&got).into_owned()
 }
 
+/// Through the relay threads (io_uring, the default), whose start ebb's log says.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_wakes_on_ping_goes_idle_and_loses_no_command_across_its_stops() {
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
+    let log = dir.path().join("ebb.log");
+    wakes_idles_and_loses_nothing(dir.path(), &[], Some(&log)).await;
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        log.contains("TCP routes relay through io_uring"),
+        "the relay served the route: {log}"
+    );
+}
+
+/// Through the proxy threads' copy loop (`--tcp-relay-threads 0`, and where io_uring cannot be
+/// had).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_copy_loop_wakes_goes_idle_and_loses_no_command_too() {
+    let dir = tempfile::tempdir().unwrap();
+    wakes_idles_and_loses_nothing(dir.path(), &["--tcp-relay-threads", "0"], None).await;
+}
+
+async fn wakes_idles_and_loses_nothing(dir: &Path, extra: &[&str], log: Option<&Path>) {
+    let data = dir.join("data");
     let port = common::free_port();
-    let cfg = config(dir.path(), &redis_app("redis", port, 300));
-    let _ebb = common::serve(&data, Some(&cfg), None);
+    let cfg = config(dir, &redis_app("redis", port, 300));
+    // Its log, when kept, at info: the relay's start is said there.
+    let info: &[(&str, &std::ffi::OsStr)] = &[("EBB_LOG", "info".as_ref())];
+    let env = if log.is_some() { info } else { &[] };
+    let _ebb = common::serve_logged(&data, Some(&cfg), None, extra, env, log);
 
     // From zero: the first PING wakes it.
     assert_eq!(redis_cli(port, &["PING"]), "PONG");

@@ -323,6 +323,7 @@ pub async fn run(
             client_idle_timeout_ms: options.limits.client_idle_timeout_ms,
             limits: options.limits,
             tls: proxy_tls.map(crate::proxy::Tls),
+            tcp_relay_threads: options.net.tcp_relay_threads(),
             ..ProxyOptions::default()
         },
     ));

@@ -80,6 +80,10 @@ pub struct NetOptions {
     /// Proxy threads (default: one per core).
     #[arg(long, env = "EBB_PROXY_THREADS")]
     pub proxy_threads: Option<usize>,
+    /// Threads that move TCP routes' bytes through io_uring (default: one per two cores);
+    /// 0, or a kernel that refuses io_uring: the proxy threads copy them.
+    #[arg(long, env = "EBB_TCP_RELAY_THREADS")]
+    pub tcp_relay_threads: Option<usize>,
     /// Serve the proxy over TLS with this certificate chain (PEM), read again when it
     /// changes; with --tls-key.
     #[arg(long, env = "EBB_TLS_CERT", requires = "tls_key")]
@@ -387,6 +391,13 @@ impl NetOptions {
     pub fn proxy_threads(&self) -> usize {
         self.proxy_threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
+    }
+
+    /// TCP relay threads: as asked, else one per two cores.
+    pub fn tcp_relay_threads(&self) -> usize {
+        self.tcp_relay_threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, |n| n.get().div_ceil(2))
+        })
     }
 
     /// The proxy's certificate chain and key, if it serves TLS.

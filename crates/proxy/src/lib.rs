@@ -81,6 +81,7 @@ mod h1;
 mod h1hop;
 mod h2hop;
 pub mod load;
+pub mod relay;
 pub mod runtime;
 pub mod services;
 pub mod splice;
@@ -171,6 +172,9 @@ pub struct ProxyOptions {
     pub limits: crate::limits::Limits,
     /// Serve TLS with this (`--tls-cert`, `--tls-key`); none: plain HTTP.
     pub tls: Option<Tls>,
+    /// Threads relaying TCP routes' bytes through io_uring ([`relay`]); 0: the proxy threads
+    /// copy them ([`splice::splice_tcp`]), as they do where the kernel refuses io_uring.
+    pub tcp_relay_threads: usize,
 }
 
 impl Default for ProxyOptions {
@@ -188,6 +192,7 @@ impl Default for ProxyOptions {
             drain_timeout_ms: 30_000,
             limits: crate::limits::Limits::default(),
             tls: None,
+            tcp_relay_threads: 1,
         }
     }
 }
@@ -218,6 +223,9 @@ pub struct Proxy {
     /// The runtimes of the proxy's threads ([`Proxy::spawn_workers`]): TCP routes accept on
     /// each of them too.
     workers: std::sync::OnceLock<Vec<tokio::runtime::Handle>>,
+    /// The TCP relay threads, started by the first TCP route connection; none when not asked
+    /// for or when the kernel refused io_uring.
+    relays: std::sync::OnceLock<Option<relay::Relays>>,
 }
 
 /// `n` listeners on one address with `SO_REUSEPORT`; the first one picks the port when it is 0.
@@ -565,7 +573,37 @@ impl Proxy {
             draining: tokio::sync::watch::channel(false).0,
             tunnels: Arc::default(),
             workers: std::sync::OnceLock::new(),
+            relays: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The TCP relay threads ([`relay`]), started the first time they are asked for; none
+    /// when `tcp_relay_threads` is 0 or io_uring cannot be had (then said once in the log).
+    pub(crate) fn relays(&self) -> Option<&relay::Relays> {
+        self.relays
+            .get_or_init(|| {
+                let threads = self.options.tcp_relay_threads;
+                if threads == 0 {
+                    return None;
+                }
+                match relay::Relays::start(threads, self.clock.clone()) {
+                    Ok(relays) => {
+                        tracing::info!(threads, "TCP routes relay through io_uring");
+                        Some(relays)
+                    }
+                    // Refused outright (a seccomp profile, `kernel.io_uring_disabled`, an old
+                    // kernel) is how many containers run: said, not warned of.
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::ENOSYS)) => {
+                        tracing::info!(error = %e, "io_uring refused: TCP routes copy on the proxy threads");
+                        None
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "io_uring cannot be had: TCP routes copy on the proxy threads");
+                        None
+                    }
+                }
+            })
+            .as_ref()
     }
 
     /// The runtimes that serve connections: the proxy's threads once they run, else (a proxy

@@ -96,7 +96,7 @@ pub async fn splice_tcp(
 /// be made and given back once its bytes are written on, as HAProxy does with its buffers: a
 /// connection with nothing in flight holds none, and the few buffers that a thread's connections
 /// use in turn are the same ones.
-const FLOW_BUF: usize = 16 * 1024;
+pub(crate) const FLOW_BUF: usize = 16 * 1024;
 
 /// Spare buffers kept per thread; more are freed.
 const SPARE_BUFS: usize = 64;

@@ -3,7 +3,8 @@
 //! hold-and-wake as a request: one wake however many connections wait, `hold_timeout_ms`,
 //! `hold_queue_max`, a slot taken through `Proxy::endpoint`), then connects to the replica the
 //! route's policy picks (a refused connect is retried once, after a wake) and splices bytes both
-//! ways ([`super::splice`]). An open connection is in flight (the workload is never idle under it)
+//! ways: on a relay thread through io_uring ([`super::relay`]), or where that cannot be had on
+//! this thread ([`super::splice::splice_tcp`]). An open connection is in flight (the workload is never idle under it)
 //! and its end is the route's last use ([`super::traffic::RouteTraffic::touch`]), so the workload
 //! goes idle `idle_after_ms` after its last connection closed.
 //! `connection_idle_timeout_ms` closes a connection that moves no byte for that long.
@@ -219,7 +220,11 @@ async fn connection(proxy: &Proxy, entry: &Entry, client: TcpStream, peer: Socke
     entry.traffic.answered(200, None);
     let idle = (route.connection_idle_timeout_ms > 0)
         .then(|| Duration::from_millis(route.connection_idle_timeout_ms));
-    match super::splice::splice_tcp(client, stream, idle, &*proxy.clock).await {
+    let ended = match proxy.relays() {
+        Some(relays) => relays.splice(client, stream, idle, &*proxy.clock).await,
+        None => super::splice::splice_tcp(client, stream, idle, &*proxy.clock).await,
+    };
+    match ended {
         Ok(super::splice::Ended::Idle) => {
             entry
                 .traffic
