@@ -811,15 +811,8 @@ impl Relay {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::splice::checks::{self, tcp_pair};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-    /// A connected pair of loopback sockets: (the accepted side, the connecting side).
-    async fn tcp_pair() -> (TcpStream, TcpStream) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (accepted, connected) = tokio::join!(listener.accept(), TcpStream::connect(addr));
-        (accepted.unwrap().0, connected.unwrap())
-    }
 
     fn relays() -> Relays {
         Relays::start(1, Arc::new(crate::clock::SystemClock)).expect("io_uring on this machine")
@@ -828,8 +821,8 @@ mod tests {
     #[tokio::test]
     async fn a_relayed_pair_carries_small_exchanges_and_bulk_both_ways() {
         let relays = Arc::new(relays());
-        let (a, mut client) = tcp_pair().await;
-        let (mut server, b) = tcp_pair().await;
+        let (a, client) = tcp_pair().await;
+        let (server, b) = tcp_pair().await;
         let r = relays.clone();
         let splice = tokio::spawn(async move {
             r.splice(
@@ -840,82 +833,17 @@ mod tests {
             )
             .await
         });
-        let exchanges = async {
-            for i in 0..2_000u32 {
-                let ask = i.to_be_bytes();
-                client.write_all(&ask).await.unwrap();
-                let mut got = [0u8; 4];
-                server.read_exact(&mut got).await.unwrap();
-                assert_eq!(got, ask);
-                server.write_all(&got).await.unwrap();
-                client.read_exact(&mut got).await.unwrap();
-                assert_eq!(got, ask);
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(60), exchanges)
-            .await
-            .expect("the exchanges went through");
-        let up: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
-        let down: Vec<u8> = (0..2_000_000u32).map(|i| (i % 241) as u8).collect();
-        let (mut client_read, mut client_write) = client.split();
-        let (mut server_read, mut server_write) = server.split();
-        let send_up = async {
-            client_write.write_all(&up).await.unwrap();
-            client_write.shutdown().await.unwrap();
-        };
-        let send_down = async {
-            server_write.write_all(&down).await.unwrap();
-            server_write.shutdown().await.unwrap();
-        };
-        let mut got_up = Vec::new();
-        let mut got_down = Vec::new();
-        let bulk = async {
-            tokio::join!(
-                send_up,
-                send_down,
-                server_read.read_to_end(&mut got_up),
-                client_read.read_to_end(&mut got_down),
-            )
-        };
-        let (_, _, read_up, read_down) = tokio::time::timeout(Duration::from_secs(60), bulk)
-            .await
-            .expect("the bulk went through");
-        read_up.unwrap();
-        read_down.unwrap();
-        assert!(got_up == up, "the bytes up arrived whole and in order");
-        assert!(
-            got_down == down,
-            "the bytes down arrived whole and in order"
-        );
-        assert_eq!(
-            splice.await.unwrap().unwrap(),
-            Ended::Closed {
-                up: 2_000 * 4 + 3_000_000,
-                down: 2_000 * 4 + 2_000_000
-            }
-        );
+        checks::exchanges_and_bulk(client, server, || {}).await;
+        assert_eq!(splice.await.unwrap().unwrap(), checks::EXCHANGED_AND_BULK);
     }
 
     #[tokio::test]
     async fn an_idle_relayed_pair_ends_and_closes_both_sides() {
         let relays = relays();
-        let (a, mut client) = tcp_pair().await;
-        let (mut server, b) = tcp_pair().await;
-        let ended = tokio::time::timeout(
-            Duration::from_secs(30),
-            relays.splice(
-                a,
-                b,
-                Some(Duration::from_millis(50)),
-                &crate::clock::SystemClock,
-            ),
-        )
-        .await
-        .expect("the splice ended");
-        assert_eq!(ended.unwrap(), Ended::Idle);
-        let mut rest = Vec::new();
-        assert_eq!(client.read_to_end(&mut rest).await.unwrap(), 0);
-        assert_eq!(server.read_to_end(&mut rest).await.unwrap(), 0);
+        let (a, client) = tcp_pair().await;
+        let (server, b) = tcp_pair().await;
+        let splice = relays.splice(a, b, Some(checks::IDLE), &crate::clock::SystemClock);
+        checks::ends_idle_and_closes(splice, client, server).await;
     }
 
     #[tokio::test]
@@ -960,21 +888,14 @@ mod tests {
     #[tokio::test]
     async fn dropping_the_wait_closes_both_sides() {
         let relays = relays();
-        let (a, mut client) = tcp_pair().await;
-        let (mut server, b) = tcp_pair().await;
+        let (a, client) = tcp_pair().await;
+        let (server, b) = tcp_pair().await;
         let mut wait = Box::pin(relays.splice(a, b, None, &crate::clock::SystemClock));
         // Polled once (the sockets are handed over), then dropped.
         let first = std::future::poll_fn(|cx| std::task::Poll::Ready(wait.as_mut().poll(cx))).await;
         assert!(first.is_pending(), "nothing ends the pair on its own");
         drop(wait);
-        let mut rest = Vec::new();
-        let closed = async {
-            assert_eq!(client.read_to_end(&mut rest).await.unwrap(), 0);
-            assert_eq!(server.read_to_end(&mut rest).await.unwrap(), 0);
-        };
-        tokio::time::timeout(Duration::from_secs(30), closed)
-            .await
-            .expect("both sides closed");
+        checks::both_closed(client, server).await;
     }
 
     /// More connections move bytes at once than the ring has buffers, to readers that do not

@@ -346,18 +346,10 @@ mod tests {
         );
     }
 
-    /// A connected pair of loopback sockets: (the accepted side, the connecting side).
-    async fn tcp_pair() -> (TcpStream, TcpStream) {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (accepted, connected) = tokio::join!(listener.accept(), TcpStream::connect(addr));
-        (accepted.unwrap().0, connected.unwrap())
-    }
-
     #[tokio::test]
     async fn a_tcp_splice_carries_small_exchanges_and_bulk_both_ways() {
-        let (a, mut client) = tcp_pair().await;
-        let (mut server, b) = tcp_pair().await;
+        let (a, client) = checks::tcp_pair().await;
+        let (server, b) = checks::tcp_pair().await;
         let splice = tokio::spawn(async move {
             splice_tcp(
                 a,
@@ -367,8 +359,76 @@ mod tests {
             )
             .await
         });
-        // Small exchanges: every read is short, so each one leaves its socket drained; a
-        // readiness cleared wrongly would hang the next exchange (bounded by the timeout).
+        checks::exchanges_and_bulk(client, server, || {
+            // Nothing in flight: the buffers the splice read into are back among the thread's
+            // spares (the test's runtime is this one thread), not held by the open connection.
+            assert!(SPARES.with(|s| !s.borrow().is_empty()));
+        })
+        .await;
+        assert_eq!(splice.await.unwrap().unwrap(), checks::EXCHANGED_AND_BULK);
+    }
+
+    #[tokio::test]
+    async fn an_idle_tcp_splice_ends_and_closes_both_sides() {
+        let (a, client) = checks::tcp_pair().await;
+        let (server, b) = checks::tcp_pair().await;
+        let idle = Some(checks::IDLE);
+        let splice = splice_tcp(a, b, idle, &crate::clock::SystemClock);
+        checks::ends_idle_and_closes(splice, client, server).await;
+    }
+
+    #[test]
+    fn buffers_are_reused_and_the_spares_are_bounded() {
+        let first = take_buf();
+        let at = first.as_ptr();
+        give_back(first);
+        let again = take_buf();
+        assert_eq!(
+            again.as_ptr(),
+            at,
+            "the buffer given back is the next one taken"
+        );
+        let many: Vec<_> = (0..SPARE_BUFS + 5).map(|_| take_buf()).collect();
+        many.into_iter().for_each(give_back);
+        give_back(again);
+        assert_eq!(SPARES.with(|s| s.borrow().len()), SPARE_BUFS);
+    }
+}
+
+/// Loopback pairs and the traffic a TCP splice is checked with: the copy loop's tests here and
+/// the relay's ([`super::relay`]).
+#[cfg(test)]
+pub(crate) mod checks {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    use super::Ended;
+
+    /// A connected pair of loopback sockets: (the accepted side, the connecting side).
+    pub async fn tcp_pair() -> (TcpStream, TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (accepted, connected) = tokio::join!(listener.accept(), TcpStream::connect(addr));
+        (accepted.unwrap().0, connected.unwrap())
+    }
+
+    /// How a splice that carried [`exchanges_and_bulk`] ends.
+    pub const EXCHANGED_AND_BULK: Ended = Ended::Closed {
+        up: 2_000 * 4 + 3_000_000,
+        down: 2_000 * 4 + 2_000_000,
+    };
+
+    /// Through a splice from `client` to `server`: 2,000 small exchanges (every read short, so
+    /// each leaves its socket drained: a readiness cleared wrongly would hang the next one), then
+    /// `between`, then bulk far past a buffer's size both ways at once, and each side closes its
+    /// way. Every byte must arrive in order.
+    pub async fn exchanges_and_bulk(
+        mut client: TcpStream,
+        mut server: TcpStream,
+        between: impl FnOnce(),
+    ) {
         let exchanges = async {
             for i in 0..2_000u32 {
                 let ask = i.to_be_bytes();
@@ -384,10 +444,7 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(60), exchanges)
             .await
             .expect("the exchanges went through");
-        // Nothing in flight: the buffers the splice read into are back among the thread's
-        // spares (the test's runtime is this one thread), not held by the open connection.
-        assert!(SPARES.with(|s| !s.borrow().is_empty()));
-        // Bulk, far past a buffer's size, both ways at once, then each side closes its way.
+        between();
         let up: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
         let down: Vec<u8> = (0..2_000_000u32).map(|i| (i % 241) as u8).collect();
         let (mut client_read, mut client_write) = client.split();
@@ -420,50 +477,34 @@ mod tests {
             got_down == down,
             "the bytes down arrived whole and in order"
         );
-        assert_eq!(
-            splice.await.unwrap().unwrap(),
-            Ended::Closed {
-                up: 2_000 * 4 + 3_000_000,
-                down: 2_000 * 4 + 2_000_000
-            }
-        );
     }
 
-    #[tokio::test]
-    async fn an_idle_tcp_splice_ends_and_closes_both_sides() {
-        let (a, mut client) = tcp_pair().await;
-        let (mut server, b) = tcp_pair().await;
-        let ended = tokio::time::timeout(
-            Duration::from_secs(30),
-            splice_tcp(
-                a,
-                b,
-                Some(Duration::from_millis(50)),
-                &crate::clock::SystemClock,
-            ),
-        )
-        .await
-        .expect("the splice ended");
+    /// The idle bound the idle tests give a splice.
+    pub const IDLE: Duration = Duration::from_millis(50);
+
+    /// `splice` (of `client`'s and `server`'s peers, bounded by [`IDLE`]) ends idle, and both
+    /// peers read its end of stream.
+    pub async fn ends_idle_and_closes(
+        splice: impl Future<Output = std::io::Result<Ended>>,
+        client: TcpStream,
+        server: TcpStream,
+    ) {
+        let ended = tokio::time::timeout(Duration::from_secs(30), splice)
+            .await
+            .expect("the splice ended");
         assert_eq!(ended.unwrap(), Ended::Idle);
-        let mut rest = Vec::new();
-        assert_eq!(client.read_to_end(&mut rest).await.unwrap(), 0);
-        assert_eq!(server.read_to_end(&mut rest).await.unwrap(), 0);
+        both_closed(client, server).await;
     }
 
-    #[test]
-    fn buffers_are_reused_and_the_spares_are_bounded() {
-        let first = take_buf();
-        let at = first.as_ptr();
-        give_back(first);
-        let again = take_buf();
-        assert_eq!(
-            again.as_ptr(),
-            at,
-            "the buffer given back is the next one taken"
-        );
-        let many: Vec<_> = (0..SPARE_BUFS + 5).map(|_| take_buf()).collect();
-        many.into_iter().for_each(give_back);
-        give_back(again);
-        assert_eq!(SPARES.with(|s| s.borrow().len()), SPARE_BUFS);
+    /// Both peers of an ended splice read its end of stream.
+    pub async fn both_closed(mut client: TcpStream, mut server: TcpStream) {
+        let mut rest = Vec::new();
+        let closed = async {
+            assert_eq!(client.read_to_end(&mut rest).await.unwrap(), 0);
+            assert_eq!(server.read_to_end(&mut rest).await.unwrap(), 0);
+        };
+        tokio::time::timeout(Duration::from_secs(30), closed)
+            .await
+            .expect("both sides closed");
     }
 }
