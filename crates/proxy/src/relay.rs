@@ -74,6 +74,10 @@ const CQ_ENTRIES: u32 = 16 * 1024;
 /// Heap buffers kept for reuse by a relay thread; more are freed.
 const SPARE_HEAP: usize = 64;
 
+/// The longest a relay waits for a completion at once: a deadline further off is waited for in
+/// turns (the kernel's absolute time would overflow on one centuries away).
+const MAX_WAIT: Duration = Duration::from_secs(3600);
+
 /// `user_data` of the eventfd read that wakes a relay for new connections.
 const WAKE: u64 = u64::MAX;
 
@@ -91,26 +95,42 @@ enum Msg {
 
 /// A relay thread, as the proxy threads see it.
 struct Handle {
-    tx: mpsc::Sender<Msg>,
+    /// Taken when the handle is dropped: the thread hears its channel closed.
+    tx: Option<mpsc::Sender<Msg>>,
     wake: Arc<OwnedFd>,
 }
 
 impl Handle {
+    /// Sends `msg` and wakes the thread; gives it back when the thread is gone.
     fn send(&self, msg: Msg) -> Result<(), Msg> {
-        self.tx.send(msg).map_err(|e| e.0)?;
-        // SAFETY: writes 8 bytes from a live u64 to an eventfd this handle keeps open.
+        match &self.tx {
+            Some(tx) => tx.send(msg).map_err(|e| e.0)?,
+            None => return Err(msg),
+        }
+        self.wake();
+        Ok(())
+    }
+
+    fn wake(&self) {
         let one = 1u64;
-        let n = unsafe {
+        // SAFETY: writes 8 bytes from a live u64 to an eventfd this handle keeps open (the
+        // thread holds it too). It cannot fail: the counter would need 2^64 - 1 wakes unread.
+        unsafe {
             libc::write(
                 self.wake.as_raw_fd(),
                 std::ptr::from_ref(&one).cast(),
                 std::mem::size_of::<u64>(),
-            )
-        };
-        // The eventfd's counter cannot overflow (it would take 2^64 - 1 wakes unread): a failed
-        // write means the relay thread is gone, and its message was never read.
-        debug_assert!(n == 8);
-        Ok(())
+            );
+        }
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // The thread ends once its channel is closed and its connections are over; the wake
+        // has it look.
+        drop(self.tx.take());
+        self.wake();
     }
 }
 
@@ -126,17 +146,10 @@ pub struct Relays {
 struct Stats {
     /// Receives made into a heap buffer because the provided ring had none left.
     heap_receives: AtomicU64,
-}
-
-impl Drop for Relays {
-    fn drop(&mut self) {
-        // Each thread ends once its channel is closed and its connections are over; it hears
-        // of the close through its eventfd.
-        for h in &mut self.threads {
-            drop(std::mem::replace(&mut h.tx, mpsc::channel().0));
-            let _ = h.send(Msg::Abandoned);
-        }
-    }
+    /// Receives that found the ring empty and wait for bytes before they look again.
+    dry_waits: AtomicU64,
+    /// Relay threads running.
+    running: AtomicUsize,
 }
 
 impl Relays {
@@ -159,10 +172,12 @@ impl Relays {
                 .name(format!("ebb-tcp-relay-{i}"))
                 .spawn(move || {
                     // The ring is made on the thread that submits to it (a single issuer).
-                    match Relay::new(rx, clock, stats, ring_bufs) {
+                    match Relay::new(rx, clock, stats.clone(), ring_bufs) {
                         Ok((mut relay, wake)) => {
+                            stats.running.fetch_add(1, Ordering::Relaxed);
                             let _ = ready_tx.send(Ok(wake));
                             relay.run();
+                            stats.running.fetch_sub(1, Ordering::Relaxed);
                         }
                         Err(e) => {
                             let _ = ready_tx.send(Err(e));
@@ -172,7 +187,7 @@ impl Relays {
             let wake = ready_rx.recv().map_err(|_| {
                 io::Error::other("the relay thread ended before its ring was made")
             })??;
-            handles.push(Handle { tx, wake });
+            handles.push(Handle { tx: Some(tx), wake });
         }
         Ok(Relays {
             threads: handles,
@@ -237,8 +252,10 @@ impl Drop for Waiting<'_> {
     }
 }
 
-/// A tokio stream's socket, out of tokio's reactor and in blocking mode: the ring waits for it
-/// (a non-blocking socket's receive would come back at once with `EAGAIN` instead).
+/// A tokio stream's socket, out of tokio's reactor, in blocking mode. The ring's own path does
+/// not look at the mode (it tries a receive or send without waiting, then waits for the socket's
+/// readiness); a kernel that hands an operation to its worker threads instead has them wait
+/// there, rather than fail with `EAGAIN`, in blocking mode.
 fn blocking(s: TcpStream) -> io::Result<OwnedFd> {
     let s = s.into_std()?;
     s.set_nonblocking(false)?;
@@ -262,13 +279,28 @@ enum Buf {
 
 /// One way of a connection: from socket `d` to socket `1 - d`.
 enum Way {
-    /// A receive is in flight, into a ring buffer the kernel picks or into this heap buffer.
-    Reading(Option<Box<[u8]>>),
+    /// A receive is in flight.
+    Reading(RecvInto),
     /// A send of `buf[sent..len]` is in flight.
     Writing { buf: Buf, sent: usize, len: usize },
     /// The reader ended and the writer was shut down for writing.
     Done,
 }
+
+/// Where a receive puts the bytes.
+enum RecvInto {
+    /// A buffer the kernel takes from the ring (at once: with none there it fails `ENOBUFS`).
+    Ring,
+    /// The same, once the socket has bytes: the receive after one that found the ring empty
+    /// waits for bytes before it looks again, so a quiet connection holds no buffer meanwhile.
+    RingWhenReadable,
+    /// A buffer of its own: the ring was still empty with bytes waiting.
+    Heap(Box<[u8]>),
+}
+
+/// `IORING_RECVSEND_POLL_FIRST` (`linux/io_uring.h`, in a receive's `ioprio`): wait for the
+/// socket's readiness before receiving.
+const RECVSEND_POLL_FIRST: u16 = 1;
 
 /// How a connection is being ended.
 enum Ending {
@@ -291,37 +323,43 @@ struct Conn {
     in_flight: u8,
 }
 
-/// The kernel's provided-buffer ring and the buffers it names.
+/// The kernel's provided-buffer ring and the buffers it names. Both are raw allocations that no
+/// Rust reference covers: the kernel reads the entries and writes the buffers while they live.
 struct BufRing {
-    /// `count` entries, page-aligned, read by the kernel.
+    /// `count` entries, page-aligned (the kernel's rule), read by the kernel.
     entries: *mut types::BufRingEntry,
     /// `count` x `FLOW_BUF` bytes, written by the kernel into the buffer it picks.
-    bufs: Box<[u8]>,
+    bufs: *mut u8,
     count: u16,
     tail: u16,
 }
 
 impl BufRing {
-    fn layout(count: u16) -> Layout {
-        Layout::from_size_align(
-            usize::from(count) * std::mem::size_of::<types::BufRingEntry>(),
-            4096,
+    fn layouts(count: u16) -> (Layout, Layout) {
+        // SAFETY: sysconf reads a constant of the system.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+        let entries = usize::from(count) * std::mem::size_of::<types::BufRingEntry>();
+        (
+            Layout::from_size_align(entries, page).expect("a valid layout"),
+            Layout::from_size_align(usize::from(count) * FLOW_BUF, page).expect("a valid layout"),
         )
-        .expect("a valid layout")
     }
 
     /// A ring of `count` buffers, a power of two (the kernel's rule).
     fn new(count: u16) -> BufRing {
         assert!(count.is_power_of_two());
-        // SAFETY: a non-zero size; the memory is freed in Drop with the same layout.
-        let entries =
-            unsafe { std::alloc::alloc_zeroed(Self::layout(count)) }.cast::<types::BufRingEntry>();
-        if entries.is_null() {
-            std::alloc::handle_alloc_error(Self::layout(count));
+        let (entries, bufs) = Self::layouts(count);
+        // SAFETY: non-zero sizes; freed in Drop with the same layouts.
+        let (e, b) = unsafe { (std::alloc::alloc_zeroed(entries), std::alloc::alloc(bufs)) };
+        if e.is_null() {
+            std::alloc::handle_alloc_error(entries);
+        }
+        if b.is_null() {
+            std::alloc::handle_alloc_error(bufs);
         }
         BufRing {
-            entries,
-            bufs: vec![0; usize::from(count) * FLOW_BUF].into_boxed_slice(),
+            entries: e.cast::<types::BufRingEntry>(),
+            bufs: b,
             count,
             tail: 0,
         }
@@ -332,6 +370,7 @@ impl BufRing {
         let mask = self.count - 1;
         // SAFETY: the index is below count, inside the allocation; the kernel reads entries
         // only between its head and the tail published below, and this one is past the tail.
+        // (The first entry's last field is the tail, which only this thread writes.)
         let entry = unsafe { &mut *self.entries.add(usize::from(self.tail & mask)) };
         entry.set_addr(self.addr(bid) as u64);
         entry.set_len(FLOW_BUF as u32);
@@ -347,15 +386,21 @@ impl BufRing {
 
     /// Buffer `bid`'s first byte.
     fn addr(&self, bid: u16) -> *const u8 {
-        self.bufs[usize::from(bid) * FLOW_BUF..].as_ptr()
+        debug_assert!(bid < self.count);
+        // SAFETY: bid < count: inside the allocation.
+        unsafe { self.bufs.add(usize::from(bid) * FLOW_BUF) }
     }
 }
 
 impl Drop for BufRing {
     fn drop(&mut self) {
-        // SAFETY: allocated in new with this layout. The ring that reads it is dropped first
+        let (entries, bufs) = Self::layouts(self.count);
+        // SAFETY: allocated in new with these layouts. The ring that uses them is dropped first
         // (Relay's field order).
-        unsafe { std::alloc::dealloc(self.entries.cast(), Self::layout(self.count)) }
+        unsafe {
+            std::alloc::dealloc(self.entries.cast(), entries);
+            std::alloc::dealloc(self.bufs, bufs);
+        }
     }
 }
 
@@ -370,6 +415,8 @@ struct Relay {
     serial: u64,
     /// Idle deadlines: (when, slot, serial); a stale one is skipped or moved when it comes.
     timers: BinaryHeap<Reverse<(u64, usize, u64)>>,
+    /// Live connections with an idle bound (each has one deadline in `timers`).
+    timed: usize,
     rx: mpsc::Receiver<Msg>,
     wake: Arc<OwnedFd>,
     /// The eventfd read's 8 bytes, written by the kernel.
@@ -378,6 +425,15 @@ struct Relay {
     pending: Vec<squeue::Entry>,
     clock: Arc<dyn Clock>,
     stats: Arc<Stats>,
+}
+
+/// What `io_uring_enter` may answer that a later call does not: a signal (`EINTR`), a deadline
+/// (`ETIME`), or no room for now (`EAGAIN`, `EBUSY`: completions to read first).
+fn transient(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EINTR | libc::ETIME | libc::EAGAIN | libc::EBUSY)
+    )
 }
 
 fn ud(slot: usize, op: u64) -> u64 {
@@ -426,6 +482,7 @@ impl Relay {
             free: Vec::new(),
             serial: 0,
             timers: BinaryHeap::new(),
+            timed: 0,
             rx,
             wake: wake.clone(),
             wake_buf: Box::new(0),
@@ -474,31 +531,34 @@ impl Relay {
         }
     }
 
-    /// Puts the entries made into the submission queue (submitting when it is full), then
-    /// submits and waits for one completion, or for the next idle deadline.
+    /// Puts the entries made into the submission queue, submitting when it is full (what still
+    /// does not fit, the kernel being busy, waits for the next turn, once completions are read),
+    /// then submits and waits for one completion, or for the next idle deadline.
     fn submit_and_wait(&mut self) -> io::Result<()> {
-        let mut pending = std::mem::take(&mut self.pending);
         let mut from = 0;
-        while from < pending.len() {
+        while from < self.pending.len() {
             {
                 let mut sq = self.ring.submission();
-                while from < pending.len() {
+                while from < self.pending.len() {
                     // SAFETY: every entry's buffers are held by self (ring buffers, heap buffers
                     // in their Way, the wake buffer) until its completion is read.
-                    if unsafe { sq.push(&pending[from]) }.is_err() {
+                    if unsafe { sq.push(&self.pending[from]) }.is_err() {
                         break;
                     }
                     from += 1;
                 }
             }
-            if from < pending.len() {
-                self.ring.submit()?;
+            if from < self.pending.len() {
+                match self.ring.submit() {
+                    Ok(_) => {}
+                    Err(e) if transient(&e) => break,
+                    Err(e) => return Err(e),
+                }
             }
         }
-        pending.clear();
-        self.pending = pending;
+        self.pending.drain(..from);
         let wait = self.timers.peek().map(|Reverse((due, _, _))| {
-            Duration::from_millis(due.saturating_sub(self.clock.now_ms()))
+            Duration::from_millis(due.saturating_sub(self.clock.now_ms())).min(MAX_WAIT)
         });
         let result = match wait {
             None => self.ring.submit_and_wait(1),
@@ -510,40 +570,37 @@ impl Relay {
         };
         match result {
             Ok(_) => Ok(()),
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::ETIME | libc::EINTR | libc::EBUSY)
-                ) =>
-            {
-                Ok(())
-            }
+            Err(e) if transient(&e) => Ok(()),
             Err(e) => Err(e),
         }
     }
 
-    /// Takes the connections sent; true when every handle is gone.
+    /// Takes the connections sent; true when every handle is gone. Connections abandoned are
+    /// looked for once, however many said so.
     fn take_messages(&mut self, now: u64) -> bool {
-        loop {
+        let mut abandoned = false;
+        let gone = loop {
             match self.rx.try_recv() {
                 Ok(Msg::Start {
                     sockets,
                     idle_ms,
                     done,
                 }) => self.start(sockets, idle_ms, done, now),
-                Ok(Msg::Abandoned) => {
-                    for slot in 0..self.conns.len() {
-                        if let Some(c) = &self.conns[slot]
-                            && c.done.is_closed()
-                        {
-                            self.end(slot, Ending::Abandoned);
-                        }
-                    }
+                Ok(Msg::Abandoned) => abandoned = true,
+                Err(mpsc::TryRecvError::Empty) => break false,
+                Err(mpsc::TryRecvError::Disconnected) => break true,
+            }
+        };
+        if abandoned {
+            for slot in 0..self.conns.len() {
+                if let Some(c) = &self.conns[slot]
+                    && c.done.is_closed()
+                {
+                    self.end(slot, Ending::Abandoned);
                 }
-                Err(mpsc::TryRecvError::Empty) => return false,
-                Err(mpsc::TryRecvError::Disconnected) => return true,
             }
         }
+        gone
     }
 
     fn start(
@@ -556,7 +613,7 @@ impl Relay {
         self.serial += 1;
         let conn = Conn {
             sockets,
-            ways: [Way::Reading(None), Way::Reading(None)],
+            ways: [Way::Reading(RecvInto::Ring), Way::Reading(RecvInto::Ring)],
             moved: [0, 0],
             idle_ms,
             last_ms: now,
@@ -576,11 +633,20 @@ impl Relay {
             }
         };
         if let Some(idle) = idle_ms {
+            self.timed += 1;
             self.timers
                 .push(Reverse((now.saturating_add(idle), slot, self.serial)));
+            // The deadlines of connections that closed stay until they come: when they are
+            // most of the heap (many short connections, a long bound), they go.
+            if self.timers.len() > 2 * self.timed + 64 {
+                let conns = &self.conns;
+                self.timers.retain(|Reverse((_, slot, serial))| {
+                    conns[*slot].as_ref().is_some_and(|c| c.serial == *serial)
+                });
+            }
         }
         for d in 0..2 {
-            self.receive(slot, d, None);
+            self.receive(slot, d, RecvInto::Ring);
         }
     }
 
@@ -588,23 +654,28 @@ impl Relay {
         self.conns[slot].as_mut().expect("a live slot")
     }
 
-    /// Submits way `d`'s receive: into a ring buffer, or into `heap` when the ring had none.
-    fn receive(&mut self, slot: usize, d: usize, heap: Option<Box<[u8]>>) {
+    /// Submits way `d`'s receive, `into` where it says.
+    fn receive(&mut self, slot: usize, d: usize, into: RecvInto) {
         let conn = self.conn(slot);
         let fd = types::Fd(conn.sockets[d].as_raw_fd());
-        let entry = match heap {
-            None => {
-                conn.ways[d] = Way::Reading(None);
+        conn.ways[d] = Way::Reading(into);
+        let entry = match &mut conn.ways[d] {
+            // The pointer is taken from the buffer where it stays until the completion.
+            Way::Reading(RecvInto::Heap(buf)) => {
+                opcode::Recv::new(fd, buf.as_mut_ptr(), FLOW_BUF as u32).build()
+            }
+            Way::Reading(ring) => {
+                let ioprio = match ring {
+                    RecvInto::RingWhenReadable => RECVSEND_POLL_FIRST,
+                    _ => 0,
+                };
                 opcode::Recv::new(fd, std::ptr::null_mut(), FLOW_BUF as u32)
                     .buf_group(GROUP)
+                    .ioprio(ioprio)
                     .build()
                     .flags(squeue::Flags::BUFFER_SELECT)
             }
-            Some(mut buf) => {
-                let e = opcode::Recv::new(fd, buf.as_mut_ptr(), FLOW_BUF as u32).build();
-                conn.ways[d] = Way::Reading(Some(buf));
-                e
-            }
+            _ => unreachable!("set just above"),
         };
         conn.in_flight += 1;
         self.pending.push(entry.user_data(ud(slot, d as u64)));
@@ -656,14 +727,15 @@ impl Relay {
         let ending = conn.ending.is_some();
         if op < 2 {
             // A receive.
-            let heap = match std::mem::replace(&mut conn.ways[d], Way::Done) {
-                Way::Reading(heap) => heap,
+            let into = match std::mem::replace(&mut conn.ways[d], Way::Done) {
+                Way::Reading(into) => into,
                 _ => unreachable!("a receive completes on a reading way"),
             };
-            let buf = match (cqueue::buffer_select(flags), heap) {
+            let waited = matches!(into, RecvInto::RingWhenReadable);
+            let buf = match (cqueue::buffer_select(flags), into) {
                 (Some(bid), _) => Some(Buf::Ring(bid)),
-                (None, Some(h)) => Some(Buf::Heap(h)),
-                (None, None) => None,
+                (None, RecvInto::Heap(h)) => Some(Buf::Heap(h)),
+                (None, _) => None,
             };
             if ending || result <= 0 {
                 if let Some(buf) = buf {
@@ -673,13 +745,16 @@ impl Relay {
                     self.finish_if_quiet(slot);
                 } else if result == 0 {
                     self.end_of_stream(slot, d);
+                } else if -result == libc::ENOBUFS && !waited {
+                    self.stats.dry_waits.fetch_add(1, Ordering::Relaxed);
+                    self.receive(slot, d, RecvInto::RingWhenReadable);
                 } else if -result == libc::ENOBUFS {
                     self.stats.heap_receives.fetch_add(1, Ordering::Relaxed);
                     let heap = self
                         .spare
                         .pop()
                         .unwrap_or_else(|| vec![0; FLOW_BUF].into_boxed_slice());
-                    self.receive(slot, d, Some(heap));
+                    self.receive(slot, d, RecvInto::Heap(heap));
                 } else {
                     self.end(slot, Ending::Failed(io::Error::from_raw_os_error(-result)));
                 }
@@ -714,7 +789,7 @@ impl Relay {
                         self.send(slot, d);
                     } else {
                         self.release(buf);
-                        self.receive(slot, d, None);
+                        self.receive(slot, d, RecvInto::Ring);
                     }
                 }
                 0 => {
@@ -771,6 +846,9 @@ impl Relay {
         }
         let conn = self.conns[slot].take().expect("a live slot");
         self.free.push(slot);
+        if conn.idle_ms.is_some() {
+            self.timed -= 1;
+        }
         let ended = match conn.ending {
             None => Ok(Ended::Closed {
                 up: conn.moved[0],
@@ -813,6 +891,96 @@ mod tests {
     use super::*;
     use crate::splice::checks::{self, tcp_pair};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn ring_of(bufs: u16) -> Relays {
+        Relays::start_with(1, Arc::new(crate::clock::SystemClock), bufs).unwrap()
+    }
+
+    /// Polls `done` until it holds, for 60 s at most.
+    async fn until(what: &str, done: impl Fn() -> bool) {
+        let poll = async {
+            while !done() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), poll)
+            .await
+            .unwrap_or_else(|_| panic!("{what}"));
+    }
+
+    #[tokio::test]
+    async fn dropped_relays_end_their_threads() {
+        let relays = relays();
+        let stats = relays.stats.clone();
+        assert_eq!(stats.running.load(Ordering::Relaxed), 1);
+        drop(relays);
+        until("the relay thread ended", || {
+            stats.running.load(Ordering::Relaxed) == 0
+        })
+        .await;
+    }
+
+    /// A connection whose reader does not read holds the ring's one buffer; a receive then
+    /// finds the ring empty. A quiet connection waits for bytes without a buffer; bytes waiting
+    /// with the ring still empty go into a heap buffer.
+    #[tokio::test]
+    async fn a_dry_ring_gives_a_quiet_connection_no_buffer() {
+        let relays = Arc::new(ring_of(1));
+        let stats = relays.stats.clone();
+        let mut open = Vec::new();
+        let mut relay = |a, b| {
+            let r = relays.clone();
+            open.push(tokio::spawn(async move {
+                r.splice(a, b, None, &crate::clock::SystemClock).await
+            }));
+        };
+        // Stalled: 8 MB towards a server that never reads.
+        let (a, mut client) = tcp_pair().await;
+        let (server, b) = tcp_pair().await;
+        relay(a, b);
+        let stalled = tokio::spawn(async move {
+            let _ = client.write_all(&vec![7u8; 8 << 20]).await;
+            (client, server)
+        });
+        // Probes, one byte each, until one goes through a heap buffer: the ring is dry from
+        // then on (the stalled send keeps its buffer).
+        let mut probes = Vec::new();
+        while stats.heap_receives.load(Ordering::Relaxed) == 0 {
+            let (a, mut client) = tcp_pair().await;
+            let (mut server, b) = tcp_pair().await;
+            relay(a, b);
+            client.write_all(b"p").await.unwrap();
+            let mut got = [0u8; 1];
+            tokio::time::timeout(Duration::from_secs(60), server.read_exact(&mut got))
+                .await
+                .expect("the probe's byte went through")
+                .unwrap();
+            probes.push((client, server));
+        }
+        let dry = stats.dry_waits.load(Ordering::Relaxed);
+        let heap = stats.heap_receives.load(Ordering::Relaxed);
+        let (a, mut client) = tcp_pair().await;
+        let (mut server, b) = tcp_pair().await;
+        relay(a, b);
+        until("both ways of the quiet pair wait for bytes", || {
+            stats.dry_waits.load(Ordering::Relaxed) >= dry + 2
+        })
+        .await;
+        assert_eq!(
+            stats.heap_receives.load(Ordering::Relaxed),
+            heap,
+            "no buffer for a connection with nothing to read"
+        );
+        client.write_all(b"q").await.unwrap();
+        let mut got = [0u8; 1];
+        server.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"q");
+        assert_eq!(stats.heap_receives.load(Ordering::Relaxed), heap + 1);
+        stalled.abort();
+        for t in open {
+            t.abort();
+        }
+    }
 
     fn relays() -> Relays {
         Relays::start(1, Arc::new(crate::clock::SystemClock)).expect("io_uring on this machine")
