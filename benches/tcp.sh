@@ -4,9 +4,9 @@
 # ebb's io_uring relay (the default) and through its copy loop on the proxy threads
 # (`--tcp-relay-threads 0`, what ebb does where io_uring cannot be had), and against the direct one
 # behind HAProxy in `mode tcp` (two threads, one per core), in one run, in alternating rounds;
-# prints requests/s of each (the median of the rounds), the CPU time each proxy spent per request,
-# and the ratios to HAProxy and to direct. ebb, HAProxy, redis and redis-benchmark share the
-# machine's cores.
+# prints requests/s and p99 latency of each (the median of the rounds), the CPU time each proxy
+# spent per request, and the ratios to HAProxy and to direct. ebb, HAProxy, redis and
+# redis-benchmark share the machine's cores.
 # Installs redis-server, redis-tools and haproxy (Debian packages) when missing.
 # Usage: benches/tcp.sh [REQUESTS] [CLIENTS] [PIPELINE]   (EBB_BIN: an ebb binary to use instead
 #        of a release build; BENCH_ROUNDS: rounds, default 3; BENCH_PERF=FILE: a `perf record`
@@ -80,17 +80,18 @@ for port in "$route_port" "$copy_route_port"; do
   [ "$(redis-cli -p "$port" PING)" = PONG ] || { echo "ebb's TCP route on $port does not answer" >&2; cat "$work/ebb.log" "$work/copy/ebb.log" >&2; exit 1; }
 done
 
-rps() { # port -> requests/s of PING, SET and GET together (redis-benchmark's CSV)
+rps() { # port -> "requests/s p99(ms)" of PING, SET and GET, each the mean of the three tests
+  # (redis-benchmark's CSV: test, rps, avg, min, p50, p95, p99, max)
   redis-benchmark -h 127.0.0.1 -p "$1" -n "$requests" -c "$clients" -P "$pipeline" -t ping_mbulk,set,get --csv 2>/dev/null |
-    awk -F'","' 'NR > 1 { gsub(/"/, "", $2); sum += $2; n++ } END { printf "%.0f", sum / n }'
+    awk -F'","' 'NR > 1 { gsub(/"/, "", $2); sum += $2; p99 += $7; n++ } END { printf "%.0f %.3f", sum / n, p99 / n }'
 }
-run() { # PORT [PID] -> "requests/s CPU-per-request(us)" (CPU only for a PID)
+run() { # PORT [PID] -> "requests/s CPU-per-request(us) p99(ms)" (CPU only for a PID)
   local t0=0 t1=0 r
   [ -n "${2:-}" ] && t0=$(ticks "$2")
   r=$(rps "$1")
   [ -n "${2:-}" ] && t1=$(ticks "$2")
   # redis-benchmark runs 3 tests of $requests requests each.
-  awk -v r="$r" -v t=$((t1 - t0)) -v n="$((requests * 3))" 'BEGIN { printf "%s %.2f\n", r, t * 10000 / n }'
+  awk -v r="${r% *}" -v p="${r#* }" -v t=$((t1 - t0)) -v n="$((requests * 3))" 'BEGIN { printf "%s %.2f %s\n", r, t * 10000 / n, p }'
 }
 median() { sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 
@@ -104,20 +105,23 @@ for _ in $(seq 1 "$rounds"); do
   run "$haproxy_port" "$haproxy_pid" >>"$work/haproxy"
 done
 col() { awk -v c="$2" '{ print $c }' "$work/$1" | median; }
-direct=$(col direct 1)
-through=$(col ebb 1); ebb_cpu=$(col ebb 2)
-copied=$(col copy.txt 1); copy_cpu=$(col copy.txt 2)
-hap=$(col haproxy 1); hap_cpu=$(col haproxy 2)
+direct=$(col direct 1); direct_p99=$(col direct 3)
+through=$(col ebb 1); ebb_cpu=$(col ebb 2); ebb_p99=$(col ebb 3)
+copied=$(col copy.txt 1); copy_cpu=$(col copy.txt 2); copy_p99=$(col copy.txt 3)
+hap=$(col haproxy 1); hap_cpu=$(col haproxy 2); hap_p99=$(col haproxy 3)
 echo "redis-benchmark: $requests requests each of PING, SET, GET; $clients clients; pipeline $pipeline; median of $rounds alternating rounds"
 echo
-echo "| target | requests/s | proxy CPU per request |"
-echo "|---|---|---|"
-echo "| redis directly | $direct | - |"
-echo "| ebb (TCP route, io_uring relay) | $through | ${ebb_cpu}us |"
-echo "| ebb (TCP route, copy loop) | $copied | ${copy_cpu}us |"
-echo "| HAProxy mode tcp | $hap | ${hap_cpu}us |"
-awk -v a="$through" -v b="$hap" -v c="$ebb_cpu" -v d="$hap_cpu" 'BEGIN {
-  printf "| ebb / HAProxy | %.2f x throughput | %.2f x CPU per request |\n", a / b, (d > 0 ? c / d : 0) }'
-awk -v a="$copied" -v b="$hap" -v c="$copy_cpu" -v d="$hap_cpu" 'BEGIN {
-  printf "| ebb copy loop / HAProxy | %.2f x throughput | %.2f x CPU per request |\n", a / b, (d > 0 ? c / d : 0) }'
-awk -v a="$through" -v b="$direct" 'BEGIN { printf "| ebb / direct | %.2f x throughput | |\n", a / b }'
+echo "| target | requests/s | p99 (mean of the 3 tests) | proxy CPU per request |"
+echo "|---|---|---|---|"
+echo "| redis directly | $direct | ${direct_p99} ms | - |"
+echo "| ebb (TCP route, io_uring relay) | $through | ${ebb_p99} ms | ${ebb_cpu}us |"
+echo "| ebb (TCP route, copy loop) | $copied | ${copy_p99} ms | ${copy_cpu}us |"
+echo "| HAProxy mode tcp | $hap | ${hap_p99} ms | ${hap_cpu}us |"
+ratio() { # label, throughput, p99, CPU of ebb's row
+  awk -v l="$1" -v a="$2" -v b="$hap" -v p="$3" -v q="$hap_p99" -v c="$4" -v d="$hap_cpu" 'BEGIN {
+    printf "| %s / HAProxy | %.2f x throughput | %.2f x p99 | %.2f x CPU per request |\n", l, a / b,
+      (q > 0 ? p / q : 0), (d > 0 ? c / d : 0) }'
+}
+ratio "ebb" "$through" "$ebb_p99" "$ebb_cpu"
+ratio "ebb copy loop" "$copied" "$copy_p99" "$copy_cpu"
+awk -v a="$through" -v b="$direct" 'BEGIN { printf "| ebb / direct | %.2f x throughput | | |\n", a / b }'
