@@ -9,10 +9,11 @@
 //! `io_uring_enter`, which also waits, and the kernel runs the completions in that call
 //! (`DEFER_TASKRUN`), so the more connections are busy the fewer syscalls a request costs.
 //! Measured with `benches/tcp.sh` (redis-benchmark, 50 clients, 2 cores): one relay thread spent
-//! 0.78x the CPU per request of HAProxy's `mode tcp` and 0.82x the copy loop's, unpipelined, and
-//! 0.76x and 0.81x with pipeline 16, at the same throughput unpipelined (the client and redis
-//! spend the rest of the cores) and 1.04x HAProxy's pipelined. Two relay threads on two cores
-//! batch less and spent as much as the copy loop, hence one thread per two cores.
+//! 0.78-0.85x the CPU per request of HAProxy's `mode tcp` and about 0.85x the copy loop's,
+//! unpipelined, at 0.96-1.02x HAProxy's throughput (the copy loop's 1.00-1.04x: one thread's
+//! batching costs a little latency where client and server share the two cores) and 0.98x its
+//! p99; with pipeline 16, 0.73-0.76x the CPU at 1.04-1.10x the throughput. Two relay threads on
+//! two cores batch less and spent as much as the copy loop, hence one thread per two cores.
 //!
 //! How:
 //! * A connection is handed over once the replica is connected ([`Relays::splice`]): its two
