@@ -816,6 +816,27 @@ impl Collector for Scraped {
             let labels = [("limit", limit.name())];
             ConstCounter::new(limit.hits()).encode(family.encode_family(&labels)?)?;
         }
+        let relay = crate::proxy::relay::totals();
+        let mut family = encoder.encode_descriptor(
+            "ebb_tcp_relay_connections",
+            "TCP route connections whose bytes the io_uring relay threads move now (--tcp-relay-threads).",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(i64::try_from(relay.open).unwrap_or(i64::MAX))
+            .encode(family.encode_family::<[(&str, &str); 0]>(&[])?)?;
+        let mut family = encoder.encode_descriptor(
+            "ebb_tcp_relay_dry_receives",
+            "Receives of the TCP relay threads that found their buffer ring empty (every buffer held by bytes waiting on slow readers), by what they did: waited for bytes, or took a heap buffer for bytes waiting.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (then, n) in [
+            ("waited", relay.dry_waits),
+            ("heap_buffer", relay.heap_receives),
+        ] {
+            ConstCounter::new(n).encode(family.encode_family(&[("then", then)])?)?;
+        }
         let mut family = encoder.encode_descriptor(
             "ebb_proxy_responses",
             "Answers to a route's requests by status class (ebb's own refusals included).",

@@ -68,12 +68,45 @@ async fn ping(port: u16) -> String {
 async fn redis_wakes_on_ping_goes_idle_and_loses_no_command_across_its_stops() {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("ebb.log");
-    wakes_idles_and_loses_nothing(dir.path(), &[], Some(&log)).await;
-    let log = std::fs::read_to_string(&log).unwrap();
+    let (ebb, port) = wakes_idles_and_loses_nothing(dir.path(), &[], Some(&log)).await;
+    let text = std::fs::read_to_string(&log).unwrap();
     assert!(
-        log.contains("TCP routes relay through io_uring"),
-        "the relay served the route: {log}"
+        text.contains("TCP routes relay through io_uring"),
+        "the relay served the route: {text}"
     );
+    // An open connection is on the relay (/metrics), and leaves it when it closes.
+    let gauge = "ebb_tcp_relay_connections";
+    let mut held = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    held.write_all(b"PING\r\n").await.unwrap();
+    let mut got = [0u8; 7];
+    held.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"+PONG\r\n");
+    assert_eq!(metric(ebb.admin, gauge).await, 1);
+    drop(held);
+    wait_until("the closed connection left the relay", LIMIT, || async {
+        (metric(ebb.admin, gauge).await == 0).then_some(())
+    })
+    .await;
+    let dry = r#"ebb_tcp_relay_dry_receives_total{then="heap_buffer"}"#;
+    assert_eq!(metric(ebb.admin, dry).await, 0, "the ring never ran dry");
+}
+
+/// The value of the line of ebb's `/metrics` that starts with `name`.
+async fn metric(admin: std::net::SocketAddr, name: &str) -> u64 {
+    let mut s = tokio::net::TcpStream::connect(admin).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).await.unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {name} in /metrics: {text}"))
+        .trim()
+        .parse()
+        .unwrap()
 }
 
 /// Through the proxy threads' copy loop (`--tcp-relay-threads 0`, and where io_uring cannot be
@@ -81,17 +114,24 @@ async fn redis_wakes_on_ping_goes_idle_and_loses_no_command_across_its_stops() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_copy_loop_wakes_goes_idle_and_loses_no_command_too() {
     let dir = tempfile::tempdir().unwrap();
-    wakes_idles_and_loses_nothing(dir.path(), &["--tcp-relay-threads", "0"], None).await;
+    let (ebb, _) =
+        wakes_idles_and_loses_nothing(dir.path(), &["--tcp-relay-threads", "0"], None).await;
+    assert_eq!(metric(ebb.admin, "ebb_tcp_relay_connections").await, 0);
 }
 
-async fn wakes_idles_and_loses_nothing(dir: &Path, extra: &[&str], log: Option<&Path>) {
+/// The route's ebb and port, after it woke, went idle and woke again under commands.
+async fn wakes_idles_and_loses_nothing(
+    dir: &Path,
+    extra: &[&str],
+    log: Option<&Path>,
+) -> (common::Ebb, u16) {
     let data = dir.join("data");
     let port = common::free_port();
     let cfg = config(dir, &redis_app("redis", port, 300));
     // Its log, when kept, at info: the relay's start is said there.
     let info: &[(&str, &std::ffi::OsStr)] = &[("EBB_LOG", "info".as_ref())];
     let env = if log.is_some() { info } else { &[] };
-    let _ebb = common::serve_logged(&data, Some(&cfg), None, extra, env, log);
+    let ebb = common::serve_logged(&data, Some(&cfg), None, extra, env, log);
 
     // From zero: the first PING wakes it.
     assert_eq!(redis_cli(port, &["PING"]), "PONG");
@@ -113,6 +153,7 @@ async fn wakes_idles_and_loses_nothing(dir: &Path, extra: &[&str], log: Option<&
     assert!(wakes >= 2, "it went idle and woke again: {wakes} wakes");
     let story = common::ebb_ok(&data, &["explain", "route", "redis"]);
     assert!(story.contains(&format!("TCP 127.0.0.1:{port}")), "{story}");
+    (ebb, port)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

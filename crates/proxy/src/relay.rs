@@ -126,6 +126,41 @@ impl Handle {
     }
 }
 
+impl Stats {
+    const fn new() -> Stats {
+        Stats {
+            open: AtomicU64::new(0),
+            heap_receives: AtomicU64::new(0),
+            dry_waits: AtomicU64::new(0),
+            running: AtomicUsize::new(0),
+        }
+    }
+}
+
+/// The counts of every relay of the process.
+static TOTALS: Stats = Stats::new();
+
+/// What the TCP relay threads of this process counted, for `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Totals {
+    /// Connections on the relay threads now.
+    pub open: u64,
+    /// Receives that found a thread's buffer ring empty and waited for bytes before looking
+    /// again.
+    pub dry_waits: u64,
+    /// Receives made into a heap buffer: bytes waiting with the ring still empty.
+    pub heap_receives: u64,
+}
+
+/// [`Totals`] now.
+pub fn totals() -> Totals {
+    Totals {
+        open: TOTALS.open.load(Ordering::Relaxed),
+        dry_waits: TOTALS.dry_waits.load(Ordering::Relaxed),
+        heap_receives: TOTALS.heap_receives.load(Ordering::Relaxed),
+    }
+}
+
 impl Drop for Handle {
     fn drop(&mut self) {
         // The thread ends once its channel is closed and its connections are over; the wake
@@ -142,9 +177,11 @@ pub struct Relays {
     stats: Arc<Stats>,
 }
 
-/// What the relay threads counted.
+/// What the relay threads counted: each [`Relays`]' own, and the process's ([`totals`]).
 #[derive(Default)]
 struct Stats {
+    /// Connections on the threads now.
+    open: AtomicU64,
     /// Receives made into a heap buffer because the provided ring had none left.
     heap_receives: AtomicU64,
     /// Receives that found the ring empty and wait for bytes before they look again.
@@ -646,8 +683,20 @@ impl Relay {
                 });
             }
         }
+        self.count(|s| &s.open, true);
         for d in 0..2 {
             self.receive(slot, d, RecvInto::Ring);
+        }
+    }
+
+    /// Counts one up (or down) in this relay's stats and the process's.
+    fn count(&self, counter: impl Fn(&Stats) -> &AtomicU64, up: bool) {
+        for stats in [&*self.stats, &TOTALS] {
+            if up {
+                counter(stats).fetch_add(1, Ordering::Relaxed);
+            } else {
+                counter(stats).fetch_sub(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -747,10 +796,10 @@ impl Relay {
                 } else if result == 0 {
                     self.end_of_stream(slot, d);
                 } else if -result == libc::ENOBUFS && !waited {
-                    self.stats.dry_waits.fetch_add(1, Ordering::Relaxed);
+                    self.count(|s| &s.dry_waits, true);
                     self.receive(slot, d, RecvInto::RingWhenReadable);
                 } else if -result == libc::ENOBUFS {
-                    self.stats.heap_receives.fetch_add(1, Ordering::Relaxed);
+                    self.count(|s| &s.heap_receives, true);
                     let heap = self
                         .spare
                         .pop()
@@ -847,6 +896,7 @@ impl Relay {
         }
         let conn = self.conns[slot].take().expect("a live slot");
         self.free.push(slot);
+        self.count(|s| &s.open, false);
         if conn.idle_ms.is_some() {
             self.timed -= 1;
         }
