@@ -6,7 +6,7 @@ use crate::common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::http::{client, send, send_json};
+use common::http::{client, send_json};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -80,16 +80,8 @@ async fn served_at_once(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
 
 /// `ebb_limit_refusals_total{limit}` from `/metrics`.
 async fn refusals(admin: SocketAddr, limit: &str) -> u64 {
-    let c = client();
-    let m = send(&c, admin, "GET", "localhost", "/metrics", &[]).await;
-    let want = format!("ebb_limit_refusals_total{{limit=\"{limit}\"}} ");
-    m.body
-        .lines()
-        .find_map(|l| l.strip_prefix(&want))
-        .unwrap_or_else(|| panic!("no {want} in /metrics"))
-        .trim()
-        .parse()
-        .unwrap()
+    let want = format!("ebb_limit_refusals_total{{limit=\"{limit}\"}}");
+    common::http::sample(&client(), admin, &want).await
 }
 
 fn config(dir: &std::path::Path) -> std::path::PathBuf {

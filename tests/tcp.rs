@@ -93,20 +93,9 @@ async fn redis_wakes_on_ping_goes_idle_and_loses_no_command_across_its_stops() {
     assert_eq!(metric(ebb.admin, dry).await, 0, "the ring never ran dry");
 }
 
-/// The value of the line of ebb's `/metrics` that starts with `name`.
+/// A sample of ebb's `/metrics`.
 async fn metric(admin: std::net::SocketAddr, name: &str) -> u64 {
-    let mut s = tokio::net::TcpStream::connect(admin).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-        .await
-        .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).await.unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
-        .unwrap_or_else(|| panic!("no {name} in /metrics: {text}"))
-        .trim()
-        .parse()
-        .unwrap()
+    common::http::sample(&common::http::client(), admin, name).await
 }
 
 /// Through the proxy threads' copy loop (`--tcp-relay-threads 0`, and where io_uring cannot be

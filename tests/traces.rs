@@ -82,15 +82,8 @@ fn exemplar(text: &str, family: &str, trace: &str) -> bool {
 }
 
 async fn metric(c: &common::http::Http, admin: SocketAddr, outcome: &str) -> u64 {
-    let r = common::http::send(c, admin, "GET", "localhost", "/metrics", &[]).await;
-    let needle = format!("ebb_trace_spans_total{{outcome=\"{outcome}\"}} ");
-    r.body
-        .lines()
-        .find_map(|l| l.strip_prefix(&needle))
-        .unwrap_or_else(|| panic!("no {needle:?} in /metrics:\n{}", r.body))
-        .trim()
-        .parse()
-        .unwrap()
+    let sample = format!("ebb_trace_spans_total{{outcome=\"{outcome}\"}}");
+    common::http::sample(c, admin, &sample).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -108,3 +108,16 @@ pub async fn send_body(
         body: String::from_utf8_lossy(&body).into_owned(),
     }
 }
+
+/// The value of the sample of ebb's `/metrics` at `admin` named `sample` (the metric's name with
+/// its labels as written, e.g. `ebb_limit_refusals_total{limit="max_held"}`).
+pub async fn sample(c: &Http, admin: SocketAddr, sample: &str) -> u64 {
+    let r = send(c, admin, "GET", "localhost", "/metrics", &[]).await;
+    r.body
+        .lines()
+        .find_map(|l| l.strip_prefix(sample)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {sample:?} in /metrics:\n{}", r.body))
+        .trim()
+        .parse()
+        .unwrap()
+}

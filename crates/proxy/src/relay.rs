@@ -174,11 +174,13 @@ impl Drop for Handle {
 pub struct Relays {
     threads: Vec<Handle>,
     next: AtomicUsize,
+    /// These threads' own counts: the tests read them (`/metrics` reads the process's,
+    /// [`totals`], which tests running side by side share).
+    #[cfg_attr(not(test), allow(dead_code))]
     stats: Arc<Stats>,
 }
 
 /// What the relay threads counted: each [`Relays`]' own, and the process's ([`totals`]).
-#[derive(Default)]
 struct Stats {
     /// Connections on the threads now.
     open: AtomicU64,
@@ -199,7 +201,7 @@ impl Relays {
 
     /// [`Relays::start`] with `ring_bufs` (a power of two) buffers in each thread's ring.
     fn start_with(threads: usize, clock: Arc<dyn Clock>, ring_bufs: u16) -> io::Result<Relays> {
-        let stats = Arc::new(Stats::default());
+        let stats = Arc::new(Stats::new());
         let mut handles = Vec::new();
         for i in 0..threads.max(1) {
             let (tx, rx) = mpsc::channel();
@@ -232,11 +234,6 @@ impl Relays {
             next: AtomicUsize::new(0),
             stats,
         })
-    }
-
-    /// Receives made into a heap buffer because a thread's provided ring had none left.
-    pub fn heap_receives(&self) -> u64 {
-        self.stats.heap_receives.load(Ordering::Relaxed)
     }
 
     /// Moves bytes both ways between `a` and `b` until both are done, or until nothing moved
@@ -1157,14 +1154,10 @@ mod tests {
                 splice.await.unwrap().unwrap()
             }));
         }
-        let dry = async {
-            while relays.heap_receives() == 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(60), dry)
-            .await
-            .expect("the ring ran dry and a receive took a heap buffer");
+        until("the ring ran dry and a receive took a heap buffer", || {
+            relays.stats.heap_receives.load(Ordering::Relaxed) > 0
+        })
+        .await;
         go_tx.send(true).unwrap();
         let all = async {
             for t in tasks {
