@@ -631,6 +631,7 @@ mod tests {
             finished("c4"),
             Event::CallsForgotten {
                 finished_before_ms: 1_000_000,
+                within: None,
             },
             Event::CounterDecayed {
                 function: "f".into(),
@@ -643,9 +644,11 @@ mod tests {
             },
             Event::CallsForgotten {
                 finished_before_ms: 1_000_000,
+                within: None,
             },
             Event::InstancesForgotten {
                 finished_before_ms: 1_000_000,
+                within: None,
             },
             Event::CleanerUpserted {
                 cleaner: Box::new(CleanerSpec {

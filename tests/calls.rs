@@ -715,6 +715,119 @@ async fn ended_calls_leave_the_api_after_the_retention_but_stay_in_the_log() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_retention_count_the_oldest_ended_calls_leave_the_api_well_before_their_age() {
+    let dir = tempfile::tempdir().unwrap();
+    // Nothing runs (no runner capacity): each call is ended by its cancel, in order.
+    let ebb = start(
+        dir.path(),
+        &["--runner-capacity", "0", "--call-retention-count", "8"],
+    );
+    let mut ids = Vec::new();
+    for _ in 0..20 {
+        let id = enqueue(&ebb, json!({ "target": "work" })).await;
+        let c = post(&ebb, &format!("/v1/calls/{id}/cancel"), json!({})).await;
+        assert_eq!(c.status, 200);
+        ids.push(id);
+    }
+    let queued = enqueue(&ebb, json!({ "target": "work" })).await;
+    // The bound holds at most 8 ended calls, the newest; a forgetting keeps 7.
+    let settled = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        loop {
+            let page = get(&ebb, "/v1/calls?state=cancelled&limit=100").await;
+            let listed: Vec<String> = page.json["calls"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["id"].as_str().unwrap().to_owned())
+                .collect();
+            if listed.len() <= 8 {
+                return listed;
+            }
+            tick.tick().await;
+        }
+    };
+    let listed = tokio::time::timeout(DEADLINE, settled)
+        .await
+        .expect("the ended calls come within the bound");
+    assert!(listed.len() >= 7, "{listed:?}");
+    assert_eq!(listed, ids[ids.len() - listed.len()..], "the newest stay");
+    assert_eq!(
+        get(&ebb, &format!("/v1/calls/{}", ids[0])).await.status,
+        404
+    );
+    let q = get(&ebb, &format!("/v1/calls/{queued}")).await;
+    assert_eq!(
+        q.json["state"], "queued",
+        "a queued call is not an ended one"
+    );
+    // The forgetting is a decision in the log, with the bounds it kept, and the forgotten
+    // calls' events stay.
+    let events = common::events(&ebb.data);
+    let within: Vec<&Value> = events
+        .iter()
+        .filter_map(|e| e["event"]["CallsForgotten"]["within"].as_object())
+        .map(|w| &w["count"])
+        .collect();
+    assert!(
+        !within.is_empty() && within.iter().all(|c| *c == 7),
+        "{within:?}"
+    );
+    assert_eq!(events_of(&ebb.data, &ids[0], "CallCancelled"), 1);
+
+    // A forgotten call is still known to have ended: enqueued again with its id (a client's
+    // retry), its message is never handed out, and a start, a finish or a cancel meets a final
+    // call.
+    let gone = &ids[0];
+    let again = post(
+        &ebb,
+        "/runner/enqueue",
+        json!({ "target": "work", "id": gone }),
+    )
+    .await;
+    assert_eq!(
+        (again.status, again.json["id"].as_str()),
+        (200, Some(gone.as_str()))
+    );
+    let got = dequeue(&ebb, "r1", 2_000).await;
+    let handed: Vec<&str> = got.json["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        handed,
+        [queued.as_str()],
+        "only the queued call is handed out"
+    );
+    let s = start_one(&ebb, "r1", gone).await;
+    assert_eq!(
+        (s.status, s.json["code"].as_str()),
+        (409, Some("already_final"))
+    );
+    let f = post(
+        &ebb,
+        "/runner/finish",
+        json!({ "runner": "r1", "id": gone, "outcome": "success" }),
+    )
+    .await;
+    assert_eq!(
+        (f.status, f.json["state"].as_str()),
+        (200, Some("cancelled"))
+    );
+    let c = post(&ebb, &format!("/v1/calls/{gone}/cancel"), json!({})).await;
+    assert_eq!(
+        (c.status, c.json["code"].as_str()),
+        (409, Some("already_final"))
+    );
+    for kind in ["CallQueued", "CallStarted", "CallFinished"] {
+        let want = usize::from(kind == "CallQueued");
+        assert_eq!(events_of(&ebb.data, gone, kind), want, "{kind}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queued_and_running_calls_can_be_cancelled_once() {
     let dir = tempfile::tempdir().unwrap();
     let ebb = start(dir.path(), &["--runner-capacity", "0"]);

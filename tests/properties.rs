@@ -221,6 +221,11 @@ fn cleaner() -> impl Strategy<Value = CleanerSpec> {
         )
 }
 
+/// The bounds a forgetting names (what it kept the ended calls or instances within).
+fn kept() -> impl Strategy<Value = ebb::event::Kept> {
+    (0u64..10, 0u64..100_000).prop_map(|(count, bytes)| ebb::event::Kept { count, bytes })
+}
+
 /// Every event variant, over a small id space so that events collide on the same objects.
 fn event() -> impl Strategy<Value = Event> {
     prop_oneof![
@@ -308,6 +313,19 @@ fn event() -> impl Strategy<Value = Event> {
                 log
             }),
         name().prop_map(|id| Event::CallTimedOut { id }),
+        name().prop_map(|id| Event::CallCancelled { id }),
+        (0u64..3_000, proptest::option::of(kept())).prop_map(|(finished_before_ms, within)| {
+            Event::CallsForgotten {
+                finished_before_ms,
+                within,
+            }
+        }),
+        (0u64..3_000, proptest::option::of(kept())).prop_map(|(finished_before_ms, within)| {
+            Event::InstancesForgotten {
+                finished_before_ms,
+                within,
+            }
+        }),
         template().prop_map(|template| Event::TemplateUpserted {
             template: Box::new(template)
         }),

@@ -27,7 +27,10 @@
 //!   decision of the caller's; what the decision does not record is deleted from the queue.
 //!
 //! Ended calls leave the projection with the retention, a standing cleaner
-//! (`ebb_core::cleaner::config`), so memory is bounded by the retention.
+//! (`ebb_core::cleaner::config`), once their age passes it, or sooner when they are more than its
+//! bounds (`RetentionBounds`, held by `cleaner::local::hold_within`). A call the bounds forgot
+//! stays known as ended by its id (`Calls::gone`): its message delivered again is deleted, not
+//! run, and a copy or an enqueue of it again is not recorded.
 //!
 //! **Several replicas** ([`Calls::with_peers`]): a call belongs to the replica that accepted it
 //! ([`crate::peers`]: its id is `OWNER.UUID`). `start` and `finish` of another's calls go to the
@@ -743,6 +746,11 @@ impl Calls {
                         recorded.push((m.id, in_memory));
                         c.spec.clone()
                     }
+                    // Ended, and forgotten by the retention's bounds: never run again.
+                    None if s.calls.gone(&m.id).is_some() => {
+                        done.push(m.id);
+                        continue;
+                    }
                     None if in_memory || s.calls.is_aborted(&m.id) => {
                         bad.push(m.id);
                         continue;
@@ -918,7 +926,7 @@ impl Calls {
                         .into_iter()
                         .filter(|c| ids.contains(&c.id))
                         .filter(|c| self.peers.other_owner(&c.id).is_none())
-                        .filter(|c| s.calls.get(&c.id).is_none() && !s.calls.is_aborted(&c.id))
+                        .filter(|c| s.calls.status(&c.id).is_none() && !s.calls.is_aborted(&c.id))
                         .filter(|c| !aborted.contains(&c.id))
                         .filter(|c| s.routes.by_name.contains_key(&c.target))
                         .collect()
@@ -1036,7 +1044,7 @@ impl Calls {
                 .into_iter()
                 .map(|(id, verdict, deadline)| {
                     let call = s.calls.get(&id);
-                    let state = call.map_or(CallStatus::Error, |c| c.status);
+                    let state = s.calls.status(&id).unwrap_or(CallStatus::Error);
                     let code = match verdict {
                         Some(StartVerdict::Accepted) => {
                             tracing::debug!(call = %id, runner, "started");
@@ -1260,11 +1268,16 @@ impl Calls {
         let look = || {
             self.log.read(|s| {
                 ids.iter()
-                    .map(|id| {
-                        s.calls.get(id).map(|c| PeerState {
+                    .map(|id| match s.calls.get(id) {
+                        Some(c) => Some(PeerState {
                             state: c.status,
                             deadline_at_ms: c.deadline_at_ms,
-                        })
+                        }),
+                        // Ended, and forgotten by the retention's bounds.
+                        None => s.calls.gone(id).map(|g| PeerState {
+                            state: g.status,
+                            deadline_at_ms: None,
+                        }),
                     })
                     .collect::<Vec<_>>()
             })
@@ -1380,7 +1393,7 @@ impl Calls {
         Ok(self.log.read(|s| {
             ids.into_iter()
                 .map(|id| {
-                    let state = s.calls.get(&id).map_or(CallStatus::Error, |c| c.status);
+                    let state = s.calls.status(&id).unwrap_or(CallStatus::Error);
                     tracing::debug!(call = %id, runner, ?state, "finished");
                     (id, state)
                 })

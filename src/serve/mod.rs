@@ -422,6 +422,12 @@ pub async fn run(
         }
     }
     let (_local_nudge, local_nudged) = tokio::sync::mpsc::channel(1);
+    // Beside the retention's age, its bounds on how many ended calls and instances stay.
+    let bounds_task = tokio::spawn(crate::cleaner::local::hold_within(
+        log.clone(),
+        call_options.retention_bounds,
+        stop_rx.clone(),
+    ));
     let local_cleaner_task = tokio::spawn(crate::cleaner::runtime::run(
         local_cleaners,
         local_nudged,
@@ -772,6 +778,7 @@ pub async fn run(
     let _ = autoscaler.await;
     let _ = cron.await;
     let _ = local_cleaner_task.await;
+    let _ = bounds_task.await;
     let _ = tokio::task::spawn_blocking(move || {
         for t in proxy_threads {
             let _ = t.join();

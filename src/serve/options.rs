@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use crate::calls::CallOptions;
+use crate::calls::{CallOptions, RetentionBounds};
 use crate::log::Durability;
 use crate::orchestrator::kube::{KubeOptions, SharedScaling};
 use crate::proxy::runtime::RuntimeOptions;
@@ -182,6 +182,16 @@ pub struct CallFlags {
     /// events stay in the log).
     #[arg(long, default_value_t = 3_600_000)]
     pub call_retention_ms: u64,
+    /// The most ended calls kept readable through the API, and the most ended function
+    /// instances: past it the oldest go before their retention time (their events stay in the
+    /// log).
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub call_retention_count: u64,
+    /// The most memory the ended calls kept readable take, and the ended instances, in bytes
+    /// (about: payloads, results, logs and their fixed size): past it the oldest go before their
+    /// retention time.
+    #[arg(long, default_value_t = 256 << 20, value_parser = clap::value_parser!(u64).range(1..))]
+    pub call_retention_bytes: u64,
     /// Put calls on Kafka (`bootstrap.servers`) instead of the embedded queue.
     #[arg(long, env = "EBB_KAFKA_BROKERS")]
     pub kafka_brokers: Option<String>,
@@ -372,6 +382,10 @@ impl ServeOptions {
             runner_lease_ms: self.calls.runner_lease_ms,
             retention_ms,
             forget_every_ms: retention_ms.clamp(1, 60_000),
+            retention_bounds: RetentionBounds {
+                count: self.calls.call_retention_count,
+                bytes: self.calls.call_retention_bytes,
+            },
             max_queued_per_target: self.limits.max_queued_per_target,
             ..CallOptions::default()
         }

@@ -28,8 +28,56 @@ use super::runtime::{Backend, Deleted, Resolved};
 use super::spec::Ref;
 
 pub use ebb_core::cleaner::config::{
-    API_VERSION, CleanerConfig, PREFIX, config_spec, is_local, retention,
+    API_VERSION, CleanerConfig, PREFIX, RetentionBounds, config_spec, is_local, retention,
 };
+
+/// How often [`hold_within`] looks at the tallies of ended calls and instances: the bounds can be
+/// passed by what ends in this long.
+pub const BOUNDS_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Holds the ended calls and instances the projection keeps within `bounds`, beside the
+/// retention's age, until `stop`: every [`BOUNDS_EVERY`] it reads their tallies, and when one is
+/// over a bound it decides the forgetting that brings them back within
+/// ([`RetentionBounds::decide`]), on every replica, like the retention.
+pub async fn hold_within(
+    log: Arc<Log<State>>,
+    bounds: RetentionBounds,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(BOUNDS_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Tallies over a bound with nothing the decision may forget (the calls of running
+    // instances' current steps stay): looked at again only once they change.
+    let mut stuck = None;
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
+        let over = log.read(|s| {
+            bounds
+                .exceeded(s)
+                .then_some((s.calls.ended, s.functions.ended))
+        });
+        let Some(tallies) = over else { continue };
+        if stuck == Some(tallies) {
+            continue;
+        }
+        match log
+            .decide(move |s: &State, _| {
+                let events = bounds.decide(s);
+                let none = events.is_empty();
+                (events, none)
+            })
+            .await
+        {
+            Ok((none, _)) => stuck = none.then_some(tallies),
+            Err(e) => {
+                tracing::warn!(error = %e, "forgetting ended calls over the retention's bounds failed")
+            }
+        }
+    }
+}
 
 /// ebb's own objects as targets.
 pub struct LocalTargets {
@@ -84,12 +132,14 @@ impl Ended {
                 .any_finished_before(before, &s.functions.current_step_calls())
                 .then_some(Event::CallsForgotten {
                     finished_before_ms: before,
+                    within: None,
                 }),
             Ended::Instances => {
                 s.functions
                     .any_finished_before(before)
                     .then_some(Event::InstancesForgotten {
                         finished_before_ms: before,
+                        within: None,
                     })
             }
         }

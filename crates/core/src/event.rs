@@ -271,6 +271,14 @@ impl CallSpec {
     }
 }
 
+/// The bounds on ended calls (or instances) a retention's forgetting brought them within: at most
+/// `count` of them, taking at most about `bytes` of memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Kept {
+    pub count: u64,
+    pub bytes: u64,
+}
+
 /// The answer a call's target gave.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct CallResult {
@@ -732,7 +740,13 @@ pub enum Event {
     CallCancelled { id: String },
     /// Calls that ended before this time leave the projection (their events stay in the log):
     /// the call retention, decided like everything else.
-    CallsForgotten { finished_before_ms: u64 },
+    CallsForgotten {
+        finished_before_ms: u64,
+        /// Set when their number or size decided it, not their age: the bounds the ended calls
+        /// kept were brought within.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        within: Option<Kept>,
+    },
     /// Calls whose enqueue failed (the queue did not confirm the put; the caller got an
     /// error): a message of theirs that lands anyway is never run, even after a restart.
     CallsAborted { ids: Vec<String> },
@@ -764,7 +778,12 @@ pub enum Event {
     TemplateFired { name: String, scheduled_at_ms: u64 },
     /// Instances that ended before this time leave the projection (their events stay in the
     /// log): the instance retention, decided with the call retention.
-    InstancesForgotten { finished_before_ms: u64 },
+    InstancesForgotten {
+        finished_before_ms: u64,
+        /// As for [`Event::CallsForgotten`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        within: Option<Kept>,
+    },
     /// A function's call counter grew by `by`, capped at `cap` (aggregated, not one per call).
     CounterAdded { function: String, by: u64, cap: u64 },
     /// A function's call counter decayed by `by` (saturating at zero).
@@ -1175,6 +1194,7 @@ pub fn examples() -> Vec<Event> {
         // Later additions go last, so the fixtures written before keep their seqs.
         Event::CallsForgotten {
             finished_before_ms: 1_767_225_000_000,
+            within: None,
         },
         Event::CallCancelled {
             id: call.id.clone(),
@@ -1185,6 +1205,7 @@ pub fn examples() -> Vec<Event> {
         },
         Event::InstancesForgotten {
             finished_before_ms: 1_767_225_000_000,
+            within: None,
         },
         Event::CallsAborted {
             ids: vec!["ebb-1.0193aa8e-7c1a-7b3e-9d2f-0123456789ab".into()],

@@ -53,6 +53,18 @@ fn plural(n: u64, one: &str, many: &str) -> String {
 }
 
 /// At most `max` characters of `s` on one line.
+/// Why a forgetting came before its age: the bounds it kept the newest within.
+fn kept_within(within: &Option<crate::event::Kept>, what: &str) -> String {
+    within.map_or(String::new(), |k| {
+        let mib = k.bytes as f64 / f64::from(1u32 << 20);
+        format!(
+            ": more {what} than the retention's bounds, so the newest {} taking at most \
+             {mib:.1} MiB stay",
+            k.count
+        )
+    })
+}
+
 fn excerpt(s: &str, max: usize) -> String {
     let flat: String = s
         .trim()
@@ -395,9 +407,13 @@ fn tell(before: &State, env: &Envelope) -> String {
             format!("it passed its deadline{deadline} unfinished and timed out")
         }
         Event::CallCancelled { .. } => "cancelled".into(),
-        Event::CallsForgotten { finished_before_ms } => format!(
-            "calls that ended before {} left the projection (their events stay)",
-            clock(*finished_before_ms)
+        Event::CallsForgotten {
+            finished_before_ms,
+            within,
+        } => format!(
+            "calls that ended before {} left the projection (their events stay){}",
+            clock(*finished_before_ms),
+            kept_within(within, "ended calls")
         ),
         Event::CallsAborted { ids } => format!(
             "the queue did not confirm {}: {} never run",
@@ -445,9 +461,13 @@ fn tell(before: &State, env: &Envelope) -> String {
             clock(*scheduled_at_ms),
             duration(at.saturating_sub(*scheduled_at_ms))
         ),
-        Event::InstancesForgotten { finished_before_ms } => format!(
-            "instances that ended before {} left the projection (their events stay)",
-            clock(*finished_before_ms)
+        Event::InstancesForgotten {
+            finished_before_ms,
+            within,
+        } => format!(
+            "instances that ended before {} left the projection (their events stay){}",
+            clock(*finished_before_ms),
+            kept_within(within, "ended instances")
         ),
         Event::CounterAdded { function, by, cap } => {
             let was = before.counters.value(function);
@@ -707,6 +727,42 @@ mod tests {
         assert_eq!(
             lines[3],
             "runner r2 reported it succeeded again: the first finish stands"
+        );
+    }
+
+    #[test]
+    fn a_forgetting_by_the_bounds_says_what_it_kept() {
+        let lines = tell_all(vec![
+            (
+                T0,
+                Event::CallsForgotten {
+                    finished_before_ms: T0 - 60_000,
+                    within: None,
+                },
+            ),
+            (
+                T0,
+                Event::InstancesForgotten {
+                    finished_before_ms: T0 - 1_000,
+                    within: Some(crate::event::Kept {
+                        count: 87_500,
+                        bytes: 224 << 20,
+                    }),
+                },
+            ),
+        ]);
+        assert!(
+            lines[0].ends_with("left the projection (their events stay)"),
+            "{}",
+            lines[0]
+        );
+        assert!(
+            lines[1].ends_with(
+                "left the projection (their events stay): more ended instances than the \
+                 retention's bounds, so the newest 87500 taking at most 224.0 MiB stay"
+            ),
+            "{}",
+            lines[1]
         );
     }
 

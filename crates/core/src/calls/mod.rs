@@ -15,6 +15,8 @@ use crate::queue::{Message, QueueError};
 use crate::state::State;
 use crate::state::calls::CallStatus;
 
+pub use crate::cleaner::config::RetentionBounds;
+
 /// Bounds and timings of the call service. Every bound is a named value.
 #[derive(Debug, Clone)]
 pub struct CallOptions {
@@ -45,6 +47,9 @@ pub struct CallOptions {
     pub retention_ms: u64,
     /// How often the retention is applied.
     pub forget_every_ms: u64,
+    /// The most ended calls (and instances) kept, and the most memory they take, whatever their
+    /// age (`cleaner::local::hold_within`).
+    pub retention_bounds: RetentionBounds,
     /// Calls queued for one target at once (`--max-queued-per-target`).
     pub max_queued_per_target: usize,
 }
@@ -64,6 +69,10 @@ impl Default for CallOptions {
             max_runners: 10_000,
             retention_ms: 3_600_000,
             forget_every_ms: 60_000,
+            retention_bounds: RetentionBounds {
+                count: 100_000,
+                bytes: 256 << 20,
+            },
             max_queued_per_target: 100_000,
         }
     }
@@ -357,6 +366,8 @@ pub fn record_handed_out(
     for spec in specs {
         let spec = spec.into();
         match s.calls.get(&spec.id) {
+            // Ended, and forgotten by the retention's bounds: never recorded (and run) again.
+            None if s.calls.gone(&spec.id).is_some() => {}
             None => events.push(Event::CallQueued { call: spec }),
             Some(c) if c.spec != spec => stale.push(spec.id.clone()),
             Some(_) => {}

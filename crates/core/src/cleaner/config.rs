@@ -8,10 +8,12 @@
 //! period. The retention ([`retention`], `config/retention`) is one of them: its firing decides
 //! `CallsForgotten { finished_before_ms }`, which drops ended calls from the projection (except a
 //! running instance's current step, which the instance has yet to read), and `InstancesForgotten`,
-//! which drops ended instances; their events stay in the log, and memory is bounded by the
-//! retention.
+//! which drops ended instances; their events stay in the log. Their age alone does not bound the
+//! memory they take, so [`RetentionBounds`] also bounds their count and size: past a bound the
+//! same events forget the oldest, naming the bounds kept (`within`).
 
-use crate::event::{CleanerSpec, CleanerTarget};
+use crate::event::{CleanerSpec, CleanerTarget, Event, Kept};
+use crate::state::State;
 use serde::Deserialize;
 
 use super::spec::{CleanerResourceSpec, Ref, to_spec};
@@ -76,6 +78,64 @@ pub fn config_spec(c: &CleanerConfig) -> CleanerSpec {
     spec
 }
 
+/// The bounds on the ended calls and on the ended instances the projection keeps, besides their
+/// age (`--call-retention-count`, `--call-retention-bytes`): the retention's age alone lets a
+/// busy replica hold an hour of calls, each with its payload, result and log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionBounds {
+    /// At most this many ended calls, and as many ended instances.
+    pub count: u64,
+    /// Taking at most about this many bytes of memory (each of the two).
+    pub bytes: u64,
+}
+
+impl RetentionBounds {
+    /// Whether the ended calls or the ended instances of `s` are over the bounds.
+    pub fn exceeded(&self, s: &State) -> bool {
+        s.calls.ended.over(self.count, self.bytes) || s.functions.ended.over(self.count, self.bytes)
+    }
+
+    /// What a forgetting keeps: an eighth under each bound, so that the next one comes only
+    /// once an eighth of the bound has ended again.
+    pub fn kept(&self) -> Kept {
+        Kept {
+            count: self.count - self.count / 8,
+            bytes: self.bytes - self.bytes / 8,
+        }
+    }
+
+    /// The decisions that bring the ended calls and instances over a bound back within
+    /// [`RetentionBounds::kept`]: the oldest go (a running instance's current step call stays,
+    /// as with the age).
+    pub fn decide(&self, s: &State) -> Vec<Event> {
+        let within = self.kept();
+        let mut events = Vec::new();
+        if s.calls.ended.over(self.count, self.bytes)
+            && let Some(cut) = s.calls.cut_within(within.count, within.bytes)
+        {
+            // Nothing to forget when all that ended before the cut are running instances'
+            // current steps (a look that stops at the first call it may forget).
+            if s.calls
+                .any_ended_before(cut, &s.functions.current_step_calls())
+            {
+                events.push(Event::CallsForgotten {
+                    finished_before_ms: cut,
+                    within: Some(within),
+                });
+            }
+        }
+        if s.functions.ended.over(self.count, self.bytes)
+            && let Some(cut) = s.functions.cut_within(within.count, within.bytes)
+        {
+            events.push(Event::InstancesForgotten {
+                finished_before_ms: cut,
+                within: Some(within),
+            });
+        }
+        events
+    }
+}
+
 /// The standing cleaner that is the retention of ended calls and instances: every `period_ms`
 /// they leave the projection once `retention_ms` old (their events stay in the log).
 pub fn retention(retention_ms: u64, period_ms: u64) -> CleanerSpec {
@@ -92,5 +152,320 @@ pub fn retention(retention_ms: u64, period_ms: u64) -> CleanerSpec {
         targets: vec![target("calls", "Call"), target("instances", "Instance")],
         repeat: true,
         ..CleanerSpec::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_bytes::ByteBuf;
+
+    use super::*;
+    use crate::event::{CallSpec, Envelope, Outcome, SCHEMA_VERSION};
+
+    fn apply(s: &mut State, at_ms: u64, event: Event) {
+        let seq = s.seq + 1;
+        s.apply(&Envelope {
+            seq,
+            at_ms,
+            version: SCHEMA_VERSION,
+            event,
+        });
+    }
+
+    /// Calls `c0`..`c{n-1}` with a 1,000-byte payload each, `ci` cancelled at `100 + i` ms.
+    fn ended_calls(s: &mut State, n: u64) {
+        for i in 0..n {
+            let mut spec = CallSpec::for_test(&format!("c{i}"));
+            spec.payload.body = ByteBuf::from(vec![7; 1_000]);
+            apply(
+                s,
+                1,
+                Event::CallQueued {
+                    call: Arc::new(spec),
+                },
+            );
+        }
+        for i in 0..n {
+            apply(
+                s,
+                100 + i,
+                Event::CallCancelled {
+                    id: format!("c{i}"),
+                },
+            );
+        }
+    }
+
+    fn kept(s: &State) -> Vec<&str> {
+        let mut ids: Vec<&str> = s.calls.by_id.keys().map(String::as_str).collect();
+        ids.sort_by_key(|id| id[1..].parse::<u32>().unwrap_or(u32::MAX));
+        ids
+    }
+
+    /// Applies the bounds' decisions, and checks that the tallies the projection kept are what
+    /// counting its calls and instances again gives (as a snapshot's reading does).
+    fn hold(s: &mut State, bounds: RetentionBounds) -> Vec<Event> {
+        let events = bounds.decide(s);
+        for e in events.clone() {
+            apply(s, 1_000, e);
+        }
+        let read = State::decode_snapshot(&s.encode_snapshot()).unwrap();
+        assert_eq!(read.calls.ended, s.calls.ended);
+        assert_eq!(read.functions.ended, s.functions.ended);
+        events
+    }
+
+    #[test]
+    fn past_the_count_the_oldest_ended_calls_go_and_the_newest_seven_eighths_stay() {
+        let mut s = State::default();
+        let mut spec = CallSpec::for_test("queued");
+        spec.payload.body = ByteBuf::from(vec![7; 1_000]);
+        apply(
+            &mut s,
+            1,
+            Event::CallQueued {
+                call: Arc::new(spec),
+            },
+        );
+        ended_calls(&mut s, 20);
+        assert_eq!(s.calls.ended.count, 20);
+        let bounds = RetentionBounds {
+            count: 16,
+            bytes: u64::MAX,
+        };
+        assert!(bounds.exceeded(&s));
+        let events = hold(&mut s, bounds);
+        assert_eq!(
+            events,
+            vec![Event::CallsForgotten {
+                finished_before_ms: 106,
+                within: Some(Kept {
+                    count: 14,
+                    bytes: u64::MAX - u64::MAX / 8
+                }),
+            }]
+        );
+        assert!(
+            s.calls.get("queued").is_some(),
+            "a queued call is not ended"
+        );
+        let mut ended = kept(&s);
+        ended.retain(|id| *id != "queued");
+        let want: Vec<String> = (6..20).map(|i| format!("c{i}")).collect();
+        assert_eq!(ended, want);
+        assert_eq!(s.calls.ended.count, 14);
+        assert!(!bounds.exceeded(&s));
+        assert!(bounds.decide(&s).is_empty());
+    }
+
+    #[test]
+    fn a_call_the_bounds_forgot_stays_ended_until_its_age_passes() {
+        use crate::calls::record_handed_out;
+        use crate::state::calls::{decide_cancel, decide_finish, decide_start};
+        use crate::state::{CallStatus, StartVerdict};
+        let mut s = State::default();
+        ended_calls(&mut s, 4);
+        hold(
+            &mut s,
+            RetentionBounds {
+                count: 2,
+                bytes: u64::MAX,
+            },
+        );
+        assert_eq!(kept(&s), ["c2", "c3"]);
+        let gone = s.calls.gone("c0").copied();
+        assert_eq!(
+            gone.map(|g| (g.status, g.finished_at_ms)),
+            Some((CallStatus::Cancelled, 100))
+        );
+        // Its message delivered again, or its id enqueued again: not recorded, not run.
+        assert!(
+            record_handed_out(&s, vec![CallSpec::for_test("c0")])
+                .0
+                .is_empty()
+        );
+        assert_eq!(
+            decide_start(&s.calls, "c0", "r", 1_000).1,
+            StartVerdict::Refused(crate::event::RejectReason::AlreadyFinal)
+        );
+        assert_eq!(
+            decide_finish(&s.calls, "c0", "r", Outcome::Success, None, String::new()),
+            None
+        );
+        assert_eq!(
+            decide_cancel(&s.calls, "c0"),
+            Err(Some(CallStatus::Cancelled))
+        );
+        assert_eq!(s.calls.status("c1"), Some(CallStatus::Cancelled));
+        assert_eq!(s.calls.status("c9"), None);
+        // The age's forgetting takes what is left of those it passes.
+        assert!(s.calls.any_finished_before(101, &Default::default()));
+        apply(
+            &mut s,
+            2_000,
+            Event::CallsForgotten {
+                finished_before_ms: 101,
+                within: None,
+            },
+        );
+        assert!(s.calls.gone("c0").is_none());
+        assert!(s.calls.gone("c1").is_some());
+        assert_eq!(kept(&s), ["c2", "c3"]);
+    }
+
+    #[test]
+    fn past_the_bytes_the_oldest_ended_calls_go() {
+        let mut s = State::default();
+        ended_calls(&mut s, 10);
+        let one = s.calls.get("c0").unwrap().held_bytes();
+        assert!(one > 1_000, "a call's payload is counted: {one}");
+        assert_eq!(s.calls.ended.bytes, 10 * one);
+        // Room for four; a forgetting keeps 3.5 calls' worth: three.
+        let bounds = RetentionBounds {
+            count: 1_000,
+            bytes: 4 * one,
+        };
+        hold(&mut s, bounds);
+        assert_eq!(kept(&s), ["c7", "c8", "c9"]);
+        assert_eq!(s.calls.ended.bytes, 3 * one);
+    }
+
+    #[test]
+    fn calls_ended_in_one_millisecond_go_together_and_a_current_step_stays() {
+        let mut s = State::default();
+        ended_calls(&mut s, 6);
+        // c0 is the current step of a running instance: it stays, whatever its age.
+        apply(
+            &mut s,
+            200,
+            Event::InstanceCreated {
+                id: "i".into(),
+                template: "f".into(),
+                args: ByteBuf::new(),
+            },
+        );
+        apply(
+            &mut s,
+            200,
+            Event::InstanceStepped {
+                id: "i".into(),
+                function: "f".into(),
+                call_id: "c0".into(),
+            },
+        );
+        // Three more calls that end in the same millisecond.
+        for i in 6..9 {
+            apply(
+                &mut s,
+                300,
+                Event::CallFinished {
+                    id: format!("c{i}"),
+                    runner: "r".into(),
+                    outcome: Outcome::Success,
+                    result: None,
+                    log: String::new(),
+                },
+            );
+        }
+        assert_eq!(s.calls.ended.count, 9);
+        // Keeping two would split the three that ended at 300: all three go, with every call
+        // before them but c0.
+        hold(
+            &mut s,
+            RetentionBounds {
+                count: 2,
+                bytes: u64::MAX,
+            },
+        );
+        assert_eq!(kept(&s), ["c0"]);
+        assert_eq!(s.calls.ended.count, 1);
+    }
+
+    #[test]
+    fn over_the_bound_with_only_current_steps_ended_nothing_is_decided() {
+        let mut s = State::default();
+        ended_calls(&mut s, 2);
+        for i in 0..2 {
+            let id = format!("i{i}");
+            apply(
+                &mut s,
+                200,
+                Event::InstanceCreated {
+                    id: id.clone(),
+                    template: "f".into(),
+                    args: ByteBuf::new(),
+                },
+            );
+            apply(
+                &mut s,
+                200,
+                Event::InstanceStepped {
+                    id,
+                    function: "f".into(),
+                    call_id: format!("c{i}"),
+                },
+            );
+        }
+        let bounds = RetentionBounds {
+            count: 1,
+            bytes: u64::MAX,
+        };
+        assert!(bounds.exceeded(&s));
+        assert_eq!(bounds.decide(&s), []);
+    }
+
+    #[test]
+    fn past_the_count_the_oldest_ended_instances_go() {
+        let mut s = State::default();
+        for i in 0..6u64 {
+            let id = format!("i{i}");
+            apply(
+                &mut s,
+                1,
+                Event::InstanceCreated {
+                    id: id.clone(),
+                    template: "f".into(),
+                    args: ByteBuf::from(vec![1; 100]),
+                },
+            );
+            apply(
+                &mut s,
+                10 + i,
+                Event::InstanceFinished {
+                    id,
+                    outcome: Outcome::Success,
+                    result: ByteBuf::from(vec![2; 100]),
+                },
+            );
+        }
+        apply(
+            &mut s,
+            20,
+            Event::InstanceCreated {
+                id: "running".into(),
+                template: "f".into(),
+                args: ByteBuf::new(),
+            },
+        );
+        assert_eq!(s.functions.ended.count, 6);
+        let events = hold(
+            &mut s,
+            RetentionBounds {
+                count: 3,
+                bytes: u64::MAX,
+            },
+        );
+        assert!(matches!(
+            events.as_slice(),
+            [Event::InstancesForgotten {
+                finished_before_ms: 13,
+                within: Some(Kept { count: 3, .. })
+            }]
+        ));
+        let left: Vec<&str> = s.functions.instances.keys().map(String::as_str).collect();
+        assert_eq!(left, ["i3", "i4", "i5", "running"]);
+        assert_eq!(s.functions.ended.count, 3);
     }
 }

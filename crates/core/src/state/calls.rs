@@ -27,6 +27,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::event::{CallKind, CallResult, CallSpec, Event, Outcome, Payload, RejectReason};
 
+use super::Tally;
+
 /// Where a call is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -183,13 +185,50 @@ pub struct Calls {
     /// must not run. Kept as long as ended calls are (the retention).
     #[serde(default)]
     pub aborted: BTreeMap<String, u64>,
+    /// The ended calls of `by_id`: how many and about how much memory (an index, for the
+    /// retention's bounds; counted again from `by_id` when a snapshot is read).
+    #[serde(skip)]
+    pub ended: Tally,
+    /// The same by the millisecond they ended in: where the bounds cut, found without a look
+    /// at every call.
+    #[serde(skip)]
+    ended_by_ms: BTreeMap<u64, Tally>,
+    /// Calls the retention's bounds forgot before their age, by id: how each ended and when.
+    /// The queue may still hand out a message of theirs (a Kafka partition read again from an
+    /// older commit, an enqueue retried with the same id), which must meet an ended call, never
+    /// run it again. A few dozen bytes each instead of the whole call; they go when the
+    /// retention's age passes them, as the calls would have.
+    #[serde(default, serialize_with = "gone_in_id_order")]
+    pub gone: GoneMap,
 }
+
+/// What is left of a call the retention's bounds forgot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Gone {
+    /// Its final state.
+    pub status: CallStatus,
+    /// When it reached it.
+    pub finished_at_ms: u64,
+}
+
+/// Forgotten calls by id, hashed as [`CallMap`] is.
+pub type GoneMap = HashMap<String, Gone, foldhash::fast::RandomState>;
 
 /// What applying a call event did to the schedule.
 pub(crate) enum Timer {
     Set(u64),
     Clear,
     Keep,
+}
+
+/// Counts an ended call in the tallies.
+fn note_ended(ended: &mut Tally, by_ms: &mut BTreeMap<u64, Tally>, c: &Call) {
+    let held = c.held_bytes();
+    ended.add(held);
+    by_ms
+        .entry(c.finished_at_ms.unwrap_or_default())
+        .or_default()
+        .add(held);
 }
 
 /// Whether `c` reached a final state before `before_ms`.
@@ -200,6 +239,13 @@ fn ended_before(c: &Call, before_ms: u64) -> bool {
 /// Serializes the calls in id order (a map's own order would change every snapshot's bytes).
 fn in_id_order<S: serde::Serializer>(by_id: &CallMap, s: S) -> Result<S::Ok, S::Error> {
     s.collect_map(sorted(by_id))
+}
+
+/// Serializes the forgotten calls in id order.
+fn gone_in_id_order<S: serde::Serializer>(gone: &GoneMap, s: S) -> Result<S::Ok, S::Error> {
+    let mut all: Vec<(&String, &Gone)> = gone.iter().collect();
+    all.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    s.collect_map(all)
 }
 
 /// Serializes a set of ids in id order, as the ordered set it replaced did.
@@ -314,19 +360,100 @@ impl Calls {
     }
 
     /// Drops calls that ended before `finished_before_ms`, except those in `keep` (the current
-    /// step of a running instance, which the instance still has to read).
-    pub(crate) fn forget(&mut self, finished_before_ms: u64, keep: &BTreeSet<&str>) {
-        self.by_id
-            .retain(|id, c| !ended_before(c, finished_before_ms) || keep.contains(id.as_str()));
-        self.aborted.retain(|_, at| *at >= finished_before_ms);
+    /// step of a running instance, which the instance still has to read). The retention's
+    /// bounds (`bounded`) keep what is left of them ([`Calls::gone`]) until their age drops it.
+    pub(crate) fn forget(&mut self, finished_before_ms: u64, keep: &BTreeSet<&str>, bounded: bool) {
+        let Calls {
+            by_id,
+            ended,
+            ended_by_ms,
+            gone,
+            ..
+        } = self;
+        by_id.retain(|id, c| {
+            let goes = ended_before(c, finished_before_ms) && !keep.contains(id.as_str());
+            if goes {
+                let held = c.held_bytes();
+                ended.remove(held);
+                let at = c.finished_at_ms.unwrap_or_default();
+                if let Some(t) = ended_by_ms.get_mut(&at) {
+                    t.remove(held);
+                    if t.count == 0 {
+                        ended_by_ms.remove(&at);
+                    }
+                }
+                if bounded {
+                    gone.insert(
+                        id.clone(),
+                        Gone {
+                            status: c.status,
+                            finished_at_ms: c.finished_at_ms.unwrap_or(finished_before_ms),
+                        },
+                    );
+                }
+            }
+            !goes
+        });
+        if !bounded {
+            gone.retain(|_, g| g.finished_at_ms >= finished_before_ms);
+            self.aborted.retain(|_, at| *at >= finished_before_ms);
+        }
+    }
+
+    /// What is left of `id` if the retention's bounds forgot it.
+    pub fn gone(&self, id: &str) -> Option<&Gone> {
+        if self.gone.is_empty() {
+            return None;
+        }
+        self.gone.get(id)
+    }
+
+    /// The state of `id`, known or forgotten by the retention's bounds (then final).
+    pub fn status(&self, id: &str) -> Option<CallStatus> {
+        self.get(id)
+            .map(|c| c.status)
+            .or_else(|| self.gone(id).map(|g| g.status))
+    }
+
+    /// Counts the ended calls again (after a snapshot is read).
+    pub(crate) fn count_ended(&mut self) {
+        self.ended = Tally::default();
+        self.ended_by_ms.clear();
+        for c in self.by_id.values().filter(|c| c.status.is_final()) {
+            note_ended(&mut self.ended, &mut self.ended_by_ms, c);
+        }
+    }
+
+    /// The time before which the calls that ended go, so that those left are at most `count`
+    /// taking at most `bytes`: the newest ended calls are kept, and a call that goes takes those
+    /// that ended in its millisecond with it. `None` when they already are within both. (The
+    /// calls a forgetting keeps whatever their end, running instances' current steps, count
+    /// among those kept.)
+    pub fn cut_within(&self, count: u64, bytes: u64) -> Option<u64> {
+        let mut kept = Tally::default();
+        self.ended_by_ms.iter().rev().find_map(|(at, t)| {
+            kept.count += t.count;
+            kept.bytes += t.bytes;
+            kept.over(count, bytes).then_some(at + 1)
+        })
     }
 
     /// Whether any call but those in `keep` ended (or was aborted) before `finished_before_ms`.
     pub fn any_finished_before(&self, finished_before_ms: u64, keep: &BTreeSet<&str>) -> bool {
+        self.any_ended_before(finished_before_ms, keep)
+            || self.aborted.values().any(|at| *at < finished_before_ms)
+            || self
+                .gone
+                .values()
+                .any(|g| g.finished_at_ms < finished_before_ms)
+    }
+
+    /// Whether any call the projection holds but those in `keep` ended before
+    /// `finished_before_ms`.
+    pub fn any_ended_before(&self, finished_before_ms: u64, keep: &BTreeSet<&str>) -> bool {
         self.by_id
             .iter()
             .any(|(id, c)| ended_before(c, finished_before_ms) && !keep.contains(id.as_str()))
-            || self.aborted.values().any(|at| *at < finished_before_ms)
     }
 
     /// Notes calls whose enqueue failed (those the log has recorded meanwhile excepted).
@@ -348,11 +475,19 @@ impl Calls {
             by_id,
             queued,
             queued_by_target,
+            ended,
+            ended_by_ms,
             ..
         } = self;
         let (timer, stepped) = apply_call(by_id, at_ms, event);
+        if let Some(Stepped { was_final, c, .. }) = stepped
+            && !was_final
+            && c.status.is_final()
+        {
+            note_ended(ended, ended_by_ms, c);
+        }
         // The indexes change only when the call enters or leaves `queued`.
-        if let Some((was_queued, c)) = stepped
+        if let Some(Stepped { was_queued, c, .. }) = stepped
             && (c.status == CallStatus::Queued) != was_queued
         {
             let target = c.spec.target.as_str();
@@ -390,13 +525,21 @@ impl Calls {
     }
 }
 
-/// Steps the call `event` is about, if it is a call event: the schedule's change, and whether
-/// the call was queued before the step with the call after it.
+/// A call an event stepped: where it was before the step, and the call after it.
+#[derive(Clone, Copy)]
+struct Stepped<'a> {
+    was_queued: bool,
+    was_final: bool,
+    c: &'a Call,
+}
+
+/// Steps the call `event` is about, if it is a call event: the schedule's change, and the call
+/// stepped.
 fn apply_call<'a>(
     by_id: &'a mut CallMap,
     at_ms: u64,
     event: &Event,
-) -> (Timer, Option<(bool, &'a Call)>) {
+) -> (Timer, Option<Stepped<'a>>) {
     let queued = |c: &Call| c.status == CallStatus::Queued;
     // One search of the map per event (its keys share their owner's prefix, so each comparison
     // reads far into both ids: a search costs more than copying an id).
@@ -405,11 +548,26 @@ fn apply_call<'a>(
             return match by_id.entry(call.id.clone()) {
                 hash_map::Entry::Occupied(o) => {
                     let c = o.into_mut();
-                    (Timer::Keep, Some((queued(c), &*c)))
+                    let was_final = c.status.is_final();
+                    (
+                        Timer::Keep,
+                        Some(Stepped {
+                            was_queued: queued(c),
+                            was_final,
+                            c,
+                        }),
+                    )
                 }
                 hash_map::Entry::Vacant(v) => {
                     let c = v.insert(Box::new(Call::new(call.clone(), CallStatus::Queued, at_ms)));
-                    (Timer::Keep, Some((false, &*c)))
+                    (
+                        Timer::Keep,
+                        Some(Stepped {
+                            was_queued: false,
+                            was_final: false,
+                            c,
+                        }),
+                    )
                 }
             };
         }
@@ -432,6 +590,7 @@ fn apply_call<'a>(
         _ => return (Timer::Keep, None),
     };
     let was_queued = queued(c);
+    let was_final = c.status.is_final();
     let timer = match event {
         Event::CallStarted {
             runner,
@@ -486,7 +645,14 @@ fn apply_call<'a>(
         }
         _ => Timer::Keep,
     };
-    (timer, Some((was_queued, &*c)))
+    (
+        timer,
+        Some(Stepped {
+            was_queued,
+            was_final,
+            c,
+        }),
+    )
 }
 
 /// The spec of a call first seen at its finish: only its id.
@@ -505,6 +671,38 @@ fn placeholder(id: &str) -> CallSpec {
 }
 
 impl Call {
+    /// About how much memory the call takes in the projection: its fixed size (boxed, with its
+    /// spec) and the id under which the map keeps it, its strings, payload, result and log.
+    pub fn held_bytes(&self) -> u64 {
+        let pairs = |h: &[(String, String)]| -> usize {
+            h.iter()
+                .map(|(k, v)| std::mem::size_of::<(String, String)>() + k.len() + v.len())
+                .sum()
+        };
+        let spec = &self.spec;
+        let p = &spec.payload;
+        let fixed = std::mem::size_of::<Call>()
+            + std::mem::size_of::<CallSpec>()
+            + std::mem::size_of::<(String, Box<Call>)>();
+        let strings = 2 * spec.id.len()
+            + spec.target.len()
+            + spec.partition.as_ref().map_or(0, String::len)
+            + spec.trace.as_ref().map_or(0, String::len)
+            + spec.tracestate.as_ref().map_or(0, String::len)
+            + spec.baggage.as_ref().map_or(0, String::len)
+            + p.method.len()
+            + p.path.len()
+            + pairs(&p.headers)
+            + p.body.len()
+            + self.runner.as_ref().map_or(0, String::len)
+            + self.log.len()
+            + self
+                .result
+                .as_ref()
+                .map_or(0, |r| pairs(&r.headers) + r.body.len());
+        (fixed + strings) as u64
+    }
+
     fn new(spec: Arc<CallSpec>, status: CallStatus, created_at_ms: u64) -> Self {
         Call {
             spec,
@@ -536,6 +734,17 @@ impl Call {
 /// Decides a runner's start: the event to log and the verdict to answer with.
 pub fn decide_start(calls: &Calls, id: &str, runner: &str, now_ms: u64) -> (Event, StartVerdict) {
     let Some(call) = calls.get(id) else {
+        // Ended, and forgotten by the retention's bounds.
+        if calls.gone(id).is_some() {
+            return (
+                Event::CallRejected {
+                    id: id.to_owned(),
+                    runner: runner.to_owned(),
+                    reason: RejectReason::AlreadyFinal,
+                },
+                StartVerdict::Refused(RejectReason::AlreadyFinal),
+            );
+        }
         return (
             Event::CallRejected {
                 id: id.to_owned(),
@@ -583,7 +792,7 @@ pub fn decide_finish(
     result: Option<CallResult>,
     log: String,
 ) -> Option<Event> {
-    if calls.get(id).is_some_and(|c| c.status.is_final())
+    if calls.status(id).is_some_and(CallStatus::is_final)
         && !crate::mutation::active(crate::mutation::Mutation::FinishNotIdempotent)
     {
         return None;
@@ -600,10 +809,9 @@ pub fn decide_finish(
 /// Decides a cancel: the event when the call is queued or running; `Err` with the call's state
 /// (`None`: no such call) otherwise.
 pub fn decide_cancel(calls: &Calls, id: &str) -> Result<Event, Option<CallStatus>> {
-    match calls.get(id) {
-        Some(c) if !c.status.is_final() => Ok(Event::CallCancelled { id: id.to_owned() }),
-        Some(c) => Err(Some(c.status)),
-        None => Err(None),
+    match calls.status(id) {
+        Some(s) if !s.is_final() => Ok(Event::CallCancelled { id: id.to_owned() }),
+        other => Err(other),
     }
 }
 

@@ -12,6 +12,8 @@ use serde_bytes::ByteBuf;
 
 use crate::event::{Outcome, TemplateSpec};
 
+use super::Tally;
+
 /// A template and the log position of its last change (its revision, for watches).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Template {
@@ -67,6 +69,23 @@ impl Instance {
     fn ended_before(&self, before_ms: u64) -> bool {
         self.finished_at_ms.is_some_and(|f| f < before_ms)
     }
+
+    /// About how much memory the instance takes in the projection, with the id the map keeps
+    /// it under: its fixed size, template name, arguments, steps and result.
+    pub fn held_bytes(&self, id: &str) -> u64 {
+        let steps: usize = self
+            .steps
+            .iter()
+            .map(|s| std::mem::size_of::<Step>() + s.function.len() + s.call_id.len())
+            .sum();
+        let fixed = std::mem::size_of::<(String, Instance)>() + 2 * std::mem::size_of::<usize>();
+        (fixed
+            + id.len()
+            + self.template.len()
+            + self.args.len()
+            + steps
+            + self.result.as_ref().map_or(0, |r| r.len())) as u64
+    }
 }
 
 /// How a template changed (a watch's event type).
@@ -112,6 +131,10 @@ pub struct Functions {
     /// Ids of the instances still running (an index of `instances`).
     #[serde(default)]
     pub running: std::collections::BTreeSet<String>,
+    /// The ended instances: how many and about how much memory (an index, for the retention's
+    /// bounds; counted again from `instances` when a snapshot is read).
+    #[serde(skip)]
+    pub ended: Tally,
 }
 
 impl Functions {
@@ -143,8 +166,42 @@ impl Functions {
 
     /// Drops instances that ended before `finished_before_ms`.
     pub(crate) fn forget(&mut self, finished_before_ms: u64) {
-        self.instances
-            .retain(|_, i| !i.ended_before(finished_before_ms));
+        let ended = &mut self.ended;
+        self.instances.retain(|id, i| {
+            let gone = i.ended_before(finished_before_ms);
+            if gone {
+                ended.remove(i.held_bytes(id));
+            }
+            !gone
+        });
+    }
+
+    /// Counts the ended instances again (after a snapshot is read).
+    pub(crate) fn count_ended(&mut self) {
+        self.ended = Tally::default();
+        for (id, i) in &self.instances {
+            if i.finished_at_ms.is_some() {
+                self.ended.add(i.held_bytes(id));
+            }
+        }
+    }
+
+    /// The time before which the instances that ended go, so that those left are at most
+    /// `count` taking at most `bytes`: the newest ended instances are kept. `None` when they
+    /// already are within both.
+    pub fn cut_within(&self, count: u64, bytes: u64) -> Option<u64> {
+        let mut ended: Vec<(u64, u64)> = self
+            .instances
+            .iter()
+            .filter_map(|(id, i)| i.finished_at_ms.map(|f| (f, i.held_bytes(id))))
+            .collect();
+        ended.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
+        let mut kept = Tally::default();
+        ended.into_iter().find_map(|(finished_at, held)| {
+            kept.add(held);
+            // An instance that goes takes those that ended in its millisecond with it.
+            kept.over(count, bytes).then_some(finished_at + 1)
+        })
     }
 
     pub(crate) fn delete_template(&mut self, name: &str, seq: u64) {
@@ -208,6 +265,7 @@ impl Functions {
             };
             i.result = Some(result.clone());
             i.finished_at_ms = Some(at_ms);
+            self.ended.add(i.held_bytes(id));
             self.running.remove(id);
         }
     }
@@ -285,6 +343,7 @@ mod tests {
             50,
             Event::CallsForgotten {
                 finished_before_ms: 100,
+                within: None,
             },
         );
         assert!(s.calls.get("c1").is_some());
@@ -309,6 +368,7 @@ mod tests {
             200,
             Event::CallsForgotten {
                 finished_before_ms: 100,
+                within: None,
             },
         );
         apply(
@@ -316,6 +376,7 @@ mod tests {
             200,
             Event::InstancesForgotten {
                 finished_before_ms: 100,
+                within: None,
             },
         );
         assert!(s.calls.get("c1").is_none());

@@ -34,6 +34,34 @@ pub use functions::{Functions, Instance, InstanceStatus, Template};
 pub use routes::{Deployment, Route, Routes};
 pub use schedule::{Due, Schedule};
 
+/// How many ended calls (or instances) the projection holds and about how much memory they take:
+/// what the retention's bounds (`--call-retention-count`, `--call-retention-bytes`) are held to.
+/// An index, kept as they end and are forgotten, and counted again when a snapshot is read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// How many.
+    pub count: u64,
+    /// About how many bytes of memory (their fixed size and every string and body they hold).
+    pub bytes: u64,
+}
+
+impl Tally {
+    fn add(&mut self, bytes: u64) {
+        self.count += 1;
+        self.bytes += bytes;
+    }
+
+    fn remove(&mut self, bytes: u64) {
+        self.count = self.count.saturating_sub(1);
+        self.bytes = self.bytes.saturating_sub(bytes);
+    }
+
+    /// Whether it holds more than `count` items or more than `bytes` bytes.
+    pub fn over(&self, count: u64, bytes: u64) -> bool {
+        self.count > count || self.bytes > bytes
+    }
+}
+
 /// Everything ebb knows, as of log position `seq`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct State {
@@ -185,11 +213,17 @@ impl State {
                 }
             }
             Event::CallsAborted { ids } => self.calls.abort(at, ids),
-            Event::CallsForgotten { finished_before_ms } => {
+            Event::CallsForgotten {
+                finished_before_ms,
+                within,
+            } => {
                 let current = self.functions.current_step_calls();
-                self.calls.forget(*finished_before_ms, &current);
+                self.calls
+                    .forget(*finished_before_ms, &current, within.is_some());
             }
-            Event::InstancesForgotten { finished_before_ms } => {
+            Event::InstancesForgotten {
+                finished_before_ms, ..
+            } => {
                 self.functions.forget(*finished_before_ms);
             }
             Event::TemplateUpserted { template } => {
@@ -357,6 +391,10 @@ impl State {
 
     /// Decodes a snapshot written by [`State::encode_snapshot`].
     pub fn decode_snapshot(bytes: &[u8]) -> Result<State, String> {
-        rmp_serde::from_slice(bytes).map_err(|e| e.to_string())
+        let mut s: State = rmp_serde::from_slice(bytes).map_err(|e| e.to_string())?;
+        // The tallies of ended calls and instances are indexes a snapshot does not carry.
+        s.calls.count_ended();
+        s.functions.count_ended();
+        Ok(s)
     }
 }
