@@ -78,6 +78,10 @@ pub struct CallsBenchArgs {
     /// The Kafka queue commits its consumers' offsets at most once in this long (ms).
     #[arg(long, default_value_t = ebb::queue::kafka::COMMIT_EVERY_MS)]
     pub kafka_commit_every_ms: u64,
+    /// The most ended calls each replica keeps, as `ebb serve --call-retention-count` (the
+    /// retention's forgettings run beside the calls, as in `ebb serve`).
+    #[arg(long, default_value_t = CallOptions::default().retention_bounds.count)]
+    pub retention_count: u64,
 }
 
 const TOKEN: &str = "bench";
@@ -257,6 +261,15 @@ async fn setup(
         } else {
             ebb::peers::Peers::alone()
         };
+        let bounds = ebb::cleaner::local::RetentionBounds {
+            count: args.retention_count,
+            ..CallOptions::default().retention_bounds
+        };
+        tokio::spawn(ebb::cleaner::local::hold_within(
+            log.clone(),
+            bounds,
+            stop_rx.clone(),
+        ));
         let calls = Arc::new(
             Calls::new(log.clone(), queue, clock.clone(), CallOptions::default())
                 .with_peers(Arc::new(peers), ebb::peers::PeerToken::Static(TOKEN.into())),
@@ -414,10 +427,12 @@ async fn drain(s: &Setup, ids: &[String]) -> Result<()> {
         let mut done = 0;
         while done < ids.len() {
             while done < ids.len()
+                // A call the owner no longer has was forgotten by the retention's bounds, which
+                // forget only ended calls (its enqueue was answered once it was recorded).
                 && s.owner(&ids[done]).calls.log().read(|st| {
                     st.calls
                         .get(&ids[done])
-                        .is_some_and(|c| c.status.is_final())
+                        .is_none_or(|c| c.status.is_final())
                 })
             {
                 done += 1;
@@ -441,6 +456,7 @@ async fn drain(s: &Setup, ids: &[String]) -> Result<()> {
                         .map(|c| (c.status, c.runner.clone(), c.starts))
                 });
                 match c {
+                    None => None,
                     Some((st, _, _)) if st.is_final() => None,
                     other => Some(format!("{id}: {other:?}")),
                 }
