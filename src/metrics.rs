@@ -39,6 +39,7 @@ use crate::event::{Envelope, Event, ScaleReason};
 use crate::log::Log;
 use crate::orchestrator::Orchestrator;
 use crate::proxy::traffic::{AnswerExemplar, AnswerTimes, TraceExemplar, Traffic};
+use crate::state::Tally;
 use crate::state::calls::CallStatus;
 
 /// Default bound of the `route` label's values.
@@ -904,6 +905,40 @@ impl Collector for Scraped {
             let labels = [("state", state.name())];
             ConstGauge::new(n as i64).encode(family.encode_family(&labels)?)?;
         }
+        // What the retention's bounds hold to (`--call-retention-count`, `--call-retention-bytes`).
+        let (calls, instances, gone) = self.0.log.read(|st| {
+            (
+                st.calls.ended,
+                st.functions.ended,
+                st.calls.gone.len() as u64,
+            )
+        });
+        for (name, help, pick) in [
+            (
+                "ebb_retention_ended",
+                "Ended calls and function instances the log's projection keeps readable.",
+                (|t: Tally| t.count) as fn(Tally) -> u64,
+            ),
+            (
+                "ebb_retention_ended_bytes",
+                "About how much memory they take (payloads, results, logs, fixed size).",
+                |t: Tally| t.bytes,
+            ),
+        ] {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (kind, t) in [("call", calls), ("instance", instances)] {
+                let labels = [("kind", kind)];
+                ConstGauge::new(i64::try_from(pick(t)).unwrap_or(i64::MAX))
+                    .encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let family = encoder.encode_descriptor(
+            "ebb_retention_gone_calls",
+            "Calls the retention's bounds forgot whose id and final state stay until their age passes.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(i64::try_from(gone).unwrap_or(i64::MAX)).encode(family)?;
         if let Some(q) = &self.0.queue {
             let stats = q.stats();
             let mut family = encoder.encode_descriptor(

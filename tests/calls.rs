@@ -774,6 +774,13 @@ async fn past_the_retention_count_the_oldest_ended_calls_leave_the_api_well_befo
         "{within:?}"
     );
     assert_eq!(events_of(&ebb.data, &ids[0], "CallCancelled"), 1);
+    // /metrics says what is kept, and how many forgotten calls are still known by their id.
+    let c = common::http::client();
+    let metric = |name: &'static str| common::http::sample(&c, ebb.admin, name);
+    let kept = metric("ebb_retention_ended{kind=\"call\"}").await;
+    assert_eq!(kept, listed.len() as u64);
+    assert!(metric("ebb_retention_ended_bytes{kind=\"call\"}").await > 0);
+    assert_eq!(metric("ebb_retention_gone_calls").await, 20 - kept);
 
     // A forgotten call is still known to have ended: enqueued again with its id (a client's
     // retry), its message is never handed out, and a start, a finish or a cancel meets a final

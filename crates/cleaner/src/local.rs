@@ -73,7 +73,12 @@ pub async fn hold_within(
         {
             Ok((none, _)) => stuck = none.then_some(tallies),
             Err(e) => {
-                tracing::warn!(error = %e, "forgetting ended calls over the retention's bounds failed")
+                tracing::warn!(error = %e, "forgetting ended calls over the retention's bounds failed");
+                // A failing log: look again in a while, not every tick.
+                tokio::select! {
+                    _ = stop.changed() => return,
+                    _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+                }
             }
         }
     }

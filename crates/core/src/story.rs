@@ -52,7 +52,6 @@ fn plural(n: u64, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 
-/// At most `max` characters of `s` on one line.
 /// Why a forgetting came before its age: the bounds it kept the newest within.
 fn kept_within(within: &Option<crate::event::Kept>, what: &str) -> String {
     within.map_or(String::new(), |k| {
@@ -65,6 +64,7 @@ fn kept_within(within: &Option<crate::event::Kept>, what: &str) -> String {
     })
 }
 
+/// At most `max` characters of `s` on one line.
 fn excerpt(s: &str, max: usize) -> String {
     let flat: String = s
         .trim()

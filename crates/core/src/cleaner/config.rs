@@ -316,6 +316,25 @@ mod tests {
     }
 
     #[test]
+    fn what_is_left_of_forgotten_calls_is_bounded_too() {
+        use crate::state::calls::GONE_PER_KEPT;
+        let mut s = State::default();
+        ended_calls(&mut s, 40);
+        hold(
+            &mut s,
+            RetentionBounds {
+                count: 2,
+                bytes: u64::MAX,
+            },
+        );
+        assert_eq!(kept(&s), ["c38", "c39"]);
+        // 2 kept: what is left of the newest 16 forgotten stays.
+        assert_eq!(s.calls.gone.len() as u64, 2 * GONE_PER_KEPT);
+        assert!(s.calls.gone("c21").is_none());
+        assert!((22..38).all(|i| s.calls.gone(&format!("c{i}")).is_some()));
+    }
+
+    #[test]
     fn past_the_bytes_the_oldest_ended_calls_go() {
         let mut s = State::default();
         ended_calls(&mut s, 10);

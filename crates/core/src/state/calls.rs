@@ -200,7 +200,16 @@ pub struct Calls {
     /// retention's age passes them, as the calls would have.
     #[serde(default, serialize_with = "gone_in_id_order")]
     pub gone: GoneMap,
+    /// How many of `gone` ended in each millisecond: which go first past [`GONE_PER_KEPT`].
+    #[serde(skip)]
+    gone_by_ms: BTreeMap<u64, u64>,
 }
+
+/// What is left of forgotten calls is bounded too, at this many times the ended calls a
+/// forgetting by the bounds keeps (a few dozen bytes each against a whole call): past it the
+/// oldest go, and a message of such a call delivered again would find it unknown, as one the
+/// age forgot.
+pub const GONE_PER_KEPT: u64 = 8;
 
 /// What is left of a call the retention's bounds forgot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -360,14 +369,23 @@ impl Calls {
     }
 
     /// Drops calls that ended before `finished_before_ms`, except those in `keep` (the current
-    /// step of a running instance, which the instance still has to read). The retention's
-    /// bounds (`bounded`) keep what is left of them ([`Calls::gone`]) until their age drops it.
-    pub(crate) fn forget(&mut self, finished_before_ms: u64, keep: &BTreeSet<&str>, bounded: bool) {
+    /// step of a running instance, which the instance still has to read). A forgetting by the
+    /// retention's bounds (`kept`: the ended calls it keeps) keeps what is left of them
+    /// ([`Calls::gone`]), at most [`GONE_PER_KEPT`] x `kept` (the oldest go), until their age
+    /// drops it.
+    pub(crate) fn forget(
+        &mut self,
+        finished_before_ms: u64,
+        keep: &BTreeSet<&str>,
+        kept: Option<u64>,
+    ) {
         let Calls {
             by_id,
             ended,
             ended_by_ms,
             gone,
+            gone_by_ms,
+            aborted,
             ..
         } = self;
         by_id.retain(|id, c| {
@@ -382,21 +400,48 @@ impl Calls {
                         ended_by_ms.remove(&at);
                     }
                 }
-                if bounded {
-                    gone.insert(
-                        id.clone(),
-                        Gone {
-                            status: c.status,
-                            finished_at_ms: c.finished_at_ms.unwrap_or(finished_before_ms),
-                        },
-                    );
+                if kept.is_some() {
+                    let g = Gone {
+                        status: c.status,
+                        finished_at_ms: at,
+                    };
+                    // (A call forgotten before may have been recorded again by an event no
+                    // decision makes: a replayed log takes any.)
+                    if let Some(was) = gone.insert(id.clone(), g)
+                        && let Some(n) = gone_by_ms.get_mut(&was.finished_at_ms)
+                    {
+                        *n -= 1;
+                        if *n == 0 {
+                            gone_by_ms.remove(&was.finished_at_ms);
+                        }
+                    }
+                    *gone_by_ms.entry(at).or_default() += 1;
                 }
             }
             !goes
         });
-        if !bounded {
-            gone.retain(|_, g| g.finished_at_ms >= finished_before_ms);
-            self.aborted.retain(|_, at| *at >= finished_before_ms);
+        let drop_before = match kept {
+            // The newest stay (with the rest of their millisecond's).
+            Some(kept) => {
+                let cap = kept.saturating_mul(GONE_PER_KEPT);
+                let mut seen = 0u64;
+                gone_by_ms.iter().rev().find_map(|(at, n)| {
+                    seen += n;
+                    (seen > cap).then_some(at + 1)
+                })
+            }
+            None => {
+                aborted.retain(|_, at| *at >= finished_before_ms);
+                Some(finished_before_ms)
+            }
+        };
+        if let Some(before) = drop_before
+            && gone_by_ms
+                .first_key_value()
+                .is_some_and(|(at, _)| *at < before)
+        {
+            gone.retain(|_, g| g.finished_at_ms >= before);
+            *gone_by_ms = gone_by_ms.split_off(&before);
         }
     }
 
@@ -417,6 +462,10 @@ impl Calls {
 
     /// Counts the ended calls again (after a snapshot is read).
     pub(crate) fn count_ended(&mut self) {
+        self.gone_by_ms.clear();
+        for g in self.gone.values() {
+            *self.gone_by_ms.entry(g.finished_at_ms).or_default() += 1;
+        }
         self.ended = Tally::default();
         self.ended_by_ms.clear();
         for c in self.by_id.values().filter(|c| c.status.is_final()) {

@@ -219,7 +219,7 @@ impl State {
             } => {
                 let current = self.functions.current_step_calls();
                 self.calls
-                    .forget(*finished_before_ms, &current, within.is_some());
+                    .forget(*finished_before_ms, &current, within.map(|k| k.count));
             }
             Event::InstancesForgotten {
                 finished_before_ms, ..
