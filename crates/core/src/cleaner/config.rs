@@ -162,16 +162,16 @@ mod tests {
     use serde_bytes::ByteBuf;
 
     use super::*;
-    use crate::event::{CallSpec, Envelope, Outcome, SCHEMA_VERSION};
+    use crate::event::{CallSpec, Outcome};
 
-    fn apply(s: &mut State, at_ms: u64, event: Event) {
-        let seq = s.seq + 1;
-        s.apply(&Envelope {
-            seq,
-            at_ms,
-            version: SCHEMA_VERSION,
-            event,
-        });
+    use crate::state::apply_at as apply;
+
+    /// Bounds on the count alone.
+    fn by_count(count: u64) -> RetentionBounds {
+        RetentionBounds {
+            count,
+            bytes: u64::MAX,
+        }
     }
 
     /// Calls `c0`..`c{n-1}` with a 1,000-byte payload each, `ci` cancelled at `100 + i` ms.
@@ -231,10 +231,7 @@ mod tests {
         );
         ended_calls(&mut s, 20);
         assert_eq!(s.calls.ended.count, 20);
-        let bounds = RetentionBounds {
-            count: 16,
-            bytes: u64::MAX,
-        };
+        let bounds = by_count(16);
         assert!(bounds.exceeded(&s));
         let events = hold(&mut s, bounds);
         assert_eq!(
@@ -267,13 +264,7 @@ mod tests {
         use crate::state::{CallStatus, StartVerdict};
         let mut s = State::default();
         ended_calls(&mut s, 4);
-        hold(
-            &mut s,
-            RetentionBounds {
-                count: 2,
-                bytes: u64::MAX,
-            },
-        );
+        hold(&mut s, by_count(2));
         assert_eq!(kept(&s), ["c2", "c3"]);
         let gone = s.calls.gone("c0").copied();
         assert_eq!(
@@ -320,13 +311,7 @@ mod tests {
         use crate::state::calls::GONE_PER_KEPT;
         let mut s = State::default();
         ended_calls(&mut s, 40);
-        hold(
-            &mut s,
-            RetentionBounds {
-                count: 2,
-                bytes: u64::MAX,
-            },
-        );
+        hold(&mut s, by_count(2));
         assert_eq!(kept(&s), ["c38", "c39"]);
         // 2 kept: what is left of the newest 16 forgotten stays.
         assert_eq!(s.calls.gone.len() as u64, 2 * GONE_PER_KEPT);
@@ -391,13 +376,7 @@ mod tests {
         assert_eq!(s.calls.ended.count, 9);
         // Keeping two would split the three that ended at 300: all three go, with every call
         // before them but c0.
-        hold(
-            &mut s,
-            RetentionBounds {
-                count: 2,
-                bytes: u64::MAX,
-            },
-        );
+        hold(&mut s, by_count(2));
         assert_eq!(kept(&s), ["c0"]);
         assert_eq!(s.calls.ended.count, 1);
     }
@@ -427,10 +406,7 @@ mod tests {
                 },
             );
         }
-        let bounds = RetentionBounds {
-            count: 1,
-            bytes: u64::MAX,
-        };
+        let bounds = by_count(1);
         assert!(bounds.exceeded(&s));
         assert_eq!(bounds.decide(&s), []);
     }
@@ -469,13 +445,7 @@ mod tests {
             },
         );
         assert_eq!(s.functions.ended.count, 6);
-        let events = hold(
-            &mut s,
-            RetentionBounds {
-                count: 3,
-                bytes: u64::MAX,
-            },
-        );
+        let events = hold(&mut s, by_count(3));
         assert!(matches!(
             events.as_slice(),
             [Event::InstancesForgotten {

@@ -273,18 +273,10 @@ impl Functions {
 
 #[cfg(test)]
 mod tests {
-    use crate::event::{CallSpec, Envelope, Event, Outcome, SCHEMA_VERSION};
+    use crate::event::{CallSpec, Event, Outcome};
     use crate::state::State;
 
-    fn apply(s: &mut State, at_ms: u64, event: Event) {
-        let seq = s.seq + 1;
-        s.apply(&Envelope {
-            seq,
-            at_ms,
-            version: SCHEMA_VERSION,
-            event,
-        });
-    }
+    use crate::state::apply_at as apply;
 
     #[test]
     fn the_retention_keeps_a_running_instances_current_step_and_forgets_ended_instances() {

@@ -62,6 +62,18 @@ impl Tally {
     }
 }
 
+/// Applies `event` as the next seq at `at_ms` (for tests that build a state event by event).
+#[cfg(test)]
+pub(crate) fn apply_at(s: &mut State, at_ms: u64, event: Event) {
+    let seq = s.seq + 1;
+    s.apply(&Envelope {
+        seq,
+        at_ms,
+        version: crate::event::SCHEMA_VERSION,
+        event,
+    });
+}
+
 /// Everything ebb knows, as of log position `seq`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct State {
