@@ -9,13 +9,11 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::event::{CallResult, CallSpec, Event, Outcome, Payload, RejectReason};
+use crate::event::{CallResult, CallSpec, Event, Kept, Outcome, Payload, RejectReason};
 use crate::ids::PeerError;
 use crate::queue::{Message, QueueError};
 use crate::state::State;
 use crate::state::calls::CallStatus;
-
-pub use crate::cleaner::config::RetentionBounds;
 
 /// Bounds and timings of the call service. Every bound is a named value.
 #[derive(Debug, Clone)]
@@ -374,4 +372,62 @@ pub fn record_handed_out(
         }
     }
     (events, stale)
+}
+
+/// The bounds on the ended calls and on the ended instances the projection keeps, besides their
+/// age (`--call-retention-count`, `--call-retention-bytes`): the retention's age alone lets a
+/// busy replica hold an hour of calls, each with its payload, result and log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionBounds {
+    /// At most this many ended calls, and as many ended instances.
+    pub count: u64,
+    /// Taking at most about this many bytes of memory (each of the two).
+    pub bytes: u64,
+}
+
+impl RetentionBounds {
+    /// Whether the ended calls or the ended instances of `s` are over the bounds.
+    pub fn exceeded(&self, s: &State) -> bool {
+        s.calls.ended.over(self.count, self.bytes) || s.functions.ended.over(self.count, self.bytes)
+    }
+
+    /// What a forgetting keeps: an eighth under each bound, so that the next one comes only
+    /// once an eighth of the bound has ended again.
+    pub fn kept(&self) -> Kept {
+        Kept {
+            count: self.count - self.count / 8,
+            bytes: self.bytes - self.bytes / 8,
+        }
+    }
+
+    /// The decisions that bring the ended calls and instances over a bound back within
+    /// [`RetentionBounds::kept`]: the oldest go (a running instance's current step call stays,
+    /// as with the age).
+    pub fn decide(&self, s: &State) -> Vec<Event> {
+        let within = self.kept();
+        let mut events = Vec::new();
+        if s.calls.ended.over(self.count, self.bytes)
+            && let Some(cut) = s.calls.cut_within(within.count, within.bytes)
+        {
+            // Nothing to forget when all that ended before the cut are running instances'
+            // current steps (a look that stops at the first call it may forget).
+            if s.calls
+                .any_ended_before(cut, &s.functions.current_step_calls())
+            {
+                events.push(Event::CallsForgotten {
+                    finished_before_ms: cut,
+                    within: Some(within),
+                });
+            }
+        }
+        if s.functions.ended.over(self.count, self.bytes)
+            && let Some(cut) = s.functions.cut_within(within.count, within.bytes)
+        {
+            events.push(Event::InstancesForgotten {
+                finished_before_ms: cut,
+                within: Some(within),
+            });
+        }
+        events
+    }
 }

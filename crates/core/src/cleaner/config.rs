@@ -12,8 +12,8 @@
 //! memory they take, so [`RetentionBounds`] also bounds their count and size: past a bound the
 //! same events forget the oldest, naming the bounds kept (`within`).
 
-use crate::event::{CleanerSpec, CleanerTarget, Event, Kept};
-use crate::state::State;
+pub use crate::calls::RetentionBounds;
+use crate::event::{CleanerSpec, CleanerTarget};
 use serde::Deserialize;
 
 use super::spec::{CleanerResourceSpec, Ref, to_spec};
@@ -78,64 +78,6 @@ pub fn config_spec(c: &CleanerConfig) -> CleanerSpec {
     spec
 }
 
-/// The bounds on the ended calls and on the ended instances the projection keeps, besides their
-/// age (`--call-retention-count`, `--call-retention-bytes`): the retention's age alone lets a
-/// busy replica hold an hour of calls, each with its payload, result and log.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RetentionBounds {
-    /// At most this many ended calls, and as many ended instances.
-    pub count: u64,
-    /// Taking at most about this many bytes of memory (each of the two).
-    pub bytes: u64,
-}
-
-impl RetentionBounds {
-    /// Whether the ended calls or the ended instances of `s` are over the bounds.
-    pub fn exceeded(&self, s: &State) -> bool {
-        s.calls.ended.over(self.count, self.bytes) || s.functions.ended.over(self.count, self.bytes)
-    }
-
-    /// What a forgetting keeps: an eighth under each bound, so that the next one comes only
-    /// once an eighth of the bound has ended again.
-    pub fn kept(&self) -> Kept {
-        Kept {
-            count: self.count - self.count / 8,
-            bytes: self.bytes - self.bytes / 8,
-        }
-    }
-
-    /// The decisions that bring the ended calls and instances over a bound back within
-    /// [`RetentionBounds::kept`]: the oldest go (a running instance's current step call stays,
-    /// as with the age).
-    pub fn decide(&self, s: &State) -> Vec<Event> {
-        let within = self.kept();
-        let mut events = Vec::new();
-        if s.calls.ended.over(self.count, self.bytes)
-            && let Some(cut) = s.calls.cut_within(within.count, within.bytes)
-        {
-            // Nothing to forget when all that ended before the cut are running instances'
-            // current steps (a look that stops at the first call it may forget).
-            if s.calls
-                .any_ended_before(cut, &s.functions.current_step_calls())
-            {
-                events.push(Event::CallsForgotten {
-                    finished_before_ms: cut,
-                    within: Some(within),
-                });
-            }
-        }
-        if s.functions.ended.over(self.count, self.bytes)
-            && let Some(cut) = s.functions.cut_within(within.count, within.bytes)
-        {
-            events.push(Event::InstancesForgotten {
-                finished_before_ms: cut,
-                within: Some(within),
-            });
-        }
-        events
-    }
-}
-
 /// The standing cleaner that is the retention of ended calls and instances: every `period_ms`
 /// they leave the projection once `retention_ms` old (their events stay in the log).
 pub fn retention(retention_ms: u64, period_ms: u64) -> CleanerSpec {
@@ -162,7 +104,8 @@ mod tests {
     use serde_bytes::ByteBuf;
 
     use super::*;
-    use crate::event::{CallSpec, Outcome};
+    use crate::event::{CallSpec, Event, Kept, Outcome};
+    use crate::state::State;
 
     use crate::state::apply_at as apply;
 
