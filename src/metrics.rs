@@ -908,8 +908,8 @@ impl Collector for Scraped {
         // What the retention's bounds hold to (`--call-retention-count`, `--call-retention-bytes`).
         let (calls, instances, gone) = self.0.log.read(|st| {
             (
-                st.calls.ended,
-                st.functions.ended,
+                st.calls.ended.tally(),
+                st.functions.ended.tally(),
                 st.calls.gone.len() as u64,
             )
         });

@@ -57,7 +57,7 @@ pub async fn hold_within(
         let over = log.read(|s| {
             bounds
                 .exceeded(s)
-                .then_some((s.calls.ended, s.functions.ended))
+                .then_some((s.calls.ended.tally(), s.functions.ended.tally()))
         });
         let Some(tallies) = over else { continue };
         if stuck == Some(tallies) {

@@ -407,7 +407,7 @@ impl RetentionBounds {
         let within = self.kept();
         let mut events = Vec::new();
         if s.calls.ended.over(self.count, self.bytes)
-            && let Some(cut) = s.calls.cut_within(within.count, within.bytes)
+            && let Some(cut) = s.calls.ended.cut_within(within.count, within.bytes)
         {
             // Nothing to forget when all that ended before the cut are running instances'
             // current steps (a look that stops at the first call it may forget).
@@ -421,7 +421,7 @@ impl RetentionBounds {
             }
         }
         if s.functions.ended.over(self.count, self.bytes)
-            && let Some(cut) = s.functions.cut_within(within.count, within.bytes)
+            && let Some(cut) = s.functions.ended.cut_within(within.count, within.bytes)
         {
             events.push(Event::InstancesForgotten {
                 finished_before_ms: cut,

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::event::{CallKind, CallResult, CallSpec, Event, Outcome, Payload, RejectReason};
 
-use super::Tally;
+use super::Ended;
 
 /// Where a call is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -188,11 +188,7 @@ pub struct Calls {
     /// The ended calls of `by_id`: how many and about how much memory (an index, for the
     /// retention's bounds; counted again from `by_id` when a snapshot is read).
     #[serde(skip)]
-    pub ended: Tally,
-    /// The same by the millisecond they ended in: where the bounds cut, found without a look
-    /// at every call.
-    #[serde(skip)]
-    ended_by_ms: BTreeMap<u64, Tally>,
+    pub ended: Ended,
     /// Calls the retention's bounds forgot before their age, by id: how each ended and when.
     /// The queue may still hand out a message of theirs (a Kafka partition read again from an
     /// older commit, an enqueue retried with the same id), which must meet an ended call, never
@@ -200,9 +196,9 @@ pub struct Calls {
     /// retention's age passes them, as the calls would have.
     #[serde(default, serialize_with = "gone_in_id_order")]
     pub gone: GoneMap,
-    /// How many of `gone` ended in each millisecond: which go first past [`GONE_PER_KEPT`].
+    /// `gone` by the millisecond they ended in: which go first past [`GONE_PER_KEPT`].
     #[serde(skip)]
-    gone_by_ms: BTreeMap<u64, u64>,
+    gone_by_ms: Ended,
 }
 
 /// What is left of forgotten calls is bounded too, at this many times the ended calls a
@@ -228,16 +224,6 @@ pub(crate) enum Timer {
     Set(u64),
     Clear,
     Keep,
-}
-
-/// Counts an ended call in the tallies.
-fn note_ended(ended: &mut Tally, by_ms: &mut BTreeMap<u64, Tally>, c: &Call) {
-    let held = c.held_bytes();
-    ended.add(held);
-    by_ms
-        .entry(c.finished_at_ms.unwrap_or_default())
-        .or_default()
-        .add(held);
 }
 
 /// Whether `c` reached a final state before `before_ms`.
@@ -382,7 +368,6 @@ impl Calls {
         let Calls {
             by_id,
             ended,
-            ended_by_ms,
             gone,
             gone_by_ms,
             aborted,
@@ -391,15 +376,8 @@ impl Calls {
         by_id.retain(|id, c| {
             let goes = ended_before(c, finished_before_ms) && !keep.contains(id.as_str());
             if goes {
-                let held = c.held_bytes();
-                ended.remove(held);
                 let at = c.finished_at_ms.unwrap_or_default();
-                if let Some(t) = ended_by_ms.get_mut(&at) {
-                    t.remove(held);
-                    if t.count == 0 {
-                        ended_by_ms.remove(&at);
-                    }
-                }
+                ended.remove(at, c.held_bytes());
                 if kept.is_some() {
                     let g = Gone {
                         status: c.status,
@@ -407,41 +385,27 @@ impl Calls {
                     };
                     // (A call forgotten before may have been recorded again by an event no
                     // decision makes: a replayed log takes any.)
-                    if let Some(was) = gone.insert(id.clone(), g)
-                        && let Some(n) = gone_by_ms.get_mut(&was.finished_at_ms)
-                    {
-                        *n -= 1;
-                        if *n == 0 {
-                            gone_by_ms.remove(&was.finished_at_ms);
-                        }
+                    if let Some(was) = gone.insert(id.clone(), g) {
+                        gone_by_ms.remove(was.finished_at_ms, 0);
                     }
-                    *gone_by_ms.entry(at).or_default() += 1;
+                    gone_by_ms.add(at, 0);
                 }
             }
             !goes
         });
         let drop_before = match kept {
             // The newest stay (with the rest of their millisecond's).
-            Some(kept) => {
-                let cap = kept.saturating_mul(GONE_PER_KEPT);
-                let mut seen = 0u64;
-                gone_by_ms.iter().rev().find_map(|(at, n)| {
-                    seen += n;
-                    (seen > cap).then_some(at + 1)
-                })
-            }
+            Some(kept) => gone_by_ms.cut_within(kept.saturating_mul(GONE_PER_KEPT), u64::MAX),
             None => {
                 aborted.retain(|_, at| *at >= finished_before_ms);
                 Some(finished_before_ms)
             }
         };
         if let Some(before) = drop_before
-            && gone_by_ms
-                .first_key_value()
-                .is_some_and(|(at, _)| *at < before)
+            && gone_by_ms.any_before(before)
         {
             gone.retain(|_, g| g.finished_at_ms >= before);
-            *gone_by_ms = gone_by_ms.split_off(&before);
+            gone_by_ms.drop_before(before);
         }
     }
 
@@ -462,29 +426,15 @@ impl Calls {
 
     /// Counts the ended calls again (after a snapshot is read).
     pub(crate) fn count_ended(&mut self) {
-        self.gone_by_ms.clear();
+        self.gone_by_ms = Ended::default();
         for g in self.gone.values() {
-            *self.gone_by_ms.entry(g.finished_at_ms).or_default() += 1;
+            self.gone_by_ms.add(g.finished_at_ms, 0);
         }
-        self.ended = Tally::default();
-        self.ended_by_ms.clear();
+        self.ended = Ended::default();
         for c in self.by_id.values().filter(|c| c.status.is_final()) {
-            note_ended(&mut self.ended, &mut self.ended_by_ms, c);
+            self.ended
+                .add(c.finished_at_ms.unwrap_or_default(), c.held_bytes());
         }
-    }
-
-    /// The time before which the calls that ended go, so that those left are at most `count`
-    /// taking at most `bytes`: the newest ended calls are kept, and a call that goes takes those
-    /// that ended in its millisecond with it. `None` when they already are within both. (The
-    /// calls a forgetting keeps whatever their end, running instances' current steps, count
-    /// among those kept.)
-    pub fn cut_within(&self, count: u64, bytes: u64) -> Option<u64> {
-        let mut kept = Tally::default();
-        self.ended_by_ms.iter().rev().find_map(|(at, t)| {
-            kept.count += t.count;
-            kept.bytes += t.bytes;
-            kept.over(count, bytes).then_some(at + 1)
-        })
     }
 
     /// Whether any call but those in `keep` ended (or was aborted) before `finished_before_ms`.
@@ -525,7 +475,6 @@ impl Calls {
             queued,
             queued_by_target,
             ended,
-            ended_by_ms,
             ..
         } = self;
         let (timer, stepped) = apply_call(by_id, at_ms, event);
@@ -533,7 +482,7 @@ impl Calls {
             && !was_final
             && c.status.is_final()
         {
-            note_ended(ended, ended_by_ms, c);
+            ended.add(c.finished_at_ms.unwrap_or_default(), c.held_bytes());
         }
         // The indexes change only when the call enters or leaves `queued`.
         if let Some(Stepped { was_queued, c, .. }) = stepped
@@ -783,24 +732,18 @@ impl Call {
 /// Decides a runner's start: the event to log and the verdict to answer with.
 pub fn decide_start(calls: &Calls, id: &str, runner: &str, now_ms: u64) -> (Event, StartVerdict) {
     let Some(call) = calls.get(id) else {
-        // Ended, and forgotten by the retention's bounds.
-        if calls.gone(id).is_some() {
-            return (
-                Event::CallRejected {
-                    id: id.to_owned(),
-                    runner: runner.to_owned(),
-                    reason: RejectReason::AlreadyFinal,
-                },
-                StartVerdict::Refused(RejectReason::AlreadyFinal),
-            );
-        }
+        // Unknown, or ended and forgotten by the retention's bounds.
+        let reason = match calls.gone(id) {
+            Some(_) => RejectReason::AlreadyFinal,
+            None => RejectReason::UnknownCall,
+        };
         return (
             Event::CallRejected {
                 id: id.to_owned(),
                 runner: runner.to_owned(),
-                reason: RejectReason::UnknownCall,
+                reason,
             },
-            StartVerdict::Refused(RejectReason::UnknownCall),
+            StartVerdict::Refused(reason),
         );
     };
     let verdict = match call.status {

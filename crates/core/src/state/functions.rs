@@ -12,7 +12,7 @@ use serde_bytes::ByteBuf;
 
 use crate::event::{Outcome, TemplateSpec};
 
-use super::Tally;
+use super::Ended;
 
 /// A template and the log position of its last change (its revision, for watches).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -134,7 +134,7 @@ pub struct Functions {
     /// The ended instances: how many and about how much memory (an index, for the retention's
     /// bounds; counted again from `instances` when a snapshot is read).
     #[serde(skip)]
-    pub ended: Tally,
+    pub ended: Ended,
 }
 
 impl Functions {
@@ -167,41 +167,23 @@ impl Functions {
     /// Drops instances that ended before `finished_before_ms`.
     pub(crate) fn forget(&mut self, finished_before_ms: u64) {
         let ended = &mut self.ended;
-        self.instances.retain(|id, i| {
-            let gone = i.ended_before(finished_before_ms);
-            if gone {
-                ended.remove(i.held_bytes(id));
+        self.instances.retain(|id, i| match i.finished_at_ms {
+            Some(at) if at < finished_before_ms => {
+                ended.remove(at, i.held_bytes(id));
+                false
             }
-            !gone
+            _ => true,
         });
     }
 
     /// Counts the ended instances again (after a snapshot is read).
     pub(crate) fn count_ended(&mut self) {
-        self.ended = Tally::default();
+        self.ended = Ended::default();
         for (id, i) in &self.instances {
-            if i.finished_at_ms.is_some() {
-                self.ended.add(i.held_bytes(id));
+            if let Some(at) = i.finished_at_ms {
+                self.ended.add(at, i.held_bytes(id));
             }
         }
-    }
-
-    /// The time before which the instances that ended go, so that those left are at most
-    /// `count` taking at most `bytes`: the newest ended instances are kept. `None` when they
-    /// already are within both.
-    pub fn cut_within(&self, count: u64, bytes: u64) -> Option<u64> {
-        let mut ended: Vec<(u64, u64)> = self
-            .instances
-            .iter()
-            .filter_map(|(id, i)| i.finished_at_ms.map(|f| (f, i.held_bytes(id))))
-            .collect();
-        ended.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
-        let mut kept = Tally::default();
-        ended.into_iter().find_map(|(finished_at, held)| {
-            kept.add(held);
-            // An instance that goes takes those that ended in its millisecond with it.
-            kept.over(count, bytes).then_some(finished_at + 1)
-        })
     }
 
     pub(crate) fn delete_template(&mut self, name: &str, seq: u64) {
@@ -265,7 +247,7 @@ impl Functions {
             };
             i.result = Some(result.clone());
             i.finished_at_ms = Some(at_ms);
-            self.ended.add(i.held_bytes(id));
+            self.ended.add(at_ms, i.held_bytes(id));
             self.running.remove(id);
         }
     }

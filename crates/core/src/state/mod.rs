@@ -62,6 +62,77 @@ impl Tally {
     }
 }
 
+/// Ended calls (or instances, or what is left of forgotten calls) counted whole and by the
+/// millisecond they ended in: where a bound cuts is found without a look at each of them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ended {
+    /// How many.
+    pub count: u64,
+    /// About how many bytes of memory.
+    pub bytes: u64,
+    by_ms: std::collections::BTreeMap<u64, Tally>,
+}
+
+impl Ended {
+    /// The whole count.
+    pub fn tally(&self) -> Tally {
+        Tally {
+            count: self.count,
+            bytes: self.bytes,
+        }
+    }
+
+    /// Whether they are more than `count` or take more than `bytes`.
+    pub fn over(&self, count: u64, bytes: u64) -> bool {
+        self.tally().over(count, bytes)
+    }
+
+    fn add(&mut self, at_ms: u64, bytes: u64) {
+        self.count += 1;
+        self.bytes += bytes;
+        self.by_ms.entry(at_ms).or_default().add(bytes);
+    }
+
+    fn remove(&mut self, at_ms: u64, bytes: u64) {
+        self.count = self.count.saturating_sub(1);
+        self.bytes = self.bytes.saturating_sub(bytes);
+        if let Some(t) = self.by_ms.get_mut(&at_ms) {
+            t.remove(bytes);
+            if t.count == 0 {
+                self.by_ms.remove(&at_ms);
+            }
+        }
+    }
+
+    /// The time before which the oldest go so that those left are at most `count` taking at
+    /// most `bytes`: the newest are kept, and one that goes takes those that ended in its
+    /// millisecond with it. `None` when they already are within both.
+    pub fn cut_within(&self, count: u64, bytes: u64) -> Option<u64> {
+        let mut kept = Tally::default();
+        self.by_ms.iter().rev().find_map(|(at, t)| {
+            kept.count += t.count;
+            kept.bytes += t.bytes;
+            kept.over(count, bytes).then_some(at + 1)
+        })
+    }
+
+    /// Whether any ended before `before_ms`.
+    fn any_before(&self, before_ms: u64) -> bool {
+        self.by_ms
+            .first_key_value()
+            .is_some_and(|(at, _)| *at < before_ms)
+    }
+
+    /// Forgets those that ended before `before_ms`.
+    fn drop_before(&mut self, before_ms: u64) {
+        let kept = self.by_ms.split_off(&before_ms);
+        for t in std::mem::replace(&mut self.by_ms, kept).values() {
+            self.count = self.count.saturating_sub(t.count);
+            self.bytes = self.bytes.saturating_sub(t.bytes);
+        }
+    }
+}
+
 /// Applies `event` as the next seq at `at_ms` (for tests that build a state event by event).
 #[cfg(test)]
 pub(crate) fn apply_at(s: &mut State, at_ms: u64, event: Event) {
