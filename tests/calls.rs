@@ -666,6 +666,93 @@ async fn with_kafka_down_an_enqueue_fails_with_503_and_records_nothing() {
     );
 }
 
+/// `--kafka-config` and `--kafka-config-file` reach ebb's Kafka clients: a producer told a
+/// smaller `message.max.bytes` refuses a call over it (and records nothing) while smaller ones go
+/// through; a property ebb keeps, or one librdkafka does not know, stops `ebb serve` at its
+/// start with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_client_properties_reach_the_clients_and_bad_ones_stop_ebb_at_its_start() {
+    let broker = common::broker().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = broker.addr.to_string();
+    let refused = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ebb"))
+            .args([
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--data-dir")
+            .arg(dir.path().join("refused"))
+            .args(["--kafka-brokers", &brokers])
+            .args(extra)
+            .env("EBB_LOG", "warn")
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{extra:?} was taken");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refused(&["--kafka-config", "acks=1"]);
+    assert!(err.contains("acks is set by ebb itself"), "{err}");
+    let err = refused(&["--kafka-config", "consumer.no.such.property=1"]);
+    assert!(err.contains("no.such.property"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let err = refused(&["--kafka-config-file", "/nonexistent/kafka.properties"]);
+    assert!(
+        err.contains("--kafka-config-file /nonexistent/kafka.properties"),
+        "{err}"
+    );
+
+    let file = dir.path().join("kafka.properties");
+    std::fs::write(
+        &file,
+        "# the producer's limit on one record\n\nproducer.message.max.bytes = 2000\n",
+    )
+    .unwrap();
+    let file = file.to_str().unwrap();
+    let ebb = start(
+        dir.path(),
+        &[
+            "--runner-capacity",
+            "0",
+            "--kafka-brokers",
+            &brokers,
+            "--kafka-config-file",
+            file,
+            "--kafka-config",
+            "client.id=ebb-test",
+        ],
+    );
+    enqueue(
+        &ebb,
+        json!({ "target": "work", "payload": { "body": "small" } }),
+    )
+    .await;
+    let big = "x".repeat(4_000);
+    let failed = post(
+        &ebb,
+        "/runner/enqueue",
+        json!({ "target": "work", "payload": { "body": big } }),
+    )
+    .await;
+    assert!(failed.status >= 400, "{} {}", failed.status, failed.json);
+    assert!(
+        failed.json["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("too large"),
+        "{}",
+        failed.json
+    );
+    assert_eq!(
+        count_calls(&ebb).await,
+        1,
+        "the refused call recorded nothing"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_restart_calls_meant_for_a_runner_that_never_returns_run_elsewhere() {
     let dir = tempfile::tempdir().unwrap();

@@ -191,6 +191,52 @@ fn a_release_in_another_namespace_keeps_its_cluster_objects_apart() {
     }
 }
 
+/// `kafka.config` becomes `--kafka-config` arguments, and `kafka.configSecretName` a Secret
+/// mounted read-only whose `kafka.properties` ebb reads (`--kafka-config-file`), so a SASL
+/// password stays out of the arguments.
+#[test]
+fn the_charts_kafka_properties_reach_ebb_and_a_secret_holds_the_rest() {
+    let got = objects(&stdout(&mut helm_template(
+        "ebb",
+        &[
+            "kafka.brokers=kafka:9092",
+            "kafka.config.security\\.protocol=SASL_SSL",
+            "kafka.config.producer\\.linger\\.ms=5",
+            "kafka.configSecretName=ebb-kafka",
+        ],
+    )));
+    let set = &got[&("StatefulSet".into(), "ebb".into(), "ebb".into())];
+    let pod = &set["spec"]["template"]["spec"];
+    let ebb = &pod["containers"][0];
+    let args: Vec<&str> = ebb["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|a| a.as_str())
+        .filter(|a| a.starts_with("--kafka"))
+        .collect();
+    assert_eq!(
+        args,
+        [
+            "--kafka-brokers=kafka:9092",
+            "--kafka-topic=ebb-calls",
+            "--kafka-config=producer.linger.ms=5",
+            "--kafka-config=security.protocol=SASL_SSL",
+            "--kafka-config-file=/etc/ebb/kafka/kafka.properties",
+        ]
+    );
+    let mounts = ebb["volumeMounts"].as_array().unwrap();
+    let mount = mounts.iter().find(|m| m["name"] == "kafka-config").unwrap();
+    assert_eq!(mount["mountPath"], "/etc/ebb/kafka");
+    assert_eq!(mount["readOnly"], true);
+    let volumes = pod["volumes"].as_array().unwrap();
+    let volume = volumes
+        .iter()
+        .find(|v| v["name"] == "kafka-config")
+        .unwrap();
+    assert_eq!(volume["secret"]["secretName"], "ebb-kafka");
+}
+
 /// Values the chart does not know, or of the wrong kind, are refused by its schema with the
 /// field named.
 #[test]
@@ -199,6 +245,7 @@ fn the_chart_refuses_bad_values_by_name() {
         ("scope=everywhere", "/scope"),
         ("replica=3", "'replica' not allowed"),
         ("storage.size=lots", "/storage/size"),
+        ("kafka.config.acks[0]=all", "/kafka/config/acks"),
     ] {
         let out = helm_template("ebb", &[set]).output().unwrap();
         assert!(!out.status.success(), "{set} was taken");

@@ -571,7 +571,7 @@ pub async fn run(
 
     // Calls: the embedded queue, the service behind the runner API, the expiry loop and the
     // built-in runner.
-    let queue: Arc<dyn Queue> = match &options.calls.kafka() {
+    let queue: Arc<dyn Queue> = match &options.calls.kafka().map_err(anyhow::Error::msg)? {
         Some(k) => Arc::new(
             KafkaQueue::open(clock.clone(), k.clone())
                 .await

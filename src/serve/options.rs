@@ -10,7 +10,7 @@ use crate::log::Durability;
 use crate::orchestrator::kube::{KubeOptions, SharedScaling};
 use crate::proxy::runtime::RuntimeOptions;
 use crate::queue::embedded::EmbeddedOptions;
-use crate::queue::kafka::KafkaOptions;
+use crate::queue::kafka::{ClientProperties, KafkaOptions};
 
 /// What `ebb serve` was asked to do.
 #[derive(Debug, Clone, clap::Args)]
@@ -205,6 +205,15 @@ pub struct CallFlags {
     /// only saves rereading calls already ended, after a restart or a rebalance).
     #[arg(long, default_value_t = crate::queue::kafka::COMMIT_EVERY_MS)]
     pub kafka_commit_every_ms: u64,
+    /// A librdkafka property for ebb's Kafka clients, `KEY=VALUE` (repeat it): TLS and SASL for
+    /// a real cluster, or batching and fetching. `producer.KEY` goes to the producer only,
+    /// `consumer.KEY` to the runners' consumers only. After those of `--kafka-config-file`.
+    #[arg(long = "kafka-config", value_name = "KEY=VALUE")]
+    pub kafka_config: Vec<String>,
+    /// A file of librdkafka properties, one `KEY=VALUE` a line (`#` starts a comment): a
+    /// Kubernetes Secret mounted as a file keeps a SASL password out of the pod's arguments.
+    #[arg(long, env = "EBB_KAFKA_CONFIG_FILE", value_name = "PATH")]
+    pub kafka_config_file: Option<PathBuf>,
 }
 
 /// The function autoscaler.
@@ -457,17 +466,34 @@ impl CallFlags {
         }
     }
 
-    /// The Kafka queue, when brokers are given.
-    pub fn kafka(&self) -> Option<KafkaOptions> {
-        self.kafka_brokers.clone().map(|brokers| KafkaOptions {
+    /// The Kafka queue, when brokers are given; an error names a bad `--kafka-config` or its
+    /// file.
+    pub fn kafka(&self) -> Result<Option<KafkaOptions>, String> {
+        let Some(brokers) = self.kafka_brokers.clone() else {
+            return Ok(None);
+        };
+        let file = match &self.kafka_config_file {
+            Some(path) => std::fs::read_to_string(path)
+                .map_err(|e| format!("--kafka-config-file {}: {e}", path.display()))?,
+            None => String::new(),
+        };
+        let from_file = file
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'));
+        let client =
+            ClientProperties::parse(from_file.chain(self.kafka_config.iter().map(|s| s.as_str())))
+                .map_err(|e| format!("--kafka-config: {e}"))?;
+        Ok(Some(KafkaOptions {
             brokers,
             topic: self.kafka_topic.clone(),
             partitions: self.kafka_partitions,
             visibility_timeout_ms: self.visibility_timeout_ms,
             max_out: self.max_queued,
             commit_every_ms: self.kafka_commit_every_ms,
+            client,
             ..KafkaOptions::default()
-        })
+        }))
     }
 }
 

@@ -83,6 +83,83 @@ pub struct KafkaOptions {
     /// a reread after a restart or a rebalance (the log refuses an ended call's start), so a
     /// later one loses nothing.
     pub commit_every_ms: u64,
+    /// librdkafka properties for ebb's Kafka clients (TLS, SASL, batching, fetching), set after
+    /// ebb's own: a key `producer.K` goes to the producer only, `consumer.K` to the runners'
+    /// consumers only, any other to every client (the admin client too). See
+    /// [`ClientProperties::parse`] for the keys ebb keeps.
+    pub client: ClientProperties,
+}
+
+/// librdkafka properties given to ebb's Kafka clients (`--kafka-config`), sorted by the clients
+/// they go to.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClientProperties {
+    /// For every client.
+    pub all: Vec<(String, String)>,
+    /// For the producer only (given as `producer.K=V`).
+    pub producer: Vec<(String, String)>,
+    /// For the runners' consumers only (given as `consumer.K=V`).
+    pub consumer: Vec<(String, String)>,
+}
+
+/// Properties ebb sets itself because its promises rest on them: a put acknowledged only once
+/// every replica has it, exactly once per put, offsets committed only after a finish, one group
+/// whose partitions move a few at a time, and the brokers named by `--kafka-brokers`.
+pub const KEPT_PROPERTIES: [&str; 8] = [
+    "bootstrap.servers",
+    "metadata.broker.list",
+    "acks",
+    "enable.idempotence",
+    "group.id",
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+    "partition.assignment.strategy",
+];
+
+impl ClientProperties {
+    /// Reads `KEY=VALUE` items (spaces around the key and the value dropped); an item without
+    /// `=`, with an empty key, or naming a property ebb keeps ([`KEPT_PROPERTIES`]) is refused
+    /// with its reason. Unknown keys and bad values are librdkafka's to refuse, when the clients
+    /// are made.
+    pub fn parse<'a>(items: impl IntoIterator<Item = &'a str>) -> Result<Self, String> {
+        let mut out = Self::default();
+        for item in items {
+            let Some((key, value)) = item.split_once('=') else {
+                return Err(format!("{item:?} is not KEY=VALUE"));
+            };
+            let key = key.trim();
+            let (to, name) = if let Some(k) = key.strip_prefix("producer.") {
+                (&mut out.producer, k)
+            } else if let Some(k) = key.strip_prefix("consumer.") {
+                (&mut out.consumer, k)
+            } else {
+                (&mut out.all, key)
+            };
+            if name.is_empty() {
+                return Err(format!("{item:?} names no property"));
+            }
+            if KEPT_PROPERTIES.contains(&name) {
+                return Err(format!(
+                    "{name} is set by ebb itself (its calls' guarantees rest on it){}",
+                    if name == "bootstrap.servers" || name == "metadata.broker.list" {
+                        ": name the brokers with --kafka-brokers"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+            to.push((name.to_owned(), value.trim().to_owned()));
+        }
+        Ok(out)
+    }
+
+    /// `config` with the properties for every client and then `only`'s.
+    fn apply(&self, mut config: ClientConfig, only: &[(String, String)]) -> ClientConfig {
+        for (k, v) in self.all.iter().chain(only) {
+            config.set(k, v);
+        }
+        config
+    }
 }
 
 impl Default for KafkaOptions {
@@ -98,6 +175,7 @@ impl Default for KafkaOptions {
             max_out: 1_000_000,
             idle_consumer_ms: 3_000,
             commit_every_ms: COMMIT_EVERY_MS,
+            client: ClientProperties::default(),
         }
     }
 }
@@ -343,6 +421,27 @@ impl std::fmt::Debug for KafkaQueue {
     }
 }
 
+/// The settings of `runner`'s consumer: ebb's own, then those given for consumers.
+fn consumer_config(options: &KafkaOptions, runner: &str) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", &options.brokers)
+        .set("group.id", &options.group)
+        .set("client.id", format!("ebb-runner-{runner}"))
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        // A runner joining or leaving moves only the partitions that change hands; with the
+        // eager default every consumer stopped for the whole rebalance (measured: calls
+        // stalled up to 1.5 s when a runner joined).
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set("session.timeout.ms", options.session_timeout_ms.to_string())
+        .set("heartbeat.interval.ms", "500")
+        // Hand calls over as soon as they are on the broker.
+        .set("fetch.wait.max.ms", "5")
+        .set("fetch.min.bytes", "1");
+    options.client.apply(config, &options.client.consumer)
+}
+
 fn kafka(e: impl std::fmt::Display) -> QueueError {
     QueueError::Storage(format!("kafka: {e}"))
 }
@@ -350,10 +449,15 @@ fn kafka(e: impl std::fmt::Display) -> QueueError {
 impl KafkaQueue {
     /// Connects, creating the topic if it is missing.
     pub async fn open(clock: Arc<dyn Clock>, options: KafkaOptions) -> Result<Self, QueueError> {
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", &options.brokers)
-            .create()
+        // The consumers are made on a runner's first dequeue: their settings are checked now,
+        // so that a bad one stops ebb at its start rather than its first call.
+        consumer_config(&options, "check")
+            .create_native_config()
             .map_err(kafka)?;
+        let mut admin = ClientConfig::new();
+        admin.set("bootstrap.servers", &options.brokers);
+        let admin: AdminClient<DefaultClientContext> =
+            options.client.apply(admin, &[]).create().map_err(kafka)?;
         let topic = NewTopic::new(
             &options.topic,
             options.partitions,
@@ -372,12 +476,16 @@ impl KafkaQueue {
                 Err((t, e)) => return Err(kafka(format!("creating topic {t}: {e}"))),
             }
         }
-        let producer: ThreadedProducer<Delivered> = ClientConfig::new()
+        let mut producer = ClientConfig::new();
+        producer
             .set("bootstrap.servers", &options.brokers)
             .set("acks", "all")
             .set("linger.ms", "1")
             .set("message.timeout.ms", options.put_timeout_ms.to_string())
-            .set("enable.idempotence", "true")
+            .set("enable.idempotence", "true");
+        let producer: ThreadedProducer<Delivered> = options
+            .client
+            .apply(producer, &options.client.producer)
             .create_with_context(Delivered)
             .map_err(kafka)?;
         Ok(Self {
@@ -397,24 +505,7 @@ impl KafkaQueue {
         if let Some(c) = self.books().consumers.get(runner) {
             return Ok(c.clone());
         }
-        let c: RunnerConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &self.options.brokers)
-            .set("group.id", &self.options.group)
-            .set("client.id", format!("ebb-runner-{runner}"))
-            .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest")
-            // A runner joining or leaving moves only the partitions that change hands; with the
-            // eager default every consumer stopped for the whole rebalance (measured: calls
-            // stalled up to 1.5 s when a runner joined).
-            .set("partition.assignment.strategy", "cooperative-sticky")
-            .set(
-                "session.timeout.ms",
-                self.options.session_timeout_ms.to_string(),
-            )
-            .set("heartbeat.interval.ms", "500")
-            // Hand calls over as soon as they are on the broker.
-            .set("fetch.wait.max.ms", "5")
-            .set("fetch.min.bytes", "1")
+        let c: RunnerConsumer = consumer_config(&self.options, runner)
             .create_with_context(Assigned::default())
             .map_err(kafka)?;
         c.subscribe(&[&self.options.topic]).map_err(kafka)?;
@@ -922,6 +1013,73 @@ impl Queue for KafkaQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pairs(items: &[(&str, &str)]) -> Vec<(String, String)> {
+        items
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn client_properties_go_to_the_clients_their_prefix_names() {
+        let p = ClientProperties::parse([
+            "security.protocol=SASL_SSL",
+            "producer.linger.ms=5",
+            "consumer.fetch.min.bytes=1024",
+            " sasl.password = a=b ",
+        ])
+        .unwrap();
+        assert_eq!(
+            p.all,
+            pairs(&[("security.protocol", "SASL_SSL"), ("sasl.password", "a=b")])
+        );
+        assert_eq!(p.producer, pairs(&[("linger.ms", "5")]));
+        assert_eq!(p.consumer, pairs(&[("fetch.min.bytes", "1024")]));
+        // Given after ebb's own, the user's setting is the one a client gets.
+        let mut ours = ClientConfig::new();
+        ours.set("linger.ms", "1").set("client.id", "ebb");
+        let theirs = p.apply(ours, &p.producer);
+        assert_eq!(theirs.get("linger.ms"), Some("5"));
+        assert_eq!(theirs.get("client.id"), Some("ebb"));
+        assert_eq!(theirs.get("security.protocol"), Some("SASL_SSL"));
+    }
+
+    #[test]
+    fn client_properties_ebb_keeps_or_malformed_are_refused_with_their_reason() {
+        for (item, reason) in [
+            ("acks=1", "acks is set by ebb itself"),
+            (
+                "producer.enable.idempotence=false",
+                "enable.idempotence is set by ebb",
+            ),
+            (
+                "consumer.enable.auto.commit=true",
+                "enable.auto.commit is set by ebb",
+            ),
+            ("group.id=other", "group.id is set by ebb"),
+            ("bootstrap.servers=x:9092", "--kafka-brokers"),
+            ("linger.ms", "is not KEY=VALUE"),
+            ("=1", "names no property"),
+            ("consumer.=1", "names no property"),
+        ] {
+            let err = ClientProperties::parse([item]).expect_err(item);
+            assert!(err.contains(reason), "{item}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_consumer_property_librdkafka_does_not_know_fails_the_queue_at_its_open() {
+        let options = KafkaOptions {
+            client: ClientProperties::parse(["consumer.no.such.property=1"]).unwrap(),
+            ..KafkaOptions::default()
+        };
+        let err = consumer_config(&options, "r")
+            .create_native_config()
+            .map(|_| ())
+            .expect_err("an unknown property");
+        assert!(err.to_string().contains("no.such.property"), "{err}");
+    }
 
     #[test]
     fn only_commits_refused_by_a_rebalance_are_stale() {

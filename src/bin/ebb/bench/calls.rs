@@ -33,7 +33,7 @@ use ebb::event::Event;
 use ebb::log::Durability;
 use ebb::queue::Queue;
 use ebb::queue::embedded::{EmbeddedOptions, EmbeddedQueue};
-use ebb::queue::kafka::{KafkaOptions, KafkaQueue};
+use ebb::queue::kafka::{ClientProperties, KafkaOptions, KafkaQueue};
 
 /// Arguments of `ebb bench calls`.
 #[derive(Debug, Clone, clap::Args)]
@@ -78,6 +78,11 @@ pub struct CallsBenchArgs {
     /// The Kafka queue commits its consumers' offsets at most once in this long (ms).
     #[arg(long, default_value_t = ebb::queue::kafka::COMMIT_EVERY_MS)]
     pub kafka_commit_every_ms: u64,
+    /// A librdkafka property for the Kafka clients, `KEY=VALUE`, as `ebb serve --kafka-config`
+    /// (repeat it).
+    #[arg(long = "kafka-config", value_name = "KEY=VALUE", requires = "kafka",
+          value_parser = |s: &str| ClientProperties::parse([s]).map(|_| s.to_owned()))]
+    pub kafka_config: Vec<String>,
     /// The most ended calls each replica keeps, as `ebb serve --call-retention-count` (the
     /// retention's forgettings run beside the calls, as in `ebb serve`).
     #[arg(long, default_value_t = CallOptions::default().retention_bounds.count)]
@@ -233,6 +238,10 @@ async fn setup(
                         topic: topic.clone(),
                         group: group.clone(),
                         commit_every_ms: args.kafka_commit_every_ms,
+                        client: ClientProperties::parse(
+                            args.kafka_config.iter().map(|s| s.as_str()),
+                        )
+                        .map_err(anyhow::Error::msg)?,
                         ..KafkaOptions::default()
                     },
                 )
