@@ -155,7 +155,8 @@ mod tests {
             apply(s, 1_000, e);
         }
         let read = State::decode_snapshot(&s.encode_snapshot()).unwrap();
-        assert_eq!(read.calls.ended, s.calls.ended);
+        // The calls with their indexes (which ended when, what is left of forgotten ones).
+        assert_eq!(read.calls, s.calls);
         assert_eq!(read.functions.ended, s.functions.ended);
         events
     }
@@ -322,6 +323,40 @@ mod tests {
         hold(&mut s, by_count(2));
         assert_eq!(kept(&s), ["c0"]);
         assert_eq!(s.calls.ended.count, 1);
+        // The age passes over it as long as it is a current step, and takes it once the
+        // instance has moved on.
+        let steps = s.functions.current_step_calls();
+        assert!(!s.calls.any_ended_before(200, &steps));
+        apply(
+            &mut s,
+            400,
+            Event::CallsForgotten {
+                finished_before_ms: 200,
+                within: None,
+            },
+        );
+        assert_eq!(kept(&s), ["c0"]);
+        apply(
+            &mut s,
+            500,
+            Event::InstanceFinished {
+                id: "i".into(),
+                outcome: Outcome::Success,
+                result: ByteBuf::new(),
+            },
+        );
+        let steps = s.functions.current_step_calls();
+        assert!(s.calls.any_ended_before(200, &steps));
+        apply(
+            &mut s,
+            600,
+            Event::CallsForgotten {
+                finished_before_ms: 200,
+                within: None,
+            },
+        );
+        assert_eq!(kept(&s), [""; 0]);
+        assert_eq!(s.calls.ended.count, 0);
     }
 
     #[test]

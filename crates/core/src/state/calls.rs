@@ -185,20 +185,25 @@ pub struct Calls {
     /// must not run. Kept as long as ended calls are (the retention).
     #[serde(default)]
     pub aborted: BTreeMap<String, u64>,
-    /// The ended calls of `by_id`: how many and about how much memory (an index, for the
-    /// retention's bounds; counted again from `by_id` when a snapshot is read).
+    /// The ended calls of `by_id`: how many, about how much memory, and which by when they
+    /// ended (an index, for the retention; counted again from `by_id` when a snapshot is read).
     #[serde(skip)]
-    pub ended: Ended,
+    pub ended: Ended<Arc<CallSpec>>,
     /// Calls the retention's bounds forgot before their age, by id: how each ended and when.
     /// The queue may still hand out a message of theirs (a Kafka partition read again from an
     /// older commit, an enqueue retried with the same id), which must meet an ended call, never
     /// run it again. A few dozen bytes each instead of the whole call; they go when the
     /// retention's age passes them, as the calls would have.
-    #[serde(default, serialize_with = "gone_in_id_order")]
+    #[serde(
+        default,
+        serialize_with = "gone_in_id_order",
+        deserialize_with = "gone_of_map"
+    )]
     pub gone: GoneMap,
-    /// `gone` by the millisecond they ended in: which go first past [`GONE_PER_KEPT`].
+    /// `gone` by the millisecond they ended in: which go first past [`GONE_PER_KEPT`], and which
+    /// go with the age.
     #[serde(skip)]
-    gone_by_ms: Ended,
+    gone_by_ms: Ended<Arc<str>>,
 }
 
 /// What is left of forgotten calls is bounded too, at this many times the ended calls a
@@ -216,19 +221,15 @@ pub struct Gone {
     pub finished_at_ms: u64,
 }
 
-/// Forgotten calls by id, hashed as [`CallMap`] is.
-pub type GoneMap = HashMap<String, Gone, foldhash::fast::RandomState>;
+/// Forgotten calls by id, hashed as [`CallMap`] is. Each id is shared with the index of when
+/// they ended.
+pub type GoneMap = HashMap<Arc<str>, Gone, foldhash::fast::RandomState>;
 
 /// What applying a call event did to the schedule.
 pub(crate) enum Timer {
     Set(u64),
     Clear,
     Keep,
-}
-
-/// Whether `c` reached a final state before `before_ms`.
-fn ended_before(c: &Call, before_ms: u64) -> bool {
-    c.status.is_final() && c.finished_at_ms.is_some_and(|f| f < before_ms)
 }
 
 /// Serializes the calls in id order (a map's own order would change every snapshot's bytes).
@@ -238,9 +239,15 @@ fn in_id_order<S: serde::Serializer>(by_id: &CallMap, s: S) -> Result<S::Ok, S::
 
 /// Serializes the forgotten calls in id order.
 fn gone_in_id_order<S: serde::Serializer>(gone: &GoneMap, s: S) -> Result<S::Ok, S::Error> {
-    let mut all: Vec<(&String, &Gone)> = gone.iter().collect();
+    let mut all: Vec<(&str, &Gone)> = gone.iter().map(|(id, g)| (&**id, g)).collect();
     all.sort_unstable_by(|a, b| a.0.cmp(b.0));
     s.collect_map(all)
+}
+
+/// Reads the forgotten calls as [`gone_in_id_order`] wrote them.
+fn gone_of_map<'de, D: serde::Deserializer<'de>>(d: D) -> Result<GoneMap, D::Error> {
+    let all = HashMap::<String, Gone, foldhash::fast::RandomState>::deserialize(d)?;
+    Ok(all.into_iter().map(|(id, g)| (id.into(), g)).collect())
 }
 
 /// Serializes a set of ids in id order, as the ordered set it replaced did.
@@ -358,7 +365,8 @@ impl Calls {
     /// step of a running instance, which the instance still has to read). A forgetting by the
     /// retention's bounds (`kept`: the ended calls it keeps) keeps what is left of them
     /// ([`Calls::gone`]), at most [`GONE_PER_KEPT`] x `kept` (the oldest go), until their age
-    /// drops it.
+    /// drops it. Looks only at what goes (and the current steps), by the index of when calls
+    /// ended.
     pub(crate) fn forget(
         &mut self,
         finished_before_ms: u64,
@@ -373,26 +381,35 @@ impl Calls {
             aborted,
             ..
         } = self;
-        by_id.retain(|id, c| {
-            let goes = ended_before(c, finished_before_ms) && !keep.contains(id.as_str());
-            if goes {
-                let at = c.finished_at_ms.unwrap_or_default();
-                ended.remove(at, c.held_bytes());
-                if kept.is_some() {
-                    let g = Gone {
-                        status: c.status,
-                        finished_at_ms: at,
-                    };
-                    // (A call forgotten before may have been recorded again by an event no
-                    // decision makes: a replayed log takes any.)
-                    if let Some(was) = gone.insert(id.clone(), g) {
-                        gone_by_ms.remove(was.finished_at_ms, 0);
-                    }
-                    gone_by_ms.add(at, 0);
-                }
+        let mut stay = Vec::new();
+        for (at, spec) in ended.take_before(finished_before_ms) {
+            let id = spec.id.as_str();
+            if keep.contains(id) {
+                stay.push((at, spec));
+                continue;
             }
-            !goes
-        });
+            // (The index holds only calls of `by_id` that ended, once each.)
+            let Some((id, c)) = by_id.remove_entry(id) else {
+                continue;
+            };
+            if kept.is_some() {
+                let id: Arc<str> = id.into();
+                let g = Gone {
+                    status: c.status,
+                    finished_at_ms: at,
+                };
+                // (A call forgotten before may have been recorded again by an event no
+                // decision makes: a replayed log takes any.)
+                if let Some(was) = gone.insert(id.clone(), g) {
+                    gone_by_ms.remove(was.finished_at_ms, 0, |g| *g == id);
+                }
+                gone_by_ms.add(at, 0, id);
+            }
+        }
+        for (at, spec) in stay {
+            let bytes = by_id.get(spec.id.as_str()).map_or(0, |c| c.held_bytes());
+            ended.add(at, bytes, spec);
+        }
         let drop_before = match kept {
             // The newest stay (with the rest of their millisecond's).
             Some(kept) => gone_by_ms.cut_within(kept.saturating_mul(GONE_PER_KEPT), u64::MAX),
@@ -401,11 +418,10 @@ impl Calls {
                 Some(finished_before_ms)
             }
         };
-        if let Some(before) = drop_before
-            && gone_by_ms.any_before(before)
-        {
-            gone.retain(|_, g| g.finished_at_ms >= before);
-            gone_by_ms.drop_before(before);
+        if let Some(before) = drop_before {
+            for (_, id) in gone_by_ms.take_before(before) {
+                gone.remove(&id);
+            }
         }
     }
 
@@ -427,13 +443,16 @@ impl Calls {
     /// Counts the ended calls again (after a snapshot is read).
     pub(crate) fn count_ended(&mut self) {
         self.gone_by_ms = Ended::default();
-        for g in self.gone.values() {
-            self.gone_by_ms.add(g.finished_at_ms, 0);
+        for (id, g) in &self.gone {
+            self.gone_by_ms.add(g.finished_at_ms, 0, id.clone());
         }
         self.ended = Ended::default();
         for c in self.by_id.values().filter(|c| c.status.is_final()) {
-            self.ended
-                .add(c.finished_at_ms.unwrap_or_default(), c.held_bytes());
+            self.ended.add(
+                c.finished_at_ms.unwrap_or_default(),
+                c.held_bytes(),
+                c.spec.clone(),
+            );
         }
     }
 
@@ -441,18 +460,15 @@ impl Calls {
     pub fn any_finished_before(&self, finished_before_ms: u64, keep: &BTreeSet<&str>) -> bool {
         self.any_ended_before(finished_before_ms, keep)
             || self.aborted.values().any(|at| *at < finished_before_ms)
-            || self
-                .gone
-                .values()
-                .any(|g| g.finished_at_ms < finished_before_ms)
+            || self.gone_by_ms.any_before(finished_before_ms)
     }
 
     /// Whether any call the projection holds but those in `keep` ended before
-    /// `finished_before_ms`.
+    /// `finished_before_ms`: a look at those that did, by the index of when calls ended.
     pub fn any_ended_before(&self, finished_before_ms: u64, keep: &BTreeSet<&str>) -> bool {
-        self.by_id
-            .iter()
-            .any(|(id, c)| ended_before(c, finished_before_ms) && !keep.contains(id.as_str()))
+        self.ended
+            .items_before(finished_before_ms)
+            .any(|(_, spec)| !keep.contains(spec.id.as_str()))
     }
 
     /// Notes calls whose enqueue failed (those the log has recorded meanwhile excepted).
@@ -482,7 +498,11 @@ impl Calls {
             && !was_final
             && c.status.is_final()
         {
-            ended.add(c.finished_at_ms.unwrap_or_default(), c.held_bytes());
+            ended.add(
+                c.finished_at_ms.unwrap_or_default(),
+                c.held_bytes(),
+                c.spec.clone(),
+            );
         }
         // The indexes change only when the call enters or leaves `queued`.
         if let Some(Stepped { was_queued, c, .. }) = stepped

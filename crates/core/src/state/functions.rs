@@ -169,7 +169,7 @@ impl Functions {
         let ended = &mut self.ended;
         self.instances.retain(|id, i| match i.finished_at_ms {
             Some(at) if at < finished_before_ms => {
-                ended.remove(at, i.held_bytes(id));
+                ended.remove(at, i.held_bytes(id), |_| true);
                 false
             }
             _ => true,
@@ -181,7 +181,7 @@ impl Functions {
         self.ended = Ended::default();
         for (id, i) in &self.instances {
             if let Some(at) = i.finished_at_ms {
-                self.ended.add(at, i.held_bytes(id));
+                self.ended.add(at, i.held_bytes(id), ());
             }
         }
     }
@@ -247,7 +247,7 @@ impl Functions {
             };
             i.result = Some(result.clone());
             i.finished_at_ms = Some(at_ms);
-            self.ended.add(at_ms, i.held_bytes(id));
+            self.ended.add(at_ms, i.held_bytes(id), ());
             self.running.remove(id);
         }
     }

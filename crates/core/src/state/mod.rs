@@ -23,6 +23,8 @@ pub mod functions;
 pub mod routes;
 pub mod schedule;
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use crate::event::{Envelope, Event};
@@ -63,17 +65,81 @@ impl Tally {
 }
 
 /// Ended calls (or instances, or what is left of forgotten calls) counted whole and by the
-/// millisecond they ended in: where a bound cuts is found without a look at each of them.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Ended {
+/// millisecond they ended in: where a bound cuts is found without a look at each of them, and
+/// with the items of each millisecond (`T`: a call's spec, a forgotten call's id; nothing for
+/// instances), the oldest are found without a look at those that stay.
+#[derive(Debug, Clone)]
+pub struct Ended<T = ()> {
     /// How many.
     pub count: u64,
     /// About how many bytes of memory.
     pub bytes: u64,
-    by_ms: std::collections::BTreeMap<u64, Tally>,
+    by_ms: std::collections::BTreeMap<u64, Bucket<T>>,
 }
 
-impl Ended {
+/// What ended in one millisecond.
+#[derive(Debug, Clone)]
+struct Bucket<T> {
+    tally: Tally,
+    items: Vec<T>,
+}
+
+/// What an [`Ended`] holds of each item: something naming it.
+pub trait EndedItem {
+    /// The item's id (for the order-blind comparison of two indexes).
+    fn id(&self) -> &str;
+}
+
+impl EndedItem for () {
+    fn id(&self) -> &str {
+        ""
+    }
+}
+
+impl EndedItem for Arc<str> {
+    fn id(&self) -> &str {
+        self
+    }
+}
+
+impl EndedItem for Arc<crate::event::CallSpec> {
+    fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+impl<T> Default for Ended<T> {
+    fn default() -> Self {
+        Self {
+            count: 0,
+            bytes: 0,
+            by_ms: Default::default(),
+        }
+    }
+}
+
+/// Equal when they count the same in each millisecond and hold the same items there, in any
+/// order (an index counted again from a snapshot meets its items in another order than they
+/// ended in).
+impl<T: EndedItem> PartialEq for Ended<T> {
+    fn eq(&self, other: &Self) -> bool {
+        fn ids<T: EndedItem>(b: &Bucket<T>) -> Vec<&str> {
+            let mut ids: Vec<&str> = b.items.iter().map(T::id).collect();
+            ids.sort_unstable();
+            ids
+        }
+        self.count == other.count
+            && self.bytes == other.bytes
+            && self.by_ms.len() == other.by_ms.len()
+            && self.by_ms.iter().zip(&other.by_ms).all(|((a, x), (b, y))| {
+                a == b && x.tally == y.tally && x.items.len() == y.items.len() && ids(x) == ids(y)
+            })
+    }
+}
+
+impl<T: EndedItem> Eq for Ended<T> {}
+
+impl<T> Ended<T> {
     /// The whole count.
     pub fn tally(&self) -> Tally {
         Tally {
@@ -87,20 +153,31 @@ impl Ended {
         self.tally().over(count, bytes)
     }
 
-    fn add(&mut self, at_ms: u64, bytes: u64) {
+    fn add(&mut self, at_ms: u64, bytes: u64, item: T) {
         self.count += 1;
         self.bytes += bytes;
-        self.by_ms.entry(at_ms).or_default().add(bytes);
+        let bucket = self.by_ms.entry(at_ms).or_insert_with(|| Bucket {
+            tally: Tally::default(),
+            items: Vec::new(),
+        });
+        bucket.tally.add(bytes);
+        bucket.items.push(item);
     }
 
-    fn remove(&mut self, at_ms: u64, bytes: u64) {
+    /// Takes out one item of `at_ms` that `is` picks (the first, for items that name nothing).
+    fn remove(&mut self, at_ms: u64, bytes: u64, is: impl Fn(&T) -> bool) {
+        let Some(b) = self.by_ms.get_mut(&at_ms) else {
+            return;
+        };
+        let Some(i) = b.items.iter().position(is) else {
+            return;
+        };
+        b.items.swap_remove(i);
+        b.tally.remove(bytes);
         self.count = self.count.saturating_sub(1);
         self.bytes = self.bytes.saturating_sub(bytes);
-        if let Some(t) = self.by_ms.get_mut(&at_ms) {
-            t.remove(bytes);
-            if t.count == 0 {
-                self.by_ms.remove(&at_ms);
-            }
+        if b.items.is_empty() {
+            self.by_ms.remove(&at_ms);
         }
     }
 
@@ -109,9 +186,9 @@ impl Ended {
     /// millisecond with it. `None` when they already are within both.
     pub fn cut_within(&self, count: u64, bytes: u64) -> Option<u64> {
         let mut kept = Tally::default();
-        self.by_ms.iter().rev().find_map(|(at, t)| {
-            kept.count += t.count;
-            kept.bytes += t.bytes;
+        self.by_ms.iter().rev().find_map(|(at, b)| {
+            kept.count += b.tally.count;
+            kept.bytes += b.tally.bytes;
             kept.over(count, bytes).then_some(at + 1)
         })
     }
@@ -123,13 +200,25 @@ impl Ended {
             .is_some_and(|(at, _)| *at < before_ms)
     }
 
-    /// Forgets those that ended before `before_ms`.
-    fn drop_before(&mut self, before_ms: u64) {
+    /// The items that ended before `before_ms`, oldest first, with when they ended.
+    fn items_before(&self, before_ms: u64) -> impl Iterator<Item = (u64, &T)> {
+        self.by_ms
+            .range(..before_ms)
+            .flat_map(|(at, b)| b.items.iter().map(|item| (*at, item)))
+    }
+
+    /// Takes out those that ended before `before_ms`: what they were, oldest first, with when
+    /// they ended. Their count and bytes go with them.
+    fn take_before(&mut self, before_ms: u64) -> impl Iterator<Item = (u64, T)> + use<T> {
         let kept = self.by_ms.split_off(&before_ms);
-        for t in std::mem::replace(&mut self.by_ms, kept).values() {
-            self.count = self.count.saturating_sub(t.count);
-            self.bytes = self.bytes.saturating_sub(t.bytes);
+        let taken = std::mem::replace(&mut self.by_ms, kept);
+        for b in taken.values() {
+            self.count = self.count.saturating_sub(b.tally.count);
+            self.bytes = self.bytes.saturating_sub(b.tally.bytes);
         }
+        taken
+            .into_iter()
+            .flat_map(|(at, b)| b.items.into_iter().map(move |item| (at, item)))
     }
 }
 
