@@ -1101,6 +1101,23 @@ mod tests {
         assert_eq!(r, 0);
     }
 
+    /// Fixes `s`'s send buffer at 64 KiB (the kernel then no longer grows it).
+    fn small_send_buffer(s: &tokio::net::TcpStream) {
+        use std::os::fd::AsRawFd;
+        let size: libc::c_int = 64 * 1024;
+        // SAFETY: passes a live int of its own size.
+        let r = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                std::ptr::from_ref(&size).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(r, 0);
+    }
+
     #[tokio::test]
     async fn dropping_the_wait_closes_both_sides() {
         let relays = relays();
@@ -1129,6 +1146,11 @@ mod tests {
         for p in 0..pairs {
             let (a, mut client) = tcp_pair().await;
             let (mut server, b) = tcp_pair().await;
+            // The relay's sends to a server that does not read stall once the server's receive
+            // buffer and this one are full, holding their ring buffers. Left to the kernel, the
+            // send buffer grows with the flow (up to `tcp_wmem`'s 4 MiB here), and a pair's
+            // whole 4 MB could fit in it without a stall: the ring then never ran dry (seen once).
+            small_send_buffer(&b);
             let r = relays.clone();
             let splice =
                 tokio::spawn(async move { r.splice(a, b, None, &crate::clock::SystemClock).await });
