@@ -801,6 +801,62 @@ async fn ended_calls_leave_the_api_after_the_retention_but_stay_in_the_log() {
     );
 }
 
+/// On Kafka, calls that ended and that the retention's age forgot are not run again when their
+/// messages are read again: after a restart the consumer reads its partition from its last
+/// commit (an hour's interval here), and each message it meets is older than the retention, of a
+/// call the log no longer knows. A call enqueued after the restart runs (it comes after them on
+/// the one partition, so they were read by then).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_kafka_calls_the_age_forgot_do_not_run_again_when_their_messages_are_read_again() {
+    let broker = common::broker().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = broker.addr.to_string();
+    let args = [
+        "--kafka-brokers",
+        &brokers,
+        "--kafka-partitions",
+        "1",
+        "--kafka-commit-every-ms",
+        "3600000",
+        "--call-retention-ms",
+        "300",
+    ];
+    let ebb = start(dir.path(), &args);
+    // The first delete commits; those after it wait for the hour.
+    let first = enqueue(&ebb, json!({ "target": "work" })).await;
+    wait_state(&ebb, &first, "success").await;
+    let ids = enqueue_bodies(&ebb, 3).await;
+    all_run_once(&ebb, &ids).await;
+    let forgotten = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        for id in &ids {
+            while get(&ebb, &format!("/v1/calls/{id}")).await.status != 404 {
+                tick.tick().await;
+            }
+        }
+    };
+    tokio::time::timeout(DEADLINE, forgotten)
+        .await
+        .expect("the calls are forgotten");
+    let mut ebb = ebb;
+    ebb.child.kill().unwrap();
+    ebb.child.wait().unwrap();
+    drop(ebb);
+
+    let ebb = start(dir.path(), &args);
+    let next = enqueue(&ebb, json!({ "target": "work" })).await;
+    wait_state(&ebb, &next, "success").await;
+    for id in &ids {
+        assert_eq!(events_of(&ebb.data, id, "CallStarted"), 1, "{id} ran once");
+        assert_eq!(
+            events_of(&ebb.data, id, "CallQueued"),
+            1,
+            "{id} was not recorded again"
+        );
+        assert_eq!(get(&ebb, &format!("/v1/calls/{id}")).await.status, 404);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_retention_count_the_oldest_ended_calls_leave_the_api_well_before_their_age() {
     let dir = tempfile::tempdir().unwrap();

@@ -702,7 +702,7 @@ impl Calls {
             let mut specs = Vec::with_capacity(foreign.len());
             for (m, _) in foreign {
                 match decode_message(&m) {
-                    Some(spec) => specs.push((spec, m.deliveries)),
+                    Some(spec) => specs.push((spec, m.deliveries, m.put_at_ms)),
                     None => broken.push(m.id),
                 }
             }
@@ -718,6 +718,7 @@ impl Calls {
         // then it is that call's.
         let grace = self.options.hold_grace_ms;
         let now = self.clock.now_ms();
+        let retention = self.options.retention_ms;
         let (jobs, unknown, recorded, done, running, bad) = self.log.read(|s| {
             let mut jobs = Vec::with_capacity(local.len());
             let mut unknown = Vec::new();
@@ -746,8 +747,9 @@ impl Calls {
                         recorded.push((m.id, in_memory));
                         c.spec.clone()
                     }
-                    // Ended, and forgotten by the retention's bounds: never run again.
-                    None if s.calls.gone(&m.id).is_some() => {
+                    // Ended, and forgotten by the retention's bounds, or by its age (a message
+                    // put longer ago than the retention): never run again.
+                    None if s.calls.gone(&m.id).is_some() || forgotten(&m, now, retention) => {
                         done.push(m.id);
                         continue;
                     }
@@ -826,12 +828,15 @@ impl Calls {
     /// deleted, a running one's held again, and a queued or unknown one handed out as its
     /// message says (its owner decides the start). While an owner cannot be asked its messages
     /// are held back for [`crate::peers::RETRY_AFTER_S`] and not handed out.
-    async fn hand_out_foreign(&self, specs: Vec<(CallSpec, u32)>) -> Result<Vec<Job>, CallError> {
-        let (_, by_owner) = self.by_owner(specs, |(spec, _)| &spec.id);
+    async fn hand_out_foreign(
+        &self,
+        specs: Vec<(CallSpec, u32, Option<u64>)>,
+    ) -> Result<Vec<Job>, CallError> {
+        let (_, by_owner) = self.by_owner(specs, |(spec, _, _)| &spec.id);
         let grace = self.options.hold_grace_ms;
         let mut out = Vec::new();
         for (owner, specs) in by_owner {
-            let ids: Vec<String> = specs.iter().map(|(c, _)| c.id.clone()).collect();
+            let ids: Vec<String> = specs.iter().map(|(c, _, _)| c.id.clone()).collect();
             let asked = self
                 .peers
                 .post_json::<Results<Option<PeerState>>>(
@@ -856,8 +861,14 @@ impl Calls {
                 }
             };
             let (mut done, mut running, mut give) = (Vec::new(), Vec::new(), Vec::new());
-            for ((spec, deliveries), state) in specs.into_iter().zip(states) {
+            for ((spec, deliveries, put_at_ms), state) in specs.into_iter().zip(states) {
                 match state {
+                    // Its owner forgot it (the retention's age): never run again.
+                    None if put_at_ms
+                        .is_some_and(|at| past(at, now, self.options.retention_ms)) =>
+                    {
+                        done.push(spec.id)
+                    }
                     // Put but not recorded yet by its owner: back in a moment, as a start now
                     // would be refused as unknown and delete the message.
                     None if let Some(until) = hold_back_unknown(deliveries, now) => {
@@ -1499,6 +1510,18 @@ impl Calls {
 }
 
 /// [`spec_of`], with a warning for a message that is not a call (it is deleted).
+/// Whether a message put at `put_at_ms` is older than the retention at `now`: if the log does
+/// not know its call, the call ended at least the retention ago and was forgotten (or its
+/// enqueue never finished, and was never acknowledged), so it must not run.
+fn past(put_at_ms: u64, now: u64, retention_ms: u64) -> bool {
+    now.saturating_sub(put_at_ms) > retention_ms
+}
+
+/// [`past`] for a message whose queue says when it was put.
+fn forgotten(m: &Message, now: u64, retention_ms: u64) -> bool {
+    m.put_at_ms.is_some_and(|at| past(at, now, retention_ms))
+}
+
 fn decode_message(m: &Message) -> Option<CallSpec> {
     let spec = spec_of(m);
     if spec.is_none() {

@@ -27,6 +27,10 @@ pub struct Message {
     pub body: Vec<u8>,
     /// How many times it has been handed to a runner, this delivery included.
     pub deliveries: u32,
+    /// When it was put, where the queue keeps it (Kafka: the record's timestamp): a message of
+    /// a call the log does not know that is older than the retention is of a call the log
+    /// forgot, read again.
+    pub put_at_ms: Option<u64>,
 }
 
 impl Message {
@@ -37,6 +41,7 @@ impl Message {
             partition: partition.into(),
             body,
             deliveries: 0,
+            put_at_ms: None,
         }
     }
 }

@@ -356,6 +356,7 @@ impl EmbeddedQueue {
                 partition,
                 body: stored.body,
                 deliveries,
+                put_at_ms: None,
             });
         }
         Ok(out)

@@ -32,7 +32,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
-use rdkafka::Message as _;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::{ClientContext, DefaultClientContext};
 use rdkafka::consumer::{
@@ -230,6 +229,8 @@ struct Entry {
     partition: String,
     body: Vec<u8>,
     deliveries: u32,
+    /// The record's timestamp.
+    put_at_ms: Option<u64>,
     /// Where it sits: (partition, offset).
     at: (i32, i64),
 }
@@ -619,13 +620,20 @@ impl KafkaQueue {
                 partition: e.partition.clone(),
                 body: e.body.clone(),
                 deliveries: e.deliveries,
+                put_at_ms: e.put_at_ms,
             });
         }
         out
     }
 
     /// Books a message read from Kafka; returns it when it is to be handed out.
-    fn read(&self, runner: &str, partition: i32, offset: i64, payload: &[u8]) -> Option<Message> {
+    fn read(&self, runner: &str, m: &impl rdkafka::Message) -> Option<Message> {
+        let (partition, offset) = (m.partition(), m.offset());
+        let payload = m.payload().unwrap_or(&[]);
+        let put_at_ms = m
+            .timestamp()
+            .to_millis()
+            .and_then(|t| u64::try_from(t).ok());
         let mut books = self.books();
         let tracker = books.trackers.entry(partition).or_default();
         if offset < tracker.committed {
@@ -663,6 +671,7 @@ impl KafkaQueue {
                 partition: env.partition.clone(),
                 body: env.body.clone(),
                 deliveries: 1,
+                put_at_ms,
                 at: (partition, offset),
             },
         );
@@ -671,6 +680,7 @@ impl KafkaQueue {
             partition: env.partition,
             body: env.body,
             deliveries: 1,
+            put_at_ms,
         })
     }
 
@@ -903,12 +913,7 @@ impl Queue for KafkaQueue {
                         break;
                     }
                 };
-                got.extend(self.read(
-                    &runner,
-                    m.partition(),
-                    m.offset(),
-                    m.payload().unwrap_or(&[]),
-                ));
+                got.extend(self.read(&runner, &m));
             }
             Ok(got)
         })
