@@ -6,6 +6,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
+use ebb::clock::{Clock, SystemClock};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -803,8 +804,9 @@ async fn ended_calls_leave_the_api_after_the_retention_but_stay_in_the_log() {
 
 /// On Kafka, calls that ended and that the retention's age forgot are not run again when their
 /// messages are read again: after a restart the consumer reads its partition from its last
-/// commit (an hour's interval here), and each message it meets is older than the retention, of a
-/// call the log no longer knows. A call enqueued after the restart runs (it comes after them on
+/// commit (an hour's interval here), and each message it meets was put longer ago than any
+/// enqueue takes to record its call (`--forgotten-after-ms`, 3 s here, 10 minutes by default), of
+/// a call the log does not know. A call enqueued after the restart runs (it comes after them on
 /// the one partition, so they were read by then).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_kafka_calls_the_age_forgot_do_not_run_again_when_their_messages_are_read_again() {
@@ -820,12 +822,15 @@ async fn on_kafka_calls_the_age_forgot_do_not_run_again_when_their_messages_are_
         "3600000",
         "--call-retention-ms",
         "300",
+        "--forgotten-after-ms",
+        "3000",
     ];
     let ebb = start(dir.path(), &args);
     // The first delete commits; those after it wait for the hour.
     let first = enqueue(&ebb, json!({ "target": "work" })).await;
     wait_state(&ebb, &first, "success").await;
     let ids = enqueue_bodies(&ebb, 3).await;
+    let put_by = SystemClock.now_ms();
     all_run_once(&ebb, &ids).await;
     let forgotten = async {
         let mut tick = tokio::time::interval(Duration::from_millis(20));
@@ -838,6 +843,14 @@ async fn on_kafka_calls_the_age_forgot_do_not_run_again_when_their_messages_are_
     tokio::time::timeout(DEADLINE, forgotten)
         .await
         .expect("the calls are forgotten");
+    // Their messages older than `--forgotten-after-ms` when they are read again.
+    let aged = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        while SystemClock.now_ms() <= put_by + 3_000 {
+            tick.tick().await;
+        }
+    };
+    tokio::time::timeout(DEADLINE, aged).await.unwrap();
     let mut ebb = ebb;
     ebb.child.kill().unwrap();
     ebb.child.wait().unwrap();

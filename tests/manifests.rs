@@ -196,15 +196,19 @@ fn a_release_in_another_namespace_keeps_its_cluster_objects_apart() {
 /// password stays out of the arguments.
 #[test]
 fn the_charts_kafka_properties_reach_ebb_and_a_secret_holds_the_rest() {
-    let got = objects(&stdout(&mut helm_template(
-        "ebb",
-        &[
-            "kafka.brokers=kafka:9092",
-            "kafka.config.security\\.protocol=SASL_SSL",
-            "kafka.config.producer\\.linger\\.ms=5",
-            "kafka.configSecretName=ebb-kafka",
-        ],
-    )));
+    // A values file, as an install gives one: its numbers are floats to Helm.
+    let dir = tempfile::tempdir().unwrap();
+    let values = dir.path().join("values.yaml");
+    std::fs::write(
+        &values,
+        "kafka:\n  brokers: kafka:9092\n  configSecretName: ebb-kafka\n  config:\n    \
+         security.protocol: SASL_SSL\n    producer.linger.ms: 5\n    \
+         consumer.fetch.max.bytes: 52428800\n",
+    )
+    .unwrap();
+    let got = objects(&stdout(
+        helm_template("ebb", &[]).arg("--values").arg(&values),
+    ));
     let set = &got[&("StatefulSet".into(), "ebb".into(), "ebb".into())];
     let pod = &set["spec"]["template"]["spec"];
     let ebb = &pod["containers"][0];
@@ -220,6 +224,7 @@ fn the_charts_kafka_properties_reach_ebb_and_a_secret_holds_the_rest() {
         [
             "--kafka-brokers=kafka:9092",
             "--kafka-topic=ebb-calls",
+            "--kafka-config=consumer.fetch.max.bytes=52428800",
             "--kafka-config=producer.linger.ms=5",
             "--kafka-config=security.protocol=SASL_SSL",
             "--kafka-config-file=/etc/ebb/kafka/kafka.properties",

@@ -44,7 +44,11 @@
 //! that bound the message is handed out with its copy remembered, and the forwarded start sends
 //! the owner the copy: an owner that still does not know the call (its record stalled between
 //! the put and the record) records it from the copy, as it would a delivered message of its own,
-//! so an acknowledged call never loses its message. A failed
+//! so an acknowledged call never loses its message. A message of a call the log does not know
+//! that was put more than `forgotten_after_ms` ago (10 minutes; Kafka says when a record was
+//! put) is of a call that ended and was forgotten (a partition read again from an older commit),
+//! or whose enqueue never finished: it is deleted, on the replica that read it and for calls
+//! another replica owns, never run again. A failed
 //! put is recorded (`CallsAborted`), so its message never runs should it land after all, across
 //! restarts too. On Kafka a message's key is the partition the enqueue named, else shared by runs
 //! of `KEY_RUN` calls of a put: calls spread over every partition, so every replica's runners
@@ -718,7 +722,7 @@ impl Calls {
         // then it is that call's.
         let grace = self.options.hold_grace_ms;
         let now = self.clock.now_ms();
-        let retention = self.options.retention_ms;
+        let after = self.options.forgotten_after_ms;
         let (jobs, unknown, recorded, done, running, bad) = self.log.read(|s| {
             let mut jobs = Vec::with_capacity(local.len());
             let mut unknown = Vec::new();
@@ -748,8 +752,8 @@ impl Calls {
                         c.spec.clone()
                     }
                     // Ended, and forgotten by the retention's bounds, or by its age (a message
-                    // put longer ago than the retention): never run again.
-                    None if s.calls.gone(&m.id).is_some() || forgotten(&m, now, retention) => {
+                    // put longer ago than any enqueue takes to record): never run again.
+                    None if s.calls.gone(&m.id).is_some() || forgotten(&m, now, after) => {
                         done.push(m.id);
                         continue;
                     }
@@ -1509,19 +1513,19 @@ impl Calls {
     }
 }
 
-/// [`spec_of`], with a warning for a message that is not a call (it is deleted).
-/// Whether a message put at `put_at_ms` is older than the retention at `now`: if the log does
-/// not know its call, the call ended at least the retention ago and was forgotten (or its
-/// enqueue never finished, and was never acknowledged), so it must not run.
-fn past(put_at_ms: u64, now: u64, retention_ms: u64) -> bool {
-    now.saturating_sub(put_at_ms) > retention_ms
+/// Whether a message put at `put_at_ms` is older than `after_ms` ([`FORGOTTEN_AFTER_MS`]) at
+/// `now`: if the log does not know its call, the call ended and was forgotten (or its enqueue
+/// never finished, and was never acknowledged), so it must not run.
+fn past(put_at_ms: u64, now: u64, after_ms: u64) -> bool {
+    now.saturating_sub(put_at_ms) > after_ms
 }
 
 /// [`past`] for a message whose queue says when it was put.
-fn forgotten(m: &Message, now: u64, retention_ms: u64) -> bool {
-    m.put_at_ms.is_some_and(|at| past(at, now, retention_ms))
+fn forgotten(m: &Message, now: u64, after_ms: u64) -> bool {
+    m.put_at_ms.is_some_and(|at| past(at, now, after_ms))
 }
 
+/// [`spec_of`], with a warning for a message that is not a call (it is deleted).
 fn decode_message(m: &Message) -> Option<CallSpec> {
     let spec = spec_of(m);
     if spec.is_none() {

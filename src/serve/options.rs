@@ -205,14 +205,27 @@ pub struct CallFlags {
     /// only saves rereading calls already ended, after a restart or a rebalance).
     #[arg(long, default_value_t = crate::queue::kafka::COMMIT_EVERY_MS)]
     pub kafka_commit_every_ms: u64,
+    /// Test hook: a message of a call the log does not know is deleted once it was put this
+    /// long ago, in ms (it is of a call the log forgot).
+    #[arg(long, hide = true, default_value_t = crate::calls::FORGOTTEN_AFTER_MS)]
+    pub forgotten_after_ms: u64,
     /// A librdkafka property for ebb's Kafka clients, `KEY=VALUE` (repeat it): TLS and SASL for
     /// a real cluster, or batching and fetching. `producer.KEY` goes to the producer only,
     /// `consumer.KEY` to the runners' consumers only. After those of `--kafka-config-file`.
-    #[arg(long = "kafka-config", value_name = "KEY=VALUE")]
+    #[arg(
+        long = "kafka-config",
+        value_name = "KEY=VALUE",
+        requires = "kafka_brokers"
+    )]
     pub kafka_config: Vec<String>,
     /// A file of librdkafka properties, one `KEY=VALUE` a line (`#` starts a comment): a
     /// Kubernetes Secret mounted as a file keeps a SASL password out of the pod's arguments.
-    #[arg(long, env = "EBB_KAFKA_CONFIG_FILE", value_name = "PATH")]
+    #[arg(
+        long,
+        env = "EBB_KAFKA_CONFIG_FILE",
+        value_name = "PATH",
+        requires = "kafka_brokers"
+    )]
     pub kafka_config_file: Option<PathBuf>,
 }
 
@@ -396,6 +409,7 @@ impl ServeOptions {
                 bytes: self.calls.call_retention_bytes,
             },
             max_queued_per_target: self.limits.max_queued_per_target,
+            forgotten_after_ms: self.calls.forgotten_after_ms,
             ..CallOptions::default()
         }
     }
@@ -472,18 +486,31 @@ impl CallFlags {
         let Some(brokers) = self.kafka_brokers.clone() else {
             return Ok(None);
         };
-        let file = match &self.kafka_config_file {
+        let text = match &self.kafka_config_file {
             Some(path) => std::fs::read_to_string(path)
                 .map_err(|e| format!("--kafka-config-file {}: {e}", path.display()))?,
             None => String::new(),
         };
-        let from_file = file
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty() && !l.starts_with('#'));
-        let client =
-            ClientProperties::parse(from_file.chain(self.kafka_config.iter().map(|s| s.as_str())))
-                .map_err(|e| format!("--kafka-config: {e}"))?;
+        let mut items = Vec::new();
+        if let Some(path) = &self.kafka_config_file {
+            for (n, line) in text.lines().enumerate() {
+                let line = line.trim();
+                if line.is_empty() || line.starts_with('#') {
+                    continue;
+                }
+                // Each line on its own, so that an error names its line (and never repeats
+                // it: it may hold a password).
+                ClientProperties::parse([line]).map_err(|e| {
+                    format!("--kafka-config-file {} line {}: {e}", path.display(), n + 1)
+                })?;
+                items.push(line);
+            }
+        }
+        for item in &self.kafka_config {
+            ClientProperties::parse([item.as_str()]).map_err(|e| format!("--kafka-config: {e}"))?;
+            items.push(item);
+        }
+        let client = ClientProperties::parse(items)?;
         Ok(Some(KafkaOptions {
             brokers,
             topic: self.kafka_topic.clone(),

@@ -50,7 +50,18 @@ pub struct CallOptions {
     pub retention_bounds: RetentionBounds,
     /// Calls queued for one target at once (`--max-queued-per-target`).
     pub max_queued_per_target: usize,
+    /// A message of a call the log does not know is deleted, not run, once it was put longer
+    /// ago than this ([`FORGOTTEN_AFTER_MS`]).
+    pub forgotten_after_ms: u64,
 }
+
+/// How long after its put a message of a call the log does not know is taken for one whose call
+/// ended and was forgotten (a Kafka partition read again from an older commit): deleted, never
+/// run again. An enqueue puts, then records, so a message read in between is of a call about to
+/// be recorded; that takes far less than this, with the put's own timeout (5 s), the hold-back
+/// of another replica's unknown call (20 s in all) and clock skew between replicas. A call the
+/// log forgot sooner after its put (a retention shorter than this) is met as unknown, and run.
+pub const FORGOTTEN_AFTER_MS: u64 = 600_000;
 
 impl Default for CallOptions {
     fn default() -> Self {
@@ -72,6 +83,7 @@ impl Default for CallOptions {
                 bytes: 256 << 20,
             },
             max_queued_per_target: 100_000,
+            forgotten_after_ms: FORGOTTEN_AFTER_MS,
         }
     }
 }

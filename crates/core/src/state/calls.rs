@@ -204,6 +204,11 @@ pub struct Calls {
     /// go with the age.
     #[serde(skip)]
     gone_by_ms: Ended<Arc<str>>,
+    /// How many calls of `by_id` are in each state, in the order of [`CallStatus::ALL`] (an index
+    /// for `/metrics`, which would otherwise look at every call under the log's read lock at each
+    /// scrape, holding the writer back; counted again when a snapshot is read).
+    #[serde(skip)]
+    by_status: [u64; 6],
 }
 
 /// What is left of forgotten calls is bounded too, at this many times the ended calls a
@@ -349,11 +354,7 @@ impl Calls {
 
     /// How many calls are in each state, in the order of [`CallStatus::ALL`].
     pub fn count_by_status(&self) -> [u64; 6] {
-        let mut n = [0u64; 6];
-        for c in self.by_id.values() {
-            n[c.status as usize] += 1;
-        }
-        n
+        self.by_status
     }
 
     /// A call by id.
@@ -379,6 +380,7 @@ impl Calls {
             gone,
             gone_by_ms,
             aborted,
+            by_status,
             ..
         } = self;
         let mut stay = Vec::new();
@@ -392,6 +394,7 @@ impl Calls {
             let Some((id, c)) = by_id.remove_entry(id) else {
                 continue;
             };
+            by_status[c.status as usize] = by_status[c.status as usize].saturating_sub(1);
             if kept.is_some() {
                 let id: Arc<str> = id.into();
                 let g = Gone {
@@ -446,6 +449,10 @@ impl Calls {
         for (id, g) in &self.gone {
             self.gone_by_ms.add(g.finished_at_ms, 0, id.clone());
         }
+        self.by_status = [0; 6];
+        for c in self.by_id.values() {
+            self.by_status[c.status as usize] += 1;
+        }
         self.ended = Ended::default();
         for c in self.by_id.values().filter(|c| c.status.is_final()) {
             self.ended.add(
@@ -491,13 +498,21 @@ impl Calls {
             queued,
             queued_by_target,
             ended,
+            by_status,
             ..
         } = self;
         let (timer, stepped) = apply_call(by_id, at_ms, event);
-        if let Some(Stepped { was_final, c, .. }) = stepped
-            && !was_final
-            && c.status.is_final()
-        {
+        let Some(Stepped { was, c }) = stepped else {
+            return timer;
+        };
+        if was != Some(c.status) {
+            if let Some(was) = was {
+                by_status[was as usize] = by_status[was as usize].saturating_sub(1);
+            }
+            by_status[c.status as usize] += 1;
+        }
+        let was_queued = was == Some(CallStatus::Queued);
+        if !was.is_some_and(CallStatus::is_final) && c.status.is_final() {
             ended.add(
                 c.finished_at_ms.unwrap_or_default(),
                 c.held_bytes(),
@@ -505,9 +520,7 @@ impl Calls {
             );
         }
         // The indexes change only when the call enters or leaves `queued`.
-        if let Some(Stepped { was_queued, c, .. }) = stepped
-            && (c.status == CallStatus::Queued) != was_queued
-        {
+        if (c.status == CallStatus::Queued) != was_queued {
             let target = c.spec.target.as_str();
             if was_queued {
                 queued.remove(&c.spec.id);
@@ -546,8 +559,8 @@ impl Calls {
 /// A call an event stepped: where it was before the step, and the call after it.
 #[derive(Clone, Copy)]
 struct Stepped<'a> {
-    was_queued: bool,
-    was_final: bool,
+    /// Its state before the step (`None`: the event recorded it).
+    was: Option<CallStatus>,
     c: &'a Call,
 }
 
@@ -558,7 +571,6 @@ fn apply_call<'a>(
     at_ms: u64,
     event: &Event,
 ) -> (Timer, Option<Stepped<'a>>) {
-    let queued = |c: &Call| c.status == CallStatus::Queued;
     // One search of the map per event (its keys share their owner's prefix, so each comparison
     // reads far into both ids: a search costs more than copying an id).
     let c = match event {
@@ -566,49 +578,46 @@ fn apply_call<'a>(
             return match by_id.entry(call.id.clone()) {
                 hash_map::Entry::Occupied(o) => {
                     let c = o.into_mut();
-                    let was_final = c.status.is_final();
                     (
                         Timer::Keep,
                         Some(Stepped {
-                            was_queued: queued(c),
-                            was_final,
+                            was: Some(c.status),
                             c,
                         }),
                     )
                 }
                 hash_map::Entry::Vacant(v) => {
                     let c = v.insert(Box::new(Call::new(call.clone(), CallStatus::Queued, at_ms)));
-                    (
-                        Timer::Keep,
-                        Some(Stepped {
-                            was_queued: false,
-                            was_final: false,
-                            c,
-                        }),
-                    )
+                    (Timer::Keep, Some(Stepped { was: None, c }))
                 }
             };
         }
         // A finish for a call that was never queued (a sync call, or a lost enqueue) is
         // recorded, as the runner API asks.
-        Event::CallFinished { id, .. } => by_id.entry(id.clone()).or_insert_with(|| {
-            Box::new(Call::new(
-                Arc::new(placeholder(id)),
-                CallStatus::Running,
-                at_ms,
-            ))
-        }),
+        Event::CallFinished { id, .. } => match by_id.entry(id.clone()) {
+            hash_map::Entry::Occupied(o) => {
+                let c = o.into_mut();
+                (Some(c.status), c)
+            }
+            hash_map::Entry::Vacant(v) => (
+                None,
+                v.insert(Box::new(Call::new(
+                    Arc::new(placeholder(id)),
+                    CallStatus::Running,
+                    at_ms,
+                ))),
+            ),
+        },
         Event::CallStarted { id, .. }
         | Event::CallRejected { id, .. }
         | Event::CallTimedOut { id }
         | Event::CallCancelled { id } => match by_id.get_mut(id) {
-            Some(c) => c,
+            Some(c) => (Some(c.status), c),
             None => return (Timer::Keep, None),
         },
         _ => return (Timer::Keep, None),
     };
-    let was_queued = queued(c);
-    let was_final = c.status.is_final();
+    let (was, c) = c;
     let timer = match event {
         Event::CallStarted {
             runner,
@@ -663,14 +672,7 @@ fn apply_call<'a>(
         }
         _ => Timer::Keep,
     };
-    (
-        timer,
-        Some(Stepped {
-            was_queued,
-            was_final,
-            c,
-        }),
-    )
+    (timer, Some(Stepped { was, c }))
 }
 
 /// The spec of a call first seen at its finish: only its id.
@@ -855,6 +857,79 @@ pub fn decide_timeouts(calls: &Calls, due_ids: &[&str], now_ms: u64) -> Vec<Even
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The count by state follows every step, a call first met at its finish, and a
+    /// forgetting, and is what a look at every call gives.
+    #[test]
+    fn the_count_by_state_is_what_a_look_at_every_call_gives() {
+        use crate::state::{State, apply_at};
+        let mut s = State::default();
+        let walk = |s: &State| {
+            let mut n = [0u64; 6];
+            for c in s.calls.by_id.values() {
+                n[c.status as usize] += 1;
+            }
+            n
+        };
+        for i in 0..4 {
+            apply_at(
+                &mut s,
+                1,
+                Event::CallQueued {
+                    call: Arc::new(CallSpec::for_test(&format!("c{i}"))),
+                },
+            );
+        }
+        let finish = |id: &str| Event::CallFinished {
+            id: id.into(),
+            runner: "r".into(),
+            outcome: Outcome::Success,
+            result: None,
+            log: String::new(),
+        };
+        let steps = [
+            Event::CallStarted {
+                id: "c0".into(),
+                runner: "r".into(),
+                deadline_at_ms: 100,
+            },
+            Event::CallStarted {
+                id: "c1".into(),
+                runner: "r".into(),
+                deadline_at_ms: 100,
+            },
+            finish("c1"),
+            // A second start of a running call is refused and ends it.
+            Event::CallStarted {
+                id: "c0".into(),
+                runner: "r".into(),
+                deadline_at_ms: 100,
+            },
+            Event::CallCancelled { id: "c2".into() },
+            // A finish of a call never queued records it.
+            finish("sync"),
+            // A queue event of a known call changes nothing.
+            Event::CallQueued {
+                call: Arc::new(CallSpec::for_test("c3")),
+            },
+        ];
+        for e in steps {
+            apply_at(&mut s, 10, e);
+            assert_eq!(s.calls.count_by_status(), walk(&s));
+        }
+        assert_eq!(s.calls.count_by_status(), [1, 0, 2, 1, 0, 1]);
+        apply_at(
+            &mut s,
+            20,
+            Event::CallsForgotten {
+                finished_before_ms: 11,
+                within: None,
+            },
+        );
+        assert_eq!(s.calls.count_by_status(), [1, 0, 0, 0, 0, 0]);
+        let read = State::decode_snapshot(&s.encode_snapshot()).unwrap();
+        assert_eq!(read.calls.count_by_status(), walk(&s));
+    }
 
     #[test]
     fn the_machine_table() {

@@ -101,17 +101,27 @@ pub struct ClientProperties {
     pub consumer: Vec<(String, String)>,
 }
 
-/// Properties ebb sets itself because its promises rest on them: a put acknowledged only once
-/// every replica has it, exactly once per put, offsets committed only after a finish, one group
-/// whose partitions move a few at a time, and the brokers named by `--kafka-brokers`.
-pub const KEPT_PROPERTIES: [&str; 8] = [
+/// Properties ebb sets itself (or leaves at librdkafka's default) because its promises rest on
+/// them: a put acknowledged only once every replica has it, exactly once, within its timeout,
+/// calls sharing a key on one partition; a runner's consumer in ebb's one group, committing its
+/// own offsets after finishes, reading a new group from the start, leaving the group when
+/// released, its partitions moving a few at a time; and the brokers named by `--kafka-brokers`.
+pub const KEPT_PROPERTIES: [&str; 16] = [
     "bootstrap.servers",
     "metadata.broker.list",
     "acks",
+    "request.required.acks",
     "enable.idempotence",
+    "transactional.id",
+    "message.timeout.ms",
+    "delivery.timeout.ms",
+    "partitioner",
     "group.id",
+    "group.instance.id",
     "enable.auto.commit",
     "enable.auto.offset.store",
+    "auto.offset.reset",
+    "enable.partition.eof",
     "partition.assignment.strategy",
 ];
 
@@ -124,7 +134,7 @@ impl ClientProperties {
         let mut out = Self::default();
         for item in items {
             let Some((key, value)) = item.split_once('=') else {
-                return Err(format!("{item:?} is not KEY=VALUE"));
+                return Err("a property is not KEY=VALUE".to_owned());
             };
             let key = key.trim();
             let (to, name) = if let Some(k) = key.strip_prefix("producer.") {
@@ -135,7 +145,7 @@ impl ClientProperties {
                 (&mut out.all, key)
             };
             if name.is_empty() {
-                return Err(format!("{item:?} names no property"));
+                return Err(format!("{:?} names no property", key));
             }
             if KEPT_PROPERTIES.contains(&name) {
                 return Err(format!(
@@ -452,9 +462,13 @@ impl KafkaQueue {
     pub async fn open(clock: Arc<dyn Clock>, options: KafkaOptions) -> Result<Self, QueueError> {
         // The consumers are made on a runner's first dequeue: their settings are checked now,
         // so that a bad one stops ebb at its start rather than its first call.
-        consumer_config(&options, "check")
-            .create_native_config()
-            .map_err(kafka)?;
+        // (A client is made, not only its settings read: some settings are checked against
+        // each other only then.)
+        drop(
+            consumer_config(&options, "check")
+                .create::<BaseConsumer>()
+                .map_err(kafka)?,
+        );
         let mut admin = ClientConfig::new();
         admin.set("bootstrap.servers", &options.brokers);
         let admin: AdminClient<DefaultClientContext> =
@@ -1063,6 +1077,14 @@ mod tests {
                 "enable.auto.commit is set by ebb",
             ),
             ("group.id=other", "group.id is set by ebb"),
+            (
+                "consumer.auto.offset.reset=latest",
+                "auto.offset.reset is set by ebb",
+            ),
+            (
+                "producer.message.timeout.ms=0",
+                "message.timeout.ms is set by ebb",
+            ),
             ("bootstrap.servers=x:9092", "--kafka-brokers"),
             ("linger.ms", "is not KEY=VALUE"),
             ("=1", "names no property"),
@@ -1074,16 +1096,22 @@ mod tests {
     }
 
     #[test]
-    fn a_consumer_property_librdkafka_does_not_know_fails_the_queue_at_its_open() {
-        let options = KafkaOptions {
-            client: ClientProperties::parse(["consumer.no.such.property=1"]).unwrap(),
-            ..KafkaOptions::default()
-        };
-        let err = consumer_config(&options, "r")
-            .create_native_config()
-            .map(|_| ())
-            .expect_err("an unknown property");
-        assert!(err.to_string().contains("no.such.property"), "{err}");
+    fn consumer_properties_librdkafka_refuses_fail_the_consumer_made_at_the_queues_open() {
+        for (item, says) in [
+            ("consumer.no.such.property=1", "no.such.property"),
+            // Each is valid alone; together librdkafka refuses them when the client is made.
+            ("consumer.fetch.max.bytes=1000", "fetch.max.bytes"),
+        ] {
+            let options = KafkaOptions {
+                client: ClientProperties::parse([item]).unwrap(),
+                ..KafkaOptions::default()
+            };
+            let err = consumer_config(&options, "r")
+                .create::<BaseConsumer>()
+                .map(|_| ())
+                .expect_err(item);
+            assert!(err.to_string().contains(says), "{item}: {err}");
+        }
     }
 
     #[test]
