@@ -677,23 +677,9 @@ async fn kafka_client_properties_reach_the_clients_and_bad_ones_stop_ebb_at_its_
     let dir = tempfile::tempdir().unwrap();
     let brokers = broker.addr.to_string();
     let refused = |extra: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ebb"))
-            .args([
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ])
-            .arg("--data-dir")
-            .arg(dir.path().join("refused"))
-            .args(["--kafka-brokers", &brokers])
-            .args(extra)
-            .env("EBB_LOG", "warn")
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{extra:?} was taken");
-        String::from_utf8_lossy(&out.stderr).into_owned()
+        let mut args = vec!["--kafka-brokers", brokers.as_str()];
+        args.extend_from_slice(extra);
+        common::serve_refused(&dir.path().join("refused"), args)
     };
     let err = refused(&["--kafka-config", "acks=1"]);
     assert!(err.contains("acks is set by ebb itself"), "{err}");
@@ -705,6 +691,18 @@ async fn kafka_client_properties_reach_the_clients_and_bad_ones_stop_ebb_at_its_
         err.contains("--kafka-config-file /nonexistent/kafka.properties"),
         "{err}"
     );
+    // A bad line is named by its number, never repeated (it may hold a password).
+    let bad = dir.path().join("bad.properties");
+    std::fs::write(&bad, "# ok\nsasl.username=ebb\nsasl.password: secret\n").unwrap();
+    let err = refused(&["--kafka-config-file", bad.to_str().unwrap()]);
+    assert!(err.contains("line 3: a property is not KEY=VALUE"), "{err}");
+    assert!(!err.contains("secret"), "{err}");
+    // Without brokers there is no Kafka client to give them to.
+    let out = common::serve_refused(
+        &dir.path().join("refused"),
+        ["--kafka-config", "linger.ms=5"],
+    );
+    assert!(out.contains("--kafka-brokers"), "{out}");
 
     let file = dir.path().join("kafka.properties");
     std::fs::write(
