@@ -753,7 +753,9 @@ impl Calls {
                     }
                     // Ended, and forgotten by the retention's bounds, or by its age (a message
                     // put longer ago than any enqueue takes to record): never run again.
-                    None if s.calls.gone(&m.id).is_some() || forgotten(&m, now, after) => {
+                    None if s.calls.gone(&m.id).is_some()
+                        || put_long_ago(m.put_at_ms, now, after) =>
+                    {
                         done.push(m.id);
                         continue;
                     }
@@ -868,9 +870,7 @@ impl Calls {
             for ((spec, deliveries, put_at_ms), state) in specs.into_iter().zip(states) {
                 match state {
                     // Its owner forgot it (the retention's age): never run again.
-                    None if put_at_ms
-                        .is_some_and(|at| past(at, now, self.options.retention_ms)) =>
-                    {
+                    None if put_long_ago(put_at_ms, now, self.options.forgotten_after_ms) => {
                         done.push(spec.id)
                     }
                     // Put but not recorded yet by its owner: back in a moment, as a start now
@@ -1513,16 +1513,11 @@ impl Calls {
     }
 }
 
-/// Whether a message put at `put_at_ms` is older than `after_ms` ([`FORGOTTEN_AFTER_MS`]) at
-/// `now`: if the log does not know its call, the call ended and was forgotten (or its enqueue
-/// never finished, and was never acknowledged), so it must not run.
-fn past(put_at_ms: u64, now: u64, after_ms: u64) -> bool {
-    now.saturating_sub(put_at_ms) > after_ms
-}
-
-/// [`past`] for a message whose queue says when it was put.
-fn forgotten(m: &Message, now: u64, after_ms: u64) -> bool {
-    m.put_at_ms.is_some_and(|at| past(at, now, after_ms))
+/// Whether a message put at `put_at_ms` (when its queue says) is older than `after_ms`
+/// ([`FORGOTTEN_AFTER_MS`]) at `now`: if the log does not know its call, the call ended and was
+/// forgotten (or its enqueue never finished, and was never acknowledged), so it must not run.
+fn put_long_ago(put_at_ms: Option<u64>, now: u64, after_ms: u64) -> bool {
+    put_at_ms.is_some_and(|at| now.saturating_sub(at) > after_ms)
 }
 
 /// [`spec_of`], with a warning for a message that is not a call (it is deleted).

@@ -486,31 +486,24 @@ impl CallFlags {
         let Some(brokers) = self.kafka_brokers.clone() else {
             return Ok(None);
         };
-        let text = match &self.kafka_config_file {
-            Some(path) => std::fs::read_to_string(path)
-                .map_err(|e| format!("--kafka-config-file {}: {e}", path.display()))?,
-            None => String::new(),
-        };
-        let mut items = Vec::new();
+        let mut client = ClientProperties::default();
         if let Some(path) = &self.kafka_config_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("--kafka-config-file {}: {e}", path.display()))?;
             for (n, line) in text.lines().enumerate() {
                 let line = line.trim();
-                if line.is_empty() || line.starts_with('#') {
-                    continue;
+                if !line.is_empty() && !line.starts_with('#') {
+                    client.add(line).map_err(|e| {
+                        format!("--kafka-config-file {} line {}: {e}", path.display(), n + 1)
+                    })?;
                 }
-                // Each line on its own, so that an error names its line (and never repeats
-                // it: it may hold a password).
-                ClientProperties::parse([line]).map_err(|e| {
-                    format!("--kafka-config-file {} line {}: {e}", path.display(), n + 1)
-                })?;
-                items.push(line);
             }
         }
         for item in &self.kafka_config {
-            ClientProperties::parse([item.as_str()]).map_err(|e| format!("--kafka-config: {e}"))?;
-            items.push(item);
+            client
+                .add(item)
+                .map_err(|e| format!("--kafka-config: {e}"))?;
         }
-        let client = ClientProperties::parse(items)?;
         Ok(Some(KafkaOptions {
             brokers,
             topic: self.kafka_topic.clone(),

@@ -1083,39 +1083,33 @@ mod tests {
         assert!(rest.is_empty());
     }
 
-    fn socket_linger_zero(s: &std::net::TcpStream) {
-        let linger = libc::linger {
-            l_onoff: 1,
-            l_linger: 0,
-        };
-        // SAFETY: passes a live linger struct of its own size.
+    /// Sets the socket option `name` (at `SOL_SOCKET`) of `s` to `value`.
+    fn set_socket_option<T>(s: &impl std::os::fd::AsRawFd, name: libc::c_int, value: &T) {
+        // SAFETY: passes a live value of its own size.
         let r = unsafe {
             libc::setsockopt(
                 s.as_raw_fd(),
                 libc::SOL_SOCKET,
-                libc::SO_LINGER,
-                std::ptr::from_ref(&linger).cast(),
-                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                name,
+                std::ptr::from_ref(value).cast(),
+                std::mem::size_of::<T>() as libc::socklen_t,
             )
         };
         assert_eq!(r, 0);
     }
 
+    fn socket_linger_zero(s: &std::net::TcpStream) {
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        set_socket_option(s, libc::SO_LINGER, &linger);
+    }
+
     /// Fixes `s`'s send buffer at 64 KiB (the kernel then no longer grows it).
     fn small_send_buffer(s: &tokio::net::TcpStream) {
-        use std::os::fd::AsRawFd;
         let size: libc::c_int = 64 * 1024;
-        // SAFETY: passes a live int of its own size.
-        let r = unsafe {
-            libc::setsockopt(
-                s.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_SNDBUF,
-                std::ptr::from_ref(&size).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        assert_eq!(r, 0);
+        set_socket_option(s, libc::SO_SNDBUF, &size);
     }
 
     #[tokio::test]

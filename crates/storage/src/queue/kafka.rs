@@ -126,40 +126,46 @@ pub const KEPT_PROPERTIES: [&str; 16] = [
 ];
 
 impl ClientProperties {
-    /// Reads `KEY=VALUE` items (spaces around the key and the value dropped); an item without
-    /// `=`, with an empty key, or naming a property ebb keeps ([`KEPT_PROPERTIES`]) is refused
-    /// with its reason. Unknown keys and bad values are librdkafka's to refuse, when the clients
-    /// are made.
+    /// Reads `KEY=VALUE` items, each as [`ClientProperties::add`] does.
     pub fn parse<'a>(items: impl IntoIterator<Item = &'a str>) -> Result<Self, String> {
         let mut out = Self::default();
         for item in items {
-            let Some((key, value)) = item.split_once('=') else {
-                return Err("a property is not KEY=VALUE".to_owned());
-            };
-            let key = key.trim();
-            let (to, name) = if let Some(k) = key.strip_prefix("producer.") {
-                (&mut out.producer, k)
-            } else if let Some(k) = key.strip_prefix("consumer.") {
-                (&mut out.consumer, k)
-            } else {
-                (&mut out.all, key)
-            };
-            if name.is_empty() {
-                return Err(format!("{:?} names no property", key));
-            }
-            if KEPT_PROPERTIES.contains(&name) {
-                return Err(format!(
-                    "{name} is set by ebb itself (its calls' guarantees rest on it){}",
-                    if name == "bootstrap.servers" || name == "metadata.broker.list" {
-                        ": name the brokers with --kafka-brokers"
-                    } else {
-                        ""
-                    }
-                ));
-            }
-            to.push((name.to_owned(), value.trim().to_owned()));
+            out.add(item)?;
         }
         Ok(out)
+    }
+
+    /// Adds one `KEY=VALUE` item (spaces around the key and the value dropped); an item without
+    /// `=`, with an empty key, or naming a property ebb keeps ([`KEPT_PROPERTIES`]) is refused
+    /// with its reason (which never repeats the item: it may hold a password). Unknown keys and
+    /// bad values are librdkafka's to refuse, when the clients are made.
+    pub fn add(&mut self, item: &str) -> Result<(), String> {
+        let Some((key, value)) = item.split_once('=') else {
+            return Err("a property is not KEY=VALUE".to_owned());
+        };
+        let key = key.trim();
+        let (to, name) = if let Some(k) = key.strip_prefix("producer.") {
+            (&mut self.producer, k)
+        } else if let Some(k) = key.strip_prefix("consumer.") {
+            (&mut self.consumer, k)
+        } else {
+            (&mut self.all, key)
+        };
+        if name.is_empty() {
+            return Err(format!("{key:?} names no property"));
+        }
+        if KEPT_PROPERTIES.contains(&name) {
+            return Err(format!(
+                "{name} is set by ebb itself (its calls' guarantees rest on it){}",
+                if name == "bootstrap.servers" || name == "metadata.broker.list" {
+                    ": name the brokers with --kafka-brokers"
+                } else {
+                    ""
+                }
+            ));
+        }
+        to.push((name.to_owned(), value.trim().to_owned()));
+        Ok(())
     }
 
     /// `config` with the properties for every client and then `only`'s.
