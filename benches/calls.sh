@@ -28,6 +28,7 @@ seconds="${1:-5}"
 # Apache Kafka (a KRaft node from scripts/kafka, on loopback), after the embedded rows' latency
 # run above.
 bench_workdir
+bench_awake
 port="${BENCH_KAFKA_PORT:-19092}"
 libs="$(scripts/kafka fetch)"
 scripts/kafka run "$work/kafka" "$port" >"$work/broker.log" 2>&1 &

@@ -25,6 +25,7 @@ rounds="${BENCH_ROUNDS:-3}"
 bench_packages nghttp2-client nginx haproxy curl
 bench_ebb
 bench_workdir
+bench_awake
 
 base="${BENCH_PORT_BASE:-18500}"
 app_port=$((base + 1)); ebb_port=$((base + 2)); admin_port=$((base + 3))

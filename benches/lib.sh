@@ -34,6 +34,30 @@ bench_cleanup() {
   rm -rf "$work"
 }
 
+# Keeps every core busy with a spinner at `SCHED_IDLE` (`chrt --idle`), which runs only when a core
+# would otherwise be idle and gives way at once to anything else; BENCH_AWAKE=0 leaves the cores
+# to idle. Why: on a virtual machine a core with nothing to run halts, and waking it again (an
+# interrupt through the hypervisor) costs far more than a wake-up on a running core. Under a
+# proxy benchmark's ping-pong the cores halt and wake thousands of times a second, and whether
+# they do moves from round to round with the host: measured on a 2-core VM, in one run of
+# `tcp.sh`, HAProxy served 101k req/s at 8.1 us of CPU per request in four rounds and 181k at
+# 4.2 us in the fifth, and redis directly 133k or 273k. With the cores awake every target runs
+# in the same (fast) mode and the rounds agree within a few percent. The spinners' CPU time is
+# nobody's: each target's CPU per request counts its own processes only. Call after
+# bench_workdir.
+bench_awake() {
+  if [ "${BENCH_AWAKE:-1}" != 1 ]; then
+    echo "cores left to idle (BENCH_AWAKE=0): rounds may differ by the cores' halts and wake-ups"
+    return 0
+  fi
+  local i
+  for i in $(seq 1 "$(nproc)"); do
+    chrt --idle 0 sh -c 'while :; do :; done' &
+    pids+=($!)
+  done
+  echo "each of the $(nproc) cores kept awake by an idle-priority spinner (BENCH_AWAKE=0 to measure without)"
+}
+
 # With BENCH_PERF=FILE, starts `perf record` on PID, writing FILE, and sets `perf_pid`
 # (BENCH_PERF_ARGS: its options, `-F 1999 -g` by default; `-F 999 --call-graph dwarf,16384` names
 # the callers in code built without frame pointers); without, does nothing: PID.

@@ -31,6 +31,7 @@ conns="${2:-64}"
 bench_packages wrk nginx haproxy curl
 bench_ebb
 bench_workdir
+bench_awake
 
 base="${BENCH_PORT_BASE:-18000}"
 app_port=$((base + 1)); ebb_port=$((base + 2)); admin_port=$((base + 3)); nginx_port=$((base + 4))

@@ -23,6 +23,7 @@ rounds="${BENCH_ROUNDS:-3}"
 bench_packages redis-server redis-tools haproxy
 bench_ebb
 bench_workdir
+bench_awake
 
 base="${BENCH_PORT_BASE:-18100}"
 direct_port=$((base + 1)); route_port=$((base + 2)); proxy_port=$((base + 3)); admin_port=$((base + 4))
@@ -125,3 +126,8 @@ ratio() { # label, throughput, p99, CPU of ebb's row
 ratio "ebb" "$through" "$ebb_p99" "$ebb_cpu"
 ratio "ebb copy loop" "$copied" "$copy_p99" "$copy_cpu"
 awk -v a="$through" -v b="$direct" 'BEGIN { printf "| ebb / direct | %.2f x throughput | | |\n", a / b }'
+echo
+echo "each round, requests/s / proxy CPU per request (us) / p99 (ms):"
+for f in direct ebb copy.txt haproxy; do
+  printf '%-10s %s\n' "${f%.txt}" "$(awk '{ printf "%s/%s/%s  ", $1, $2, $3 }' "$work/$f")"
+done

@@ -80,7 +80,7 @@ pub struct NetOptions {
     /// Proxy threads (default: one per core).
     #[arg(long, env = "EBB_PROXY_THREADS")]
     pub proxy_threads: Option<usize>,
-    /// Threads that move TCP routes' bytes through io_uring (default: one per two cores);
+    /// Threads that move TCP routes' bytes through io_uring (default: one per core);
     /// 0, or a kernel that refuses io_uring: the proxy threads copy them.
     #[arg(long, env = "EBB_TCP_RELAY_THREADS")]
     pub tcp_relay_threads: Option<usize>,
@@ -430,11 +430,10 @@ impl NetOptions {
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
     }
 
-    /// TCP relay threads: as asked, else one per two cores.
+    /// TCP relay threads: as asked, else one per core.
     pub fn tcp_relay_threads(&self) -> usize {
-        self.tcp_relay_threads.unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(1, |n| n.get().div_ceil(2))
-        })
+        self.tcp_relay_threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
     }
 
     /// The proxy's certificate chain and key, if it serves TLS.

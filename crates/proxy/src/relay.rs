@@ -8,12 +8,13 @@
 //! own, plus the waits. A ring takes every connection's receives and sends at once in one
 //! `io_uring_enter`, which also waits, and the kernel runs the completions in that call
 //! (`DEFER_TASKRUN`), so the more connections are busy the fewer syscalls a request costs.
-//! Measured with `benches/tcp.sh` (redis-benchmark, 50 clients, 2 cores): one relay thread spent
-//! 0.78-0.85x the CPU per request of HAProxy's `mode tcp` and about 0.85x the copy loop's,
-//! unpipelined, at 0.96-1.02x HAProxy's throughput (the copy loop's 1.00-1.04x: one thread's
-//! batching costs a little latency where client and server share the two cores) and 0.98x its
-//! p99; with pipeline 16, 0.73-0.76x the CPU at 1.04-1.10x the throughput. Two relay threads on
-//! two cores batch less and spent as much as the copy loop, hence one thread per two cores.
+//! Measured with `benches/tcp.sh` (redis-benchmark, 50 clients, 2 cores kept awake, 5 rounds, in
+//! the same runs as HAProxy's `mode tcp` with 2 threads): two relay threads served 1.03-1.05x
+//! HAProxy's throughput unpipelined at 0.85-0.90x its CPU per request and p99 0.88-1.01x, and
+//! 1.03x at 0.92x with pipeline 16; one relay thread, 0.83-0.92x and 0.94x (it serialises the
+//! proxy's half of the kernel's TCP work while client and server wait on it), hence one thread
+//! per core by default. (An earlier measure that favoured one thread was taken with the cores
+//! free to halt, where rounds flip between a slow and a fast mode: see `benches/lib.sh`.)
 //!
 //! How:
 //! * A connection is handed over once the replica is connected ([`Relays::splice`]): its two
