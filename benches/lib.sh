@@ -34,20 +34,21 @@ bench_cleanup() {
   rm -rf "$work"
 }
 
-# Keeps every core busy with a spinner at `SCHED_IDLE` (`chrt --idle`), which runs only when a core
-# would otherwise be idle and gives way at once to anything else; BENCH_AWAKE=0 leaves the cores
-# to idle. Why: on a virtual machine a core with nothing to run halts, and waking it again (an
-# interrupt through the hypervisor) costs far more than a wake-up on a running core. Under a
-# proxy benchmark's ping-pong the cores halt and wake thousands of times a second, and whether
-# they do moves from round to round with the host: measured on a 2-core VM, in one run of
-# `tcp.sh`, HAProxy served 101k req/s at 8.1 us of CPU per request in four rounds and 181k at
-# 4.2 us in the fifth, and redis directly 133k or 273k. With the cores awake every target runs
-# in the same (fast) mode and the rounds agree within a few percent. The spinners' CPU time is
-# nobody's: each target's CPU per request counts its own processes only. Call after
-# bench_workdir.
+# With BENCH_AWAKE=1, keeps every core busy with a spinner at `SCHED_IDLE` (`chrt --idle`), which
+# runs only when a core would otherwise be idle; by default the cores are left to idle. Why: on a
+# virtual machine a core with nothing to run halts, and waking it again (an interrupt through the
+# hypervisor) costs far more than a wake-up on a running core. Under a proxy benchmark's
+# ping-pong the cores halt and wake thousands of times a second, and what that costs moved from
+# round to round on the 2-core VM the figures come from: in one run of `tcp.sh`, HAProxy served
+# 101k req/s at 8.1 us of CPU per request in four rounds and 181k at 4.2 us in the fifth. With
+# the cores awake a run's rounds agree within a few percent. Not the default: the spinners are
+# not free for a latency tail (wrk's p99 through ebb went from 1.35 to 3.77 ms, HAProxy's from
+# 1.65 to 2.46 ms, in `proxy.sh`), so they suit throughput and CPU comparisons (`tcp.sh`) more
+# than p99s. The spinners' CPU time is nobody's: each target's CPU per request counts its own
+# processes only. Call after bench_workdir.
 bench_awake() {
-  if [ "${BENCH_AWAKE:-1}" != 1 ]; then
-    echo "cores left to idle (BENCH_AWAKE=0): rounds may differ by the cores' halts and wake-ups"
+  if [ "${BENCH_AWAKE:-0}" != 1 ]; then
+    echo "cores left to idle (BENCH_AWAKE=1 keeps them awake): rounds may differ by the cores' halts and wake-ups"
     return 0
   fi
   local i
@@ -55,7 +56,7 @@ bench_awake() {
     chrt --idle 0 sh -c 'while :; do :; done' &
     pids+=($!)
   done
-  echo "each of the $(nproc) cores kept awake by an idle-priority spinner (BENCH_AWAKE=0 to measure without)"
+  echo "each of the $(nproc) cores kept awake by an idle-priority spinner (BENCH_AWAKE=1)"
 }
 
 # With BENCH_PERF=FILE, starts `perf record` on PID, writing FILE, and sets `perf_pid`

@@ -894,7 +894,18 @@ impl Collector for Scraped {
         )?;
         self.encode_load(&mut encoder, routes)?;
 
-        let (calls, seq) = self.0.log.read(|st| (st.calls.count_by_status(), st.seq));
+        // One look under the log's read lock for the calls' states and what the retention holds.
+        let (calls, seq, (ended_calls, ended_instances, gone)) = self.0.log.read(|st| {
+            (
+                st.calls.count_by_status(),
+                st.seq,
+                (
+                    st.calls.ended.tally(),
+                    st.functions.ended.tally(),
+                    st.calls.gone.len() as u64,
+                ),
+            )
+        });
         let mut family = encoder.encode_descriptor(
             "ebb_calls",
             "Calls the log keeps, by state (ended ones until the retention forgets them).",
@@ -906,13 +917,6 @@ impl Collector for Scraped {
             ConstGauge::new(n as i64).encode(family.encode_family(&labels)?)?;
         }
         // What the retention's bounds hold to (`--call-retention-count`, `--call-retention-bytes`).
-        let (calls, instances, gone) = self.0.log.read(|st| {
-            (
-                st.calls.ended.tally(),
-                st.functions.ended.tally(),
-                st.calls.gone.len() as u64,
-            )
-        });
         for (name, help, pick) in [
             (
                 "ebb_retention_ended",
@@ -926,7 +930,7 @@ impl Collector for Scraped {
             ),
         ] {
             let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for (kind, t) in [("call", calls), ("instance", instances)] {
+            for (kind, t) in [("call", ended_calls), ("instance", ended_instances)] {
                 let labels = [("kind", kind)];
                 ConstGauge::new(i64::try_from(pick(t)).unwrap_or(i64::MAX))
                     .encode(family.encode_family(&labels)?)?;
