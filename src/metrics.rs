@@ -895,15 +895,13 @@ impl Collector for Scraped {
         self.encode_load(&mut encoder, routes)?;
 
         // One look under the log's read lock for the calls' states and what the retention holds.
-        let (calls, seq, (ended_calls, ended_instances, gone)) = self.0.log.read(|st| {
+        let (calls, seq, ended_calls, ended_instances, gone) = self.0.log.read(|st| {
             (
                 st.calls.count_by_status(),
                 st.seq,
-                (
-                    st.calls.ended.tally(),
-                    st.functions.ended.tally(),
-                    st.calls.gone.len() as u64,
-                ),
+                st.calls.ended.tally(),
+                st.functions.ended.tally(),
+                st.calls.gone.len() as u64,
             )
         });
         let mut family = encoder.encode_descriptor(

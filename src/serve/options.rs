@@ -423,17 +423,20 @@ impl ServeOptions {
     }
 }
 
+/// This machine's cores as the process may use them (2 when that cannot be read).
+fn cores() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
+}
+
 impl NetOptions {
     /// Proxy threads: as asked, else one per core.
     pub fn proxy_threads(&self) -> usize {
-        self.proxy_threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
+        self.proxy_threads.unwrap_or_else(cores)
     }
 
     /// TCP relay threads: as asked, else one per core.
     pub fn tcp_relay_threads(&self) -> usize {
-        self.tcp_relay_threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
+        self.tcp_relay_threads.unwrap_or_else(cores)
     }
 
     /// The proxy's certificate chain and key, if it serves TLS.

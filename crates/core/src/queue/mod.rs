@@ -28,8 +28,8 @@ pub struct Message {
     /// How many times it has been handed to a runner, this delivery included.
     pub deliveries: u32,
     /// When it was put, where the queue keeps it (Kafka: the record's timestamp): a message of
-    /// a call the log does not know that is older than the retention is of a call the log
-    /// forgot, read again.
+    /// a call the log does not know that was put longer ago than any enqueue takes to record
+    /// its call (`CallOptions::forgotten_after_ms`) is of a call the log forgot, read again.
     pub put_at_ms: Option<u64>,
 }
 

@@ -443,23 +443,24 @@ impl Calls {
             .or_else(|| self.gone(id).map(|g| g.status))
     }
 
-    /// Counts the ended calls again (after a snapshot is read).
+    /// Counts the calls by state and the ended ones again (after a snapshot is read), in one
+    /// look at every call.
     pub(crate) fn count_ended(&mut self) {
         self.gone_by_ms = Ended::default();
         for (id, g) in &self.gone {
             self.gone_by_ms.add(g.finished_at_ms, 0, id.clone());
         }
         self.by_status = [0; 6];
+        self.ended = Ended::default();
         for c in self.by_id.values() {
             self.by_status[c.status as usize] += 1;
-        }
-        self.ended = Ended::default();
-        for c in self.by_id.values().filter(|c| c.status.is_final()) {
-            self.ended.add(
-                c.finished_at_ms.unwrap_or_default(),
-                c.held_bytes(),
-                c.spec.clone(),
-            );
+            if c.status.is_final() {
+                self.ended.add(
+                    c.finished_at_ms.unwrap_or_default(),
+                    c.held_bytes(),
+                    c.spec.clone(),
+                );
+            }
         }
     }
 
