@@ -936,7 +936,7 @@ impl Collector for Scraped {
         }
         let family = encoder.encode_descriptor(
             "ebb_retention_gone_calls",
-            "Calls the retention's bounds forgot whose id and final state stay until their age passes.",
+            "Forgotten calls whose id and final state stay while a message of theirs may be read again.",
             None,
             MetricType::Gauge,
         )?;

@@ -632,6 +632,7 @@ mod tests {
             Event::CallsForgotten {
                 finished_before_ms: 1_000_000,
                 within: None,
+                keep_gone: None,
             },
             Event::CounterDecayed {
                 function: "f".into(),
@@ -645,6 +646,7 @@ mod tests {
             Event::CallsForgotten {
                 finished_before_ms: 1_000_000,
                 within: None,
+                keep_gone: None,
             },
             Event::InstancesForgotten {
                 finished_before_ms: 1_000_000,

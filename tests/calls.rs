@@ -802,16 +802,31 @@ async fn ended_calls_leave_the_api_after_the_retention_but_stay_in_the_log() {
 
 /// On Kafka, calls that ended and that the retention's age forgot are not run again when their
 /// messages are read again: after a restart the consumer reads its partition from its last
-/// commit (an hour's interval here), and each message it meets was put longer ago than any
-/// enqueue takes to record its call (`--forgotten-after-ms`, 3 s here, 10 minutes by default), of
-/// a call the log does not know. A call enqueued after the restart runs (it comes after them on
-/// the one partition, so they were read by then).
+/// commit (an hour's interval here). Each message it meets is of a call the log does not know:
+/// put longer ago than any enqueue takes to record its call (`--forgotten-after-ms`, 3 s here, 10
+/// minutes by default), deleted for that. A call enqueued after the restart runs (it comes after
+/// them on the one partition, so they were read by then).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_kafka_calls_the_age_forgot_do_not_run_again_when_their_messages_are_read_again() {
+    forgotten_calls_read_again_on_kafka(Some(3_000)).await;
+}
+
+/// The same with a retention (300 ms) far shorter than the time a message takes to be taken for
+/// a forgotten call's by its age (10 minutes): read again a moment later, the messages are
+/// recent, and what keeps the calls from running again is that the forgetting kept them known
+/// as ended by their id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_kafka_calls_forgotten_sooner_than_their_messages_age_do_not_run_again() {
+    forgotten_calls_read_again_on_kafka(None).await;
+}
+
+/// Calls run once, are forgotten by the retention's age (300 ms), ebb restarts and reads their
+/// messages again; with `forgotten_after_ms`, only once the messages are older than that.
+async fn forgotten_calls_read_again_on_kafka(forgotten_after_ms: Option<u64>) {
     let broker = common::broker().await;
     let dir = tempfile::tempdir().unwrap();
     let brokers = broker.addr.to_string();
-    let args = [
+    let mut args: Vec<String> = [
         "--kafka-brokers",
         &brokers,
         "--kafka-partitions",
@@ -820,9 +835,13 @@ async fn on_kafka_calls_the_age_forgot_do_not_run_again_when_their_messages_are_
         "3600000",
         "--call-retention-ms",
         "300",
-        "--forgotten-after-ms",
-        "3000",
-    ];
+    ]
+    .map(String::from)
+    .to_vec();
+    if let Some(ms) = forgotten_after_ms {
+        args.extend(["--forgotten-after-ms".to_owned(), ms.to_string()]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let ebb = start(dir.path(), &args);
     // The first delete commits; those after it wait for the hour.
     let first = enqueue(&ebb, json!({ "target": "work" })).await;
@@ -841,14 +860,32 @@ async fn on_kafka_calls_the_age_forgot_do_not_run_again_when_their_messages_are_
     tokio::time::timeout(DEADLINE, forgotten)
         .await
         .expect("the calls are forgotten");
-    // Their messages older than `--forgotten-after-ms` when they are read again.
-    let aged = async {
-        let mut tick = tokio::time::interval(Duration::from_millis(50));
-        while SystemClock.now_ms() <= put_by + 3_000 {
-            tick.tick().await;
+    match forgotten_after_ms {
+        // Their messages older than `--forgotten-after-ms` when they are read again.
+        Some(after) => {
+            let aged = async {
+                let mut tick = tokio::time::interval(Duration::from_millis(50));
+                while SystemClock.now_ms() <= put_by + after {
+                    tick.tick().await;
+                }
+            };
+            tokio::time::timeout(DEADLINE, aged).await.unwrap();
         }
-    };
-    tokio::time::timeout(DEADLINE, aged).await.unwrap();
+        // The forgetting said which stay known by their id, and since when.
+        None => {
+            let events = common::events(&ebb.data);
+            let since: Vec<u64> = events
+                .iter()
+                .filter_map(|e| {
+                    e["event"]["CallsForgotten"]["keep_gone"]["ended_since_ms"].as_u64()
+                })
+                .collect();
+            assert!(
+                !since.is_empty() && since.iter().all(|s| *s + 600_000 >= put_by),
+                "{since:?}"
+            );
+        }
+    }
     let mut ebb = ebb;
     ebb.child.kill().unwrap();
     ebb.child.wait().unwrap();

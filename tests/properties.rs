@@ -314,12 +314,21 @@ fn event() -> impl Strategy<Value = Event> {
             }),
         name().prop_map(|id| Event::CallTimedOut { id }),
         name().prop_map(|id| Event::CallCancelled { id }),
-        (0u64..3_000, proptest::option::of(kept())).prop_map(|(finished_before_ms, within)| {
-            Event::CallsForgotten {
-                finished_before_ms,
-                within,
-            }
-        }),
+        (
+            0u64..3_000,
+            proptest::option::of(kept()),
+            proptest::option::of((0u64..3_000, 0u64..20)),
+        )
+            .prop_map(|(finished_before_ms, within, keep_gone)| {
+                Event::CallsForgotten {
+                    finished_before_ms,
+                    within,
+                    keep_gone: keep_gone.map(|(ended_since_ms, most)| ebb::event::KeepGone {
+                        ended_since_ms,
+                        most,
+                    }),
+                }
+            }),
         (0u64..3_000, proptest::option::of(kept())).prop_map(|(finished_before_ms, within)| {
             Event::InstancesForgotten {
                 finished_before_ms,

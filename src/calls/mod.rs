@@ -30,7 +30,8 @@
 //! (`ebb_core::cleaner::config`), once their age passes it, or sooner when they are more than its
 //! bounds (`RetentionBounds`, held by `cleaner::local::hold_within`). A call the bounds forgot
 //! stays known as ended by its id (`Calls::gone`): its message delivered again is deleted, not
-//! run, and a copy or an enqueue of it again is not recorded.
+//! run, and a copy or an enqueue of it again is not recorded. So does one the age forgot within
+//! `forgotten_after_ms` of its end (a retention shorter than that: `KeepGone`).
 //!
 //! **Several replicas** ([`Calls::with_peers`]): a call belongs to the replica that accepted it
 //! ([`crate::peers`]: its id is `OWNER.UUID`). `start` and `finish` of another's calls go to the
@@ -751,8 +752,8 @@ impl Calls {
                         recorded.push((m.id, in_memory));
                         c.spec.clone()
                     }
-                    // Ended, and forgotten by the retention's bounds, or by its age (a message
-                    // put longer ago than any enqueue takes to record): never run again.
+                    // Ended, and forgotten but kept known by its id, or forgotten long ago (a
+                    // message put longer ago than any enqueue takes to record): never run again.
                     None if s.calls.gone(&m.id).is_some()
                         || put_long_ago(m.put_at_ms, now, after) =>
                     {
@@ -1288,7 +1289,7 @@ impl Calls {
                             state: c.status,
                             deadline_at_ms: c.deadline_at_ms,
                         }),
-                        // Ended, and forgotten by the retention's bounds.
+                        // Ended, and forgotten, kept known by its id.
                         None => s.calls.gone(id).map(|g| PeerState {
                             state: g.status,
                             deadline_at_ms: None,

@@ -384,7 +384,17 @@ pub async fn run(
         crate::cleaner::runtime::Cleaners::new(
             log.clone(),
             clock.clone(),
-            crate::cleaner::local::LocalTargets::new(log.clone(), clock.clone()),
+            crate::cleaner::local::LocalTargets::new(
+                log.clone(),
+                clock.clone(),
+                crate::cleaner::local::KeepGoneFor {
+                    after_ms: call_options.forgotten_after_ms,
+                    most: call_options
+                        .retention_bounds
+                        .count
+                        .saturating_mul(crate::state::calls::GONE_PER_KEPT),
+                },
+            ),
             crate::cleaner::runtime::Options {
                 limits: crate::cleaner::cel::Limits::of(&options.limits),
                 ..crate::cleaner::runtime::Options::default()

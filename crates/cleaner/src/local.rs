@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use crate::clock::Clock;
-use crate::event::{CleanerSpec, Event};
+use crate::event::{CleanerSpec, Event, KeepGone};
 use crate::log::Log;
 use crate::state::State;
 
@@ -88,11 +88,21 @@ pub async fn hold_within(
 pub struct LocalTargets {
     log: Arc<Log<State>>,
     clock: Arc<dyn Clock>,
+    gone: KeepGoneFor,
+}
+
+/// How long after its put a message of a call the log does not know is taken for a forgotten
+/// call's (`CallOptions::forgotten_after_ms`), and how many forgotten calls may be kept known by
+/// their id until then: a forgetting by age sooner than that keeps them ([`KeepGone`]).
+#[derive(Debug, Clone, Copy)]
+pub struct KeepGoneFor {
+    pub after_ms: u64,
+    pub most: u64,
 }
 
 impl LocalTargets {
-    pub fn new(log: Arc<Log<State>>, clock: Arc<dyn Clock>) -> Arc<Self> {
-        Arc::new(LocalTargets { log, clock })
+    pub fn new(log: Arc<Log<State>>, clock: Arc<dyn Clock>, gone: KeepGoneFor) -> Arc<Self> {
+        Arc::new(LocalTargets { log, clock, gone })
     }
 }
 
@@ -100,6 +110,16 @@ fn labels_match(labels: &BTreeMap<String, String>, have: &[(&str, &str)]) -> boo
     labels
         .iter()
         .all(|(k, v)| have.iter().any(|(hk, hv)| hk == k && hv == v))
+}
+
+/// What a forgetting by age before `before` at `now` keeps known of the calls it forgets: those
+/// that ended within `gone.after_ms` of `now`, when it forgets any of them.
+fn keep_gone(before: u64, now: u64, gone: KeepGoneFor) -> Option<KeepGone> {
+    let since = now.saturating_sub(gone.after_ms);
+    (since < before).then_some(KeepGone {
+        ended_since_ms: since,
+        most: gone.most,
+    })
 }
 
 fn time(ms: u64) -> String {
@@ -129,15 +149,18 @@ impl Ended {
     }
 
     /// The decision that forgets those ended before `before` (a running instance's current
-    /// step call stays), or none when there are none.
-    fn forget(self, s: &State, before: u64) -> Option<Event> {
+    /// step call stays), or none when there are none. At `now`, calls that ended too recently
+    /// for a message of theirs read again to be taken for a forgotten call's by its age stay
+    /// known as ended by their id (`gone`).
+    fn forget(self, s: &State, before: u64, now: u64, gone: KeepGoneFor) -> Option<Event> {
         match self {
             Ended::Calls => s
                 .calls
                 .any_finished_before(before, &s.functions.current_step_calls())
-                .then_some(Event::CallsForgotten {
+                .then(|| Event::CallsForgotten {
                     finished_before_ms: before,
                     within: None,
+                    keep_gone: keep_gone(before, now, gone),
                 }),
             Ended::Instances => {
                 s.functions
@@ -246,7 +269,7 @@ impl Backend for LocalTargets {
                     } else {
                         Ended::Instances
                     };
-                    if ended.forget(&s, before).is_some() {
+                    if ended.forget(&s, before, now, self.gone).is_some() {
                         out.objects.push(format!(
                             "{} ended before {}",
                             ended.plural(),
@@ -285,6 +308,7 @@ impl Backend for LocalTargets {
             .strip_prefix(&format!("{API_VERSION}/"))
             .ok_or_else(|| format!("{entry} is not one of ebb's objects"))?
             .to_owned();
+        let (now, gone) = (self.clock.now_ms(), self.gone);
         let (deleted, _) = self
             .log
             .decide(move |s: &State, _| {
@@ -305,7 +329,7 @@ impl Backend for LocalTargets {
                         Ended::Instances
                     };
                     ended
-                        .forget(s, ms.parse().unwrap_or(0))
+                        .forget(s, ms.parse().unwrap_or(0), now, gone)
                         .into_iter()
                         .collect()
                 } else {

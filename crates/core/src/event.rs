@@ -279,6 +279,16 @@ pub struct Kept {
     pub bytes: u64,
 }
 
+/// Which calls a forgetting by age keeps known as ended by their id (`Calls::gone`): those that
+/// ended at or after `ended_since_ms`, at most `most` of them (the newest). A message of such a
+/// call read again (a Kafka partition read from an older commit) is deleted, not run, though it
+/// was put too recently to be taken for a forgotten call's by its age alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeepGone {
+    pub ended_since_ms: u64,
+    pub most: u64,
+}
+
 /// The answer a call's target gave.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct CallResult {
@@ -746,6 +756,11 @@ pub enum Event {
         /// kept were brought within.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         within: Option<Kept>,
+        /// Set by a forgetting by age that comes sooner after calls ended than their messages
+        /// are taken for a forgotten call's when read again (`CallOptions::forgotten_after_ms`):
+        /// those that ended since then stay known as ended by their id.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        keep_gone: Option<KeepGone>,
     },
     /// Calls whose enqueue failed (the queue did not confirm the put; the caller got an
     /// error): a message of theirs that lands anyway is never run, even after a restart.
@@ -1195,6 +1210,7 @@ pub fn examples() -> Vec<Event> {
         Event::CallsForgotten {
             finished_before_ms: 1_767_225_000_000,
             within: None,
+            keep_gone: None,
         },
         Event::CallCancelled {
             id: call.id.clone(),

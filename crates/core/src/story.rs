@@ -410,10 +410,17 @@ fn tell(before: &State, env: &Envelope) -> String {
         Event::CallsForgotten {
             finished_before_ms,
             within,
+            keep_gone,
         } => format!(
-            "calls that ended before {} left the projection (their events stay){}",
+            "calls that ended before {} left the projection (their events stay){}{}",
             clock(*finished_before_ms),
-            kept_within(within, "ended calls")
+            kept_within(within, "ended calls"),
+            keep_gone.map_or(String::new(), |k| format!(
+                "; those that ended since {} stay known as ended by their id (at most {}), \
+                 so a message of theirs read again is not run",
+                clock(k.ended_since_ms),
+                k.most
+            ))
         ),
         Event::CallsAborted { ids } => format!(
             "the queue did not confirm {}: {} never run",
@@ -738,6 +745,7 @@ mod tests {
                 Event::CallsForgotten {
                     finished_before_ms: T0 - 60_000,
                     within: None,
+                    keep_gone: None,
                 },
             ),
             (

@@ -60,7 +60,8 @@ pub struct CallOptions {
 /// run again. An enqueue puts, then records, so a message read in between is of a call about to
 /// be recorded; that takes far less than this, with the put's own timeout (5 s), the hold-back
 /// of another replica's unknown call (20 s in all) and clock skew between replicas. A call the
-/// log forgot sooner after its put (a retention shorter than this) is met as unknown, and run.
+/// retention's age forgets sooner after its end (a retention shorter than this) stays known as
+/// ended by its id until then (`KeepGone`).
 pub const FORGOTTEN_AFTER_MS: u64 = 600_000;
 
 impl Default for CallOptions {
@@ -376,7 +377,7 @@ pub fn record_handed_out(
     for spec in specs {
         let spec = spec.into();
         match s.calls.get(&spec.id) {
-            // Ended, and forgotten by the retention's bounds: never recorded (and run) again.
+            // Ended, and forgotten but kept known by its id: never recorded (and run) again.
             None if s.calls.gone(&spec.id).is_some() => {}
             None => events.push(Event::CallQueued { call: spec }),
             Some(c) if c.spec != spec => stale.push(spec.id.clone()),
@@ -429,6 +430,7 @@ impl RetentionBounds {
                 events.push(Event::CallsForgotten {
                     finished_before_ms: cut,
                     within: Some(within),
+                    keep_gone: None,
                 });
             }
         }

@@ -186,6 +186,7 @@ mod tests {
                     count: 14,
                     bytes: u64::MAX - u64::MAX / 8
                 }),
+                keep_gone: None,
             }]
         );
         assert!(
@@ -243,6 +244,7 @@ mod tests {
             Event::CallsForgotten {
                 finished_before_ms: 101,
                 within: None,
+                keep_gone: None,
             },
         );
         assert!(s.calls.gone("c0").is_none());
@@ -261,6 +263,62 @@ mod tests {
         assert_eq!(s.calls.gone.len() as u64, 2 * GONE_PER_KEPT);
         assert!(s.calls.gone("c21").is_none());
         assert!((22..38).all(|i| s.calls.gone(&format!("c{i}")).is_some()));
+    }
+
+    #[test]
+    fn an_age_forgetting_sooner_than_messages_age_keeps_the_recent_ones_known_by_id() {
+        use crate::event::KeepGone;
+        use crate::state::calls::{CallStatus, StartVerdict, decide_start};
+        let mut s = State::default();
+        ended_calls(&mut s, 10);
+        apply(
+            &mut s,
+            105,
+            Event::CallsAborted {
+                ids: vec!["a1".into()],
+            },
+        );
+        // The retention forgets c0..c7 (ended 100..107); those that ended since 103 may still
+        // have messages read again, and at most 4 of them are kept known: c4..c7.
+        let forget = |before, since, most| Event::CallsForgotten {
+            finished_before_ms: before,
+            within: None,
+            keep_gone: Some(KeepGone {
+                ended_since_ms: since,
+                most,
+            }),
+        };
+        apply(&mut s, 2_000, forget(108, 103, 4));
+        assert_eq!(kept(&s), ["c8", "c9"]);
+        assert!((0..4).all(|i| s.calls.gone(&format!("c{i}")).is_none()));
+        assert!((4..8).all(|i| s.calls.gone(&format!("c{i}")).is_some()));
+        assert_eq!(s.calls.status("c5"), Some(CallStatus::Cancelled));
+        assert_eq!(
+            decide_start(&s.calls, "c5", "r", 2_000).1,
+            StartVerdict::Refused(crate::event::RejectReason::AlreadyFinal)
+        );
+        // The aborted put stays refused as long.
+        assert!(s.calls.is_aborted("a1"));
+        // A snapshot keeps them.
+        let read = State::decode_snapshot(&s.encode_snapshot()).unwrap();
+        assert_eq!(read.calls, s.calls);
+        // A later forgetting drops what is left of those ended before its own horizon.
+        apply(&mut s, 3_000, forget(110, 106, 100));
+        assert!(kept(&s).is_empty());
+        assert!((0..6).all(|i| s.calls.gone(&format!("c{i}")).is_none()));
+        assert!((6..10).all(|i| s.calls.gone(&format!("c{i}")).is_some()));
+        assert!(!s.calls.is_aborted("a1"));
+        // One with no horizon (a retention as long as messages take to age) keeps none.
+        apply(
+            &mut s,
+            4_000,
+            Event::CallsForgotten {
+                finished_before_ms: 110,
+                within: None,
+                keep_gone: None,
+            },
+        );
+        assert!(s.calls.gone.is_empty());
     }
 
     #[test]
@@ -333,6 +391,7 @@ mod tests {
             Event::CallsForgotten {
                 finished_before_ms: 200,
                 within: None,
+                keep_gone: None,
             },
         );
         assert_eq!(kept(&s), ["c0"]);
@@ -353,6 +412,7 @@ mod tests {
             Event::CallsForgotten {
                 finished_before_ms: 200,
                 within: None,
+                keep_gone: None,
             },
         );
         assert_eq!(kept(&s), [""; 0]);

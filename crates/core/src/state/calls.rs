@@ -25,7 +25,9 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::event::{CallKind, CallResult, CallSpec, Event, Outcome, Payload, RejectReason};
+use crate::event::{
+    CallKind, CallResult, CallSpec, Event, KeepGone, Outcome, Payload, RejectReason,
+};
 
 use super::Ended;
 
@@ -189,11 +191,14 @@ pub struct Calls {
     /// ended (an index, for the retention; counted again from `by_id` when a snapshot is read).
     #[serde(skip)]
     pub ended: Ended<Arc<CallSpec>>,
-    /// Calls the retention's bounds forgot before their age, by id: how each ended and when.
-    /// The queue may still hand out a message of theirs (a Kafka partition read again from an
-    /// older commit, an enqueue retried with the same id), which must meet an ended call, never
-    /// run it again. A few dozen bytes each instead of the whole call; they go when the
-    /// retention's age passes them, as the calls would have.
+    /// Calls the retention's bounds forgot before their age, by id: how each ended and when;
+    /// also those its age forgot sooner after they ended than their messages are taken for a
+    /// forgotten call's by age alone (`KeepGone`). The queue may still hand out a message of
+    /// theirs (a Kafka partition read again from an older commit, an enqueue retried with the
+    /// same id), which must meet an ended call, never run it again. A few dozen bytes each
+    /// instead of the whole call; they go when the retention's age passes them, as the calls
+    /// would have (or, those the age forgot, once their messages would be taken for a forgotten
+    /// call's anyway).
     #[serde(
         default,
         serialize_with = "gone_in_id_order",
@@ -217,7 +222,7 @@ pub struct Calls {
 /// age forgot.
 pub const GONE_PER_KEPT: u64 = 8;
 
-/// What is left of a call the retention's bounds forgot.
+/// What is left of a call the retention forgot while a message of its might still be read again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Gone {
     /// Its final state.
@@ -366,13 +371,16 @@ impl Calls {
     /// step of a running instance, which the instance still has to read). A forgetting by the
     /// retention's bounds (`kept`: the ended calls it keeps) keeps what is left of them
     /// ([`Calls::gone`]), at most [`GONE_PER_KEPT`] x `kept` (the oldest go), until their age
-    /// drops it. Looks only at what goes (and the current steps), by the index of when calls
-    /// ended.
+    /// drops it. A forgetting by age keeps what is left of those that ended since
+    /// `keep_gone.ended_since_ms`, at most `keep_gone.most` (the oldest go), and drops what is
+    /// left of older ones, as it drops the aborted puts; without `keep_gone` it keeps none.
+    /// Looks only at what goes (and the current steps), by the index of when calls ended.
     pub(crate) fn forget(
         &mut self,
         finished_before_ms: u64,
         keep: &BTreeSet<&str>,
         kept: Option<u64>,
+        keep_gone: Option<KeepGone>,
     ) {
         let Calls {
             by_id,
@@ -395,7 +403,12 @@ impl Calls {
                 continue;
             };
             by_status[c.status as usize] = by_status[c.status as usize].saturating_sub(1);
-            if kept.is_some() {
+            let known = match (kept, keep_gone) {
+                (Some(_), _) => true,
+                (None, Some(k)) => at >= k.ended_since_ms,
+                (None, None) => false,
+            };
+            if known {
                 let id: Arc<str> = id.into();
                 let g = Gone {
                     status: c.status,
@@ -413,10 +426,16 @@ impl Calls {
             let bytes = by_id.get(spec.id.as_str()).map_or(0, |c| c.held_bytes());
             ended.add(at, bytes, spec);
         }
-        let drop_before = match kept {
+        let drop_before = match (kept, keep_gone) {
             // The newest stay (with the rest of their millisecond's).
-            Some(kept) => gone_by_ms.cut_within(kept.saturating_mul(GONE_PER_KEPT), u64::MAX),
-            None => {
+            (Some(kept), _) => gone_by_ms.cut_within(kept.saturating_mul(GONE_PER_KEPT), u64::MAX),
+            (None, Some(k)) => {
+                let since = k.ended_since_ms.min(finished_before_ms);
+                aborted.retain(|_, at| *at >= since);
+                let most = gone_by_ms.cut_within(k.most, u64::MAX);
+                Some(most.map_or(since, |m| m.max(since)))
+            }
+            (None, None) => {
                 aborted.retain(|_, at| *at >= finished_before_ms);
                 Some(finished_before_ms)
             }
@@ -428,7 +447,7 @@ impl Calls {
         }
     }
 
-    /// What is left of `id` if the retention's bounds forgot it.
+    /// What is left of `id` if the retention forgot it and keeps it known (`gone`).
     pub fn gone(&self, id: &str) -> Option<&Gone> {
         if self.gone.is_empty() {
             return None;
@@ -436,7 +455,7 @@ impl Calls {
         self.gone.get(id)
     }
 
-    /// The state of `id`, known or forgotten by the retention's bounds (then final).
+    /// The state of `id`, known, or forgotten and kept known by its id (then final).
     pub fn status(&self, id: &str) -> Option<CallStatus> {
         self.get(id)
             .map(|c| c.status)
@@ -925,6 +944,7 @@ mod tests {
             Event::CallsForgotten {
                 finished_before_ms: 11,
                 within: None,
+                keep_gone: None,
             },
         );
         assert_eq!(s.calls.count_by_status(), [1, 0, 0, 0, 0, 0]);

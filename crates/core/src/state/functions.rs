@@ -318,6 +318,7 @@ mod tests {
             Event::CallsForgotten {
                 finished_before_ms: 100,
                 within: None,
+                keep_gone: None,
             },
         );
         assert!(s.calls.get("c1").is_some());
@@ -343,6 +344,7 @@ mod tests {
             Event::CallsForgotten {
                 finished_before_ms: 100,
                 within: None,
+                keep_gone: None,
             },
         );
         apply(

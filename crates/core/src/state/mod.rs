@@ -388,10 +388,15 @@ impl State {
             Event::CallsForgotten {
                 finished_before_ms,
                 within,
+                keep_gone,
             } => {
                 let current = self.functions.current_step_calls();
-                self.calls
-                    .forget(*finished_before_ms, &current, within.map(|k| k.count));
+                self.calls.forget(
+                    *finished_before_ms,
+                    &current,
+                    within.map(|k| k.count),
+                    *keep_gone,
+                );
             }
             Event::InstancesForgotten {
                 finished_before_ms, ..
