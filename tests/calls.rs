@@ -1077,6 +1077,11 @@ fn replica(pair: &common::KafkaPair, me: usize) -> Ebb {
 
 /// [`replica`] with a built-in runner of `capacity` (none for 0).
 fn replica_running(pair: &common::KafkaPair, me: usize, capacity: u32) -> Ebb {
+    replica_with(pair, me, capacity, &[])
+}
+
+/// [`replica_running`] with `extra` arguments.
+fn replica_with(pair: &common::KafkaPair, me: usize, capacity: u32, extra: &[&str]) -> Ebb {
     let data = pair.data(me);
     let mut args = pair.args(me);
     args.extend(
@@ -1094,8 +1099,81 @@ fn replica_running(pair: &common::KafkaPair, me: usize, capacity: u32) -> Ebb {
         ]
         .map(str::to_owned),
     );
+    args.extend(extra.iter().map(|a| (*a).to_owned()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     common::serve_with(&data.join("data"), Some(&config(&data)), None, &args)
+}
+
+/// A call its owner's retention forgot (1 s, far sooner than a message is taken for a
+/// forgotten call's by its age) and whose message the other replica reads again (a partition
+/// read from an older commit; here the owner's message put again) is not run again: the other
+/// replica asks the owner what became of it, and the owner kept it known as ended by its id.
+/// (Before, the owner did not know it, the other replica held the message back, then handed it
+/// out with its copy, and the owner recorded and ran the call a second time.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_kafka_a_forgotten_calls_message_read_again_by_another_replica_is_not_run() {
+    use ebb::queue::Queue as _;
+    let pair = common::KafkaPair::start().await;
+    let e0 = replica_with(&pair, 0, 0, &["--call-retention-ms", "1000"]);
+    let e1 = replica(&pair, 1);
+    // The only runner is ebb-1's: every message of ebb-0's calls is read there.
+    let _r1 = runner(&e1, "r1", None);
+    let key = uuid::Uuid::new_v4().simple().to_string();
+    let call =
+        |body: &str| json!({ "target": "work", "partition": key, "payload": { "body": body } });
+    let id = enqueue(&e0, call("once")).await;
+    wait_state(&e0, &id, "success").await;
+    let forgotten = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        while get(&e0, &format!("/v1/calls/{id}")).await.status != 404 {
+            tick.tick().await;
+        }
+    };
+    tokio::time::timeout(DEADLINE, forgotten)
+        .await
+        .expect("the owner forgets the call");
+    // Its message again, as ebb-0 put it, on the call's partition.
+    let q = ebb::queue::kafka::KafkaQueue::open(
+        std::sync::Arc::new(ebb::clock::SystemClock),
+        ebb::queue::kafka::KafkaOptions {
+            brokers: pair.broker.addr.to_string(),
+            partitions: 4,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut spec = ebb::event::CallSpec::for_test(&id);
+    spec.target = "work".into();
+    spec.partition = Some(key.clone());
+    spec.payload.method = "POST".into();
+    spec.payload.path = "/".into();
+    spec.payload.body = b"once".to_vec().into();
+    q.put(vec![ebb::calls::message_of(&spec)]).await.unwrap();
+    // A call after it on the same partition runs; by then the message was read, and once
+    // ebb-1 holds no message it was dealt with.
+    let next = enqueue(&e0, call("next")).await;
+    wait_state(&e0, &next, "success").await;
+    let c = common::http::client();
+    wait_until(
+        "ebb-1 holds no message",
+        Duration::from_secs(60),
+        || async {
+            let held =
+                common::http::sample(&c, e1.admin, "ebb_queue_messages{state=\"reserved\"}").await;
+            let ready =
+                common::http::sample(&c, e1.admin, "ebb_queue_messages{state=\"ready\"}").await;
+            (held + ready == 0).then_some(())
+        },
+    )
+    .await;
+    assert_eq!(events_of(&e0.data, &id, "CallStarted"), 1, "{id} ran once");
+    assert_eq!(
+        events_of(&e0.data, &id, "CallQueued"),
+        1,
+        "not recorded again"
+    );
+    assert_eq!(events_of(&e1.data, &id, "CallQueued"), 0);
 }
 
 /// An owner that put a call's message but records the call only after every other replica
