@@ -919,6 +919,13 @@ async fn past_the_retention_count_the_oldest_ended_calls_leave_the_api_well_befo
         let c = post(&ebb, &format!("/v1/calls/{id}/cancel"), json!({})).await;
         assert_eq!(c.status, 200);
         ids.push(id);
+        // Each ends in a millisecond of its own: calls that ended in one millisecond are
+        // forgotten together, so two of them at the cut would leave fewer than 7.
+        let ended_by = SystemClock.now_ms();
+        let mut tick = tokio::time::interval(Duration::from_millis(1));
+        while SystemClock.now_ms() <= ended_by {
+            tick.tick().await;
+        }
     }
     let queued = enqueue(&ebb, json!({ "target": "work" })).await;
     // The bound holds at most 8 ended calls, the newest; a forgetting keeps 7.
