@@ -9,7 +9,8 @@
 //!   400; an absolute-form target's authority wins over `Host`), then looks the host up in the
 //!   routing table ([`table`], a snapshot of the route store in an `ids::Domains` table: port
 //!   and case ignored, exact names before `*.suffix` wildcards, one hash lookup for a table
-//!   without wildcards); on the HTTP/1.1 fast path one lookup of the meta services' table tells
+//!   without wildcards; each proxy thread builds its own, so no request counts on a reference
+//!   count another core also writes); on the HTTP/1.1 fast path one lookup of the meta services' table tells
 //!   both whether the Host is a service's and its rule's route; an unknown host gets 404 with a
 //!   JSON error.
 //! * **Hold-and-wake**: a request for a workload with no ready replica waits in a bounded per-route
@@ -203,7 +204,6 @@ pub struct Proxy {
     orch: Arc<dyn Orchestrator>,
     clock: Arc<dyn Clock>,
     traffic: Arc<Traffic>,
-    table: std::sync::RwLock<Arc<Table>>,
     backends: Arc<Backends>,
     orch_version: tokio::sync::watch::Receiver<u64>,
     services: services::Services,
@@ -562,7 +562,6 @@ impl Proxy {
             orch,
             clock,
             traffic,
-            table: std::sync::RwLock::new(Arc::new(Table::default())),
             backends,
             orch_version,
             services,
@@ -695,8 +694,10 @@ impl Proxy {
     }
 
     /// The routing table, rebuilt first if the route store has changed since it was built. Each
-    /// thread keeps the table it last used with the log's applied seq at that moment: while the
-    /// log has not moved, no lock is taken.
+    /// thread builds and keeps a table of its own, with the log's applied seq it last checked it
+    /// at: while the log has not moved, no lock is taken, and the reference counts of the table,
+    /// its entries and their cached replica lists are the thread's alone. (One table shared by
+    /// the proxy threads had each request count on the same cache lines from every core.)
     fn table(&self) -> Arc<Table> {
         thread_local! {
             static CACHED: std::cell::RefCell<Option<(usize, u64, Arc<Table>)>> =
@@ -704,29 +705,54 @@ impl Proxy {
         }
         let me = self as *const Self as usize;
         let applied = self.log.applied_seq();
-        let hit = CACHED.with(|c| {
-            c.borrow()
-                .as_ref()
-                .filter(|(p, seen, _)| *p == me && *seen == applied)
-                .map(|(_, _, t)| t.clone())
-        });
-        match hit {
-            Some(t) => t,
-            None => {
-                let seq = self.log.read(|s| s.routes.changed_at_seq);
-                let mut table = self.table.read().expect("table lock").clone();
-                if table.seq != seq {
-                    let fresh = Arc::new(
-                        self.log
-                            .read(|s| Table::build(s, &self.traffic, &self.backends)),
-                    );
-                    *self.table.write().expect("table lock") = fresh.clone();
-                    table = fresh;
+        CACHED.with(|c| {
+            let mut c = c.borrow_mut();
+            if let Some((p, seen, t)) = c.as_mut()
+                && *p == me
+            {
+                if *seen == applied {
+                    return t.clone();
                 }
-                CACHED.with(|c| *c.borrow_mut() = Some((me, applied, table.clone())));
-                table
+                if t.seq == self.log.read(|s| s.routes.changed_at_seq) {
+                    *seen = applied;
+                    return t.clone();
+                }
+            }
+            let fresh = Arc::new(
+                self.log
+                    .read(|s| Table::build(s, &self.traffic, &self.backends)),
+            );
+            *c = Some((me, applied, fresh.clone()));
+            fresh
+        })
+    }
+
+    /// The proxy's clock behind an `Arc` of this thread's own: a request's clone and drop of it
+    /// count on the thread's cache line, not on the one every proxy thread would share.
+    fn thread_clock(&self) -> Arc<dyn Clock> {
+        /// Reads the clock it wraps.
+        struct Local(Arc<dyn Clock>);
+        impl Clock for Local {
+            fn now_ms(&self) -> u64 {
+                self.0.now_ms()
             }
         }
+        thread_local! {
+            static LOCAL: std::cell::RefCell<Option<(usize, Arc<dyn Clock>)>> =
+                const { std::cell::RefCell::new(None) };
+        }
+        let me = Arc::as_ptr(&self.clock).cast::<()>() as usize;
+        LOCAL.with(|l| {
+            let mut l = l.borrow_mut();
+            match l.as_ref() {
+                Some((of, local)) if *of == me => local.clone(),
+                _ => {
+                    let local: Arc<dyn Clock> = Arc::new(Local(self.clock.clone()));
+                    *l = Some((me, local.clone()));
+                    local
+                }
+            }
+        })
     }
 
     /// Serves each listener on a thread of its own with a single-threaded runtime, the way nginx
@@ -1122,7 +1148,7 @@ impl Proxy {
             0 => self.options.request_stall_timeout_ms,
             ms => ms,
         };
-        let progress = stream_idle::Progress::new(self.clock.clone(), stall_ms);
+        let progress = stream_idle::Progress::new(self.thread_clock(), stall_ms);
         let mut body = Some(
             stream_idle::Marking {
                 inner: body.map_err(BoxError::from).boxed(),
