@@ -181,6 +181,21 @@ async fn state(ebb: &Ebb, id: &str) -> String {
     a.json["state"].as_str().unwrap().to_owned()
 }
 
+/// Polls until every call of `ids` is forgotten (its `GET` answers 404).
+async fn wait_forgotten(ebb: &Ebb, ids: &[String]) {
+    let forgotten = async {
+        let mut tick = tokio::time::interval(Duration::from_millis(20));
+        for id in ids {
+            while get(ebb, &format!("/v1/calls/{id}")).await.status != 404 {
+                tick.tick().await;
+            }
+        }
+    };
+    tokio::time::timeout(DEADLINE, forgotten)
+        .await
+        .unwrap_or_else(|_| panic!("{ids:?} are not forgotten"));
+}
+
 /// Polls until the call is in `want` (or the deadline passes).
 async fn wait_state(ebb: &Ebb, id: &str, want: &str) {
     let wait = async {
@@ -783,15 +798,7 @@ async fn ended_calls_leave_the_api_after_the_retention_but_stay_in_the_log() {
     let ebb = start(dir.path(), &["--call-retention-ms", "300"]);
     let id = enqueue(&ebb, json!({ "target": "work" })).await;
     wait_state(&ebb, &id, "success").await;
-    let gone = async {
-        let mut tick = tokio::time::interval(Duration::from_millis(20));
-        while get(&ebb, &format!("/v1/calls/{id}")).await.status != 404 {
-            tick.tick().await;
-        }
-    };
-    tokio::time::timeout(DEADLINE, gone)
-        .await
-        .expect("the call is forgotten");
+    wait_forgotten(&ebb, std::slice::from_ref(&id)).await;
     assert_eq!(events_of(&ebb.data, &id, "CallFinished"), 1);
     assert!(
         common::events(&ebb.data)
@@ -849,17 +856,7 @@ async fn forgotten_calls_read_again_on_kafka(forgotten_after_ms: Option<u64>) {
     let ids = enqueue_bodies(&ebb, 3).await;
     let put_by = SystemClock.now_ms();
     all_run_once(&ebb, &ids).await;
-    let forgotten = async {
-        let mut tick = tokio::time::interval(Duration::from_millis(20));
-        for id in &ids {
-            while get(&ebb, &format!("/v1/calls/{id}")).await.status != 404 {
-                tick.tick().await;
-            }
-        }
-    };
-    tokio::time::timeout(DEADLINE, forgotten)
-        .await
-        .expect("the calls are forgotten");
+    wait_forgotten(&ebb, &ids).await;
     match forgotten_after_ms {
         // Their messages older than `--forgotten-after-ms` when they are read again.
         Some(after) => {
@@ -1111,35 +1108,20 @@ fn replica_with(pair: &common::KafkaPair, me: usize, capacity: u32, extra: &[&st
     common::serve_with(&data.join("data"), Some(&config(&data)), None, &args)
 }
 
-/// A call its owner's retention forgot (1 s, far sooner than a message is taken for a
-/// forgotten call's by its age) and whose message the other replica reads again (a partition
-/// read from an older commit; here the owner's message put again) is not run again: the other
-/// replica asks the owner what became of it, and the owner kept it known as ended by its id.
-/// (Before, the owner did not know it, the other replica held the message back, then handed it
-/// out with its copy, and the owner recorded and ran the call a second time.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_kafka_a_forgotten_calls_message_read_again_by_another_replica_is_not_run() {
+/// A call `id` to `work` (POST / with `body`), as its owner would put it.
+fn owners_call(id: &str, body: &str) -> ebb::event::CallSpec {
+    let mut spec = ebb::event::CallSpec::for_test(id);
+    spec.target = "work".into();
+    spec.timeout_ms = 20_000;
+    spec.payload.method = "POST".into();
+    spec.payload.path = "/".into();
+    spec.payload.body = body.as_bytes().to_vec().into();
+    spec
+}
+
+/// Puts `spec`'s message on the pair's topic as a replica would, without recording the call.
+async fn put_message(pair: &common::KafkaPair, spec: &ebb::event::CallSpec) {
     use ebb::queue::Queue as _;
-    let pair = common::KafkaPair::start().await;
-    let e0 = replica_with(&pair, 0, 0, &["--call-retention-ms", "1000"]);
-    let e1 = replica(&pair, 1);
-    // The only runner is ebb-1's: every message of ebb-0's calls is read there.
-    let _r1 = runner(&e1, "r1", None);
-    let key = uuid::Uuid::new_v4().simple().to_string();
-    let call =
-        |body: &str| json!({ "target": "work", "partition": key, "payload": { "body": body } });
-    let id = enqueue(&e0, call("once")).await;
-    wait_state(&e0, &id, "success").await;
-    let forgotten = async {
-        let mut tick = tokio::time::interval(Duration::from_millis(20));
-        while get(&e0, &format!("/v1/calls/{id}")).await.status != 404 {
-            tick.tick().await;
-        }
-    };
-    tokio::time::timeout(DEADLINE, forgotten)
-        .await
-        .expect("the owner forgets the call");
-    // Its message again, as ebb-0 put it, on the call's partition.
     let q = ebb::queue::kafka::KafkaQueue::open(
         std::sync::Arc::new(ebb::clock::SystemClock),
         ebb::queue::kafka::KafkaOptions {
@@ -1150,13 +1132,32 @@ async fn on_kafka_a_forgotten_calls_message_read_again_by_another_replica_is_not
     )
     .await
     .unwrap();
-    let mut spec = ebb::event::CallSpec::for_test(&id);
-    spec.target = "work".into();
+    q.put(vec![ebb::calls::message_of(spec)]).await.unwrap();
+}
+
+/// A call its owner's retention forgot (1 s, far sooner than a message is taken for a
+/// forgotten call's by its age) and whose message the other replica reads again (a partition
+/// read from an older commit; here the owner's message put again) is not run again: the other
+/// replica asks the owner what became of it, and the owner kept it known as ended by its id.
+/// (Before, the owner did not know it, the other replica held the message back, then handed it
+/// out with its copy, and the owner recorded and ran the call a second time.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_kafka_a_forgotten_calls_message_read_again_by_another_replica_is_not_run() {
+    let pair = common::KafkaPair::start().await;
+    let e0 = replica_with(&pair, 0, 0, &["--call-retention-ms", "1000"]);
+    let e1 = replica(&pair, 1);
+    // The only runner is ebb-1's: every message of ebb-0's calls is read there.
+    let _r1 = runner(&e1, "r1", None);
+    let key = uuid::Uuid::new_v4().simple().to_string();
+    let call =
+        |body: &str| json!({ "target": "work", "partition": key, "payload": { "body": body } });
+    let id = enqueue(&e0, call("once")).await;
+    wait_state(&e0, &id, "success").await;
+    wait_forgotten(&e0, std::slice::from_ref(&id)).await;
+    // Its message again, as ebb-0 put it, on the call's partition.
+    let mut spec = owners_call(&id, "once");
     spec.partition = Some(key.clone());
-    spec.payload.method = "POST".into();
-    spec.payload.path = "/".into();
-    spec.payload.body = b"once".to_vec().into();
-    q.put(vec![ebb::calls::message_of(&spec)]).await.unwrap();
+    put_message(&pair, &spec).await;
     // A call after it on the same partition runs; by then the message was read, and once
     // ebb-1 holds no message it was dealt with.
     let next = enqueue(&e0, call("next")).await;
@@ -1190,29 +1191,12 @@ async fn on_kafka_a_forgotten_calls_message_read_again_by_another_replica_is_not
 /// deleted, and the owner's late record left an acknowledged call no runner could get.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_whose_owner_records_it_late_still_runs_on_kafka() {
-    use ebb::queue::Queue as _;
     let pair = common::KafkaPair::start().await;
     let e0 = replica(&pair, 0);
     let e1 = replica(&pair, 1);
     // ebb-0's put, without its record: the message as ebb-0 puts it, on the shared topic.
-    let q = ebb::queue::kafka::KafkaQueue::open(
-        std::sync::Arc::new(ebb::clock::SystemClock),
-        ebb::queue::kafka::KafkaOptions {
-            brokers: pair.broker.addr.to_string(),
-            partitions: 4,
-            ..Default::default()
-        },
-    )
-    .await
-    .unwrap();
     let id = format!("ebb-0.{}", uuid::Uuid::now_v7().hyphenated());
-    let mut spec = ebb::event::CallSpec::for_test(&id);
-    spec.target = "work".into();
-    spec.timeout_ms = 20_000;
-    spec.payload.method = "POST".into();
-    spec.payload.path = "/".into();
-    spec.payload.body = b"late".to_vec().into();
-    q.put(vec![ebb::calls::message_of(&spec)]).await.unwrap();
+    put_message(&pair, &owners_call(&id, "late")).await;
     // The only runner is ebb-1's: ebb-0 never hands the message out itself.
     let _r1 = runner(&e1, "r1", None);
     let ran = wait_until(
