@@ -615,6 +615,15 @@ impl KafkaQueue {
         }
     }
 
+    /// How long until the first message held in memory is due, when one is in the future (one
+    /// due already was taken by the last [`KafkaQueue::take_known`], or is taken by the next).
+    fn next_due_in_ms(&self) -> Option<u64> {
+        let now = self.clock.now_ms();
+        let books = self.books();
+        let ((at, _), _) = books.timers.first_key_value()?;
+        (*at > now).then(|| at - now)
+    }
+
     /// Hands out messages already in memory: those whose runner is gone and those whose time is
     /// up.
     fn take_known(&self, runner: &str, max: usize, now: u64) -> Vec<Message> {
@@ -911,11 +920,21 @@ impl Queue for KafkaQueue {
             let deadline = tokio::time::sleep(wait);
             tokio::pin!(deadline);
             while got.len() < max {
-                // Once something came, take only what is already fetched.
+                // Once something came, take only what is already fetched. Until then, a message
+                // held in memory whose time comes before the wait's end (one held back, or
+                // whose runner's reservation ran out) is handed out when its time comes, not at
+                // the end of the wait.
                 let next = if got.is_empty() {
+                    let due_in = self.next_due_in_ms();
                     tokio::select! {
                         m = consumer.recv() => Some(m),
                         () = &mut deadline => None,
+                        () = tokio::time::sleep(Duration::from_millis(due_in.unwrap_or(0))),
+                            if due_in.is_some() =>
+                        {
+                            got = self.take_known(&runner, max, self.clock.now_ms());
+                            continue;
+                        }
                     }
                 } else {
                     tokio::time::timeout(Duration::ZERO, consumer.recv())
