@@ -389,10 +389,7 @@ pub async fn run(
                 clock.clone(),
                 crate::cleaner::local::KeepGoneFor {
                     after_ms: call_options.forgotten_after_ms,
-                    most: call_options
-                        .retention_bounds
-                        .count
-                        .saturating_mul(crate::state::calls::GONE_PER_KEPT),
+                    most: call_options.retention_bounds.most_gone(),
                 },
             ),
             crate::cleaner::runtime::Options {

@@ -100,6 +100,18 @@ pub struct KeepGoneFor {
     pub most: u64,
 }
 
+impl KeepGoneFor {
+    /// What a forgetting by age before `before` at `now` keeps known of the calls it forgets:
+    /// those that ended within `after_ms` of `now`, when it forgets any of them.
+    fn at(self, before: u64, now: u64) -> Option<KeepGone> {
+        let since = now.saturating_sub(self.after_ms);
+        (since < before).then_some(KeepGone {
+            ended_since_ms: since,
+            most: self.most,
+        })
+    }
+}
+
 impl LocalTargets {
     pub fn new(log: Arc<Log<State>>, clock: Arc<dyn Clock>, gone: KeepGoneFor) -> Arc<Self> {
         Arc::new(LocalTargets { log, clock, gone })
@@ -110,16 +122,6 @@ fn labels_match(labels: &BTreeMap<String, String>, have: &[(&str, &str)]) -> boo
     labels
         .iter()
         .all(|(k, v)| have.iter().any(|(hk, hv)| hk == k && hv == v))
-}
-
-/// What a forgetting by age before `before` at `now` keeps known of the calls it forgets: those
-/// that ended within `gone.after_ms` of `now`, when it forgets any of them.
-fn keep_gone(before: u64, now: u64, gone: KeepGoneFor) -> Option<KeepGone> {
-    let since = now.saturating_sub(gone.after_ms);
-    (since < before).then_some(KeepGone {
-        ended_since_ms: since,
-        most: gone.most,
-    })
 }
 
 fn time(ms: u64) -> String {
@@ -160,7 +162,7 @@ impl Ended {
                 .then(|| Event::CallsForgotten {
                     finished_before_ms: before,
                     within: None,
-                    keep_gone: keep_gone(before, now, gone),
+                    keep_gone: gone.at(before, now),
                 }),
             Ended::Instances => {
                 s.functions

@@ -10,9 +10,9 @@
 //!   routing table ([`table`], a snapshot of the route store in an `ids::Domains` table: port
 //!   and case ignored, exact names before `*.suffix` wildcards, one hash lookup for a table
 //!   without wildcards; each proxy thread builds its own, so no request counts on a reference
-//!   count another core also writes); on the HTTP/1.1 fast path one lookup of the meta services' table tells
-//!   both whether the Host is a service's and its rule's route; an unknown host gets 404 with a
-//!   JSON error.
+//!   count another core also writes); on the HTTP/1.1 fast path one lookup of the meta
+//!   services' table tells both whether the Host is a service's and its rule's route; an
+//!   unknown host gets 404 with a JSON error.
 //! * **Hold-and-wake**: a request for a workload with no ready replica waits in a bounded per-route
 //!   hold (beyond `hold_queue_max`: 503 at once). The first waiter's wake decision is logged once
 //!   (single flight, decided on the log's writer, in a task of its own so an abandoned request

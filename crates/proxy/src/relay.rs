@@ -13,8 +13,9 @@
 //! HAProxy's throughput unpipelined (three runs) at 0.85-0.92x its CPU per request and p99
 //! 0.88-1.05x, and 1.03x at 0.92x with pipeline 16; one relay thread, 0.83-0.92x and 0.94x (it
 //! serialises the proxy's half of the kernel's TCP work while client and server wait on it),
-//! hence one thread per core by default. (An earlier measure that favoured one thread was taken with the cores
-//! free to halt, where rounds flip between a slow and a fast mode: see `benches/lib.sh`.)
+//! hence one thread per core by default. (An earlier measure that favoured one thread was taken
+//! with the cores free to halt, where rounds flip between a slow and a fast mode: see
+//! `benches/lib.sh`.)
 //!
 //! How:
 //! * A connection is handed over once the replica is connected ([`Relays::splice`]): its two

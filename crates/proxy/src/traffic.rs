@@ -139,6 +139,16 @@ struct Answers {
     exemplars: [std::sync::Mutex<Option<AnswerExemplar>>; ANSWER_BOUNDS_US.len() + 1],
 }
 
+impl Answers {
+    /// One counter summed over the shards.
+    fn sum(&self, counter: impl Fn(&AnswerCounts) -> &AtomicU64) -> u64 {
+        self.shards
+            .iter()
+            .map(|a| counter(a).load(Ordering::Relaxed))
+            .sum()
+    }
+}
+
 /// A traced answer kept as its time bucket's exemplar: the trace it belongs to, the answer time
 /// and when it was observed.
 #[derive(Debug, Clone, PartialEq)]
@@ -295,31 +305,17 @@ impl RouteTraffic {
 
     /// Answers so far by status class (1xx to 5xx).
     pub fn classes(&self) -> [u64; 5] {
-        let shards = &self.answers.shards;
-        std::array::from_fn(|i| {
-            shards
-                .iter()
-                .map(|a| a.classes[i].load(Ordering::Relaxed))
-                .sum()
-        })
+        std::array::from_fn(|i| self.answers.sum(|a| &a.classes[i]))
     }
 
     /// The replicas' answers so far and the sum of their answer times, microseconds (what
     /// scaling on load reads each tenth of a second, without the buckets).
     pub fn answer_total(&self) -> (u64, u64) {
-        let shards = &self.answers.shards;
-        let count = shards
-            .iter()
-            .flat_map(|a| &a.buckets)
-            .map(|n| n.load(Ordering::Relaxed))
+        let a = &self.answers;
+        let count = (0..=ANSWER_BOUNDS_US.len())
+            .map(|i| a.sum(|s| &s.buckets[i]))
             .sum();
-        (
-            count,
-            shards
-                .iter()
-                .map(|a| a.sum_us.load(Ordering::Relaxed))
-                .sum(),
-        )
+        (count, a.sum(|s| &s.sum_us))
     }
 
     /// The replicas' answer times so far.
@@ -328,11 +324,7 @@ impl RouteTraffic {
         let mut count = 0;
         let buckets = (0..=ANSWER_BOUNDS_US.len())
             .map(|i| {
-                let n: u64 = a
-                    .shards
-                    .iter()
-                    .map(|s| s.buckets[i].load(Ordering::Relaxed))
-                    .sum();
+                let n = a.sum(|s| &s.buckets[i]);
                 count += n;
                 let le = ANSWER_BOUNDS_US
                     .get(i)
@@ -341,12 +333,7 @@ impl RouteTraffic {
             })
             .collect();
         AnswerTimes {
-            sum_s: a
-                .shards
-                .iter()
-                .map(|s| s.sum_us.load(Ordering::Relaxed))
-                .sum::<u64>() as f64
-                / 1e6,
+            sum_s: a.sum(|s| &s.sum_us) as f64 / 1e6,
             count,
             buckets,
             exemplars: a

@@ -413,6 +413,14 @@ impl RetentionBounds {
         }
     }
 
+    /// The most forgotten calls a forgetting by age keeps known by their id
+    /// ([`KeepGone`](crate::event::KeepGone)): [`GONE_PER_KEPT`](crate::state::calls::GONE_PER_KEPT)
+    /// times the count.
+    pub fn most_gone(&self) -> u64 {
+        self.count
+            .saturating_mul(crate::state::calls::GONE_PER_KEPT)
+    }
+
     /// The decisions that bring the ended calls and instances over a bound back within
     /// [`RetentionBounds::kept`]: the oldest go (a running instance's current step call stays,
     /// as with the age).

@@ -391,6 +391,15 @@ impl Calls {
             by_status,
             ..
         } = self;
+        // Those forgotten that stay known by id: that ended since `since`, at most `most` (the
+        // newest). The bounds' keep all they forget (within their multiple of `kept`); the age's
+        // keep those its `keep_gone` names, none without. What is left of calls forgotten
+        // before, and the aborted puts, go once they ended before `since`.
+        let (since, most) = match (kept, keep_gone) {
+            (Some(kept), _) => (0, Some(kept.saturating_mul(GONE_PER_KEPT))),
+            (None, Some(k)) => (k.ended_since_ms.min(finished_before_ms), Some(k.most)),
+            (None, None) => (finished_before_ms, None),
+        };
         let mut stay = Vec::new();
         for (at, spec) in ended.take_before(finished_before_ms) {
             let id = spec.id.as_str();
@@ -403,12 +412,7 @@ impl Calls {
                 continue;
             };
             by_status[c.status as usize] = by_status[c.status as usize].saturating_sub(1);
-            let known = match (kept, keep_gone) {
-                (Some(_), _) => true,
-                (None, Some(k)) => at >= k.ended_since_ms,
-                (None, None) => false,
-            };
-            if known {
+            if at >= since {
                 let id: Arc<str> = id.into();
                 let g = Gone {
                     status: c.status,
@@ -426,24 +430,11 @@ impl Calls {
             let bytes = by_id.get(spec.id.as_str()).map_or(0, |c| c.held_bytes());
             ended.add(at, bytes, spec);
         }
-        let drop_before = match (kept, keep_gone) {
-            // The newest stay (with the rest of their millisecond's).
-            (Some(kept), _) => gone_by_ms.cut_within(kept.saturating_mul(GONE_PER_KEPT), u64::MAX),
-            (None, Some(k)) => {
-                let since = k.ended_since_ms.min(finished_before_ms);
-                aborted.retain(|_, at| *at >= since);
-                let most = gone_by_ms.cut_within(k.most, u64::MAX);
-                Some(most.map_or(since, |m| m.max(since)))
-            }
-            (None, None) => {
-                aborted.retain(|_, at| *at >= finished_before_ms);
-                Some(finished_before_ms)
-            }
-        };
-        if let Some(before) = drop_before {
-            for (_, id) in gone_by_ms.take_before(before) {
-                gone.remove(&id);
-            }
+        aborted.retain(|_, at| *at >= since);
+        // The newest stay (with the rest of their millisecond's).
+        let cut = most.and_then(|most| gone_by_ms.cut_within(most, u64::MAX));
+        for (_, id) in gone_by_ms.take_before(cut.map_or(since, |cut| cut.max(since))) {
+            gone.remove(&id);
         }
     }
 
