@@ -3,9 +3,9 @@
 //! built-in runner, calling the service in process) and as `ebb runner --api URL --token T`
 //! (over HTTP).
 //!
-//! The loop dequeues up to its free capacity, starts the batch (while asking for more), runs each
-//! accepted call with a bounded [`Executor`] and reports finishes in batches with bounded
-//! retries. [`ProxyExecutor`] runs a call through ebb's proxy or, for a function served
+//! The loop dequeues up to its free capacity (while one of its starts is under way, once that is
+//! a quarter of its batch), starts the batch (while asking for more), runs each accepted call
+//! with a bounded [`Executor`] and reports finishes in batches with bounded retries. [`ProxyExecutor`] runs a call through ebb's proxy or, for a function served
 //! elsewhere, sends it to the instance of its `serviceAddress` that its traffic policy picks
 //! (through [`crate::discovery::Balanced`]); [`NoopExecutor`] is for benchmarks. [`RunnerApi`]
 //! has an in-process face and an HTTP one ([`HttpApi`]: `--api` a service id, the replica picked
@@ -585,8 +585,16 @@ pub async fn run(
     };
     let (done_tx, done_rx) = mpsc::channel::<Finish>(capacity);
     let finisher = tokio::spawn(report(api.clone(), options.clone(), done_rx, load.clone()));
+    // Starts under way, and a wake as each ends: while one is, a dequeue waits for room for a
+    // worthwhile batch (`least`). A full runner frees its room a call at a time; asking for each
+    // freed slot made batches of one or two calls under load, each paying a dequeue's and a
+    // start's whole cost (measured: a runner of 500 behind a backlog asked 2 calls a dequeue
+    // and ran 0.6x the calls it runs asking 100 or more).
+    let starting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let start_ended = Arc::new(tokio::sync::Notify::new());
+    let least = least_batch(capacity, options.batch);
     let mut failures = 0u32;
-    loop {
+    'dequeue: loop {
         // Wait for room, then ask for as much work as there is room for.
         let first = tokio::select! {
             p = permits.clone().acquire_owned() => match p {
@@ -596,10 +604,25 @@ pub async fn run(
             _ = stop.changed() => break,
         };
         let mut held = vec![first];
-        while held.len() < options.batch {
-            match permits.clone().try_acquire_owned() {
-                Ok(p) => held.push(p),
-                Err(_) => break,
+        loop {
+            while held.len() < options.batch {
+                match permits.clone().try_acquire_owned() {
+                    Ok(p) => held.push(p),
+                    Err(_) => break,
+                }
+            }
+            // A small batch waits for more room only while a start is under way: that start's
+            // calls free their room soon, and with no start under way nothing would come sooner.
+            if held.len() >= least || starting.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                break;
+            }
+            tokio::select! {
+                p = permits.clone().acquire_owned() => match p {
+                    Ok(p) => held.push(p),
+                    Err(_) => break 'dequeue,
+                },
+                _ = start_ended.notified() => {}
+                _ = stop.changed() => break 'dequeue,
             }
         }
         let jobs = tokio::select! {
@@ -635,9 +658,14 @@ pub async fn run(
         let fault = options.fault;
         let running = running.clone();
         let load_now = load();
+        let (starting, start_ended) = (starting.clone(), start_ended.clone());
+        starting.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         tokio::spawn(async move {
             let ids = jobs.iter().map(|j| j.call.id.clone()).collect();
-            let started = match api.start(&runner_id, ids, load_now).await {
+            let started = api.start(&runner_id, ids, load_now).await;
+            starting.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            start_ended.notify_one();
+            let started = match started {
                 Ok(s) => s,
                 Err(e) => {
                     // Not started: the calls come back after the visibility timeout.
@@ -675,6 +703,12 @@ pub async fn run(
     let _ = permits.acquire_many(capacity as u32).await;
     drop(done_tx);
     let _ = finisher.await;
+}
+
+/// The room worth a dequeue while a start is under way: a quarter of the most a runner asks for
+/// at once (at least one call).
+fn least_batch(capacity: usize, batch: usize) -> usize {
+    (capacity.min(batch) / 4).max(1)
 }
 
 /// Most result bytes in one finish request (the API reads 16 MiB at most).
@@ -751,5 +785,167 @@ async fn send_finishes(
                 return Err(e);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio::sync::Semaphore;
+
+    use super::*;
+    use crate::event::CallSpec;
+    use crate::state::calls::CallStatus;
+
+    /// A runner API with an endless queue, whose starts end only as the test lets them (`ends`),
+    /// noting each dequeue's size and how many starts were under way when it was asked.
+    struct Gated {
+        made: AtomicUsize,
+        starting: AtomicUsize,
+        ends: Semaphore,
+        dequeues: Mutex<Vec<(usize, usize)>>,
+    }
+
+    impl RunnerApi for Gated {
+        fn dequeue(&self, _: &str, max: usize, _: u64, _: Load) -> RunnerFuture<'_, Vec<Job>> {
+            let under_way = self.starting.load(Ordering::SeqCst);
+            self.dequeues
+                .lock()
+                .expect("dequeues")
+                .push((max, under_way));
+            let jobs = (0..max)
+                .map(|_| {
+                    let n = self.made.fetch_add(1, Ordering::SeqCst);
+                    Job {
+                        call: Arc::new(CallSpec::for_test(&format!("call-{n}"))),
+                        host: String::new(),
+                        address: None,
+                        policy: None,
+                        deliveries: 1,
+                    }
+                })
+                .collect();
+            Box::pin(async move { Ok(jobs) })
+        }
+
+        fn start(&self, _: &str, ids: Vec<String>, _: Load) -> RunnerFuture<'_, Vec<Started>> {
+            self.starting.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                self.ends.acquire().await.expect("open").forget();
+                self.starting.fetch_sub(1, Ordering::SeqCst);
+                Ok(ids
+                    .into_iter()
+                    .map(|id| Started {
+                        id,
+                        started: true,
+                        code: None,
+                        state: CallStatus::Running,
+                        deadline_at_ms: None,
+                    })
+                    .collect())
+            })
+        }
+
+        fn finish<'a>(&'a self, _: &str, _: &'a [Finish], _: Load) -> RunnerFuture<'a, ()> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    /// Runs each call until the test lets one more end.
+    struct Held(Arc<Semaphore>);
+
+    impl Executor for Held {
+        fn execute(&self, job: Job, _: Duration) -> Pin<Box<dyn Future<Output = Finish> + Send>> {
+            let gate = self.0.clone();
+            Box::pin(async move {
+                gate.acquire().await.expect("open").forget();
+                Finish {
+                    id: job.call.id.clone(),
+                    outcome: Outcome::Success,
+                    result: None,
+                    log: String::new(),
+                }
+            })
+        }
+    }
+
+    /// Waits for `cond`, up to 10 s.
+    async fn until(what: &str, cond: impl Fn() -> bool) {
+        let wait = async {
+            while !cond() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .is_err()
+        {
+            panic!("waited 10 s for {what}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_runner_asks_for_a_worthwhile_batch_while_a_start_is_under_way() {
+        let api = Arc::new(Gated {
+            made: AtomicUsize::new(0),
+            starting: AtomicUsize::new(0),
+            ends: Semaphore::new(0),
+            dequeues: Mutex::new(Vec::new()),
+        });
+        let runs = Arc::new(Semaphore::new(0));
+        let (stop_tx, stop) = watch::channel(false);
+        let options = RunnerOptions {
+            capacity: 64,
+            batch: 64,
+            ..RunnerOptions::default()
+        };
+        let least = least_batch(64, 64);
+        assert_eq!(least, 16);
+        let runner = tokio::spawn(run(
+            api.clone(),
+            Arc::new(Held(runs.clone())),
+            options,
+            stop,
+        ));
+        let dequeues = || api.dequeues.lock().expect("dequeues").clone();
+        // The empty runner asks for all its room; its start ends and its 64 calls run.
+        until("the first dequeue", || dequeues().len() == 1).await;
+        assert_eq!(dequeues()[0], (64, 0));
+        api.ends.add_permits(1);
+        until("the first start's end", || {
+            api.starting.load(Ordering::SeqCst) == 0
+        })
+        .await;
+        // One call ends: with no start under way, its room is asked for at once.
+        runs.add_permits(1);
+        until("the second dequeue's start", || {
+            dequeues().len() == 2 && api.starting.load(Ordering::SeqCst) == 1
+        })
+        .await;
+        assert_eq!(dequeues()[1], (1, 0));
+        // While that start is under way, calls ending one by one free room a call at a time:
+        // the runner waits for a quarter of its batch before it asks again.
+        runs.add_permits(20);
+        until("the third dequeue", || dequeues().len() >= 3).await;
+        let (asked, under_way) = dequeues()[2];
+        assert_eq!(under_way, 1, "asked while the second start was under way");
+        for (asked, under_way) in dequeues() {
+            assert!(
+                under_way == 0 || asked >= least,
+                "asked for {asked} calls with {under_way} start(s) under way: {:?}",
+                dequeues()
+            );
+        }
+        assert!((least..=20).contains(&asked), "asked for {asked}");
+        // Everything under way ends, and the runner stops.
+        stop_tx.send(true).expect("runner listens");
+        api.ends.add_permits(1_000);
+        runs.add_permits(10_000);
+        tokio::time::timeout(Duration::from_secs(10), runner)
+            .await
+            .expect("the runner stops")
+            .expect("the runner ran");
     }
 }
