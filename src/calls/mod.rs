@@ -126,9 +126,11 @@ pub struct Calls {
     /// The token sent with what is forwarded to an owner (the runner token, or this replica's
     /// ServiceAccount token).
     peer_token: Arc<crate::peers::PeerToken>,
-    /// Per target, the ids of enqueues under way: put or being put, not yet recorded. They
-    /// count against `max_queued_per_target` with the log's queued calls.
-    reserved: Mutex<HashMap<String, IdHashSet<String>>>,
+    /// The enqueues under way (put or being put, not yet recorded), by a number of their own:
+    /// their calls count against `max_queued_per_target` with the log's queued calls. One entry
+    /// an enqueue, not one a call: an enqueue of a batch adds and removes one entry, its ids
+    /// shared with its answer.
+    reserved: Mutex<Reservations>,
     /// Told each time enqueues under way end (recorded, or never queued): a states request
     /// about one of them waits for it (see [`Calls::states`]).
     settled: tokio::sync::Notify,
@@ -165,26 +167,80 @@ pub fn decode_copies(
         .collect()
 }
 
+/// The enqueues under way, each by its number.
+#[derive(Default)]
+struct Reservations {
+    next: u64,
+    under_way: HashMap<u64, UnderWay>,
+}
+
+impl Reservations {
+    /// Calls of the enqueues under way for `target`.
+    fn calls_for(&self, target: &str) -> usize {
+        self.under_way
+            .values()
+            .flat_map(|u| &u.targets)
+            .filter(|(t, _)| t == target)
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    /// The ids of the enqueues under way for `target`.
+    fn ids_for<'a>(&'a self, target: &'a str) -> impl Iterator<Item = &'a String> + 'a {
+        self.under_way
+            .values()
+            .filter(move |u| u.targets.iter().any(|(t, _)| t == target))
+            .flat_map(move |u| {
+                u.ids
+                    .iter()
+                    .zip(&u.of_target)
+                    .filter(move |(_, t)| u.targets[**t].0 == target)
+                    .map(|(id, _)| id)
+            })
+    }
+
+    /// Whether `id` is a call of an enqueue under way.
+    fn holds(&self, id: &str) -> bool {
+        self.under_way
+            .values()
+            .any(|u| u.ids.iter().any(|i| i == id))
+    }
+}
+
+/// An enqueue under way: its calls' ids, each one's target (an index of `targets`), and how
+/// many calls each target has.
+struct UnderWay {
+    ids: Arc<Vec<String>>,
+    of_target: Vec<usize>,
+    targets: Vec<(String, usize)>,
+}
+
 /// Room reserved by an enqueue under way for its calls; dropping it gives the room back (by
 /// then the log counts the calls, or they were never queued).
 struct Reserved<'a> {
     calls: &'a Calls,
-    held: Vec<(String, String)>,
+    number: u64,
+    /// The enqueue's ids, in its order (its answer, once the guard is gone).
+    ids: Arc<Vec<String>>,
+}
+
+impl Reserved<'_> {
+    /// Gives the room back and returns the enqueue's ids.
+    fn settle(self) -> Vec<String> {
+        let ids = self.ids.clone();
+        drop(self);
+        Arc::try_unwrap(ids).unwrap_or_else(|ids| (*ids).clone())
+    }
 }
 
 impl Drop for Reserved<'_> {
     fn drop(&mut self) {
-        {
-            let mut reserved = self.calls.reserved.lock().expect("reserved lock");
-            for (t, id) in self.held.drain(..) {
-                if let Some(r) = reserved.get_mut(&t) {
-                    r.remove(&id);
-                    if r.is_empty() {
-                        reserved.remove(&t);
-                    }
-                }
-            }
-        }
+        self.calls
+            .reserved
+            .lock()
+            .expect("reserved lock")
+            .under_way
+            .remove(&self.number);
         self.calls.settled.notify_waiters();
     }
 }
@@ -288,7 +344,7 @@ impl Calls {
             stale: Arc::new(Mutex::new(IdSet::new(MAX_STALE))),
             peers: Arc::new(Peers::alone()),
             peer_token: Arc::new(crate::peers::PeerToken::None),
-            reserved: Mutex::new(HashMap::new()),
+            reserved: Mutex::new(Reservations::default()),
             settled: tokio::sync::Notify::new(),
             handed_unknown: Mutex::new(Bounded::new(MAX_COPIES)),
             refused_unknown: Mutex::new(IdSet::new(MAX_STALE)),
@@ -437,32 +493,41 @@ impl Calls {
     /// concurrent enqueues never pass the bound together.
     fn check_room(&self, specs: &[CallSpec]) -> Result<Reserved<'_>, CallError> {
         let max = self.options.max_queued_per_target;
-        let mut asked: HashMap<&str, Vec<&str>> = HashMap::new();
+        // Each call's target, as an index of `targets`, with each target's count.
+        let mut targets: Vec<(String, usize)> = Vec::new();
+        let mut index: HashMap<&str, usize> = HashMap::new();
+        let mut of_target = Vec::with_capacity(specs.len());
         for s in specs {
-            asked
-                .entry(s.target.as_str())
-                .or_default()
-                .push(s.id.as_str());
+            let i = match targets.last() {
+                // An enqueue's calls are mostly of one target.
+                Some((t, _)) if *t == s.target => targets.len() - 1,
+                _ => *index.entry(s.target.as_str()).or_insert_with(|| {
+                    targets.push((s.target.clone(), 0));
+                    targets.len() - 1
+                }),
+            };
+            targets[i].1 += 1;
+            of_target.push(i);
         }
         let mut reserved = self.reserved.lock().expect("reserved lock");
         let full = self.log.read(|s| {
-            asked.iter().find_map(|(t, ids)| {
+            targets.iter().find_map(|(t, asked)| {
                 let queued = s.calls.queued_for(t);
-                let under_way = reserved.get(*t);
                 // Room even if no reserved id were recorded yet: no need to look them up (the
                 // look-up costs one search of the log's calls per call of the enqueues under way).
                 let at_most = queued
-                    .saturating_add(under_way.map_or(0, IdHashSet::len))
-                    .saturating_add(ids.len());
+                    .saturating_add(reserved.calls_for(t))
+                    .saturating_add(*asked);
                 if at_most <= max {
                     return None;
                 }
                 // Reserved ids the log knows by now are in `queued_for` already.
-                let pending = under_way.map_or(0, |r| {
-                    r.iter().filter(|id| s.calls.get(id).is_none()).count()
-                });
+                let pending = reserved
+                    .ids_for(t)
+                    .filter(|id| s.calls.get(id).is_none())
+                    .count();
                 let have = queued.saturating_add(pending);
-                (have.saturating_add(ids.len()) > max).then(|| ((*t).to_owned(), have))
+                (have.saturating_add(*asked) > max).then(|| (t.clone(), have))
             })
         });
         if let Some((target, queued)) = full {
@@ -471,16 +536,22 @@ impl Calls {
                 "{target:?} has {queued} calls queued; the bound is {max} (--max-queued-per-target)"
             )));
         }
-        let mut held = Vec::new();
-        for (t, ids) in asked {
-            let r = reserved.entry(t.to_owned()).or_default();
-            for id in ids {
-                if r.insert(id.to_owned()) {
-                    held.push((t.to_owned(), id.to_owned()));
-                }
-            }
-        }
-        Ok(Reserved { calls: self, held })
+        let ids = Arc::new(specs.iter().map(|s| s.id.clone()).collect::<Vec<_>>());
+        let number = reserved.next;
+        reserved.next += 1;
+        reserved.under_way.insert(
+            number,
+            UnderWay {
+                ids: ids.clone(),
+                of_target,
+                targets,
+            },
+        );
+        Ok(Reserved {
+            calls: self,
+            number,
+            ids,
+        })
     }
 
     /// Enqueues calls: on the queue first, then in the log. Returns their ids.
@@ -514,9 +585,8 @@ impl Calls {
         }
         let reserved = self.check_room(&specs)?;
         self.put_calls(&specs).await?;
-        let ids: Vec<String> = specs.iter().map(|s| s.id.clone()).collect();
         self.record_queued(specs).await?;
-        drop(reserved);
+        let ids = reserved.settle();
         for id in &ids {
             tracing::debug!(call = %id, "queued");
         }
@@ -1308,9 +1378,26 @@ impl Calls {
                 states = look();
                 let under_way = {
                     let reserved = self.reserved.lock().expect("reserved lock");
-                    ids.iter().zip(&states).any(|(id, state)| {
-                        state.is_none() && reserved.values().any(|r| r.contains(id))
-                    })
+                    let unknown: Vec<&str> = ids
+                        .iter()
+                        .zip(&states)
+                        .filter(|(_, state)| state.is_none())
+                        .map(|(id, _)| id.as_str())
+                        .collect();
+                    match unknown[..] {
+                        [] => false,
+                        _ if reserved.under_way.is_empty() => false,
+                        [id] => reserved.holds(id),
+                        // A set of the ids under way, not one look at them all for each.
+                        _ => {
+                            let held: IdHashSet<&str> = reserved
+                                .under_way
+                                .values()
+                                .flat_map(|u| u.ids.iter().map(String::as_str))
+                                .collect();
+                            unknown.iter().any(|id| held.contains(id))
+                        }
+                    }
                 };
                 if !under_way {
                     return;
@@ -1786,6 +1873,41 @@ mod tests {
             log.read(|s| s.calls.get(&id).map(|c| c.log.clone())),
             Some("first".to_owned())
         );
+    }
+
+    #[test]
+    fn the_enqueues_under_way_count_and_name_each_targets_calls() {
+        let mut r = Reservations::default();
+        let ids = |ids: &[&str]| Arc::new(ids.iter().map(|i| (*i).to_owned()).collect());
+        r.under_way.insert(
+            0,
+            UnderWay {
+                ids: ids(&["a", "b", "c"]),
+                of_target: vec![0, 1, 0],
+                targets: vec![("x".into(), 2), ("y".into(), 1)],
+            },
+        );
+        r.under_way.insert(
+            1,
+            UnderWay {
+                ids: ids(&["d"]),
+                of_target: vec![0],
+                targets: vec![("y".into(), 1)],
+            },
+        );
+        assert_eq!(
+            (r.calls_for("x"), r.calls_for("y"), r.calls_for("z")),
+            (2, 2, 0)
+        );
+        let named = |t: &str| {
+            let mut all: Vec<String> = r.ids_for(t).cloned().collect();
+            all.sort_unstable();
+            all
+        };
+        assert_eq!(named("x"), ["a", "c"]);
+        assert_eq!(named("y"), ["b", "d"]);
+        assert!(named("z").is_empty());
+        assert!(r.holds("d") && r.holds("b") && !r.holds("e"));
     }
 
     proptest::proptest! {
