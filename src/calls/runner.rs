@@ -5,8 +5,9 @@
 //!
 //! The loop dequeues up to its free capacity (while one of its starts is under way, once that is
 //! a quarter of its batch), starts the batch (while asking for more), runs each accepted call
-//! with a bounded [`Executor`] and reports finishes in batches with bounded retries. [`ProxyExecutor`] runs a call through ebb's proxy or, for a function served
-//! elsewhere, sends it to the instance of its `serviceAddress` that its traffic policy picks
+//! with a bounded [`Executor`] and reports finishes in batches with bounded retries.
+//! [`ProxyExecutor`] runs a call through ebb's proxy or, for a function served elsewhere, sends
+//! it to the instance of its `serviceAddress` that its traffic policy picks
 //! (through [`crate::discovery::Balanced`]); [`NoopExecutor`] is for benchmarks. [`RunnerApi`]
 //! has an in-process face and an HTTP one ([`HttpApi`]: `--api` a service id, the replica picked
 //! by consistent hashing on the runner's id, so a runner stays on one replica while it is there).
@@ -590,8 +591,7 @@ pub async fn run(
     // freed slot made batches of one or two calls under load, each paying a dequeue's and a
     // start's whole cost (measured: a runner of 500 behind a backlog asked 2 calls a dequeue
     // and ran 0.6x the calls it runs asking 100 or more).
-    let starting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let start_ended = Arc::new(tokio::sync::Notify::new());
+    let starts = Starts::default();
     let least = least_batch(capacity, options.batch);
     let mut failures = 0u32;
     'dequeue: loop {
@@ -613,7 +613,7 @@ pub async fn run(
             }
             // A small batch waits for more room only while a start is under way: that start's
             // calls free their room soon, and with no start under way nothing would come sooner.
-            if held.len() >= least || starting.load(std::sync::atomic::Ordering::Acquire) == 0 {
+            if held.len() >= least || starts.none_under_way() {
                 break;
             }
             tokio::select! {
@@ -621,7 +621,7 @@ pub async fn run(
                     Ok(p) => held.push(p),
                     Err(_) => break 'dequeue,
                 },
-                _ = start_ended.notified() => {}
+                _ = starts.ended.notified() => {}
                 _ = stop.changed() => break 'dequeue,
             }
         }
@@ -658,13 +658,11 @@ pub async fn run(
         let fault = options.fault;
         let running = running.clone();
         let load_now = load();
-        let (starting, start_ended) = (starting.clone(), start_ended.clone());
-        starting.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let start = starts.begin();
         tokio::spawn(async move {
             let ids = jobs.iter().map(|j| j.call.id.clone()).collect();
             let started = api.start(&runner_id, ids, load_now).await;
-            starting.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-            start_ended.notify_one();
+            drop(start);
             let started = match started {
                 Ok(s) => s,
                 Err(e) => {
@@ -703,6 +701,40 @@ pub async fn run(
     let _ = permits.acquire_many(capacity as u32).await;
     drop(done_tx);
     let _ = finisher.await;
+}
+
+/// A runner's starts under way, and a wake as each ends.
+#[derive(Clone, Default)]
+struct Starts {
+    under_way: Arc<std::sync::atomic::AtomicUsize>,
+    ended: Arc<tokio::sync::Notify>,
+}
+
+impl Starts {
+    /// Counts a start under way until the guard is dropped (when it was answered, or its task
+    /// was dropped).
+    fn begin(&self) -> StartUnderWay {
+        self.under_way
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        StartUnderWay(self.clone())
+    }
+
+    fn none_under_way(&self) -> bool {
+        self.under_way.load(std::sync::atomic::Ordering::Acquire) == 0
+    }
+}
+
+/// A start under way (see [`Starts::begin`]).
+struct StartUnderWay(Starts);
+
+impl Drop for StartUnderWay {
+    fn drop(&mut self) {
+        self.0
+            .under_way
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        // A stored wake if the loop is not waiting yet: it looks again before it waits.
+        self.0.ended.notify_one();
+    }
 }
 
 /// The room worth a dequeue while a start is under way: a quarter of the most a runner asks for
