@@ -807,6 +807,22 @@ impl Collector for Scraped {
         ] {
             ConstCounter::new(n).encode(family.encode_family(&[("outcome", outcome)])?)?;
         }
+        let (requests, calls) = crate::calls::start_requests();
+        for (name, help, n) in [
+            (
+                "ebb_call_start_requests",
+                "Start requests served (a runner's, or one another replica forwarded).",
+                requests,
+            ),
+            (
+                "ebb_call_start_request_calls",
+                "Calls the start requests asked to start: over ebb_call_start_requests, how many calls runners start at once.",
+                calls,
+            ),
+        ] {
+            let family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            ConstCounter::new(n).encode(family)?;
+        }
         let mut family = encoder.encode_descriptor(
             "ebb_limit_refusals",
             "What a limit refused (or stopped), by the limit's setting.",

@@ -1465,3 +1465,38 @@ async fn with_kafka_broker_and_ebb_restarts_lose_no_call_and_run_none_twice() {
         assert_eq!(events_of(&ebb.data, id, "CallStarted"), 1, "{id}");
     }
 }
+
+/// `/metrics` counts the start requests served and the calls they asked to start: their ratio
+/// is how many calls runners start at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_start_requests_and_the_calls_they_ask_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &["--runner-capacity", "0"]);
+    let sample = |name: &'static str| async move {
+        common::http::sample(&common::http::client(), ebb.admin, name).await
+    };
+    assert_eq!(sample("ebb_call_start_requests_total").await, 0);
+    let ids = enqueue_bodies(&ebb, 3).await;
+    let mut handed = Vec::new();
+    while handed.len() < ids.len() {
+        let d = post(
+            &ebb,
+            "/runner/dequeue",
+            json!({ "runner": "r1", "max": 3, "wait_ms": 5000 }),
+        )
+        .await;
+        assert_eq!(d.status, 200, "{}", d.json);
+        for c in d.json["calls"].as_array().unwrap() {
+            handed.push(c["id"].as_str().unwrap().to_owned());
+        }
+    }
+    let s = post(&ebb, "/runner/start", json!({ "runner": "r1", "ids": ids })).await;
+    assert_eq!(s.status, 200, "{}", s.json);
+    let started = s.json["results"].as_array().unwrap();
+    assert!(started.iter().all(|r| r["started"] == true), "{}", s.json);
+    assert_eq!(started.len(), 3);
+    let again = start_one(&ebb, "r1", &ids[0]).await;
+    assert_eq!(again.status, 409, "{}", again.json);
+    assert_eq!(sample("ebb_call_start_requests_total").await, 2);
+    assert_eq!(sample("ebb_call_start_request_calls_total").await, 4);
+}

@@ -245,6 +245,21 @@ impl Drop for Reserved<'_> {
     }
 }
 
+/// Start requests this process served (a runner's, or one forwarded by another replica), and
+/// the calls they asked to start: their ratio is how many calls runners start at once
+/// (`ebb_call_start_requests_total`, `ebb_call_start_request_calls_total`).
+static START_REQUESTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static START_REQUEST_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The start requests this process served and the calls they asked to start, so far.
+pub fn start_requests() -> (u64, u64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    (
+        START_REQUESTS.load(Relaxed),
+        START_REQUEST_CALLS.load(Relaxed),
+    )
+}
+
 /// How long a states request waits for this replica's enqueues under way to be recorded.
 const STATES_WAIT: Duration = Duration::from_secs(1);
 
@@ -1002,6 +1017,8 @@ impl Calls {
         ids: Vec<String>,
         copies: Vec<CallSpec>,
     ) -> Result<Vec<Started>, CallError> {
+        START_REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        START_REQUEST_CALLS.fetch_add(ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
         if !copies.is_empty()
             && !crate::mutation::active(crate::mutation::Mutation::RefuseUnknownCopy)
         {
