@@ -129,6 +129,12 @@ async fn dequeue(ebb: &Ebb, runner: &str, wait_ms: u64) -> Answer {
     .await
 }
 
+/// `POST /runner/dequeue` of up to `max` calls for `runner`, long-polling up to `wait_ms`.
+async fn dequeue_up_to(ebb: &Ebb, runner: &str, max: usize, wait_ms: u64) -> Answer {
+    let body = json!({ "runner": runner, "max": max, "wait_ms": wait_ms });
+    post(ebb, "/runner/dequeue", body).await
+}
+
 /// A dequeue that finds nothing, carrying the runner's `X-Runner-Load`.
 async fn report_load(ebb: &Ebb, runner: &str, load: &str) -> Answer {
     let body = json!({ "runner": runner, "wait_ms": 0 }).to_string();
@@ -286,12 +292,7 @@ async fn start_and_finish_are_exact() {
     )
     .await;
     assert_eq!(state(&ebb, &id).await, "queued");
-    let d = post(
-        &ebb,
-        "/runner/dequeue",
-        json!({ "runner": "r1", "max": 5, "wait_ms": 5000 }),
-    )
-    .await;
+    let d = dequeue_up_to(&ebb, "r1", 5, 5000).await;
     assert_eq!(d.status, 200, "{}", d.json);
     assert_eq!(d.json["calls"][0]["id"], id.as_str());
     assert_eq!(d.json["calls"][0]["host"], "work.localhost");
@@ -1479,12 +1480,7 @@ async fn metrics_count_start_requests_and_the_calls_they_ask_to_start() {
     let ids = enqueue_bodies(&ebb, 3).await;
     let mut handed = Vec::new();
     while handed.len() < ids.len() {
-        let d = post(
-            &ebb,
-            "/runner/dequeue",
-            json!({ "runner": "r1", "max": 3, "wait_ms": 5000 }),
-        )
-        .await;
+        let d = dequeue_up_to(&ebb, "r1", 3, 5000).await;
         assert_eq!(d.status, 200, "{}", d.json);
         for c in d.json["calls"].as_array().unwrap() {
             handed.push(c["id"].as_str().unwrap().to_owned());

@@ -199,11 +199,18 @@ impl Reservations {
             })
     }
 
-    /// Whether `id` is a call of an enqueue under way.
-    fn holds(&self, id: &str) -> bool {
-        self.under_way
-            .values()
-            .any(|u| u.ids.iter().any(|i| i == id))
+    /// Whether any of `ids` is a call of an enqueue under way: one look at the ids under way
+    /// for one id, a set of them for several.
+    fn holds(&self, ids: &[&str]) -> bool {
+        let mut under_way = self.under_way.values().flat_map(|u| u.ids.iter());
+        match ids {
+            [] => false,
+            [id] => under_way.any(|i| i == id),
+            _ => {
+                let held: IdHashSet<&str> = under_way.map(String::as_str).collect();
+                !held.is_empty() && ids.iter().any(|id| held.contains(id))
+            }
+        }
     }
 }
 
@@ -1393,30 +1400,13 @@ impl Calls {
                 tokio::pin!(settled);
                 settled.as_mut().enable();
                 states = look();
-                let under_way = {
-                    let reserved = self.reserved.lock().expect("reserved lock");
-                    let unknown: Vec<&str> = ids
-                        .iter()
-                        .zip(&states)
-                        .filter(|(_, state)| state.is_none())
-                        .map(|(id, _)| id.as_str())
-                        .collect();
-                    match unknown[..] {
-                        [] => false,
-                        _ if reserved.under_way.is_empty() => false,
-                        [id] => reserved.holds(id),
-                        // A set of the ids under way, not one look at them all for each.
-                        _ => {
-                            let held: IdHashSet<&str> = reserved
-                                .under_way
-                                .values()
-                                .flat_map(|u| u.ids.iter().map(String::as_str))
-                                .collect();
-                            unknown.iter().any(|id| held.contains(id))
-                        }
-                    }
-                };
-                if !under_way {
+                let unknown: Vec<&str> = ids
+                    .iter()
+                    .zip(&states)
+                    .filter(|(_, state)| state.is_none())
+                    .map(|(id, _)| id.as_str())
+                    .collect();
+                if !self.reserved.lock().expect("reserved lock").holds(&unknown) {
                     return;
                 }
                 settled.await;
@@ -1924,7 +1914,7 @@ mod tests {
         assert_eq!(named("x"), ["a", "c"]);
         assert_eq!(named("y"), ["b", "d"]);
         assert!(named("z").is_empty());
-        assert!(r.holds("d") && r.holds("b") && !r.holds("e"));
+        assert!(r.holds(&["d"]) && r.holds(&["b"]) && !r.holds(&["e"]));
     }
 
     proptest::proptest! {

@@ -595,15 +595,10 @@ pub async fn run(
     let least = least_batch(capacity, options.batch);
     let mut failures = 0u32;
     'dequeue: loop {
-        // Wait for room, then ask for as much work as there is room for.
-        let first = tokio::select! {
-            p = permits.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-            _ = stop.changed() => break,
-        };
-        let mut held = vec![first];
+        // Wait for room, then ask for as much work as there is room for. A small batch waits for
+        // more room only while a start is under way: that start's calls free their room soon,
+        // and with no start under way nothing would come sooner.
+        let mut held = Vec::new();
         loop {
             while held.len() < options.batch {
                 match permits.clone().try_acquire_owned() {
@@ -611,9 +606,7 @@ pub async fn run(
                     Err(_) => break,
                 }
             }
-            // A small batch waits for more room only while a start is under way: that start's
-            // calls free their room soon, and with no start under way nothing would come sooner.
-            if held.len() >= least || starts.none_under_way() {
+            if !held.is_empty() && (held.len() >= least || starts.none_under_way()) {
                 break;
             }
             tokio::select! {
