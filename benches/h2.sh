@@ -31,7 +31,7 @@ base="${BENCH_PORT_BASE:-18500}"
 app_port=$((base + 1)); ebb_port=$((base + 2)); admin_port=$((base + 3))
 nginx_h2=$((base + 4)); nginx_grpc=$((base + 5)); haproxy_h2=$((base + 6)); haproxy_grpc=$((base + 7))
 
-"$ebb" example-app --port "$app_port" &
+"$ebb" example-app --port "$app_port" >"$work/app.log" 2>&1 &
 pids+=($!)
 
 cat >"$work/ebb.toml" <<TOML
