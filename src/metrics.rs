@@ -854,6 +854,22 @@ impl Collector for Scraped {
         ] {
             ConstCounter::new(n).encode(family.encode_family(&[("then", then)])?)?;
         }
+        let (open, opened) = crate::proxy::h2c_connections();
+        let mut family = encoder.encode_descriptor(
+            "ebb_h2c_replica_connections",
+            "HTTP/2 connections to replicas open now (gRPC calls, h2c destinations): one or more per replica and proxy thread, another opened when a replica's stream limit fills those open.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(i64::try_from(open).unwrap_or(i64::MAX))
+            .encode(family.encode_family::<[(&str, &str); 0]>(&[])?)?;
+        let family = encoder.encode_descriptor(
+            "ebb_h2c_replica_connections_opened",
+            "HTTP/2 connections to replicas opened since the start.",
+            None,
+            MetricType::Counter,
+        )?;
+        ConstCounter::new(opened).encode(family)?;
         let mut family = encoder.encode_descriptor(
             "ebb_proxy_responses",
             "Answers to a route's requests by status class (ebb's own refusals included).",

@@ -71,8 +71,21 @@ async fn unary_and_streaming_calls_wake_the_server_and_pass_through() {
     assert_eq!(v["answer"], "HELLO", "{v}");
     assert_eq!(v["trailers"]["x-echo"], "said", "{v}");
     assert_eq!(common::scale_events(&data, "echo", "wake"), 1);
+    // The call went over an h2c connection to the replica (/metrics), which ends with it (the
+    // replica may be stopping already: its idle bound is short).
+    let http = common::http::client();
+    let (open, opened) = (
+        "ebb_h2c_replica_connections",
+        "ebb_h2c_replica_connections_opened_total",
+    );
+    assert_eq!(common::http::sample(&http, ebb.admin, opened).await, 1);
+    assert!(common::http::sample(&http, ebb.admin, open).await <= 1);
     wait_until("echo goes idle", LIMIT, || async {
         (common::scale_events(&data, "echo", "idle") >= 1).then_some(())
+    })
+    .await;
+    wait_until("the stopped replica's connection ended", LIMIT, || async {
+        (common::http::sample(&http, ebb.admin, open).await == 0).then_some(())
     })
     .await;
     let idle_before = common::scale_events(&data, "echo", "idle");

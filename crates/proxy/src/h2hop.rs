@@ -62,6 +62,33 @@ pub const MAX_CONNS: usize = 16;
 /// before the settings arrived went over a smaller limit, and the replica refused the excess.
 const ASSUMED_STREAMS: usize = 100;
 
+/// The hop's connections to replicas open now, on every proxy thread (`/metrics`).
+static OPEN: AtomicUsize = AtomicUsize::new(0);
+/// The hop's connections to replicas opened since the start.
+static OPENED: AtomicU64 = AtomicU64::new(0);
+
+/// The hop's connections to replicas: open now, and opened since the start.
+pub fn connections() -> (usize, u64) {
+    (OPEN.load(Ordering::Relaxed), OPENED.load(Ordering::Relaxed))
+}
+
+/// A connection counted open until its task ends (or is dropped).
+struct Open;
+
+impl Open {
+    fn new() -> Self {
+        OPEN.fetch_add(1, Ordering::Relaxed);
+        OPENED.fetch_add(1, Ordering::Relaxed);
+        Open
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        OPEN.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// A connection to one address: opened once by whichever request takes it first.
 struct Conn {
     sender: OnceCell<SendRequest<Bytes>>,
@@ -172,7 +199,9 @@ async fn open(
         .await?;
     let watched = conn.clone();
     let (idle_ms, clock) = (dial.idle_timeout_ms, dial.clock.clone());
+    let open = Open::new();
     tokio::spawn(async move {
+        let _open = open;
         tokio::pin!(connection);
         let mut wait = Duration::from_millis(idle_ms.max(1));
         loop {

@@ -118,6 +118,7 @@ use crate::scaler::{awake_replicas, decide_wake, warm_min};
 use crate::state::State;
 use backends::{Backends, Slot};
 use ebb_core::orchestrator::Orchestrator;
+pub use h2hop::connections as h2c_connections;
 use opentelemetry::trace::TraceContextExt as _;
 use table::{Entry, Table};
 use tracing::Instrument;
