@@ -1,11 +1,12 @@
 //! The HTTP/2 hop to replicas that speak h2c (gRPC servers, h2c destinations of meta services),
 //! driven with the `h2` crate directly.
 //!
-//! Each proxy thread keeps one multiplexed connection per replica address. A request opens a
-//! stream on it from the task that serves the client's request: no channel to a connection task,
-//! no task per request, no pool checkout (hyper's client does all three for each HTTP/2 request,
-//! and they were a fifth of ebb's CPU on gRPC). The connection itself is driven by a task of its
-//! own on the thread that opened it.
+//! Each proxy thread keeps multiplexed connections to each replica address (one, and more while
+//! the replica's stream limit fills those open). A request opens a stream on one from the task
+//! that serves the client's request: no channel to a connection task, no task per request, no
+//! pool checkout (hyper's client does all three for each HTTP/2 request, and they were a fifth of
+//! ebb's CPU on gRPC). Each connection is driven by a task of its own on the thread that opened
+//! it.
 //!
 //! * A request body that has fully arrived when its stream opens (a unary gRPC call's one message)
 //!   is sent at once; one still arriving is sent by a task that follows the stream's flow
@@ -18,13 +19,15 @@
 //!   address. Past that the least busy one is shared, and its streams wait in `h2` for room (the
 //!   route's timeouts bound the wait). With one connection a thread, a replica's limit was ebb's:
 //!   the example app allows 200 streams (hyper's default), and of 640 concurrent gRPC calls on
-//!   two threads, 240 waited in ebb while HAProxy opened more connections; ebb served 0.86x
+//!   two threads, 240 waited in ebb while HAProxy opened more connections; ebb served 0.85-0.86x
 //!   HAProxy's calls, and 0.96-1.04x with connections added as needed.
 //! * A connection that ended (the replica closed it, or it failed) is replaced by the next
 //!   request; the addresses kept are swept of ended connections whenever a new one opens, so
-//!   the map holds the live connections and those being opened. A
-//!   connection with no stream open and no request for the proxy's `pool_idle_timeout_ms` is
-//!   closed, as the HTTP/1.1 pools' idle connections are.
+//!   the map holds the live connections and those being opened. A connection with no stream
+//!   open and no request for the proxy's `pool_idle_timeout_ms` is closed, as the HTTP/1.1
+//!   pools' idle connections are (calls fill the first with room, so the last ones go idle
+//!   first).
+//! * `/metrics` counts the connections open and opened ([`connections`]).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -122,8 +125,8 @@ impl Conn {
     }
 }
 
-/// A request under way on a connection: counted from its send until its answer's body is
-/// dropped.
+/// A request under way on a connection: counted from when it takes the connection until its
+/// answer's body is dropped.
 struct UnderWay(Arc<Conn>);
 
 impl UnderWay {
