@@ -61,8 +61,9 @@ const EAGER_MAX: usize = 16 * 1024;
 /// The most connections a proxy thread keeps to one address.
 pub const MAX_CONNS: usize = 16;
 /// The streams a replica is taken to allow at once until its settings say (RFC 9113 asks a
-/// server to allow at least 100; Go's HTTP/2 client assumes as much). Without it, a burst sent
-/// before the settings arrived went over a smaller limit, and the replica refused the excess.
+/// server to allow at least 100; Go's HTTP/2 client assumes as much). `h2` takes no limit until
+/// then, so a burst sent before the settings arrived went past a replica's limit, and the replica
+/// refused the excess; now only a limit under 100 can be passed so.
 const ASSUMED_STREAMS: usize = 100;
 
 /// The hop's connections to replicas open now, on every proxy thread (`/metrics`).
