@@ -289,4 +289,4 @@ for i in 1 2 3; do
 done
 echo
 echo "cold start:"
-"$ebb" bench cold-start
+EBB_LOG=warn "$ebb" bench cold-start
