@@ -505,6 +505,11 @@ impl RouteFigures {
 }
 
 /// The trace a call is part of, when it was enqueued with a sampled trace context (traces on).
+/// A gauge of how many there are (saturating at `i64::MAX`, a gauge's range).
+fn count_gauge(n: impl TryInto<i64>) -> ConstGauge {
+    ConstGauge::new(n.try_into().unwrap_or(i64::MAX))
+}
+
 fn trace_id(call: &crate::event::CallSpec) -> Option<String> {
     use opentelemetry::trace::TraceContextExt;
     let cx = crate::proxy::trace::parent_of(call.trace.as_deref()?);
@@ -834,14 +839,13 @@ impl Collector for Scraped {
             ConstCounter::new(limit.hits()).encode(family.encode_family(&labels)?)?;
         }
         let relay = crate::proxy::relay::totals();
-        let mut family = encoder.encode_descriptor(
+        let family = encoder.encode_descriptor(
             "ebb_tcp_relay_connections",
             "TCP route connections whose bytes the io_uring relay threads move now (--tcp-relay-threads).",
             None,
             MetricType::Gauge,
         )?;
-        ConstGauge::new(i64::try_from(relay.open).unwrap_or(i64::MAX))
-            .encode(family.encode_family::<[(&str, &str); 0]>(&[])?)?;
+        count_gauge(relay.open).encode(family)?;
         let mut family = encoder.encode_descriptor(
             "ebb_tcp_relay_dry_receives",
             "Receives of the TCP relay threads that found their buffer ring empty (every buffer held by bytes waiting on slow readers), by what they did: waited for bytes, or took a heap buffer for bytes waiting.",
@@ -855,14 +859,13 @@ impl Collector for Scraped {
             ConstCounter::new(n).encode(family.encode_family(&[("then", then)])?)?;
         }
         let (open, opened) = crate::proxy::h2c_connections();
-        let mut family = encoder.encode_descriptor(
+        let family = encoder.encode_descriptor(
             "ebb_h2c_replica_connections",
             "HTTP/2 connections to replicas open now (gRPC calls, h2c destinations): one or more per replica and proxy thread, another opened when a replica's stream limit fills those open.",
             None,
             MetricType::Gauge,
         )?;
-        ConstGauge::new(i64::try_from(open).unwrap_or(i64::MAX))
-            .encode(family.encode_family::<[(&str, &str); 0]>(&[])?)?;
+        count_gauge(open).encode(family)?;
         let family = encoder.encode_descriptor(
             "ebb_h2c_replica_connections_opened",
             "HTTP/2 connections to replicas opened since the start.",
@@ -962,8 +965,7 @@ impl Collector for Scraped {
             let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
             for (kind, t) in [("call", ended_calls), ("instance", ended_instances)] {
                 let labels = [("kind", kind)];
-                ConstGauge::new(i64::try_from(pick(t)).unwrap_or(i64::MAX))
-                    .encode(family.encode_family(&labels)?)?;
+                count_gauge(pick(t)).encode(family.encode_family(&labels)?)?;
             }
         }
         let family = encoder.encode_descriptor(
@@ -972,7 +974,7 @@ impl Collector for Scraped {
             None,
             MetricType::Gauge,
         )?;
-        ConstGauge::new(i64::try_from(gone).unwrap_or(i64::MAX)).encode(family)?;
+        count_gauge(gone).encode(family)?;
         if let Some(q) = &self.0.queue {
             let stats = q.stats();
             let mut family = encoder.encode_descriptor(

@@ -61,6 +61,7 @@ pub mod runner;
 pub use ebb_core::calls::*;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -113,7 +114,7 @@ pub struct Calls {
     /// are released.
     started_at_ms: u64,
     owners_checked: std::sync::atomic::AtomicBool,
-    recovered_at_ms: std::sync::atomic::AtomicU64,
+    recovered_at_ms: AtomicU64,
     /// Ids whose put failed (the caller got 500): never run if a queue delivers them anyway (a
     /// Kafka produce that timed out may still land).
     aborted: Mutex<IdSet>,
@@ -208,7 +209,7 @@ impl Reservations {
             [id] => under_way.any(|i| i == id),
             _ => {
                 let held: IdHashSet<&str> = under_way.map(String::as_str).collect();
-                !held.is_empty() && ids.iter().any(|id| held.contains(id))
+                ids.iter().any(|id| held.contains(id))
             }
         }
     }
@@ -255,15 +256,14 @@ impl Drop for Reserved<'_> {
 /// Start requests this process served (a runner's, or one forwarded by another replica), and
 /// the calls they asked to start: their ratio is how many calls runners start at once
 /// (`ebb_call_start_requests_total`, `ebb_call_start_request_calls_total`).
-static START_REQUESTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-static START_REQUEST_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static START_REQUESTS: AtomicU64 = AtomicU64::new(0);
+static START_REQUEST_CALLS: AtomicU64 = AtomicU64::new(0);
 
 /// The start requests this process served and the calls they asked to start, so far.
 pub fn start_requests() -> (u64, u64) {
-    use std::sync::atomic::Ordering::Relaxed;
     (
-        START_REQUESTS.load(Relaxed),
-        START_REQUEST_CALLS.load(Relaxed),
+        START_REQUESTS.load(Ordering::Relaxed),
+        START_REQUEST_CALLS.load(Ordering::Relaxed),
     )
 }
 
@@ -361,7 +361,7 @@ impl Calls {
             runners: Mutex::new(HashMap::new()),
             started_at_ms,
             owners_checked: std::sync::atomic::AtomicBool::new(false),
-            recovered_at_ms: std::sync::atomic::AtomicU64::new(started_at_ms),
+            recovered_at_ms: AtomicU64::new(started_at_ms),
             aborted: Mutex::new(IdSet::new(MAX_ABORTED)),
             stale: Arc::new(Mutex::new(IdSet::new(MAX_STALE))),
             peers: Arc::new(Peers::alone()),
@@ -1024,8 +1024,8 @@ impl Calls {
         ids: Vec<String>,
         copies: Vec<CallSpec>,
     ) -> Result<Vec<Started>, CallError> {
-        START_REQUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        START_REQUEST_CALLS.fetch_add(ids.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        START_REQUESTS.fetch_add(1, Ordering::Relaxed);
+        START_REQUEST_CALLS.fetch_add(ids.len() as u64, Ordering::Relaxed);
         if !copies.is_empty()
             && !crate::mutation::active(crate::mutation::Mutation::RefuseUnknownCopy)
         {

@@ -148,30 +148,29 @@ thread_local! {
 }
 
 /// The thread's connection to `addr` for a request, the request counted on it: the first with
-/// room, else a new (unopened) one, else (the address has [`MAX_CONNS`]) the least busy.
+/// room, else a new (unopened) one, else (the address has [`MAX_CONNS`]) the least busy. Ended
+/// connections are swept from the address's list then, and from every address's when one opens.
 fn conn_for(addr: SocketAddr) -> UnderWay {
     CONNS.with(|c| {
         let mut conns = c.borrow_mut();
-        if let Some(conn) = conns
-            .get(&addr)
-            .and_then(|list| list.iter().find(|c| c.has_room()))
-        {
+        let list = conns.entry(addr).or_default();
+        if let Some(conn) = list.iter().find(|c| c.has_room()) {
             return UnderWay::new(conn.clone());
         }
-        conns.retain(|_, list| {
-            list.retain(|c| !c.ended.load(Ordering::Acquire));
-            !list.is_empty()
-        });
-        let list = conns.entry(addr).or_default();
-        if let Some(least) = list
-            .iter()
-            .min_by_key(|c| c.under_way.load(Ordering::Relaxed))
-            .filter(|_| list.len() >= MAX_CONNS)
-        {
+        list.retain(|c| !c.ended.load(Ordering::Acquire));
+        if list.len() >= MAX_CONNS {
+            let least = list
+                .iter()
+                .min_by_key(|c| c.under_way.load(Ordering::Relaxed))
+                .expect("at the bound: not empty");
             return UnderWay::new(least.clone());
         }
         let conn = Arc::new(Conn::new());
         list.push(conn.clone());
+        conns.retain(|_, list| {
+            list.retain(|c| !c.ended.load(Ordering::Acquire));
+            !list.is_empty()
+        });
         UnderWay::new(conn)
     })
 }
@@ -637,26 +636,7 @@ mod tests {
         let dial = backends::tests::dial(&clock, 0);
         let backends = Backends::default();
         let empty = || http_body_util::Empty::new().map_err(|e| match e {}).boxed();
-        // A first call, answered, tells the replica's limit of one stream a connection.
-        release.send(true).unwrap();
-        let first = send(request(addr, empty()), addr, dial, &backends).await;
-        assert_eq!(answer(first).await.0, "ok");
-        until("the replica's limit is known", || {
-            CONNS.with(|c| {
-                c.borrow().get(&addr).is_some_and(|list| {
-                    list.iter().any(|c| {
-                        c.sender
-                            .get()
-                            .is_some_and(|s| s.current_max_send_streams() == 1)
-                    })
-                })
-            })
-        })
-        .await;
-        release.send(false).unwrap();
-        // Two calls more than the bound of connections, each sent once the one before is held
-        // and every connection's limit is known: each of the first gets a connection of its
-        // own, and the last two wait for room on one.
+        // Whether `n` connections know the replica's limit of one stream.
         let known = |n: usize| {
             CONNS.with(|c| {
                 c.borrow().get(&addr).is_some_and(|list| {
@@ -671,6 +651,15 @@ mod tests {
                 })
             })
         };
+        // A first call, answered, tells the replica's limit of one stream a connection.
+        release.send(true).unwrap();
+        let first = send(request(addr, empty()), addr, dial, &backends).await;
+        assert_eq!(answer(first).await.0, "ok");
+        until("the replica's limit is known", || known(1)).await;
+        release.send(false).unwrap();
+        // Two calls more than the bound of connections, each sent once the one before is held
+        // and every connection's limit is known: each of the first gets a connection of its
+        // own, and the last two wait for room on one.
         let calls = (0..MAX_CONNS + 2).map(|i| {
             let (held, empty, known, backends) = (&held, &empty, &known, &backends);
             async move {
