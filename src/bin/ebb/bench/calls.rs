@@ -8,7 +8,9 @@
 //! it, the median of `--rounds` phases; then the
 //! enqueue-to-start latency (from just before the enqueue request to the moment the runner holds
 //! the accepted start) at half that rate, the median of `--rounds` phases, with the stages on the
-//! way (the enqueue answered, the call handed to a runner). Rows for the embedded
+//! way (the enqueue answered, the call handed to a runner), and what bounds the throughput (the
+//! producers' enqueue requests' answer times in the median round, and their retries after a full
+//! queue). Rows for the embedded
 //! queue and Kafka, one and two ebb replicas (starts and finishes of the other's calls
 //! forwarded), and the cost of a start forwarded to the call's owner against one sent to the
 //! owner.
@@ -410,23 +412,35 @@ async fn enqueue(
     api: std::net::SocketAddr,
     body: &Bytes,
 ) -> Result<Vec<String>> {
+    Ok(enqueue_counting(client, api, body).await?.0)
+}
+
+/// [`enqueue`], and how many times the queue was full first.
+async fn enqueue_counting(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    api: std::net::SocketAddr,
+    body: &Bytes,
+) -> Result<(Vec<String>, u64)> {
     // A full queue (503 target_queue_full) is the producers outrunning the runners: back off
     // and send the same batch again, as a producer honouring the bound would.
+    let mut full = 0;
     let body = loop {
         match post(client, api, "/runner/enqueue", body.clone()).await {
             Err(e) if e.to_string().contains("target_queue_full") => {
+                full += 1;
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             answer => break answer?,
         }
     };
     let v: serde_json::Value = serde_json::from_slice(&body)?;
-    Ok(v["ids"]
+    let ids = v["ids"]
         .as_array()
         .context("ids")?
         .iter()
         .filter_map(|i| i.as_str().map(str::to_owned))
-        .collect())
+        .collect();
+    Ok((ids, full))
 }
 
 /// Waits until every call in `ids` has finished (bounded). Calls finish about in the order they
@@ -490,6 +504,11 @@ struct Rate {
     cpu_us: f64,
     /// The broker's CPU time per call, us (with `--broker-pid` on Kafka).
     broker_us: Option<f64>,
+    /// How long the producers' enqueue requests took to be answered, p50 and p99, ms (each
+    /// producer sends its next request once one is answered, so these bound the phase's rate).
+    request_ms: (f64, f64),
+    /// Enqueue requests sent again after a full queue (each after a 20 ms back-off).
+    full_retries: u64,
 }
 
 /// One row of the table: its throughput phase (the median of the rounds) and latencies.
@@ -523,17 +542,25 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
         producers.push(tokio::spawn(async move {
             let client = runner::http_client();
             let clock = Stopwatch::start();
-            let mut ids = Vec::new();
+            let (mut ids, mut request_ms, mut full) = (Vec::new(), Vec::new(), 0);
             while clock.elapsed() < phase {
-                ids.extend(enqueue(&client, api, &body).await?);
+                let sent = clock.elapsed();
+                let (these, retries) = enqueue_counting(&client, api, &body).await?;
+                request_ms.push((clock.elapsed() - sent).as_secs_f64() * 1e3);
+                ids.extend(these);
+                full += retries;
             }
-            anyhow::Ok(ids)
+            anyhow::Ok((ids, request_ms, full))
         }));
     }
-    let mut ids = Vec::new();
+    let (mut ids, mut request_ms, mut full_retries) = (Vec::new(), Vec::new(), 0);
     for p in producers {
-        ids.extend(p.await??);
+        let (these, ms, full) = p.await??;
+        ids.extend(these);
+        request_ms.extend(ms);
+        full_retries += full;
     }
+    request_ms.sort_by(f64::total_cmp);
     drain(s, &ids).await?;
     let calls = ids.len() as f64;
     let per_call = |d: Duration| d.as_secs_f64() * 1e6 / calls.max(1.0);
@@ -545,6 +572,14 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
         calls_per_s: calls / clock.elapsed().as_secs_f64(),
         cpu_us,
         broker_us,
+        request_ms: match request_ms.is_empty() {
+            true => (0.0, 0.0),
+            false => (
+                super::percentile(&request_ms, 0.50),
+                super::percentile(&request_ms, 0.99),
+            ),
+        },
+        full_retries,
     })
 }
 
@@ -821,6 +856,7 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             calls_per_s: rate,
             cpu_us,
             broker_us,
+            ..
         } = phase;
         let at = args.rate.unwrap_or(rate / 2.0);
         let mut latencies = Vec::new();
@@ -879,6 +915,33 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             l.dequeued.1,
             l.p50,
             l.p99
+        );
+    }
+    println!();
+    println!(
+        "what bounds the throughput, in the round with the median calls/s: each producer sends its next request once one is answered"
+    );
+    println!(
+        "| queue | replicas | runners | enqueue request ({} calls) answered p50 / p99 | {} producers x {} calls / p50 | requests sent again after a full queue |",
+        args.batch, args.producers, args.batch
+    );
+    println!("|---|---|---|---|---|---|");
+    for m in &measured {
+        let Rate {
+            request_ms: (p50, p99),
+            full_retries,
+            ..
+        } = m.phase;
+        println!(
+            "| {} | {} | {} | {p50:.2} / {p99:.2} ms | {:.0} calls/s | {full_retries} |",
+            m.queue,
+            m.replicas,
+            if m.over_http {
+                "over HTTP"
+            } else {
+                "in process"
+            },
+            (args.producers * args.batch) as f64 / (p50 / 1e3)
         );
     }
     let row = |q: &str, r: usize, over_http: bool| {
