@@ -504,12 +504,12 @@ impl RouteFigures {
     }
 }
 
-/// The trace a call is part of, when it was enqueued with a sampled trace context (traces on).
 /// A gauge of how many there are (saturating at `i64::MAX`, a gauge's range).
 fn count_gauge(n: impl TryInto<i64>) -> ConstGauge {
     ConstGauge::new(n.try_into().unwrap_or(i64::MAX))
 }
 
+/// The trace a call is part of, when it was enqueued with a sampled trace context (traces on).
 fn trace_id(call: &crate::event::CallSpec) -> Option<String> {
     use opentelemetry::trace::TraceContextExt;
     let cx = crate::proxy::trace::parent_of(call.trace.as_deref()?);

@@ -522,6 +522,23 @@ struct Row {
     stages: Latency,
 }
 
+/// Where a row's runners are.
+fn runners_name(over_http: bool) -> &'static str {
+    if over_http { "over HTTP" } else { "in process" }
+}
+
+impl Row {
+    /// The row's first cells in each table: `| queue | replicas | runners |`.
+    fn lead(&self) -> String {
+        format!(
+            "| {} | {} | {} |",
+            self.queue,
+            self.replicas,
+            runners_name(self.over_http)
+        )
+    }
+}
+
 /// Throughput: after a warm-up, producers enqueue as fast as they can for the phase; the clock
 /// stops when the last call has finished.
 async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
@@ -572,12 +589,13 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
         calls_per_s: calls / clock.elapsed().as_secs_f64(),
         cpu_us,
         broker_us,
-        request_ms: match request_ms.is_empty() {
-            true => (0.0, 0.0),
-            false => (
+        request_ms: if request_ms.is_empty() {
+            (0.0, 0.0)
+        } else {
+            (
                 super::percentile(&request_ms, 0.50),
                 super::percentile(&request_ms, 0.99),
-            ),
+            )
         },
         full_retries,
     })
@@ -876,7 +894,7 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             fixed_lo,
             fixed_hi,
         ) = spread(latencies, |l| l.cpu_us);
-        let name = if over_http { "over HTTP" } else { "in process" };
+        let name = runners_name(over_http);
         let broker = broker_us.map_or("-".to_owned(), |b| format!("{b:.1} us"));
         println!(
             "| {queue} | {replicas} | {name} | {rate:.0} ({rate_lo:.0}-{rate_hi:.0}) | {cpu_us:.1} us | {broker} | {p50:.2} ms | {p99:.2} ms (at {at:.0}/s; {rounds} rounds: {lo:.2}-{hi:.2}) | {fixed_us:.1} us ({fixed_lo:.1}-{fixed_hi:.1}) |"
@@ -901,14 +919,8 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
     for m in &measured {
         let l = m.stages;
         println!(
-            "| {} | {} | {} | {:.2} / {:.2} ms | {:.2} / {:.2} ms | {:.2} / {:.2} ms |",
-            m.queue,
-            m.replicas,
-            if m.over_http {
-                "over HTTP"
-            } else {
-                "in process"
-            },
+            "{} {:.2} / {:.2} ms | {:.2} / {:.2} ms | {:.2} / {:.2} ms |",
+            m.lead(),
             l.answered.0,
             l.answered.1,
             l.dequeued.0,
@@ -933,14 +945,8 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             ..
         } = m.phase;
         println!(
-            "| {} | {} | {} | {p50:.2} / {p99:.2} ms | {:.0} calls/s | {full_retries} |",
-            m.queue,
-            m.replicas,
-            if m.over_http {
-                "over HTTP"
-            } else {
-                "in process"
-            },
+            "{} {p50:.2} / {p99:.2} ms | {:.0} calls/s | {full_retries} |",
+            m.lead(),
             (args.producers * args.batch) as f64 / (p50 / 1e3)
         );
     }
@@ -959,14 +965,10 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
     }
     if let Some(anchor) = args.anchor {
         for m in measured.iter().filter(|m| m.queue == "kafka") {
-            let name = if m.over_http {
-                "over HTTP"
-            } else {
-                "in process"
-            };
             println!(
-                "kafka, {} replica(s), {name} / the bare broker's produce-and-consume rate ({anchor:.0}/s): {:.2}x",
+                "kafka, {} replica(s), {} / the bare broker's produce-and-consume rate ({anchor:.0}/s): {:.2}x",
                 m.replicas,
+                runners_name(m.over_http),
                 m.phase.calls_per_s / anchor
             );
         }
