@@ -259,7 +259,7 @@ impl Metrics {
                 .take(MAX_PENDING_CALLS)
             {
                 if let Some(c) = s.calls.get(id) {
-                    calls.insert(id.clone(), (c.created_at_ms, trace_id(&c.spec)));
+                    calls.insert(id.to_owned(), (c.created_at_ms, trace_id(&c.spec)));
                 }
             }
             let mut due = decided.cleaner_due.lock().expect("cleaners lock");

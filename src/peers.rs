@@ -193,7 +193,11 @@ impl Peers {
 
     /// A new id owned by this replica.
     pub fn new_id(&self) -> String {
-        qualify(self.me(), &uuid::Uuid::now_v7().hyphenated().to_string())
+        let mut text = uuid::Uuid::encode_buffer();
+        qualify(
+            self.me(),
+            uuid::Uuid::now_v7().hyphenated().encode_lower(&mut text),
+        )
     }
 
     /// The replica that owns `id` when it is not this one.

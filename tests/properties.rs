@@ -470,12 +470,12 @@ proptest! {
                 .calls
                 .by_id
                 .iter()
-                .map(|(k, c)| (k.clone(), (c.status, c.starts)))
+                .map(|(k, c)| (k.to_string(), (c.status, c.starts)))
                 .collect();
             state.apply(&Envelope { seq: i as u64 + 1, at_ms: i as u64, version: SCHEMA_VERSION, event: ev });
             for (id, c) in &state.calls.by_id {
                 prop_assert!(c.starts <= 1, "call {} started {} times", id, c.starts);
-                if let Some((old, _)) = before.get(id)
+                if let Some((old, _)) = before.get(id.as_str())
                     && old.is_final()
                 {
                     prop_assert_eq!(c.status, *old, "call {} left final state", id);
@@ -542,7 +542,7 @@ proptest! {
                 Command::Finish(id, outcome) => {
                     let key = id.clone();
                     rt.block_on(log.decide(move |s: &State, _| {
-                        (decide_finish(&s.calls, &id, "r", outcome, None, String::new())
+                        (decide_finish(&s.calls, id, "r", outcome, None, String::new())
                             .into_iter().collect(), ())
                     })).unwrap();
                     let status = log.read(|s| s.calls.get(&key).unwrap().status);
@@ -567,7 +567,7 @@ proptest! {
         }
         let live = log.read(|s| s.clone());
         for (id, c) in &live.calls.by_id {
-            prop_assert_eq!(c.starts, accepted.get(id).copied().unwrap_or(0));
+            prop_assert_eq!(c.starts, accepted.get(id.as_str()).copied().unwrap_or(0));
         }
         log.close();
         let (replayed, _) = open_state::<State>(store.as_ref(), None, &mut |_| {}).unwrap();

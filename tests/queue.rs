@@ -317,9 +317,8 @@ async fn the_embedded_queue_names_the_messages_it_does_not_hold() {
     let q = embedded(&dir.path().join("queue"), EmbeddedOptions::default());
     q.put(vec![msg("a", ""), msg("b", "r")]).await.unwrap();
     q.delete(vec!["b".into()]).await.unwrap();
-    let asked: Vec<String> = ["a", "b", "c"].iter().map(|s| s.to_string()).collect();
     assert_eq!(
-        q.missing(&asked),
+        q.missing(&["a", "b", "c"]),
         Some(vec!["b".to_owned(), "c".to_owned()])
     );
 }

@@ -467,7 +467,8 @@ impl Calls {
                     )));
                 }
                 // A bare UUID becomes this replica's.
-                crate::peers::qualify(self.peers.me(), &u.hyphenated().to_string())
+                let mut text = uuid::Uuid::encode_buffer();
+                crate::peers::qualify(self.peers.me(), u.hyphenated().encode_lower(&mut text))
             }
             None => self.peers.new_id(),
         };
@@ -678,9 +679,9 @@ impl Calls {
     /// the same call id (its answer was lost, or the log write failed after the put) is the same
     /// call, not a new one, and must not abort the first.
     async fn put_new(&self, mut messages: Vec<Message>) -> Result<(), QueueError> {
-        let ids: Vec<String> = messages.iter().map(|m| m.id.clone()).collect();
+        let ids: Vec<&str> = messages.iter().map(|m| m.id.as_str()).collect();
         if let Some(missing) = self.queue.missing(&ids)
-            && missing.len() < ids.len()
+            && missing.len() < messages.len()
         {
             let missing: HashSet<String> = missing.into_iter().collect();
             messages.retain(|m| missing.contains(&m.id));
@@ -695,6 +696,11 @@ impl Calls {
     /// away; the log, synced before any enqueue was answered, still has them). Run at start-up,
     /// before runners are served; returns how many were put back.
     pub async fn recover(&self) -> Result<usize, CallError> {
+        // A queue that cannot tell what it lost (Kafka's puts are durable on their own) needs
+        // no look at the log, which would sort every queued id under its read lock.
+        if self.queue.missing(&[]).is_none() {
+            return Ok(0);
+        }
         let queued: Vec<Arc<CallSpec>> = self.log.read(|s| {
             s.calls
                 .queued_in_order()
@@ -705,7 +711,7 @@ impl Calls {
         });
         let mut restored = 0;
         for chunk in queued.chunks(self.options.max_batch.max(1)) {
-            let ids: Vec<String> = chunk.iter().map(|c| c.id.clone()).collect();
+            let ids: Vec<&str> = chunk.iter().map(|c| c.id.as_str()).collect();
             let Some(missing) = self.queue.missing(&ids) else {
                 return Ok(0);
             };
@@ -1074,19 +1080,24 @@ impl Calls {
         // Hold first: once the start is accepted the message must not come back while the call
         // may run.
         let now = self.clock.now_ms();
-        let holds: Vec<(String, u64)> = self.log.read(|s| {
-            ids.iter()
-                .filter_map(|id| s.calls.get(id).map(|c| (c, id)))
-                .filter(|(c, _)| c.status == CallStatus::Queued)
-                .map(|(c, id)| {
-                    let until = now
-                        .saturating_add(c.spec.timeout_ms)
-                        .saturating_add(self.options.hold_grace_ms);
-                    (id.clone(), until)
+        // (`held[i]`: whether `ids[i]` was held here; the verdicts come back in `ids`' order.)
+        let (holds, held): (Vec<(String, u64)>, Vec<bool>) = self.log.read(|s| {
+            let mut holds = Vec::with_capacity(ids.len());
+            let held = ids
+                .iter()
+                .map(|id| match s.calls.get(id) {
+                    Some(c) if c.status == CallStatus::Queued => {
+                        let until = now
+                            .saturating_add(c.spec.timeout_ms)
+                            .saturating_add(self.options.hold_grace_ms);
+                        holds.push((id.clone(), until));
+                        true
+                    }
+                    _ => false,
                 })
-                .collect()
+                .collect();
+            (holds, held)
         });
-        let held: IdHashSet<String> = holds.iter().map(|(id, _)| id.clone()).collect();
         if !holds.is_empty() {
             self.queue.hold(holds).await?;
         }
@@ -1117,10 +1128,10 @@ impl Calls {
             .await?;
         let grace = self.options.hold_grace_ms;
         let (mut late_holds, mut refused) = (Vec::new(), Vec::new());
-        for (id, verdict, deadline) in &verdicts {
+        for ((id, verdict, deadline), held) in verdicts.iter().zip(held) {
             match verdict {
                 // Accepted while the log did not know the call yet at the hold above.
-                Some(StartVerdict::Accepted) if !held.contains(id.as_str()) => {
+                Some(StartVerdict::Accepted) if !held => {
                     let until = deadline.unwrap_or(now).saturating_add(grace);
                     late_holds.push((id.clone(), until));
                 }
@@ -1479,11 +1490,10 @@ impl Calls {
                         result,
                         log,
                     } = f;
-                    if let Some(e) = decide_finish(&s.calls, &id, &who, outcome, result, log) {
+                    let was = traced.then(|| id.clone());
+                    if let Some(e) = decide_finish(&s.calls, id, &who, outcome, result, log) {
                         events.push(e);
-                        if traced {
-                            accepted.push(id);
-                        }
+                        accepted.extend(was);
                     }
                 }
                 (events, accepted)
@@ -1539,7 +1549,7 @@ impl Calls {
             s.schedule
                 .due_of(crate::state::schedule::DueKind::CallTimeout, now)
                 .filter_map(|(_, d)| match d {
-                    Due::CallTimeout(id) => Some(id.clone()),
+                    Due::CallTimeout(id) => Some(id.to_string()),
                     _ => None,
                 })
                 .take(self.options.max_batch)

@@ -252,12 +252,12 @@ impl Queue for SimQueue {
         })
     }
 
-    fn missing(&self, ids: &[String]) -> Option<Vec<String>> {
+    fn missing(&self, ids: &[&str]) -> Option<Vec<String>> {
         let g = self.lock();
         Some(
             ids.iter()
-                .filter(|id| !g.by_id.contains_key(*id))
-                .cloned()
+                .filter(|id| !g.by_id.contains_key(**id))
+                .map(|id| id.to_string())
                 .collect(),
         )
     }

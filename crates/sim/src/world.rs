@@ -1568,7 +1568,7 @@ impl World {
         };
         if let Some(event) = decide_finish(
             &self.node_state(j).calls,
-            id,
+            id.to_owned(),
             runner,
             outcome,
             None,
@@ -2069,7 +2069,7 @@ impl World {
             .map(|c| c.spec.clone())
             .collect();
         let n = if self.nodes.len() == 1 {
-            let ids: Vec<String> = queued.iter().map(|c| c.id.clone()).collect();
+            let ids: Vec<&str> = queued.iter().map(|c| c.id.as_str()).collect();
             let missing: std::collections::HashSet<String> = queue
                 .missing(&ids)
                 .unwrap_or_default()
@@ -2142,7 +2142,7 @@ impl World {
             .schedule
             .due_of(ebb_core::state::schedule::DueKind::CallTimeout, now)
             .filter_map(|(_, d)| match d {
-                Due::CallTimeout(id) => Some(id.clone()),
+                Due::CallTimeout(id) => Some(id.to_string()),
                 _ => None,
             })
             .take(1_000)

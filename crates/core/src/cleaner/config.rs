@@ -142,7 +142,7 @@ mod tests {
     }
 
     fn kept(s: &State) -> Vec<&str> {
-        let mut ids: Vec<&str> = s.calls.by_id.keys().map(String::as_str).collect();
+        let mut ids: Vec<&str> = s.calls.by_id.keys().map(|k| k.as_str()).collect();
         ids.sort_by_key(|id| id[1..].parse::<u32>().unwrap_or(u32::MAX));
         ids
     }
@@ -227,7 +227,14 @@ mod tests {
             StartVerdict::Refused(crate::event::RejectReason::AlreadyFinal)
         );
         assert_eq!(
-            decide_finish(&s.calls, "c0", "r", Outcome::Success, None, String::new()),
+            decide_finish(
+                &s.calls,
+                "c0".into(),
+                "r",
+                Outcome::Success,
+                None,
+                String::new()
+            ),
             None
         );
         assert_eq!(

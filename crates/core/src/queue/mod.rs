@@ -81,7 +81,7 @@ pub trait Queue: Send + Sync {
     /// Which of `ids` the queue does not hold, for a queue whose puts a machine crash may lose
     /// (the caller puts them again from its own durable record); `None` when every put is
     /// durable on its own or the queue cannot tell.
-    fn missing(&self, ids: &[String]) -> Option<Vec<String>> {
+    fn missing(&self, ids: &[&str]) -> Option<Vec<String>> {
         let _ = ids;
         None
     }

@@ -19,6 +19,7 @@
 //! call service puts back when the queue lost them) and of their count by target
 //! ([`Calls::queued_by_target`], the bound `--max-queued-per-target`).
 
+use crate::ids::IdKey;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, hash_map};
 use std::sync::Arc;
@@ -161,14 +162,15 @@ pub struct Call {
 /// Each call is boxed: a call is 432 bytes, and the table moves every entry when it grows (the
 /// log's writer, which every decision waits for, stalls meanwhile) and keeps up to half its
 /// slots empty after. Inline, the growth past 229,376 calls moved 105 MB into a fresh 240 MB
-/// table; boxed, that table is 17 MB and the growth takes less than half as long.
-pub type CallMap = HashMap<String, Box<Call>, foldhash::fast::RandomState>;
+/// table; boxed, that table is 17 MB and the growth takes less than half as long. The key is
+/// kept in the slot ([`IdKey`]), so a probe compares it without reading another cache line.
+pub type CallMap = HashMap<IdKey, Box<Call>, foldhash::fast::RandomState>;
 
 /// The ids of the queued calls, hashed for the reason [`CallMap`] is: every enqueue inserts one
 /// and every start removes one, and an ordered set of 100,000 queued ids (the default bound per
 /// target) compares ids sharing their prefix a few dozen times per step, each behind a pointer.
 /// Serialized in id order; what needs an order sorts ([`Calls::queued_in_order`]).
-pub type IdSet = HashSet<String, foldhash::fast::RandomState>;
+pub type IdSet = HashSet<IdKey, foldhash::fast::RandomState>;
 
 /// All calls by id.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -265,20 +267,20 @@ fn set_in_id_order<S: serde::Serializer>(ids: &IdSet, s: S) -> Result<S::Ok, S::
     s.collect_seq(ids_in_order(ids))
 }
 
-fn ids_in_order(ids: &IdSet) -> Vec<&String> {
-    let mut all: Vec<&String> = ids.iter().collect();
+fn ids_in_order(ids: &IdSet) -> Vec<&str> {
+    let mut all: Vec<&str> = ids.iter().map(IdKey::as_str).collect();
     all.sort_unstable();
     all
 }
 
-fn sorted(by_id: &CallMap) -> Vec<(&String, &Call)> {
-    let mut all: Vec<_> = by_id.iter().map(|(id, c)| (id, &**c)).collect();
+fn sorted(by_id: &CallMap) -> Vec<(&str, &Call)> {
+    let mut all: Vec<_> = by_id.iter().map(|(id, c)| (id.as_str(), &**c)).collect();
     all.sort_unstable_by(|a, b| a.0.cmp(b.0));
     all
 }
 
 /// A call ordered by its id alone (ids are the map's keys: unique).
-struct ById<'a>(&'a String, &'a Call);
+struct ById<'a>(&'a str, &'a Call);
 
 impl PartialEq for ById<'_> {
     fn eq(&self, other: &Self) -> bool {
@@ -319,7 +321,7 @@ fn lowest<T: Ord>(limit: usize, items: impl Iterator<Item = T>) -> Vec<T> {
 impl Calls {
     /// Every call, in id order (ids are UUID v7 under their owner's name: by owner, then oldest
     /// first).
-    pub fn sorted(&self) -> Vec<(&String, &Call)> {
+    pub fn sorted(&self) -> Vec<(&str, &Call)> {
         sorted(&self.by_id)
     }
 
@@ -330,12 +332,12 @@ impl Calls {
         after: Option<&str>,
         limit: usize,
         keep: impl Fn(&Call) -> bool,
-    ) -> Vec<(&String, &Call)> {
+    ) -> Vec<(&str, &Call)> {
         let calls = self
             .by_id
             .iter()
             .filter(|(id, c)| after.is_none_or(|a| id.as_str() > a) && keep(c))
-            .map(|(id, c)| ById(id, c));
+            .map(|(id, c)| ById(id.as_str(), c));
         lowest(limit, calls)
             .into_iter()
             .map(|c| (c.0, c.1))
@@ -344,12 +346,12 @@ impl Calls {
 
     /// Up to `limit` calls that `keep` accepts with the highest ids, highest first (for one
     /// owner, newest first): one pass over the calls.
-    pub fn newest(&self, limit: usize, keep: impl Fn(&Call) -> bool) -> Vec<(&String, &Call)> {
+    pub fn newest(&self, limit: usize, keep: impl Fn(&Call) -> bool) -> Vec<(&str, &Call)> {
         let calls = self
             .by_id
             .iter()
             .filter(|(_, c)| keep(c))
-            .map(|(id, c)| Reverse(ById(id, c)));
+            .map(|(id, c)| Reverse(ById(id.as_str(), c)));
         // Lowest in `Reverse` is highest first.
         lowest(limit, calls)
             .into_iter()
@@ -413,7 +415,7 @@ impl Calls {
             };
             by_status[c.status as usize] = by_status[c.status as usize].saturating_sub(1);
             if at >= since {
-                let id: Arc<str> = id.into();
+                let id: Arc<str> = id.as_str().into();
                 let g = Gone {
                     status: c.status,
                     finished_at_ms: at,
@@ -492,7 +494,7 @@ impl Calls {
     /// Notes calls whose enqueue failed (those the log has recorded meanwhile excepted).
     pub(crate) fn abort(&mut self, at_ms: u64, ids: &[String]) {
         for id in ids {
-            if !self.by_id.contains_key(id) {
+            if !self.by_id.contains_key(id.as_str()) {
                 self.aborted.insert(id.clone(), at_ms);
             }
         }
@@ -534,7 +536,7 @@ impl Calls {
         if (c.status == CallStatus::Queued) != was_queued {
             let target = c.spec.target.as_str();
             if was_queued {
-                queued.remove(&c.spec.id);
+                queued.remove(c.spec.id.as_str());
                 if let Some(n) = queued_by_target.get_mut(target) {
                     *n = n.saturating_sub(1);
                     if *n == 0 {
@@ -542,7 +544,7 @@ impl Calls {
                     }
                 }
             } else {
-                queued.insert(c.spec.id.clone());
+                queued.insert(IdKey::from(&c.spec.id));
                 // The target's name is copied only for its first queued call.
                 match queued_by_target.get_mut(target) {
                     Some(n) => *n += 1,
@@ -557,7 +559,7 @@ impl Calls {
 
     /// The ids of the queued calls in id order (for UUID v7 ids, the order they were enqueued
     /// in). Sorts them all: for start-up and for a bounded look, not per request.
-    pub fn queued_in_order(&self) -> Vec<&String> {
+    pub fn queued_in_order(&self) -> Vec<&str> {
         ids_in_order(&self.queued)
     }
 
@@ -586,7 +588,7 @@ fn apply_call<'a>(
     // reads far into both ids: a search costs more than copying an id).
     let c = match event {
         Event::CallQueued { call } => {
-            return match by_id.entry(call.id.clone()) {
+            return match by_id.entry(IdKey::from(&call.id)) {
                 hash_map::Entry::Occupied(o) => {
                     let c = o.into_mut();
                     (
@@ -605,7 +607,7 @@ fn apply_call<'a>(
         }
         // A finish for a call that was never queued (a sync call, or a lost enqueue) is
         // recorded, as the runner API asks.
-        Event::CallFinished { id, .. } => match by_id.entry(id.clone()) {
+        Event::CallFinished { id, .. } => match by_id.entry(IdKey::from(id)) {
             hash_map::Entry::Occupied(o) => {
                 let c = o.into_mut();
                 (Some(c.status), c)
@@ -622,7 +624,7 @@ fn apply_call<'a>(
         Event::CallStarted { id, .. }
         | Event::CallRejected { id, .. }
         | Event::CallTimedOut { id }
-        | Event::CallCancelled { id } => match by_id.get_mut(id) {
+        | Event::CallCancelled { id } => match by_id.get_mut(id.as_str()) {
             Some(c) => (Some(c.status), c),
             None => return (Timer::Keep, None),
         },
@@ -811,19 +813,19 @@ pub fn decide_start(calls: &Calls, id: &str, runner: &str, now_ms: u64) -> (Even
 /// Decides a runner's finish: an event only the first time; repeats change nothing.
 pub fn decide_finish(
     calls: &Calls,
-    id: &str,
+    id: String,
     runner: &str,
     outcome: Outcome,
     result: Option<CallResult>,
     log: String,
 ) -> Option<Event> {
-    if calls.status(id).is_some_and(CallStatus::is_final)
+    if calls.status(&id).is_some_and(CallStatus::is_final)
         && !crate::mutation::active(crate::mutation::Mutation::FinishNotIdempotent)
     {
         return None;
     }
     Some(Event::CallFinished {
-        id: id.to_owned(),
+        id,
         runner: runner.to_owned(),
         outcome,
         result,
@@ -977,7 +979,7 @@ mod tests {
             if *done {
                 c.status = CallStatus::Success;
             }
-            calls.by_id.insert(id, Box::new(c));
+            calls.by_id.insert(id.into(), Box::new(c));
         }
         calls
     }
@@ -994,18 +996,18 @@ mod tests {
             let calls = calls_of(&ids);
             let keep = |c: &Call| !only_done || c.status.is_final();
             let after = after.map(|n| format!("ebb-0.{n:05}"));
-            let ordered: Vec<&String> = calls.sorted().into_iter().map(|(id, _)| id).collect();
-            let mut want: Vec<&String> = ordered
+            let ordered: Vec<&str> = calls.sorted().into_iter().map(|(id, _)| id).collect();
+            let mut want: Vec<&str> = ordered
                 .iter()
                 .copied()
-                .filter(|id| after.as_ref().is_none_or(|a| *id > a) && keep(&calls.by_id[*id]))
+                .filter(|id| after.as_ref().is_none_or(|a| *id > a.as_str()) && keep(&calls.by_id[*id]))
                 .take(limit)
                 .collect();
-            let page: Vec<&String> =
+            let page: Vec<&str> =
                 calls.page(after.as_deref(), limit, keep).into_iter().map(|(id, _)| id).collect();
             proptest::prop_assert_eq!(&page, &want);
             want = ordered.iter().rev().copied().filter(|id| keep(&calls.by_id[*id])).take(limit).collect();
-            let newest: Vec<&String> =
+            let newest: Vec<&str> =
                 calls.newest(limit, keep).into_iter().map(|(id, _)| id).collect();
             proptest::prop_assert_eq!(newest, want);
             let mut sorted = ordered.clone();

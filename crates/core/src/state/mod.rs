@@ -378,9 +378,9 @@ impl State {
                 let (_, id) = env.event.subject();
                 match self.calls.apply(at, &env.event) {
                     calls::Timer::Set(deadline) => {
-                        self.schedule.set(Due::CallTimeout(id.to_owned()), deadline)
+                        self.schedule.set(Due::CallTimeout(id.into()), deadline)
                     }
-                    calls::Timer::Clear => self.schedule.clear(&Due::CallTimeout(id.to_owned())),
+                    calls::Timer::Clear => self.schedule.clear(&Due::CallTimeout(id.into())),
                     calls::Timer::Keep => {}
                 }
             }

@@ -12,8 +12,9 @@ use serde::{Deserialize, Serialize};
 /// What falls due.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum Due {
-    /// A running call's deadline.
-    CallTimeout(String),
+    /// A running call's deadline (its id kept in place: a call's start sets one and its end
+    /// clears it, at the rate calls run).
+    CallTimeout(crate::ids::IdKey),
     /// The moment a route becomes idle if no request arrives before it.
     RouteIdle(String),
     /// A cleaner's next evaluation.

@@ -575,12 +575,12 @@ impl Queue for EmbeddedQueue {
         })
     }
 
-    fn missing(&self, ids: &[String]) -> Option<Vec<String>> {
+    fn missing(&self, ids: &[&str]) -> Option<Vec<String>> {
         let index = self.lock();
         Some(
             ids.iter()
-                .filter(|id| !index.slots.contains_key(*id))
-                .cloned()
+                .filter(|id| !index.slots.contains_key(**id))
+                .map(|id| id.to_string())
                 .collect(),
         )
     }

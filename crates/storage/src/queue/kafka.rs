@@ -45,6 +45,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use serde::{Deserialize, Serialize};
 
 use ebb_core::clock::Clock;
+use ebb_core::ids::IdKey;
 use ebb_core::queue::{Message, Queue, QueueError, QueueFuture, QueueStats};
 
 /// How many calls put together without a partition share a key (and so a Kafka partition).
@@ -241,7 +242,8 @@ struct Entry {
     out: Out,
     /// Its place among the timers' entries of the same time.
     serial: u64,
-    runner: String,
+    /// The runner it was last handed to (shared by the messages of one reserve).
+    runner: Arc<str>,
     partition: String,
     body: Vec<u8>,
     deliveries: u32,
@@ -280,10 +282,11 @@ impl Tracker {
 #[derive(Default)]
 struct Books {
     /// Hashed with foldhash: every reserve, hold and delete looks up each of its ids here.
-    entries: HashMap<String, Entry, foldhash::fast::RandomState>,
+    /// Keyed by the id kept in place: no key to allocate, nor a pointer to follow per lookup.
+    entries: HashMap<IdKey, Entry, foldhash::fast::RandomState>,
     /// Every entry's id once, by when it is anyone's again (free ones at 0) and its entry's
     /// serial: a timer moves without comparing or copying ids.
-    timers: BTreeMap<(u64, u64), String>,
+    timers: BTreeMap<(u64, u64), IdKey>,
     /// The serial of the last entry booked.
     serial: u64,
     trackers: HashMap<i32, Tracker>,
@@ -626,10 +629,10 @@ impl KafkaQueue {
 
     /// Hands out messages already in memory: those whose runner is gone and those whose time is
     /// up.
-    fn take_known(&self, runner: &str, max: usize, now: u64) -> Vec<Message> {
+    fn take_known(&self, runner: &Arc<str>, max: usize, now: u64) -> Vec<Message> {
         let until_ms = now + self.options.visibility_timeout_ms;
         let mut books = self.books();
-        let due: Vec<String> = books
+        let due: Vec<IdKey> = books
             .timers
             .iter()
             .take_while(|((at, _), _)| *at <= now)
@@ -639,13 +642,13 @@ impl KafkaQueue {
         let mut out = Vec::with_capacity(due.len());
         for id in due {
             books.set_out(&id, Out::Reserved { until_ms });
-            let Some(e) = books.entries.get_mut(&id) else {
+            let Some(e) = books.entries.get_mut(id.as_str()) else {
                 continue;
             };
-            e.runner = runner.to_owned();
+            e.runner = runner.clone();
             e.deliveries += 1;
             out.push(Message {
-                id,
+                id: id.to_string(),
                 partition: e.partition.clone(),
                 body: e.body.clone(),
                 deliveries: e.deliveries,
@@ -656,7 +659,7 @@ impl KafkaQueue {
     }
 
     /// Books a message read from Kafka; returns it when it is to be handed out.
-    fn read(&self, runner: &str, m: &impl rdkafka::Message) -> Option<Message> {
+    fn read(&self, runner: &Arc<str>, m: &impl rdkafka::Message) -> Option<Message> {
         let (partition, offset) = (m.partition(), m.offset());
         let payload = m.payload().unwrap_or(&[]);
         let put_at_ms = m
@@ -677,7 +680,7 @@ impl KafkaQueue {
                 return None;
             }
         };
-        if let Some(e) = books.entries.get(&env.id) {
+        if let Some(e) = books.entries.get(env.id.as_str()) {
             // Read again after a rebalance (same place): handed out or held already. A second
             // copy elsewhere (a producer retry, an id put twice) is done at once.
             if e.at != (partition, offset)
@@ -690,13 +693,14 @@ impl KafkaQueue {
         let until_ms = self.clock.now_ms() + self.options.visibility_timeout_ms;
         books.serial += 1;
         let serial = books.serial;
-        books.timers.insert((until_ms, serial), env.id.clone());
+        let key = IdKey::from(&env.id);
+        books.timers.insert((until_ms, serial), key.clone());
         books.entries.insert(
-            env.id.clone(),
+            key,
             Entry {
                 out: Out::Reserved { until_ms },
                 serial,
-                runner: runner.to_owned(),
+                runner: runner.clone(),
                 partition: env.partition.clone(),
                 body: env.body.clone(),
                 deliveries: 1,
@@ -901,7 +905,7 @@ impl Queue for KafkaQueue {
     }
 
     fn reserve(&self, runner: &str, max: usize, wait: Duration) -> QueueFuture<'_, Vec<Message>> {
-        let runner = runner.to_owned();
+        let runner: Arc<str> = runner.into();
         Box::pin(async move {
             let _asking = self.asking(&runner);
             self.release_idle().await;
@@ -972,7 +976,7 @@ impl Queue for KafkaQueue {
         Box::pin(async move {
             let mut books = self.books();
             for id in &ids {
-                if let Some(e) = books.entries.remove(id) {
+                if let Some(e) = books.entries.remove(id.as_str()) {
                     books.timers.remove(&(e.out.due_ms(), e.serial));
                     if let Some(t) = books.trackers.get_mut(&e.at.0) {
                         t.done(e.at.1);
@@ -991,10 +995,10 @@ impl Queue for KafkaQueue {
                 let mut books = self.books();
                 // What its partitions have done is committed while it owns them.
                 self.commit(&mut books, Commit::Now);
-                let theirs: Vec<String> = books
+                let theirs: Vec<IdKey> = books
                     .entries
                     .iter()
-                    .filter(|(_, e)| e.runner == runner && matches!(e.out, Out::Reserved { .. }))
+                    .filter(|(_, e)| *e.runner == *runner && matches!(e.out, Out::Reserved { .. }))
                     .map(|(id, _)| id.clone())
                     .collect();
                 for id in theirs {
