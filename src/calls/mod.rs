@@ -1432,8 +1432,15 @@ impl Calls {
     pub async fn finish(
         &self,
         runner: &str,
-        mut finishes: Vec<Finish>,
+        finishes: Vec<Finish>,
     ) -> Result<Vec<(String, CallStatus)>, CallError> {
+        self.check_finishes(&finishes)?;
+        self.finish_checked(runner, finishes, true).await
+    }
+
+    /// Checks a batch of finishes as [`Calls::finish`] does before it records any: the batch's
+    /// bound, each id, and each result's and log's size.
+    pub(crate) fn check_finishes(&self, finishes: &[Finish]) -> Result<(), CallError> {
         if finishes.len() > self.options.max_batch {
             return Err(CallError::Bad(format!(
                 "{} finishes in one batch; the bound is {}",
@@ -1441,7 +1448,7 @@ impl Calls {
                 self.options.max_batch
             )));
         }
-        for f in &finishes {
+        for f in finishes {
             crate::peers::parse_id(&f.id).map_err(|e| CallError::Bad(format!("call {e}")))?;
             if f.result
                 .as_ref()
@@ -1459,6 +1466,17 @@ impl Calls {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// [`Calls::finish`] of finishes [`Calls::check_finishes`] passed; the states afterwards only
+    /// when `answer` (an in-process runner asks for none).
+    pub(crate) async fn finish_checked(
+        &self,
+        runner: &str,
+        mut finishes: Vec<Finish>,
+        answer: bool,
+    ) -> Result<Vec<(String, CallStatus)>, CallError> {
         if finishes
             .iter()
             .any(|f| self.peers.other_owner(&f.id).is_some())
@@ -1505,6 +1523,12 @@ impl Calls {
                     run_span(c);
                 }
             });
+        }
+        if !answer {
+            if let Err(e) = self.queue.delete(ids).await {
+                tracing::warn!(error = %e, "deleting finished calls' messages failed");
+            }
+            return Ok(Vec::new());
         }
         if let Err(e) = self.queue.delete(ids.clone()).await {
             // A message left behind comes back; its start is refused as final and deletes it.

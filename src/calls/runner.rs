@@ -97,12 +97,15 @@ pub trait RunnerApi: Send + Sync {
     ) -> RunnerFuture<'_, Vec<Job>>;
     /// Starts calls; only those answered `started` may run.
     fn start(&self, runner: &str, ids: Vec<String>, load: Load) -> RunnerFuture<'_, Vec<Started>>;
-    /// Reports finished calls (borrowed: a runner keeps them to report again should this
-    /// attempt fail).
+    /// Reports finished calls. A runner lends them, to report them again should this attempt
+    /// fail; an API that records them in this process takes them (leaving `finishes` empty)
+    /// once it has checked them, so a finish's result and log move into its event uncopied. A
+    /// failure after that (the log's writer failed, for good) leaves nothing to report again:
+    /// those calls time out, as when a runner gives up.
     fn finish<'a>(
         &'a self,
         runner: &str,
-        finishes: &'a [Finish],
+        finishes: &'a mut Vec<Finish>,
         load: Load,
     ) -> RunnerFuture<'a, ()>;
 }
@@ -133,13 +136,15 @@ impl RunnerApi for Arc<Calls> {
     fn finish<'a>(
         &'a self,
         runner: &str,
-        finishes: &'a [Finish],
+        finishes: &'a mut Vec<Finish>,
         load: Load,
     ) -> RunnerFuture<'a, ()> {
         let runner = runner.to_owned();
         Box::pin(async move {
             self.seen(&runner, Some(load));
-            Calls::finish(self, &runner, finishes.to_vec()).await?;
+            self.check_finishes(finishes)?;
+            self.finish_checked(&runner, std::mem::take(finishes), false)
+                .await?;
             Ok(())
         })
     }
@@ -282,7 +287,7 @@ impl RunnerApi for HttpApi {
     fn finish<'a>(
         &'a self,
         runner: &str,
-        finishes: &'a [Finish],
+        finishes: &'a mut Vec<Finish>,
         load: Load,
     ) -> RunnerFuture<'a, ()> {
         let who = runner.to_owned();
@@ -772,11 +777,11 @@ async fn report(
                 Err(_) => break,
             }
         }
-        match send_finishes(&*api, &options, &batch, &load).await {
+        match send_finishes(&*api, &options, &mut batch, &load).await {
             Err(e) if e.is_refusal() && batch.len() > 1 => {
                 tracing::warn!(runner = %options.id, error = %e, "finish batch refused; reporting one by one");
-                for f in &batch {
-                    let _ = send_finishes(&*api, &options, std::slice::from_ref(f), &load).await;
+                for f in batch {
+                    let _ = send_finishes(&*api, &options, &mut vec![f], &load).await;
                 }
             }
             _ => {}
@@ -785,17 +790,23 @@ async fn report(
 }
 
 /// Sends one finish request, retrying with backoff unless the API refuses it. Each attempt
-/// lends the API `batch`, so a failed one leaves it whole for the next.
+/// lends the API `batch`, so a failed one leaves it whole for the next (unless the API took it:
+/// then there is nothing left to send).
 async fn send_finishes(
     api: &dyn RunnerApi,
     options: &RunnerOptions,
-    batch: &[Finish],
+    batch: &mut Vec<Finish>,
     load: &impl Fn() -> Load,
 ) -> Result<(), RunnerError> {
     let mut attempt = 0;
+    let calls = batch.len();
     loop {
         match api.finish(&options.id, batch, load()).await {
             Ok(()) => return Ok(()),
+            Err(e) if batch.is_empty() => {
+                tracing::error!(runner = %options.id, error = %e, calls, "recording finished calls failed; they will time out");
+                return Err(e);
+            }
             Err(e) if e.is_refusal() => {
                 tracing::error!(runner = %options.id, error = %e, calls = batch.len(), "finish refused");
                 return Err(e);
@@ -873,7 +884,7 @@ mod tests {
             })
         }
 
-        fn finish<'a>(&'a self, _: &str, _: &'a [Finish], _: Load) -> RunnerFuture<'a, ()> {
+        fn finish<'a>(&'a self, _: &str, _: &'a mut Vec<Finish>, _: Load) -> RunnerFuture<'a, ()> {
             Box::pin(async { Ok(()) })
         }
     }

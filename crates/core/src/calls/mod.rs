@@ -372,7 +372,7 @@ pub fn record_handed_out(
     s: &State,
     specs: Vec<impl Into<Arc<CallSpec>>>,
 ) -> (Vec<Event>, Vec<String>) {
-    let mut events = Vec::new();
+    let mut events = Vec::with_capacity(specs.len());
     let mut stale = Vec::new();
     for spec in specs {
         let spec = spec.into();

@@ -54,47 +54,44 @@ pub fn key_seq(key: &[u8]) -> Option<u64> {
     Some(u64::from_be_bytes(tail))
 }
 
-/// The subjects an event is indexed under (its own first), as `(code, id)`.
-pub fn subjects(event: &Event) -> Vec<(u8, &str)> {
-    let mut out = Vec::with_capacity(2);
+/// The subjects an event is indexed under (its own first), each as `(code, id)` to `each`: a
+/// call's events are indexed as they are written, three per call, so no list is built for them.
+pub fn subjects<'a>(event: &'a Event, mut each: impl FnMut(u8, &'a str)) {
     match event {
         Event::CallsForgotten { .. } | Event::InstancesForgotten { .. } => {
-            out.push((EVERY, ""));
-            return out;
+            return each(EVERY, "");
         }
         Event::CallsAborted { ids } => {
-            out.extend(ids.iter().map(|id| (kind_code(Kind::Call), id.as_str())));
-            return out;
+            return ids
+                .iter()
+                .for_each(|id| each(kind_code(Kind::Call), id.as_str()));
         }
         _ => {}
     }
     let (kind, id) = event.subject();
-    out.push((kind_code(kind), id));
+    each(kind_code(kind), id);
     match event {
         Event::RouteUpserted { route } => {
-            out.push((kind_code(Kind::Deployment), route.deployment.as_str()))
+            each(kind_code(Kind::Deployment), route.deployment.as_str())
         }
         Event::InstanceCreated { template, .. } => {
-            out.push((kind_code(Kind::Template), template.as_str()))
+            each(kind_code(Kind::Template), template.as_str())
         }
-        Event::InstanceStepped { call_id, .. } => {
-            out.push((kind_code(Kind::Call), call_id.as_str()))
-        }
+        Event::InstanceStepped { call_id, .. } => each(kind_code(Kind::Call), call_id.as_str()),
         _ => {}
     }
-    out
 }
 
 /// Adds the index keys of `env` to `batch`.
 pub fn add(batch: &mut RecordBatch, env: &Envelope) {
-    for (code, id) in subjects(&env.event) {
+    subjects(&env.event, |code, id| {
         batch.push_index_with(|key| {
             key.push(code);
             key.extend_from_slice(&(id.len() as u32).to_be_bytes());
             key.extend_from_slice(id.as_bytes());
             key.extend_from_slice(&env.seq.to_be_bytes());
         });
-    }
+    });
 }
 
 /// Index entries written per batch by [`rebuild`].

@@ -201,16 +201,12 @@ pub struct Calls {
     /// instead of the whole call; they go when the retention's age passes them, as the calls
     /// would have (or, those the age forgot, once their messages would be taken for a forgotten
     /// call's anyway).
-    #[serde(
-        default,
-        serialize_with = "gone_in_id_order",
-        deserialize_with = "gone_of_map"
-    )]
+    #[serde(default, serialize_with = "gone_in_id_order")]
     pub gone: GoneMap,
     /// `gone` by the millisecond they ended in: which go first past [`GONE_PER_KEPT`], and which
     /// go with the age.
     #[serde(skip)]
-    gone_by_ms: Ended<Arc<str>>,
+    gone_by_ms: Ended<IdKey>,
     /// How many calls of `by_id` are in each state, in the order of [`CallStatus::ALL`] (an index
     /// for `/metrics`, which would otherwise look at every call under the log's read lock at each
     /// scrape, holding the writer back; counted again when a snapshot is read).
@@ -233,9 +229,9 @@ pub struct Gone {
     pub finished_at_ms: u64,
 }
 
-/// Forgotten calls by id, hashed as [`CallMap`] is. Each id is shared with the index of when
-/// they ended.
-pub type GoneMap = HashMap<Arc<str>, Gone, foldhash::fast::RandomState>;
+/// Forgotten calls by id, hashed and keyed as [`CallMap`] is (each id is copied into the index
+/// of when they ended: a copy in place, where sharing it took an allocation).
+pub type GoneMap = HashMap<IdKey, Gone, foldhash::fast::RandomState>;
 
 /// What applying a call event did to the schedule.
 pub(crate) enum Timer {
@@ -251,15 +247,9 @@ fn in_id_order<S: serde::Serializer>(by_id: &CallMap, s: S) -> Result<S::Ok, S::
 
 /// Serializes the forgotten calls in id order.
 fn gone_in_id_order<S: serde::Serializer>(gone: &GoneMap, s: S) -> Result<S::Ok, S::Error> {
-    let mut all: Vec<(&str, &Gone)> = gone.iter().map(|(id, g)| (&**id, g)).collect();
+    let mut all: Vec<(&str, &Gone)> = gone.iter().map(|(id, g)| (id.as_str(), g)).collect();
     all.sort_unstable_by(|a, b| a.0.cmp(b.0));
     s.collect_map(all)
-}
-
-/// Reads the forgotten calls as [`gone_in_id_order`] wrote them.
-fn gone_of_map<'de, D: serde::Deserializer<'de>>(d: D) -> Result<GoneMap, D::Error> {
-    let all = HashMap::<String, Gone, foldhash::fast::RandomState>::deserialize(d)?;
-    Ok(all.into_iter().map(|(id, g)| (id.into(), g)).collect())
 }
 
 /// Serializes a set of ids in id order, as the ordered set it replaced did.
@@ -415,7 +405,6 @@ impl Calls {
             };
             by_status[c.status as usize] = by_status[c.status as usize].saturating_sub(1);
             if at >= since {
-                let id: Arc<str> = id.as_str().into();
                 let g = Gone {
                     status: c.status,
                     finished_at_ms: at,

@@ -96,9 +96,9 @@ impl EndedItem for () {
     }
 }
 
-impl EndedItem for Arc<str> {
+impl EndedItem for crate::ids::IdKey {
     fn id(&self) -> &str {
-        self
+        self.as_str()
     }
 }
 

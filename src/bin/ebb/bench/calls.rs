@@ -144,7 +144,7 @@ impl RunnerApi for Timed {
     fn finish<'a>(
         &'a self,
         runner: &str,
-        finishes: &'a [Finish],
+        finishes: &'a mut Vec<Finish>,
         load: ebb::calls::Load,
     ) -> runner::RunnerFuture<'a, ()> {
         self.api.finish(runner, finishes, load)
