@@ -187,7 +187,9 @@ pub fn payload(p: PayloadIn, max_payload_bytes: usize) -> Result<Payload, CallEr
     }
     let path = p.path.unwrap_or_else(|| "/".into());
     // What a runner sends must be a request target: a path (and query) a URI takes as it is.
-    if !path.starts_with('/') || path.parse::<http::uri::PathAndQuery>().is_err() {
+    if !path.starts_with('/')
+        || !(plain_target(&path) || path.parse::<http::uri::PathAndQuery>().is_ok())
+    {
         return Err(CallError::Bad(format!("bad path {path:?}")));
     }
     for (k, v) in &p.headers {
@@ -202,6 +204,36 @@ pub fn payload(p: PayloadIn, max_payload_bytes: usize) -> Result<Payload, CallEr
         path,
         headers: p.headers,
         body: body.into(),
+    })
+}
+
+/// Whether `path` has only characters RFC 3986 allows in a path and query as they are: then a
+/// URI takes it without the parse (which copies it) to tell.
+fn plain_target(path: &str) -> bool {
+    path.bytes().all(|b| {
+        b.is_ascii_alphanumeric()
+            || matches!(
+                b,
+                b'/' | b'-'
+                    | b'.'
+                    | b'_'
+                    | b'~'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+                    | b':'
+                    | b'@'
+                    | b'?'
+                    | b'%'
+            )
     })
 }
 
@@ -451,5 +483,32 @@ impl RetentionBounds {
             });
         }
         events
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    proptest::proptest! {
+        /// A path `plain_target` passes is one a URI takes as it is: the parse it skips would
+        /// have accepted it unchanged.
+        #[test]
+        fn a_plain_target_is_a_path_a_uri_takes_as_it_is(path in "/[ -~]{0,40}") {
+            if plain_target(&path) {
+                let parsed = path.parse::<http::uri::PathAndQuery>();
+                proptest::prop_assert!(parsed.is_ok(), "{path:?}");
+                let parsed = parsed.expect("parsed");
+                proptest::prop_assert_eq!(parsed.as_str(), path.as_str());
+            }
+        }
+    }
+
+    #[test]
+    fn a_target_with_a_space_or_a_fragment_is_not_plain() {
+        assert!(plain_target("/a/b?c=d&e=%20"));
+        assert!(!plain_target("/a b"));
+        assert!(!plain_target("/a#b"));
+        assert!(!plain_target("/a\"b"));
     }
 }
