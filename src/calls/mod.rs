@@ -1877,6 +1877,45 @@ mod tests {
         assert!(started[0].started, "{started:?}");
     }
 
+    /// The in-process runner API takes a batch of finishes it records itself (their results and
+    /// logs move into the events) and lends one with another replica's calls, whose owner may be
+    /// unreachable for a while: that batch stays whole for the runner to send again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_in_process_api_takes_its_own_finishes_and_lends_another_replicas() {
+        use crate::calls::runner::RunnerApi;
+        use crate::event::Outcome;
+        let dir = tempfile::tempdir().unwrap();
+        let (calls, log, _queue) = service(dir.path());
+        let peers = Arc::new(Peers::with_static(Some("ebb-0".into()), HashMap::new()));
+        let calls = Arc::new(calls.with_peers(peers, crate::peers::PeerToken::None));
+        let finish = |id: String| Finish {
+            id,
+            outcome: Outcome::Success,
+            result: None,
+            log: "ran".into(),
+        };
+        let load = Load {
+            in_flight: 0,
+            capacity: 1,
+        };
+        let theirs = format!("ebb-1.{}", uuid::Uuid::now_v7());
+        let mut batch = vec![finish(theirs.clone())];
+        let sent = RunnerApi::finish(&calls, "r", &mut batch, load).await;
+        assert!(sent.is_err(), "ebb-1 is not known here: {sent:?}");
+        assert_eq!(batch.len(), 1, "lent, to be sent again");
+        assert_eq!(batch[0].id, theirs);
+        let ours = format!("ebb-0.{}", uuid::Uuid::now_v7());
+        let mut batch = vec![finish(ours.clone())];
+        RunnerApi::finish(&calls, "r", &mut batch, load)
+            .await
+            .unwrap();
+        assert!(batch.is_empty(), "taken");
+        assert_eq!(
+            log.read(|s| s.calls.get(&ours).map(|c| (c.status, c.log.clone()))),
+            Some((CallStatus::Success, "ran".to_owned()))
+        );
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_call_finished_twice_in_one_batch_keeps_its_first_finish() {
         let dir = tempfile::tempdir().unwrap();

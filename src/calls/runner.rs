@@ -99,9 +99,9 @@ pub trait RunnerApi: Send + Sync {
     fn start(&self, runner: &str, ids: Vec<String>, load: Load) -> RunnerFuture<'_, Vec<Started>>;
     /// Reports finished calls. A runner lends them, to report them again should this attempt
     /// fail; an API that records them in this process takes them (leaving `finishes` empty)
-    /// once it has checked them, so a finish's result and log move into its event uncopied. A
-    /// failure after that (the log's writer failed, for good) leaves nothing to report again:
-    /// those calls time out, as when a runner gives up.
+    /// once it has checked them, when it records them all itself, so a finish's result and log
+    /// move into its event uncopied. A failure after that (the log's writer failed, for good)
+    /// leaves nothing to report again: those calls time out, as when a runner gives up.
     fn finish<'a>(
         &'a self,
         runner: &str,
@@ -143,8 +143,17 @@ impl RunnerApi for Arc<Calls> {
         Box::pin(async move {
             self.seen(&runner, Some(load));
             self.check_finishes(finishes)?;
-            self.finish_checked(&runner, std::mem::take(finishes), false)
-                .await?;
+            // Calls another replica owns go to it, which may be unreachable for a while: those
+            // finishes are lent, as over HTTP, to be sent again. This replica's are taken.
+            let batch = if finishes
+                .iter()
+                .all(|f| self.peers.other_owner(&f.id).is_none())
+            {
+                std::mem::take(finishes)
+            } else {
+                finishes.clone()
+            };
+            self.finish_checked(&runner, batch, false).await?;
             Ok(())
         })
     }
