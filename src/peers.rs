@@ -40,8 +40,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 pub use ebb_core::ids::{
-    FORWARDED_BY, PeerError, RETRY_AFTER_S, decides_here, owner_of, parse_id, qualify, uuid_part,
-    valid_replica,
+    FORWARDED_BY, PeerError, RETRY_AFTER_S, decides_here, id_of, owner_of, parse_id, qualify,
+    uuid_part, valid_replica,
 };
 
 /// The bearer token a replica presents when it forwards a request to another.
@@ -193,11 +193,7 @@ impl Peers {
 
     /// A new id owned by this replica.
     pub fn new_id(&self) -> String {
-        let mut text = uuid::Uuid::encode_buffer();
-        qualify(
-            self.me(),
-            uuid::Uuid::now_v7().hyphenated().encode_lower(&mut text),
-        )
+        id_of(self.me(), uuid::Uuid::now_v7())
     }
 
     /// The replica that owns `id` when it is not this one.

@@ -467,8 +467,7 @@ impl Calls {
                     )));
                 }
                 // A bare UUID becomes this replica's.
-                let mut text = uuid::Uuid::encode_buffer();
-                crate::peers::qualify(self.peers.me(), u.hyphenated().encode_lower(&mut text))
+                crate::peers::id_of(self.peers.me(), u)
             }
             None => self.peers.new_id(),
         };
@@ -1432,10 +1431,10 @@ impl Calls {
     pub async fn finish(
         &self,
         runner: &str,
-        finishes: Vec<Finish>,
+        mut finishes: Vec<Finish>,
     ) -> Result<Vec<(String, CallStatus)>, CallError> {
         self.check_finishes(&finishes)?;
-        self.finish_checked(runner, finishes, true).await
+        self.finish_checked(runner, &mut finishes, true).await
     }
 
     /// Checks a batch of finishes as [`Calls::finish`] does before it records any: the batch's
@@ -1470,20 +1469,23 @@ impl Calls {
     }
 
     /// [`Calls::finish`] of finishes [`Calls::check_finishes`] passed; the states afterwards only
-    /// when `answer` (an in-process runner asks for none).
+    /// when `answer` (an in-process runner asks for none). Takes `finishes` when it records them
+    /// all here (their results and logs move into the events); lends them when some go to
+    /// their owners, which may be unreachable for a while: the caller keeps them to send again.
     pub(crate) async fn finish_checked(
         &self,
         runner: &str,
-        mut finishes: Vec<Finish>,
+        finishes: &mut Vec<Finish>,
         answer: bool,
     ) -> Result<Vec<(String, CallStatus)>, CallError> {
         if finishes
             .iter()
             .any(|f| self.peers.other_owner(&f.id).is_some())
         {
-            return self.finish_through_owners(runner, finishes).await;
+            return self.finish_through_owners(runner, finishes.clone()).await;
         }
-        let ids: Vec<String> = finishes.iter().map(|f| f.id.clone()).collect();
+        let mut finishes = std::mem::take(finishes);
+        let mut ids: Vec<String> = finishes.iter().map(|f| f.id.clone()).collect();
         // A call finished twice in one batch: its first finish counts. Dropped here, so the
         // log's writer, which every decision waits for, does not hash and copy the ids.
         {
@@ -1524,15 +1526,17 @@ impl Calls {
                 }
             });
         }
-        if !answer {
-            if let Err(e) = self.queue.delete(ids).await {
-                tracing::warn!(error = %e, "deleting finished calls' messages failed");
-            }
-            return Ok(Vec::new());
-        }
-        if let Err(e) = self.queue.delete(ids.clone()).await {
+        let deleted = if answer {
+            ids.clone()
+        } else {
+            std::mem::take(&mut ids)
+        };
+        if let Err(e) = self.queue.delete(deleted).await {
             // A message left behind comes back; its start is refused as final and deletes it.
             tracing::warn!(error = %e, "deleting finished calls' messages failed");
+        }
+        if !answer {
+            return Ok(Vec::new());
         }
         Ok(self.log.read(|s| {
             ids.into_iter()

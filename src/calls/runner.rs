@@ -143,17 +143,7 @@ impl RunnerApi for Arc<Calls> {
         Box::pin(async move {
             self.seen(&runner, Some(load));
             self.check_finishes(finishes)?;
-            // Calls another replica owns go to it, which may be unreachable for a while: those
-            // finishes are lent, as over HTTP, to be sent again. This replica's are taken.
-            let batch = if finishes
-                .iter()
-                .all(|f| self.peers.other_owner(&f.id).is_none())
-            {
-                std::mem::take(finishes)
-            } else {
-                finishes.clone()
-            };
-            self.finish_checked(&runner, batch, false).await?;
+            self.finish_checked(&runner, finishes, false).await?;
             Ok(())
         })
     }

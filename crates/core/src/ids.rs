@@ -49,7 +49,16 @@ pub fn decides_here(me: Option<&str>, id: &str) -> bool {
         || crate::mutation::active(crate::mutation::Mutation::DecideForOthers)
 }
 
-/// The id of `uuid` owned by `owner`.
+/// The id of `uuid` owned by `owner`, the UUID written in place (hyphenated, lower case).
+pub fn id_of(owner: Option<&str>, uuid: uuid::Uuid) -> String {
+    qualify(
+        owner,
+        uuid.hyphenated()
+            .encode_lower(&mut uuid::Uuid::encode_buffer()),
+    )
+}
+
+/// The id of `uuid` (its text) owned by `owner`.
 pub fn qualify(owner: Option<&str>, uuid: &str) -> String {
     match owner {
         Some(o) => {
@@ -236,7 +245,7 @@ pub fn host_without_port(host: &str) -> &str {
 ///
 /// It hashes, compares and orders as its text (`Borrow<str>`: a map keyed by it is searched with
 /// a `&str`), and is serialized as its text, so a snapshot is the same bytes as with `String`.
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone)]
 pub struct IdKey(Repr);
 
 #[derive(Clone)]
@@ -296,32 +305,24 @@ impl std::borrow::Borrow<str> for IdKey {
     }
 }
 
-impl PartialEq for Repr {
+// Equal, ordered and hashed as its text, whichever way it is kept.
+impl PartialEq for IdKey {
     fn eq(&self, other: &Self) -> bool {
         self.as_str() == other.as_str()
     }
 }
 
-impl Eq for Repr {}
+impl Eq for IdKey {}
 
-impl PartialOrd for Repr {
+impl PartialOrd for IdKey {
     fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
         Some(self.cmp(other))
     }
 }
 
-impl Ord for Repr {
+impl Ord for IdKey {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         self.as_str().cmp(other.as_str())
-    }
-}
-
-impl Repr {
-    fn as_str(&self) -> &str {
-        match self {
-            Repr::Inline(s) => s.as_str(),
-            Repr::Heap(s) => s,
-        }
     }
 }
 
@@ -329,12 +330,6 @@ impl std::hash::Hash for IdKey {
     fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
         // As `str` hashes: `Borrow<str>` requires it.
         self.as_str().hash(state)
-    }
-}
-
-impl PartialEq<str> for IdKey {
-    fn eq(&self, other: &str) -> bool {
-        self.as_str() == other
     }
 }
 

@@ -1357,11 +1357,9 @@ impl World {
         };
         // The producer picks a replica; the call is that replica's.
         let node = self.rng.random_range(0..self.nodes.len());
-        let uuid = uuid::Uuid::from_u128(self.rng.random())
-            .hyphenated()
-            .to_string();
+        let uuid = uuid::Uuid::from_u128(self.rng.random());
         CallSpec {
-            id: ebb_core::ids::qualify(self.nodes[node].owner.as_deref(), &uuid),
+            id: ebb_core::ids::id_of(self.nodes[node].owner.as_deref(), uuid),
             target: "app".into(),
             kind: CallKind::Async,
             timeout_ms: c.timeout_ms,

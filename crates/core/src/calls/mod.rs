@@ -210,31 +210,8 @@ pub fn payload(p: PayloadIn, max_payload_bytes: usize) -> Result<Payload, CallEr
 /// Whether `path` has only characters RFC 3986 allows in a path and query as they are: then a
 /// URI takes it without the parse (which copies it) to tell.
 fn plain_target(path: &str) -> bool {
-    path.bytes().all(|b| {
-        b.is_ascii_alphanumeric()
-            || matches!(
-                b,
-                b'/' | b'-'
-                    | b'.'
-                    | b'_'
-                    | b'~'
-                    | b'!'
-                    | b'$'
-                    | b'&'
-                    | b'\''
-                    | b'('
-                    | b')'
-                    | b'*'
-                    | b'+'
-                    | b','
-                    | b';'
-                    | b'='
-                    | b':'
-                    | b'@'
-                    | b'?'
-                    | b'%'
-            )
-    })
+    path.bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"/-._~!$&'()*+,;=:@?%".contains(&b))
 }
 
 /// A call handed to a runner.

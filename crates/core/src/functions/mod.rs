@@ -307,10 +307,7 @@ pub fn step_call_id(instance: &str, step: usize) -> String {
     // A version 8 (custom) UUID, RFC 4122 variant.
     b[6] = (b[6] & 0x0f) | 0x80;
     b[8] = (b[8] & 0x3f) | 0x80;
-    crate::ids::qualify(
-        crate::ids::owner_of(instance),
-        &uuid::Uuid::from_bytes(b).hyphenated().to_string(),
-    )
+    crate::ids::id_of(crate::ids::owner_of(instance), uuid::Uuid::from_bytes(b))
 }
 
 /// The call that runs `function` (template `t`) as step `step` of `instance` with `input`.

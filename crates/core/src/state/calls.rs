@@ -19,7 +19,6 @@
 //! call service puts back when the queue lost them) and of their count by target
 //! ([`Calls::queued_by_target`], the bound `--max-queued-per-target`).
 
-use crate::ids::IdKey;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, hash_map};
 use std::sync::Arc;
@@ -29,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::event::{
     CallKind, CallResult, CallSpec, Event, KeepGone, Outcome, Payload, RejectReason,
 };
+use crate::ids::IdKey;
 
 use super::Ended;
 
