@@ -421,8 +421,9 @@ pub fn explain_indexed(
             continue;
         }
         // A deployment read for its own sake or a route's: its routes and counter are context.
-        let deployment_id = (subject.first() == Some(&index::kind_code(Kind::Deployment)))
-            .then(|| String::from_utf8_lossy(&subject[5..]).into_owned());
+        let deployment_id = index::subject_of(&subject)
+            .filter(|(code, _)| *code == index::kind_code(Kind::Deployment))
+            .map(|(_, id)| id);
         if let Some(d) = deployment_id {
             if let Some(function) = d.strip_prefix("fn-") {
                 pending.push(index::of(Kind::Template, function));
@@ -555,6 +556,12 @@ mod tests {
     /// A log touching every kind, with the cross-object stories: two routes sharing a
     /// deployment, a route moving to another deployment, a function's workload scaled by its
     /// counter, calls stepped by instances, the sweeps that forget ended calls and instances.
+    /// Ids as ebb writes them (a UUID, with or without its owner), which the index keeps in its
+    /// compact form, beside ids it keeps as text (`c2`, `c3`).
+    const C1: &str = "01938c52-7a1b-7c3d-8e4f-0123456789ab";
+    const C4: &str = "ebb-1.01938c52-7a1b-7c3d-8e4f-0123456789ac";
+    const I1: &str = "ebb-0.01938c52-7a1b-7c3d-8e4f-0123456789ab";
+
     fn scenario() -> Vec<Event> {
         vec![
             route("a", "d1"),
@@ -601,34 +608,34 @@ mod tests {
             },
             scale("fn-f", 0, 2, ScaleReason::Autoscale),
             Event::InstanceCreated {
-                id: "i1".into(),
+                id: I1.into(),
                 template: "f".into(),
                 args: Default::default(),
             },
-            call("c1", "f"),
+            call(C1, "f"),
             Event::InstanceStepped {
-                id: "i1".into(),
+                id: I1.into(),
                 function: "f".into(),
-                call_id: "c1".into(),
+                call_id: C1.into(),
             },
             Event::CallStarted {
-                id: "c1".into(),
+                id: C1.into(),
                 runner: "r1".into(),
                 deadline_at_ms: 99_000,
             },
-            finished("c1"),
+            finished(C1),
             call("c2", "a"),
             Event::CallsAborted {
                 ids: vec!["c2".into(), "c3".into()],
             },
-            call("c4", "a"),
+            call(C4, "a"),
             Event::CallStarted {
-                id: "c4".into(),
+                id: C4.into(),
                 runner: "r2".into(),
                 deadline_at_ms: 99_000,
             },
-            finished("c4"),
-            finished("c4"),
+            finished(C4),
+            finished(C4),
             Event::CallsForgotten {
                 finished_before_ms: 1_000_000,
                 within: None,
@@ -639,7 +646,7 @@ mod tests {
                 by: 2,
             },
             Event::InstanceFinished {
-                id: "i1".into(),
+                id: I1.into(),
                 outcome: Outcome::Success,
                 result: Default::default(),
             },
@@ -721,12 +728,12 @@ mod tests {
         (ExplainKind::Deployment, "d1"),
         (ExplainKind::Deployment, "d2"),
         (ExplainKind::Deployment, "fn-f"),
-        (ExplainKind::Call, "c1"),
+        (ExplainKind::Call, C1),
         (ExplainKind::Call, "c2"),
         (ExplainKind::Call, "c3"),
-        (ExplainKind::Call, "c4"),
+        (ExplainKind::Call, C4),
         (ExplainKind::Function, "f"),
-        (ExplainKind::Instance, "i1"),
+        (ExplainKind::Instance, I1),
         (ExplainKind::Cleaner, "tidy"),
     ];
 
@@ -755,7 +762,7 @@ mod tests {
             "{:?}",
             d1.story
         );
-        let c1 = explain_indexed(&store, ExplainKind::Call, "c1").unwrap();
+        let c1 = explain_indexed(&store, ExplainKind::Call, C1).unwrap();
         assert!(c1.unwrap().events.len() >= 4);
         same_story(&store, "indexed");
     }

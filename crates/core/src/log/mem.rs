@@ -151,6 +151,13 @@ impl LogStore for MemStore {
         self.lock().indexed = true;
         Ok(())
     }
+
+    fn clear_index(&self) -> Result<()> {
+        let mut g = self.lock();
+        g.index.clear();
+        g.indexed = false;
+        Ok(())
+    }
 }
 
 #[cfg(test)]

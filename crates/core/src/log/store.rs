@@ -114,11 +114,16 @@ pub trait LogStore: Send + Sync + 'static {
         from: u64,
         visit: &mut dyn FnMut(u64) -> bool,
     ) -> Result<()>;
-    /// Whether every stored record has its index entries: true for a log created with the index,
-    /// and for an older one once [`super::index::rebuild`] has run.
+    /// Whether every stored record has its index entries, in the keys' current layout
+    /// ([`super::index::LAYOUT`]): true for a log created with the index, and for an older one
+    /// once [`super::index::rebuild`] has run.
     fn indexed(&self) -> Result<bool>;
-    /// Marks the index complete (the end of [`super::index::rebuild`]), durably.
+    /// Marks the index complete in the current layout (the end of [`super::index::rebuild`]),
+    /// durably.
     fn mark_indexed(&self) -> Result<()>;
+    /// Deletes every index entry and the mark, durably (the start of [`super::index::rebuild`]:
+    /// an index of another layout, or one part built, goes whole).
+    fn clear_index(&self) -> Result<()>;
 }
 
 /// The contract every [`LogStore`] must keep; run by each implementation's tests.
@@ -213,5 +218,27 @@ pub mod contract {
         assert_eq!(store.last_seq().unwrap(), 300);
         assert_eq!(store.snapshot_seqs().unwrap(), vec![200]);
         assert_eq!(collect(store, 1, 201), vec![200, 201]);
+
+        // Clearing the index takes its entries and its mark, and nothing else.
+        store.clear_index().unwrap();
+        assert!(!store.indexed().unwrap());
+        assert_eq!(subject(0), Vec::<u64>::new());
+        let mut other = Vec::new();
+        store
+            .subject_seqs(b"subjx", 0, &mut |seq| {
+                other.push(seq);
+                true
+            })
+            .unwrap();
+        assert!(other.is_empty());
+        assert_eq!(collect(store, 1, 201), vec![200, 201]);
+        assert_eq!(store.snapshot_seqs().unwrap(), vec![200]);
+        let mut b = RecordBatch::default();
+        b.push_index_with(|k| {
+            k.extend_from_slice(b"subj");
+            k.extend_from_slice(&260u64.to_be_bytes());
+        });
+        store.write(&b, true).unwrap();
+        assert_eq!(subject(0), vec![260]);
     }
 }

@@ -29,7 +29,14 @@ const CF_SNAPSHOTS: &str = "snapshots";
 const CF_META: &str = "meta";
 const CF_SUBJECTS: &str = "subjects";
 const FORMAT_KEY: &[u8] = b"format";
-const INDEXED_KEY: &[u8] = b"subjects-indexed";
+/// The mark of an index complete in its keys' current layout; every mark starts with
+/// [`INDEXED_MARKS`] (layout 1's was that alone).
+const INDEXED_KEY: &[u8] = b"subjects-indexed/2";
+const INDEXED_MARKS: &[u8] = b"subjects-indexed";
+const _: () = assert!(
+    ebb_core::log::index::LAYOUT == 2,
+    "a new layout of the index's keys needs a new mark"
+);
 const FORMAT: &[u8] = b"ebb-log/1";
 
 /// Why an opening is refused when the format marker is missing: a log written by something else,
@@ -439,6 +446,33 @@ impl LogStore for RocksStore {
             .put_cf_opt(self.cf(CF_META), INDEXED_KEY, b"1", &wo)
             .map_err(storage)
     }
+
+    fn clear_index(&self) -> Result<()> {
+        let meta = self.cf(CF_META);
+        let mut wb = WriteBatch::default();
+        let mut it = self.db.raw_iterator_cf(meta);
+        it.seek(INDEXED_MARKS);
+        while let Some(key) = it.key().filter(|k| k.starts_with(INDEXED_MARKS)) {
+            wb.delete_cf(meta, key);
+            it.next();
+        }
+        it.status().map_err(storage)?;
+        if self.subjects {
+            // Every key up to and including the last, in one range deletion.
+            let subjects = self.subjects_cf()?;
+            let mut it = self.db.raw_iterator_cf(subjects);
+            it.seek_to_last();
+            if let Some(last) = it.key() {
+                let mut end = last.to_vec();
+                end.push(0);
+                wb.delete_range_cf(subjects, [].as_slice(), end.as_slice());
+            }
+            it.status().map_err(storage)?;
+        }
+        let mut wo = WriteOptions::default();
+        wo.set_sync(true);
+        self.db.write_opt(wb, &wo).map_err(storage)
+    }
 }
 
 #[cfg(test)]
@@ -540,6 +574,81 @@ mod tests {
                 .contains("memtable_insert_with_hint_prefix_extractor=rocksdb.FixedPrefix.1"),
             "{subjects_section}"
         );
+    }
+
+    #[tokio::test]
+    async fn an_index_of_the_first_layout_is_rebuilt_when_the_writer_opens_and_its_keys_go() {
+        use ebb_core::event::{Event, Kind, encode_into};
+        use ebb_core::log::index;
+        let seen = |route: &str, n: u64| Event::RequestsSeen {
+            route: route.into(),
+            count: n,
+            last_at_ms: n,
+        };
+        let seqs_of = |store: &RocksStore, route: &str| {
+            index::seqs(store, &[index::of(Kind::Route, route)], 0).unwrap()
+        };
+        // A name ebb could have written as an id (compact now), and one it keeps as text.
+        let id = "01938c52-7a1b-7c3d-8e4f-0123456789ab";
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = RocksStore::open(dir.path(), OpenMode::Create).unwrap();
+            let mut b = RecordBatch::default();
+            for (seq, route) in [(1u64, id), (2, "a"), (3, id)] {
+                b.push_with(seq, |buf| encode_into(buf, seq, 1_000, &seen(route, seq)));
+                // Layout 1: kind, the name's length (4 bytes), the name, the seq.
+                b.push_index_with(|k| {
+                    k.push(index::kind_code(Kind::Route));
+                    k.extend_from_slice(&(route.len() as u32).to_be_bytes());
+                    k.extend_from_slice(route.as_bytes());
+                    k.extend_from_slice(&seq.to_be_bytes());
+                });
+            }
+            store.write(&b, true).unwrap();
+            store
+                .db
+                .put_cf(store.cf(CF_META), INDEXED_MARKS, b"1")
+                .unwrap();
+            // Not complete in this layout: readers scan the log instead.
+            assert!(!store.indexed().unwrap());
+        }
+        let store = Arc::new(RocksStore::open(dir.path(), OpenMode::Existing).unwrap());
+        let log = crate::log::Log::<ebb_core::state::State>::open(
+            store.clone(),
+            crate::log::Options::default(),
+            Arc::new(ebb_core::clock::SimClock::new(5_000)),
+            &mut |_| {},
+        )
+        .unwrap();
+        assert!(store.indexed().unwrap());
+        assert_eq!(seqs_of(&store, id), vec![1, 3]);
+        assert_eq!(seqs_of(&store, "a"), vec![2]);
+        log.append(seen(id, 4)).await.unwrap();
+        log.close();
+        assert_eq!(seqs_of(&store, id), vec![1, 3, 4]);
+        // Every key left is of the current layout, and one mark is left: the current one.
+        let mut keys = Vec::new();
+        let mut it = store.db.raw_iterator_cf(store.subjects_cf().unwrap());
+        it.seek_to_first();
+        while let Some(k) = it.key() {
+            keys.push(k.to_vec());
+            it.next();
+        }
+        assert_eq!(keys.len(), 4, "{keys:?}");
+        for k in &keys {
+            let (code, name) = index::subject_of(&k[..k.len() - 8]).unwrap();
+            assert_eq!(code, index::kind_code(Kind::Route));
+            assert!(name == id || name == "a", "{name}");
+        }
+        assert_eq!(keys[0].len(), 3 + 16 + 8, "the id is compact");
+        let mut marks = Vec::new();
+        let mut it = store.db.raw_iterator_cf(store.cf(CF_META));
+        it.seek(INDEXED_MARKS);
+        while let Some(k) = it.key().filter(|k| k.starts_with(INDEXED_MARKS)) {
+            marks.push(k.to_vec());
+            it.next();
+        }
+        assert_eq!(marks, vec![INDEXED_KEY.to_vec()]);
     }
 
     #[test]

@@ -902,6 +902,9 @@ mod tests {
         fn mark_indexed(&self) -> Result<()> {
             self.inner.mark_indexed()
         }
+        fn clear_index(&self) -> Result<()> {
+            self.inner.clear_index()
+        }
         fn delete_before(&self, before: u64) -> Result<u64> {
             self.inner.delete_before(before)
         }
