@@ -421,10 +421,8 @@ pub fn explain_indexed(
             continue;
         }
         // A deployment read for its own sake or a route's: its routes and counter are context.
-        let deployment_id = index::subject_of(&subject)
-            .filter(|(code, _)| *code == index::kind_code(Kind::Deployment))
-            .map(|(_, id)| id);
-        if let Some(d) = deployment_id {
+        let deployment = subject.first() == Some(&index::kind_code(Kind::Deployment));
+        if let Some((_, d)) = deployment.then(|| index::subject_of(&subject)).flatten() {
             if let Some(function) = d.strip_prefix("fn-") {
                 pending.push(index::of(Kind::Template, function));
             }
@@ -452,7 +450,7 @@ pub fn explain_indexed(
             events.insert(seq, env);
         }
         // A route read before its deployment was known: look at the events read so far again.
-        if subject.first() == Some(&index::kind_code(Kind::Deployment)) {
+        if deployment {
             for env in events.values() {
                 context_of(kind, id, &deployments, &env.event, &mut |p| {
                     if !read.contains(&p) {

@@ -58,6 +58,19 @@ pub fn id_of(owner: Option<&str>, uuid: uuid::Uuid) -> String {
     )
 }
 
+/// The owner and UUID of an id [`id_of`] writes exactly that way (the UUID hyphenated in lower
+/// case, an owner not empty); `None` for any other text, so the two stand for each other one to
+/// one.
+pub fn id_parts(id: &str) -> Option<(Option<&str>, uuid::Uuid)> {
+    let text = uuid_part(id);
+    let owner = owner_of(id);
+    if text.len() != 36 || owner == Some("") || text.bytes().any(|b| b.is_ascii_uppercase()) {
+        return None;
+    }
+    // (At 36 characters only the hyphenated form parses.)
+    Some((owner, uuid::Uuid::try_parse(text).ok()?))
+}
+
 /// The id of `uuid` (its text) owned by `owner`.
 pub fn qualify(owner: Option<&str>, uuid: &str) -> String {
     match owner {
@@ -378,6 +391,33 @@ mod tests {
         assert_eq!(d.get(""), None);
         let plain: Domains<u8> = Domains::default();
         assert!(plain.is_empty() && plain.get("a.b").is_none());
+    }
+
+    proptest! {
+        /// `id_parts` gives back what `id_of` wrote, and nothing for another spelling of it.
+        #[test]
+        fn id_parts_undoes_id_of(owner in proptest::option::of("[a-z0-9.-]{1,12}"), u in any::<u128>()) {
+            let uuid = uuid::Uuid::from_u128(u);
+            let id = id_of(owner.as_deref(), uuid);
+            prop_assert_eq!(id_parts(&id), Some((owner.as_deref(), uuid)));
+            let upper = id.to_uppercase();
+            prop_assert_eq!(id_parts(&upper).is_some(), upper == id);
+        }
+    }
+
+    #[test]
+    fn id_parts_refuses_what_id_of_does_not_write() {
+        let u = "01938c52-7a1b-7c3d-8e4f-0123456789ab";
+        assert!(id_parts(u).is_some_and(|(o, _)| o.is_none()));
+        for other in [
+            format!(".{u}"),
+            format!("ebb-0{u}"),
+            u.to_uppercase(),
+            u.replace('-', ""),
+            "call-1".to_owned(),
+        ] {
+            assert_eq!(id_parts(&other), None, "{other}");
+        }
     }
 
     proptest! {

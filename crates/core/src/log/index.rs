@@ -49,33 +49,14 @@ pub const LAYOUT: u32 = 2;
 const COMPACT: u8 = 0;
 /// The form of a subject written as its text.
 const TEXT: u8 = 1;
-/// The length of a UUID's hyphenated text.
-const UUID_TEXT: usize = 36;
-
-/// An id ebb wrote ([`crate::ids::id_of`]): its owner (empty: none) and UUID. Only the exact text
-/// `id_of` writes qualifies (hyphenated, lower case; an owner of 1 to 255 bytes before the dot),
-/// so an id and its compact form stand for each other one to one.
-fn compact(id: &str) -> Option<(&str, uuid::Uuid)> {
-    let at = id.len().checked_sub(UUID_TEXT)?;
-    let text = id.get(at..)?;
-    let owner = match &id[..at] {
-        "" => "",
-        o => o
-            .strip_suffix('.')
-            .filter(|o| !o.is_empty() && o.len() <= 255)?,
-    };
-    if text.bytes().any(|b| b.is_ascii_uppercase()) {
-        return None;
-    }
-    // (At 36 characters only the hyphenated form parses.)
-    Some((owner, uuid::Uuid::try_parse(text).ok()?))
-}
 
 /// Writes the subject `code id` (the part of a key before its seq).
 fn write_subject(key: &mut Vec<u8>, code: u8, id: &str) {
     key.push(code);
-    match compact(id) {
+    // (The owner's length must fit its byte.)
+    match crate::ids::id_parts(id).filter(|(o, _)| o.is_none_or(|o| o.len() <= 255)) {
         Some((owner, uuid)) => {
+            let owner = owner.unwrap_or_default();
             key.push(COMPACT);
             key.push(owner.len() as u8);
             key.extend_from_slice(owner.as_bytes());

@@ -29,14 +29,14 @@ const CF_SNAPSHOTS: &str = "snapshots";
 const CF_META: &str = "meta";
 const CF_SUBJECTS: &str = "subjects";
 const FORMAT_KEY: &[u8] = b"format";
-/// The mark of an index complete in its keys' current layout; every mark starts with
-/// [`INDEXED_MARKS`] (layout 1's was that alone).
-const INDEXED_KEY: &[u8] = b"subjects-indexed/2";
+/// What every mark of a complete index starts with: layout 1's was this alone, a later layout's
+/// is this, a slash and the layout ([`indexed_key`]).
 const INDEXED_MARKS: &[u8] = b"subjects-indexed";
-const _: () = assert!(
-    ebb_core::log::index::LAYOUT == 2,
-    "a new layout of the index's keys needs a new mark"
-);
+
+/// The mark of an index complete in the keys' current layout ([`ebb_core::log::index::LAYOUT`]).
+fn indexed_key() -> Vec<u8> {
+    format!("subjects-indexed/{}", ebb_core::log::index::LAYOUT).into_bytes()
+}
 const FORMAT: &[u8] = b"ebb-log/1";
 
 /// Why an opening is refused when the format marker is missing: a log written by something else,
@@ -249,6 +249,19 @@ impl RocksStore {
         })
     }
 
+    /// The marks of a complete index the log holds, of any layout.
+    fn index_marks(&self) -> Result<Vec<Vec<u8>>> {
+        let mut marks = Vec::new();
+        let mut it = self.db.raw_iterator_cf(self.cf(CF_META));
+        it.seek(INDEXED_MARKS);
+        while let Some(key) = it.key().filter(|k| k.starts_with(INDEXED_MARKS)) {
+            marks.push(key.to_vec());
+            it.next();
+        }
+        it.status().map_err(storage)?;
+        Ok(marks)
+    }
+
     /// Catches a follower up with what the writer has written since.
     pub fn catch_up(&self) -> Result<()> {
         self.db.try_catch_up_with_primary().map_err(storage)
@@ -434,7 +447,7 @@ impl LogStore for RocksStore {
         Ok(self.subjects
             && self
                 .db
-                .get_cf(self.cf(CF_META), INDEXED_KEY)
+                .get_cf(self.cf(CF_META), indexed_key())
                 .map_err(storage)?
                 .is_some())
     }
@@ -443,20 +456,16 @@ impl LogStore for RocksStore {
         let mut wo = WriteOptions::default();
         wo.set_sync(true);
         self.db
-            .put_cf_opt(self.cf(CF_META), INDEXED_KEY, b"1", &wo)
+            .put_cf_opt(self.cf(CF_META), indexed_key(), b"1", &wo)
             .map_err(storage)
     }
 
     fn clear_index(&self) -> Result<()> {
         let meta = self.cf(CF_META);
         let mut wb = WriteBatch::default();
-        let mut it = self.db.raw_iterator_cf(meta);
-        it.seek(INDEXED_MARKS);
-        while let Some(key) = it.key().filter(|k| k.starts_with(INDEXED_MARKS)) {
-            wb.delete_cf(meta, key);
-            it.next();
+        for mark in self.index_marks()? {
+            wb.delete_cf(meta, mark);
         }
-        it.status().map_err(storage)?;
         if self.subjects {
             // Every key up to and including the last, in one range deletion.
             let subjects = self.subjects_cf()?;
@@ -641,14 +650,7 @@ mod tests {
             assert!(name == id || name == "a", "{name}");
         }
         assert_eq!(keys[0].len(), 3 + 16 + 8, "the id is compact");
-        let mut marks = Vec::new();
-        let mut it = store.db.raw_iterator_cf(store.cf(CF_META));
-        it.seek(INDEXED_MARKS);
-        while let Some(k) = it.key().filter(|k| k.starts_with(INDEXED_MARKS)) {
-            marks.push(k.to_vec());
-            it.next();
-        }
-        assert_eq!(marks, vec![INDEXED_KEY.to_vec()]);
+        assert_eq!(store.index_marks().unwrap(), vec![indexed_key()]);
     }
 
     #[test]
