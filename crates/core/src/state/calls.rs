@@ -235,8 +235,10 @@ pub type GoneMap = HashMap<IdKey, Gone, foldhash::fast::RandomState>;
 
 /// What applying a call event did to the schedule.
 pub(crate) enum Timer {
+    /// The call started: its deadline (a call starts once).
     Set(u64),
-    Clear,
+    /// The call ended: the deadline it had, if it started.
+    Clear(Option<u64>),
     Keep,
 }
 
@@ -746,7 +748,7 @@ impl Call {
             if self.finished_at_ms.is_none() {
                 self.finished_at_ms = Some(at_ms);
             }
-            Timer::Clear
+            Timer::Clear(self.deadline_at_ms)
         } else {
             Timer::Keep
         }

@@ -377,11 +377,9 @@ impl State {
             | Event::CallCancelled { .. } => {
                 let (_, id) = env.event.subject();
                 match self.calls.apply(at, &env.event) {
-                    calls::Timer::Set(deadline) => {
-                        self.schedule.set(Due::CallTimeout(id.into()), deadline)
-                    }
-                    calls::Timer::Clear => self.schedule.clear(&Due::CallTimeout(id.into())),
-                    calls::Timer::Keep => {}
+                    calls::Timer::Set(deadline) => self.schedule.set_call(id, deadline),
+                    calls::Timer::Clear(Some(deadline)) => self.schedule.clear_call(id, deadline),
+                    calls::Timer::Clear(None) | calls::Timer::Keep => {}
                 }
             }
             Event::CallsAborted { ids } => self.calls.abort(at, ids),

@@ -50,16 +50,30 @@ pub enum DueKind {
 }
 
 /// Deadlines ordered by time (then key, so ties are deterministic).
+///
+/// A call's deadline is kept in its queue alone, without the map from key to deadline the other
+/// kinds have: a call's start sets it once and its end clears it, at the rate calls run, and the
+/// call itself remembers its deadline (`Call::deadline_at_ms`), so its end finds the entry from
+/// that ([`Schedule::clear_call`]) instead of hashing its id into a map and out again.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(from = "Vec<(Due, u64)>", into = "Vec<(Due, u64)>")]
 pub struct Schedule {
+    /// The deadline of every key but calls'.
     by_key: HashMap<Due, u64, foldhash::fast::RandomState>,
     queues: [BTreeSet<(u64, Due)>; 5],
 }
 
 impl Schedule {
-    /// Sets (or moves) the deadline of `key`.
+    /// Sets (or moves) the deadline of `key`. A call's is set with [`Schedule::set_call`] where
+    /// it has none yet; here, any it has is looked for among all calls' deadlines first.
     pub fn set(&mut self, key: Due, at_ms: u64) {
+        if let Due::CallTimeout(id) = &key {
+            if let Some(old) = self.get(&key) {
+                self.clear_call(id.as_str(), old);
+            }
+            self.queues[key.kind()].insert((at_ms, key));
+            return;
+        }
         let q = &mut self.queues[key.kind()];
         let mut entry = (at_ms, key);
         if let Some(old) = self.by_key.insert(entry.1.clone(), at_ms) {
@@ -71,17 +85,40 @@ impl Schedule {
         q.insert(entry);
     }
 
-    /// Removes the deadline of `key`, if any.
+    /// Sets the deadline of call `id`, which has none (a call's start sets it once).
+    pub fn set_call(&mut self, id: &str, at_ms: u64) {
+        self.queues[DueKind::CallTimeout as usize].insert((at_ms, Due::CallTimeout(id.into())));
+    }
+
+    /// Removes the deadline `at_ms` of call `id`, if it is there.
+    pub fn clear_call(&mut self, id: &str, at_ms: u64) {
+        self.queues[DueKind::CallTimeout as usize].remove(&(at_ms, Due::CallTimeout(id.into())));
+    }
+
+    /// Removes the deadline of `key`, if any (a call's among all calls' deadlines: its end
+    /// clears it with [`Schedule::clear_call`]).
     pub fn clear(&mut self, key: &Due) {
+        if let Due::CallTimeout(id) = key {
+            if let Some(old) = self.get(key) {
+                self.clear_call(id.as_str(), old);
+            }
+            return;
+        }
         if let Some((key, old)) = self.by_key.remove_entry(key) {
             let kind = key.kind();
             self.queues[kind].remove(&(old, key));
         }
     }
 
-    /// The deadline of `key`.
+    /// The deadline of `key` (a call's looked for among all calls' deadlines).
     pub fn get(&self, key: &Due) -> Option<u64> {
-        self.by_key.get(key).copied()
+        match key {
+            Due::CallTimeout(_) => self.queues[key.kind()]
+                .iter()
+                .find(|(_, k)| k == key)
+                .map(|(at, _)| *at),
+            _ => self.by_key.get(key).copied(),
+        }
     }
 
     /// The earliest deadline.
@@ -120,12 +157,12 @@ impl Schedule {
 
     /// Number of pending deadlines.
     pub fn len(&self) -> usize {
-        self.by_key.len()
+        self.by_key.len() + self.queues[DueKind::CallTimeout as usize].len()
     }
 
     /// No pending deadline.
     pub fn is_empty(&self) -> bool {
-        self.by_key.is_empty()
+        self.len() == 0
     }
 }
 
@@ -133,7 +170,11 @@ impl From<Vec<(Due, u64)>> for Schedule {
     fn from(items: Vec<(Due, u64)>) -> Self {
         let mut s = Schedule::default();
         for (k, at) in items {
-            s.set(k, at);
+            match k {
+                // A schedule's keys are unique: a call's needs no look for an earlier one.
+                Due::CallTimeout(id) => s.set_call(id.as_str(), at),
+                k => s.set(k, at),
+            }
         }
         s
     }
@@ -142,7 +183,12 @@ impl From<Vec<(Due, u64)>> for Schedule {
 impl From<Schedule> for Vec<(Due, u64)> {
     /// In key order, whatever the map's: a snapshot's bytes depend on its state alone.
     fn from(s: Schedule) -> Self {
-        let mut all: Vec<(Due, u64)> = s.by_key.into_iter().collect();
+        let [calls, ..] = s.queues;
+        let mut all: Vec<(Due, u64)> = s
+            .by_key
+            .into_iter()
+            .chain(calls.into_iter().map(|(at, k)| (k, at)))
+            .collect();
         all.sort_unstable();
         all
     }
@@ -172,6 +218,34 @@ mod tests {
         assert_eq!(s.len(), 2);
         let round: Schedule = Vec::from(s.clone()).into();
         assert_eq!(round, s);
+    }
+
+    #[test]
+    fn a_calls_deadline_is_kept_by_its_time_and_found_by_key_too() {
+        let mut s = Schedule::default();
+        s.set(Due::RouteIdle("r".into()), 15);
+        s.set_call("c-1", 20);
+        s.set_call("c-2", 10);
+        assert_eq!(s.len(), 3);
+        assert_eq!(s.get(&Due::CallTimeout("c-1".into())), Some(20));
+        assert_eq!(s.next(), Some((10, &Due::CallTimeout("c-2".into()))));
+        // A deadline that is not the call's removes nothing.
+        s.clear_call("c-2", 11);
+        assert_eq!(s.len(), 3);
+        s.clear_call("c-2", 10);
+        assert_eq!(s.next(), Some((15, &Due::RouteIdle("r".into()))));
+        // Set again by key, a call's deadline moves.
+        s.set(Due::CallTimeout("c-1".into()), 5);
+        assert_eq!(s.len(), 2);
+        let due: Vec<_> = s.due_of(DueKind::CallTimeout, 30).collect();
+        assert_eq!(due, vec![(5, &Due::CallTimeout("c-1".into()))]);
+        let round: Schedule = Vec::from(s.clone()).into();
+        assert_eq!(round, s);
+        assert_eq!(round.get(&Due::CallTimeout("c-1".into())), Some(5));
+        s.clear(&Due::CallTimeout("c-1".into()));
+        s.clear(&Due::RouteIdle("r".into()));
+        assert!(s.is_empty());
+        assert_eq!(s.next(), None);
     }
 
     #[test]
