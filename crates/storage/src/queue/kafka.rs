@@ -658,15 +658,31 @@ impl KafkaQueue {
         out
     }
 
+    /// Books messages read from Kafka, under one lock of the books (a lock a message was 1.3 %
+    /// of the call path's CPU, its release waking the tasks that waited for it); returns those
+    /// to hand out.
+    fn read_all(&self, runner: &Arc<str>, ms: &[impl rdkafka::Message]) -> Vec<Message> {
+        let now_ms = self.clock.now_ms();
+        let mut books = self.books();
+        ms.iter()
+            .filter_map(|m| self.read(&mut books, now_ms, runner, m))
+            .collect()
+    }
+
     /// Books a message read from Kafka; returns it when it is to be handed out.
-    fn read(&self, runner: &Arc<str>, m: &impl rdkafka::Message) -> Option<Message> {
+    fn read(
+        &self,
+        books: &mut Books,
+        now_ms: u64,
+        runner: &Arc<str>,
+        m: &impl rdkafka::Message,
+    ) -> Option<Message> {
         let (partition, offset) = (m.partition(), m.offset());
         let payload = m.payload().unwrap_or(&[]);
         let put_at_ms = m
             .timestamp()
             .to_millis()
             .and_then(|t| u64::try_from(t).ok());
-        let mut books = self.books();
         let tracker = books.trackers.entry(partition).or_default();
         if offset < tracker.committed {
             return None; // done already
@@ -690,7 +706,7 @@ impl KafkaQueue {
             }
             return None;
         }
-        let until_ms = self.clock.now_ms() + self.options.visibility_timeout_ms;
+        let until_ms = now_ms + self.options.visibility_timeout_ms;
         books.serial += 1;
         let serial = books.serial;
         let key = IdKey::from(&env.id);
@@ -923,12 +939,14 @@ impl Queue for KafkaQueue {
             let consumer = self.consumer(&runner)?;
             let deadline = tokio::time::sleep(wait);
             tokio::pin!(deadline);
+            // Read a batch at a time, booked under one lock.
+            let mut read = Vec::new();
             while got.len() < max {
                 // Once something came, take only what is already fetched. Until then, a message
                 // held in memory whose time comes before the wait's end (one held back, or
                 // whose runner's reservation ran out) is handed out when its time comes, not at
                 // the end of the wait.
-                let next = if got.is_empty() {
+                let next = if got.is_empty() && read.is_empty() {
                     let due_in = self.next_due_in_ms();
                     tokio::select! {
                         m = consumer.recv() => Some(m),
@@ -945,18 +963,33 @@ impl Queue for KafkaQueue {
                         .await
                         .ok()
                 };
-                let Some(m) = next else {
-                    break;
-                };
-                let m = match m {
-                    Ok(m) => m,
-                    Err(e) if got.is_empty() => return Err(kafka(e)),
-                    Err(e) => {
+                let m = match next {
+                    Some(Ok(m)) => m,
+                    Some(Err(e)) if got.is_empty() && read.is_empty() => return Err(kafka(e)),
+                    Some(Err(e)) => {
                         tracing::warn!(error = %e, "kafka receive failed");
+                        got.extend(self.read_all(&runner, &read));
+                        break;
+                    }
+                    // The wait is over.
+                    None if read.is_empty() => break,
+                    // Nothing more fetched: what was read is booked, and if none of it is to be
+                    // handed out (read again, or done), the wait goes on.
+                    None => {
+                        got.extend(self.read_all(&runner, &read));
+                        read.clear();
+                        if got.is_empty() {
+                            continue;
+                        }
                         break;
                     }
                 };
-                got.extend(self.read(&runner, &m));
+                read.push(m);
+                // Booked once as many are read as would fill the batch.
+                if got.len() + read.len() >= max {
+                    got.extend(self.read_all(&runner, &read));
+                    read.clear();
+                }
             }
             Ok(got)
         })
