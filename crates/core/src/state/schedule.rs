@@ -67,10 +67,8 @@ impl Schedule {
     /// Sets (or moves) the deadline of `key`. A call's is set with [`Schedule::set_call`] where
     /// it has none yet; here, any it has is looked for among all calls' deadlines first.
     pub fn set(&mut self, key: Due, at_ms: u64) {
-        if let Due::CallTimeout(id) = &key {
-            if let Some(old) = self.get(&key) {
-                self.clear_call(id.as_str(), old);
-            }
+        if let Due::CallTimeout(_) = &key {
+            self.clear(&key);
             self.queues[key.kind()].insert((at_ms, key));
             return;
         }

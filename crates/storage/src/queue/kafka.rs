@@ -662,6 +662,9 @@ impl KafkaQueue {
     /// of the call path's CPU, its release waking the tasks that waited for it); returns those
     /// to hand out.
     fn read_all(&self, runner: &Arc<str>, ms: &[impl rdkafka::Message]) -> Vec<Message> {
+        if ms.is_empty() {
+            return Vec::new();
+        }
         let now_ms = self.clock.now_ms();
         let mut books = self.books();
         ms.iter()
@@ -963,32 +966,29 @@ impl Queue for KafkaQueue {
                         .await
                         .ok()
                 };
-                let m = match next {
-                    Some(Ok(m)) => m,
+                let (m, failed) = match next {
+                    Some(Ok(m)) => (Some(m), false),
                     Some(Err(e)) if got.is_empty() && read.is_empty() => return Err(kafka(e)),
                     Some(Err(e)) => {
                         tracing::warn!(error = %e, "kafka receive failed");
-                        got.extend(self.read_all(&runner, &read));
-                        break;
+                        (None, true)
                     }
-                    // The wait is over.
-                    None if read.is_empty() => break,
-                    // Nothing more fetched: what was read is booked, and if none of it is to be
-                    // handed out (read again, or done), the wait goes on.
-                    None => {
-                        got.extend(self.read_all(&runner, &read));
-                        read.clear();
-                        if got.is_empty() {
-                            continue;
-                        }
-                        break;
-                    }
+                    // The wait is over, or nothing more is fetched.
+                    None => (None, false),
                 };
-                read.push(m);
-                // Booked once as many are read as would fill the batch.
-                if got.len() + read.len() >= max {
-                    got.extend(self.read_all(&runner, &read));
-                    read.clear();
+                let ended = m.is_none();
+                read.extend(m);
+                // Booked once as many are read as would fill the batch, or no more came.
+                if !ended && got.len() + read.len() < max {
+                    continue;
+                }
+                let booked = read.len();
+                got.extend(self.read_all(&runner, &read));
+                read.clear();
+                // If none of what was read is to be handed out (read again, or done), the wait
+                // goes on.
+                if ended && (failed || booked == 0 || !got.is_empty()) {
+                    break;
                 }
             }
             Ok(got)
