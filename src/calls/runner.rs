@@ -21,6 +21,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::FutureExt;
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -668,36 +670,53 @@ pub async fn run(
                     return;
                 }
             };
-            let accepted: super::IdHashSet<String> = started
-                .into_iter()
-                .filter(|s| s.started)
-                .map(|s| s.id)
-                .collect();
-            if !accepted.is_empty() {
+            let accepted = accepted(&jobs, started);
+            if accepted.iter().any(|a| *a) {
                 die_if(fault, Fault::KillAfterStart);
             }
-            for (job, permit) in jobs.into_iter().zip(held) {
-                if !accepted.contains(&job.call.id) {
+            // The batch's calls run in this task, each its own future (no task of its own a
+            // call): an executor's future waits on IO, whose work is its connection's task.
+            let mut runs = FuturesUnordered::new();
+            for ((job, permit), accepted) in jobs.into_iter().zip(held).zip(accepted) {
+                if !accepted {
                     continue;
                 }
-                let executor = executor.clone();
-                let done = done.clone();
-                let running = running.clone();
                 running.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                tokio::spawn(async move {
-                    let timeout = Duration::from_millis(job.call.timeout_ms);
-                    let finish = executor.execute(job, timeout).await;
+                let timeout = Duration::from_millis(job.call.timeout_ms);
+                let execution = std::panic::AssertUnwindSafe(executor.execute(job, timeout));
+                let (done, running) = (&done, &running);
+                runs.push(async move {
+                    // A call whose executor panicked is not finished: it comes back after its
+                    // timeout, as one whose runner died; the batch's others run on.
+                    let finish = execution.catch_unwind().await;
                     running.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-                    let _ = done.send(finish).await;
+                    if let Ok(finish) = finish {
+                        let _ = done.send(finish).await;
+                    }
                     drop(permit);
                 });
             }
+            while runs.next().await.is_some() {}
         });
     }
     // Let the calls under way end, then the reports.
     let _ = permits.acquire_many(capacity as u32).await;
     drop(done_tx);
     let _ = finisher.await;
+}
+
+/// Which of `jobs` their start accepted. The API answers in the order it was asked (matched
+/// pairwise); an answer in another order is matched by id.
+fn accepted(jobs: &[Job], started: Vec<Started>) -> Vec<bool> {
+    if started.len() == jobs.len() && started.iter().zip(jobs).all(|(s, j)| s.id == j.call.id) {
+        return started.iter().map(|s| s.started).collect();
+    }
+    let accepted: super::IdHashSet<String> = started
+        .into_iter()
+        .filter(|s| s.started)
+        .map(|s| s.id)
+        .collect();
+    jobs.iter().map(|j| accepted.contains(&j.call.id)).collect()
 }
 
 /// A runner's starts under way, and a wake as each ends.
@@ -982,5 +1001,129 @@ mod tests {
             .await
             .expect("the runner stops")
             .expect("the runner ran");
+    }
+
+    /// A runner API with one batch of `calls` calls (then nothing), whose start refuses
+    /// `refused`, noting what each finish reported.
+    struct OneBatch {
+        calls: usize,
+        refused: &'static str,
+        dequeued: AtomicUsize,
+        finished: Mutex<Vec<String>>,
+    }
+
+    fn job(id: &str) -> Job {
+        Job {
+            call: Arc::new(CallSpec::for_test(id)),
+            host: String::new(),
+            address: None,
+            policy: None,
+            deliveries: 1,
+        }
+    }
+
+    fn started(id: &str, started: bool) -> Started {
+        Started {
+            id: id.to_owned(),
+            started,
+            code: None,
+            state: CallStatus::Running,
+            deadline_at_ms: None,
+        }
+    }
+
+    impl RunnerApi for OneBatch {
+        fn dequeue(&self, _: &str, max: usize, _: u64, _: Load) -> RunnerFuture<'_, Vec<Job>> {
+            if self.dequeued.fetch_add(1, Ordering::SeqCst) > 0 {
+                return Box::pin(std::future::pending());
+            }
+            assert!(max >= self.calls, "room for the batch");
+            let jobs = (0..self.calls).map(|n| job(&format!("call-{n}"))).collect();
+            Box::pin(async move { Ok(jobs) })
+        }
+
+        fn start(&self, _: &str, ids: Vec<String>, _: Load) -> RunnerFuture<'_, Vec<Started>> {
+            let answers = ids
+                .iter()
+                .map(|id| started(id, id != self.refused))
+                .collect();
+            Box::pin(async move { Ok(answers) })
+        }
+
+        fn finish<'a>(
+            &'a self,
+            _: &str,
+            finishes: &'a mut Vec<Finish>,
+            _: Load,
+        ) -> RunnerFuture<'a, ()> {
+            let mut finished = self.finished.lock().expect("finished");
+            finished.extend(finishes.drain(..).map(|f| f.id));
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    /// Panics on `call-1`; finishes every other call at once, noting it ran.
+    struct PanicsOnOne(Mutex<Vec<String>>);
+
+    impl Executor for PanicsOnOne {
+        fn execute(&self, job: Job, t: Duration) -> Pin<Box<dyn Future<Output = Finish> + Send>> {
+            self.0.lock().expect("ran").push(job.call.id.clone());
+            if job.call.id == "call-1" {
+                return Box::pin(async { panic!("the executor fails on call-1") });
+            }
+            NoopExecutor.execute(job, t)
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_runs_its_accepted_calls_and_one_executor_panic_leaves_the_others_finished() {
+        let api = Arc::new(OneBatch {
+            calls: 5,
+            refused: "call-3",
+            dequeued: AtomicUsize::new(0),
+            finished: Mutex::new(Vec::new()),
+        });
+        let executor = Arc::new(PanicsOnOne(Mutex::new(Vec::new())));
+        let (stop_tx, stop) = watch::channel(false);
+        let options = RunnerOptions {
+            capacity: 8,
+            batch: 8,
+            ..RunnerOptions::default()
+        };
+        let runner = tokio::spawn(run(api.clone(), executor.clone(), options, stop));
+        let finished = || {
+            let mut f = api.finished.lock().expect("finished").clone();
+            f.sort();
+            f
+        };
+        until("the batch's finishes", || finished().len() == 3).await;
+        assert_eq!(finished(), ["call-0", "call-2", "call-4"]);
+        let mut ran = executor.0.lock().expect("ran").clone();
+        ran.sort();
+        assert_eq!(
+            ran,
+            ["call-0", "call-1", "call-2", "call-4"],
+            "the refused call never ran"
+        );
+        // The panicked call's room is free again: the runner stops (it waits for all of it).
+        stop_tx.send(true).expect("runner listens");
+        tokio::time::timeout(Duration::from_secs(10), runner)
+            .await
+            .expect("the runner stops")
+            .expect("the runner ran");
+        assert_eq!(finished().len(), 3, "the panicked call is not finished");
+    }
+
+    #[test]
+    fn a_start_answer_is_matched_in_order_or_by_id() {
+        let jobs: Vec<Job> = ["a", "b", "c"].into_iter().map(job).collect();
+        let in_order = vec![started("a", true), started("b", false), started("c", true)];
+        assert_eq!(accepted(&jobs, in_order), [true, false, true]);
+        let other_order = vec![started("c", true), started("a", true), started("b", false)];
+        assert_eq!(accepted(&jobs, other_order), [true, false, true]);
+        let fewer = vec![started("b", true)];
+        assert_eq!(accepted(&jobs, fewer), [false, true, false]);
+        let unknown = vec![started("x", true), started("y", true), started("z", true)];
+        assert_eq!(accepted(&jobs, unknown), [false, false, false]);
     }
 }
