@@ -871,14 +871,10 @@ mod tests {
                 .push((max, under_way));
             let jobs = (0..max)
                 .map(|_| {
-                    let n = self.made.fetch_add(1, Ordering::SeqCst);
-                    Job {
-                        call: Arc::new(CallSpec::for_test(&format!("call-{n}"))),
-                        host: String::new(),
-                        address: None,
-                        policy: None,
-                        deliveries: 1,
-                    }
+                    job(&format!(
+                        "call-{}",
+                        self.made.fetch_add(1, Ordering::SeqCst)
+                    ))
                 })
                 .collect();
             Box::pin(async move { Ok(jobs) })
@@ -889,16 +885,7 @@ mod tests {
             Box::pin(async move {
                 self.ends.acquire().await.expect("open").forget();
                 self.starting.fetch_sub(1, Ordering::SeqCst);
-                Ok(ids
-                    .into_iter()
-                    .map(|id| Started {
-                        id,
-                        started: true,
-                        code: None,
-                        state: CallStatus::Running,
-                        deadline_at_ms: None,
-                    })
-                    .collect())
+                Ok(ids.iter().map(|id| started(id, true)).collect())
             })
         }
 
