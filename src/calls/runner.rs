@@ -677,6 +677,7 @@ pub async fn run(
             // The batch's calls run in this task, each its own future (no task of its own a
             // call): an executor's future waits on IO, whose work is its connection's task.
             let mut runs = FuturesUnordered::new();
+            let (done, running) = (&done, &running);
             for ((job, permit), accepted) in jobs.into_iter().zip(held).zip(accepted) {
                 if !accepted {
                     continue;
@@ -684,7 +685,6 @@ pub async fn run(
                 running.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let timeout = Duration::from_millis(job.call.timeout_ms);
                 let execution = std::panic::AssertUnwindSafe(executor.execute(job, timeout));
-                let (done, running) = (&done, &running);
                 runs.push(async move {
                     // A call whose executor panicked is not finished: it comes back after its
                     // timeout, as one whose runner died; the batch's others run on.
