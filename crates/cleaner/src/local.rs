@@ -27,6 +27,7 @@ use crate::state::State;
 use super::runtime::{Backend, Deleted, Resolved};
 use super::spec::Ref;
 
+pub use ebb_core::calls::FORGET_STEP;
 pub use ebb_core::cleaner::config::{
     API_VERSION, CleanerConfig, PREFIX, RetentionBounds, config_spec, is_local, retention,
 };
@@ -37,8 +38,10 @@ pub const BOUNDS_EVERY: std::time::Duration = std::time::Duration::from_millis(1
 
 /// Holds the ended calls and instances the projection keeps within `bounds`, beside the
 /// retention's age, until `stop`: every [`BOUNDS_EVERY`] it reads their tallies, and when one is
-/// over a bound it decides the forgetting that brings them back within
-/// ([`RetentionBounds::decide`]), on every replica, like the retention.
+/// over a bound it forgets the oldest until they are back within ([`RetentionBounds::kept`]), on
+/// every replica, like the retention: [`FORGET_STEP`] a decision, one after the other, so a
+/// decision made meanwhile waits behind one step, not the whole forgetting
+/// ([`RetentionBounds::step`]).
 pub async fn hold_within(
     log: Arc<Log<State>>,
     bounds: RetentionBounds,
@@ -63,21 +66,36 @@ pub async fn hold_within(
         if stuck == Some(tallies) {
             continue;
         }
-        match log
-            .decide(move |s: &State, _| {
-                let events = bounds.decide(s);
-                let none = events.is_empty();
-                (events, none)
-            })
-            .await
-        {
-            Ok((none, _)) => stuck = none.then_some(tallies),
-            Err(e) => {
-                tracing::warn!(error = %e, "forgetting ended calls over the retention's bounds failed");
-                // A failing log: look again in a while, not every tick.
-                tokio::select! {
-                    _ = stop.changed() => return,
-                    _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+        // Steps until one forgets nothing: back within what is kept, or stuck. Bounded by the
+        // steps what was there when it began takes; what ends meanwhile waits for a tick.
+        let steps = tallies.0.count.max(tallies.1.count) / FORGET_STEP + 2;
+        stuck = None;
+        for step in 0..steps {
+            if *stop.borrow() {
+                return;
+            }
+            let decided = log
+                .decide(move |s: &State, _| {
+                    let events = bounds.step(s, FORGET_STEP);
+                    let none = events.is_empty();
+                    (events, none)
+                })
+                .await;
+            match decided {
+                Ok((false, _)) => {}
+                Ok((true, _)) => {
+                    // Nothing at all to forget while over a bound: stuck until it changes.
+                    stuck = (step == 0).then_some(tallies);
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "forgetting ended calls over the retention's bounds failed");
+                    // A failing log: look again in a while, not every tick.
+                    tokio::select! {
+                        _ = stop.changed() => return,
+                        _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+                    }
+                    break;
                 }
             }
         }

@@ -431,13 +431,26 @@ impl RetentionBounds {
     }
 
     /// The decisions that bring the ended calls and instances over a bound back within
-    /// [`RetentionBounds::kept`]: the oldest go (a running instance's current step call stays,
-    /// as with the age).
+    /// [`RetentionBounds::kept`] at once: the oldest go (a running instance's current step call
+    /// stays, as with the age).
     pub fn decide(&self, s: &State) -> Vec<Event> {
+        if !self.exceeded(s) {
+            return Vec::new();
+        }
+        self.step(s, u64::MAX)
+    }
+
+    /// One step of bringing the ended calls and instances back within
+    /// [`RetentionBounds::kept`]: about `most` of the oldest of each go (with the rest of the
+    /// last millisecond's), while they are over what is kept. A forgetting holds the log's
+    /// writer, and every decision waits behind it: the bounds forget [`FORGET_STEP`] a
+    /// decision, one after the other, not an eighth of the bound at once
+    /// ([`RetentionBounds::exceeded`] says when to begin, an empty step when it is done).
+    pub fn step(&self, s: &State, most: u64) -> Vec<Event> {
         let within = self.kept();
         let mut events = Vec::new();
-        if s.calls.ended.over(self.count, self.bytes)
-            && let Some(cut) = s.calls.ended.cut_within(within.count, within.bytes)
+        if let Some(cut) = step_target(s.calls.ended.tally(), within, most)
+            .and_then(|t| s.calls.ended.cut_within(t.count, t.bytes))
         {
             // Nothing to forget when all that ended before the cut are running instances'
             // current steps (a look that stops at the first call it may forget).
@@ -451,8 +464,8 @@ impl RetentionBounds {
                 });
             }
         }
-        if s.functions.ended.over(self.count, self.bytes)
-            && let Some(cut) = s.functions.ended.cut_within(within.count, within.bytes)
+        if let Some(cut) = step_target(s.functions.ended.tally(), within, most)
+            .and_then(|t| s.functions.ended.cut_within(t.count, t.bytes))
         {
             events.push(Event::InstancesForgotten {
                 finished_before_ms: cut,
@@ -461,6 +474,26 @@ impl RetentionBounds {
         }
         events
     }
+}
+
+/// The most ended calls (and instances) one decision of the retention's bounds forgets, about
+/// ([`RetentionBounds::step`]).
+pub const FORGET_STEP: u64 = 2_048;
+
+/// What a step of about `most` items leaves of `tally` when it is over `within`: `most` fewer,
+/// and about their bytes fewer, never under `within`.
+fn step_target(tally: crate::state::Tally, within: Kept, most: u64) -> Option<crate::state::Tally> {
+    if !tally.over(within.count, within.bytes) {
+        return None;
+    }
+    let each = tally.bytes / tally.count.max(1);
+    Some(crate::state::Tally {
+        count: tally.count.saturating_sub(most).max(within.count),
+        bytes: tally
+            .bytes
+            .saturating_sub(each.saturating_mul(most))
+            .max(within.bytes),
+    })
 }
 
 #[cfg(test)]

@@ -203,6 +203,37 @@ mod tests {
     }
 
     #[test]
+    fn the_bounds_forget_in_steps_of_about_the_step_and_end_where_one_forgetting_would() {
+        let (mut stepped, mut at_once) = (State::default(), State::default());
+        ended_calls(&mut stepped, 40);
+        ended_calls(&mut at_once, 40);
+        let bounds = by_count(16);
+        hold(&mut at_once, bounds);
+        let mut counts = vec![stepped.calls.ended.count];
+        loop {
+            let events = bounds.step(&stepped, 4);
+            if events.is_empty() {
+                break;
+            }
+            for e in events {
+                apply(&mut stepped, 1_000, e);
+            }
+            counts.push(stepped.calls.ended.count);
+            assert!(counts.len() <= 10, "steps never end: {counts:?}");
+        }
+        // One call ends a millisecond: 4 a step, down to the 14 kept.
+        assert_eq!(counts, [40, 36, 32, 28, 24, 20, 16, 14]);
+        assert_eq!(kept(&stepped), kept(&at_once));
+        assert_eq!(stepped.calls.gone, at_once.calls.gone);
+        assert!(bounds.step(&stepped, 4).is_empty());
+        // Within the bound, past what is kept: a step goes on, a forgetting does not begin.
+        let mut s = State::default();
+        ended_calls(&mut s, 15);
+        assert!(bounds.decide(&s).is_empty());
+        assert_eq!(bounds.step(&s, 4).len(), 1);
+    }
+
+    #[test]
     fn a_call_the_bounds_forgot_stays_ended_until_its_age_passes() {
         use crate::calls::record_handed_out;
         use crate::state::calls::{decide_cancel, decide_finish, decide_start};

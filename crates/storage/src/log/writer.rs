@@ -138,6 +138,8 @@ pub struct Log<P: Projection = State> {
     failed: Failure,
     /// How long each sync to disk took.
     syncs: prometheus_client::metrics::histogram::Histogram,
+    /// The longest the writer held the projection for one batch (ns) since it was last asked.
+    longest_hold_ns: Arc<AtomicU64>,
 }
 
 /// A histogram of sync times, in seconds: 100 µs to about 1.6 s.
@@ -151,6 +153,13 @@ impl<P: Projection> Log<P> {
     /// How long each sync to disk took (`ebb_log_sync_duration_seconds`).
     pub fn sync_durations(&self) -> &prometheus_client::metrics::histogram::Histogram {
         &self.syncs
+    }
+
+    /// The longest the writer held the projection for one batch since this was last asked (its
+    /// decisions, and the folding of their events: every other decision and every read waited
+    /// meanwhile), and starts over.
+    pub fn longest_hold(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.longest_hold_ns.swap(0, Ordering::AcqRel))
     }
 
     /// Rebuilds the projection (newest snapshot + tail), then starts the writer.
@@ -181,8 +190,10 @@ impl<P: Projection> Log<P> {
         let (tail, _) = broadcast::channel(options.tail_max_batches.max(1));
         let failed = Failure::default();
         let syncs = sync_histogram();
+        let longest_hold_ns = Arc::new(AtomicU64::new(0));
         let writer = Writer {
             syncs: syncs.clone(),
+            longest_hold_ns: longest_hold_ns.clone(),
             rx,
             state: state.clone(),
             applied: applied.clone(),
@@ -208,6 +219,7 @@ impl<P: Projection> Log<P> {
             thread: Mutex::new(Some(thread)),
             failed,
             syncs,
+            longest_hold_ns,
         })
     }
 
@@ -343,6 +355,7 @@ impl<P: Projection> Drop for Log<P> {
 
 struct Writer<P: Projection> {
     syncs: prometheus_client::metrics::histogram::Histogram,
+    longest_hold_ns: Arc<AtomicU64>,
     rx: mpsc::Receiver<Request<P>>,
     state: Arc<RwLock<P>>,
     applied: Arc<AtomicU64>,
@@ -515,6 +528,7 @@ impl<P: Projection> Writer<P> {
             };
             {
                 let mut state = self.state.write().expect("projection lock poisoned");
+                let held = ebb_core::clock::Stopwatch::start();
                 for r in requests.drain(..) {
                     let (events, ack) = match r {
                         Request::Append { events, ack } => (events, Some(ack)),
@@ -553,6 +567,8 @@ impl<P: Projection> Writer<P> {
                         ));
                     }
                 }
+                let held = u64::try_from(held.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                self.longest_hold_ns.fetch_max(held, Ordering::AcqRel);
             }
             unsynced.up_to = self.seq;
             self.applied.store(self.seq, Ordering::Release);
@@ -733,6 +749,17 @@ mod tests {
         assert_eq!(log.append(seen("a", 6)).await.unwrap(), 6);
         let last = ebb_core::log::decode_at(6, &store.get(6).unwrap().unwrap()).unwrap();
         assert_eq!(last.at_ms, 5_000);
+    }
+
+    #[tokio::test]
+    async fn the_longest_hold_is_of_the_batches_since_it_was_last_asked() {
+        let clock = SimClock::new(0);
+        let log = open(Arc::new(MemStore::new()), &clock);
+        log.append(seen("a", 1)).await.unwrap();
+        assert!(log.longest_hold() > std::time::Duration::ZERO);
+        // No batch since: nothing held.
+        assert_eq!(log.longest_hold(), std::time::Duration::ZERO);
+        log.close();
     }
 
     #[tokio::test]

@@ -509,6 +509,9 @@ struct Rate {
     request_ms: (f64, f64),
     /// Enqueue requests sent again after a full queue (each after a 20 ms back-off).
     full_retries: u64,
+    /// The longest any replica's log writer held its projection for one batch, ms (every
+    /// decision and read waited meanwhile): a forgetting by the retention's bounds among them.
+    longest_hold_ms: f64,
 }
 
 /// One row of the table: its throughput phase (the median of the rounds) and latencies.
@@ -543,6 +546,9 @@ impl Row {
 /// stops when the last call has finished.
 async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
     warm_up(s).await?;
+    for r in &s.replicas {
+        r.calls.log().longest_hold();
+    }
     let clock = Stopwatch::start();
     let cpu = cpu_time()?;
     // The broker's pid and its CPU time at the start (on Kafka, with `--broker-pid`).
@@ -579,6 +585,12 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
     }
     request_ms.sort_by(f64::total_cmp);
     drain(s, &ids).await?;
+    let longest_hold = s
+        .replicas
+        .iter()
+        .map(|r| r.calls.log().longest_hold())
+        .max()
+        .unwrap_or_default();
     let calls = ids.len() as f64;
     let per_call = |d: Duration| d.as_secs_f64() * 1e6 / calls.max(1.0);
     let cpu_us = per_call(cpu_time()? - cpu);
@@ -598,6 +610,7 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
             )
         },
         full_retries,
+        longest_hold_ms: longest_hold.as_secs_f64() * 1e3,
     })
 }
 
@@ -934,18 +947,19 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         "what bounds the throughput, in the round with the median calls/s: each producer sends its next request once one is answered"
     );
     println!(
-        "| queue | replicas | runners | enqueue request ({} calls) answered p50 / p99 | {} producers x {} calls / p50 | requests sent again after a full queue |",
+        "| queue | replicas | runners | enqueue request ({} calls) answered p50 / p99 | {} producers x {} calls / p50 | requests sent again after a full queue | the log writer's longest batch |",
         args.batch, args.producers, args.batch
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for m in &measured {
         let Rate {
             request_ms: (p50, p99),
             full_retries,
+            longest_hold_ms,
             ..
         } = m.phase;
         println!(
-            "{} {p50:.2} / {p99:.2} ms | {:.0} calls/s | {full_retries} |",
+            "{} {p50:.2} / {p99:.2} ms | {:.0} calls/s | {full_retries} | {longest_hold_ms:.2} ms |",
             m.lead(),
             (args.producers * args.batch) as f64 / (p50 / 1e3)
         );
