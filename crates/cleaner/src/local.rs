@@ -27,7 +27,7 @@ use crate::state::State;
 use super::runtime::{Backend, Deleted, Resolved};
 use super::spec::Ref;
 
-pub use ebb_core::calls::FORGET_STEP;
+use ebb_core::calls::FORGET_STEP;
 pub use ebb_core::cleaner::config::{
     API_VERSION, CleanerConfig, PREFIX, RetentionBounds, config_spec, is_local, retention,
 };
@@ -66,40 +66,44 @@ pub async fn hold_within(
         if stuck == Some(tallies) {
             continue;
         }
-        // Steps until one forgets nothing: back within what is kept, or stuck. Bounded by the
-        // steps what was there when it began takes; what ends meanwhile waits for a tick.
+        // Bounded by the steps what was there when it began takes; what ends meanwhile waits
+        // for a tick.
         let steps = tallies.0.count.max(tallies.1.count) / FORGET_STEP + 2;
-        stuck = None;
-        for step in 0..steps {
-            if *stop.borrow() {
-                return;
-            }
-            let decided = log
-                .decide(move |s: &State, _| {
-                    let events = bounds.step(s, FORGET_STEP);
-                    let none = events.is_empty();
-                    (events, none)
-                })
-                .await;
-            match decided {
-                Ok((false, _)) => {}
-                Ok((true, _)) => {
-                    // Nothing at all to forget while over a bound: stuck until it changes.
-                    stuck = (step == 0).then_some(tallies);
-                    break;
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "forgetting ended calls over the retention's bounds failed");
-                    // A failing log: look again in a while, not every tick.
-                    tokio::select! {
-                        _ = stop.changed() => return,
-                        _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
-                    }
-                    break;
+        match forget_in_steps(&log, bounds, steps).await {
+            // Nothing at all to forget while over a bound: stuck until it changes.
+            Ok(forgot) => stuck = (!forgot).then_some(tallies),
+            Err(e) => {
+                tracing::warn!(error = %e, "forgetting ended calls over the retention's bounds failed");
+                // A failing log: look again in a while, not every tick.
+                tokio::select! {
+                    _ = stop.changed() => return,
+                    _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
                 }
             }
         }
     }
+}
+
+/// Decides steps of [`FORGET_STEP`] until one forgets nothing (back within what is kept, or
+/// nothing it may forget), at most `steps`; whether any forgot something.
+async fn forget_in_steps(
+    log: &Log<State>,
+    bounds: RetentionBounds,
+    steps: u64,
+) -> crate::log::Result<bool> {
+    for step in 0..steps {
+        let (none, _) = log
+            .decide(move |s: &State, _| {
+                let events = bounds.step(s, FORGET_STEP);
+                let none = events.is_empty();
+                (events, none)
+            })
+            .await?;
+        if none {
+            return Ok(step > 0);
+        }
+    }
+    Ok(true)
 }
 
 /// ebb's own objects as targets.

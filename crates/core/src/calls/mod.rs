@@ -430,19 +430,10 @@ impl RetentionBounds {
             .saturating_mul(crate::state::calls::GONE_PER_KEPT)
     }
 
-    /// The decisions that bring the ended calls and instances over a bound back within
-    /// [`RetentionBounds::kept`] at once: the oldest go (a running instance's current step call
-    /// stays, as with the age).
-    pub fn decide(&self, s: &State) -> Vec<Event> {
-        if !self.exceeded(s) {
-            return Vec::new();
-        }
-        self.step(s, u64::MAX)
-    }
-
     /// One step of bringing the ended calls and instances back within
     /// [`RetentionBounds::kept`]: about `most` of the oldest of each go (with the rest of the
-    /// last millisecond's), while they are over what is kept. A forgetting holds the log's
+    /// last millisecond's; a running instance's current step call stays, as with the age), while
+    /// they are over what is kept. A forgetting holds the log's
     /// writer, and every decision waits behind it: the bounds forget [`FORGET_STEP`] a
     /// decision, one after the other, not an eighth of the bound at once
     /// ([`RetentionBounds::exceeded`] says when to begin, an empty step when it is done).
