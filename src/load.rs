@@ -104,7 +104,7 @@ fn report(scaler: &LoadScaler, traffic: &Traffic, shared: &Arc<Shared>, sending:
         let token = shared.token.get();
         let sent = shared
             .peers
-            .post_json::<serde_json::Value>(&holder, "/runner/load", token.as_deref(), &body)
+            .post::<serde_json::Value>(&holder, "/runner/load", token.as_deref(), &body)
             .await;
         let failure = match sent {
             Ok(Ok(_)) => None,

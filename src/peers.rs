@@ -30,6 +30,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::calls::wire::{Format, Negotiated};
 use crate::discovery::{Balanced, Policy, ServiceId};
 
 use axum::http;
@@ -149,6 +150,8 @@ pub struct Peers {
     balanced: Arc<Balanced>,
     policy: Policy,
     client: Client<HttpConnector, Full<Bytes>>,
+    /// The bodies' format ([`Negotiated`]: MessagePack while the replicas read it).
+    format: Negotiated,
 }
 
 impl std::fmt::Debug for Peers {
@@ -173,6 +176,7 @@ impl Peers {
             balanced,
             policy: Policy::default(),
             client,
+            format: Negotiated::default(),
         }
     }
 
@@ -291,38 +295,49 @@ impl Peers {
         Err(unavailable(last))
     }
 
-    /// Sends a JSON body to `owner` and decodes its JSON answer; a non-2xx answer is returned
-    /// as `Err(Ok((status, body)))`.
-    pub async fn post_json<T: serde::de::DeserializeOwned>(
+    /// Sends a body to `owner` and decodes its answer, both MessagePack (JSON with a replica
+    /// that does not read it: [`Negotiated`]); a non-2xx answer is returned as
+    /// `Err(Ok((status, body)))`.
+    pub async fn post<T: serde::de::DeserializeOwned>(
         &self,
         owner: &str,
         path: &str,
         token: Option<&str>,
         body: &impl serde::Serialize,
     ) -> Result<Result<T, (u16, String)>, PeerError> {
-        let mut headers = vec![(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("application/json"),
-        )];
-        if let Some(t) = token
-            && let Ok(v) = http::HeaderValue::from_str(&format!("Bearer {t}"))
-        {
-            headers.push((http::header::AUTHORIZATION, v));
-        }
-        let body = Bytes::from(serde_json::to_vec(body).expect("a request body always encodes"));
-        let a = self
-            .send(owner, http::Method::POST, path, &headers, body)
-            .await?;
+        let mut format = self.format.format();
+        let a = loop {
+            let media = http::HeaderValue::from_static(format.media_type());
+            let mut headers = vec![
+                (http::header::CONTENT_TYPE, media.clone()),
+                (http::header::ACCEPT, media),
+            ];
+            if let Some(t) = token
+                && let Ok(v) = http::HeaderValue::from_str(&format!("Bearer {t}"))
+            {
+                headers.push((http::header::AUTHORIZATION, v));
+            }
+            let encoded = format.encode(body).expect("a request body always encodes");
+            let a = self
+                .send(owner, http::Method::POST, path, &headers, encoded.into())
+                .await?;
+            if self.format.refused(format, a.status, &a.body) {
+                format = Format::Json;
+                continue;
+            }
+            break a;
+        };
         if !(200..300).contains(&a.status) {
             return Ok(Err((
                 a.status,
                 String::from_utf8_lossy(&a.body).into_owned(),
             )));
         }
-        Ok(serde_json::from_slice(&a.body).map_err(|e| {
+        let format = Format::of_content_type(a.content_type.as_deref().map(str::as_bytes));
+        Ok(format.decode(&a.body).map_err(|e| {
             (
                 a.status,
-                format!("an answer that is not the expected JSON: {e}"),
+                format!("an answer that is not the expected {format:?}: {e}"),
             )
         }))
     }

@@ -378,6 +378,148 @@ async fn start_and_finish_are_exact() {
 
 /// A call id is the enqueue's idempotency key: an enqueue retried with the same id (its answer
 /// was lost) answers the same id, and the call is queued and run once.
+/// A runner API request with a MessagePack body (or any bytes, as `content_type`), asking for
+/// `accept`: the answer's status, `Content-Type` and body.
+async fn call_packed(
+    ebb: &Ebb,
+    path: &str,
+    content_type: &str,
+    accept: &str,
+    body: Vec<u8>,
+) -> (u16, String, Bytes) {
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let req = hyper::Request::post(format!("http://{}{path}", ebb.admin))
+        .header("content-type", content_type)
+        .header("accept", accept)
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let resp = client.request(req).await.expect("ebb answers");
+    let status = resp.status().as_u16();
+    let ct = resp
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    (
+        status,
+        ct,
+        resp.into_body().collect().await.unwrap().to_bytes(),
+    )
+}
+
+/// `value` as MessagePack, with its field names.
+fn packed(value: Value) -> Vec<u8> {
+    rmp_serde::to_vec_named(&value).unwrap()
+}
+
+/// A MessagePack answer read back as JSON values.
+fn unpacked(ct: &str, body: &[u8]) -> Value {
+    assert_eq!(
+        ct,
+        "application/msgpack",
+        "{}",
+        String::from_utf8_lossy(body)
+    );
+    rmp_serde::from_slice(body).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runner_api_reads_and_answers_msgpack_when_asked_and_its_errors_stay_json() {
+    const MSGPACK: &str = "application/msgpack";
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = start(dir.path(), &["--runner-capacity", "0"]);
+
+    // A batch enqueued as MessagePack, with a binary body, answered in MessagePack.
+    let body = json!({ "calls": [
+        { "target": "work", "payload": { "path": "/m", "body": "hi" } },
+        { "target": "work", "payload": { "body_base64": "AP8=" } },
+    ] });
+    let (status, ct, answer) =
+        call_packed(&ebb, "/runner/enqueue", MSGPACK, MSGPACK, packed(body)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    let ids = unpacked(&ct, &answer)["ids"].clone();
+    assert_eq!(ids.as_array().map(Vec::len), Some(2), "{ids}");
+    // Read by a JSON client as any call is.
+    for id in ids.as_array().unwrap() {
+        assert_eq!(state(&ebb, id.as_str().unwrap()).await, "queued");
+    }
+
+    // Dequeued, started and finished in MessagePack; the calls are the ones enqueued.
+    let body = json!({ "runner": "r1", "max": 2, "wait_ms": 5000 });
+    let (status, ct, answer) =
+        call_packed(&ebb, "/runner/dequeue", MSGPACK, MSGPACK, packed(body)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    let jobs = unpacked(&ct, &answer)["calls"].clone();
+    assert_eq!(jobs[0]["id"], ids[0]);
+    assert_eq!(jobs[0]["host"], "work.localhost");
+    assert_eq!(jobs[0]["payload"]["path"], "/m");
+    assert_eq!(jobs[0]["payload"]["body"], "hi");
+    assert_eq!(jobs[1]["payload"]["body_base64"], "AP8=");
+    let body = json!({ "runner": "r1", "ids": ids });
+    let (status, ct, answer) =
+        call_packed(&ebb, "/runner/start", MSGPACK, MSGPACK, packed(body)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    let started = unpacked(&ct, &answer)["results"].clone();
+    assert_eq!(started[0]["started"], true, "{started}");
+    assert_eq!(started[1]["state"], "running", "{started}");
+    let body = json!({ "runner": "r1", "calls": [
+        { "id": ids[0], "outcome": "success", "result": { "status": 200, "body": "done" } },
+        { "id": ids[1], "outcome": "error", "log": "no" },
+    ] });
+    let (status, ct, answer) =
+        call_packed(&ebb, "/runner/finish", MSGPACK, MSGPACK, packed(body)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+    let finished = unpacked(&ct, &answer)["results"].clone();
+    assert_eq!(
+        (&finished[0]["state"], &finished[1]["state"]),
+        (&json!("success"), &json!("error"))
+    );
+    let first = get(&ebb, &format!("/v1/calls/{}", ids[0].as_str().unwrap())).await;
+    assert_eq!(first.json["result"]["body"], "done", "{}", first.json);
+
+    // A MessagePack body answered in JSON when the client does not ask for MessagePack.
+    let body = json!({ "target": "work" });
+    let (status, ct, answer) =
+        call_packed(&ebb, "/runner/enqueue", MSGPACK, "*/*", packed(body)).await;
+    assert_eq!((status, ct.as_str()), (200, "application/json"));
+    let one: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(one["state"], "queued", "{one}");
+
+    // Bad MessagePack: 400 with a JSON error saying what is wrong, whatever was accepted.
+    let body = json!({ "target": "work", "nope": 1 });
+    let (status, ct, answer) =
+        call_packed(&ebb, "/runner/enqueue", MSGPACK, MSGPACK, packed(body)).await;
+    assert_eq!((status, ct.as_str()), (400, "application/json"));
+    let error: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(error["code"], "bad_msgpack", "{error}");
+    assert!(
+        error["error"]
+            .as_str()
+            .unwrap()
+            .contains("unknown field `nope`"),
+        "{error}"
+    );
+    let (status, _, answer) =
+        call_packed(&ebb, "/runner/finish", MSGPACK, MSGPACK, vec![0xc1]).await;
+    let error: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!((status, &error["code"]), (400, &json!("bad_msgpack")));
+
+    // A server that reads every body as JSON (as ebb did before MessagePack) answers a
+    // MessagePack one with 400 `bad_json`: what a runner takes as the sign to send JSON.
+    let body = packed(json!({ "runner": "r1", "wait_ms": 0 }));
+    let (status, _, answer) =
+        call_packed(&ebb, "/runner/dequeue", "application/json", MSGPACK, body).await;
+    let negotiated = ebb::calls::wire::Negotiated::default();
+    assert!(
+        negotiated.refused(ebb::calls::wire::Format::Msgpack, status, &answer),
+        "{status} {}",
+        String::from_utf8_lossy(&answer)
+    );
+    assert_eq!(negotiated.format(), ebb::calls::wire::Format::Json);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_enqueue_retried_with_the_same_id_is_the_same_call() {
     let dir = tempfile::tempdir().unwrap();

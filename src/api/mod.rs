@@ -201,6 +201,7 @@ pub async fn through_owner(
     let pass: Vec<_> = [
         axum::http::header::AUTHORIZATION,
         axum::http::header::CONTENT_TYPE,
+        axum::http::header::ACCEPT,
     ]
     .into_iter()
     .filter_map(|h| headers.get(&h).map(|v| (h, v.clone())))

@@ -4,7 +4,9 @@
 //! `EBB_RUNNER_TOKEN`; without one the API is disabled); `/v1/calls` takes the runner or the admin
 //! token. Runner requests may carry `X-Runner-Load: in_flight/capacity`; answers carry the load
 //! ebb has recorded for that runner. Single calls and batches share each endpoint: a body with
-//! `calls` / `ids` is a batch and gets `results`.
+//! `calls` / `ids` is a batch and gets `results`. Bodies are JSON, or MessagePack when the
+//! request's `Content-Type` is `application/msgpack`; answers are MessagePack when its `Accept`
+//! names it (ebb's runners and replicas ask for both), errors always JSON.
 
 use axum::Json;
 use axum::Router;
@@ -20,8 +22,8 @@ use serde_json::{Value, json};
 use super::access::Api;
 use super::{ApiError, AppState};
 use crate::calls::wire::{
-    DequeueBody, EnqueueBody, FinishBody, FinishJson, JobJsonRef, MessageJsonRef, StartBody,
-    StatesBody,
+    DequeueBody, EnqueueBody, FinishBody, FinishJson, Format, JobJsonRef, MessageJsonRef,
+    StartBody, StatesBody,
 };
 use crate::calls::{CallError, Calls, Load, NewCall};
 use crate::state::calls::{Call, CallStatus};
@@ -110,17 +112,47 @@ pub(super) fn rejection(e: BytesRejection) -> ApiError {
     }
 }
 
-/// Parses a JSON body, turning every failure into a JSON error.
-pub(super) fn body<T: serde::de::DeserializeOwned>(
+/// A runner API request's formats: its body's (`Content-Type`) and its answer's (`Accept`).
+fn formats(headers: &HeaderMap) -> (Format, Format) {
+    let of = |h| headers.get(h).map(HeaderValue::as_bytes);
+    (
+        Format::of_content_type(of(axum::http::header::CONTENT_TYPE)),
+        Format::of_accept(of(axum::http::header::ACCEPT)),
+    )
+}
+
+/// Reads a body in `format`, turning every failure into a JSON error.
+fn body<T: serde::de::DeserializeOwned>(
+    format: Format,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<T, ApiError> {
     let bytes = bytes.map_err(rejection)?;
-    serde_json::from_slice(&bytes).map_err(bad_json)
+    format.decode(&bytes).map_err(|e| bad_body(format, e))
 }
 
-/// A body that is not the JSON asked for: 400 `bad_json`, saying why.
-fn bad_json(e: serde_json::Error) -> ApiError {
-    ApiError::new(StatusCode::BAD_REQUEST, "bad_json", e.to_string())
+/// A body that is not what was asked for: 400 `bad_json` (or `bad_msgpack`), saying why.
+fn bad_body(format: Format, e: String) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, format.bad_code(), e)
+}
+
+/// An answer written in `format`.
+fn reply<T: Serialize + ?Sized>(format: Format, value: &T) -> Response {
+    match format {
+        Format::Json => Json(value).into_response(),
+        Format::Msgpack => match format.encode(value) {
+            Ok(bytes) => (
+                [(
+                    axum::http::header::CONTENT_TYPE,
+                    HeaderValue::from_static(crate::calls::wire::MSGPACK),
+                )],
+                bytes,
+            )
+                .into_response(),
+            Err(e) => {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "encode_failed", e).into_response()
+            }
+        },
+    }
 }
 
 /// A runner id: 1 to 128 of `A-Za-z0-9._-`.
@@ -155,8 +187,9 @@ async fn enqueue(
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let calls = calls_of(&app)?;
+    let (fin, fout) = formats(&headers);
     let bytes = bytes.map_err(rejection)?;
-    let parsed = EnqueueBody::from_json(&bytes).map_err(bad_json)?;
+    let parsed = EnqueueBody::read(&bytes, fin).map_err(|e| bad_body(fin, e))?;
     // A call given alone with an id another replica owns is enqueued there (an enqueue retried
     // with the id its first answer gave is the same call, whichever replica it reaches).
     if let EnqueueBody::One(NewCall { id: Some(id), .. }) = &parsed
@@ -185,9 +218,9 @@ async fn enqueue(
     let ids = calls.enqueue(items).await?;
     let state = CallStatus::Queued;
     Ok(if batch {
-        Json(IdsAnswer { ids: &ids, state }).into_response()
+        reply(fout, &IdsAnswer { ids: &ids, state })
     } else {
-        Json(IdAnswer { id: &ids[0], state }).into_response()
+        reply(fout, &IdAnswer { id: &ids[0], state })
     })
 }
 
@@ -221,7 +254,8 @@ async fn dequeue(
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let calls = calls_of(&app)?;
-    let b: DequeueBody = body(bytes)?;
+    let (fin, fout) = formats(&headers);
+    let b: DequeueBody = body(fin, bytes)?;
     let runner = runner_id(&b.runner)?;
     calls.seen(runner, None);
     let jobs = calls
@@ -231,7 +265,7 @@ async fn dequeue(
         StatusCode::NO_CONTENT.into_response()
     } else {
         let jobs: Vec<JobJsonRef> = jobs.iter().map(JobJsonRef::of).collect();
-        Json(JobsAnswer { calls: &jobs }).into_response()
+        reply(fout, &JobsAnswer { calls: &jobs })
     };
     Ok(with_load(calls, runner, &headers, resp))
 }
@@ -242,7 +276,8 @@ async fn start(
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let calls = calls_of(&app)?;
-    let b: StartBody = body(bytes)?;
+    let (fin, fout) = formats(&headers);
+    let b: StartBody = body(fin, bytes)?;
     let runner = runner_id(&b.runner)?;
     let (batch, ids) = match (b.id, b.ids) {
         (Some(id), None) => (false, vec![id]),
@@ -262,11 +297,11 @@ async fn start(
     };
     let results = calls.start_with_copies(runner, ids, copies).await?;
     let resp = if batch {
-        Json(ResultsAnswer { results: &results }).into_response()
+        reply(fout, &ResultsAnswer { results: &results })
     } else {
         let r = &results[0];
         if r.started {
-            Json(r).into_response()
+            reply(fout, r)
         } else if r.code.as_deref() == Some(crate::calls::OWNER_UNAVAILABLE) {
             let owner = crate::peers::owner_of(&r.id).unwrap_or_default().to_owned();
             return Err(crate::peers::PeerError::Unavailable(
@@ -302,11 +337,13 @@ async fn finish(
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let calls = calls_of(&app)?;
+    let (fin, fout) = formats(&headers);
     let bytes = bytes.map_err(rejection)?;
-    let (batch, runner, items) = match FinishBody::from_json(&bytes).map_err(bad_json)? {
-        FinishBody::Batch { runner, calls } => (true, runner, calls),
-        FinishBody::One { runner, call } => (false, runner, vec![call]),
-    };
+    let (batch, runner, items) =
+        match FinishBody::read(&bytes, fin).map_err(|e| bad_body(fin, e))? {
+            FinishBody::Batch { runner, calls } => (true, runner, calls),
+            FinishBody::One { runner, call } => (false, runner, vec![call]),
+        };
     let runner = runner_id(&runner)?.to_owned();
     let finishes = items
         .into_iter()
@@ -319,9 +356,9 @@ async fn finish(
         .map(|(id, state)| IdAnswer { id, state: *state })
         .collect();
     let resp = if batch {
-        Json(ResultsAnswer { results: &results }).into_response()
+        reply(fout, &ResultsAnswer { results: &results })
     } else {
-        Json(&results[0]).into_response()
+        reply(fout, &results[0])
     };
     Ok(with_load(calls, &runner, &headers, resp))
 }
@@ -330,10 +367,12 @@ async fn finish(
 /// messages: `{"results": [{"state", "deadline_at_ms"} or null, ...]}` in the order asked.
 async fn states(
     Extract(app): Extract<AppState>,
+    headers: HeaderMap,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let calls = calls_of(&app)?;
-    let b: StatesBody = body(bytes)?;
+    let (fin, fout) = formats(&headers);
+    let b: StatesBody = body(fin, bytes)?;
     if b.ids.len() > calls.options().max_batch {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -346,7 +385,7 @@ async fn states(
         ));
     }
     let results = calls.states(&b.ids).await;
-    Ok(Json(ResultsAnswer { results: &results }).into_response())
+    Ok(reply(fout, &ResultsAnswer { results: &results }))
 }
 
 /// Another ebb replica's shares of the load, for the replica that decides (`crate::load`).
@@ -363,6 +402,7 @@ struct LoadBody {
 
 async fn load(
     Extract(app): Extract<AppState>,
+    headers: HeaderMap,
     bytes: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let Some(scaler) = &app.load else {
@@ -372,7 +412,8 @@ async fn load(
             "this ebb takes no load reports",
         ));
     };
-    let b: LoadBody = body(bytes)?;
+    let (fin, fout) = formats(&headers);
+    let b: LoadBody = body(fin, bytes)?;
     if !crate::peers::valid_replica(&b.replica) {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -384,7 +425,7 @@ async fn load(
     scaler
         .report(&b.replica, b.shares, b.busy, app.clock.now_ms())
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_report", e))?;
-    Ok(Json(json!({ "shares": shares })).into_response())
+    Ok(reply(fout, &json!({ "shares": shares })))
 }
 
 fn view(c: &Call) -> Value {

@@ -943,7 +943,7 @@ impl Calls {
             let ids: Vec<String> = specs.iter().map(|(c, _, _)| c.id.clone()).collect();
             let asked = self
                 .peers
-                .post_json::<Results<Option<PeerState>>>(
+                .post::<Results<Option<PeerState>>>(
                     &owner,
                     "/runner/states",
                     self.peer_token.get().as_deref(),
@@ -1268,7 +1268,7 @@ impl Calls {
             }
             let asked = self
                 .peers
-                .post_json::<Results<Started>>(
+                .post::<Results<Started>>(
                     &owner,
                     "/runner/start",
                     self.peer_token.get().as_deref(),
@@ -1350,7 +1350,7 @@ impl Calls {
         for (owner, finishes) in by_owner {
             let asked = self
                 .peers
-                .post_json::<Results<IdState>>(
+                .post::<Results<IdState>>(
                     &owner,
                     "/runner/finish",
                     self.peer_token.get().as_deref(),

@@ -29,7 +29,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::{Semaphore, mpsc, watch};
 
-use super::wire::{FinishBatchRef, JobJson};
+use super::wire::{FinishBatchRef, Format, JobJson, Negotiated};
 use super::{Calls, Finish, Job, Load, Started};
 use crate::discovery::{Balanced, Chosen, Policy, ServiceId};
 use crate::event::{CallResult, Outcome};
@@ -160,13 +160,15 @@ pub fn http_client() -> Client<HttpConnector, Full<Bytes>> {
 
 /// The runner API over HTTP, on one of the ebb replicas a service id resolves to: picked by
 /// consistent hashing on the runner's id, so a runner keeps to one replica while that one is
-/// there and moves when it is gone or keeps failing.
+/// there and moves when it is gone or keeps failing. Its bodies are MessagePack, JSON while a
+/// server does not read that ([`Negotiated`]).
 pub struct HttpApi {
     api: ServiceId,
     token: String,
     client: Client<HttpConnector, Full<Bytes>>,
     balanced: Arc<Balanced>,
     policy: Policy,
+    format: Negotiated,
 }
 
 impl HttpApi {
@@ -184,18 +186,47 @@ impl HttpApi {
                 ejection_ms: 10_000,
                 ..Policy::default()
             },
+            format: Negotiated::default(),
         }
     }
 
+    /// Posts `body` (MessagePack unless the server did not read it: [`Negotiated`]) and
+    /// returns the answer's status, format and body.
     async fn post(
         &self,
         runner: &str,
         path: &str,
         body: &(impl serde::Serialize + Sync),
         load: Load,
-    ) -> Result<(u16, Bytes), RunnerError> {
-        // Written straight from `body` (no `serde_json::Value` in between).
-        let body = serde_json::to_vec(body).map_err(RunnerError::other)?;
+    ) -> Result<(u16, Format, Bytes), RunnerError> {
+        let mut format = self.format.format();
+        loop {
+            // Written straight from `body` (no `serde_json::Value` in between).
+            let encoded = format.encode(body).map_err(RunnerError::other)?;
+            let (status, answer_format, answer) =
+                self.post_once(runner, path, format, encoded, load).await?;
+            if self.format.refused(format, status, &answer) {
+                format = Format::Json;
+                continue;
+            }
+            if status >= 400 && status != 409 {
+                return Err(RunnerError {
+                    status: Some(status),
+                    message: format!("{path}: {}", String::from_utf8_lossy(&answer)),
+                });
+            }
+            return Ok((status, answer_format, answer));
+        }
+    }
+
+    async fn post_once(
+        &self,
+        runner: &str,
+        path: &str,
+        format: Format,
+        body: Vec<u8>,
+        load: Load,
+    ) -> Result<(u16, Format, Bytes), RunnerError> {
         let key = crate::discovery::hash_key(runner.as_bytes());
         let chosen = self
             .balanced
@@ -205,7 +236,8 @@ impl HttpApi {
         let req = hyper::Request::post(format!("http://{}{path}", chosen.addr()))
             .header("host", self.api.authority())
             .header("authorization", format!("Bearer {}", self.token))
-            .header("content-type", "application/json")
+            .header("content-type", format.media_type())
+            .header("accept", format.media_type())
             .header("x-runner-load", load.to_string())
             .body(Full::new(Bytes::from(body)))
             .map_err(RunnerError::other)?;
@@ -218,19 +250,18 @@ impl HttpApi {
         };
         let status = resp.status().as_u16();
         chosen.answered(status >= 500);
+        let answer_format = Format::of_content_type(
+            resp.headers()
+                .get(hyper::header::CONTENT_TYPE)
+                .map(|v| v.as_bytes()),
+        );
         let body = resp
             .into_body()
             .collect()
             .await
             .map_err(|e| RunnerError::other(format!("{path}: {e}")))?
             .to_bytes();
-        if status >= 400 && status != 409 {
-            return Err(RunnerError {
-                status: Some(status),
-                message: format!("{path}: {}", String::from_utf8_lossy(&body)),
-            });
-        }
-        Ok((status, body))
+        Ok((status, answer_format, body))
     }
 }
 
@@ -245,7 +276,7 @@ impl RunnerApi for HttpApi {
         let body = serde_json::json!({ "runner": runner, "max": max, "wait_ms": wait_ms });
         let who = runner.to_owned();
         Box::pin(async move {
-            let (status, bytes) = self.post(&who, "/runner/dequeue", &body, load).await?;
+            let (status, format, bytes) = self.post(&who, "/runner/dequeue", &body, load).await?;
             if status == 204 {
                 return Ok(Vec::new());
             }
@@ -253,7 +284,7 @@ impl RunnerApi for HttpApi {
             struct Answer {
                 calls: Vec<JobJson>,
             }
-            let a: Answer = serde_json::from_slice(&bytes).map_err(RunnerError::other)?;
+            let a: Answer = format.decode(&bytes).map_err(RunnerError::other)?;
             a.calls
                 .into_iter()
                 .map(JobJson::into_job)
@@ -273,14 +304,14 @@ impl RunnerApi for HttpApi {
             ids,
         };
         Box::pin(async move {
-            let (_, bytes) = self
+            let (_, format, bytes) = self
                 .post(&body.runner, "/runner/start", &body, load)
                 .await?;
             #[derive(serde::Deserialize)]
             struct Answer {
                 results: Vec<Started>,
             }
-            let a: Answer = serde_json::from_slice(&bytes).map_err(RunnerError::other)?;
+            let a: Answer = format.decode(&bytes).map_err(RunnerError::other)?;
             Ok(a.results)
         })
     }

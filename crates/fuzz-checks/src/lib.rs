@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use ebb_core::calls::wire::{
-    DequeueBody, EnqueueBody, FinishBody, StartBody, StatesBody, check_runner,
+    DequeueBody, EnqueueBody, FinishBody, Format, StartBody, StatesBody, check_runner,
 };
 
 /// A target's check.
@@ -167,10 +167,16 @@ pub fn cel(data: &[u8]) {
 }
 
 /// The fuzz target's check of the runner API's bodies (`fuzz/`): any bytes give each body or a
-/// reason, never a panic; a call's payload that passes its checks makes a request a runner can
-/// send.
+/// reason in either format (JSON, MessagePack), never a panic; a call's payload that passes its
+/// checks makes a request a runner can send.
 pub fn runner_body(bytes: &[u8]) {
-    if let Ok(b) = EnqueueBody::from_json(bytes) {
+    for format in [Format::Json, Format::Msgpack] {
+        runner_body_in(bytes, format);
+    }
+}
+
+fn runner_body_in(bytes: &[u8], format: Format) {
+    if let Ok(b) = EnqueueBody::read(bytes, format) {
         let calls = match b {
             EnqueueBody::Batch { calls } => calls,
             EnqueueBody::One(c) => vec![c],
@@ -187,16 +193,16 @@ pub fn runner_body(bytes: &[u8]) {
             }
         }
     }
-    if let Ok(b) = serde_json::from_slice::<DequeueBody>(bytes) {
+    if let Ok(b) = format.decode::<DequeueBody>(bytes) {
         let _ = check_runner(&b.runner);
     }
-    if let Ok(b) = serde_json::from_slice::<StartBody>(bytes) {
+    if let Ok(b) = format.decode::<StartBody>(bytes) {
         let _ = check_runner(&b.runner);
         for id in b.id.iter().chain(b.ids.iter().flatten()) {
             let _ = ebb_core::ids::parse_id(id);
         }
     }
-    if let Ok(b) = FinishBody::from_json(bytes) {
+    if let Ok(b) = FinishBody::read(bytes, format) {
         let items = match b {
             FinishBody::Batch { calls, .. } => calls,
             FinishBody::One { call, .. } => vec![call],
@@ -205,7 +211,7 @@ pub fn runner_body(bytes: &[u8]) {
             let _ = f.finish();
         }
     }
-    let _ = serde_json::from_slice::<StatesBody>(bytes);
+    let _ = format.decode::<StatesBody>(bytes);
 }
 
 /// The functions API's template bodies: JSON is a template or an error, and a template that

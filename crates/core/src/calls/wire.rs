@@ -1,4 +1,6 @@
-//! The runner API's JSON shapes. Bodies travel as text when they are UTF-8 and as base64
+//! The runner API's shapes, written as JSON (the default, what people read and write) or as
+//! MessagePack ([`Format`]: `application/msgpack`, what ebb's own runners and replicas send, with
+//! the same field names). Bodies travel as text when they are UTF-8 and as base64
 //! (`body_base64`) when they are not, so people can read them and bytes survive.
 
 use base64::Engine as _;
@@ -7,6 +9,133 @@ use serde::{Deserialize, Serialize};
 
 use super::{Finish, Job, NewCall};
 use crate::event::{CallKind, CallResult, CallSpec, Outcome, Payload};
+
+/// The MessagePack media type.
+pub const MSGPACK: &str = "application/msgpack";
+
+/// How a runner API body is written. JSON unless a request's `Content-Type` (for its body) or
+/// `Accept` (for its answer) names [`MSGPACK`]: ebb's runners and replicas send MessagePack,
+/// whose strings are length-prefixed (nothing to escape, scan or unescape); serde_json was
+/// about a tenth of the process on the call path over HTTP. Errors are JSON either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Json,
+    Msgpack,
+}
+
+impl Format {
+    /// The format of a body whose `Content-Type` is `ct`: MessagePack only when it says so.
+    pub fn of_content_type(ct: Option<&[u8]>) -> Self {
+        match ct {
+            Some(ct) if Self::names_msgpack(ct) => Self::Msgpack,
+            _ => Self::Json,
+        }
+    }
+
+    /// The format an `Accept` asks for: MessagePack when it names it (no weights are weighed:
+    /// a client that lists it takes it), JSON otherwise.
+    pub fn of_accept(accept: Option<&[u8]>) -> Self {
+        match accept {
+            Some(a) if a.split(|b| *b == b',').any(Self::names_msgpack) => Self::Msgpack,
+            _ => Self::Json,
+        }
+    }
+
+    /// Whether a media type (parameters allowed) is [`MSGPACK`].
+    fn names_msgpack(media: &[u8]) -> bool {
+        let essence = media.split(|b| *b == b';').next().unwrap_or_default();
+        essence
+            .trim_ascii()
+            .eq_ignore_ascii_case(MSGPACK.as_bytes())
+    }
+
+    /// Its media type, for `Content-Type` and `Accept`.
+    pub fn media_type(self) -> &'static str {
+        match self {
+            Self::Json => "application/json",
+            Self::Msgpack => MSGPACK,
+        }
+    }
+
+    /// `value` written in this format. MessagePack is written with field names and as a
+    /// human-readable format (addresses, ids and times as the strings JSON has), so both
+    /// formats read the same fields, optional and unknown, the same way, and a JSON value
+    /// written as MessagePack reads as the type it stands for.
+    pub fn encode<T: Serialize + ?Sized>(self, value: &T) -> Result<Vec<u8>, String> {
+        match self {
+            Self::Json => serde_json::to_vec(value).map_err(|e| e.to_string()),
+            Self::Msgpack => {
+                let mut out = Vec::new();
+                let mut ser = rmp_serde::Serializer::new(&mut out)
+                    .with_struct_map()
+                    .with_human_readable();
+                value.serialize(&mut ser).map_err(|e| e.to_string())?;
+                Ok(out)
+            }
+        }
+    }
+
+    /// A `T` read from `bytes` in this format; the error says what is wrong.
+    pub fn decode<T: DeserializeOwned>(self, bytes: &[u8]) -> Result<T, String> {
+        match self {
+            Self::Json => serde_json::from_slice(bytes).map_err(|e| e.to_string()),
+            Self::Msgpack => {
+                let mut de = rmp_serde::Deserializer::from_read_ref(bytes).with_human_readable();
+                T::deserialize(&mut de).map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    /// The error code of a body that does not read: `bad_json` or `bad_msgpack`.
+    pub fn bad_code(self) -> &'static str {
+        match self {
+            Self::Json => "bad_json",
+            Self::Msgpack => "bad_msgpack",
+        }
+    }
+}
+
+/// How many requests a client sends as JSON after a server refused MessagePack, before it
+/// tries MessagePack again (a server updated meanwhile reads it).
+pub const JSON_AFTER_REFUSAL: u32 = 1_000;
+
+/// A client's choice of format: MessagePack, and JSON for a while after a server did not read
+/// it. A server without MessagePack (an ebb from before it, during a rolling update) reads the
+/// body as JSON and answers 400 `bad_json`; another server may answer 415.
+#[derive(Debug, Default)]
+pub struct Negotiated {
+    json_left: std::sync::atomic::AtomicU32,
+}
+
+impl Negotiated {
+    /// The format of the next request.
+    pub fn format(&self) -> Format {
+        use std::sync::atomic::Ordering::Relaxed;
+        let left = self.json_left.load(Relaxed);
+        if left == 0 {
+            return Format::Msgpack;
+        }
+        // Racing requests may each take one: a few more or fewer JSON requests, no harm.
+        self.json_left.store(left - 1, Relaxed);
+        Format::Json
+    }
+
+    /// Whether an answer to a request sent in `sent` says the server did not read MessagePack;
+    /// if so the next [`JSON_AFTER_REFUSAL`] requests are JSON, and this one is to be sent again
+    /// as JSON.
+    pub fn refused(&self, sent: Format, status: u16, body: &[u8]) -> bool {
+        let refused = sent == Format::Msgpack
+            && (status == 415
+                || (status == 400
+                    && serde_json::from_slice::<serde_json::Value>(body)
+                        .is_ok_and(|v| v["code"] == "bad_json")));
+        if refused {
+            self.json_left
+                .store(JSON_AFTER_REFUSAL, std::sync::atomic::Ordering::Relaxed);
+        }
+        refused
+    }
+}
 
 /// An HTTP request or answer as JSON, as read ([`MessageJsonRef`] writes it).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -235,7 +364,7 @@ impl FinishJson {
     }
 }
 
-/// `POST /runner/enqueue`: one call or `{"calls": [...]}`. Read with [`EnqueueBody::from_json`].
+/// `POST /runner/enqueue`: one call or `{"calls": [...]}`. Read with [`EnqueueBody::read`].
 /// Parsed once per request: the size of its one call does not matter.
 #[derive(Debug)]
 #[allow(clippy::large_enum_variant)]
@@ -253,9 +382,10 @@ struct MaybeBatch {
 
 impl EnqueueBody {
     /// Reads a body: a batch if it has `calls`, else one call ([`batch_or_one`]).
-    pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+    pub fn read(bytes: &[u8], format: Format) -> Result<Self, String> {
         batch_or_one(
             bytes,
+            format,
             |b: MaybeBatch| b.calls.map(|calls| Ok(Self::Batch { calls })),
             Self::One,
         )
@@ -269,13 +399,14 @@ impl EnqueueBody {
 /// or is no JSON object, the one's otherwise.
 fn batch_or_one<T, B: DeserializeOwned, O: DeserializeOwned>(
     bytes: &[u8],
-    batch: impl FnOnce(B) -> Option<Result<T, serde_json::Error>>,
+    format: Format,
+    batch: impl FnOnce(B) -> Option<Result<T, String>>,
     one: impl FnOnce(O) -> T,
-) -> Result<T, serde_json::Error> {
-    match serde_json::from_slice::<B>(bytes).map(batch) {
+) -> Result<T, String> {
+    match format.decode::<B>(bytes).map(batch) {
         Ok(Some(read)) => read,
-        Ok(None) => serde_json::from_slice(bytes).map(one),
-        Err(batch) => serde_json::from_slice(bytes).map(one).map_err(|_| batch),
+        Ok(None) => format.decode(bytes).map(one),
+        Err(batch) => format.decode(bytes).map(one).map_err(|_| batch),
     }
 }
 
@@ -324,7 +455,7 @@ impl<'a> FinishBatchRef<'a> {
     }
 }
 
-/// `POST /runner/finish`: one result or `{"calls": [...]}`. Read with [`FinishBody::from_json`].
+/// `POST /runner/finish`: one result or `{"calls": [...]}`. Read with [`FinishBody::read`].
 #[derive(Debug)]
 pub enum FinishBody {
     Batch {
@@ -363,14 +494,15 @@ struct OneFinish {
 impl FinishBody {
     /// Reads a body: a batch if it has `calls` (and then its `runner`), else one finish
     /// ([`batch_or_one`]).
-    pub fn from_json(bytes: &[u8]) -> Result<Self, serde_json::Error> {
+    pub fn read(bytes: &[u8], format: Format) -> Result<Self, String> {
         batch_or_one(
             bytes,
+            format,
             |b: MaybeFinishBatch| {
                 let calls = b.calls?;
                 Some(match b.runner {
                     Some(runner) => Ok(Self::Batch { runner, calls }),
-                    None => Err(serde::de::Error::missing_field("runner")),
+                    None => Err("missing field `runner`".into()),
                 })
             },
             |o: OneFinish| Self::One {
@@ -409,7 +541,8 @@ pub fn check_runner(id: &str) -> Result<&str, String> {
 #[cfg(test)]
 mod tests {
     use super::{
-        EnqueueBody, FinishBatchRef, FinishBody, FinishJson, FinishJsonRef, JobJson, JobJsonRef,
+        EnqueueBody, FinishBatchRef, FinishBody, FinishJson, FinishJsonRef, Format,
+        JSON_AFTER_REFUSAL, JobJson, JobJsonRef, Negotiated,
     };
     use crate::calls::{Finish, Job};
     use crate::discovery::{Balancer, Policy};
@@ -454,21 +587,23 @@ mod tests {
         ]
     }
 
-    /// What `written` writes, its owned shape reads and writes again byte for byte, and reads
-    /// back as `value`.
+    /// In each format, what `written` writes, its owned shape reads and writes again byte for
+    /// byte, and reads back as `value`.
     fn written_alike_and_read_back<T, O>(
         value: &T,
         written: impl serde::Serialize,
-        back: impl FnOnce(O) -> Result<T, String>,
+        back: impl Fn(O) -> Result<T, String>,
     ) where
         T: PartialEq + std::fmt::Debug,
         O: serde::Serialize + serde::de::DeserializeOwned,
     {
-        let borrowed = serde_json::to_string(&written).unwrap();
-        let read: O = serde_json::from_str(&borrowed).unwrap();
-        let copied = serde_json::to_string(&read).unwrap();
-        assert_eq!(borrowed, copied);
-        assert_eq!(&back(read).unwrap(), value);
+        for format in [Format::Json, Format::Msgpack] {
+            let borrowed = format.encode(&written).unwrap();
+            let read: O = format.decode(&borrowed).unwrap();
+            let copied = format.encode(&read).unwrap();
+            assert_eq!(borrowed, copied, "{format:?}");
+            assert_eq!(&back(read).unwrap(), value, "{format:?}");
+        }
     }
 
     #[test]
@@ -508,20 +643,56 @@ mod tests {
         for finish in &finishes {
             written_alike_and_read_back(finish, FinishJsonRef::of(finish), FinishJson::finish);
         }
-        // A batch of them is read as one.
-        let batch = serde_json::to_vec(&FinishBatchRef::of("r-1", &finishes)).unwrap();
-        match FinishBody::from_json(&batch).unwrap() {
-            FinishBody::Batch { runner, calls } => {
-                assert_eq!(runner, "r-1");
-                let back: Vec<Finish> = calls.into_iter().map(|c| c.finish().unwrap()).collect();
-                assert_eq!(back, finishes);
+        // A batch of them is read as one, in each format.
+        for format in [Format::Json, Format::Msgpack] {
+            let batch = format
+                .encode(&FinishBatchRef::of("r-1", &finishes))
+                .unwrap();
+            match FinishBody::read(&batch, format).unwrap() {
+                FinishBody::Batch { runner, calls } => {
+                    assert_eq!(runner, "r-1");
+                    let back: Vec<Finish> =
+                        calls.into_iter().map(|c| c.finish().unwrap()).collect();
+                    assert_eq!(back, finishes);
+                }
+                other => panic!("a batch, not {other:?}"),
             }
-            other => panic!("a batch, not {other:?}"),
         }
     }
 
+    /// The JSON text as MessagePack: the same values, field names and all.
+    fn msgpack(json: &str) -> Vec<u8> {
+        let value: serde_json::Value = serde_json::from_str(json).unwrap();
+        Format::Msgpack.encode(&value).unwrap()
+    }
+
+    /// An enqueue body read from JSON; the same values as MessagePack read alike (the same
+    /// calls, or an error as well, naming the same unknown field or missing one).
     fn read(body: &str) -> Result<EnqueueBody, String> {
-        EnqueueBody::from_json(body.as_bytes()).map_err(|e| e.to_string())
+        let json = EnqueueBody::read(body.as_bytes(), Format::Json);
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(body) {
+            let packed = EnqueueBody::read(&msgpack(&v.to_string()), Format::Msgpack);
+            alike(&json, &packed, body);
+        }
+        json
+    }
+
+    /// Two reads of the same values alike: both read, to the same, or both refused, naming the
+    /// same field when one is named.
+    fn alike<T: std::fmt::Debug>(json: &Result<T, String>, packed: &Result<T, String>, body: &str) {
+        match (json, packed) {
+            (Ok(j), Ok(p)) => assert_eq!(format!("{j:?}"), format!("{p:?}"), "{body}"),
+            (Err(j), Err(p)) => {
+                for named in ["unknown field", "missing field", "unknown variant"] {
+                    if let Some(at) = j.find(named) {
+                        // "unknown field `nope`, expected ..." names "unknown field `nope".
+                        let field = j[at..].split('`').take(2).collect::<Vec<_>>().join("`");
+                        assert!(p.contains(&field), "{body}: {p:?} names {field:?}");
+                    }
+                }
+            }
+            (j, p) => panic!("{body}: JSON read {j:?}, MessagePack {p:?}"),
+        }
     }
 
     #[test]
@@ -563,7 +734,36 @@ mod tests {
     }
 
     fn finish_body(body: &str) -> Result<FinishBody, String> {
-        FinishBody::from_json(body.as_bytes()).map_err(|e| e.to_string())
+        let json = FinishBody::read(body.as_bytes(), Format::Json);
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(body) {
+            let packed = FinishBody::read(&msgpack(&v.to_string()), Format::Msgpack);
+            alike(&json, &packed, body);
+        }
+        json
+    }
+
+    #[test]
+    fn a_body_is_msgpack_only_when_its_headers_say_so() {
+        let of = |ct: &str| Format::of_content_type(Some(ct.as_bytes()));
+        assert_eq!(of("application/msgpack"), Format::Msgpack);
+        assert_eq!(of("Application/MsgPack; charset=binary"), Format::Msgpack);
+        assert_eq!(of("application/json"), Format::Json);
+        assert_eq!(of("application/msgpackx"), Format::Json);
+        assert_eq!(Format::of_content_type(None), Format::Json);
+        let accept = |a: &str| Format::of_accept(Some(a.as_bytes()));
+        assert_eq!(accept("application/msgpack"), Format::Msgpack);
+        assert_eq!(
+            accept("application/json;q=0.5, application/msgpack"),
+            Format::Msgpack
+        );
+        assert_eq!(accept("*/*"), Format::Json);
+        assert_eq!(accept("application/json"), Format::Json);
+        assert_eq!(Format::of_accept(None), Format::Json);
+        // Bytes that are not MessagePack are refused with what is wrong, never a panic.
+        for bad in [&b""[..], b"\xc1", b"{\"target\": \"a\"}", &[0x81, 0xa6]] {
+            assert!(EnqueueBody::read(bad, Format::Msgpack).is_err(), "{bad:?}");
+            assert!(FinishBody::read(bad, Format::Msgpack).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
@@ -607,5 +807,54 @@ mod tests {
         assert!(e.contains("missing field `id`"), "{e}");
         assert!(finish_body("{not json").is_err());
         assert!(finish_body(r#"[1]"#).is_err());
+    }
+
+    #[test]
+    fn a_client_sends_json_for_a_while_after_a_server_did_not_read_msgpack() {
+        let n = Negotiated::default();
+        assert_eq!(n.format(), Format::Msgpack);
+        // Answers that are not a refusal of MessagePack change nothing.
+        let bad_msgpack = br#"{"error": "...", "code": "bad_msgpack"}"#;
+        assert!(!n.refused(Format::Msgpack, 400, bad_msgpack));
+        assert!(!n.refused(Format::Msgpack, 400, b"not json"));
+        assert!(!n.refused(Format::Msgpack, 409, br#"{"code": "bad_json"}"#));
+        assert!(!n.refused(Format::Json, 400, br#"{"code": "bad_json"}"#));
+        assert!(!n.refused(Format::Json, 415, b""));
+        assert_eq!(n.format(), Format::Msgpack);
+        // An older server read the body as JSON: the next requests are JSON, then MessagePack
+        // is tried again.
+        assert!(n.refused(
+            Format::Msgpack,
+            400,
+            br#"{"error": "expected value at line 1 column 1", "code": "bad_json"}"#
+        ));
+        for _ in 0..JSON_AFTER_REFUSAL {
+            assert_eq!(n.format(), Format::Json);
+        }
+        assert_eq!(n.format(), Format::Msgpack);
+        // As after a 415.
+        assert!(n.refused(Format::Msgpack, 415, b""));
+        assert_eq!(n.format(), Format::Json);
+    }
+
+    #[test]
+    fn a_json_value_written_as_msgpack_reads_as_the_type_it_stands_for() {
+        // A load report is written as a JSON value: its addresses are strings there, and read
+        // as addresses from either format.
+        type Busy = std::collections::BTreeMap<std::net::SocketAddr, u32>;
+        let value = serde_json::json!({ "127.0.0.1:9": 2, "[::1]:80": 1 });
+        for format in [Format::Json, Format::Msgpack] {
+            let busy: Busy = format.decode(&format.encode(&value).unwrap()).unwrap();
+            let want: Busy = [
+                ("127.0.0.1:9".parse().unwrap(), 2),
+                ("[::1]:80".parse().unwrap(), 1),
+            ]
+            .into_iter()
+            .collect();
+            assert_eq!(busy, want, "{format:?}");
+            // And the typed map written in the format reads back as itself.
+            let again: Busy = format.decode(&format.encode(&busy).unwrap()).unwrap();
+            assert_eq!(again, want, "{format:?}");
+        }
     }
 }
