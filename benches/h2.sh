@@ -12,7 +12,8 @@
 # machine's two cores. Installs nghttp2-client, nginx and haproxy (Debian packages) when missing.
 # Usage: benches/h2.sh [SECONDS] [CONNS] [STREAMS]   (EBB_BIN: an ebb binary to use instead of
 # building the release one; BENCH_ROUNDS: rounds, default 3; BENCH_PERF=FILE: a `perf record`
-# profile of ebb over its gRPC rounds, BENCH_PERF_ARGS its options: benches/lib.sh)
+# profile of ebb over its gRPC rounds (BENCH_PERF_ON=h2c: its h2c rounds), BENCH_PERF_ARGS its
+# options: benches/lib.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
@@ -114,6 +115,9 @@ haproxy_pid=$!
 printf '\x00\x00\x00\x00\x07\x0a\x05world' >"$work/hello.bin"
 grpc_args=(-d "$work/hello.bin" -H 'content-type: application/grpc' -H 'te: trailers')
 grpc_path=/helloworld.Greeter/SayHello
+# The section BENCH_PERF profiles: gRPC's (the default) or, with BENCH_PERF_ON=h2c, h2c's.
+perf_path="$grpc_path"
+if [ "${BENCH_PERF_ON:-grpc}" = h2c ]; then perf_path=/; fi
 
 ready() { # PORT: h2c answers 200 (ebb's once its app is up)
   for _ in $(seq 1 600); do
@@ -184,7 +188,7 @@ section() { # TITLE PATH NGINX_PORT HAPROXY_PORT [h2load args...]
   echo "$title: h2load -c$conns -m$streams -t2 -D$seconds, $rounds alternating rounds, each figure the median"
   local results=("$(run direct "$app_port" "$path" "$@" --)")
   for _ in $(seq 1 "$rounds"); do
-    if [ "$path" = "$grpc_path" ]; then bench_perf_start "$ebb_pid"; fi
+    if [ "$path" = "$perf_path" ]; then bench_perf_start "$ebb_pid"; fi
     runs_e+=("$(run ebb "$ebb_port" "$path" "$@" -- "$ebb_pid")")
     bench_perf_stop
     runs_n+=("$(run nginx "$ngx" "$path" "$@" -- --children "$nginx_pid")")
