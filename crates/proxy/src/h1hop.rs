@@ -165,6 +165,13 @@ async fn wait_or_open(
     Ok((sender, settling))
 }
 
+/// Whether [`send`] gives `req`'s head back when the replica goes away before answering (or
+/// cannot be reached): a request ebb exchanges itself (`raw`), which has no body. The caller
+/// keeps no copy of such a head for another try.
+pub fn gives_head_back(req: &Request<Body>) -> bool {
+    raw::takes(req)
+}
+
 /// Sends `req` (its URI the path; its `Host` set) over HTTP/1.1 to `addr` and waits for the
 /// answer's head.
 pub async fn send(
@@ -603,10 +610,16 @@ mod tests {
         drop(listener);
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let dial = backends::tests::dial(&clock, 0);
-        let e = send(get(addr), addr, dial, &Backends::default())
+        let mut e = send(get(addr), addr, dial, &Backends::default())
             .await
             .unwrap_err();
         assert!(e.is_connect(), "{e}");
+        // None of it left ebb: the request comes back whole, for another try.
+        let whole = e.take_unsent().expect("the request given back");
+        assert_eq!(
+            (whole.method(), whole.uri().path()),
+            (&hyper::Method::GET, "/x")
+        );
         // A replica that closes the connection without answering.
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -617,9 +630,15 @@ mod tests {
                 let _ = tcp.read(&mut buf).await;
             }
         });
-        let e = send(get(addr), addr, dial, &Backends::default())
+        let mut e = send(get(addr), addr, dial, &Backends::default())
             .await
             .unwrap_err();
         assert!(crate::backend_went_away(&e), "{e}");
+        // The request had no body: its head comes back (the caller kept no copy), once.
+        assert!(gives_head_back(&get(addr)));
+        let head = e.take_head().expect("the head given back");
+        assert_eq!((head.method, head.uri.path()), (hyper::Method::GET, "/x"));
+        assert_eq!(head.headers[hyper::header::HOST], "app.localhost");
+        assert!(e.take_head().is_none());
     }
 }

@@ -31,20 +31,25 @@ pub fn takes(req: &Request<Body>) -> bool {
 }
 
 /// Sends `req` (body-less, its URI the origin form, its `Host` set) to `addr` and reads the
-/// answer's head.
+/// answer's head. When no connection could be made the request comes back whole
+/// ([`Error::unsent`]), and when the replica went away before answering its head comes back
+/// ([`Error::Gone`]): the caller keeps no copy of it for another try.
 pub async fn send(
     req: Request<Body>,
     addr: SocketAddr,
     dial: Dial<'_>,
     backends: &Backends,
 ) -> Result<Response<Body>, Error> {
-    let (parts, _) = req.into_parts();
+    let (parts, body) = req.into_parts();
     let is_head = parts.method == Method::HEAD;
     let head = request_head(&parts);
     let max_head = usize::try_from(dial.max_header_list_size).unwrap_or(usize::MAX);
     let mut pooled_allowed = true;
     loop {
-        let (mut b, pooled, settling) = conn(addr, dial, backends, pooled_allowed).await?;
+        let (mut b, pooled, settling) = match conn(addr, dial, backends, pooled_allowed).await {
+            Ok(c) => c,
+            Err(e) => return Err(e.unsent(Request::from_parts(parts, body))),
+        };
         let answer = match exchange(&mut b, &head, is_head, max_head).await {
             Ok(a) => a,
             // A pooled connection the replica closed while it sat idle: the request was not
@@ -54,6 +59,7 @@ pub async fn send(
                 pooled_allowed = false;
                 continue;
             }
+            Err((e, _)) if e.went_away() => return Err(Error::Gone(e, Some(Box::new(parts)))),
             Err((e, _)) => return Err(Error::Raw(e)),
         };
         if let Some(s) = &settling {
