@@ -30,8 +30,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::calls::wire::{Format, Negotiated};
 use crate::discovery::{Balanced, Policy, ServiceId};
+use ebb_core::calls::wire::{Format, Negotiated};
 
 use axum::http;
 use bytes::Bytes;
