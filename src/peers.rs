@@ -305,28 +305,29 @@ impl Peers {
         token: Option<&str>,
         body: &impl serde::Serialize,
     ) -> Result<Result<T, (u16, String)>, PeerError> {
-        let mut format = self.format.format();
-        let a = loop {
-            let media = http::HeaderValue::from_static(format.media_type());
-            let mut headers = vec![
-                (http::header::CONTENT_TYPE, media.clone()),
-                (http::header::ACCEPT, media),
-            ];
-            if let Some(t) = token
-                && let Ok(v) = http::HeaderValue::from_str(&format!("Bearer {t}"))
-            {
-                headers.push((http::header::AUTHORIZATION, v));
-            }
-            let encoded = format.encode(body).expect("a request body always encodes");
-            let a = self
-                .send(owner, http::Method::POST, path, &headers, encoded.into())
-                .await?;
-            if self.format.refused(format, a.status, &a.body) {
-                format = Format::Json;
-                continue;
-            }
-            break a;
-        };
+        let a = self
+            .format
+            .exchange(
+                body,
+                |format, encoded| {
+                    let media = http::HeaderValue::from_static(format.media_type());
+                    let mut headers = vec![
+                        (http::header::CONTENT_TYPE, media.clone()),
+                        (http::header::ACCEPT, media),
+                    ];
+                    if let Some(t) = token
+                        && let Ok(v) = http::HeaderValue::from_str(&format!("Bearer {t}"))
+                    {
+                        headers.push((http::header::AUTHORIZATION, v));
+                    }
+                    async move {
+                        self.send(owner, http::Method::POST, path, &headers, encoded.into())
+                            .await
+                    }
+                },
+                |a: &PeerAnswer| (a.status, &a.body[..]),
+            )
+            .await?;
         if !(200..300).contains(&a.status) {
             return Ok(Err((
                 a.status,

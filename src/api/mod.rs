@@ -157,6 +157,9 @@ impl From<PeerError> for ApiError {
             PeerError::Misdirected(..) => {
                 Self::new(StatusCode::MISDIRECTED_REQUEST, "misdirected", message)
             }
+            PeerError::Unencodable(_) => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "encode_failed", message)
+            }
         }
     }
 }

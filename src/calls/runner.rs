@@ -56,6 +56,12 @@ impl RunnerError {
     }
 }
 
+impl From<super::wire::Unencodable> for RunnerError {
+    fn from(e: super::wire::Unencodable) -> Self {
+        Self::other(e)
+    }
+}
+
 impl std::fmt::Display for RunnerError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.status {
@@ -199,24 +205,21 @@ impl HttpApi {
         body: &(impl serde::Serialize + Sync),
         load: Load,
     ) -> Result<(u16, Format, Bytes), RunnerError> {
-        let mut format = self.format.format();
-        loop {
-            // Written straight from `body` (no `serde_json::Value` in between).
-            let encoded = format.encode(body).map_err(RunnerError::other)?;
-            let (status, answer_format, answer) =
-                self.post_once(runner, path, format, encoded, load).await?;
-            if self.format.refused(format, status, &answer) {
-                format = Format::Json;
-                continue;
-            }
-            if status >= 400 && status != 409 {
-                return Err(RunnerError {
-                    status: Some(status),
-                    message: format!("{path}: {}", String::from_utf8_lossy(&answer)),
-                });
-            }
-            return Ok((status, answer_format, answer));
+        let (status, answer_format, answer) = self
+            .format
+            .exchange(
+                body,
+                |format, encoded| self.post_once(runner, path, format, encoded, load),
+                |(status, _, answer): &(u16, Format, Bytes)| (*status, &answer[..]),
+            )
+            .await?;
+        if status >= 400 && status != 409 {
+            return Err(RunnerError {
+                status: Some(status),
+                message: format!("{path}: {}", String::from_utf8_lossy(&answer)),
+            });
         }
+        Ok((status, answer_format, answer))
     }
 
     async fn post_once(

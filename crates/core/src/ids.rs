@@ -97,6 +97,9 @@ pub enum PeerError {
     /// The request named another owner and came forwarded: refused rather than forwarded again.
     #[error("replica {0} does not own this (it was forwarded here by {1})")]
     Misdirected(String, String),
+    /// The body to send does not encode (a fault of the sender's types, never sent).
+    #[error(transparent)]
+    Unencodable(#[from] crate::calls::wire::Unencodable),
 }
 
 /// Whether `name` may name a function: 1 to 63 characters of `a-z`, `0-9` and `-`, starting and

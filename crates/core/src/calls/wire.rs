@@ -135,7 +135,41 @@ impl Negotiated {
         }
         refused
     }
+
+    /// Sends `body` with `send` in the format of the next request, and once more as JSON if
+    /// the server did not read MessagePack ([`Negotiated::refused`]); `look` gives an answer's
+    /// status and body. The answer is the last one `send` gave, whatever its status. No IO of
+    /// its own: `send` does it.
+    pub async fn exchange<A, E, Fut>(
+        &self,
+        body: &(impl Serialize + ?Sized),
+        mut send: impl FnMut(Format, Vec<u8>) -> Fut,
+        look: impl Fn(&A) -> (u16, &[u8]),
+    ) -> Result<A, E>
+    where
+        Fut: std::future::Future<Output = Result<A, E>>,
+        E: From<Unencodable>,
+    {
+        let mut format = self.format();
+        loop {
+            // Written straight from `body` (no `serde_json::Value` in between).
+            let encoded = format.encode(body).map_err(Unencodable)?;
+            let answer = send(format, encoded).await?;
+            let (status, answer_body) = look(&answer);
+            if self.refused(format, status, answer_body) {
+                format = Format::Json;
+                continue;
+            }
+            return Ok(answer);
+        }
+    }
 }
+
+/// A request body that does not encode in the format asked (a map whose keys are not strings,
+/// in JSON): a fault of the caller's types, reported rather than sent.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("a request body that does not encode: {0}")]
+pub struct Unencodable(pub String);
 
 /// An HTTP request or answer as JSON, as read ([`MessageJsonRef`] writes it).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -542,7 +576,7 @@ pub fn check_runner(id: &str) -> Result<&str, String> {
 mod tests {
     use super::{
         EnqueueBody, FinishBatchRef, FinishBody, FinishJson, FinishJsonRef, Format,
-        JSON_AFTER_REFUSAL, JobJson, JobJsonRef, Negotiated,
+        JSON_AFTER_REFUSAL, JobJson, JobJsonRef, Negotiated, Unencodable,
     };
     use crate::calls::{Finish, Job};
     use crate::discovery::{Balancer, Policy};
@@ -835,6 +869,87 @@ mod tests {
         // As after a 415.
         assert!(n.refused(Format::Msgpack, 415, b""));
         assert_eq!(n.format(), Format::Json);
+    }
+
+    /// Runs an exchange whose sends are ready at once (they answer without IO): one poll.
+    fn now<T>(fut: impl std::future::Future<Output = T>) -> T {
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match std::pin::pin!(fut).poll(&mut cx) {
+            std::task::Poll::Ready(v) => v,
+            std::task::Poll::Pending => panic!("the sends were ready: nothing to wait for"),
+        }
+    }
+
+    #[test]
+    fn an_exchange_sends_once_more_as_json_when_the_server_did_not_read_msgpack() {
+        let n = Negotiated::default();
+        let body = serde_json::json!({ "runner": "r", "max": 2 });
+        // An older server: reads every body as JSON.
+        let sent = std::cell::RefCell::new(Vec::new());
+        let old_server = |format: Format, bytes: Vec<u8>| {
+            let status = match serde_json::from_slice::<serde_json::Value>(&bytes) {
+                Ok(_) => 200,
+                Err(_) => 400,
+            };
+            sent.borrow_mut().push((format, bytes));
+            let answer = if status == 200 {
+                b"{}".to_vec()
+            } else {
+                br#"{"error": "expected value", "code": "bad_json"}"#.to_vec()
+            };
+            std::future::ready(Ok::<_, Unencodable>((status, answer)))
+        };
+        fn look((status, body): &(u16, Vec<u8>)) -> (u16, &[u8]) {
+            (*status, body)
+        }
+        let answer = now(n.exchange(&body, old_server, look)).unwrap();
+        assert_eq!(answer, (200, b"{}".to_vec()), "the answer to the JSON one");
+        assert_eq!(
+            *sent.borrow(),
+            [
+                (Format::Msgpack, Format::Msgpack.encode(&body).unwrap()),
+                (Format::Json, Format::Json.encode(&body).unwrap()),
+            ],
+            "MessagePack first, then the same body as JSON"
+        );
+        // The next one goes as JSON at once.
+        sent.borrow_mut().clear();
+        now(n.exchange(&body, old_server, look)).unwrap();
+        assert_eq!(sent.borrow().len(), 1);
+        assert_eq!(sent.borrow()[0].0, Format::Json);
+
+        // Any other answer is the exchange's, sent once: a refusal of what the body says, or
+        // a server error, even to MessagePack.
+        let m = Negotiated::default();
+        let mut sends = 0;
+        let failing = |_: Format, _: Vec<u8>| {
+            sends += 1;
+            std::future::ready(Ok::<_, Unencodable>((500, b"oops".to_vec())))
+        };
+        let answer = now(m.exchange(&body, failing, look)).unwrap();
+        assert_eq!((answer.0, sends), (500, 1));
+        assert_eq!(m.format(), Format::Msgpack, "not a refusal of MessagePack");
+
+        // A send's own error is the exchange's.
+        let gone = |_: Format, _: Vec<u8>| {
+            std::future::ready(Err::<(u16, Vec<u8>), _>(Unencodable("gone".into())))
+        };
+        assert_eq!(
+            now(m.exchange(&body, gone, look)).unwrap_err(),
+            Unencodable("gone".into())
+        );
+
+        // A body that does not encode in the format of the moment is not sent: JSON has no
+        // map keys that are not strings.
+        let unencodable: std::collections::BTreeMap<Vec<u8>, u8> = [(vec![1], 1)].into();
+        let mut sends = 0;
+        let counting = |_: Format, _: Vec<u8>| {
+            sends += 1;
+            std::future::ready(Ok::<_, Unencodable>((200, Vec::new())))
+        };
+        let e = now(n.exchange(&unencodable, counting, look)).unwrap_err();
+        assert!(e.0.contains("key must be a string"), "{e}");
+        assert_eq!(sends, 0);
     }
 
     #[test]
