@@ -21,6 +21,7 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("http_request_head", http_request_head),
     ("http_response_head", http_response_head),
     ("chunked", chunked),
+    ("h2_frames", h2_frames),
     ("discovery", discovery),
     ("cel", cel),
     ("runner_body", runner_body),
@@ -61,6 +62,57 @@ pub fn http_request_head(data: &[u8]) {
 /// The proxy's HTTP/1.1 response head parser ([`ebb_http::h1::fuzzing::response_head`]).
 pub fn http_response_head(data: &[u8]) {
     ebb_http::h1::fuzzing::response_head(data);
+}
+
+/// HTTP/2 frames read one after another from any bytes, the first byte choosing the largest
+/// frame allowed: each is a frame, an error or a wait for more, never a panic; a frame takes
+/// its head and its stated length; a SETTINGS frame's entries apply or are refused; and a
+/// control frame written again from what was read reads back the same.
+pub fn h2_frames(data: &[u8]) {
+    use ebb_http::h2::{self, Frame};
+    let Some((&size, mut rest)) = data.split_first() else {
+        return;
+    };
+    let max = if size & 1 == 0 {
+        h2::DEFAULT_MAX_FRAME_SIZE
+    } else {
+        u32::from(size)
+    };
+    while let Ok(Some((frame, used))) = h2::read(rest, max) {
+        let head = h2::Head::read(rest).expect("a frame has its head");
+        assert_eq!(used, h2::HEAD_LEN + head.len as usize);
+        assert!(head.len <= max);
+        rest = &rest[used..];
+        let mut out = Vec::new();
+        match frame {
+            Frame::Settings { ack: true, .. } => h2::write_settings_ack(&mut out),
+            Frame::Settings {
+                ack: false,
+                entries,
+            } => {
+                let _ = h2::Settings::default().apply(entries);
+                let entries: Vec<_> = h2::SettingsEntries::new(entries).collect();
+                assert_eq!(entries.len() * 6, head.len as usize);
+                h2::write_settings(&mut out, &entries);
+            }
+            Frame::Ping { ack, payload } => h2::write_ping(&mut out, ack, payload),
+            Frame::RstStream { stream, code } => h2::write_rst_stream(&mut out, stream, code),
+            Frame::GoAway {
+                last_stream,
+                code,
+                debug,
+            } => h2::write_goaway(&mut out, last_stream, code, debug),
+            Frame::WindowUpdate { stream, increment } => {
+                h2::write_window_update(&mut out, stream, increment)
+            }
+            _ => continue,
+        }
+        let (again, n) = h2::read(&out, h2::MAX_MAX_FRAME_SIZE)
+            .expect("a frame written reads")
+            .expect("all of it");
+        assert_eq!(again, frame);
+        assert_eq!(n, out.len());
+    }
 }
 
 /// The chunked body scanner: the same bytes give the same answer whether they come at once or

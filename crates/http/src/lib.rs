@@ -1,9 +1,10 @@
-//! ebb's HTTP/1.x framing, with no IO: what the proxy's fast path and ebb's own endpoints read
+//! ebb's HTTP/1.x framing and HTTP/2's frames, with no IO: what the proxy's fast path and ebb's own endpoints read
 //! of a message's head and body, on `httparse` and `http` alone.
 //!
 //! * [`head`]: the parts of a request head ebb routes by (one valid `Host`, the target's forms).
 //! * [`h1`]: request and response heads parsed and rewritten for the other side.
 //! * [`chunked`]: where a chunked body ends, without decoding it.
+//! * [`h2`]: HTTP/2 frames read and written, each type's rules checked.
 //! * [`request_id`]: `X-Request-Id`, kept or made.
 //!
 //! Its users are ebb's proxy (`crates/proxy`), the framing checks in front of hyper on ebb's own
@@ -12,5 +13,6 @@
 
 pub mod chunked;
 pub mod h1;
+pub mod h2;
 pub mod head;
 pub mod request_id;

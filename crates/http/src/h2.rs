@@ -1,0 +1,1121 @@
+//! HTTP/2 framing (RFC 9113 sections 4 and 6), with no IO: frames read from a buffer without
+//! copying their payloads, each type's rules checked as it is read, and frames written into a
+//! buffer. The errors say what the RFC says the reader must do: a connection error (GOAWAY
+//! with the code, then close) or a stream error (RST_STREAM on that stream, the connection
+//! goes on).
+//!
+//! It is the bottom layer of ebb's own HTTP/2: the `h2` crate's work is about half of ebb's CPU
+//! on gRPC and a quarter on h2c, where HAProxy's own framing costs less. What it leaves to the
+//! layer above: stream states, flow control windows, HPACK, and the order of frames
+//! (CONTINUATION following its HEADERS).
+
+use std::fmt;
+
+/// What a client sends first (RFC 9113 section 3.4), then a SETTINGS frame.
+pub const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// A frame's head: length (24 bits), type, flags, stream (31 bits).
+pub const HEAD_LEN: usize = 9;
+
+/// The largest frame payload before SETTINGS_MAX_FRAME_SIZE says otherwise, and the least it
+/// may say.
+pub const DEFAULT_MAX_FRAME_SIZE: u32 = 16_384;
+
+/// The most SETTINGS_MAX_FRAME_SIZE may say.
+pub const MAX_MAX_FRAME_SIZE: u32 = (1 << 24) - 1;
+
+/// The largest flow-control window (and SETTINGS_INITIAL_WINDOW_SIZE).
+pub const MAX_WINDOW: u32 = (1 << 31) - 1;
+
+/// A window before SETTINGS_INITIAL_WINDOW_SIZE says otherwise, and the connection's.
+pub const DEFAULT_WINDOW: u32 = 65_535;
+
+/// The frame types (RFC 9113 section 6).
+pub mod kind {
+    pub const DATA: u8 = 0x0;
+    pub const HEADERS: u8 = 0x1;
+    pub const PRIORITY: u8 = 0x2;
+    pub const RST_STREAM: u8 = 0x3;
+    pub const SETTINGS: u8 = 0x4;
+    pub const PUSH_PROMISE: u8 = 0x5;
+    pub const PING: u8 = 0x6;
+    pub const GOAWAY: u8 = 0x7;
+    pub const WINDOW_UPDATE: u8 = 0x8;
+    pub const CONTINUATION: u8 = 0x9;
+}
+
+/// The flags this layer reads and writes.
+pub mod flag {
+    pub const END_STREAM: u8 = 0x1;
+    pub const ACK: u8 = 0x1;
+    pub const END_HEADERS: u8 = 0x4;
+    pub const PADDED: u8 = 0x8;
+    pub const PRIORITY: u8 = 0x20;
+}
+
+/// The error codes (RFC 9113 section 7); an unknown code read from a peer is kept as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ErrorCode(pub u32);
+
+impl ErrorCode {
+    pub const NO_ERROR: Self = Self(0x0);
+    pub const PROTOCOL_ERROR: Self = Self(0x1);
+    pub const INTERNAL_ERROR: Self = Self(0x2);
+    pub const FLOW_CONTROL_ERROR: Self = Self(0x3);
+    pub const SETTINGS_TIMEOUT: Self = Self(0x4);
+    pub const STREAM_CLOSED: Self = Self(0x5);
+    pub const FRAME_SIZE_ERROR: Self = Self(0x6);
+    pub const REFUSED_STREAM: Self = Self(0x7);
+    pub const CANCEL: Self = Self(0x8);
+    pub const COMPRESSION_ERROR: Self = Self(0x9);
+    pub const CONNECT_ERROR: Self = Self(0xa);
+    pub const ENHANCE_YOUR_CALM: Self = Self(0xb);
+    pub const INADEQUATE_SECURITY: Self = Self(0xc);
+    pub const HTTP_1_1_REQUIRED: Self = Self(0xd);
+
+    /// The code's name in the RFC, for logs.
+    pub fn name(self) -> &'static str {
+        const NAMES: [&str; 14] = [
+            "NO_ERROR",
+            "PROTOCOL_ERROR",
+            "INTERNAL_ERROR",
+            "FLOW_CONTROL_ERROR",
+            "SETTINGS_TIMEOUT",
+            "STREAM_CLOSED",
+            "FRAME_SIZE_ERROR",
+            "REFUSED_STREAM",
+            "CANCEL",
+            "COMPRESSION_ERROR",
+            "CONNECT_ERROR",
+            "ENHANCE_YOUR_CALM",
+            "INADEQUATE_SECURITY",
+            "HTTP_1_1_REQUIRED",
+        ];
+        usize::try_from(self.0)
+            .ok()
+            .and_then(|i| NAMES.get(i))
+            .copied()
+            .unwrap_or("UNKNOWN")
+    }
+}
+
+impl fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (0x{:x})", self.name(), self.0)
+    }
+}
+
+/// What breaks the rules, and what the reader does about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum H2Error {
+    /// GOAWAY with the code, then close the connection.
+    #[error("connection error {0}: {1}")]
+    Connection(ErrorCode, &'static str),
+    /// RST_STREAM on the stream with the code; the connection goes on.
+    #[error("stream {0} error {1}: {2}")]
+    Stream(u32, ErrorCode, &'static str),
+}
+
+impl H2Error {
+    /// The code to send.
+    pub fn code(self) -> ErrorCode {
+        match self {
+            H2Error::Connection(c, _) | H2Error::Stream(_, c, _) => c,
+        }
+    }
+}
+
+fn conn(code: ErrorCode, why: &'static str) -> H2Error {
+    H2Error::Connection(code, why)
+}
+
+/// A stream's dependency in a HEADERS or PRIORITY frame. Deprecated (RFC 9113 section 5.3.2):
+/// read only to check it and skip it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Priority {
+    pub exclusive: bool,
+    pub depends_on: u32,
+    /// As sent: 0 to 255 stands for a weight of 1 to 256.
+    pub weight: u8,
+}
+
+/// One frame, its payload borrowed from the buffer it was read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Frame<'a> {
+    Data {
+        stream: u32,
+        end_stream: bool,
+        /// Without its padding.
+        data: &'a [u8],
+        /// The whole payload's length, padding included: what flow control counts.
+        flow_len: u32,
+    },
+    Headers {
+        stream: u32,
+        end_stream: bool,
+        end_headers: bool,
+        priority: Option<Priority>,
+        /// The field block fragment, without padding and priority.
+        block: &'a [u8],
+    },
+    Priority {
+        stream: u32,
+        priority: Priority,
+    },
+    RstStream {
+        stream: u32,
+        code: ErrorCode,
+    },
+    Settings {
+        ack: bool,
+        /// Whole 6-byte entries ([`SettingsEntries`] reads them).
+        entries: &'a [u8],
+    },
+    PushPromise {
+        stream: u32,
+    },
+    Ping {
+        ack: bool,
+        payload: [u8; 8],
+    },
+    GoAway {
+        last_stream: u32,
+        code: ErrorCode,
+        debug: &'a [u8],
+    },
+    WindowUpdate {
+        stream: u32,
+        increment: u32,
+    },
+    Continuation {
+        stream: u32,
+        end_headers: bool,
+        block: &'a [u8],
+    },
+    /// A type this layer does not know: to be ignored (RFC 9113 section 4.1), unless it comes
+    /// between a HEADERS and its CONTINUATION.
+    Unknown {
+        kind: u8,
+        stream: u32,
+    },
+}
+
+impl Frame<'_> {
+    /// The stream the frame is on (0: the connection).
+    pub fn stream(&self) -> u32 {
+        match *self {
+            Frame::Data { stream, .. }
+            | Frame::Headers { stream, .. }
+            | Frame::Priority { stream, .. }
+            | Frame::RstStream { stream, .. }
+            | Frame::PushPromise { stream }
+            | Frame::WindowUpdate { stream, .. }
+            | Frame::Continuation { stream, .. }
+            | Frame::Unknown { stream, .. } => stream,
+            Frame::Settings { .. } | Frame::Ping { .. } | Frame::GoAway { .. } => 0,
+        }
+    }
+}
+
+/// A frame's head as read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Head {
+    pub len: u32,
+    pub kind: u8,
+    pub flags: u8,
+    /// Without the reserved bit.
+    pub stream: u32,
+}
+
+impl Head {
+    /// The head at the start of `buf`, if it is all there.
+    pub fn read(buf: &[u8]) -> Option<Head> {
+        let h: &[u8; HEAD_LEN] = buf.get(..HEAD_LEN)?.try_into().ok()?;
+        Some(Head {
+            len: u32::from_be_bytes([0, h[0], h[1], h[2]]),
+            kind: h[3],
+            flags: h[4],
+            stream: u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & MAX_WINDOW,
+        })
+    }
+}
+
+/// Reads the frame at the start of `buf`: `Ok(None)` until all of it is there, then the frame
+/// and how many bytes it took. `max_frame_size` is this side's SETTINGS_MAX_FRAME_SIZE: a
+/// larger frame is refused from its head alone, before its payload is read.
+pub fn read(buf: &[u8], max_frame_size: u32) -> Result<Option<(Frame<'_>, usize)>, H2Error> {
+    let Some(head) = Head::read(buf) else {
+        return Ok(None);
+    };
+    if head.len > max_frame_size {
+        // Any frame may alter the connection's state as far as this layer knows (a field
+        // block, SETTINGS, stream 0): a connection error is always right (RFC 9113 4.2).
+        return Err(conn(
+            ErrorCode::FRAME_SIZE_ERROR,
+            "a frame larger than SETTINGS_MAX_FRAME_SIZE",
+        ));
+    }
+    let total = HEAD_LEN + head.len as usize;
+    let Some(payload) = buf.get(HEAD_LEN..total) else {
+        return Ok(None);
+    };
+    Ok(Some((parse(head, payload)?, total)))
+}
+
+/// The frame of `head` with all of its `payload`.
+pub fn parse(head: Head, payload: &[u8]) -> Result<Frame<'_>, H2Error> {
+    let Head {
+        kind,
+        flags,
+        stream,
+        ..
+    } = head;
+    let on_stream = |what: &'static str| {
+        if stream == 0 {
+            Err(conn(ErrorCode::PROTOCOL_ERROR, what))
+        } else {
+            Ok(())
+        }
+    };
+    let on_connection = |what: &'static str| {
+        if stream != 0 {
+            Err(conn(ErrorCode::PROTOCOL_ERROR, what))
+        } else {
+            Ok(())
+        }
+    };
+    Ok(match kind {
+        kind::DATA => {
+            on_stream("DATA on stream 0")?;
+            let data = unpad(flags, payload)?;
+            Frame::Data {
+                stream,
+                end_stream: flags & flag::END_STREAM != 0,
+                data,
+                flow_len: payload.len() as u32,
+            }
+        }
+        kind::HEADERS => {
+            on_stream("HEADERS on stream 0")?;
+            let mut block = unpad(flags, payload)?;
+            let priority = if flags & flag::PRIORITY != 0 {
+                let Some((p, rest)) = block.split_first_chunk::<5>() else {
+                    return Err(conn(
+                        ErrorCode::FRAME_SIZE_ERROR,
+                        "HEADERS too short for its priority",
+                    ));
+                };
+                block = rest;
+                let p = priority(p);
+                if p.depends_on == stream {
+                    return Err(H2Error::Stream(
+                        stream,
+                        ErrorCode::PROTOCOL_ERROR,
+                        "a stream that depends on itself",
+                    ));
+                }
+                Some(p)
+            } else {
+                None
+            };
+            Frame::Headers {
+                stream,
+                end_stream: flags & flag::END_STREAM != 0,
+                end_headers: flags & flag::END_HEADERS != 0,
+                priority,
+                block,
+            }
+        }
+        kind::PRIORITY => {
+            on_stream("PRIORITY on stream 0")?;
+            let Ok(p) = <&[u8; 5]>::try_from(payload) else {
+                return Err(H2Error::Stream(
+                    stream,
+                    ErrorCode::FRAME_SIZE_ERROR,
+                    "PRIORITY not 5 bytes long",
+                ));
+            };
+            let priority = priority(p);
+            if priority.depends_on == stream {
+                return Err(H2Error::Stream(
+                    stream,
+                    ErrorCode::PROTOCOL_ERROR,
+                    "a stream that depends on itself",
+                ));
+            }
+            Frame::Priority { stream, priority }
+        }
+        kind::RST_STREAM => {
+            on_stream("RST_STREAM on stream 0")?;
+            let Ok(c) = <[u8; 4]>::try_from(payload) else {
+                return Err(conn(
+                    ErrorCode::FRAME_SIZE_ERROR,
+                    "RST_STREAM not 4 bytes long",
+                ));
+            };
+            Frame::RstStream {
+                stream,
+                code: ErrorCode(u32::from_be_bytes(c)),
+            }
+        }
+        kind::SETTINGS => {
+            on_connection("SETTINGS on a stream")?;
+            let ack = flags & flag::ACK != 0;
+            if ack && !payload.is_empty() {
+                return Err(conn(
+                    ErrorCode::FRAME_SIZE_ERROR,
+                    "a SETTINGS acknowledgement with a payload",
+                ));
+            }
+            if !payload.len().is_multiple_of(6) {
+                return Err(conn(
+                    ErrorCode::FRAME_SIZE_ERROR,
+                    "SETTINGS not a multiple of 6 bytes long",
+                ));
+            }
+            Frame::Settings {
+                ack,
+                entries: payload,
+            }
+        }
+        kind::PUSH_PROMISE => {
+            on_stream("PUSH_PROMISE on stream 0")?;
+            Frame::PushPromise { stream }
+        }
+        kind::PING => {
+            on_connection("PING on a stream")?;
+            let Ok(payload) = <[u8; 8]>::try_from(payload) else {
+                return Err(conn(ErrorCode::FRAME_SIZE_ERROR, "PING not 8 bytes long"));
+            };
+            Frame::Ping {
+                ack: flags & flag::ACK != 0,
+                payload,
+            }
+        }
+        kind::GOAWAY => {
+            on_connection("GOAWAY on a stream")?;
+            let Some((fixed, debug)) = payload.split_first_chunk::<8>() else {
+                return Err(conn(
+                    ErrorCode::FRAME_SIZE_ERROR,
+                    "GOAWAY shorter than 8 bytes",
+                ));
+            };
+            Frame::GoAway {
+                last_stream: u32::from_be_bytes([fixed[0], fixed[1], fixed[2], fixed[3]])
+                    & MAX_WINDOW,
+                code: ErrorCode(u32::from_be_bytes([fixed[4], fixed[5], fixed[6], fixed[7]])),
+                debug,
+            }
+        }
+        kind::WINDOW_UPDATE => {
+            let Ok(i) = <[u8; 4]>::try_from(payload) else {
+                return Err(conn(
+                    ErrorCode::FRAME_SIZE_ERROR,
+                    "WINDOW_UPDATE not 4 bytes long",
+                ));
+            };
+            let increment = u32::from_be_bytes(i) & MAX_WINDOW;
+            if increment == 0 {
+                let why = "a WINDOW_UPDATE of 0";
+                return Err(if stream == 0 {
+                    conn(ErrorCode::PROTOCOL_ERROR, why)
+                } else {
+                    H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why)
+                });
+            }
+            Frame::WindowUpdate { stream, increment }
+        }
+        kind::CONTINUATION => {
+            on_stream("CONTINUATION on stream 0")?;
+            Frame::Continuation {
+                stream,
+                end_headers: flags & flag::END_HEADERS != 0,
+                block: payload,
+            }
+        }
+        kind => Frame::Unknown { kind, stream },
+    })
+}
+
+/// A DATA or HEADERS payload without its padding.
+fn unpad(flags: u8, payload: &[u8]) -> Result<&[u8], H2Error> {
+    if flags & flag::PADDED == 0 {
+        return Ok(payload);
+    }
+    let Some((&pad, rest)) = payload.split_first() else {
+        return Err(conn(
+            ErrorCode::FRAME_SIZE_ERROR,
+            "a padded frame without its pad length",
+        ));
+    };
+    // The padding may not take the whole payload (RFC 9113 6.1, 6.2).
+    rest.len()
+        .checked_sub(usize::from(pad))
+        .map(|len| &rest[..len])
+        .ok_or(conn(
+            ErrorCode::PROTOCOL_ERROR,
+            "padding as long as the payload or longer",
+        ))
+}
+
+fn priority(p: &[u8; 5]) -> Priority {
+    let dep = u32::from_be_bytes([p[0], p[1], p[2], p[3]]);
+    Priority {
+        exclusive: dep & !MAX_WINDOW != 0,
+        depends_on: dep & MAX_WINDOW,
+        weight: p[4],
+    }
+}
+
+/// The SETTINGS identifiers (RFC 9113 section 6.5.2).
+pub mod setting {
+    pub const HEADER_TABLE_SIZE: u16 = 0x1;
+    pub const ENABLE_PUSH: u16 = 0x2;
+    pub const MAX_CONCURRENT_STREAMS: u16 = 0x3;
+    pub const INITIAL_WINDOW_SIZE: u16 = 0x4;
+    pub const MAX_FRAME_SIZE: u16 = 0x5;
+    pub const MAX_HEADER_LIST_SIZE: u16 = 0x6;
+}
+
+/// The entries of a SETTINGS frame, in order: `(identifier, value)`.
+pub struct SettingsEntries<'a>(std::slice::ChunksExact<'a, u8>);
+
+impl<'a> SettingsEntries<'a> {
+    /// The entries of a [`Frame::Settings`]'s `entries`.
+    pub fn new(entries: &'a [u8]) -> Self {
+        Self(entries.chunks_exact(6))
+    }
+}
+
+impl Iterator for SettingsEntries<'_> {
+    type Item = (u16, u32);
+
+    fn next(&mut self) -> Option<(u16, u32)> {
+        let e = self.0.next()?;
+        Some((
+            u16::from_be_bytes([e[0], e[1]]),
+            u32::from_be_bytes([e[2], e[3], e[4], e[5]]),
+        ))
+    }
+}
+
+/// One side's settings, as its SETTINGS frames set them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settings {
+    pub header_table_size: u32,
+    pub enable_push: bool,
+    /// `None`: no limit said.
+    pub max_concurrent_streams: Option<u32>,
+    pub initial_window_size: u32,
+    pub max_frame_size: u32,
+    /// `None`: no limit said.
+    pub max_header_list_size: Option<u32>,
+}
+
+impl Default for Settings {
+    /// What holds before a SETTINGS frame says otherwise.
+    fn default() -> Self {
+        Self {
+            header_table_size: 4_096,
+            enable_push: true,
+            max_concurrent_streams: None,
+            initial_window_size: DEFAULT_WINDOW,
+            max_frame_size: DEFAULT_MAX_FRAME_SIZE,
+            max_header_list_size: None,
+        }
+    }
+}
+
+impl Settings {
+    /// Takes a SETTINGS frame's entries in order; an unknown identifier is ignored. On a value
+    /// out of its range, the entries before it hold and the error is a connection error.
+    pub fn apply(&mut self, entries: &[u8]) -> Result<(), H2Error> {
+        for (id, value) in SettingsEntries::new(entries) {
+            match id {
+                setting::HEADER_TABLE_SIZE => self.header_table_size = value,
+                setting::ENABLE_PUSH => {
+                    self.enable_push = match value {
+                        0 => false,
+                        1 => true,
+                        _ => {
+                            return Err(conn(
+                                ErrorCode::PROTOCOL_ERROR,
+                                "SETTINGS_ENABLE_PUSH neither 0 nor 1",
+                            ));
+                        }
+                    }
+                }
+                setting::MAX_CONCURRENT_STREAMS => self.max_concurrent_streams = Some(value),
+                setting::INITIAL_WINDOW_SIZE => {
+                    if value > MAX_WINDOW {
+                        return Err(conn(
+                            ErrorCode::FLOW_CONTROL_ERROR,
+                            "SETTINGS_INITIAL_WINDOW_SIZE above 2^31-1",
+                        ));
+                    }
+                    self.initial_window_size = value;
+                }
+                setting::MAX_FRAME_SIZE => {
+                    if !(DEFAULT_MAX_FRAME_SIZE..=MAX_MAX_FRAME_SIZE).contains(&value) {
+                        return Err(conn(
+                            ErrorCode::PROTOCOL_ERROR,
+                            "SETTINGS_MAX_FRAME_SIZE outside 2^14..2^24-1",
+                        ));
+                    }
+                    self.max_frame_size = value;
+                }
+                setting::MAX_HEADER_LIST_SIZE => self.max_header_list_size = Some(value),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Writes a frame's head.
+pub fn write_head(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream: u32) {
+    debug_assert!(len <= MAX_MAX_FRAME_SIZE as usize, "a frame of {len} bytes");
+    let len = (len as u32).to_be_bytes();
+    out.extend_from_slice(&[len[1], len[2], len[3], kind, flags]);
+    out.extend_from_slice(&(stream & MAX_WINDOW).to_be_bytes());
+}
+
+/// Writes a SETTINGS frame with `entries`.
+pub fn write_settings(out: &mut Vec<u8>, entries: &[(u16, u32)]) {
+    write_head(out, entries.len() * 6, kind::SETTINGS, 0, 0);
+    for (id, value) in entries {
+        out.extend_from_slice(&id.to_be_bytes());
+        out.extend_from_slice(&value.to_be_bytes());
+    }
+}
+
+/// Writes the acknowledgement of a SETTINGS frame.
+pub fn write_settings_ack(out: &mut Vec<u8>) {
+    write_head(out, 0, kind::SETTINGS, flag::ACK, 0);
+}
+
+/// Writes a PING, or its answer (`ack`).
+pub fn write_ping(out: &mut Vec<u8>, ack: bool, payload: [u8; 8]) {
+    write_head(out, 8, kind::PING, if ack { flag::ACK } else { 0 }, 0);
+    out.extend_from_slice(&payload);
+}
+
+/// Writes a WINDOW_UPDATE (stream 0: the connection's window).
+pub fn write_window_update(out: &mut Vec<u8>, stream: u32, increment: u32) {
+    debug_assert!((1..=MAX_WINDOW).contains(&increment));
+    write_head(out, 4, kind::WINDOW_UPDATE, 0, stream);
+    out.extend_from_slice(&(increment & MAX_WINDOW).to_be_bytes());
+}
+
+/// Writes a RST_STREAM.
+pub fn write_rst_stream(out: &mut Vec<u8>, stream: u32, code: ErrorCode) {
+    write_head(out, 4, kind::RST_STREAM, 0, stream);
+    out.extend_from_slice(&code.0.to_be_bytes());
+}
+
+/// Writes a GOAWAY: the last stream this side took, why, and a note for the peer's logs.
+pub fn write_goaway(out: &mut Vec<u8>, last_stream: u32, code: ErrorCode, debug: &[u8]) {
+    write_head(out, 8 + debug.len(), kind::GOAWAY, 0, 0);
+    out.extend_from_slice(&(last_stream & MAX_WINDOW).to_be_bytes());
+    out.extend_from_slice(&code.0.to_be_bytes());
+    out.extend_from_slice(debug);
+}
+
+/// Writes a field block as a HEADERS frame and as many CONTINUATION frames as the peer's
+/// `max_frame_size` needs.
+pub fn write_headers(
+    out: &mut Vec<u8>,
+    stream: u32,
+    block: &[u8],
+    end_stream: bool,
+    max_frame_size: u32,
+) {
+    let max = (max_frame_size as usize).max(DEFAULT_MAX_FRAME_SIZE as usize);
+    let mut chunks = block.chunks(max);
+    let first = chunks.next().unwrap_or_default();
+    let rest = chunks.len();
+    let mut flags = if end_stream { flag::END_STREAM } else { 0 };
+    if rest == 0 {
+        flags |= flag::END_HEADERS;
+    }
+    write_head(out, first.len(), kind::HEADERS, flags, stream);
+    out.extend_from_slice(first);
+    for (i, chunk) in chunks.enumerate() {
+        let flags = if i + 1 == rest { flag::END_HEADERS } else { 0 };
+        write_head(out, chunk.len(), kind::CONTINUATION, flags, stream);
+        out.extend_from_slice(chunk);
+    }
+}
+
+/// Writes the head of a DATA frame of `len` bytes (at most the peer's max frame size), the
+/// data to follow it.
+pub fn write_data_head(out: &mut Vec<u8>, stream: u32, len: usize, end_stream: bool) {
+    let flags = if end_stream { flag::END_STREAM } else { 0 };
+    write_head(out, len, kind::DATA, flags, stream);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        write_head(&mut out, payload.len(), kind, flags, stream);
+        out.extend_from_slice(payload);
+        out
+    }
+
+    fn one(bytes: &[u8]) -> Result<Frame<'_>, H2Error> {
+        let (f, used) = read(bytes, DEFAULT_MAX_FRAME_SIZE)?.expect("a whole frame");
+        assert_eq!(used, bytes.len());
+        Ok(f)
+    }
+
+    fn conn_err(bytes: &[u8]) -> ErrorCode {
+        match one(bytes) {
+            Err(H2Error::Connection(c, _)) => c,
+            other => panic!("not a connection error: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_frame_is_read_once_all_of_it_is_there_and_takes_just_its_bytes() {
+        let mut bytes = frame(kind::DATA, flag::END_STREAM, 1, b"hello");
+        bytes.extend_from_slice(&frame(kind::PING, 0, 0, &[7; 8]));
+        for cut in 0..14 {
+            assert_eq!(
+                read(&bytes[..cut], DEFAULT_MAX_FRAME_SIZE),
+                Ok(None),
+                "{cut}"
+            );
+        }
+        let (f, used) = read(&bytes, DEFAULT_MAX_FRAME_SIZE).unwrap().unwrap();
+        assert_eq!(
+            f,
+            Frame::Data {
+                stream: 1,
+                end_stream: true,
+                data: b"hello",
+                flow_len: 5
+            }
+        );
+        assert_eq!(used, 14);
+        let (f, _) = read(&bytes[used..], DEFAULT_MAX_FRAME_SIZE)
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            f,
+            Frame::Ping {
+                ack: false,
+                payload: [7; 8]
+            }
+        );
+    }
+
+    #[test]
+    fn a_frame_larger_than_allowed_is_refused_from_its_head() {
+        let mut head = Vec::new();
+        write_head(&mut head, 16_385, kind::DATA, 0, 1);
+        // The head alone: no need to wait for 16 KiB to refuse it.
+        assert_eq!(
+            read(&head, DEFAULT_MAX_FRAME_SIZE).unwrap_err().code(),
+            ErrorCode::FRAME_SIZE_ERROR
+        );
+        assert_eq!(
+            read(&head, 16_385),
+            Ok(None),
+            "allowed once the setting says so"
+        );
+    }
+
+    #[test]
+    fn the_reserved_bit_is_ignored() {
+        let mut bytes = frame(kind::WINDOW_UPDATE, 0, 3, &(0x8000_0010u32).to_be_bytes());
+        bytes[5] |= 0x80;
+        assert_eq!(
+            one(&bytes).unwrap(),
+            Frame::WindowUpdate {
+                stream: 3,
+                increment: 16
+            }
+        );
+    }
+
+    #[test]
+    fn padding_is_taken_off_and_counted_for_flow_control() {
+        let mut payload = vec![3];
+        payload.extend_from_slice(b"abc");
+        payload.extend_from_slice(&[0; 3]);
+        let bytes = frame(kind::DATA, flag::PADDED, 1, &payload);
+        let f = one(&bytes).unwrap();
+        assert_eq!(
+            f,
+            Frame::Data {
+                stream: 1,
+                end_stream: false,
+                data: b"abc",
+                flow_len: 7
+            }
+        );
+        // All but the pad length's byte may be padding; as long as the payload or longer, a
+        // connection error.
+        assert!(matches!(
+            one(&frame(kind::DATA, flag::PADDED, 1, &[3, 0, 0, 0])),
+            Ok(Frame::Data {
+                data: b"",
+                flow_len: 4,
+                ..
+            })
+        ));
+        assert_eq!(
+            conn_err(&frame(kind::DATA, flag::PADDED, 1, &[4, 0, 0, 0])),
+            ErrorCode::PROTOCOL_ERROR
+        );
+        assert_eq!(
+            conn_err(&frame(kind::HEADERS, flag::PADDED, 1, &[1])),
+            ErrorCode::PROTOCOL_ERROR
+        );
+        assert_eq!(
+            conn_err(&frame(kind::DATA, flag::PADDED, 1, &[])),
+            ErrorCode::FRAME_SIZE_ERROR
+        );
+    }
+
+    #[test]
+    fn headers_give_their_block_without_padding_and_priority() {
+        let mut payload = vec![2, 0x80, 0, 0, 1, 15];
+        payload.extend_from_slice(b"block");
+        payload.extend_from_slice(&[0, 0]);
+        let bytes = frame(
+            kind::HEADERS,
+            flag::PADDED | flag::PRIORITY | flag::END_HEADERS | flag::END_STREAM,
+            3,
+            &payload,
+        );
+        let f = one(&bytes).unwrap();
+        assert_eq!(
+            f,
+            Frame::Headers {
+                stream: 3,
+                end_stream: true,
+                end_headers: true,
+                priority: Some(Priority {
+                    exclusive: true,
+                    depends_on: 1,
+                    weight: 15
+                }),
+                block: b"block"
+            }
+        );
+        // A stream depending on itself: a stream error.
+        assert_eq!(
+            one(&frame(kind::HEADERS, flag::PRIORITY, 3, &[0, 0, 0, 3, 0])),
+            Err(H2Error::Stream(
+                3,
+                ErrorCode::PROTOCOL_ERROR,
+                "a stream that depends on itself"
+            ))
+        );
+        assert_eq!(
+            conn_err(&frame(kind::HEADERS, flag::PRIORITY, 3, &[0, 0, 0])),
+            ErrorCode::FRAME_SIZE_ERROR
+        );
+    }
+
+    #[test]
+    fn each_type_keeps_to_its_stream_and_its_length() {
+        // Stream 0 where a stream is needed, a stream where the connection is.
+        for k in [
+            kind::DATA,
+            kind::HEADERS,
+            kind::PRIORITY,
+            kind::RST_STREAM,
+            kind::PUSH_PROMISE,
+            kind::CONTINUATION,
+        ] {
+            assert_eq!(
+                conn_err(&frame(k, 0, 0, &[0; 5])),
+                ErrorCode::PROTOCOL_ERROR,
+                "{k}"
+            );
+        }
+        for (k, len) in [(kind::SETTINGS, 0), (kind::PING, 8), (kind::GOAWAY, 8)] {
+            assert_eq!(
+                conn_err(&frame(k, 0, 1, &vec![0; len])),
+                ErrorCode::PROTOCOL_ERROR,
+                "{k}"
+            );
+        }
+        // Fixed lengths.
+        assert_eq!(
+            one(&frame(kind::PRIORITY, 0, 1, &[0; 4])).unwrap_err(),
+            H2Error::Stream(1, ErrorCode::FRAME_SIZE_ERROR, "PRIORITY not 5 bytes long")
+        );
+        for (k, stream, len) in [
+            (kind::RST_STREAM, 1, 3),
+            (kind::PING, 0, 9),
+            (kind::GOAWAY, 0, 7),
+            (kind::WINDOW_UPDATE, 0, 5),
+            (kind::WINDOW_UPDATE, 1, 3),
+            (kind::SETTINGS, 0, 5),
+        ] {
+            assert_eq!(
+                conn_err(&frame(k, 0, stream, &vec![0; len])),
+                ErrorCode::FRAME_SIZE_ERROR,
+                "{k} of {len}"
+            );
+        }
+        assert_eq!(
+            conn_err(&frame(kind::SETTINGS, flag::ACK, 0, &[0; 6])),
+            ErrorCode::FRAME_SIZE_ERROR
+        );
+        // A WINDOW_UPDATE of 0: on a stream, that stream's error.
+        assert_eq!(
+            conn_err(&frame(kind::WINDOW_UPDATE, 0, 0, &[0; 4])),
+            ErrorCode::PROTOCOL_ERROR
+        );
+        assert!(matches!(
+            one(&frame(kind::WINDOW_UPDATE, 0, 5, &[0; 4])),
+            Err(H2Error::Stream(5, ErrorCode::PROTOCOL_ERROR, _))
+        ));
+        // An unknown type is read and left to be ignored.
+        assert_eq!(
+            one(&frame(0xfa, 0xff, 9, b"whatever")).unwrap(),
+            Frame::Unknown {
+                kind: 0xfa,
+                stream: 9
+            }
+        );
+    }
+
+    #[test]
+    fn settings_take_their_values_and_refuse_those_out_of_range() {
+        let mut out = Vec::new();
+        write_settings(
+            &mut out,
+            &[
+                (setting::MAX_CONCURRENT_STREAMS, 100),
+                (setting::INITIAL_WINDOW_SIZE, 1 << 20),
+                (0x99, 7),
+                (setting::ENABLE_PUSH, 0),
+                (setting::MAX_FRAME_SIZE, 1 << 20),
+                (setting::MAX_HEADER_LIST_SIZE, 8192),
+                (setting::HEADER_TABLE_SIZE, 0),
+            ],
+        );
+        let Frame::Settings {
+            ack: false,
+            entries,
+        } = one(&out).unwrap()
+        else {
+            panic!("not settings");
+        };
+        let mut s = Settings::default();
+        s.apply(entries).unwrap();
+        assert_eq!(
+            s,
+            Settings {
+                header_table_size: 0,
+                enable_push: false,
+                max_concurrent_streams: Some(100),
+                initial_window_size: 1 << 20,
+                max_frame_size: 1 << 20,
+                max_header_list_size: Some(8192),
+            }
+        );
+        for (id, value, code) in [
+            (setting::ENABLE_PUSH, 2, ErrorCode::PROTOCOL_ERROR),
+            (
+                setting::INITIAL_WINDOW_SIZE,
+                1 << 31,
+                ErrorCode::FLOW_CONTROL_ERROR,
+            ),
+            (setting::MAX_FRAME_SIZE, 16_383, ErrorCode::PROTOCOL_ERROR),
+            (setting::MAX_FRAME_SIZE, 1 << 24, ErrorCode::PROTOCOL_ERROR),
+        ] {
+            let mut out = Vec::new();
+            write_settings(&mut out, &[(id, value)]);
+            let Ok(Frame::Settings { entries, .. }) = one(&out) else {
+                panic!("not settings");
+            };
+            let mut s = Settings::default();
+            assert_eq!(s.apply(entries).unwrap_err().code(), code, "{id} = {value}");
+        }
+        let mut ack = Vec::new();
+        write_settings_ack(&mut ack);
+        assert_eq!(
+            one(&ack).unwrap(),
+            Frame::Settings {
+                ack: true,
+                entries: &[]
+            }
+        );
+    }
+
+    #[test]
+    fn a_field_block_is_split_into_continuations_by_the_peers_frame_size() {
+        let block: Vec<u8> = (0..40_000u32).map(|i| i as u8).collect();
+        let mut out = Vec::new();
+        write_headers(&mut out, 5, &block, true, DEFAULT_MAX_FRAME_SIZE);
+        let mut at = 0;
+        let mut again = Vec::new();
+        let mut frames = Vec::new();
+        while let Some((f, used)) = read(&out[at..], DEFAULT_MAX_FRAME_SIZE).unwrap() {
+            at += used;
+            match f {
+                Frame::Headers {
+                    stream: 5,
+                    end_stream: true,
+                    end_headers,
+                    block,
+                    ..
+                } => {
+                    again.extend_from_slice(block);
+                    frames.push(("headers", end_headers));
+                }
+                Frame::Continuation {
+                    stream: 5,
+                    end_headers,
+                    block,
+                } => {
+                    again.extend_from_slice(block);
+                    frames.push(("continuation", end_headers));
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(at, out.len());
+        assert_eq!(again, block);
+        assert_eq!(
+            frames,
+            [
+                ("headers", false),
+                ("continuation", false),
+                ("continuation", true)
+            ]
+        );
+        // A small block: one HEADERS, ended.
+        let mut out = Vec::new();
+        write_headers(&mut out, 7, b"\x82", false, DEFAULT_MAX_FRAME_SIZE);
+        assert_eq!(
+            one(&out).unwrap(),
+            Frame::Headers {
+                stream: 7,
+                end_stream: false,
+                end_headers: true,
+                priority: None,
+                block: b"\x82"
+            }
+        );
+    }
+
+    #[test]
+    fn control_frames_read_back_as_written() {
+        let mut out = Vec::new();
+        write_ping(&mut out, true, *b"12345678");
+        assert_eq!(
+            one(&out).unwrap(),
+            Frame::Ping {
+                ack: true,
+                payload: *b"12345678"
+            }
+        );
+        let mut out = Vec::new();
+        write_goaway(
+            &mut out,
+            7,
+            ErrorCode::ENHANCE_YOUR_CALM,
+            b"too many resets",
+        );
+        assert_eq!(
+            one(&out).unwrap(),
+            Frame::GoAway {
+                last_stream: 7,
+                code: ErrorCode::ENHANCE_YOUR_CALM,
+                debug: b"too many resets"
+            }
+        );
+        let mut out = Vec::new();
+        write_rst_stream(&mut out, 9, ErrorCode::CANCEL);
+        assert_eq!(
+            one(&out).unwrap(),
+            Frame::RstStream {
+                stream: 9,
+                code: ErrorCode::CANCEL
+            }
+        );
+        let mut out = Vec::new();
+        write_window_update(&mut out, 0, MAX_WINDOW);
+        assert_eq!(
+            one(&out).unwrap(),
+            Frame::WindowUpdate {
+                stream: 0,
+                increment: MAX_WINDOW
+            }
+        );
+        let mut out = Vec::new();
+        write_data_head(&mut out, 11, 3, true);
+        out.extend_from_slice(b"end");
+        assert_eq!(
+            one(&out).unwrap(),
+            Frame::Data {
+                stream: 11,
+                end_stream: true,
+                data: b"end",
+                flow_len: 3
+            }
+        );
+        assert_eq!(
+            ErrorCode::FLOW_CONTROL_ERROR.to_string(),
+            "FLOW_CONTROL_ERROR (0x3)"
+        );
+        assert_eq!(ErrorCode(0x77).name(), "UNKNOWN");
+    }
+
+    proptest! {
+        /// Any bytes: a frame, an error or a wait, never a panic; a frame takes its head and
+        /// its length, and its borrowed parts lie within it.
+        #[test]
+        fn any_bytes_read_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..64), max in 0u32..40) {
+            if let Ok(Some((f, used))) = read(&bytes, max) {
+                let head = Head::read(&bytes).unwrap();
+                prop_assert_eq!(used, HEAD_LEN + head.len as usize);
+                prop_assert!(head.len <= max);
+                prop_assert_eq!(f.stream(), head.stream);
+                if let Frame::Data { data, flow_len, .. } = f {
+                    prop_assert!(data.len() <= flow_len as usize);
+                    prop_assert_eq!(flow_len, head.len);
+                }
+            }
+        }
+
+        /// A field block of any size reads back whole from its HEADERS and CONTINUATIONs.
+        #[test]
+        fn any_field_block_reads_back(block in proptest::collection::vec(any::<u8>(), 0..40_000), stream in 1u32..MAX_WINDOW) {
+            let mut out = Vec::new();
+            write_headers(&mut out, stream, &block, false, DEFAULT_MAX_FRAME_SIZE);
+            let (mut at, mut again, mut ended) = (0, Vec::new(), false);
+            while let Some((f, used)) = read(&out[at..], DEFAULT_MAX_FRAME_SIZE).unwrap() {
+                prop_assert!(!ended, "nothing after END_HEADERS");
+                at += used;
+                match f {
+                    Frame::Headers { block, end_headers, stream: s, .. } if again.is_empty() && at == used => {
+                        prop_assert_eq!(s, stream);
+                        again.extend_from_slice(block);
+                        ended = end_headers;
+                    }
+                    Frame::Continuation { block, end_headers, stream: s } => {
+                        prop_assert_eq!(s, stream);
+                        again.extend_from_slice(block);
+                        ended = end_headers;
+                    }
+                    other => prop_assert!(false, "{:?}", other),
+                }
+            }
+            prop_assert!(ended);
+            prop_assert_eq!(at, out.len());
+            prop_assert_eq!(again, block);
+        }
+    }
+}
