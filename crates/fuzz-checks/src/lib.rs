@@ -67,7 +67,8 @@ pub fn http_response_head(data: &[u8]) {
 /// HTTP/2 frames read one after another from any bytes, the first byte choosing the largest
 /// frame allowed: each is a frame, an error or a wait for more, never a panic; a frame takes
 /// its head and its stated length; a SETTINGS frame's entries apply or are refused; and a
-/// control frame written again from what was read reads back the same.
+/// control frame written again from what was read reads back the same. Then the server side
+/// on the same bytes ([`h2_server`]).
 pub fn h2_frames(data: &[u8]) {
     use ebb_http::h2::{self, Frame};
     let Some((&size, mut rest)) = data.split_first() else {
@@ -112,6 +113,63 @@ pub fn h2_frames(data: &[u8]) {
             .expect("all of it");
         assert_eq!(again, frame);
         assert_eq!(n, out.len());
+    }
+    h2_server(size, &data[1..]);
+}
+
+/// The server side of a connection on the same bytes after a client's preface, given in
+/// pieces of `step` bytes and answered as it goes: requests, data and ends or a connection
+/// error, never a panic; what it writes is whole frames.
+fn h2_server(step: u8, bytes: &[u8]) {
+    use ebb_http::h2::{self, Frame};
+    use ebb_http::h2server::{Config, Event, Server};
+    let mut input = h2::PREFACE.to_vec();
+    h2::write_settings(&mut input, &[]);
+    input.extend_from_slice(bytes);
+    let mut server = Server::new(Config {
+        initial_window_size: 100,
+        connection_window: 1_000,
+        max_concurrent_streams: 4,
+        max_header_list_size: 1_000,
+    });
+    let (mut buf, mut events) = (Vec::new(), Vec::new());
+    for piece in input.chunks(usize::from(step).max(1)) {
+        buf.extend_from_slice(piece);
+        let Ok(used) = server.recv(&buf, &mut events) else {
+            assert!(server.failed());
+            break;
+        };
+        assert!(used <= buf.len());
+        for e in events.drain(..) {
+            match e {
+                Event::Request { stream, .. } => {
+                    let _ = server.respond(stream, 200, [(&b"x"[..], &b"y"[..])], false);
+                    let _ = server.send_data(stream, &[b'a'; 300], true);
+                }
+                Event::Data { stream, data, .. } => {
+                    assert!(data.end <= buf.len());
+                    server.consumed(stream, data.len());
+                }
+                Event::Writable { stream } => {
+                    let _ = server.send_data(stream, b"more", true);
+                }
+                _ => {}
+            }
+        }
+        buf.drain(..used);
+    }
+    let out = std::mem::take(server.out());
+    let mut at = 0;
+    while at < out.len() {
+        let (frame, n) = h2::read(&out[at..], h2::DEFAULT_MAX_FRAME_SIZE)
+            .expect("the server writes frames that keep the rules")
+            .expect("whole frames");
+        // Never more than a window given: a stream's 100 bytes, the connection's 65,535
+        // (it starts there and cannot be made smaller).
+        if let Frame::WindowUpdate { stream, increment } = frame {
+            assert!(increment <= if stream == 0 { 65_535 } else { 100 });
+        }
+        at += n;
     }
 }
 

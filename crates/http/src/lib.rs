@@ -5,6 +5,7 @@
 //! * [`h1`]: request and response heads parsed and rewritten for the other side.
 //! * [`chunked`]: where a chunked body ends, without decoding it.
 //! * [`h2`]: HTTP/2 frames read and written, each type's rules checked.
+//! * [`h2server`]: the server side of an HTTP/2 connection: streams, flow control, HPACK.
 //! * [`request_id`]: `X-Request-Id`, kept or made.
 //!
 //! Its users are ebb's proxy (`crates/proxy`), the framing checks in front of hyper on ebb's own
@@ -14,5 +15,6 @@
 pub mod chunked;
 pub mod h1;
 pub mod h2;
+pub mod h2server;
 pub mod head;
 pub mod request_id;

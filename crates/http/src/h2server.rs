@@ -1,0 +1,1505 @@
+//! The server side of an HTTP/2 connection (RFC 9113), with no IO: bytes read from the client go
+//! in ([`Server::recv`]) and come out as requests, their data and their ends; answers go in
+//! ([`Server::respond`], [`Server::send_data`]) and come out as bytes to write ([`Server::out`]).
+//! It keeps the streams' states, both sides' flow-control windows and the settings, decodes
+//! field blocks with HPACK (`loona-hpack`'s decoder) and encodes answers without the dynamic
+//! table (literals, names from the static table: nothing to keep in step with the client).
+//!
+//! What it leaves to its caller: reading and writing the socket, routing, the HTTP semantics
+//! of a request beyond its pseudo-header fields, and time (a peer that never acknowledges
+//! SETTINGS is the caller's to time out).
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use crate::h2::{self, ErrorCode, Frame, H2Error, Settings, setting};
+
+/// What this side says in its SETTINGS, and holds the client to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Config {
+    /// Streams the client may have open at once; more are refused (REFUSED_STREAM).
+    pub max_concurrent_streams: u32,
+    /// The window each stream's request body starts with.
+    pub initial_window_size: u32,
+    /// The connection's receive window (raised from 65,535 at the start).
+    pub connection_window: u32,
+    /// The largest field block taken (its decoded fields, each name and value and 32 bytes,
+    /// as SETTINGS_MAX_HEADER_LIST_SIZE counts them); a larger one is a stream error
+    /// (PROTOCOL_ERROR: the request is reset, the connection goes on).
+    pub max_header_list_size: u32,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            max_concurrent_streams: 256,
+            initial_window_size: 1 << 20,
+            connection_window: 1 << 24,
+            max_header_list_size: 64 * 1024,
+        }
+    }
+}
+
+/// A request's head, as its field block said it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestHead {
+    pub method: Vec<u8>,
+    pub scheme: Vec<u8>,
+    pub authority: Vec<u8>,
+    pub path: Vec<u8>,
+    /// The other fields, in order, names lowercase.
+    pub fields: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+/// What [`Server::recv`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A new request on `stream`; `end_stream`: it has no body.
+    Request {
+        stream: u32,
+        head: RequestHead,
+        end_stream: bool,
+    },
+    /// Part of a request's body: `data` is where it is in the bytes given to `recv`. Once
+    /// handled, [`Server::consumed`] gives its window back.
+    Data {
+        stream: u32,
+        data: Range<usize>,
+        end_stream: bool,
+    },
+    /// Trailers ending a request's body.
+    Trailers {
+        stream: u32,
+        fields: Vec<(Vec<u8>, Vec<u8>)>,
+    },
+    /// The client reset the stream, or broke its rules (this side sent RST_STREAM): it is gone.
+    Reset { stream: u32, code: ErrorCode },
+    /// The window of `stream` (every stream: 0) opened: data held back may go now.
+    Writable { stream: u32 },
+    /// The client is going away: no new requests; the open ones may finish.
+    GoAway { code: ErrorCode },
+}
+
+/// A stream [`Server::respond`] or [`Server::send_data`] cannot write on: reset or never open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("stream {0} is not open for an answer")]
+pub struct StreamGone(pub u32);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for the client's preface and its SETTINGS.
+    Preface,
+    Open,
+    /// A connection error was sent: nothing more is read.
+    Failed,
+}
+
+#[derive(Debug)]
+struct Stream {
+    /// The client ended its side.
+    remote_ended: bool,
+    /// This side sent its answer's head.
+    responded: bool,
+    /// This side ended its side.
+    local_ended: bool,
+    /// What this side may still send (may go below 0 when the client lowers its settings).
+    send_window: i64,
+    /// What the client may still send.
+    recv_window: i64,
+    /// Received and handled, not yet given back.
+    unacked: u32,
+    /// What is left of the body its `content-length` said, if it said one.
+    body_left: Option<u64>,
+}
+
+/// A field block being read across CONTINUATION frames.
+struct Continuing {
+    stream: u32,
+    end_stream: bool,
+    block: Vec<u8>,
+}
+
+/// One client connection's HTTP/2 state.
+pub struct Server {
+    config: Config,
+    phase: Phase,
+    peer: Settings,
+    decoder: loona_hpack::Decoder<'static>,
+    streams: HashMap<u32, Stream>,
+    /// The highest stream the client opened: lower ones not in `streams` are closed.
+    last_stream: u32,
+    conn_send_window: i64,
+    conn_recv_window: i64,
+    conn_unacked: u32,
+    continuing: Option<Continuing>,
+    /// Whether a GOAWAY was sent (no new streams are taken after it).
+    going_away: bool,
+    out: Vec<u8>,
+}
+
+/// Connection-specific fields, which HTTP/2 forbids (RFC 9113 8.2.2).
+const CONNECTION_SPECIFIC: [&[u8]; 5] = [
+    b"connection",
+    b"keep-alive",
+    b"proxy-connection",
+    b"transfer-encoding",
+    b"upgrade",
+];
+
+impl Server {
+    /// A connection whose server preface (this side's SETTINGS and the connection window's
+    /// raise) is already in [`Server::out`].
+    pub fn new(config: Config) -> Self {
+        let mut out = Vec::with_capacity(64);
+        h2::write_settings(
+            &mut out,
+            &[
+                (setting::ENABLE_PUSH, 0),
+                (
+                    setting::MAX_CONCURRENT_STREAMS,
+                    config.max_concurrent_streams,
+                ),
+                (setting::INITIAL_WINDOW_SIZE, config.initial_window_size),
+                (setting::MAX_HEADER_LIST_SIZE, config.max_header_list_size),
+            ],
+        );
+        let default_window = i64::from(h2::DEFAULT_WINDOW);
+        let raise = i64::from(config.connection_window) - default_window;
+        if raise > 0 {
+            h2::write_window_update(&mut out, 0, raise as u32);
+        }
+        Self {
+            config,
+            phase: Phase::Preface,
+            peer: Settings::default(),
+            decoder: {
+                // A client may not take the table past the size this side allows (4,096 bytes,
+                // as it does not say another).
+                let mut d = loona_hpack::Decoder::new();
+                d.set_max_allowed_table_size(4_096);
+                d
+            },
+            streams: HashMap::new(),
+            last_stream: 0,
+            conn_send_window: default_window,
+            conn_recv_window: default_window.max(i64::from(config.connection_window)),
+            conn_unacked: 0,
+            continuing: None,
+            going_away: false,
+            out,
+        }
+    }
+
+    /// The bytes to write to the client; the caller takes them (`std::mem::take`, or writes
+    /// and clears).
+    pub fn out(&mut self) -> &mut Vec<u8> {
+        &mut self.out
+    }
+
+    /// Whether the connection failed (a GOAWAY with the error is in [`Server::out`]): write
+    /// it, then close.
+    pub fn failed(&self) -> bool {
+        self.phase == Phase::Failed
+    }
+
+    /// Streams open now.
+    pub fn open_streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    /// Reads whole frames from `buf`, pushing what they say to `events`, and returns how many
+    /// bytes it took (the rest is an incomplete frame: give it again with more). A connection
+    /// error writes its GOAWAY, marks the connection failed and is returned.
+    pub fn recv(&mut self, buf: &[u8], events: &mut Vec<Event>) -> Result<usize, H2Error> {
+        let mut at = 0;
+        if self.phase == Phase::Failed {
+            return Ok(buf.len());
+        }
+        if self.phase == Phase::Preface {
+            let n = buf.len().min(h2::PREFACE.len());
+            if buf[..n] != h2::PREFACE[..n] {
+                return Err(self.fail(H2Error::Connection(
+                    ErrorCode::PROTOCOL_ERROR,
+                    "not the HTTP/2 connection preface",
+                )));
+            }
+            if n < h2::PREFACE.len() {
+                return Ok(0);
+            }
+            // Then a SETTINGS frame, first of all.
+            match h2::Head::read(&buf[n..]) {
+                None => return Ok(0),
+                Some(head)
+                    if head.kind != h2::kind::SETTINGS || head.flags & h2::flag::ACK != 0 =>
+                {
+                    return Err(self.fail(H2Error::Connection(
+                        ErrorCode::PROTOCOL_ERROR,
+                        "the preface not followed by SETTINGS",
+                    )));
+                }
+                Some(_) => {}
+            }
+            at = n;
+            self.phase = Phase::Open;
+        }
+        loop {
+            let frame = match h2::read(&buf[at..], h2::DEFAULT_MAX_FRAME_SIZE) {
+                Ok(Some((frame, used))) => {
+                    let start = at;
+                    at += used;
+                    (frame, start + h2::HEAD_LEN)
+                }
+                Ok(None) => return Ok(at),
+                Err(e) => match self.stream_error(e) {
+                    Ok(()) => {
+                        // A stream error on a whole frame: skip it.
+                        let head = h2::Head::read(&buf[at..]).expect("the frame's head was read");
+                        at += h2::HEAD_LEN + head.len as usize;
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                },
+            };
+            let (frame, payload_at) = frame;
+            if let Err(e) = self.frame(frame, buf, payload_at, events) {
+                self.stream_error(e)?;
+            }
+        }
+    }
+
+    /// Sends RST_STREAM for a stream error and forgets the stream, or fails the connection.
+    fn stream_error(&mut self, e: H2Error) -> Result<(), H2Error> {
+        match e {
+            H2Error::Stream(stream, code, _) => {
+                h2::write_rst_stream(&mut self.out, stream, code);
+                self.streams.remove(&stream);
+                Ok(())
+            }
+            H2Error::Connection(..) => Err(self.fail(e)),
+        }
+    }
+
+    fn fail(&mut self, e: H2Error) -> H2Error {
+        if self.phase != Phase::Failed {
+            let why = e.to_string();
+            h2::write_goaway(&mut self.out, self.last_stream, e.code(), why.as_bytes());
+            self.phase = Phase::Failed;
+        }
+        e
+    }
+
+    fn frame(
+        &mut self,
+        frame: Frame<'_>,
+        buf: &[u8],
+        payload_at: usize,
+        events: &mut Vec<Event>,
+    ) -> Result<(), H2Error> {
+        let conn = H2Error::Connection;
+        if let Some(c) = &self.continuing {
+            let Frame::Continuation { stream, .. } = frame else {
+                return Err(conn(
+                    ErrorCode::PROTOCOL_ERROR,
+                    "a field block cut by another frame",
+                ));
+            };
+            if stream != c.stream {
+                return Err(conn(
+                    ErrorCode::PROTOCOL_ERROR,
+                    "a CONTINUATION on another stream",
+                ));
+            }
+        }
+        match frame {
+            Frame::Settings { ack: true, .. } => {}
+            Frame::Settings {
+                ack: false,
+                entries,
+            } => {
+                let before = self.peer.initial_window_size;
+                self.peer.apply(entries).map_err(|e| self.fail(e))?;
+                let delta = i64::from(self.peer.initial_window_size) - i64::from(before);
+                if delta != 0 {
+                    for s in self.streams.values_mut() {
+                        s.send_window += delta;
+                        if s.send_window > i64::from(h2::MAX_WINDOW) {
+                            return Err(conn(
+                                ErrorCode::FLOW_CONTROL_ERROR,
+                                "SETTINGS_INITIAL_WINDOW_SIZE took a window past 2^31-1",
+                            ));
+                        }
+                    }
+                    if delta > 0 {
+                        for (&stream, s) in &self.streams {
+                            if s.send_window > 0 && !s.local_ended {
+                                events.push(Event::Writable { stream });
+                            }
+                        }
+                    }
+                }
+                h2::write_settings_ack(&mut self.out);
+            }
+            Frame::Ping {
+                ack: false,
+                payload,
+            } => h2::write_ping(&mut self.out, true, payload),
+            Frame::Ping { ack: true, .. } => {}
+            Frame::GoAway { code, .. } => events.push(Event::GoAway { code }),
+            Frame::WindowUpdate {
+                stream: 0,
+                increment,
+            } => {
+                self.conn_send_window += i64::from(increment);
+                if self.conn_send_window > i64::from(h2::MAX_WINDOW) {
+                    return Err(conn(
+                        ErrorCode::FLOW_CONTROL_ERROR,
+                        "the connection's window past 2^31-1",
+                    ));
+                }
+                events.push(Event::Writable { stream: 0 });
+            }
+            Frame::WindowUpdate { stream, increment } => {
+                self.known(stream)?;
+                if let Some(s) = self.streams.get_mut(&stream) {
+                    s.send_window += i64::from(increment);
+                    if s.send_window > i64::from(h2::MAX_WINDOW) {
+                        return Err(H2Error::Stream(
+                            stream,
+                            ErrorCode::FLOW_CONTROL_ERROR,
+                            "a stream's window past 2^31-1",
+                        ));
+                    }
+                    events.push(Event::Writable { stream });
+                }
+            }
+            Frame::RstStream { stream, code } => {
+                self.known(stream)?;
+                if self.streams.remove(&stream).is_some() {
+                    events.push(Event::Reset { stream, code });
+                }
+            }
+            Frame::Priority { stream, .. } => {
+                // Deprecated; may come on any stream, even idle ones.
+                let _ = stream;
+            }
+            Frame::PushPromise { .. } => {
+                return Err(conn(
+                    ErrorCode::PROTOCOL_ERROR,
+                    "PUSH_PROMISE from a client",
+                ));
+            }
+            Frame::Unknown { .. } => {}
+            Frame::Data {
+                stream,
+                end_stream,
+                data,
+                flow_len,
+            } => {
+                self.known(stream)?;
+                // The connection's window counts the frame whatever its stream's state.
+                self.conn_recv_window -= i64::from(flow_len);
+                if self.conn_recv_window < 0 {
+                    return Err(conn(
+                        ErrorCode::FLOW_CONTROL_ERROR,
+                        "DATA past the connection's window",
+                    ));
+                }
+                let refused = match self.streams.get_mut(&stream) {
+                    None => Some(H2Error::Stream(
+                        stream,
+                        ErrorCode::STREAM_CLOSED,
+                        "DATA on a closed stream",
+                    )),
+                    Some(s) if s.remote_ended => Some(H2Error::Stream(
+                        stream,
+                        ErrorCode::STREAM_CLOSED,
+                        "DATA after the request's end",
+                    )),
+                    Some(s) => {
+                        s.recv_window -= i64::from(flow_len);
+                        (s.recv_window < 0).then_some(H2Error::Stream(
+                            stream,
+                            ErrorCode::FLOW_CONTROL_ERROR,
+                            "DATA past the stream's window",
+                        ))
+                    }
+                };
+                if let Some(e) = refused {
+                    // Nobody takes these bytes: the connection's window has them back.
+                    self.give_back(0, flow_len as usize);
+                    return Err(e);
+                }
+                // Padding is not the caller's to give back.
+                let padding = flow_len as usize - data.len();
+                if padding > 0 {
+                    self.give_back(stream, padding);
+                }
+                if let Some(s) = self.streams.get_mut(&stream) {
+                    s.remote_ended = end_stream;
+                    // A body longer or shorter than its content-length is malformed.
+                    let malformed = s.body_left.as_mut().and_then(|left| {
+                        match left.checked_sub(data.len() as u64) {
+                            None => Some("DATA past the content-length"),
+                            Some(0) => {
+                                *left = 0;
+                                None
+                            }
+                            Some(_) if end_stream => Some("a body shorter than its content-length"),
+                            Some(l) => {
+                                *left = l;
+                                None
+                            }
+                        }
+                    });
+                    if let Some(why) = malformed {
+                        // Nobody takes these bytes either.
+                        self.give_back(0, data.len());
+                        return Err(H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why));
+                    }
+                }
+                let start = payload_at + (data.as_ptr().addr() - buf[payload_at..].as_ptr().addr());
+                events.push(Event::Data {
+                    stream,
+                    data: start..start + data.len(),
+                    end_stream,
+                });
+                self.close_if_done(stream);
+            }
+            Frame::Headers {
+                stream,
+                end_stream,
+                end_headers,
+                block,
+                ..
+            } => {
+                if end_headers {
+                    self.field_block(stream, end_stream, block, events)?;
+                } else {
+                    self.continuing = Some(Continuing {
+                        stream,
+                        end_stream,
+                        block: block.to_vec(),
+                    });
+                    self.check_block_size()?;
+                }
+            }
+            Frame::Continuation {
+                end_headers, block, ..
+            } => {
+                let Some(c) = &mut self.continuing else {
+                    return Err(conn(
+                        ErrorCode::PROTOCOL_ERROR,
+                        "a CONTINUATION without its HEADERS",
+                    ));
+                };
+                c.block.extend_from_slice(block);
+                self.check_block_size()?;
+                if end_headers {
+                    let c = self.continuing.take().expect("continuing");
+                    self.field_block(c.stream, c.end_stream, &c.block, events)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A field block's bytes are bounded before it is decoded: four times the decoded bound
+    /// (HPACK's literals are at worst a little longer than their text).
+    fn check_block_size(&self) -> Result<(), H2Error> {
+        let len = self.continuing.as_ref().map_or(0, |c| c.block.len());
+        if len as u64 > 4 * u64::from(self.config.max_header_list_size) {
+            return Err(H2Error::Connection(
+                ErrorCode::ENHANCE_YOUR_CALM,
+                "a field block past the header list's size",
+            ));
+        }
+        Ok(())
+    }
+
+    /// A frame on a stream the client has not opened (idle) is a connection error.
+    fn known(&self, stream: u32) -> Result<(), H2Error> {
+        if stream > self.last_stream {
+            return Err(H2Error::Connection(
+                ErrorCode::PROTOCOL_ERROR,
+                "a frame on a stream not opened",
+            ));
+        }
+        Ok(())
+    }
+
+    fn field_block(
+        &mut self,
+        stream: u32,
+        end_stream: bool,
+        block: &[u8],
+        events: &mut Vec<Event>,
+    ) -> Result<(), H2Error> {
+        // Decoded first, whatever happens to the stream: the decoder's table must follow
+        // every block.
+        let fields = self.decode(block)?;
+        if let Some(s) = self.streams.get_mut(&stream) {
+            // Trailers: the end of the request's body.
+            if s.remote_ended {
+                return Err(H2Error::Stream(
+                    stream,
+                    ErrorCode::STREAM_CLOSED,
+                    "HEADERS after the request's end",
+                ));
+            }
+            if !end_stream {
+                return Err(H2Error::Stream(
+                    stream,
+                    ErrorCode::PROTOCOL_ERROR,
+                    "trailers without END_STREAM",
+                ));
+            }
+            let Some(fields) = fields else {
+                return Err(H2Error::Stream(
+                    stream,
+                    ErrorCode::PROTOCOL_ERROR,
+                    "trailers past the header list's size",
+                ));
+            };
+            if fields.iter().any(|(n, _)| n.starts_with(b":")) {
+                return Err(H2Error::Stream(
+                    stream,
+                    ErrorCode::PROTOCOL_ERROR,
+                    "a pseudo-header field in trailers",
+                ));
+            }
+            if s.body_left.is_some_and(|n| n > 0) {
+                return Err(H2Error::Stream(
+                    stream,
+                    ErrorCode::PROTOCOL_ERROR,
+                    "a body shorter than its content-length",
+                ));
+            }
+            s.remote_ended = true;
+            events.push(Event::Trailers { stream, fields });
+            self.close_if_done(stream);
+            return Ok(());
+        }
+        if stream <= self.last_stream {
+            return Err(H2Error::Connection(
+                ErrorCode::STREAM_CLOSED,
+                "HEADERS on a closed stream",
+            ));
+        }
+        if stream.is_multiple_of(2) {
+            return Err(H2Error::Connection(
+                ErrorCode::PROTOCOL_ERROR,
+                "a client stream with an even number",
+            ));
+        }
+        self.last_stream = stream;
+        if self.going_away {
+            return Err(H2Error::Stream(
+                stream,
+                ErrorCode::REFUSED_STREAM,
+                "the connection is going away",
+            ));
+        }
+        if self.streams.len() >= self.config.max_concurrent_streams as usize {
+            return Err(H2Error::Stream(
+                stream,
+                ErrorCode::REFUSED_STREAM,
+                "more streams than SETTINGS_MAX_CONCURRENT_STREAMS",
+            ));
+        }
+        let Some(fields) = fields else {
+            return Err(H2Error::Stream(
+                stream,
+                ErrorCode::PROTOCOL_ERROR,
+                "a request head past the header list's size",
+            ));
+        };
+        let head = request_head(fields)
+            .map_err(|why| H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why))?;
+        let content_length = content_length(&head.fields)
+            .map_err(|why| H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why))?;
+        if end_stream && content_length.is_some_and(|n| n > 0) {
+            return Err(H2Error::Stream(
+                stream,
+                ErrorCode::PROTOCOL_ERROR,
+                "a content-length and no body",
+            ));
+        }
+        self.streams.insert(
+            stream,
+            Stream {
+                remote_ended: end_stream,
+                responded: false,
+                local_ended: false,
+                send_window: i64::from(self.peer.initial_window_size),
+                recv_window: i64::from(self.config.initial_window_size),
+                unacked: 0,
+                body_left: content_length,
+            },
+        );
+        events.push(Event::Request {
+            stream,
+            head,
+            end_stream,
+        });
+        Ok(())
+    }
+
+    /// The block's fields, or `None` when they pass the header list's size (decoded all the
+    /// same, so the decoder's table stays in step). A block that does not decode is a
+    /// connection error.
+    #[allow(clippy::type_complexity)]
+    fn decode(&mut self, block: &[u8]) -> Result<Option<Vec<(Vec<u8>, Vec<u8>)>>, H2Error> {
+        let max = u64::from(self.config.max_header_list_size);
+        let mut size = 0u64;
+        let mut fields = Vec::with_capacity(8);
+        self.decoder
+            .decode_with_cb(block, |name, value| {
+                size += name.len() as u64 + value.len() as u64 + 32;
+                if size <= max {
+                    fields.push((name.into_owned(), value.into_owned()));
+                }
+            })
+            .map_err(|_| {
+                H2Error::Connection(
+                    ErrorCode::COMPRESSION_ERROR,
+                    "a field block that does not decode",
+                )
+            })?;
+        Ok((size <= max).then_some(fields))
+    }
+
+    fn close_if_done(&mut self, stream: u32) {
+        if let Some(s) = self.streams.get(&stream)
+            && s.remote_ended
+            && s.local_ended
+        {
+            self.streams.remove(&stream);
+        }
+    }
+
+    /// Gives back `n` bytes of a request's body the caller handled: WINDOW_UPDATEs once half
+    /// a window is waiting to be given back (the stream's only while its body goes on).
+    pub fn consumed(&mut self, stream: u32, n: usize) {
+        self.give_back(stream, n);
+    }
+
+    /// `n` bytes of `stream` (0: of no stream) handled or dropped.
+    fn give_back(&mut self, stream: u32, n: usize) {
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        let stream_window = i64::from(self.config.initial_window_size);
+        if let Some(s) = self.streams.get_mut(&stream) {
+            s.unacked = s.unacked.saturating_add(n);
+            if !s.remote_ended && s.unacked >= self.config.initial_window_size / 2 {
+                // Never past the window this side gave (a caller giving back more than it
+                // got is not believed).
+                let inc = i64::from(s.unacked).min(stream_window - s.recv_window);
+                if inc > 0 {
+                    h2::write_window_update(&mut self.out, stream, inc as u32);
+                    s.recv_window += inc;
+                }
+                s.unacked = 0;
+            }
+        }
+        self.conn_unacked = self.conn_unacked.saturating_add(n);
+        if self.conn_unacked >= self.config.connection_window / 2 {
+            let window = i64::from(self.config.connection_window.max(h2::DEFAULT_WINDOW));
+            let inc = i64::from(self.conn_unacked).min(window - self.conn_recv_window);
+            if inc > 0 {
+                h2::write_window_update(&mut self.out, 0, inc as u32);
+                self.conn_recv_window += inc;
+            }
+            self.conn_unacked = 0;
+        }
+    }
+
+    /// Writes an answer's head on `stream`: `:status`, then `fields` (names lowercase, no
+    /// connection-specific ones: the caller's to leave out).
+    pub fn respond<'f>(
+        &mut self,
+        stream: u32,
+        status: u16,
+        fields: impl IntoIterator<Item = (&'f [u8], &'f [u8])>,
+        end_stream: bool,
+    ) -> Result<(), StreamGone> {
+        let s = match self.streams.get_mut(&stream) {
+            Some(s) if !s.local_ended => s,
+            _ => return Err(StreamGone(stream)),
+        };
+        let mut block = Vec::with_capacity(64);
+        encode_status(&mut block, status);
+        for (name, value) in fields {
+            encode_field(&mut block, name, value);
+        }
+        s.responded = true;
+        s.local_ended = end_stream;
+        h2::write_headers(
+            &mut self.out,
+            stream,
+            &block,
+            end_stream,
+            self.peer.max_frame_size,
+        );
+        self.close_if_done(stream);
+        Ok(())
+    }
+
+    /// Writes trailers ending the answer on `stream`.
+    pub fn trailers<'f>(
+        &mut self,
+        stream: u32,
+        fields: impl IntoIterator<Item = (&'f [u8], &'f [u8])>,
+    ) -> Result<(), StreamGone> {
+        let s = match self.streams.get_mut(&stream) {
+            Some(s) if s.responded && !s.local_ended => s,
+            _ => return Err(StreamGone(stream)),
+        };
+        let mut block = Vec::with_capacity(64);
+        for (name, value) in fields {
+            encode_field(&mut block, name, value);
+        }
+        s.local_ended = true;
+        h2::write_headers(
+            &mut self.out,
+            stream,
+            &block,
+            true,
+            self.peer.max_frame_size,
+        );
+        self.close_if_done(stream);
+        Ok(())
+    }
+
+    /// Writes as much of `data` on `stream` as the windows allow and returns how much; the
+    /// stream ends with the last byte when `end_stream` and all of it went. The rest waits for
+    /// an [`Event::Writable`].
+    pub fn send_data(
+        &mut self,
+        stream: u32,
+        data: &[u8],
+        end_stream: bool,
+    ) -> Result<usize, StreamGone> {
+        let s = match self.streams.get_mut(&stream) {
+            Some(s) if s.responded && !s.local_ended => s,
+            _ => return Err(StreamGone(stream)),
+        };
+        let window = s.send_window.min(self.conn_send_window).max(0) as usize;
+        let n = data.len().min(window);
+        let max = self.peer.max_frame_size as usize;
+        let ends = end_stream && n == data.len();
+        if n == 0 && !ends {
+            return Ok(0);
+        }
+        let mut chunks = data[..n].chunks(max).peekable();
+        if n == 0 {
+            h2::write_data_head(&mut self.out, stream, 0, true);
+        }
+        while let Some(chunk) = chunks.next() {
+            let last = chunks.peek().is_none();
+            h2::write_data_head(&mut self.out, stream, chunk.len(), ends && last);
+            self.out.extend_from_slice(chunk);
+        }
+        s.send_window -= n as i64;
+        self.conn_send_window -= n as i64;
+        if ends {
+            s.local_ended = true;
+            self.close_if_done(stream);
+        }
+        Ok(n)
+    }
+
+    /// Resets `stream` (this side gives up on it: the backend failed, the caller is done).
+    pub fn reset(&mut self, stream: u32, code: ErrorCode) {
+        if self.streams.remove(&stream).is_some() {
+            h2::write_rst_stream(&mut self.out, stream, code);
+        }
+    }
+
+    /// Says no new streams will be taken (a graceful end): the open ones may finish.
+    pub fn go_away(&mut self) {
+        if !self.going_away && self.phase != Phase::Failed {
+            self.going_away = true;
+            h2::write_goaway(&mut self.out, self.last_stream, ErrorCode::NO_ERROR, b"");
+        }
+    }
+}
+
+/// The request's pseudo-header fields taken out of its fields, checked (RFC 9113 8.3.1).
+fn request_head(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<RequestHead, &'static str> {
+    let mut head = RequestHead {
+        fields: Vec::with_capacity(fields.len()),
+        ..RequestHead::default()
+    };
+    let mut seen = [false; 4];
+    for (name, value) in fields {
+        if let Some(pseudo) = name.strip_prefix(b":") {
+            if !head.fields.is_empty() {
+                return Err("a pseudo-header field after a regular one");
+            }
+            let (i, slot) = match pseudo {
+                b"method" => (0, &mut head.method),
+                b"scheme" => (1, &mut head.scheme),
+                b"authority" => (2, &mut head.authority),
+                b"path" => (3, &mut head.path),
+                _ => return Err("an unknown pseudo-header field"),
+            };
+            if std::mem::replace(&mut seen[i], true) {
+                return Err("a pseudo-header field twice");
+            }
+            *slot = value;
+            continue;
+        }
+        if name.iter().any(u8::is_ascii_uppercase) {
+            return Err("an uppercase field name");
+        }
+        if CONNECTION_SPECIFIC.contains(&name.as_slice()) {
+            return Err("a connection-specific field");
+        }
+        if name == b"te" && value != b"trailers" {
+            return Err("TE other than trailers");
+        }
+        head.fields.push((name, value));
+    }
+    if head.method == b"CONNECT" {
+        return Err("CONNECT");
+    }
+    if !(seen[0] && seen[1] && seen[3]) || head.path.is_empty() {
+        return Err("a request without :method, :scheme or :path");
+    }
+    Ok(head)
+}
+
+/// The request's `content-length`, if it has one: digits, once (or the same value repeated).
+fn content_length(fields: &[(Vec<u8>, Vec<u8>)]) -> Result<Option<u64>, &'static str> {
+    let mut length = None;
+    for (name, value) in fields {
+        if name != b"content-length" {
+            continue;
+        }
+        let n = std::str::from_utf8(value)
+            .ok()
+            .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or("a content-length that is not a number")?;
+        if length.is_some_and(|l| l != n) {
+            return Err("two content-lengths");
+        }
+        length = Some(n);
+    }
+    Ok(length)
+}
+
+/// HPACK's integer (RFC 7541 5.1) with an `n`-bit prefix under `first`'s high bits.
+fn encode_int(out: &mut Vec<u8>, first: u8, n: u8, mut value: usize) {
+    let max = (1usize << n) - 1;
+    if value < max {
+        out.push(first | value as u8);
+        return;
+    }
+    out.push(first | max as u8);
+    value -= max;
+    while value >= 128 {
+        out.push((value % 128) as u8 | 0x80);
+        value /= 128;
+    }
+    out.push(value as u8);
+}
+
+fn encode_str(out: &mut Vec<u8>, s: &[u8]) {
+    encode_int(out, 0, 7, s.len());
+    out.extend_from_slice(s);
+}
+
+fn encode_status(out: &mut Vec<u8>, status: u16) {
+    let indexed = match status {
+        200 => 8,
+        204 => 9,
+        206 => 10,
+        304 => 11,
+        400 => 12,
+        404 => 13,
+        500 => 14,
+        _ => {
+            // A literal with the name of entry 8 (`:status`).
+            encode_int(out, 0, 4, 8);
+            let digits = itoa_3(status);
+            encode_str(out, &digits);
+            return;
+        }
+    };
+    encode_int(out, 0x80, 7, indexed);
+}
+
+fn itoa_3(status: u16) -> [u8; 3] {
+    let s = status.min(999);
+    [
+        b'0' + (s / 100) as u8,
+        b'0' + (s / 10 % 10) as u8,
+        b'0' + (s % 10) as u8,
+    ]
+}
+
+/// A literal field without indexing: the name by its static table entry when it has one.
+fn encode_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    match static_name(name) {
+        Some(i) => encode_int(out, 0, 4, i),
+        None => {
+            out.push(0);
+            encode_str(out, name);
+        }
+    }
+    encode_str(out, value);
+}
+
+/// The static table's entry of a name (RFC 7541 Appendix A), for the names answers carry.
+fn static_name(name: &[u8]) -> Option<usize> {
+    Some(match name {
+        b"accept-ranges" => 18,
+        b"access-control-allow-origin" => 20,
+        b"age" => 21,
+        b"allow" => 22,
+        b"cache-control" => 24,
+        b"content-disposition" => 25,
+        b"content-encoding" => 26,
+        b"content-language" => 27,
+        b"content-length" => 28,
+        b"content-location" => 29,
+        b"content-range" => 30,
+        b"content-type" => 31,
+        b"date" => 33,
+        b"etag" => 34,
+        b"expires" => 36,
+        b"last-modified" => 44,
+        b"link" => 45,
+        b"location" => 46,
+        b"proxy-authenticate" => 48,
+        b"refresh" => 52,
+        b"retry-after" => 53,
+        b"server" => 54,
+        b"set-cookie" => 55,
+        b"strict-transport-security" => 56,
+        b"vary" => 59,
+        b"via" => 60,
+        b"www-authenticate" => 61,
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::h2::{flag, kind};
+
+    /// A client's bytes: the preface, an empty SETTINGS, then `frames`.
+    fn client(frames: &[Vec<u8>]) -> Vec<u8> {
+        let mut out = h2::PREFACE.to_vec();
+        h2::write_settings(&mut out, &[]);
+        for f in frames {
+            out.extend_from_slice(f);
+        }
+        out
+    }
+
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        h2::write_head(&mut out, payload.len(), kind, flags, stream);
+        out.extend_from_slice(payload);
+        out
+    }
+
+    /// `GET /` on `stream` (HPACK: :method GET, :scheme http, :path /, :authority a).
+    fn get(stream: u32, end_stream: bool) -> Vec<u8> {
+        let mut block = vec![0x82, 0x86, 0x84, 0x01, 0x01, b'a'];
+        block.extend_from_slice(&[0x00, 0x01, b'x', 0x01, b'y']);
+        let flags = flag::END_HEADERS | if end_stream { flag::END_STREAM } else { 0 };
+        frame(kind::HEADERS, flags, stream, &block)
+    }
+
+    /// Every frame in `out`.
+    fn frames(out: &[u8]) -> Vec<(h2::Head, Vec<u8>)> {
+        let mut at = 0;
+        let mut all = Vec::new();
+        while let Some(head) = h2::Head::read(&out[at..]) {
+            let end = at + h2::HEAD_LEN + head.len as usize;
+            all.push((head, out[at + h2::HEAD_LEN..end].to_vec()));
+            at = end;
+        }
+        assert_eq!(at, out.len(), "whole frames");
+        all
+    }
+
+    fn kinds(out: &[u8]) -> Vec<(u8, u32)> {
+        frames(out)
+            .iter()
+            .map(|(h, _)| (h.kind, h.stream))
+            .collect()
+    }
+
+    fn served(bytes: &[u8]) -> (Server, Vec<Event>, Result<usize, H2Error>) {
+        let mut s = Server::new(Config::default());
+        s.out().clear();
+        let mut events = Vec::new();
+        let r = s.recv(bytes, &mut events);
+        (s, events, r)
+    }
+
+    #[test]
+    fn a_request_is_read_and_answered() {
+        let bytes = client(&[get(1, true)]);
+        let (mut s, events, r) = served(&bytes);
+        assert_eq!(r, Ok(bytes.len()));
+        assert_eq!(
+            events,
+            [Event::Request {
+                stream: 1,
+                head: RequestHead {
+                    method: b"GET".to_vec(),
+                    scheme: b"http".to_vec(),
+                    authority: b"a".to_vec(),
+                    path: b"/".to_vec(),
+                    fields: vec![(b"x".to_vec(), b"y".to_vec())],
+                },
+                end_stream: true,
+            }]
+        );
+        // The client's SETTINGS acknowledged.
+        assert_eq!(kinds(s.out()), [(kind::SETTINGS, 0)]);
+        s.out().clear();
+        s.respond(1, 200, [(&b"content-type"[..], &b"text/plain"[..])], false)
+            .unwrap();
+        assert_eq!(s.send_data(1, b"hello", true), Ok(5));
+        assert_eq!(s.open_streams(), 0, "both sides ended");
+        let out = frames(s.out());
+        assert_eq!(out[0].0.kind, kind::HEADERS);
+        assert_eq!(out[0].0.flags, flag::END_HEADERS);
+        let mut fields = Vec::new();
+        loona_hpack::Decoder::new()
+            .decode_with_cb(&out[0].1, |n, v| {
+                fields.push((n.into_owned(), v.into_owned()))
+            })
+            .unwrap();
+        assert_eq!(
+            fields,
+            [
+                (b":status".to_vec(), b"200".to_vec()),
+                (b"content-type".to_vec(), b"text/plain".to_vec())
+            ]
+        );
+        assert_eq!(out[1].0.kind, kind::DATA);
+        assert_eq!(out[1].0.flags, flag::END_STREAM);
+        assert_eq!(out[1].1, b"hello");
+        assert_eq!(s.send_data(1, b"more", false), Err(StreamGone(1)));
+    }
+
+    #[test]
+    fn bytes_come_in_any_pieces() {
+        let mut body = vec![0; 10];
+        body[0] = 9;
+        let bytes = client(&[
+            get(1, false),
+            frame(kind::DATA, flag::END_STREAM | flag::PADDED, 1, &body),
+            get(3, true),
+        ]);
+        let (_, whole, r) = served(&bytes);
+        assert_eq!(r, Ok(bytes.len()));
+        for step in [1, 2, 7, 9, 24, 33] {
+            let mut s = Server::new(Config::default());
+            let (mut buf, mut events) = (Vec::new(), Vec::new());
+            let mut seen = Vec::new();
+            for piece in bytes.chunks(step) {
+                buf.extend_from_slice(piece);
+                let used = s.recv(&buf, &mut events).unwrap();
+                for e in events.drain(..) {
+                    // Data ranges are within the buffer given.
+                    seen.push(match e {
+                        Event::Data {
+                            stream,
+                            data,
+                            end_stream,
+                        } => (format!("data {stream} {:?} {end_stream}", &buf[data]), None),
+                        e => (String::new(), Some(e)),
+                    });
+                }
+                buf.drain(..used);
+            }
+            assert!(buf.is_empty());
+            let want: Vec<_> = whole
+                .iter()
+                .map(|e| match e {
+                    Event::Data {
+                        stream,
+                        data,
+                        end_stream,
+                    } => (
+                        format!("data {stream} {:?} {end_stream}", &bytes[data.clone()]),
+                        None,
+                    ),
+                    e => (String::new(), Some(e.clone())),
+                })
+                .collect();
+            assert_eq!(seen, want, "pieces of {step}");
+        }
+        assert!(matches!(
+            whole[1],
+            Event::Data {
+                stream: 1,
+                end_stream: true,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_field_block_may_come_in_continuations_and_nothing_may_cut_it() {
+        let whole = get(1, true);
+        let block = &whole[h2::HEAD_LEN..];
+        let first = frame(kind::HEADERS, flag::END_STREAM, 1, &block[..2]);
+        let rest = frame(kind::CONTINUATION, flag::END_HEADERS, 1, &block[2..]);
+        let (_, events, r) = served(&client(&[first.clone(), rest.clone()]));
+        assert!(r.is_ok());
+        assert!(matches!(
+            events[0],
+            Event::Request {
+                stream: 1,
+                end_stream: true,
+                ..
+            }
+        ));
+        // A PING between them: a connection error.
+        let (mut s, _, r) = served(&client(&[first, frame(kind::PING, 0, 0, &[0; 8]), rest]));
+        assert_eq!(r.unwrap_err().code(), ErrorCode::PROTOCOL_ERROR);
+        assert!(s.failed());
+        assert_eq!(kinds(s.out()).last(), Some(&(kind::GOAWAY, 0)));
+    }
+
+    #[test]
+    fn the_preface_must_come_first_then_settings() {
+        let (s, _, r) = served(b"GET / HTTP/1.1\r\n\r\n");
+        assert_eq!(r.unwrap_err().code(), ErrorCode::PROTOCOL_ERROR);
+        assert!(s.failed());
+        let mut bytes = h2::PREFACE.to_vec();
+        bytes.extend_from_slice(&frame(kind::PING, 0, 0, &[0; 8]));
+        assert_eq!(
+            served(&bytes).2.unwrap_err().code(),
+            ErrorCode::PROTOCOL_ERROR
+        );
+        // Part of it: wait.
+        assert_eq!(served(&h2::PREFACE[..10]).2, Ok(0));
+    }
+
+    #[test]
+    fn the_rules_on_streams_hold() {
+        // An even stream, a stream going back, frames on idle streams.
+        for (frames, code) in [
+            (vec![get(2, true)], ErrorCode::PROTOCOL_ERROR),
+            (vec![get(5, true), get(3, true)], ErrorCode::STREAM_CLOSED),
+            (
+                vec![frame(kind::DATA, 0, 1, b"x")],
+                ErrorCode::PROTOCOL_ERROR,
+            ),
+            (
+                vec![frame(kind::RST_STREAM, 0, 1, &[0, 0, 0, 8])],
+                ErrorCode::PROTOCOL_ERROR,
+            ),
+            (
+                vec![frame(kind::WINDOW_UPDATE, 0, 1, &[0, 0, 0, 1])],
+                ErrorCode::PROTOCOL_ERROR,
+            ),
+            (
+                vec![frame(kind::PUSH_PROMISE, 0, 1, &[0; 4])],
+                ErrorCode::PROTOCOL_ERROR,
+            ),
+        ] {
+            let (s, _, r) = served(&client(&frames));
+            assert_eq!(r.unwrap_err().code(), code, "{frames:?}");
+            assert!(s.failed());
+        }
+        // DATA after the request's end: that stream's error, the connection goes on.
+        let (mut s, events, r) = served(&client(&[
+            get(1, false),
+            frame(kind::DATA, flag::END_STREAM, 1, b"a"),
+            frame(kind::DATA, 0, 1, b"b"),
+            get(3, true),
+        ]));
+        assert!(r.is_ok());
+        assert!(!s.failed());
+        assert!(matches!(
+            events.last(),
+            Some(Event::Request { stream: 3, .. })
+        ));
+        let out = frames(s.out());
+        let rst = out
+            .iter()
+            .find(|(h, _)| h.kind == kind::RST_STREAM)
+            .unwrap();
+        assert_eq!((rst.0.stream, &rst.1[..]), (1, &5u32.to_be_bytes()[..]));
+        // A request without :path, or with a connection-specific field: its stream's error.
+        for block in [
+            vec![0x82, 0x86],
+            vec![
+                0x82, 0x86, 0x84, 0x00, 0x0a, b'c', b'o', b'n', b'n', b'e', b'c', b't', b'i', b'o',
+                b'n', 0x01, b'x',
+            ],
+            vec![0x82, 0x86, 0x84, 0x00, 0x01, b'X', 0x01, b'x'],
+            vec![0x82, 0x00, 0x01, b'x', 0x01, b'x', 0x86, 0x84],
+        ] {
+            let (s, events, r) = served(&client(&[frame(
+                kind::HEADERS,
+                flag::END_HEADERS | flag::END_STREAM,
+                1,
+                &block,
+            )]));
+            assert!(r.is_ok(), "{block:?}");
+            assert!(events.is_empty(), "{block:?}");
+            assert!(!s.failed());
+        }
+        // A block that does not decode: the connection's error (the tables are out of step).
+        let (_, _, r) = served(&client(&[frame(
+            kind::HEADERS,
+            flag::END_HEADERS,
+            1,
+            &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff],
+        )]));
+        assert_eq!(r.unwrap_err().code(), ErrorCode::COMPRESSION_ERROR);
+    }
+
+    #[test]
+    fn more_streams_than_allowed_are_refused() {
+        let mut s = Server::new(Config {
+            max_concurrent_streams: 2,
+            ..Config::default()
+        });
+        s.out().clear();
+        let mut events = Vec::new();
+        let bytes = client(&[get(1, false), get(3, false), get(5, false)]);
+        s.recv(&bytes, &mut events).unwrap();
+        assert_eq!(events.len(), 2);
+        let out = frames(s.out());
+        let rst = out
+            .iter()
+            .find(|(h, _)| h.kind == kind::RST_STREAM)
+            .unwrap();
+        assert_eq!((rst.0.stream, &rst.1[..]), (5, &7u32.to_be_bytes()[..]));
+        // One ends: the next is taken.
+        s.reset(1, ErrorCode::CANCEL);
+        events.clear();
+        s.recv(&get(7, true), &mut events).unwrap();
+        assert!(matches!(events[..], [Event::Request { stream: 7, .. }]));
+    }
+
+    #[test]
+    fn flow_control_holds_both_ways() {
+        // This side's answer waits for the client's window.
+        let settings = frame(kind::SETTINGS, 0, 0, &[0, 4, 0, 0, 0, 3]);
+        let (mut s, events, r) = served(&client(&[settings, get(1, true)]));
+        assert!(r.is_ok());
+        assert!(matches!(events[0], Event::Request { stream: 1, .. }));
+        s.respond(1, 200, [], false).unwrap();
+        assert_eq!(s.send_data(1, b"hello", true), Ok(3));
+        assert_eq!(s.send_data(1, b"lo", true), Ok(0));
+        let mut events = Vec::new();
+        s.recv(
+            &frame(kind::WINDOW_UPDATE, 0, 1, &[0, 0, 0, 10]),
+            &mut events,
+        )
+        .unwrap();
+        assert_eq!(events, [Event::Writable { stream: 1 }]);
+        assert_eq!(s.send_data(1, b"lo", true), Ok(2));
+        assert_eq!(s.open_streams(), 0);
+        // A window past 2^31-1: the stream's error.
+        let (mut s, _, _) = served(&client(&[get(1, false)]));
+        let mut events = Vec::new();
+        s.recv(
+            &frame(kind::WINDOW_UPDATE, 0, 1, &0x7fff_ffffu32.to_be_bytes()),
+            &mut events,
+        )
+        .unwrap();
+        assert_eq!(s.open_streams(), 0, "reset");
+
+        // The client's body: past the stream's window, that stream's error.
+        let config = Config {
+            initial_window_size: 8,
+            ..Config::default()
+        };
+        let mut s = Server::new(config);
+        let mut events = Vec::new();
+        let bytes = client(&[
+            get(1, false),
+            frame(kind::DATA, 0, 1, &[1; 8]),
+            frame(kind::DATA, 0, 1, &[1; 1]),
+        ]);
+        s.recv(&bytes, &mut events).unwrap();
+        assert!(!s.failed());
+        assert_eq!(s.open_streams(), 0);
+        assert_eq!(kinds(s.out()).last(), Some(&(kind::RST_STREAM, 1)));
+        // Given back as handled: a WINDOW_UPDATE once half of the window waits.
+        let mut s = Server::new(config);
+        let mut events = Vec::new();
+        s.recv(
+            &client(&[get(1, false), frame(kind::DATA, 0, 1, &[1; 8])]),
+            &mut events,
+        )
+        .unwrap();
+        s.out().clear();
+        s.consumed(1, 3);
+        assert!(s.out().is_empty());
+        s.consumed(1, 5);
+        let out = frames(s.out());
+        assert_eq!(
+            (out[0].0.kind, out[0].0.stream, &out[0].1[..]),
+            (kind::WINDOW_UPDATE, 1, &8u32.to_be_bytes()[..])
+        );
+        events.clear();
+        s.recv(
+            &frame(kind::DATA, flag::END_STREAM, 1, &[1; 8]),
+            &mut events,
+        )
+        .unwrap();
+        assert!(matches!(
+            events[..],
+            [Event::Data {
+                end_stream: true,
+                ..
+            }]
+        ));
+    }
+
+    #[test]
+    fn a_body_unlike_its_content_length_resets_its_stream_and_keeps_the_connections_window() {
+        let config = Config {
+            connection_window: 65_535,
+            ..Config::default()
+        };
+        let mut s = Server::new(config);
+        let mut events = Vec::new();
+        let mut bytes = client(&[]);
+        // Forty requests of 2,000 bytes each saying 1,000: more than the connection's window
+        // unless what was refused is given back.
+        for i in 0..40u32 {
+            let stream = 2 * i + 1;
+            let mut block = vec![0x83, 0x86, 0x84];
+            block.extend_from_slice(&[0x0f, 0x0d, 0x04, b'1', b'0', b'0', b'0']);
+            bytes.extend_from_slice(&frame(kind::HEADERS, flag::END_HEADERS, stream, &block));
+            bytes.extend_from_slice(&frame(kind::DATA, flag::END_STREAM, stream, &[0; 2000]));
+        }
+        s.recv(&bytes, &mut events).unwrap();
+        assert!(!s.failed());
+        assert_eq!(events.len(), 40, "the requests, and no data");
+        let out = frames(s.out());
+        let resets = out
+            .iter()
+            .filter(|(h, _)| h.kind == kind::RST_STREAM)
+            .count();
+        assert_eq!(resets, 40);
+        let given: u32 = out
+            .iter()
+            .filter(|(h, _)| h.kind == kind::WINDOW_UPDATE && h.stream == 0)
+            .map(|(_, p)| u32::from_be_bytes(p[..4].try_into().unwrap()))
+            .sum();
+        assert!(given >= 40 * 2000 - 65_535, "{given}");
+        // Shorter than said: the same.
+        let mut s = Server::new(Config::default());
+        let mut block = vec![0x83, 0x86, 0x84];
+        block.extend_from_slice(&[0x0f, 0x0d, 0x01, b'5']);
+        let bytes = client(&[
+            frame(kind::HEADERS, flag::END_HEADERS, 1, &block),
+            frame(kind::DATA, flag::END_STREAM, 1, b"1234"),
+        ]);
+        let mut events = Vec::new();
+        s.recv(&bytes, &mut events).unwrap();
+        assert_eq!(kinds(s.out()).last(), Some(&(kind::RST_STREAM, 1)));
+        // Just as said: the body.
+        let mut s = Server::new(Config::default());
+        let bytes = client(&[
+            frame(kind::HEADERS, flag::END_HEADERS, 1, &block),
+            frame(kind::DATA, 0, 1, b"12"),
+            frame(kind::DATA, flag::END_STREAM, 1, b"345"),
+        ]);
+        let mut events = Vec::new();
+        s.recv(&bytes, &mut events).unwrap();
+        assert!(matches!(
+            events[2],
+            Event::Data {
+                end_stream: true,
+                ..
+            }
+        ));
+        // Giving back more than was sent opens no window past the one given.
+        s.out().clear();
+        s.consumed(1, usize::MAX);
+        for (h, p) in frames(s.out()) {
+            assert_eq!(h.kind, kind::WINDOW_UPDATE);
+            assert!(u32::from_be_bytes(p[..4].try_into().unwrap()) <= 5);
+        }
+    }
+
+    #[test]
+    fn pings_and_settings_are_answered() {
+        let (mut s, _, r) = served(&client(&[frame(kind::PING, 0, 0, b"abcdefgh")]));
+        assert!(r.is_ok());
+        let out = frames(s.out());
+        assert_eq!(out[0].0.kind, kind::SETTINGS);
+        assert_eq!(out[0].0.flags, flag::ACK);
+        assert_eq!(
+            (out[1].0.kind, out[1].0.flags, &out[1].1[..]),
+            (kind::PING, flag::ACK, &b"abcdefgh"[..])
+        );
+        // A bad setting: the connection's error.
+        let (_, _, r) = served(&client(&[frame(kind::SETTINGS, 0, 0, &[0, 2, 0, 0, 0, 2])]));
+        assert_eq!(r.unwrap_err().code(), ErrorCode::PROTOCOL_ERROR);
+    }
+
+    #[test]
+    fn answers_encode_any_status_and_long_fields() {
+        let (mut s, _, _) = served(&client(&[get(1, true), get(3, true)]));
+        let long = vec![b'v'; 300];
+        s.respond(
+            1,
+            503,
+            [
+                (&b"retry-after"[..], &b"1"[..]),
+                (&b"x-long"[..], &long[..]),
+            ],
+            true,
+        )
+        .unwrap();
+        s.respond(3, 404, [], true).unwrap();
+        let out = frames(s.out());
+        let mut decoder = loona_hpack::Decoder::new();
+        let mut blocks = out
+            .iter()
+            .filter(|(h, _)| h.kind == kind::HEADERS)
+            .map(|(_, b)| {
+                let mut fields = Vec::new();
+                decoder
+                    .decode_with_cb(b, |n, v| fields.push((n.into_owned(), v.into_owned())))
+                    .unwrap();
+                fields
+            });
+        assert_eq!(
+            blocks.next().unwrap(),
+            [
+                (b":status".to_vec(), b"503".to_vec()),
+                (b"retry-after".to_vec(), b"1".to_vec()),
+                (b"x-long".to_vec(), long.clone())
+            ]
+        );
+        assert_eq!(
+            blocks.next().unwrap(),
+            [(b":status".to_vec(), b"404".to_vec())]
+        );
+    }
+
+    #[test]
+    fn a_graceful_end_refuses_new_streams_and_lets_the_open_ones_finish() {
+        let (mut s, _, _) = served(&client(&[get(1, true)]));
+        s.go_away();
+        let mut events = Vec::new();
+        s.recv(&get(3, true), &mut events).unwrap();
+        assert!(events.is_empty());
+        s.respond(1, 200, [], true).unwrap();
+        let k = kinds(s.out());
+        assert!(k.contains(&(kind::GOAWAY, 0)));
+        assert!(k.contains(&(kind::RST_STREAM, 3)));
+        assert_eq!(k.last(), Some(&(kind::HEADERS, 1)));
+    }
+}
