@@ -9,7 +9,7 @@
 //! of a request beyond its pseudo-header fields, and time (a peer that never acknowledges
 //! SETTINGS is the caller's to time out).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 
 use crate::h2::{self, ErrorCode, Frame, H2Error, Settings, setting};
@@ -134,8 +134,23 @@ pub struct Server {
     continuing: Option<Continuing>,
     /// Whether a GOAWAY was sent (no new streams are taken after it).
     going_away: bool,
+    /// The streams this side reset lately, oldest first ([`RESETS_REMEMBERED`]).
+    reset_lately: VecDeque<u32>,
+    reset_set: HashSet<u32>,
+    /// Requests the client cancelled before their answer, and answers sent.
+    early_resets: u64,
+    answered: u64,
     out: Vec<u8>,
 }
+
+/// How many of the streams this side reset are remembered: frames the client sent on them
+/// before it knew are ignored rather than taken as errors (RFC 9113 5.4.2).
+const RESETS_REMEMBERED: usize = 1_024;
+
+/// How many requests the client may cancel before their answers beyond the number answered,
+/// before the connection is refused with ENHANCE_YOUR_CALM: opening and resetting streams
+/// costs this side work the client does not wait for (the "rapid reset" attack).
+const EARLY_RESETS_ALLOWED: u64 = 1_024;
 
 /// Connection-specific fields, which HTTP/2 forbids (RFC 9113 8.2.2).
 const CONNECTION_SPECIFIC: [&[u8]; 5] = [
@@ -186,6 +201,10 @@ impl Server {
             conn_unacked: 0,
             continuing: None,
             going_away: false,
+            reset_lately: VecDeque::new(),
+            reset_set: HashSet::new(),
+            early_resets: 0,
+            answered: 0,
             out,
         }
     }
@@ -273,9 +292,21 @@ impl Server {
             H2Error::Stream(stream, code, _) => {
                 h2::write_rst_stream(&mut self.out, stream, code);
                 self.streams.remove(&stream);
+                self.remember_reset(stream);
                 Ok(())
             }
             H2Error::Connection(..) => Err(self.fail(e)),
+        }
+    }
+
+    fn remember_reset(&mut self, stream: u32) {
+        if self.reset_set.insert(stream) {
+            self.reset_lately.push_back(stream);
+            if self.reset_lately.len() > RESETS_REMEMBERED
+                && let Some(old) = self.reset_lately.pop_front()
+            {
+                self.reset_set.remove(&old);
+            }
         }
     }
 
@@ -374,7 +405,16 @@ impl Server {
             }
             Frame::RstStream { stream, code } => {
                 self.known(stream)?;
-                if self.streams.remove(&stream).is_some() {
+                if let Some(s) = self.streams.remove(&stream) {
+                    if !s.responded {
+                        self.early_resets += 1;
+                        if self.early_resets > EARLY_RESETS_ALLOWED.max(self.answered) {
+                            return Err(conn(
+                                ErrorCode::ENHANCE_YOUR_CALM,
+                                "too many requests cancelled before their answers",
+                            ));
+                        }
+                    }
                     events.push(Event::Reset { stream, code });
                 }
             }
@@ -403,6 +443,12 @@ impl Server {
                         ErrorCode::FLOW_CONTROL_ERROR,
                         "DATA past the connection's window",
                     ));
+                }
+                if self.reset_set.contains(&stream) && !self.streams.contains_key(&stream) {
+                    // Sent before the client knew of this side's reset: ignored, its bytes
+                    // given back to the connection's window.
+                    self.give_back(0, flow_len as usize);
+                    return Ok(());
                 }
                 let refused = match self.streams.get_mut(&stream) {
                     None => Some(H2Error::Stream(
@@ -580,6 +626,11 @@ impl Server {
             return Ok(());
         }
         if stream <= self.last_stream {
+            if self.reset_set.contains(&stream) {
+                // Trailers sent before the client knew of this side's reset: ignored (the
+                // block was decoded, so the table stays in step).
+                return Ok(());
+            }
             return Err(H2Error::Connection(
                 ErrorCode::STREAM_CLOSED,
                 "HEADERS on a closed stream",
@@ -732,6 +783,7 @@ impl Server {
         }
         s.responded = true;
         s.local_ended = end_stream;
+        self.answered += 1;
         h2::write_headers(
             &mut self.out,
             stream,
@@ -811,6 +863,7 @@ impl Server {
     pub fn reset(&mut self, stream: u32, code: ErrorCode) {
         if self.streams.remove(&stream).is_some() {
             h2::write_rst_stream(&mut self.out, stream, code);
+            self.remember_reset(stream);
         }
     }
 
@@ -1430,6 +1483,99 @@ mod tests {
             assert_eq!(h.kind, kind::WINDOW_UPDATE);
             assert!(u32::from_be_bytes(p[..4].try_into().unwrap()) <= 5);
         }
+    }
+
+    #[test]
+    fn what_the_client_sent_before_it_knew_of_a_reset_is_ignored() {
+        let (mut s, _, _) = served(&client(&[get(1, false), get(3, false)]));
+        s.reset(1, ErrorCode::CANCEL);
+        s.out().clear();
+        let mut events = Vec::new();
+        // Its body and trailers (a literal with incremental indexing: the table must follow).
+        let trailers = [0x40, 0x01, b't', 0x01, b'v'];
+        let bytes = [
+            frame(kind::DATA, 0, 1, &[0; 100]),
+            frame(
+                kind::HEADERS,
+                flag::END_HEADERS | flag::END_STREAM,
+                1,
+                &trailers,
+            ),
+            frame(kind::WINDOW_UPDATE, 0, 1, &[0, 0, 0, 9]),
+            frame(kind::RST_STREAM, 0, 1, &[0, 0, 0, 8]),
+            // Then trailers on stream 3 naming the entry the ignored block added.
+            frame(kind::DATA, 0, 3, b"x"),
+            frame(
+                kind::HEADERS,
+                flag::END_HEADERS | flag::END_STREAM,
+                3,
+                &[0xbe],
+            ),
+        ]
+        .concat();
+        assert_eq!(s.recv(&bytes, &mut events), Ok(bytes.len()));
+        assert!(!s.failed());
+        assert_eq!(
+            events[1],
+            Event::Trailers {
+                stream: 3,
+                fields: vec![(b"t".to_vec(), b"v".to_vec())]
+            }
+        );
+        assert!(
+            !kinds(s.out()).contains(&(kind::RST_STREAM, 1)),
+            "no error for them"
+        );
+        // A stream closed by both ends, not reset by this side: HEADERS on it are an error.
+        let (mut s, _, _) = served(&client(&[get(1, true)]));
+        s.respond(1, 200, [], true).unwrap();
+        let mut events = Vec::new();
+        let r = s.recv(
+            &frame(
+                kind::HEADERS,
+                flag::END_HEADERS | flag::END_STREAM,
+                1,
+                &[0x40, 0x01, b't', 0x01, b'v'],
+            ),
+            &mut events,
+        );
+        assert_eq!(r.unwrap_err().code(), ErrorCode::STREAM_CLOSED);
+    }
+
+    #[test]
+    fn a_client_resetting_its_requests_faster_than_they_are_answered_is_refused() {
+        let mut s = Server::new(Config::default());
+        let mut events = Vec::new();
+        s.recv(&client(&[]), &mut events).unwrap();
+        let mut r = Ok(0);
+        let mut stream = 1;
+        while r.is_ok() && stream < 2 * 5_000 {
+            let bytes = [
+                get(stream, true),
+                frame(kind::RST_STREAM, 0, stream, &[0, 0, 0, 8]),
+            ]
+            .concat();
+            r = s.recv(&bytes, &mut events);
+            stream += 2;
+        }
+        assert_eq!(r.unwrap_err().code(), ErrorCode::ENHANCE_YOUR_CALM);
+        assert_eq!((stream - 1) / 2, EARLY_RESETS_ALLOWED as u32 + 1);
+        // Answered ones count for the client.
+        let mut s = Server::new(Config::default());
+        s.recv(&client(&[]), &mut events).unwrap();
+        for i in 0..3_000u32 {
+            let stream = 2 * i + 1;
+            s.recv(&get(stream, false), &mut events).unwrap();
+            if i % 2 == 0 {
+                s.respond(stream, 200, [], false).unwrap();
+            }
+            s.recv(
+                &frame(kind::RST_STREAM, 0, stream, &[0, 0, 0, 8]),
+                &mut events,
+            )
+            .unwrap();
+        }
+        assert!(!s.failed());
     }
 
     #[test]
