@@ -306,15 +306,9 @@ pub fn parse(head: Head, payload: &[u8]) -> Result<Frame<'_>, H2Error> {
                     ));
                 };
                 block = rest;
-                let p = priority(p);
-                if p.depends_on == stream {
-                    return Err(H2Error::Stream(
-                        stream,
-                        ErrorCode::PROTOCOL_ERROR,
-                        "a stream that depends on itself",
-                    ));
-                }
-                Some(p)
+                // A stream depending on itself is a stream error, which the reader raises
+                // once it has decoded the field block (its HPACK table must follow it).
+                Some(priority(p))
             } else {
                 None
             };
@@ -808,15 +802,15 @@ mod tests {
                 block: b"block"
             }
         );
-        // A stream depending on itself: a stream error.
-        assert_eq!(
+        // A stream depending on itself: read, for the reader to decode its block first and
+        // then refuse it.
+        assert!(matches!(
             one(&frame(kind::HEADERS, flag::PRIORITY, 3, &[0, 0, 0, 3, 0])),
-            Err(H2Error::Stream(
-                3,
-                ErrorCode::PROTOCOL_ERROR,
-                "a stream that depends on itself"
-            ))
-        );
+            Ok(Frame::Headers {
+                priority: Some(Priority { depends_on: 3, .. }),
+                ..
+            })
+        ));
         assert_eq!(
             conn_err(&frame(kind::HEADERS, flag::PRIORITY, 3, &[0, 0, 0])),
             ErrorCode::FRAME_SIZE_ERROR

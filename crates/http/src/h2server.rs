@@ -116,6 +116,8 @@ struct Stream {
 struct Continuing {
     stream: u32,
     end_stream: bool,
+    /// The HEADERS said the stream depends on itself: a stream error once decoded.
+    on_itself: bool,
     block: Vec<u8>,
 }
 
@@ -516,14 +518,16 @@ impl Server {
                 end_stream,
                 end_headers,
                 block,
-                ..
+                priority,
             } => {
+                let on_itself = priority.is_some_and(|p| p.depends_on == stream);
                 if end_headers {
-                    self.field_block(stream, end_stream, block, events)?;
+                    self.field_block(stream, end_stream, on_itself, block, events)?;
                 } else {
                     self.continuing = Some(Continuing {
                         stream,
                         end_stream,
+                        on_itself,
                         block: block.to_vec(),
                     });
                     self.check_block_size()?;
@@ -542,7 +546,7 @@ impl Server {
                 self.check_block_size()?;
                 if end_headers {
                     let c = self.continuing.take().expect("continuing");
-                    self.field_block(c.stream, c.end_stream, &c.block, events)?;
+                    self.field_block(c.stream, c.end_stream, c.on_itself, &c.block, events)?;
                 }
             }
         }
@@ -577,12 +581,20 @@ impl Server {
         &mut self,
         stream: u32,
         end_stream: bool,
+        on_itself: bool,
         block: &[u8],
         events: &mut Vec<Event>,
     ) -> Result<(), H2Error> {
         // Decoded first, whatever happens to the stream: the decoder's table must follow
         // every block.
         let fields = self.decode(block)?;
+        let malformed = |why| H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why);
+        if on_itself {
+            if stream > self.last_stream && !stream.is_multiple_of(2) {
+                self.last_stream = stream;
+            }
+            return Err(malformed("a stream that depends on itself"));
+        }
         if let Some(s) = self.streams.get_mut(&stream) {
             // Trailers: the end of the request's body.
             if s.remote_ended {
@@ -593,32 +605,16 @@ impl Server {
                 ));
             }
             if !end_stream {
-                return Err(H2Error::Stream(
-                    stream,
-                    ErrorCode::PROTOCOL_ERROR,
-                    "trailers without END_STREAM",
-                ));
+                return Err(malformed("trailers without END_STREAM"));
             }
             let Some(fields) = fields else {
-                return Err(H2Error::Stream(
-                    stream,
-                    ErrorCode::PROTOCOL_ERROR,
-                    "trailers past the header list's size",
-                ));
+                return Err(malformed("trailers past the header list's size"));
             };
             if fields.iter().any(|(n, _)| n.starts_with(b":")) {
-                return Err(H2Error::Stream(
-                    stream,
-                    ErrorCode::PROTOCOL_ERROR,
-                    "a pseudo-header field in trailers",
-                ));
+                return Err(malformed("a pseudo-header field in trailers"));
             }
             if s.body_left.is_some_and(|n| n > 0) {
-                return Err(H2Error::Stream(
-                    stream,
-                    ErrorCode::PROTOCOL_ERROR,
-                    "a body shorter than its content-length",
-                ));
+                return Err(malformed("a body shorter than its content-length"));
             }
             s.remote_ended = true;
             events.push(Event::Trailers { stream, fields });
@@ -658,22 +654,12 @@ impl Server {
             ));
         }
         let Some(fields) = fields else {
-            return Err(H2Error::Stream(
-                stream,
-                ErrorCode::PROTOCOL_ERROR,
-                "a request head past the header list's size",
-            ));
+            return Err(malformed("a request head past the header list's size"));
         };
-        let head = request_head(fields)
-            .map_err(|why| H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why))?;
-        let content_length = content_length(&head.fields)
-            .map_err(|why| H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why))?;
+        let head = request_head(fields).map_err(malformed)?;
+        let content_length = content_length(&head.fields).map_err(malformed)?;
         if end_stream && content_length.is_some_and(|n| n > 0) {
-            return Err(H2Error::Stream(
-                stream,
-                ErrorCode::PROTOCOL_ERROR,
-                "a content-length and no body",
-            ));
+            return Err(malformed("a content-length and no body"));
         }
         self.streams.insert(
             stream,
@@ -1313,6 +1299,39 @@ mod tests {
             &[0xff, 0xff, 0xff, 0xff, 0xff, 0xff],
         )]));
         assert_eq!(r.unwrap_err().code(), ErrorCode::COMPRESSION_ERROR);
+    }
+
+    #[test]
+    fn a_stream_depending_on_itself_is_refused_and_its_block_still_read() {
+        // Its block adds `x: y` to the table; the next request names it by index.
+        let mut payload = vec![0, 0, 0, 1, 15];
+        payload.extend_from_slice(&[0x82, 0x86, 0x84, 0x40, 0x01, b'x', 0x01, b'y']);
+        let on_itself = frame(
+            kind::HEADERS,
+            flag::END_HEADERS | flag::END_STREAM | flag::PRIORITY,
+            1,
+            &payload,
+        );
+        let next = frame(
+            kind::HEADERS,
+            flag::END_HEADERS | flag::END_STREAM,
+            3,
+            &[0x82, 0x86, 0x84, 0xbe],
+        );
+        let (mut s, events, r) = served(&client(&[on_itself, next]));
+        assert!(r.is_ok());
+        let Event::Request {
+            stream: 3, head, ..
+        } = &events[0]
+        else {
+            panic!("{events:?}");
+        };
+        assert_eq!(head.fields, [(b"x".to_vec(), b"y".to_vec())]);
+        let rst = frames(s.out())
+            .into_iter()
+            .find(|(h, _)| h.kind == kind::RST_STREAM)
+            .unwrap();
+        assert_eq!((rst.0.stream, &rst.1[..]), (1, &1u32.to_be_bytes()[..]));
     }
 
     #[test]
