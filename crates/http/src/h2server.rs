@@ -271,6 +271,13 @@ impl Server {
                     (frame, start + h2::HEAD_LEN)
                 }
                 Ok(None) => return Ok(at),
+                // Nothing may come between a HEADERS and its CONTINUATIONs, a broken frame least.
+                Err(_) if self.continuing.is_some() => {
+                    return Err(self.fail(H2Error::Connection(
+                        ErrorCode::PROTOCOL_ERROR,
+                        "a field block cut by another frame",
+                    )));
+                }
                 Err(e) => match self.stream_error(e) {
                     Ok(()) => {
                         // A stream error on a whole frame: skip it.
@@ -613,6 +620,9 @@ impl Server {
             if fields.iter().any(|(n, _)| n.starts_with(b":")) {
                 return Err(malformed("a pseudo-header field in trailers"));
             }
+            if let Some(why) = fields.iter().find_map(|(n, v)| check_field(n, v).err()) {
+                return Err(malformed(why));
+            }
             if s.body_left.is_some_and(|n| n > 0) {
                 return Err(malformed("a body shorter than its content-length"));
             }
@@ -884,12 +894,11 @@ fn request_head(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<RequestHead, &'static
             if std::mem::replace(&mut seen[i], true) {
                 return Err("a pseudo-header field twice");
             }
+            check_value(&value)?;
             *slot = value;
             continue;
         }
-        if name.iter().any(u8::is_ascii_uppercase) {
-            return Err("an uppercase field name");
-        }
+        check_field(&name, &value)?;
         if CONNECTION_SPECIFIC.contains(&name.as_slice()) {
             return Err("a connection-specific field");
         }
@@ -901,10 +910,49 @@ fn request_head(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<RequestHead, &'static
     if head.method == b"CONNECT" {
         return Err("CONNECT");
     }
+    if !head.method.iter().copied().all(is_tchar) {
+        return Err("a :method that is not a token");
+    }
+    if head.path.iter().any(|&b| b <= b' ' || b == 0x7f) {
+        return Err("a :path with a space or a control character");
+    }
     if !(seen[0] && seen[1] && seen[3]) || head.path.is_empty() {
         return Err("a request without :method, :scheme or :path");
     }
     Ok(head)
+}
+
+/// A field's name and value as HTTP/2 allows them (RFC 9113 8.2.1): a lowercase token, and a
+/// value without NUL, CR or LF and without whitespace at either end. What the proxy writes into
+/// an HTTP/1.1 head for a backend is then one field, never a second line.
+fn check_field(name: &[u8], value: &[u8]) -> Result<(), &'static str> {
+    if name.is_empty() || !name.iter().copied().all(is_tchar) {
+        return Err("a field name that is not a token");
+    }
+    if name.iter().any(u8::is_ascii_uppercase) {
+        return Err("an uppercase field name");
+    }
+    check_value(value)
+}
+
+fn check_value(value: &[u8]) -> Result<(), &'static str> {
+    if value.iter().any(|&b| matches!(b, 0 | b'\r' | b'\n')) {
+        return Err("a field value with NUL, CR or LF");
+    }
+    if value
+        .first()
+        .into_iter()
+        .chain(value.last())
+        .any(|&b| b == b' ' || b == b'\t')
+    {
+        return Err("a field value with whitespace at an end");
+    }
+    Ok(())
+}
+
+/// A token's character (RFC 9110 5.6.2).
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 /// The request's `content-length`, if it has one: digits, once (or the same value repeated).
@@ -1203,11 +1251,22 @@ mod tests {
                 ..
             }
         ));
-        // A PING between them: a connection error.
-        let (mut s, _, r) = served(&client(&[first, frame(kind::PING, 0, 0, &[0; 8]), rest]));
+        // A PING between them: a connection error; a frame broken on its own stream too.
+        let (mut s, _, r) = served(&client(&[
+            first.clone(),
+            frame(kind::PING, 0, 0, &[0; 8]),
+            rest.clone(),
+        ]));
         assert_eq!(r.unwrap_err().code(), ErrorCode::PROTOCOL_ERROR);
         assert!(s.failed());
         assert_eq!(kinds(s.out()).last(), Some(&(kind::GOAWAY, 0)));
+        let (s, _, r) = served(&client(&[
+            first,
+            frame(kind::WINDOW_UPDATE, 0, 1, &[0; 4]),
+            rest,
+        ]));
+        assert_eq!(r.unwrap_err().code(), ErrorCode::PROTOCOL_ERROR);
+        assert!(s.failed());
     }
 
     #[test]
@@ -1279,6 +1338,14 @@ mod tests {
                 b'n', 0x01, b'x',
             ],
             vec![0x82, 0x86, 0x84, 0x00, 0x01, b'X', 0x01, b'x'],
+            // A value that would be a second line in an HTTP/1.1 head, a name with a space, a
+            // value with a space at its end, a :path with a space.
+            vec![
+                0x82, 0x86, 0x84, 0x00, 0x01, b'x', 0x05, b'a', b'\r', b'\n', b'b', b':',
+            ],
+            vec![0x82, 0x86, 0x84, 0x00, 0x02, b'x', b' ', 0x01, b'x'],
+            vec![0x82, 0x86, 0x84, 0x00, 0x01, b'x', 0x02, b'x', b' '],
+            vec![0x82, 0x86, 0x04, 0x03, b'/', b' ', b'/'],
             vec![0x82, 0x00, 0x01, b'x', 0x01, b'x', 0x86, 0x84],
         ] {
             let (s, events, r) = served(&client(&[frame(
