@@ -98,8 +98,8 @@ pub enum PeerError {
     #[error("replica {0} does not own this (it was forwarded here by {1})")]
     Misdirected(String, String),
     /// The body to send does not encode (a fault of the sender's types, never sent).
-    #[error(transparent)]
-    Unencodable(#[from] crate::calls::wire::Unencodable),
+    #[error("a request body that does not encode: {0}")]
+    Unencodable(String),
 }
 
 /// Whether `name` may name a function: 1 to 63 characters of `a-z`, `0-9` and `-`, starting and

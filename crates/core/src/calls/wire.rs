@@ -171,6 +171,13 @@ impl Negotiated {
 #[error("a request body that does not encode: {0}")]
 pub struct Unencodable(pub String);
 
+// Here rather than beside `PeerError`: `ids` names no module above it.
+impl From<Unencodable> for crate::ids::PeerError {
+    fn from(e: Unencodable) -> Self {
+        crate::ids::PeerError::Unencodable(e.0)
+    }
+}
+
 /// An HTTP request or answer as JSON, as read ([`MessageJsonRef`] writes it).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MessageJson {
