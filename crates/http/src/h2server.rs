@@ -427,10 +427,8 @@ impl Server {
                     events.push(Event::Reset { stream, code });
                 }
             }
-            Frame::Priority { stream, .. } => {
-                // Deprecated; may come on any stream, even idle ones.
-                let _ = stream;
-            }
+            // Deprecated; may come on any stream, even idle ones.
+            Frame::Priority { .. } => {}
             Frame::PushPromise { .. } => {
                 return Err(conn(
                     ErrorCode::PROTOCOL_ERROR,
@@ -1114,6 +1112,16 @@ mod tests {
         all
     }
 
+    /// The first RST_STREAM in `out`: its stream and its code.
+    fn first_reset(out: &[u8]) -> (u32, ErrorCode) {
+        let (head, payload) = frames(out)
+            .into_iter()
+            .find(|(h, _)| h.kind == kind::RST_STREAM)
+            .expect("a RST_STREAM");
+        let code = u32::from_be_bytes(payload[..4].try_into().unwrap());
+        (head.stream, ErrorCode(code))
+    }
+
     fn kinds(out: &[u8]) -> Vec<(u8, u32)> {
         frames(out)
             .iter()
@@ -1324,12 +1332,7 @@ mod tests {
             events.last(),
             Some(Event::Request { stream: 3, .. })
         ));
-        let out = frames(s.out());
-        let rst = out
-            .iter()
-            .find(|(h, _)| h.kind == kind::RST_STREAM)
-            .unwrap();
-        assert_eq!((rst.0.stream, &rst.1[..]), (1, &5u32.to_be_bytes()[..]));
+        assert_eq!(first_reset(s.out()), (1, ErrorCode::STREAM_CLOSED));
         // A request without :path, or with a connection-specific field: its stream's error.
         for block in [
             vec![0x82, 0x86],
@@ -1394,11 +1397,7 @@ mod tests {
             panic!("{events:?}");
         };
         assert_eq!(head.fields, [(b"x".to_vec(), b"y".to_vec())]);
-        let rst = frames(s.out())
-            .into_iter()
-            .find(|(h, _)| h.kind == kind::RST_STREAM)
-            .unwrap();
-        assert_eq!((rst.0.stream, &rst.1[..]), (1, &1u32.to_be_bytes()[..]));
+        assert_eq!(first_reset(s.out()), (1, ErrorCode::PROTOCOL_ERROR));
     }
 
     #[test]
@@ -1412,12 +1411,7 @@ mod tests {
         let bytes = client(&[get(1, false), get(3, false), get(5, false)]);
         s.recv(&bytes, &mut events).unwrap();
         assert_eq!(events.len(), 2);
-        let out = frames(s.out());
-        let rst = out
-            .iter()
-            .find(|(h, _)| h.kind == kind::RST_STREAM)
-            .unwrap();
-        assert_eq!((rst.0.stream, &rst.1[..]), (5, &7u32.to_be_bytes()[..]));
+        assert_eq!(first_reset(s.out()), (5, ErrorCode::REFUSED_STREAM));
         // One ends: the next is taken.
         s.reset(1, ErrorCode::CANCEL);
         events.clear();
