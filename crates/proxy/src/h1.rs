@@ -223,6 +223,11 @@ pub(super) async fn serve_connection(
                         }
                         return;
                     }
+                    Parsed::Elsewhere if buf.starts_with(b"PRI * HTTP/2.0\r\n") => {
+                        // h2c with prior knowledge: ebb's own HTTP/2 server side.
+                        super::h2serve::serve(proxy, client, buf, peer, gateway).await;
+                        return;
+                    }
                     Parsed::Elsewhere => {
                         let io = Prefixed {
                             prefix: buf.freeze(),
@@ -414,7 +419,7 @@ pub(super) struct Backend {
 
 /// When a connection last moved bytes, for the stall and idle bounds, and whether anything went
 /// to the client for the request under way.
-struct Progress<'a> {
+pub(super) struct Progress<'a> {
     clock: &'a dyn Clock,
     at_ms: AtomicU64,
     wrote: AtomicBool,
@@ -428,7 +433,7 @@ struct Progress<'a> {
 }
 
 impl<'a> Progress<'a> {
-    fn new(clock: &'a dyn Clock) -> Self {
+    pub(super) fn new(clock: &'a dyn Clock) -> Self {
         Self {
             at_ms: AtomicU64::new(clock.now_ms()),
             clock,
@@ -444,7 +449,7 @@ impl<'a> Progress<'a> {
         self.status.store(status, Ordering::Relaxed);
     }
 
-    fn mark(&self) {
+    pub(super) fn mark(&self) {
         self.at_ms.store(self.clock.now_ms(), Ordering::Relaxed);
     }
 
@@ -458,7 +463,7 @@ impl<'a> Progress<'a> {
 /// One timer per connection that resolves when the connection made no progress for a bound. It is
 /// moved only when it fires (or must fire sooner): arming a timer per request would cost a driver
 /// wake-up each time.
-struct Watchdog {
+pub(super) struct Watchdog {
     sleep: Pin<Box<tokio::time::Sleep>>,
     /// The instant the clock read `base_ms`.
     base: tokio::time::Instant,
@@ -466,7 +471,7 @@ struct Watchdog {
 }
 
 impl Watchdog {
-    fn new(progress: &Progress<'_>, first_ms: u64) -> Self {
+    pub(super) fn new(progress: &Progress<'_>, first_ms: u64) -> Self {
         let sleep = Box::pin(tokio::time::sleep(Duration::from_millis(first_ms)));
         let base = sleep.deadline() - Duration::from_millis(first_ms);
         Self {
@@ -477,7 +482,7 @@ impl Watchdog {
     }
 
     /// Resolves once `limit_ms` pass without progress.
-    async fn expired(&mut self, progress: &Progress<'_>, limit_ms: u64) {
+    pub(super) async fn expired(&mut self, progress: &Progress<'_>, limit_ms: u64) {
         // A tighter bound than the timer's takes effect now; a looser one when the timer fires.
         let due_ms = progress.at_ms.load(Ordering::Relaxed) + limit_ms;
         let due = self.base + Duration::from_millis(due_ms.saturating_sub(self.base_ms));

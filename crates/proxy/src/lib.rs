@@ -30,8 +30,9 @@
 //!   connect attempt being made again within `connect_attempt_ms`, so a burst released by a wake
 //!   never floods an app with a small accept backlog.
 //! * **Forwarding**: HTTP/1.1 requests take the raw-socket path in `h1` (per-thread pools of
-//!   keep-alive backend connections, bodies streamed byte for byte); h2c, HTTP/1.0 and upgrades
-//!   (WebSocket) take the general path on hyper ([`Proxy::handle`]), which serves the rest of
+//!   keep-alive backend connections, bodies streamed byte for byte); h2c with prior knowledge is
+//!   served by ebb's own HTTP/2 server side ([`h2serve`]); HTTP/1.0 and upgrades (WebSocket)
+//!   take the general path on hyper; both end in [`Proxy::handle`], which serves the rest of
 //!   the connection and tunnels upgrades ([`splice`]). Both add `X-Forwarded-For`, `-Proto`,
 //!   `-Host` and `Forwarded`. The general path's HTTP/1.1 hop ([`h1hop`]) writes a body-less
 //!   request and reads its answer itself, on the fast path's pooled connections; a request with
@@ -81,6 +82,7 @@ pub mod grpc;
 mod h1;
 mod h1hop;
 mod h2hop;
+mod h2serve;
 pub mod load;
 pub mod relay;
 pub mod runtime;
@@ -938,67 +940,18 @@ impl Proxy {
         let limits = self.options.limits;
         let draining = self.clone();
         let proxy = self;
-        let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let proxy = proxy.clone();
+            let mut req = req.map(|b| b.map_err(BoxError::from).boxed());
             if https {
                 req.extensions_mut().insert(Https);
             }
             if let Some(socket) = &gateway {
                 req.extensions_mut().insert(socket.clone());
             }
-            async move {
-                if strict::is_refusal(req.headers()) {
-                    // A head with a lone LF, refused as the HTTP/1.1 path refuses it.
-                    let mut r = json_error(StatusCode::BAD_REQUEST, "bad_request", strict::LONE_LF);
-                    r.headers_mut()
-                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
-                    return Ok(r);
-                }
-                // Boxed: hyper spawns a task per HTTP/2 stream holding this future, and moves it
-                // whole into the task and out at its end; the boxed one is a pointer.
-                let Some(tracing) = trace::tracing() else {
-                    return Ok::<_, std::convert::Infallible>(
-                        Box::pin(proxy.handle(req, peer)).await,
-                    );
-                };
-                // Traced: the request's span from its head to its answer's head, its context
-                // sent on in place of the client's.
-                let cx = {
-                    let host = routed_by(&req).map(|(h, _)| h).unwrap_or_default();
-                    let method = req.method().as_str().to_owned();
-                    let path = req.uri().path().to_owned();
-                    tracing.request(
-                        &trace::Reading(req.headers()),
-                        trace::RequestSpan {
-                            method: &method,
-                            path: &path,
-                            host: &host,
-                            route: None,
-                            client: Some(peer),
-                            request_id: None,
-                        },
-                    )
-                };
-                let grpc = grpc::is_grpc_request(&req);
-                if let Some(cx) = &cx {
-                    if grpc {
-                        trace::rpc(cx, req.uri().path());
-                    }
-                    tracing.inject(cx, &mut trace::Headers(req.headers_mut()));
-                    req.extensions_mut().insert(trace::RequestCx(cx.clone()));
-                }
-                let resp = Box::pin(proxy.handle(req, peer)).await;
-                if let Some(cx) = cx {
-                    if grpc {
-                        // A status in the head (a trailers-only answer: ebb's own, or an
-                        // error); one in the trailers comes after the span ends.
-                        trace::grpc_status(&cx, resp.headers().get("grpc-status"));
-                    }
-                    trace::answered(cx, resp.status().as_u16());
-                }
-                Ok(resp)
-            }
+            async move { Ok::<_, std::convert::Infallible>(proxy.answer(req, peer).await) }
         });
+
         let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
         builder
             .http1()
@@ -1028,8 +981,61 @@ impl Proxy {
         }
     }
 
+    /// Answers one request as a connection's server hands it over (hyper's, or the HTTP/2
+    /// driver's): the lone-LF refusal, its span when tracing is on, then [`Proxy::handle`].
+    pub(crate) async fn answer(&self, mut req: Request<Body>, peer: SocketAddr) -> Response<Body> {
+        if strict::is_refusal(req.headers()) {
+            // A head with a lone LF, refused as the HTTP/1.1 path refuses it.
+            let mut r = json_error(StatusCode::BAD_REQUEST, "bad_request", strict::LONE_LF);
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return r;
+        }
+        // Boxed: an HTTP/2 stream's task holds this future, moved whole into the task and
+        // out at its end; the boxed one is a pointer.
+        let Some(tracing) = trace::tracing() else {
+            return Box::pin(self.handle(req, peer)).await;
+        };
+        // Traced: the request's span from its head to its answer's head, its context
+        // sent on in place of the client's.
+        let cx = {
+            let host = routed_by(&req).map(|(h, _)| h).unwrap_or_default();
+            let method = req.method().as_str().to_owned();
+            let path = req.uri().path().to_owned();
+            tracing.request(
+                &trace::Reading(req.headers()),
+                trace::RequestSpan {
+                    method: &method,
+                    path: &path,
+                    host: &host,
+                    route: None,
+                    client: Some(peer),
+                    request_id: None,
+                },
+            )
+        };
+        let grpc = grpc::is_grpc_request(&req);
+        if let Some(cx) = &cx {
+            if grpc {
+                trace::rpc(cx, req.uri().path());
+            }
+            tracing.inject(cx, &mut trace::Headers(req.headers_mut()));
+            req.extensions_mut().insert(trace::RequestCx(cx.clone()));
+        }
+        let resp = Box::pin(self.handle(req, peer)).await;
+        if let Some(cx) = cx {
+            if grpc {
+                // A status in the head (a trailers-only answer: ebb's own, or an
+                // error); one in the trailers comes after the span ends.
+                trace::grpc_status(&cx, resp.headers().get("grpc-status"));
+            }
+            trace::answered(cx, resp.status().as_u16());
+        }
+        resp
+    }
+
     /// Answers one request.
-    pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    pub async fn handle(&self, mut req: Request<Body>, peer: SocketAddr) -> Response<Body> {
         let (host, path) = match routed_by(&req) {
             Ok(t) => t,
             Err(e) => {
@@ -1152,7 +1158,7 @@ impl Proxy {
         let progress = stream_idle::Progress::new(self.thread_clock(), stall_ms);
         let mut body = Some(
             stream_idle::Marking {
-                inner: body.map_err(BoxError::from).boxed(),
+                inner: body,
                 progress: progress.clone(),
             }
             .boxed(),
@@ -1331,7 +1337,7 @@ impl Proxy {
     /// connection is tried once more on another instance when the request can be sent again.
     async fn handle_service(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<Body>,
         peer: SocketAddr,
         host: String,
         target: String,
@@ -1449,7 +1455,7 @@ impl Proxy {
             Ok(p) => p,
             Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_target", &e.to_string()),
         };
-        let mut body = Some(body.map_err(BoxError::from).boxed());
+        let mut body = Some(body);
         let mut failed: Option<SocketAddr> = None;
         // An `ebb://app` destination is the app's traffic: counted as its requests (its idle
         // timer, the downscale's in-flight check), woken from zero and held as they are.
