@@ -2,7 +2,7 @@
 //! in ([`Server::recv`]) and come out as requests, their data and their ends; answers go in
 //! ([`Server::respond`], [`Server::send_data`]) and come out as bytes to write ([`Server::out`]).
 //! It keeps the streams' states, both sides' flow-control windows and the settings, decodes
-//! field blocks with HPACK (`loona-hpack`'s decoder) and encodes answers without the dynamic
+//! field blocks with HPACK ([`crate::hpack`]) and encodes answers without the dynamic
 //! table (literals, names from the static table: nothing to keep in step with the client).
 //!
 //! What it leaves to its caller: reading and writing the socket, routing, the HTTP semantics
@@ -13,6 +13,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 
 use crate::h2::{self, ErrorCode, Frame, H2Error, Settings, setting};
+use crate::hpack;
 
 /// What this side says in its SETTINGS, and holds the client to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,7 +127,7 @@ pub struct Server {
     config: Config,
     phase: Phase,
     peer: Settings,
-    decoder: loona_hpack::Decoder<'static>,
+    decoder: hpack::Decoder,
     streams: HashMap<u32, Stream>,
     /// The highest stream the client opened: lower ones not in `streams` are closed.
     last_stream: u32,
@@ -189,13 +190,9 @@ impl Server {
             config,
             phase: Phase::Preface,
             peer: Settings::default(),
-            decoder: {
-                // A client may not take the table past the size this side allows (4,096 bytes,
-                // as it does not say another).
-                let mut d = loona_hpack::Decoder::new();
-                d.set_max_allowed_table_size(4_096);
-                d
-            },
+            // A client may not take the table past the size this side allows (4,096 bytes, as
+            // it does not say another).
+            decoder: hpack::Decoder::new(4_096),
             streams: HashMap::new(),
             last_stream: 0,
             conn_send_window: default_window,
@@ -698,10 +695,10 @@ impl Server {
         let mut size = 0u64;
         let mut fields = Vec::with_capacity(8);
         self.decoder
-            .decode_with_cb(block, |name, value| {
+            .decode(block, |name, value| {
                 size += name.len() as u64 + value.len() as u64 + 32;
                 if size <= max {
-                    fields.push((name.into_owned(), value.into_owned()));
+                    fields.push((name.to_vec(), value.to_vec()));
                 }
             })
             .map_err(|_| {

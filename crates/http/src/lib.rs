@@ -17,4 +17,5 @@ pub mod h1;
 pub mod h2;
 pub mod h2server;
 pub mod head;
+pub mod hpack;
 pub mod request_id;
