@@ -439,6 +439,28 @@ async fn h2c_clients_are_served() {
     assert_eq!(resp.headers()["x-echo-path"], "/after/reset");
 }
 
+/// An h2c connection is not idle while a request is under way, however long it takes: a
+/// request three times the client idle bound is answered whole; once idle past the bound the
+/// connection ends (GOAWAY, then closed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2c_connection_ends_once_idle_but_not_under_a_long_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let ebb = common::serve_with(
+        &dir.path().join("data"),
+        Some(&write_config(dir.path(), &app("h2", ""))),
+        None,
+        &["--client-idle-timeout-ms", "300"],
+    );
+    let mut sender = common::http::h2c(ebb.proxy).await;
+    let req = hyper::Request::get("http://h2.localhost/sleep?ms=900")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.into_body().collect().await.unwrap();
+    eventually("the idle h2c connection is closed", || sender.is_closed()).await;
+}
+
 /// A burst of HTTP/2 requests makes ebb open many HTTP/1.1 connections to the app, some left
 /// opening in the background once idle ones came back; a gRPC call to the same replica right
 /// after goes on over its own HTTP/2 connection at once instead of waiting behind them.

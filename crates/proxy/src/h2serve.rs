@@ -197,8 +197,9 @@ pub(super) async fn serve(
             idle_limit_ms = idle_ms;
         }
         open_before = !idle;
+        // Not biased: answers coming all the time must not leave the client's frames (its
+        // WINDOW_UPDATEs, its new requests) unread.
         tokio::select! {
-            biased;
             Some(first) = ctl_rx.recv() => {
                 on_ctl(first, &mut server, &mut streams);
                 for _ in 1..CTL_BATCH {
