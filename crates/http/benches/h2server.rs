@@ -203,6 +203,6 @@ fn main() {
     println!("| server | ns per request |");
     println!("|---|---|");
     println!("| ebb-http h2server | {o:.0} |");
-    println!("| h2 crate (the proxy's now) | {t:.0} |");
+    println!("| h2 crate (hyper's HTTP/2 server) | {t:.0} |");
     println!("| ebb / h2 crate | {:.2} x the time |", o / t);
 }
