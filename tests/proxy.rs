@@ -581,16 +581,26 @@ async fn a_shutdown_answers_the_requests_under_way_and_held_first() {
         let (c, proxy) = (c.clone(), ebb.proxy);
         tokio::spawn(async move { get(&c, proxy, "late.localhost", "/pid").await })
     };
+    // And one over h2c, answered whole though the drain (a GOAWAY on its connection) began
+    // under it.
+    let mut h2 = common::http::h2c(ebb.proxy).await;
+    let slow_h2 = tokio::spawn(
+        h2.send_request(
+            hyper::Request::get("http://busy.localhost/sleep?ms=1500")
+                .body(Full::new(Bytes::new()))
+                .unwrap(),
+        ),
+    );
     let admin = ebb.admin;
     wait_until(
-        "one request under way and one held",
+        "two requests under way and one held",
         Duration::from_secs(30),
         || {
             let c = c.clone();
             async move {
                 let m = common::http::send(&c, admin, "GET", "localhost", "/metrics", &[]).await;
                 (m.body
-                    .contains("ebb_proxy_requests_in_flight{route=\"busy\"} 1")
+                    .contains("ebb_proxy_requests_in_flight{route=\"busy\"} 2")
                     && m.body.contains("ebb_proxy_requests_held{route=\"late\"} 1"))
                 .then_some(())
             }
@@ -600,6 +610,10 @@ async fn a_shutdown_answers_the_requests_under_way_and_held_first() {
     ebb.sigterm();
     let slow = slow.await.unwrap();
     assert_eq!((slow.status, slow.body.as_str()), (200, "slept 1500 ms\n"));
+    let slow_h2 = slow_h2.await.unwrap().unwrap();
+    assert_eq!(slow_h2.status(), 200);
+    let body = slow_h2.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"slept 1500 ms\n");
     let held = held.await.unwrap();
     assert_eq!(held.status, 200, "{}", held.body);
     let status = ebb.child.wait().unwrap();
