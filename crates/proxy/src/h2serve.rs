@@ -145,7 +145,8 @@ pub(super) async fn serve(
     let mut draining = false;
     let idle_ms = proxy.options.client_idle_timeout_ms;
     let progress = Progress::new(&*proxy.clock);
-    // The preface and the first request are due within the header-read timeout.
+    // Until the first request, the client may be silent for the header-read timeout; from it
+    // on, for the idle timeout while no request is open.
     let mut idle_limit_ms = limits.header_read_timeout_ms;
     let mut watchdog = Watchdog::new(&progress, idle_limit_ms);
     let mut open_before = false;
