@@ -225,7 +225,7 @@ pub(super) async fn serve_connection(
                     }
                     Parsed::Elsewhere if buf.starts_with(b"PRI * HTTP/2.0\r\n") => {
                         // h2c with prior knowledge: ebb's own HTTP/2 server side.
-                        super::h2serve::serve(proxy, client, buf, peer, gateway).await;
+                        proxy.serve_h2c(client, buf, peer, gateway).await;
                         return;
                     }
                     Parsed::Elsewhere => {

@@ -911,6 +911,19 @@ impl Proxy {
         Some(ConnectionSlot(self.connections.clone()))
     }
 
+    /// An h2c connection with prior knowledge, on ebb's own HTTP/2 server side ([`h2serve`]):
+    /// `read`, what the HTTP/1.1 path read of it (the preface's start at least). `gateway`: the
+    /// plain Gateway socket it came in on.
+    async fn serve_h2c(
+        self: Arc<Self>,
+        client: tokio::net::TcpStream,
+        read: bytes::BytesMut,
+        peer: SocketAddr,
+        gateway: Option<SocketAddr>,
+    ) {
+        h2serve::serve(self, client, read, peer, gateway).await
+    }
+
     /// [`Proxy::serve_hyper`] for a plain connection: the proxy's own port's, or a plain Gateway
     /// socket's (`gateway`, its address). The HTTP/1.1 path hands connections here when a
     /// request needs more than it does.
