@@ -68,7 +68,7 @@ pub fn http_response_head(data: &[u8]) {
 /// frame allowed: each is a frame, an error or a wait for more, never a panic; a frame takes
 /// its head and its stated length; a SETTINGS frame's entries apply or are refused; and a
 /// control frame written again from what was read reads back the same. Then the server side
-/// on the same bytes ([`h2_server`]).
+/// on the same bytes ([`h2_server`]), and the client side ([`h2_client`]).
 pub fn h2_frames(data: &[u8]) {
     use ebb_http::h2::{self, Frame};
     let Some((&size, mut rest)) = data.split_first() else {
@@ -115,13 +115,85 @@ pub fn h2_frames(data: &[u8]) {
         assert_eq!(n, out.len());
     }
     h2_server(size, &data[1..]);
+    h2_client(size, &data[1..]);
+}
+
+/// Every frame in `out` keeps the rules, and no WINDOW_UPDATE gives more than a window: a
+/// stream's `stream_window` bytes, the connection's 65,535 (it starts there and cannot be made
+/// smaller).
+fn whole_frames(out: &[u8], stream_window: u32) {
+    use ebb_http::h2::{self, Frame};
+    let mut at = 0;
+    while at < out.len() {
+        let (frame, n) = h2::read(&out[at..], h2::DEFAULT_MAX_FRAME_SIZE)
+            .expect("frames written keep the rules")
+            .expect("whole frames");
+        if let Frame::WindowUpdate { stream, increment } = frame {
+            assert!(increment <= if stream == 0 { 65_535 } else { stream_window });
+        }
+        at += n;
+    }
+}
+
+/// The client side of a connection with three requests open (one still sending its body) on
+/// the same bytes after a server's SETTINGS, given in pieces of `step` bytes: answers, data and
+/// ends or a connection error, never a panic; what it writes is whole frames.
+fn h2_client(step: u8, bytes: &[u8]) {
+    use ebb_http::h2;
+    use ebb_http::h2client::{Client, Config, Event};
+    let mut input = Vec::new();
+    h2::write_settings(&mut input, &[]);
+    input.extend_from_slice(bytes);
+    let mut client = Client::new(Config {
+        initial_window_size: 100,
+        connection_window: 1_000,
+        max_header_list_size: 1_000,
+    });
+    let _ = client.request(b"GET", b"http", b"a", b"/", [], true);
+    let _ = client.request(b"HEAD", b"http", b"a", b"/h", [], true);
+    let posting = client.request(
+        b"POST",
+        b"http",
+        b"a",
+        b"/p",
+        [(&b"x"[..], &b"y"[..])],
+        false,
+    );
+    let (mut buf, mut events) = (Vec::new(), Vec::new());
+    for piece in input.chunks(usize::from(step).max(1)) {
+        buf.extend_from_slice(piece);
+        let Ok(used) = client.recv(&buf, &mut events) else {
+            assert!(client.failed());
+            break;
+        };
+        assert!(used <= buf.len());
+        for e in events.drain(..) {
+            match e {
+                Event::Data { stream, data, .. } => {
+                    assert!(data.end <= buf.len());
+                    client.consumed(stream, data.len());
+                }
+                Event::Writable { .. } => {
+                    if let Ok(stream) = posting {
+                        let _ = client.send_data(stream, &[b'b'; 300], false);
+                    }
+                }
+                _ => {}
+            }
+        }
+        buf.drain(..used);
+    }
+    let out = std::mem::take(client.out());
+    let preface = h2::PREFACE.len();
+    assert_eq!(&out[..preface], h2::PREFACE);
+    whole_frames(&out[preface..], 100);
 }
 
 /// The server side of a connection on the same bytes after a client's preface, given in
 /// pieces of `step` bytes and answered as it goes: requests, data and ends or a connection
 /// error, never a panic; what it writes is whole frames.
 fn h2_server(step: u8, bytes: &[u8]) {
-    use ebb_http::h2::{self, Frame};
+    use ebb_http::h2;
     use ebb_http::h2server::{Config, Event, Server};
     let mut input = h2::PREFACE.to_vec();
     h2::write_settings(&mut input, &[]);
@@ -158,19 +230,7 @@ fn h2_server(step: u8, bytes: &[u8]) {
         }
         buf.drain(..used);
     }
-    let out = std::mem::take(server.out());
-    let mut at = 0;
-    while at < out.len() {
-        let (frame, n) = h2::read(&out[at..], h2::DEFAULT_MAX_FRAME_SIZE)
-            .expect("the server writes frames that keep the rules")
-            .expect("whole frames");
-        // Never more than a window given: a stream's 100 bytes, the connection's 65,535
-        // (it starts there and cannot be made smaller).
-        if let Frame::WindowUpdate { stream, increment } = frame {
-            assert!(increment <= if stream == 0 { 65_535 } else { 100 });
-        }
-        at += n;
-    }
+    whole_frames(&std::mem::take(server.out()), 100);
 }
 
 /// The chunked body scanner: the same bytes give the same answer whether they come at once or

@@ -686,28 +686,18 @@ impl Server {
         Ok(())
     }
 
-    /// The block's fields, or `None` when they pass the header list's size (decoded all the
-    /// same, so the decoder's table stays in step). A block that does not decode is a
-    /// connection error.
+    /// The block's fields, or `None` when they pass the header list's size; a block that does
+    /// not decode is a connection error.
     #[allow(clippy::type_complexity)]
     fn decode(&mut self, block: &[u8]) -> Result<Option<Vec<(Vec<u8>, Vec<u8>)>>, H2Error> {
-        let max = u64::from(self.config.max_header_list_size);
-        let mut size = 0u64;
-        let mut fields = Vec::with_capacity(8);
         self.decoder
-            .decode(block, |name, value| {
-                size += name.len() as u64 + value.len() as u64 + 32;
-                if size <= max {
-                    fields.push((name.to_vec(), value.to_vec()));
-                }
-            })
+            .decode_fields(block, self.config.max_header_list_size)
             .map_err(|_| {
                 H2Error::Connection(
                     ErrorCode::COMPRESSION_ERROR,
                     "a field block that does not decode",
                 )
-            })?;
-        Ok((size <= max).then_some(fields))
+            })
     }
 
     fn close_if_done(&mut self, stream: u32) {
@@ -920,7 +910,7 @@ fn request_head(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<RequestHead, &'static
 /// A field's name and value as HTTP/2 allows them (RFC 9113 8.2.1): a lowercase token, and a
 /// value without NUL, CR or LF and without whitespace at either end. What the proxy writes into
 /// an HTTP/1.1 head for a backend is then one field, never a second line.
-fn check_field(name: &[u8], value: &[u8]) -> Result<(), &'static str> {
+pub(crate) fn check_field(name: &[u8], value: &[u8]) -> Result<(), &'static str> {
     if name.is_empty() || !name.iter().copied().all(is_tchar) {
         return Err("a field name that is not a token");
     }
@@ -950,8 +940,8 @@ fn is_tchar(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
-/// The request's `content-length`, if it has one: digits, once (or the same value repeated).
-fn content_length(fields: &[(Vec<u8>, Vec<u8>)]) -> Result<Option<u64>, &'static str> {
+/// A message's `content-length`, if it has one: digits, once (or the same value repeated).
+pub(crate) fn content_length(fields: &[(Vec<u8>, Vec<u8>)]) -> Result<Option<u64>, &'static str> {
     let mut length = None;
     for (name, value) in fields {
         if name != b"content-length" {
@@ -1021,7 +1011,7 @@ fn itoa_3(status: u16) -> [u8; 3] {
 }
 
 /// A literal field without indexing: the name by its static table entry when it has one.
-fn encode_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+pub(crate) fn encode_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     match static_name(name) {
         Some(i) => encode_int(out, 0, 4, i),
         None => {
@@ -1032,13 +1022,24 @@ fn encode_field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     encode_str(out, value);
 }
 
-/// The static table's entry of a name (RFC 7541 Appendix A), for the names answers carry.
+/// The static table's first entry of a name (RFC 7541 Appendix A), for the names requests and
+/// answers carry.
 fn static_name(name: &[u8]) -> Option<usize> {
     Some(match name {
+        b":authority" => 1,
+        b":method" => 2,
+        b":path" => 4,
+        b":scheme" => 6,
+        b":status" => 8,
+        b"accept-charset" => 15,
+        b"accept-encoding" => 16,
+        b"accept-language" => 17,
         b"accept-ranges" => 18,
+        b"accept" => 19,
         b"access-control-allow-origin" => 20,
         b"age" => 21,
         b"allow" => 22,
+        b"authorization" => 23,
         b"cache-control" => 24,
         b"content-disposition" => 25,
         b"content-encoding" => 26,
@@ -1047,18 +1048,33 @@ fn static_name(name: &[u8]) -> Option<usize> {
         b"content-location" => 29,
         b"content-range" => 30,
         b"content-type" => 31,
+        b"cookie" => 32,
         b"date" => 33,
         b"etag" => 34,
+        b"expect" => 35,
         b"expires" => 36,
+        b"from" => 37,
+        b"host" => 38,
+        b"if-match" => 39,
+        b"if-modified-since" => 40,
+        b"if-none-match" => 41,
+        b"if-range" => 42,
+        b"if-unmodified-since" => 43,
         b"last-modified" => 44,
         b"link" => 45,
         b"location" => 46,
+        b"max-forwards" => 47,
         b"proxy-authenticate" => 48,
+        b"proxy-authorization" => 49,
+        b"range" => 50,
+        b"referer" => 51,
         b"refresh" => 52,
         b"retry-after" => 53,
         b"server" => 54,
         b"set-cookie" => 55,
         b"strict-transport-security" => 56,
+        b"transfer-encoding" => 57,
+        b"user-agent" => 58,
         b"vary" => 59,
         b"via" => 60,
         b"www-authenticate" => 61,
@@ -1070,6 +1086,22 @@ fn static_name(name: &[u8]) -> Option<usize> {
 mod tests {
     use super::*;
     use crate::h2::{flag, kind};
+
+    #[test]
+    fn static_names_are_the_tables_first_entries() {
+        for (name, _) in crate::hpack::STATIC_TABLE {
+            let first = crate::hpack::STATIC_TABLE
+                .iter()
+                .position(|(n, _)| *n == name)
+                .unwrap();
+            assert_eq!(
+                static_name(name),
+                Some(first + 1),
+                "{}",
+                String::from_utf8_lossy(name)
+            );
+        }
+    }
 
     /// A client's bytes: the preface, an empty SETTINGS, then `frames`.
     fn client(frames: &[Vec<u8>]) -> Vec<u8> {

@@ -192,6 +192,27 @@ impl Decoder {
         Ok(())
     }
 
+    /// Decodes a whole field block into its fields, or `None` when they pass `max_list_size`
+    /// as SETTINGS_MAX_HEADER_LIST_SIZE counts (each name and value and 32 bytes): decoded all
+    /// the same, so the table stays in step.
+    #[allow(clippy::type_complexity)]
+    pub fn decode_fields(
+        &mut self,
+        block: &[u8],
+        max_list_size: u32,
+    ) -> Result<Option<Vec<(Vec<u8>, Vec<u8>)>>, HpackError> {
+        let max = u64::from(max_list_size);
+        let mut size = 0u64;
+        let mut fields = Vec::with_capacity(8);
+        self.decode(block, |name, value| {
+            size += (name.len() + value.len()) as u64 + ENTRY_OVERHEAD as u64;
+            if size <= max {
+                fields.push((name.to_vec(), value.to_vec()));
+            }
+        })?;
+        Ok((size <= max).then_some(fields))
+    }
+
     /// Entry `index` of the static table then the dynamic one.
     fn entry(&self, index: usize) -> Result<(&[u8], &[u8]), HpackError> {
         match index {

@@ -15,6 +15,7 @@
 pub mod chunked;
 pub mod h1;
 pub mod h2;
+pub mod h2client;
 pub mod h2server;
 pub mod head;
 pub mod hpack;
