@@ -641,6 +641,58 @@ pub fn write_headers(
     }
 }
 
+/// Writes `data` as DATA frames of at most `max_frame_size` bytes, the last one ending the
+/// stream when `end_stream` (no data and `end_stream`: one empty frame that ends it).
+pub fn write_data(
+    out: &mut Vec<u8>,
+    stream: u32,
+    data: &[u8],
+    end_stream: bool,
+    max_frame_size: u32,
+) {
+    if data.is_empty() {
+        if end_stream {
+            write_data_head(out, stream, 0, true);
+        }
+        return;
+    }
+    let mut chunks = data.chunks(max_frame_size as usize).peekable();
+    while let Some(chunk) = chunks.next() {
+        let last = chunks.peek().is_none();
+        write_data_head(out, stream, chunk.len(), end_stream && last);
+        out.extend_from_slice(chunk);
+    }
+}
+
+/// The streams one side reset lately, the oldest forgotten past [`RecentResets::KEPT`]: frames
+/// the peer sent on them before it knew are ignored rather than taken as errors (RFC 9113
+/// 5.4.2).
+#[derive(Debug, Default)]
+pub struct RecentResets {
+    order: std::collections::VecDeque<u32>,
+    set: std::collections::HashSet<u32>,
+}
+
+impl RecentResets {
+    /// How many are remembered.
+    pub const KEPT: usize = 1_024;
+
+    pub fn remember(&mut self, stream: u32) {
+        if self.set.insert(stream) {
+            self.order.push_back(stream);
+            if self.order.len() > Self::KEPT
+                && let Some(old) = self.order.pop_front()
+            {
+                self.set.remove(&old);
+            }
+        }
+    }
+
+    pub fn contains(&self, stream: u32) -> bool {
+        self.set.contains(&stream)
+    }
+}
+
 /// Writes the head of a DATA frame of `len` bytes (at most the peer's max frame size), the
 /// data to follow it.
 pub fn write_data_head(out: &mut Vec<u8>, stream: u32, len: usize, end_stream: bool) {

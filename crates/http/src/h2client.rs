@@ -8,7 +8,7 @@
 //!
 //! What it leaves to its caller: the socket, which stream carries which request, and time.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::ops::Range;
 
 use crate::h2::{self, ErrorCode, Frame, H2Error, Settings, setting};
@@ -110,10 +110,6 @@ struct Continuing {
     block: Vec<u8>,
 }
 
-/// How many of the streams this side reset are remembered (frames the server sent on them
-/// before it knew are ignored).
-const RESETS_REMEMBERED: usize = 1_024;
-
 /// One connection's client side.
 pub struct Client {
     config: Config,
@@ -129,8 +125,7 @@ pub struct Client {
     continuing: Option<Continuing>,
     /// The last stream the server said it takes, once it sent GOAWAY.
     going_away: Option<u32>,
-    reset_lately: VecDeque<u32>,
-    reset_set: HashSet<u32>,
+    resets: h2::RecentResets,
     out: Vec<u8>,
 }
 
@@ -165,8 +160,7 @@ impl Client {
             conn_unacked: 0,
             continuing: None,
             going_away: None,
-            reset_lately: VecDeque::new(),
-            reset_set: HashSet::new(),
+            resets: h2::RecentResets::default(),
             out,
         }
     }
@@ -274,16 +268,13 @@ impl Client {
         if n == 0 && !ends {
             return Ok(0);
         }
-        let max = self.peer.max_frame_size as usize;
-        if n == 0 {
-            h2::write_data_head(&mut self.out, stream, 0, true);
-        }
-        let mut chunks = data[..n].chunks(max).peekable();
-        while let Some(chunk) = chunks.next() {
-            let last = chunks.peek().is_none();
-            h2::write_data_head(&mut self.out, stream, chunk.len(), ends && last);
-            self.out.extend_from_slice(chunk);
-        }
+        h2::write_data(
+            &mut self.out,
+            stream,
+            &data[..n],
+            ends,
+            self.peer.max_frame_size,
+        );
         s.send_window -= n as i64;
         self.conn_send_window -= n as i64;
         if ends {
@@ -328,7 +319,7 @@ impl Client {
     pub fn reset(&mut self, stream: u32, code: ErrorCode) {
         if self.streams.remove(&stream).is_some() {
             h2::write_rst_stream(&mut self.out, stream, code);
-            self.remember_reset(stream);
+            self.resets.remember(stream);
         }
     }
 
@@ -399,21 +390,10 @@ impl Client {
                 if self.streams.remove(&stream).is_some() {
                     events.push(Event::Reset { stream, code });
                 }
-                self.remember_reset(stream);
+                self.resets.remember(stream);
                 Ok(())
             }
             H2Error::Connection(..) => Err(self.fail(e)),
-        }
-    }
-
-    fn remember_reset(&mut self, stream: u32) {
-        if self.reset_set.insert(stream) {
-            self.reset_lately.push_back(stream);
-            if self.reset_lately.len() > RESETS_REMEMBERED
-                && let Some(old) = self.reset_lately.pop_front()
-            {
-                self.reset_set.remove(&old);
-            }
         }
     }
 
@@ -568,7 +548,7 @@ impl Client {
                     ));
                 }
                 let refused = match self.streams.get_mut(&stream) {
-                    None if self.reset_set.contains(&stream) => {
+                    None if self.resets.contains(stream) => {
                         self.give_back(0, flow_len as usize);
                         return Ok(());
                     }
@@ -692,7 +672,7 @@ impl Client {
         self.known(stream)?;
         let malformed = |why| H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why);
         let Some(s) = self.streams.get_mut(&stream) else {
-            if self.reset_set.contains(&stream) {
+            if self.resets.contains(stream) {
                 return Ok(());
             }
             return Err(H2Error::Connection(

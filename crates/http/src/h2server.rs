@@ -9,7 +9,7 @@
 //! of a request beyond its pseudo-header fields, and time (a peer that never acknowledges
 //! SETTINGS is the caller's to time out).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::ops::Range;
 
 use crate::h2::{self, ErrorCode, Frame, H2Error, Settings, setting};
@@ -137,18 +137,13 @@ pub struct Server {
     continuing: Option<Continuing>,
     /// Whether a GOAWAY was sent (no new streams are taken after it).
     going_away: bool,
-    /// The streams this side reset lately, oldest first ([`RESETS_REMEMBERED`]).
-    reset_lately: VecDeque<u32>,
-    reset_set: HashSet<u32>,
+    /// The streams this side reset lately.
+    resets: h2::RecentResets,
     /// Requests the client cancelled before their answer, and answers sent.
     early_resets: u64,
     answered: u64,
     out: Vec<u8>,
 }
-
-/// How many of the streams this side reset are remembered: frames the client sent on them
-/// before it knew are ignored rather than taken as errors (RFC 9113 5.4.2).
-const RESETS_REMEMBERED: usize = 1_024;
 
 /// How many requests the client may cancel before their answers beyond the number answered,
 /// before the connection is refused with ENHANCE_YOUR_CALM: opening and resetting streams
@@ -200,8 +195,7 @@ impl Server {
             conn_unacked: 0,
             continuing: None,
             going_away: false,
-            reset_lately: VecDeque::new(),
-            reset_set: HashSet::new(),
+            resets: h2::RecentResets::default(),
             early_resets: 0,
             answered: 0,
             out,
@@ -298,21 +292,10 @@ impl Server {
             H2Error::Stream(stream, code, _) => {
                 h2::write_rst_stream(&mut self.out, stream, code);
                 self.streams.remove(&stream);
-                self.remember_reset(stream);
+                self.resets.remember(stream);
                 Ok(())
             }
             H2Error::Connection(..) => Err(self.fail(e)),
-        }
-    }
-
-    fn remember_reset(&mut self, stream: u32) {
-        if self.reset_set.insert(stream) {
-            self.reset_lately.push_back(stream);
-            if self.reset_lately.len() > RESETS_REMEMBERED
-                && let Some(old) = self.reset_lately.pop_front()
-            {
-                self.reset_set.remove(&old);
-            }
         }
     }
 
@@ -448,7 +431,7 @@ impl Server {
                         "DATA past the connection's window",
                     ));
                 }
-                if self.reset_set.contains(&stream) && !self.streams.contains_key(&stream) {
+                if self.resets.contains(stream) && !self.streams.contains_key(&stream) {
                     // Sent before the client knew of this side's reset: ignored, its bytes
                     // given back to the connection's window.
                     self.give_back(0, flow_len as usize);
@@ -627,7 +610,7 @@ impl Server {
             return Ok(());
         }
         if stream <= self.last_stream {
-            if self.reset_set.contains(&stream) {
+            if self.resets.contains(stream) {
                 // Trailers sent before the client knew of this side's reset: ignored (the
                 // block was decoded, so the table stays in step).
                 return Ok(());
@@ -817,20 +800,17 @@ impl Server {
         };
         let window = s.send_window.min(self.conn_send_window).max(0) as usize;
         let n = data.len().min(window);
-        let max = self.peer.max_frame_size as usize;
         let ends = end_stream && n == data.len();
         if n == 0 && !ends {
             return Ok(0);
         }
-        let mut chunks = data[..n].chunks(max).peekable();
-        if n == 0 {
-            h2::write_data_head(&mut self.out, stream, 0, true);
-        }
-        while let Some(chunk) = chunks.next() {
-            let last = chunks.peek().is_none();
-            h2::write_data_head(&mut self.out, stream, chunk.len(), ends && last);
-            self.out.extend_from_slice(chunk);
-        }
+        h2::write_data(
+            &mut self.out,
+            stream,
+            &data[..n],
+            ends,
+            self.peer.max_frame_size,
+        );
         s.send_window -= n as i64;
         self.conn_send_window -= n as i64;
         if ends {
@@ -844,7 +824,7 @@ impl Server {
     pub fn reset(&mut self, stream: u32, code: ErrorCode) {
         if self.streams.remove(&stream).is_some() {
             h2::write_rst_stream(&mut self.out, stream, code);
-            self.remember_reset(stream);
+            self.resets.remember(stream);
         }
     }
 
