@@ -180,6 +180,17 @@ impl Client {
         self.streams.len()
     }
 
+    /// The server's limit on streams open at once: `None` until its SETTINGS came, then the
+    /// limit it set (`u32::MAX` when it set none).
+    pub fn stream_limit(&self) -> Option<u32> {
+        (self.phase == Phase::Open).then(|| self.peer.max_concurrent_streams.unwrap_or(u32::MAX))
+    }
+
+    /// Whether either side said GOAWAY: no stream opens on the connection any more.
+    pub fn going_away(&self) -> bool {
+        self.going_away.is_some()
+    }
+
     /// Whether [`Client::request`] would open a stream now.
     pub fn can_open(&self) -> bool {
         self.phase != Phase::Failed

@@ -5,9 +5,9 @@
 //! deadline, not later), and what ebb itself refuses is a gRPC status a client understands (a
 //! trailers-only answer).
 //!
-//! The hop to the replica is [`super::h2hop`]'s: one h2c connection per replica and proxy
-//! thread, a stream per call opened from the call's own task; `te: trailers` is put back after
-//! the hop-by-hop headers are stripped.
+//! The hop to the replica is [`super::h2hop`]'s: h2c connections per replica and proxy thread
+//! on ebb's own HTTP/2 client side, a stream per call; `te: trailers` is put back after the
+//! hop-by-hop headers are stripped.
 
 use std::time::Duration;
 

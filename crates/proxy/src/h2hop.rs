@@ -1,70 +1,102 @@
 //! The HTTP/2 hop to replicas that speak h2c (gRPC servers, h2c destinations of meta services),
-//! driven with the `h2` crate directly.
+//! on ebb's own client side ([`ebb_http::h2client`]).
 //!
 //! Each proxy thread keeps multiplexed connections to each replica address (one, and more while
-//! the replica's stream limit fills those open). A request opens a stream on one from the task
-//! that serves the client's request: no channel to a connection task, no task per request, no
-//! pool checkout (hyper's client does all three for each HTTP/2 request, and they were a fifth of
-//! ebb's CPU on gRPC). Each connection is driven by a task of its own on the thread that opened
-//! it.
+//! the replica's stream limit fills those open). A connection is a task on the thread that
+//! opened it: it reads the socket into the client side and writes what the requests' tasks hand
+//! it, as the replica's windows let it. Between a request's task and its connection:
 //!
-//! * A request body that has fully arrived when its stream opens (a unary gRPC call's one message)
-//!   is sent at once; one still arriving is sent by a task that follows the stream's flow
-//!   control, and resets the stream when the request is abandoned before its answer began.
-//! * The answer's body is the stream's: its data, released to the replica's flow control as it
-//!   is passed on, then its trailers.
-//! * A request takes the first of the thread's connections to its address with room for a stream
-//!   under the replica's `SETTINGS_MAX_CONCURRENT_STREAMS` ([`ASSUMED_STREAMS`] until its
-//!   settings arrive); when none has, another connection is opened, up to [`MAX_CONNS`] an
-//!   address. Past that the least busy one is shared, and its streams wait in `h2` for room (the
-//!   route's timeouts bound the wait). With one connection a thread, a replica's limit was ebb's:
-//!   the example app allows 200 streams (hyper's default), and of 640 concurrent gRPC calls on
-//!   two threads, 240 waited in ebb while HAProxy opened more connections; ebb served 0.85-0.86x
-//!   HAProxy's calls, and 0.96-1.04x with connections added as needed.
-//! * A connection that ended (the replica closed it, or it failed) is replaced by the next
-//!   request; the addresses kept are swept of ended connections whenever a new one opens, so
-//!   the map holds the live connections and those being opened. A connection with no stream
-//!   open and no request for the proxy's `pool_idle_timeout_ms` is closed, as the HTTP/1.1
-//!   pools' idle connections are (calls fill the first with room, so the last ones go idle
-//!   first).
-//! * `/metrics` counts the connections open and opened ([`connections`]).
+//! * the request goes to the connection as one message ([`Cmd::Open`]) with what of its body
+//!   had arrived already (a unary gRPC call's one message, up to [`EAGER_MAX`]); a body still
+//!   arriving is sent on by a task of its own, each part taking credit from a budget per
+//!   stream ([`BODY_BUDGET`]) that the connection returns as the part goes out, so what waits
+//!   for the replica's windows is bounded;
+//! * the answer comes back on a channel of its own: its head, its data (each part's window given
+//!   back to the replica as it is passed on, so what waits in the channel is bounded by the
+//!   windows this side gave), its trailers or its failure;
+//! * a request abandoned (its client left, its body failed) resets its stream with CANCEL; an
+//!   answer that ends before its request's body does ends the request too.
+//!
+//! A request takes the first of the thread's connections to its address with room for a stream
+//! under the replica's `SETTINGS_MAX_CONCURRENT_STREAMS` ([`ASSUMED_STREAMS`] until its settings
+//! arrive); when none has, another connection is opened, up to [`MAX_CONNS`] an address. Past
+//! that the least busy one is shared, and its requests wait in the connection for a stream to
+//! end (the route's timeouts bound the wait). With one connection a thread, a replica's limit
+//! was ebb's: of 640 concurrent gRPC calls on two threads to a replica allowing 200 streams a
+//! connection, 240 waited in ebb while HAProxy opened more connections.
+//!
+//! A connection that ended (the replica closed it, went away, or it failed) is replaced by the
+//! next request; the addresses kept are swept of ended connections whenever a new one opens. A
+//! connection with no stream open and no request for the proxy's `pool_idle_timeout_ms` says
+//! GOAWAY and closes, as the HTTP/1.1 pools' idle connections are closed. A stream the replica
+//! refused (REFUSED_STREAM, or past the last one of its GOAWAY) and a connection that ended
+//! before the answer's head are [`Error::went_away`]: the request was not processed, and one
+//! without a body is sent again to another replica. `/metrics` counts the connections open and
+//! opened ([`connections`]).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
-use std::future::Future;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::task::{Context, Poll, ready};
-use std::time::Duration;
+use std::task::{Context, Poll};
 
-use bytes::{Buf, Bytes};
-use h2::client::SendRequest;
-use h2::{Reason, RecvStream, SendStream};
+use bytes::{Buf, Bytes, BytesMut};
+use ebb_http::h2::ErrorCode;
+use ebb_http::h2client::{Client, Config, Event};
 use http_body_util::BodyExt;
 use hyper::body::{Body as _, Frame, SizeHint};
-use hyper::header::{self, HeaderMap};
-use hyper::{Request, Response};
-use tokio::sync::{OnceCell, oneshot};
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Method, Request, Response, Uri};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{OnceCell, Semaphore, mpsc, oneshot};
 
 use super::backends::{self, Backends, Dial};
-use super::{Body, BoxError, SendError as Error};
+use super::h1::{Progress, Watchdog};
+use super::{Body, BoxError, SendError};
+use crate::clock::Clock;
 
-/// The h2 client's settings, as hyper's client sets them: 2 MiB a stream and 5 MiB a
-/// connection of receive window, at most 1 MiB buffered to send per stream.
+/// This side's windows, as hyper's client sets them: 2 MiB a stream and 5 MiB a connection.
 const STREAM_WINDOW: u32 = 2 << 20;
 const CONN_WINDOW: u32 = 5 << 20;
-const MAX_SEND_BUFFER: usize = 1 << 20;
-/// A request body's frame sent without waiting for flow control (it fits any initial window).
-const EAGER_MAX: usize = 16 * 1024;
+/// Bytes of a request's body that may wait for the replica's windows beyond what came with
+/// its head.
+const BODY_BUDGET: usize = 256 * 1024;
+/// Bytes of a request's body taken with its head when they have arrived already.
+const EAGER_MAX: usize = 64 * 1024;
 /// The most connections a proxy thread keeps to one address.
 pub const MAX_CONNS: usize = 16;
 /// The streams a replica is taken to allow at once until its settings say (RFC 9113 asks a
-/// server to allow at least 100; Go's HTTP/2 client assumes as much). `h2` takes no limit until
-/// then, so a burst sent before the settings arrived went past a replica's limit, and the replica
-/// refused the excess; now only a limit under 100 can be passed so.
+/// server to allow at least 100; Go's HTTP/2 client assumes as much).
 const ASSUMED_STREAMS: usize = 100;
+/// Messages from the requests' tasks taken before the connection writes what they made.
+const CMD_BATCH: usize = 64;
+/// Bytes read from the replica at once.
+const READ_CHUNK: usize = 16 * 1024;
+
+/// Why a request on the hop got no answer's head, or why its answer broke off.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// The replica refused the stream (REFUSED_STREAM, or past its GOAWAY's last stream).
+    #[error("the replica refused the stream")]
+    Refused,
+    #[error("the replica reset the stream ({})", .0.name())]
+    Reset(ErrorCode),
+    /// The connection ended (closed, failed, or the replica went away) first.
+    #[error("the h2c connection to the replica ended")]
+    Ended,
+    #[error("the request's body failed before it was sent")]
+    Body,
+}
+
+impl Error {
+    /// The replica did not process the request: it may go to another.
+    pub fn went_away(&self) -> bool {
+        matches!(self, Error::Refused | Error::Ended)
+    }
+}
 
 /// The hop's connections to replicas open now, on every proxy thread (`/metrics`).
 static OPEN: AtomicUsize = AtomicUsize::new(0);
@@ -95,34 +127,34 @@ impl Drop for Open {
 
 /// A connection to one address: opened once by whichever request takes it first.
 struct Conn {
-    sender: OnceCell<SendRequest<Bytes>>,
-    /// Set by the connection's task when it ends.
+    /// The connection's task, once it is open.
+    ctl: OnceCell<mpsc::UnboundedSender<Cmd>>,
+    /// Set when the connection takes no more requests (ended, or going away).
     ended: AtomicBool,
-    /// When a request last took the connection, by the proxy's clock.
-    used_at_ms: AtomicU64,
     /// Requests on it whose answer has not ended (or been dropped).
     under_way: AtomicUsize,
+    /// The replica's stream limit ([`ASSUMED_STREAMS`] until its settings arrive).
+    limit: AtomicUsize,
+    /// The key of the next request on it.
+    next_key: AtomicU64,
 }
 
 impl Conn {
     fn new() -> Self {
         Conn {
-            sender: OnceCell::new(),
+            ctl: OnceCell::new(),
             ended: AtomicBool::new(false),
-            used_at_ms: AtomicU64::new(0),
             under_way: AtomicUsize::new(0),
+            limit: AtomicUsize::new(ASSUMED_STREAMS),
+            next_key: AtomicU64::new(0),
         }
     }
 
     /// Whether another request may take it: it has not ended, and the replica allows another
-    /// stream (until its settings are known, [`ASSUMED_STREAMS`]).
+    /// stream.
     fn has_room(&self) -> bool {
         !self.ended.load(Ordering::Acquire)
-            && self.under_way.load(Ordering::Relaxed)
-                < self
-                    .sender
-                    .get()
-                    .map_or(ASSUMED_STREAMS, |s| s.current_max_send_streams())
+            && self.under_way.load(Ordering::Relaxed) < self.limit.load(Ordering::Relaxed)
     }
 }
 
@@ -175,97 +207,564 @@ fn conn_for(addr: SocketAddr) -> UnderWay {
     })
 }
 
-/// Marks `conn` ended (it failed): the next request to its address replaces it ([`conn_for`]).
-fn forget(conn: &Conn) {
-    conn.ended.store(true, Ordering::Release);
-}
-
 /// Opens a connection to `addr` and starts its task.
 async fn open(
     addr: SocketAddr,
     dial: Dial<'_>,
     backends: &Backends,
     conn: &Arc<Conn>,
-) -> Result<SendRequest<Bytes>, Error> {
+) -> Result<mpsc::UnboundedSender<Cmd>, SendError> {
     let replica = backends.find(addr);
-    let stream = backends::connect(addr, dial.attempt_ms, dial.timeout_ms, replica.as_deref())
+    let sock = backends::connect(addr, dial.attempt_ms, dial.timeout_ms, replica.as_deref())
         .await
-        .map_err(Error::connect)?;
-    let (sender, connection) = h2::client::Builder::new()
-        .initial_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONN_WINDOW)
-        .initial_max_send_streams(ASSUMED_STREAMS)
-        .max_send_buffer_size(MAX_SEND_BUFFER)
-        .max_header_list_size(dial.max_header_list_size)
-        .enable_push(false)
-        .handshake::<_, Bytes>(stream)
-        .await?;
-    let watched = conn.clone();
-    let (idle_ms, clock) = (dial.idle_timeout_ms, dial.clock.clone());
-    let open = Open::new();
-    tokio::spawn(async move {
-        let _open = open;
-        tokio::pin!(connection);
-        let mut wait = Duration::from_millis(idle_ms.max(1));
-        loop {
-            tokio::select! {
-                r = &mut connection => {
-                    if let Err(e) = r {
-                        tracing::debug!(%addr, error = %e, "h2c connection to a replica ended");
+        .map_err(SendError::connect)?;
+    let client = Client::new(Config {
+        initial_window_size: STREAM_WINDOW,
+        connection_window: CONN_WINDOW,
+        max_header_list_size: dial.max_header_list_size,
+    });
+    let (tx, rx) = mpsc::unbounded_channel();
+    tokio::spawn(drive(
+        sock,
+        client,
+        rx,
+        conn.clone(),
+        dial.idle_timeout_ms,
+        dial.clock.clone(),
+        addr,
+    ));
+    Ok(tx)
+}
+
+/// What a request's task (or its body's) tells its connection. `key`: the request's, on its
+/// connection.
+enum Cmd {
+    Open(Box<Opening>),
+    /// Part of the request's body; `credit`: the budget it took, returned once it is out.
+    Data {
+        key: u64,
+        data: Bytes,
+        end: bool,
+        credit: Option<(Arc<Semaphore>, u32)>,
+    },
+    /// The request's trailers, ending it.
+    Trailers {
+        key: u64,
+        fields: HeaderMap,
+    },
+    /// The request is abandoned: its stream is reset.
+    Cancel {
+        key: u64,
+    },
+    /// `n` bytes of the answer on `stream` were passed on.
+    Consumed {
+        stream: u32,
+        n: usize,
+    },
+}
+
+/// A request for a stream.
+struct Opening {
+    key: u64,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    /// What of its body had arrived, in order (data, trailers).
+    body: Vec<Frame<Bytes>>,
+    /// The body ends with what came.
+    end: bool,
+    answer: mpsc::UnboundedSender<Part>,
+    /// Dropped when the stream ends: the task sending the rest of the body stops.
+    stop: Option<oneshot::Sender<()>>,
+}
+
+/// What comes back of an answer.
+enum Part {
+    Head {
+        stream: u32,
+        status: u16,
+        fields: Vec<(Vec<u8>, Vec<u8>)>,
+        end: bool,
+    },
+    Data {
+        data: Bytes,
+        end: bool,
+    },
+    Trailers(Vec<(Vec<u8>, Vec<u8>)>),
+    Failed(Error),
+}
+
+/// Request bytes waiting for a window.
+enum Waiting {
+    Data {
+        data: Bytes,
+        end: bool,
+        credit: Option<(Arc<Semaphore>, u32)>,
+    },
+    Trailers(HeaderMap),
+}
+
+/// A request on the connection.
+struct Stream {
+    /// Its stream, once opened (a request past the replica's limit waits for one).
+    id: Option<u32>,
+    answer: mpsc::UnboundedSender<Part>,
+    waiting: VecDeque<Waiting>,
+    /// The request's side ended (its last byte, or its trailers, went out).
+    sent_end: bool,
+    _stop: Option<oneshot::Sender<()>>,
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        release(std::mem::take(&mut self.waiting));
+    }
+}
+
+/// Returns the credit of request data that will not be written.
+fn release(waiting: VecDeque<Waiting>) {
+    for w in waiting {
+        if let Waiting::Data {
+            credit: Some((budget, n)),
+            ..
+        } = w
+        {
+            budget.add_permits(n as usize);
+        }
+    }
+}
+
+/// A request's head, waiting for a stream; `end`: it has no body.
+struct Head {
+    key: u64,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    end: bool,
+}
+
+/// A connection's requests: by key, the opened ones by stream too, and the keys waiting for a
+/// stream with their heads.
+#[derive(Default)]
+struct Streams {
+    by_key: HashMap<u64, Stream>,
+    keys: HashMap<u32, u64>,
+    pending: VecDeque<Head>,
+}
+
+/// Drives one connection until it ends: reads the replica into the client side, takes the
+/// requests' messages, writes what both make.
+async fn drive(
+    mut sock: TcpStream,
+    mut client: Client,
+    mut rx: mpsc::UnboundedReceiver<Cmd>,
+    conn: Arc<Conn>,
+    idle_ms: u64,
+    clock: Arc<dyn Clock>,
+    addr: SocketAddr,
+) {
+    let _open = Open::new();
+    let progress = Progress::new(&*clock);
+    let mut watchdog = Watchdog::new(&progress, idle_ms.max(1));
+    let mut streams = Streams::default();
+    let mut events = Vec::new();
+    let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    let mut busy_before = false;
+    loop {
+        if !buf.is_empty() {
+            let read = client.recv(&buf, &mut events);
+            for event in events.drain(..) {
+                streams.on_event(event, &buf, &mut client);
+            }
+            match read {
+                Ok(n) => buf.advance(n),
+                Err(e) => {
+                    tracing::debug!(%addr, error = ?e, "h2c connection to a replica failed");
+                    buf.clear();
+                }
+            }
+            if let Some(limit) = client.stream_limit() {
+                conn.limit.store(limit as usize, Ordering::Relaxed);
+            }
+            if client.going_away() {
+                conn.ended.store(true, Ordering::Release);
+            }
+            streams.start_pending(&mut client);
+        }
+        let out = client.out();
+        if !out.is_empty() {
+            let written = sock.write_all(out).await;
+            out.clear();
+            if written.is_err() {
+                break;
+            }
+        }
+        if client.failed() || (client.going_away() && streams.by_key.is_empty()) {
+            break;
+        }
+        if buf.capacity() - buf.len() < READ_CHUNK {
+            buf.reserve(READ_CHUNK);
+        }
+        let idle = streams.by_key.is_empty();
+        if idle && busy_before {
+            // The idle bound counts from the last answer's end.
+            progress.mark();
+        }
+        busy_before = !idle;
+        tokio::select! {
+            Some(first) = rx.recv() => {
+                streams.on_cmd(first, &mut client);
+                for _ in 1..CMD_BATCH {
+                    match rx.try_recv() {
+                        Ok(m) => streams.on_cmd(m, &mut client),
+                        Err(_) => break,
                     }
+                }
+                streams.start_pending(&mut client);
+            }
+            r = sock.read_buf(&mut buf) => match r {
+                Ok(n) if n > 0 => {}
+                _ => break,
+            },
+            () = watchdog.expired(&progress, idle_ms), if idle && idle_ms > 0 => {
+                // A request that took the connection may not have reached it yet.
+                if conn.under_way.load(Ordering::Relaxed) == 0 {
+                    tracing::debug!(%addr, "closing an idle h2c connection to a replica");
+                    conn.ended.store(true, Ordering::Release);
+                    client.go_away();
+                    let _ = sock.write_all(client.out()).await;
                     break;
                 }
-                () = tokio::time::sleep(wait), if idle_ms > 0 => {
-                    let used = watched.used_at_ms.load(Ordering::Relaxed);
-                    let idle_for = clock.now_ms().saturating_sub(used);
-                    if idle_for >= idle_ms && watched.under_way.load(Ordering::Relaxed) == 0 {
-                        tracing::debug!(%addr, "closing an idle h2c connection to a replica");
-                        break;
+                progress.mark();
+            }
+        }
+    }
+    conn.ended.store(true, Ordering::Release);
+    // The requests still here see their answers' channels close: [`Error::Ended`].
+}
+
+impl Streams {
+    /// Takes one thing the client side read.
+    fn on_event(&mut self, event: Event, buf: &[u8], client: &mut Client) {
+        match event {
+            Event::Response {
+                stream,
+                head,
+                end_stream,
+            } => {
+                if let Some(s) = self.keys.get(&stream).and_then(|k| self.by_key.get(k)) {
+                    let _ = s.answer.send(Part::Head {
+                        stream,
+                        status: head.status,
+                        fields: head.fields,
+                        end: end_stream,
+                    });
+                    if end_stream {
+                        self.answered(stream, client);
                     }
-                    wait = Duration::from_millis(idle_ms.saturating_sub(idle_for).max(1));
+                }
+            }
+            Event::Data {
+                stream,
+                data,
+                end_stream,
+            } => {
+                let n = data.len();
+                let s = self.keys.get(&stream).and_then(|k| self.by_key.get(k));
+                let passed = s.is_some_and(|s| {
+                    s.answer
+                        .send(Part::Data {
+                            data: Bytes::copy_from_slice(&buf[data]),
+                            end: end_stream,
+                        })
+                        .is_ok()
+                });
+                if !passed && n > 0 {
+                    // Nobody reads the answer any more: its window goes back at once.
+                    client.consumed(stream, n);
+                }
+                if end_stream {
+                    self.answered(stream, client);
+                }
+            }
+            Event::Trailers { stream, fields } => {
+                if let Some(s) = self.keys.get(&stream).and_then(|k| self.by_key.get(k)) {
+                    let _ = s.answer.send(Part::Trailers(fields));
+                }
+                self.answered(stream, client);
+            }
+            Event::Reset { stream, code } => {
+                if let Some(s) = self
+                    .keys
+                    .remove(&stream)
+                    .and_then(|k| self.by_key.remove(&k))
+                {
+                    let e = if code == ErrorCode::REFUSED_STREAM {
+                        Error::Refused
+                    } else {
+                        Error::Reset(code)
+                    };
+                    let _ = s.answer.send(Part::Failed(e));
+                }
+            }
+            Event::Writable { stream: 0 } => {
+                let ready: Vec<u64> = self
+                    .by_key
+                    .iter()
+                    .filter(|(_, s)| s.id.is_some() && !s.waiting.is_empty())
+                    .map(|(k, _)| *k)
+                    .collect();
+                for key in ready {
+                    self.flush(key, client);
+                }
+            }
+            Event::Writable { stream } => {
+                if let Some(&key) = self.keys.get(&stream) {
+                    self.flush(key, client);
+                }
+            }
+            // No new stream opens: those waiting for one go to another connection.
+            Event::GoAway { .. } => {
+                for head in std::mem::take(&mut self.pending) {
+                    if let Some(s) = self.by_key.remove(&head.key) {
+                        let _ = s.answer.send(Part::Failed(Error::Refused));
+                    }
                 }
             }
         }
-        watched.ended.store(true, Ordering::Release);
-    });
-    Ok(sender)
+    }
+
+    /// The answer on `stream` is whole: a request body still going is not wanted any more.
+    fn answered(&mut self, stream: u32, client: &mut Client) {
+        if let Some(s) = self
+            .keys
+            .remove(&stream)
+            .and_then(|k| self.by_key.remove(&k))
+            && !s.sent_end
+        {
+            client.reset(stream, ErrorCode::CANCEL);
+        }
+    }
+
+    /// Takes one message of a request's task.
+    fn on_cmd(&mut self, cmd: Cmd, client: &mut Client) {
+        match cmd {
+            Cmd::Open(o) => {
+                let Opening {
+                    key,
+                    method,
+                    uri,
+                    headers,
+                    body,
+                    end,
+                    answer,
+                    stop,
+                } = *o;
+                let mut waiting = VecDeque::with_capacity(body.len());
+                let last = body.len().saturating_sub(1);
+                for (i, frame) in body.into_iter().enumerate() {
+                    match frame.into_data() {
+                        Ok(data) => waiting.push_back(Waiting::Data {
+                            data,
+                            end: end && i == last,
+                            credit: None,
+                        }),
+                        Err(f) => {
+                            if let Ok(t) = f.into_trailers() {
+                                waiting.push_back(Waiting::Trailers(t));
+                            }
+                        }
+                    }
+                }
+                self.by_key.insert(
+                    key,
+                    Stream {
+                        id: None,
+                        answer,
+                        waiting,
+                        sent_end: false,
+                        _stop: stop,
+                    },
+                );
+                let head = Head {
+                    key,
+                    method,
+                    uri,
+                    headers,
+                    end,
+                };
+                if self.pending.is_empty() {
+                    self.start(head, client);
+                } else {
+                    self.pending.push_back(head);
+                }
+            }
+            Cmd::Data {
+                key,
+                data,
+                end,
+                credit,
+            } => {
+                let w = Waiting::Data { data, end, credit };
+                match self.by_key.get_mut(&key) {
+                    Some(s) => {
+                        s.waiting.push_back(w);
+                        if s.id.is_some() {
+                            self.flush(key, client);
+                        }
+                    }
+                    None => release(VecDeque::from([w])),
+                }
+            }
+            Cmd::Trailers { key, fields } => {
+                if let Some(s) = self.by_key.get_mut(&key) {
+                    s.waiting.push_back(Waiting::Trailers(fields));
+                    if s.id.is_some() {
+                        self.flush(key, client);
+                    }
+                }
+            }
+            Cmd::Cancel { key } => {
+                if let Some(s) = self.by_key.remove(&key) {
+                    match s.id {
+                        Some(id) => {
+                            self.keys.remove(&id);
+                            client.reset(id, ErrorCode::CANCEL);
+                        }
+                        None => self.pending.retain(|h| h.key != key),
+                    }
+                }
+            }
+            Cmd::Consumed { stream, n } => client.consumed(stream, n),
+        }
+    }
+
+    /// Opens the stream of the request `key` (already in `by_key`), or leaves it waiting for
+    /// room under the replica's limit.
+    fn start(&mut self, head: Head, client: &mut Client) {
+        let key = head.key;
+        let Some(s) = self.by_key.get_mut(&key) else {
+            return;
+        };
+        let end_at_head = head.end && s.waiting.is_empty();
+        let uri = &head.uri;
+        let fields = head
+            .headers
+            .iter()
+            .filter(|(name, value)| !connection_specific(name, value))
+            .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
+        let opened = client.request(
+            head.method.as_str().as_bytes(),
+            uri.scheme_str().unwrap_or("http").as_bytes(),
+            uri.authority().map_or("", |a| a.as_str()).as_bytes(),
+            uri.path_and_query().map_or("/", |p| p.as_str()).as_bytes(),
+            fields,
+            end_at_head,
+        );
+        match opened {
+            Ok(id) => {
+                s.id = Some(id);
+                s.sent_end = end_at_head;
+                self.keys.insert(id, key);
+                self.flush(key, client);
+            }
+            // The replica's limit is reached: the request waits for a stream to end.
+            Err(_) if !client.failed() && !client.going_away() && client.open_streams() > 0 => {
+                self.pending.push_front(head);
+            }
+            Err(_) => {
+                if let Some(s) = self.by_key.remove(&key) {
+                    let _ = s.answer.send(Part::Failed(Error::Refused));
+                }
+            }
+        }
+    }
+
+    /// Opens the streams of the requests waiting for room, while there is.
+    fn start_pending(&mut self, client: &mut Client) {
+        while !self.pending.is_empty() && client.can_open() {
+            let head = self.pending.pop_front().expect("not empty");
+            self.start(head, client);
+        }
+    }
+
+    /// Writes what of request `key`'s body the windows let go.
+    fn flush(&mut self, key: u64, client: &mut Client) {
+        let Some(s) = self.by_key.get_mut(&key) else {
+            return;
+        };
+        let Some(id) = s.id else {
+            return;
+        };
+        loop {
+            let Some(w) = s.waiting.front_mut() else {
+                return;
+            };
+            match w {
+                Waiting::Data { data, end, credit } => {
+                    let Ok(n) = client.send_data(id, data, *end) else {
+                        // The stream is gone (its answer ended): nothing more goes on it.
+                        release(std::mem::take(&mut s.waiting));
+                        return;
+                    };
+                    if n < data.len() {
+                        data.advance(n);
+                        return;
+                    }
+                    if let Some((budget, n)) = credit.take() {
+                        budget.add_permits(n as usize);
+                    }
+                    let end = *end;
+                    s.waiting.pop_front();
+                    if end {
+                        s.sent_end = true;
+                        return;
+                    }
+                }
+                Waiting::Trailers(fields) => {
+                    let fields = fields
+                        .iter()
+                        .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
+                    let _ = client.trailers(id, fields);
+                    s.sent_end = true;
+                    release(std::mem::take(&mut s.waiting));
+                    return;
+                }
+            }
+        }
+    }
 }
 
-/// A stream on the thread's connection to `addr`, ready for a request: the connection is opened
-/// when there is none, and once more when the one found had ended.
-async fn ready_sender(
+/// Fields HTTP/2 forbids (RFC 9113 section 8.2.2), which an HTTP/1.1 client's request may
+/// carry: `te` is kept only as `trailers`.
+fn connection_specific(name: &HeaderName, value: &HeaderValue) -> bool {
+    name == header::CONNECTION
+        || name == header::TRANSFER_ENCODING
+        || name == header::UPGRADE
+        || name == "keep-alive"
+        || name == "proxy-connection"
+        || (name == header::TE && value.as_bytes() != b"trailers")
+}
+
+/// A connection to `addr` with room for the request, open: opened when there is none (and once
+/// more when the one found had ended under it).
+async fn ready_conn(
     addr: SocketAddr,
     dial: Dial<'_>,
     backends: &Backends,
-) -> Result<(SendRequest<Bytes>, UnderWay), Error> {
-    let mut tried_fresh = false;
-    loop {
-        let under_way = conn_for(addr);
-        let conn = &under_way.0;
-        let fresh = !conn.sender.initialized();
-        conn.used_at_ms
-            .store(dial.clock.now_ms(), Ordering::Relaxed);
-        let sender = match conn
-            .sender
-            // Boxed: the opening's state is not every request's.
-            .get_or_try_init(|| Box::pin(open(addr, dial, backends, conn)))
-            .await
-        {
-            Ok(s) => s.clone(),
-            Err(e) => {
-                forget(conn);
-                return Err(e);
-            }
-        };
-        match sender.ready().await {
-            Ok(s) => return Ok((s, under_way)),
-            Err(e) => {
-                forget(conn);
-                if fresh || tried_fresh {
-                    return Err(e.into());
-                }
-                tried_fresh = true;
-            }
+) -> Result<(mpsc::UnboundedSender<Cmd>, UnderWay), SendError> {
+    let under_way = conn_for(addr);
+    let conn = &under_way.0;
+    // Boxed: the opening's state is not every request's.
+    match conn
+        .ctl
+        .get_or_try_init(|| Box::pin(open(addr, dial, backends, conn)))
+        .await
+    {
+        Ok(ctl) => Ok((ctl.clone(), under_way)),
+        Err(e) => {
+            conn.ended.store(true, Ordering::Release);
+            Err(e)
         }
     }
 }
@@ -277,153 +776,237 @@ pub async fn send(
     addr: SocketAddr,
     dial: Dial<'_>,
     backends: &Backends,
-) -> Result<Response<Body>, Error> {
-    let (mut sender, under_way) = match ready_sender(addr, dial, backends).await {
-        Ok(s) => s,
+) -> Result<Response<Body>, SendError> {
+    let (mut ctl, mut under_way) = match ready_conn(addr, dial, backends).await {
+        Ok(c) => c,
         // Not connected: the request goes back whole, for another try.
         Err(e) => return Err(e.unsent(req)),
     };
-    let (mut parts, body) = req.into_parts();
-    strip_connection_headers(&mut parts.headers);
-    let end = body.is_end_stream();
-    let (answer, stream) = sender.send_request(Request::from_parts(parts, ()), end)?;
-    let mut cancel = None;
+    let (parts, mut body) = req.into_parts();
+    // What of the body is here already goes with the head.
+    let mut early = Vec::new();
+    let mut end = body.is_end_stream();
     if !end {
-        let (tx, rx) = oneshot::channel();
-        let mut pipe = Box::pin(pipe(body, stream, rx));
-        // A body already here (a unary call's message) goes out now, without a task.
-        let done = std::future::poll_fn(|cx| Poll::Ready(pipe.as_mut().poll(cx).is_ready())).await;
-        if !done {
-            tokio::spawn(pipe);
-            cancel = Some(Cancel(Some(tx)));
+        let mut failed = false;
+        std::future::poll_fn(|cx| {
+            let mut taken = 0;
+            while taken < EAGER_MAX {
+                match Pin::new(&mut body).poll_frame(cx) {
+                    Poll::Pending => break,
+                    Poll::Ready(None) => {
+                        end = true;
+                        break;
+                    }
+                    Poll::Ready(Some(Err(_))) => {
+                        failed = true;
+                        break;
+                    }
+                    Poll::Ready(Some(Ok(frame))) => {
+                        taken += frame.data_ref().map_or(0, Bytes::len);
+                        let trailers = frame.is_trailers();
+                        early.push(frame);
+                        if trailers || body.is_end_stream() {
+                            end = true;
+                            break;
+                        }
+                    }
+                }
+            }
+            Poll::Ready(())
+        })
+        .await;
+        if failed {
+            return Err(Error::Body.into());
         }
     }
-    let answer = answer.await?;
-    if let Some(mut c) = cancel {
-        c.disarm();
+    let (answer, mut answers) = mpsc::unbounded_channel();
+    let (stop, stopped) = if end {
+        (None, None)
+    } else {
+        let (tx, rx) = oneshot::channel();
+        (Some(tx), Some(rx))
+    };
+    let mut opening = Box::new(Opening {
+        key: 0,
+        method: parts.method,
+        uri: parts.uri,
+        headers: parts.headers,
+        body: early,
+        end,
+        answer,
+        stop,
+    });
+    // A connection that ended under the request (its task gone) is replaced once.
+    let mut tried_fresh = false;
+    let key = loop {
+        let key = under_way.0.next_key.fetch_add(1, Ordering::Relaxed);
+        opening.key = key;
+        match ctl.send(Cmd::Open(opening)) {
+            Ok(()) => break key,
+            Err(mpsc::error::SendError(cmd)) => {
+                under_way.0.ended.store(true, Ordering::Release);
+                let Cmd::Open(o) = cmd else {
+                    unreachable!("the message sent was an opening")
+                };
+                opening = o;
+                if tried_fresh {
+                    return Err(Error::Ended.into());
+                }
+                tried_fresh = true;
+                (ctl, under_way) = ready_conn(addr, dial, backends).await?;
+            }
+        }
+    };
+    let mut guard = Abandon {
+        ctl: ctl.clone(),
+        key,
+        armed: true,
+    };
+    if let Some(stopped) = stopped {
+        tokio::spawn(pipe(body, key, ctl.clone(), stopped));
     }
-    Ok(answer.map(|recv| {
-        Stream {
-            recv,
-            data_done: false,
+    let (stream, status, fields, end) = match answers.recv().await {
+        Some(Part::Head {
+            stream,
+            status,
+            fields,
+            end,
+        }) => (stream, status, fields, end),
+        Some(Part::Failed(e)) => {
+            guard.armed = false;
+            return Err(e.into());
+        }
+        Some(Part::Data { .. } | Part::Trailers(_)) | None => {
+            guard.armed = false;
+            return Err(Error::Ended.into());
+        }
+    };
+    let mut resp = Response::new(if end {
+        guard.armed = false;
+        super::empty()
+    } else {
+        AnswerBody {
+            answers,
+            stream,
+            guard,
             _under_way: under_way,
         }
         .boxed()
-    }))
+    });
+    *resp.status_mut() =
+        hyper::StatusCode::from_u16(status).map_err(|_| Error::Reset(ErrorCode::PROTOCOL_ERROR))?;
+    *resp.version_mut() = hyper::Version::HTTP_2;
+    *resp.headers_mut() = header_map(fields);
+    Ok(resp)
 }
 
-/// Resets the stream of a request abandoned before its answer began (the pipe still sending its
-/// body holds the stream open otherwise).
-struct Cancel(Option<oneshot::Sender<()>>);
-
-impl Cancel {
-    fn disarm(&mut self) {
-        self.0.take();
+/// Fields as a header map (those that make no header are left out; the client side checked
+/// them already).
+fn header_map(fields: Vec<(Vec<u8>, Vec<u8>)>) -> HeaderMap {
+    let mut map = HeaderMap::with_capacity(fields.len());
+    for (name, value) in fields {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(&name),
+            HeaderValue::from_maybe_shared(Bytes::from(value)),
+        ) {
+            map.append(n, v);
+        }
     }
+    map
 }
 
-impl Drop for Cancel {
+/// Resets the stream of a request abandoned (its task dropped before its answer ended).
+struct Abandon {
+    ctl: mpsc::UnboundedSender<Cmd>,
+    key: u64,
+    armed: bool,
+}
+
+impl Drop for Abandon {
     fn drop(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
+        if self.armed {
+            let _ = self.ctl.send(Cmd::Cancel { key: self.key });
         }
     }
 }
 
-/// Headers HTTP/2 forbids (RFC 9113 section 8.2.2); `h2` refuses a request carrying any.
-fn strip_connection_headers(headers: &mut HeaderMap) {
-    for n in [
-        header::CONNECTION,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-    ] {
-        headers.remove(n);
-    }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
-    if headers
-        .get(header::TE)
-        .is_some_and(|te| te.as_bytes() != b"trailers")
-    {
-        headers.remove(header::TE);
-    }
-}
-
-/// Sends a request body on its stream, within the stream's flow control: its data, then its
-/// trailers or the end. A body that fails, or a cancel, resets the stream; a stream the replica
-/// reset ends it.
-async fn pipe(mut body: Body, mut tx: SendStream<Bytes>, mut cancel: oneshot::Receiver<()>) {
-    let mut watching = true;
+/// Sends on the rest of a request's body, each part taking credit from the stream's budget:
+/// its data, then its trailers or its end. A body that fails resets the stream; the stream's
+/// end (`stop` dropped by the connection) ends it.
+async fn pipe(
+    mut body: Body,
+    key: u64,
+    ctl: mpsc::UnboundedSender<Cmd>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let budget = Arc::new(Semaphore::new(BODY_BUDGET));
     loop {
         let frame = tokio::select! {
             biased;
+            _ = &mut stop => return,
             f = body.frame() => f,
-            r = &mut cancel, if watching => {
-                if r.is_ok() {
-                    tx.send_reset(Reason::CANCEL);
-                    return;
-                }
-                watching = false;
-                continue;
-            }
-            _ = std::future::poll_fn(|cx| tx.poll_reset(cx)) => return,
         };
         let frame = match frame {
             None => {
-                let _ = tx.send_data(Bytes::new(), true);
+                let _ = ctl.send(Cmd::Data {
+                    key,
+                    data: Bytes::new(),
+                    end: true,
+                    credit: None,
+                });
                 return;
             }
             Some(Err(e)) => {
                 tracing::debug!(error = %e, "a request body failed; resetting its h2c stream");
-                tx.send_reset(Reason::CANCEL);
+                let _ = ctl.send(Cmd::Cancel { key });
                 return;
             }
             Some(Ok(f)) => f,
         };
-        let frame = match frame.into_data() {
-            Ok(mut data) => {
+        match frame.into_data() {
+            Ok(data) => {
                 let end = body.is_end_stream();
-                if end && data.len() <= EAGER_MAX {
-                    let _ = tx.send_data(data, true);
+                let n = data.len().clamp(1, BODY_BUDGET) as u32;
+                let permits = tokio::select! {
+                    biased;
+                    _ = &mut stop => return,
+                    p = budget.acquire_many(n) => p,
+                };
+                let Ok(permits) = permits else {
                     return;
-                }
-                while data.has_remaining() {
-                    tx.reserve_capacity(data.len());
-                    let room = match std::future::poll_fn(|cx| tx.poll_capacity(cx)).await {
-                        Some(Ok(n)) => n,
-                        _ => return,
-                    };
-                    if room == 0 {
-                        continue;
-                    }
-                    let chunk = data.split_to(room.min(data.len()));
-                    if tx.send_data(chunk, end && data.is_empty()).is_err() {
-                        return;
-                    }
-                }
+                };
+                permits.forget();
+                let _ = ctl.send(Cmd::Data {
+                    key,
+                    data,
+                    end,
+                    credit: Some((budget.clone(), n)),
+                });
                 if end {
                     return;
                 }
-                continue;
             }
-            Err(f) => f,
-        };
-        if let Ok(trailers) = frame.into_trailers() {
-            let _ = tx.send_trailers(trailers);
-            return;
+            Err(frame) => {
+                if let Ok(fields) = frame.into_trailers() {
+                    let _ = ctl.send(Cmd::Trailers { key, fields });
+                    return;
+                }
+            }
         }
     }
 }
 
-/// An answer's body: the stream's data, each frame's room given back to the replica as it is
-/// passed on, then its trailers.
-struct Stream {
-    recv: RecvStream,
-    data_done: bool,
+/// An answer's body: the data the replica sent, each part's window given back as it is passed
+/// on, then its trailers.
+struct AnswerBody {
+    answers: mpsc::UnboundedReceiver<Part>,
+    stream: u32,
+    /// Armed until the answer ends: dropped before, the stream is reset.
+    guard: Abandon,
     _under_way: UnderWay,
 }
 
-impl hyper::body::Body for Stream {
+impl hyper::body::Body for AnswerBody {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -431,25 +1014,45 @@ impl hyper::body::Body for Stream {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if !self.data_done {
-            match ready!(self.recv.poll_data(cx)) {
-                Some(Ok(data)) => {
-                    let _ = self.recv.flow_control().release_capacity(data.len());
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                Some(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
-                None => self.data_done = true,
-            }
+        if !self.guard.armed {
+            return Poll::Ready(None);
         }
-        match ready!(self.recv.poll_trailers(cx)) {
-            Ok(Some(t)) => Poll::Ready(Some(Ok(Frame::trailers(t)))),
-            Ok(None) => Poll::Ready(None),
-            Err(e) => Poll::Ready(Some(Err(e.into()))),
+        let part = match self.answers.poll_recv(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(p) => p,
+        };
+        match part {
+            Some(Part::Data { data, end }) => {
+                if end {
+                    self.guard.armed = false;
+                }
+                if !data.is_empty() {
+                    let _ = self.guard.ctl.send(Cmd::Consumed {
+                        stream: self.stream,
+                        n: data.len(),
+                    });
+                } else if end {
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(Some(Ok(Frame::data(data))))
+            }
+            Some(Part::Trailers(fields)) => {
+                self.guard.armed = false;
+                Poll::Ready(Some(Ok(Frame::trailers(header_map(fields)))))
+            }
+            Some(Part::Failed(e)) => {
+                self.guard.armed = false;
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Some(Part::Head { .. }) | None => {
+                self.guard.armed = false;
+                Poll::Ready(Some(Err(Error::Ended.into())))
+            }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.recv.is_end_stream()
+        !self.guard.armed
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -457,9 +1060,29 @@ impl hyper::body::Body for Stream {
     }
 }
 
+impl Drop for AnswerBody {
+    fn drop(&mut self) {
+        // What came and was never passed on gives its window back.
+        self.answers.close();
+        let mut n = 0;
+        while let Ok(part) = self.answers.try_recv() {
+            if let Part::Data { data, .. } = part {
+                n += data.len();
+            }
+        }
+        if n > 0 {
+            let _ = self.guard.ctl.send(Cmd::Consumed {
+                stream: self.stream,
+                n,
+            });
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicUsize;
+    use std::time::Duration;
 
     use http_body_util::{Full, StreamBody};
     use tokio::net::TcpListener;
@@ -512,7 +1135,7 @@ mod tests {
             .unwrap()
     }
 
-    async fn answer(r: Result<Response<Body>, Error>) -> (String, Option<HeaderMap>) {
+    async fn answer(r: Result<Response<Body>, SendError>) -> (String, Option<HeaderMap>) {
         let collected = r.unwrap().into_body().collect().await.unwrap();
         let trailers = collected.trailers().cloned();
         (
@@ -641,11 +1264,7 @@ mod tests {
             CONNS.with(|c| {
                 c.borrow().get(&addr).is_some_and(|list| {
                     list.iter()
-                        .filter(|c| {
-                            c.sender
-                                .get()
-                                .is_some_and(|s| s.current_max_send_streams() == 1)
-                        })
+                        .filter(|c| c.limit.load(Ordering::Relaxed) == 1)
                         .count()
                         == n
                 })
@@ -712,5 +1331,145 @@ mod tests {
             .unwrap_err();
         assert!(e.is_connect(), "{e}");
         assert!(!crate::backend_went_away(&e));
+    }
+
+    /// A replica that answers each connection's first request with SETTINGS and a GOAWAY taking
+    /// no stream, then closes; with the connections it accepted.
+    async fn going_away_server() -> (SocketAddr, Arc<AtomicUsize>) {
+        use ebb_http::h2;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let a = accepted.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut tcp, _) = listener.accept().await.unwrap();
+                a.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    // The preface, then frames until a HEADERS one.
+                    let headers_came = |buf: &[u8]| {
+                        let mut at = h2::PREFACE.len();
+                        while let Ok(Some((frame, used))) =
+                            h2::read(&buf[at.min(buf.len())..], 1 << 14)
+                        {
+                            if matches!(frame, h2::Frame::Headers { .. }) {
+                                return true;
+                            }
+                            at += used;
+                        }
+                        false
+                    };
+                    while buf.len() < h2::PREFACE.len() || !headers_came(&buf) {
+                        if tcp.read_buf(&mut buf).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                    }
+                    let mut out = Vec::new();
+                    h2::write_settings(&mut out, &[]);
+                    h2::write_goaway(&mut out, 0, h2::ErrorCode::NO_ERROR, b"");
+                    tcp.write_all(&out).await.unwrap();
+                    // Until the client closes.
+                    while tcp.read_buf(&mut buf).await.unwrap_or(0) > 0 {}
+                });
+            }
+        });
+        (addr, accepted)
+    }
+
+    #[tokio::test]
+    async fn a_stream_past_the_replicas_goaway_is_refused_and_the_next_request_connects_again() {
+        let (addr, accepted) = going_away_server().await;
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let dial = backends::tests::dial(&clock, 0);
+        let backends = Backends::default();
+        for n in 1..=2 {
+            let empty = http_body_util::Empty::new().map_err(|e| match e {}).boxed();
+            let e = send(request(addr, empty), addr, dial, &backends)
+                .await
+                .unwrap_err();
+            assert!(matches!(e, SendError::H2(Error::Refused)), "{e}");
+            assert!(
+                crate::backend_went_away(&e),
+                "not processed: it may go elsewhere"
+            );
+            assert_eq!(accepted.load(Ordering::SeqCst), n, "a connection each");
+        }
+        until("the connections going away end", || {
+            CONNS.with(|c| {
+                c.borrow()
+                    .get(&addr)
+                    .is_none_or(|l| l.iter().all(|c| c.ended.load(Ordering::Acquire)))
+            })
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_request_and_an_answer_dropped_halfway_reset_their_streams() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (held, resets) = (
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(std::sync::Mutex::new(Vec::new())),
+        );
+        let (h, r) = (held.clone(), resets.clone());
+        tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let mut conn = h2::server::handshake(tcp).await.unwrap();
+            while let Some(Ok((req, mut respond))) = conn.accept().await {
+                let (h, r) = (h.clone(), r.clone());
+                tokio::spawn(async move {
+                    let path = req.uri().path().to_owned();
+                    // `/hold` never answers; `/half` sends a head and part of a body.
+                    let reason = if path == "/hold" {
+                        h.fetch_add(1, Ordering::SeqCst);
+                        std::future::poll_fn(|cx| respond.poll_reset(cx)).await
+                    } else {
+                        let mut tx = respond.send_response(Response::new(()), false).unwrap();
+                        tx.send_data(Bytes::from_static(b"part"), false).unwrap();
+                        std::future::poll_fn(|cx| tx.poll_reset(cx)).await
+                    };
+                    r.lock().unwrap().push((path, reason.unwrap()));
+                });
+            }
+        });
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let dial = backends::tests::dial(&clock, 0);
+        let backends = Backends::default();
+        let get = |path: &str| {
+            Request::get(format!("http://{addr}{path}"))
+                .body(http_body_util::Empty::new().map_err(|e| match e {}).boxed())
+                .unwrap()
+        };
+        // The client leaves while its request is held: the future is dropped.
+        tokio::select! {
+            r = send(get("/hold"), addr, dial, &backends) => panic!("answered: {:?}", r.map(|_| ())),
+            () = until("the request is held", || held.load(Ordering::SeqCst) == 1) => {}
+        }
+        until("the held stream is reset", || {
+            resets.lock().unwrap().len() == 1
+        })
+        .await;
+        // The answer's body is dropped after its first part.
+        let mut body = send(get("/half"), addr, dial, &backends)
+            .await
+            .unwrap()
+            .into_body();
+        let first = body.frame().await.unwrap().unwrap();
+        assert_eq!(first.into_data().unwrap(), "part");
+        drop(body);
+        until("the half-read stream is reset", || {
+            resets.lock().unwrap().len() == 2
+        })
+        .await;
+        let resets = resets.lock().unwrap().clone();
+        assert_eq!(
+            resets,
+            [
+                ("/hold".to_owned(), h2::Reason::CANCEL),
+                ("/half".to_owned(), h2::Reason::CANCEL)
+            ]
+        );
     }
 }

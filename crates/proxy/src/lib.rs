@@ -40,8 +40,9 @@
 //!   connection, opens one within the same per-replica bound, or waits for the first of those,
 //!   and never opens one it will not use; a request whose client left is dropped with its
 //!   connection. Its HTTP/2 ones (gRPC,
-//!   h2c destinations) are one per replica and thread, driven with `h2` directly ([`h2hop`]): a
-//!   stream opened from the request's own task. Its bodies are [`Body`]
+//!   h2c destinations) are one per replica and thread (more while the replica's stream limit
+//!   fills them), each a task on ebb's own HTTP/2 client side ([`h2hop`]) that the requests'
+//!   tasks hand their heads and bodies to. Its bodies are [`Body`]
 //!   (`BoxBody<Bytes, BoxError>`), so the proxy can end one itself ([`stream_idle`]). gRPC
 //!   ([`grpc`]) takes the general path; TCP
 //!   routes ([`tcp`]) have listeners of their own; meta services ([`services`]) route by their
@@ -2114,7 +2115,7 @@ pub enum SendError {
     #[error("{0}")]
     H1(#[from] hyper::Error),
     #[error("{0}")]
-    H2(#[from] h2::Error),
+    H2(#[from] h2hop::Error),
     #[error("{0}")]
     Raw(#[from] RawError),
     /// The replica closed or reset the connection before the answer's head came, in the
@@ -2283,11 +2284,7 @@ fn backend_went_away(e: &SendError) -> bool {
             false
         }
         SendError::Raw(e) | SendError::Gone(e, _) => e.went_away(),
-        SendError::H2(e) => {
-            e.is_go_away()
-                || e.reason() == Some(h2::Reason::REFUSED_STREAM)
-                || e.get_io().is_some_and(backends::cut_off)
-        }
+        SendError::H2(e) => e.went_away(),
     }
 }
 
