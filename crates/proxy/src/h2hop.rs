@@ -55,6 +55,7 @@ use tokio::sync::{OnceCell, Semaphore, mpsc, oneshot};
 
 use super::backends::{self, Backends, Dial};
 use super::h1::{Progress, Watchdog};
+use super::h2parts::{self, Credit, Flushed, Waiting, header_map, release};
 use super::{Body, BoxError, SendError};
 use crate::clock::Clock;
 
@@ -245,7 +246,7 @@ enum Cmd {
         key: u64,
         data: Bytes,
         end: bool,
-        credit: Option<(Arc<Semaphore>, u32)>,
+        credit: Option<Credit>,
     },
     /// The request's trailers, ending it.
     Trailers {
@@ -294,16 +295,6 @@ enum Part {
     Failed(Error),
 }
 
-/// Request bytes waiting for a window.
-enum Waiting {
-    Data {
-        data: Bytes,
-        end: bool,
-        credit: Option<(Arc<Semaphore>, u32)>,
-    },
-    Trailers(HeaderMap),
-}
-
 /// A request on the connection.
 struct Stream {
     /// Its stream, once opened (a request past the replica's limit waits for one).
@@ -318,19 +309,6 @@ struct Stream {
 impl Drop for Stream {
     fn drop(&mut self) {
         release(std::mem::take(&mut self.waiting));
-    }
-}
-
-/// Returns the credit of request data that will not be written.
-fn release(waiting: VecDeque<Waiting>) {
-    for w in waiting {
-        if let Waiting::Data {
-            credit: Some((budget, n)),
-            ..
-        } = w
-        {
-            budget.add_permits(n as usize);
-        }
     }
 }
 
@@ -391,13 +369,8 @@ async fn drive(
             }
             streams.start_pending(&mut client);
         }
-        let out = client.out();
-        if !out.is_empty() {
-            let written = sock.write_all(out).await;
-            out.clear();
-            if written.is_err() {
-                break;
-            }
+        if h2parts::write_out(&mut sock, client.out()).await.is_err() {
+            break;
         }
         if client.failed() || (client.going_away() && streams.by_key.is_empty()) {
             break;
@@ -696,41 +669,11 @@ impl Streams {
         let Some(id) = s.id else {
             return;
         };
-        loop {
-            let Some(w) = s.waiting.front_mut() else {
-                return;
-            };
-            match w {
-                Waiting::Data { data, end, credit } => {
-                    let Ok(n) = client.send_data(id, data, *end) else {
-                        // The stream is gone (its answer ended): nothing more goes on it.
-                        release(std::mem::take(&mut s.waiting));
-                        return;
-                    };
-                    if n < data.len() {
-                        data.advance(n);
-                        return;
-                    }
-                    if let Some((budget, n)) = credit.take() {
-                        budget.add_permits(n as usize);
-                    }
-                    let end = *end;
-                    s.waiting.pop_front();
-                    if end {
-                        s.sent_end = true;
-                        return;
-                    }
-                }
-                Waiting::Trailers(fields) => {
-                    let fields = fields
-                        .iter()
-                        .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
-                    let _ = client.trailers(id, fields);
-                    s.sent_end = true;
-                    release(std::mem::take(&mut s.waiting));
-                    return;
-                }
-            }
+        match h2parts::flush(client, id, &mut s.waiting) {
+            Flushed::Waiting => {}
+            Flushed::Ended => s.sent_end = true,
+            // The stream is gone (its answer ended): nothing more goes on it.
+            Flushed::Gone => release(std::mem::take(&mut s.waiting)),
         }
     }
 }
@@ -900,21 +843,6 @@ pub async fn send(
     Ok(resp)
 }
 
-/// Fields as a header map (those that make no header are left out; the client side checked
-/// them already).
-fn header_map(fields: Vec<(Vec<u8>, Vec<u8>)>) -> HeaderMap {
-    let mut map = HeaderMap::with_capacity(fields.len());
-    for (name, value) in fields {
-        if let (Ok(n), Ok(v)) = (
-            HeaderName::from_bytes(&name),
-            HeaderValue::from_maybe_shared(Bytes::from(value)),
-        ) {
-            map.append(n, v);
-        }
-    }
-    map
-}
-
 /// Resets the stream of a request abandoned (its task dropped before its answer ended).
 struct Abandon {
     ctl: mpsc::UnboundedSender<Cmd>,
@@ -1063,13 +991,10 @@ impl hyper::body::Body for AnswerBody {
 impl Drop for AnswerBody {
     fn drop(&mut self) {
         // What came and was never passed on gives its window back.
-        self.answers.close();
-        let mut n = 0;
-        while let Ok(part) = self.answers.try_recv() {
-            if let Part::Data { data, .. } = part {
-                n += data.len();
-            }
-        }
+        let n = h2parts::unread(&mut self.answers, |part| match part {
+            Part::Data { data, .. } => data.len(),
+            _ => 0,
+        });
         if n > 0 {
             let _ = self.guard.ctl.send(Cmd::Consumed {
                 stream: self.stream,

@@ -36,6 +36,7 @@ use tokio::sync::{Semaphore, mpsc};
 use tokio::task::AbortHandle;
 
 use super::h1::{Progress, Watchdog};
+use super::h2parts::{self, Credit, Flushed, Waiting, header_map, release};
 use super::{Body, BoxError, Proxy, gateway};
 
 /// Bytes of one answer that may wait for the client's windows beyond its first DATA frame.
@@ -59,7 +60,7 @@ enum Ctl {
         stream: u32,
         data: Bytes,
         end: bool,
-        credit: Option<(Arc<Semaphore>, u32)>,
+        credit: Option<Credit>,
     },
     /// The answer's trailers, ending it.
     Trailers { stream: u32, fields: HeaderMap },
@@ -75,16 +76,6 @@ enum Part {
     Trailers(HeaderMap),
     /// The client reset the stream or the connection ended: the body is cut short.
     Cut,
-}
-
-/// Answer bytes waiting for a window.
-enum Waiting {
-    Data {
-        data: Bytes,
-        end: bool,
-        credit: Option<(Arc<Semaphore>, u32)>,
-    },
-    Trailers(HeaderMap),
 }
 
 /// A request under way on the connection.
@@ -107,19 +98,6 @@ impl Drop for Streams {
             }
             s.task.abort();
             release(s.waiting);
-        }
-    }
-}
-
-/// Returns the credit of answer data that will not be written.
-fn release(waiting: VecDeque<Waiting>) {
-    for w in waiting {
-        if let Waiting::Data {
-            credit: Some((budget, n)),
-            ..
-        } = w
-        {
-            budget.add_permits(n as usize);
         }
     }
 }
@@ -175,13 +153,8 @@ pub(super) async fn serve(
                 }
             }
         }
-        let out = server.out();
-        if !out.is_empty() {
-            let written = client.write_all(out).await;
-            out.clear();
-            if written.is_err() {
-                return;
-            }
+        if h2parts::write_out(&mut client, server.out()).await.is_err() {
+            return;
         }
         if server.failed() || (draining && streams.0.is_empty()) {
             return;
@@ -384,41 +357,14 @@ fn flush(server: &mut Server, streams: &mut Streams, stream: u32) {
     let Some(s) = streams.0.get_mut(&stream) else {
         return;
     };
-    let ended = loop {
-        let Some(w) = s.waiting.front_mut() else {
-            return;
-        };
-        match w {
-            Waiting::Data { data, end, credit } => {
-                let Ok(n) = server.send_data(stream, data, *end) else {
-                    // Reset, or ended: nothing more goes on it.
-                    break false;
-                };
-                if n < data.len() {
-                    data.advance(n);
-                    return;
-                }
-                if let Some((budget, n)) = credit.take() {
-                    budget.add_permits(n as usize);
-                }
-                let end = *end;
-                s.waiting.pop_front();
-                if end {
-                    break true;
-                }
-            }
-            Waiting::Trailers(fields) => {
-                let fields = fields
-                    .iter()
-                    .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
-                break server.trailers(stream, fields).is_ok();
+    match h2parts::flush(server, stream, &mut s.waiting) {
+        Flushed::Waiting => {}
+        Flushed::Ended => done(server, streams, stream),
+        Flushed::Gone => {
+            if let Some(s) = streams.0.remove(&stream) {
+                release(s.waiting);
             }
         }
-    };
-    if ended {
-        done(server, streams, stream);
-    } else if let Some(s) = streams.0.remove(&stream) {
-        release(s.waiting);
     }
 }
 
@@ -470,20 +416,6 @@ fn request(head: RequestHead, body: Body) -> Option<Request<Body>> {
         headers.append(name, value);
     }
     Some(req)
-}
-
-/// Trailers as a header map (fields that make no header are left out).
-fn header_map(fields: Vec<(Vec<u8>, Vec<u8>)>) -> HeaderMap {
-    let mut map = HeaderMap::with_capacity(fields.len());
-    for (name, value) in fields {
-        if let (Ok(n), Ok(v)) = (
-            HeaderName::from_bytes(&name),
-            HeaderValue::from_bytes(&value),
-        ) {
-            map.append(n, v);
-        }
-    }
-    map
 }
 
 /// Ends a request's answer as reset when its task ends before the answer does.
@@ -642,13 +574,10 @@ impl HttpBody for RequestBody {
 impl Drop for RequestBody {
     fn drop(&mut self) {
         // What was sent and never read gives its window back, and nothing more is taken.
-        self.rx.close();
-        let mut n = 0;
-        while let Ok(part) = self.rx.try_recv() {
-            if let Part::Data(data) = part {
-                n += data.len();
-            }
-        }
+        let n = h2parts::unread(&mut self.rx, |part| match part {
+            Part::Data(data) => data.len(),
+            _ => 0,
+        });
         if n > 0 {
             let _ = self.ctl.send(Ctl::Consumed {
                 stream: self.stream,

@@ -83,6 +83,7 @@ pub mod grpc;
 mod h1;
 mod h1hop;
 mod h2hop;
+mod h2parts;
 mod h2serve;
 pub mod load;
 pub mod relay;
