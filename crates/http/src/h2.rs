@@ -664,6 +664,182 @@ pub fn write_data(
     }
 }
 
+/// One side's flow control on a connection (RFC 9113 sections 5.2 and 6.9): the connection's
+/// windows both ways and what the caller handled since this side last gave any back. Each
+/// stream's windows are [`Windows`], kept by the side with its stream.
+#[derive(Debug)]
+pub struct Flow {
+    /// The window each stream this side receives on starts with.
+    stream_window: u32,
+    /// The connection's receive window this side keeps open.
+    connection_window: u32,
+    send: i64,
+    recv: i64,
+    unacked: u32,
+}
+
+/// A stream's windows: what this side may still send on it, what the peer may.
+#[derive(Debug)]
+pub struct Windows {
+    send: i64,
+    recv: i64,
+    unacked: u32,
+}
+
+impl Windows {
+    /// Whether this side may send some bytes on the stream, as far as its own window goes.
+    pub fn open(&self) -> bool {
+        self.send > 0
+    }
+}
+
+impl Flow {
+    /// Flow control with `stream_window` for each stream this side receives on and
+    /// `connection_window` for the connection; the connection window's raise past the
+    /// default goes to `out`.
+    pub fn new(stream_window: u32, connection_window: u32, out: &mut Vec<u8>) -> Self {
+        let default_window = i64::from(DEFAULT_WINDOW);
+        let raise = i64::from(connection_window) - default_window;
+        if raise > 0 {
+            write_window_update(out, 0, raise as u32);
+        }
+        Self {
+            stream_window,
+            connection_window,
+            send: default_window,
+            recv: default_window.max(i64::from(connection_window)),
+            unacked: 0,
+        }
+    }
+
+    /// A new stream's windows: the peer's initial window to send into, this side's to
+    /// receive.
+    pub fn stream(&self, peer_initial_window: u32) -> Windows {
+        Windows {
+            send: i64::from(peer_initial_window),
+            recv: i64::from(self.stream_window),
+            unacked: 0,
+        }
+    }
+
+    /// The peer's SETTINGS_INITIAL_WINDOW_SIZE moved from `before` to `after`: every stream's
+    /// send window moves by as much. Returns whether they grew (data held back may go).
+    pub fn initial_window_moved<'a>(
+        before: u32,
+        after: u32,
+        streams: impl Iterator<Item = &'a mut Windows>,
+    ) -> Result<bool, H2Error> {
+        let delta = i64::from(after) - i64::from(before);
+        if delta == 0 {
+            return Ok(false);
+        }
+        for w in streams {
+            w.send += delta;
+            if w.send > i64::from(MAX_WINDOW) {
+                return Err(H2Error::Connection(
+                    ErrorCode::FLOW_CONTROL_ERROR,
+                    "SETTINGS_INITIAL_WINDOW_SIZE took a window past 2^31-1",
+                ));
+            }
+        }
+        Ok(delta > 0)
+    }
+
+    /// A WINDOW_UPDATE on the connection.
+    pub fn connection_update(&mut self, increment: u32) -> Result<(), H2Error> {
+        self.send += i64::from(increment);
+        if self.send > i64::from(MAX_WINDOW) {
+            return Err(H2Error::Connection(
+                ErrorCode::FLOW_CONTROL_ERROR,
+                "the connection's window past 2^31-1",
+            ));
+        }
+        Ok(())
+    }
+
+    /// A WINDOW_UPDATE on `stream`, whose windows are `w`.
+    pub fn stream_update(w: &mut Windows, stream: u32, increment: u32) -> Result<(), H2Error> {
+        w.send += i64::from(increment);
+        if w.send > i64::from(MAX_WINDOW) {
+            return Err(H2Error::Stream(
+                stream,
+                ErrorCode::FLOW_CONTROL_ERROR,
+                "a stream's window past 2^31-1",
+            ));
+        }
+        Ok(())
+    }
+
+    /// A DATA frame of `flow_len` bytes (padding included) counted against the connection's
+    /// window, whatever its stream's state.
+    pub fn received(&mut self, flow_len: u32) -> Result<(), H2Error> {
+        self.recv -= i64::from(flow_len);
+        if self.recv < 0 {
+            return Err(H2Error::Connection(
+                ErrorCode::FLOW_CONTROL_ERROR,
+                "DATA past the connection's window",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The same frame counted against its stream's window: past it, the stream's error.
+    pub fn stream_received(w: &mut Windows, stream: u32, flow_len: u32) -> Option<H2Error> {
+        w.recv -= i64::from(flow_len);
+        (w.recv < 0).then_some(H2Error::Stream(
+            stream,
+            ErrorCode::FLOW_CONTROL_ERROR,
+            "DATA past the stream's window",
+        ))
+    }
+
+    /// How many bytes may go on a stream with windows `w` now.
+    pub fn room(&self, w: &Windows) -> usize {
+        w.send.min(self.send).max(0) as usize
+    }
+
+    /// `n` bytes went on a stream with windows `w`.
+    pub fn sent(&mut self, w: &mut Windows, n: usize) {
+        w.send -= n as i64;
+        self.send -= n as i64;
+    }
+
+    /// `n` bytes of `stream` handled or dropped (`w`: its windows while it is open, and
+    /// whether the peer ended its side): a WINDOW_UPDATE goes to `out` once half of a window
+    /// waits to be given back (the stream's only while its body goes on), never past the window
+    /// this side gave (a caller giving back more than it got is not believed).
+    pub fn give_back(
+        &mut self,
+        out: &mut Vec<u8>,
+        stream: u32,
+        w: Option<(&mut Windows, bool)>,
+        n: usize,
+    ) {
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        if let Some((w, remote_ended)) = w {
+            w.unacked = w.unacked.saturating_add(n);
+            if !remote_ended && w.unacked >= self.stream_window / 2 {
+                let inc = i64::from(w.unacked).min(i64::from(self.stream_window) - w.recv);
+                if inc > 0 {
+                    write_window_update(out, stream, inc as u32);
+                    w.recv += inc;
+                }
+                w.unacked = 0;
+            }
+        }
+        self.unacked = self.unacked.saturating_add(n);
+        if self.unacked >= self.connection_window / 2 {
+            let window = i64::from(self.connection_window.max(DEFAULT_WINDOW));
+            let inc = i64::from(self.unacked).min(window - self.recv);
+            if inc > 0 {
+                write_window_update(out, 0, inc as u32);
+                self.recv += inc;
+            }
+            self.unacked = 0;
+        }
+    }
+}
+
 /// The streams one side reset lately, the oldest forgotten past [`RecentResets::KEPT`]: frames
 /// the peer sent on them before it knew are ignored rather than taken as errors (RFC 9113
 /// 5.4.2).

@@ -103,12 +103,8 @@ struct Stream {
     responded: bool,
     /// This side ended its side.
     local_ended: bool,
-    /// What this side may still send (may go below 0 when the client lowers its settings).
-    send_window: i64,
-    /// What the client may still send.
-    recv_window: i64,
-    /// Received and handled, not yet given back.
-    unacked: u32,
+    /// Its windows both ways (this side's may go below 0 when the peer lowers its settings).
+    windows: h2::Windows,
     /// What is left of the body its `content-length` said, if it said one.
     body_left: Option<u64>,
 }
@@ -131,9 +127,7 @@ pub struct Server {
     streams: HashMap<u32, Stream>,
     /// The highest stream the client opened: lower ones not in `streams` are closed.
     last_stream: u32,
-    conn_send_window: i64,
-    conn_recv_window: i64,
-    conn_unacked: u32,
+    flow: h2::Flow,
     continuing: Option<Continuing>,
     /// Whether a GOAWAY was sent (no new streams are taken after it).
     going_away: bool,
@@ -176,11 +170,11 @@ impl Server {
                 (setting::MAX_HEADER_LIST_SIZE, config.max_header_list_size),
             ],
         );
-        let default_window = i64::from(h2::DEFAULT_WINDOW);
-        let raise = i64::from(config.connection_window) - default_window;
-        if raise > 0 {
-            h2::write_window_update(&mut out, 0, raise as u32);
-        }
+        let flow = h2::Flow::new(
+            config.initial_window_size,
+            config.connection_window,
+            &mut out,
+        );
         Self {
             config,
             phase: Phase::Preface,
@@ -190,9 +184,7 @@ impl Server {
             decoder: hpack::Decoder::new(4_096),
             streams: HashMap::new(),
             last_stream: 0,
-            conn_send_window: default_window,
-            conn_recv_window: default_window.max(i64::from(config.connection_window)),
-            conn_unacked: 0,
+            flow,
             continuing: None,
             going_away: false,
             resets: h2::RecentResets::default(),
@@ -338,22 +330,15 @@ impl Server {
             } => {
                 let before = self.peer.initial_window_size;
                 self.peer.apply(entries).map_err(|e| self.fail(e))?;
-                let delta = i64::from(self.peer.initial_window_size) - i64::from(before);
-                if delta != 0 {
-                    for s in self.streams.values_mut() {
-                        s.send_window += delta;
-                        if s.send_window > i64::from(h2::MAX_WINDOW) {
-                            return Err(conn(
-                                ErrorCode::FLOW_CONTROL_ERROR,
-                                "SETTINGS_INITIAL_WINDOW_SIZE took a window past 2^31-1",
-                            ));
-                        }
-                    }
-                    if delta > 0 {
-                        for (&stream, s) in &self.streams {
-                            if s.send_window > 0 && !s.local_ended {
-                                events.push(Event::Writable { stream });
-                            }
+                let grew = h2::Flow::initial_window_moved(
+                    before,
+                    self.peer.initial_window_size,
+                    self.streams.values_mut().map(|s| &mut s.windows),
+                )?;
+                if grew {
+                    for (&stream, s) in &self.streams {
+                        if s.windows.open() && !s.local_ended {
+                            events.push(Event::Writable { stream });
                         }
                     }
                 }
@@ -369,26 +354,13 @@ impl Server {
                 stream: 0,
                 increment,
             } => {
-                self.conn_send_window += i64::from(increment);
-                if self.conn_send_window > i64::from(h2::MAX_WINDOW) {
-                    return Err(conn(
-                        ErrorCode::FLOW_CONTROL_ERROR,
-                        "the connection's window past 2^31-1",
-                    ));
-                }
+                self.flow.connection_update(increment)?;
                 events.push(Event::Writable { stream: 0 });
             }
             Frame::WindowUpdate { stream, increment } => {
                 self.known(stream)?;
                 if let Some(s) = self.streams.get_mut(&stream) {
-                    s.send_window += i64::from(increment);
-                    if s.send_window > i64::from(h2::MAX_WINDOW) {
-                        return Err(H2Error::Stream(
-                            stream,
-                            ErrorCode::FLOW_CONTROL_ERROR,
-                            "a stream's window past 2^31-1",
-                        ));
-                    }
+                    h2::Flow::stream_update(&mut s.windows, stream, increment)?;
                     events.push(Event::Writable { stream });
                 }
             }
@@ -424,13 +396,7 @@ impl Server {
             } => {
                 self.known(stream)?;
                 // The connection's window counts the frame whatever its stream's state.
-                self.conn_recv_window -= i64::from(flow_len);
-                if self.conn_recv_window < 0 {
-                    return Err(conn(
-                        ErrorCode::FLOW_CONTROL_ERROR,
-                        "DATA past the connection's window",
-                    ));
-                }
+                self.flow.received(flow_len)?;
                 if self.resets.contains(stream) && !self.streams.contains_key(&stream) {
                     // Sent before the client knew of this side's reset: ignored, its bytes
                     // given back to the connection's window.
@@ -448,14 +414,7 @@ impl Server {
                         ErrorCode::STREAM_CLOSED,
                         "DATA after the request's end",
                     )),
-                    Some(s) => {
-                        s.recv_window -= i64::from(flow_len);
-                        (s.recv_window < 0).then_some(H2Error::Stream(
-                            stream,
-                            ErrorCode::FLOW_CONTROL_ERROR,
-                            "DATA past the stream's window",
-                        ))
-                    }
+                    Some(s) => h2::Flow::stream_received(&mut s.windows, stream, flow_len),
                 };
                 if let Some(e) = refused {
                     // Nobody takes these bytes: the connection's window has them back.
@@ -655,9 +614,7 @@ impl Server {
                 remote_ended: end_stream,
                 responded: false,
                 local_ended: false,
-                send_window: i64::from(self.peer.initial_window_size),
-                recv_window: i64::from(self.config.initial_window_size),
-                unacked: 0,
+                windows: self.flow.stream(self.peer.initial_window_size),
                 body_left: content_length,
             },
         );
@@ -700,31 +657,11 @@ impl Server {
 
     /// `n` bytes of `stream` (0: of no stream) handled or dropped.
     fn give_back(&mut self, stream: u32, n: usize) {
-        let n = u32::try_from(n).unwrap_or(u32::MAX);
-        let stream_window = i64::from(self.config.initial_window_size);
-        if let Some(s) = self.streams.get_mut(&stream) {
-            s.unacked = s.unacked.saturating_add(n);
-            if !s.remote_ended && s.unacked >= self.config.initial_window_size / 2 {
-                // Never past the window this side gave (a caller giving back more than it
-                // got is not believed).
-                let inc = i64::from(s.unacked).min(stream_window - s.recv_window);
-                if inc > 0 {
-                    h2::write_window_update(&mut self.out, stream, inc as u32);
-                    s.recv_window += inc;
-                }
-                s.unacked = 0;
-            }
-        }
-        self.conn_unacked = self.conn_unacked.saturating_add(n);
-        if self.conn_unacked >= self.config.connection_window / 2 {
-            let window = i64::from(self.config.connection_window.max(h2::DEFAULT_WINDOW));
-            let inc = i64::from(self.conn_unacked).min(window - self.conn_recv_window);
-            if inc > 0 {
-                h2::write_window_update(&mut self.out, 0, inc as u32);
-                self.conn_recv_window += inc;
-            }
-            self.conn_unacked = 0;
-        }
+        let windows = self
+            .streams
+            .get_mut(&stream)
+            .map(|s| (&mut s.windows, s.remote_ended));
+        self.flow.give_back(&mut self.out, stream, windows, n);
     }
 
     /// Writes an answer's head on `stream`: `:status`, then `fields` (names lowercase, no
@@ -798,8 +735,7 @@ impl Server {
             Some(s) if s.responded && !s.local_ended => s,
             _ => return Err(StreamGone(stream)),
         };
-        let window = s.send_window.min(self.conn_send_window).max(0) as usize;
-        let n = data.len().min(window);
+        let n = data.len().min(self.flow.room(&s.windows));
         let ends = end_stream && n == data.len();
         if n == 0 && !ends {
             return Ok(0);
@@ -811,8 +747,7 @@ impl Server {
             ends,
             self.peer.max_frame_size,
         );
-        s.send_window -= n as i64;
-        self.conn_send_window -= n as i64;
+        self.flow.sent(&mut s.windows, n);
         if ends {
             s.local_ended = true;
             self.close_if_done(stream);
