@@ -840,6 +840,39 @@ impl Flow {
     }
 }
 
+/// `len` bytes of a body whose `content-length` left `left` bytes to come (if it gave one)
+/// arrived, the last ones when `end_stream`: why the body is malformed (longer or shorter than
+/// its `content-length`), if it is.
+pub fn body_arrived(left: &mut Option<u64>, len: usize, end_stream: bool) -> Option<&'static str> {
+    let l = left.as_mut()?;
+    match l.checked_sub(len as u64) {
+        None => Some("DATA past the content-length"),
+        Some(rest) if end_stream && rest > 0 => Some("a body shorter than its content-length"),
+        Some(rest) => {
+            *l = rest;
+            None
+        }
+    }
+}
+
+/// A field block coming across CONTINUATION frames is refused past four times the largest
+/// header list taken: a bound on what is held before it is decoded.
+pub fn check_block_size(len: usize, max_header_list_size: u32) -> Result<(), H2Error> {
+    if len as u64 > 4 * u64::from(max_header_list_size) {
+        return Err(H2Error::Connection(
+            ErrorCode::ENHANCE_YOUR_CALM,
+            "a field block past the header list's size",
+        ));
+    }
+    Ok(())
+}
+
+/// Where `data`, a slice of `buf` from `payload_at` on, stands in `buf`.
+pub fn range_in(buf: &[u8], payload_at: usize, data: &[u8]) -> std::ops::Range<usize> {
+    let start = payload_at + (data.as_ptr().addr() - buf[payload_at..].as_ptr().addr());
+    start..start + data.len()
+}
+
 /// The streams one side reset lately, the oldest forgotten past [`RecentResets::KEPT`]: frames
 /// the peer sent on them before it knew are ignored rather than taken as errors (RFC 9113
 /// 5.4.2).

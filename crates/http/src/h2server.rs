@@ -429,30 +429,15 @@ impl Server {
                 if let Some(s) = self.streams.get_mut(&stream) {
                     s.remote_ended = end_stream;
                     // A body longer or shorter than its content-length is malformed.
-                    let malformed = s.body_left.as_mut().and_then(|left| {
-                        match left.checked_sub(data.len() as u64) {
-                            None => Some("DATA past the content-length"),
-                            Some(0) => {
-                                *left = 0;
-                                None
-                            }
-                            Some(_) if end_stream => Some("a body shorter than its content-length"),
-                            Some(l) => {
-                                *left = l;
-                                None
-                            }
-                        }
-                    });
-                    if let Some(why) = malformed {
+                    if let Some(why) = h2::body_arrived(&mut s.body_left, data.len(), end_stream) {
                         // Nobody takes these bytes either.
                         self.give_back(0, data.len());
                         return Err(H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why));
                     }
                 }
-                let start = payload_at + (data.as_ptr().addr() - buf[payload_at..].as_ptr().addr());
                 events.push(Event::Data {
                     stream,
-                    data: start..start + data.len(),
+                    data: h2::range_in(buf, payload_at, data),
                     end_stream,
                 });
                 self.close_if_done(stream);
@@ -501,13 +486,7 @@ impl Server {
     /// (HPACK's literals are at worst a little longer than their text).
     fn check_block_size(&self) -> Result<(), H2Error> {
         let len = self.continuing.as_ref().map_or(0, |c| c.block.len());
-        if len as u64 > 4 * u64::from(self.config.max_header_list_size) {
-            return Err(H2Error::Connection(
-                ErrorCode::ENHANCE_YOUR_CALM,
-                "a field block past the header list's size",
-            ));
-        }
-        Ok(())
+        h2::check_block_size(len, self.config.max_header_list_size)
     }
 
     /// A frame on a stream the client has not opened (idle) is a connection error.
