@@ -873,6 +873,78 @@ pub fn range_in(buf: &[u8], payload_at: usize, data: &[u8]) -> std::ops::Range<u
     start..start + data.len()
 }
 
+/// A side of a connection as [`read_frames`] drives it.
+pub(crate) trait Reader {
+    type Event;
+    /// A HEADERS' field block is being read across CONTINUATION frames.
+    fn continuing(&self) -> bool;
+    /// Takes one whole frame, whose payload starts at `payload_at` in `buf`.
+    fn frame(
+        &mut self,
+        frame: Frame<'_>,
+        buf: &[u8],
+        payload_at: usize,
+        events: &mut Vec<Self::Event>,
+    ) -> Result<(), H2Error>;
+    /// Resets the stream of a stream error (and returns `Ok`), or fails the connection.
+    fn stream_error(&mut self, e: H2Error, events: &mut Vec<Self::Event>) -> Result<(), H2Error>;
+    /// Fails the connection (its GOAWAY written once) and returns `e`.
+    fn fail(&mut self, e: H2Error) -> H2Error;
+}
+
+/// Reads the whole frames of `buf` from `at` on into `side` and returns how far it read (the
+/// rest is an incomplete frame). A frame with a stream error is skipped once its stream is
+/// reset; a connection error is returned.
+pub(crate) fn read_frames<R: Reader>(
+    side: &mut R,
+    buf: &[u8],
+    mut at: usize,
+    events: &mut Vec<R::Event>,
+) -> Result<usize, H2Error> {
+    loop {
+        let (frame, payload_at) = match read(&buf[at..], DEFAULT_MAX_FRAME_SIZE) {
+            Ok(Some((frame, used))) => {
+                let start = at;
+                at += used;
+                (frame, start + HEAD_LEN)
+            }
+            Ok(None) => return Ok(at),
+            // Nothing may come between a HEADERS and its CONTINUATIONs, a broken frame least.
+            Err(_) if side.continuing() => {
+                return Err(side.fail(H2Error::Connection(
+                    ErrorCode::PROTOCOL_ERROR,
+                    "a field block cut by another frame",
+                )));
+            }
+            Err(e) => {
+                side.stream_error(e, events)?;
+                // A stream error on a whole frame: skip it.
+                let head = Head::read(&buf[at..]).expect("the frame's head was read");
+                at += HEAD_LEN + head.len as usize;
+                continue;
+            }
+        };
+        if let Err(e) = side.frame(frame, buf, payload_at, events) {
+            side.stream_error(e, events)?;
+        }
+    }
+}
+
+/// A peer's SETTINGS (not an ack): applied to `peer`, every stream's send window (`streams`)
+/// moved with the initial window, acknowledged in `out`. Returns whether the windows grew.
+pub fn take_settings<'a>(
+    peer: &mut Settings,
+    entries: &[u8],
+    streams: impl Iterator<Item = &'a mut Windows>,
+    out: &mut Vec<u8>,
+) -> Result<bool, H2Error> {
+    let before = peer.initial_window_size;
+    peer.apply(entries)?;
+    let grew = Flow::initial_window_moved(before, peer.initial_window_size, streams)?;
+    write_settings_ack(out);
+    Ok(grew)
+}
+
 /// The streams one side reset lately, the oldest forgotten past [`RecentResets::KEPT`]: frames
 /// the peer sent on them before it knew are ignored rather than taken as errors (RFC 9113
 /// 5.4.2).

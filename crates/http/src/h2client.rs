@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use crate::h2::{self, ErrorCode, Frame, H2Error, Settings, setting};
+use crate::h2::{self, ErrorCode, Frame, H2Error, Reader as _, Settings, setting};
 use crate::h2server::{StreamGone, check_field, content_length, encode_field};
 use crate::hpack;
 
@@ -337,7 +337,6 @@ impl Client {
     /// bytes it took. A connection error writes its GOAWAY, marks the connection failed and
     /// is returned.
     pub fn recv(&mut self, buf: &[u8], events: &mut Vec<Event>) -> Result<usize, H2Error> {
-        let mut at = 0;
         if self.phase == Phase::Failed {
             return Ok(buf.len());
         }
@@ -355,57 +354,7 @@ impl Client {
                 Some(_) => self.phase = Phase::Open,
             }
         }
-        loop {
-            let (frame, payload_at) = match h2::read(&buf[at..], h2::DEFAULT_MAX_FRAME_SIZE) {
-                Ok(Some((frame, used))) => {
-                    let start = at;
-                    at += used;
-                    (frame, start + h2::HEAD_LEN)
-                }
-                Ok(None) => return Ok(at),
-                Err(_) if self.continuing.is_some() => {
-                    return Err(self.fail(H2Error::Connection(
-                        ErrorCode::PROTOCOL_ERROR,
-                        "a field block cut by another frame",
-                    )));
-                }
-                Err(e) => match self.stream_error(e, events) {
-                    Ok(()) => {
-                        let head = h2::Head::read(&buf[at..]).expect("the frame's head was read");
-                        at += h2::HEAD_LEN + head.len as usize;
-                        continue;
-                    }
-                    Err(e) => return Err(e),
-                },
-            };
-            if let Err(e) = self.frame(frame, buf, payload_at, events) {
-                self.stream_error(e, events)?;
-            }
-        }
-    }
-
-    /// Resets the stream of a stream error (telling the caller), or fails the connection.
-    fn stream_error(&mut self, e: H2Error, events: &mut Vec<Event>) -> Result<(), H2Error> {
-        match e {
-            H2Error::Stream(stream, code, _) => {
-                h2::write_rst_stream(&mut self.out, stream, code);
-                if self.streams.remove(&stream).is_some() {
-                    events.push(Event::Reset { stream, code });
-                }
-                self.resets.remember(stream);
-                Ok(())
-            }
-            H2Error::Connection(..) => Err(self.fail(e)),
-        }
-    }
-
-    fn fail(&mut self, e: H2Error) -> H2Error {
-        if self.phase != Phase::Failed {
-            let why = e.to_string();
-            h2::write_goaway(&mut self.out, 0, e.code(), why.as_bytes());
-            self.phase = Phase::Failed;
-        }
-        e
+        h2::read_frames(self, buf, 0, events)
     }
 
     /// A frame on a stream this side never opened (an even one: push is off) is a
@@ -418,6 +367,142 @@ impl Client {
             ));
         }
         Ok(())
+    }
+
+    fn check_block_size(&self) -> Result<(), H2Error> {
+        let len = self.continuing.as_ref().map_or(0, |c| c.block.len());
+        h2::check_block_size(len, self.config.max_header_list_size)
+    }
+
+    fn field_block(
+        &mut self,
+        stream: u32,
+        end_stream: bool,
+        block: &[u8],
+        events: &mut Vec<Event>,
+    ) -> Result<(), H2Error> {
+        // Decoded first, whatever happens to the stream: the table must follow every block.
+        let fields = self.decode(block)?;
+        self.known(stream)?;
+        let malformed = |why| H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why);
+        let Some(s) = self.streams.get_mut(&stream) else {
+            if self.resets.contains(stream) {
+                return Ok(());
+            }
+            return Err(H2Error::Connection(
+                ErrorCode::STREAM_CLOSED,
+                "HEADERS on a closed stream",
+            ));
+        };
+        if s.remote_ended {
+            return Err(H2Error::Stream(
+                stream,
+                ErrorCode::STREAM_CLOSED,
+                "HEADERS after the answer's end",
+            ));
+        }
+        let Some(mut fields) = fields else {
+            return Err(malformed("a field block past the header list's size"));
+        };
+        if s.responded {
+            // Trailers.
+            if !end_stream {
+                return Err(malformed("trailers without END_STREAM"));
+            }
+            if fields.iter().any(|(n, _)| n.starts_with(b":")) {
+                return Err(malformed("a pseudo-header field in trailers"));
+            }
+            if let Some(why) = fields.iter().find_map(|(n, v)| check_field(n, v).err()) {
+                return Err(malformed(why));
+            }
+            if s.body_left.is_some_and(|n| n > 0) {
+                return Err(malformed("a body shorter than its content-length"));
+            }
+            s.remote_ended = true;
+            events.push(Event::Trailers { stream, fields });
+            self.close_if_done(stream);
+            return Ok(());
+        }
+        let status = match fields.first() {
+            Some((name, value)) if name == b":status" => std::str::from_utf8(value)
+                .ok()
+                .filter(|v| v.len() == 3 && v.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|v| v.parse::<u16>().ok())
+                .filter(|&v| v >= 100)
+                .ok_or_else(|| malformed("a :status that is not three digits"))?,
+            _ => return Err(malformed("an answer without :status first")),
+        };
+        fields.remove(0);
+        if fields.iter().any(|(n, _)| n.starts_with(b":")) {
+            return Err(malformed("a pseudo-header field other than :status"));
+        }
+        if let Some(why) = fields.iter().find_map(|(n, v)| check_field(n, v).err()) {
+            return Err(malformed(why));
+        }
+        if (100..200).contains(&status) {
+            // Informational: skipped, the final head is still to come (101 has no place in
+            // HTTP/2).
+            if end_stream || status == 101 {
+                return Err(malformed("an informational answer that ends the stream"));
+            }
+            return Ok(());
+        }
+        let length = content_length(&fields).map_err(malformed)?;
+        let bodiless = s.head_request || status == 204 || status == 304;
+        s.body_left = if bodiless { None } else { length };
+        if end_stream && s.body_left.is_some_and(|n| n > 0) {
+            return Err(malformed("a content-length and no body"));
+        }
+        s.responded = true;
+        s.remote_ended = end_stream;
+        events.push(Event::Response {
+            stream,
+            head: ResponseHead { status, fields },
+            end_stream,
+        });
+        self.close_if_done(stream);
+        Ok(())
+    }
+
+    /// The block's fields, or `None` when they pass the header list's size; a block that does
+    /// not decode is a connection error.
+    #[allow(clippy::type_complexity)]
+    fn decode(&mut self, block: &[u8]) -> Result<Option<Vec<(Vec<u8>, Vec<u8>)>>, H2Error> {
+        self.decoder
+            .decode_fields(block, self.config.max_header_list_size)
+            .map_err(|_| {
+                H2Error::Connection(
+                    ErrorCode::COMPRESSION_ERROR,
+                    "a field block that does not decode",
+                )
+            })
+    }
+
+    fn close_if_done(&mut self, stream: u32) {
+        if let Some(s) = self.streams.get(&stream)
+            && s.remote_ended
+            && s.local_ended
+        {
+            self.streams.remove(&stream);
+        }
+    }
+
+    /// `n` bytes of `stream` (0: of no stream) handled or dropped: WINDOW_UPDATEs once half a
+    /// window waits to be given back.
+    fn give_back(&mut self, stream: u32, n: usize) {
+        let windows = self
+            .streams
+            .get_mut(&stream)
+            .map(|s| (&mut s.windows, s.remote_ended));
+        self.flow.give_back(&mut self.out, stream, windows, n);
+    }
+}
+
+impl h2::Reader for Client {
+    type Event = Event;
+
+    fn continuing(&self) -> bool {
+        self.continuing.is_some()
     }
 
     fn frame(
@@ -445,12 +530,11 @@ impl Client {
                 ack: false,
                 entries,
             } => {
-                let before = self.peer.initial_window_size;
-                self.peer.apply(entries).map_err(|e| self.fail(e))?;
-                let grew = h2::Flow::initial_window_moved(
-                    before,
-                    self.peer.initial_window_size,
+                let grew = h2::take_settings(
+                    &mut self.peer,
+                    entries,
                     self.streams.values_mut().map(|s| &mut s.windows),
+                    &mut self.out,
                 )?;
                 if grew {
                     for (&stream, s) in &self.streams {
@@ -459,7 +543,6 @@ impl Client {
                         }
                     }
                 }
-                h2::write_settings_ack(&mut self.out);
             }
             Frame::Ping {
                 ack: false,
@@ -605,132 +688,28 @@ impl Client {
         Ok(())
     }
 
-    fn check_block_size(&self) -> Result<(), H2Error> {
-        let len = self.continuing.as_ref().map_or(0, |c| c.block.len());
-        h2::check_block_size(len, self.config.max_header_list_size)
-    }
-
-    fn field_block(
-        &mut self,
-        stream: u32,
-        end_stream: bool,
-        block: &[u8],
-        events: &mut Vec<Event>,
-    ) -> Result<(), H2Error> {
-        // Decoded first, whatever happens to the stream: the table must follow every block.
-        let fields = self.decode(block)?;
-        self.known(stream)?;
-        let malformed = |why| H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why);
-        let Some(s) = self.streams.get_mut(&stream) else {
-            if self.resets.contains(stream) {
-                return Ok(());
+    /// Resets the stream of a stream error (telling the caller), or fails the connection.
+    fn stream_error(&mut self, e: H2Error, events: &mut Vec<Event>) -> Result<(), H2Error> {
+        match e {
+            H2Error::Stream(stream, code, _) => {
+                h2::write_rst_stream(&mut self.out, stream, code);
+                if self.streams.remove(&stream).is_some() {
+                    events.push(Event::Reset { stream, code });
+                }
+                self.resets.remember(stream);
+                Ok(())
             }
-            return Err(H2Error::Connection(
-                ErrorCode::STREAM_CLOSED,
-                "HEADERS on a closed stream",
-            ));
-        };
-        if s.remote_ended {
-            return Err(H2Error::Stream(
-                stream,
-                ErrorCode::STREAM_CLOSED,
-                "HEADERS after the answer's end",
-            ));
-        }
-        let Some(mut fields) = fields else {
-            return Err(malformed("a field block past the header list's size"));
-        };
-        if s.responded {
-            // Trailers.
-            if !end_stream {
-                return Err(malformed("trailers without END_STREAM"));
-            }
-            if fields.iter().any(|(n, _)| n.starts_with(b":")) {
-                return Err(malformed("a pseudo-header field in trailers"));
-            }
-            if let Some(why) = fields.iter().find_map(|(n, v)| check_field(n, v).err()) {
-                return Err(malformed(why));
-            }
-            if s.body_left.is_some_and(|n| n > 0) {
-                return Err(malformed("a body shorter than its content-length"));
-            }
-            s.remote_ended = true;
-            events.push(Event::Trailers { stream, fields });
-            self.close_if_done(stream);
-            return Ok(());
-        }
-        let status = match fields.first() {
-            Some((name, value)) if name == b":status" => std::str::from_utf8(value)
-                .ok()
-                .filter(|v| v.len() == 3 && v.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|v| v.parse::<u16>().ok())
-                .filter(|&v| v >= 100)
-                .ok_or_else(|| malformed("a :status that is not three digits"))?,
-            _ => return Err(malformed("an answer without :status first")),
-        };
-        fields.remove(0);
-        if fields.iter().any(|(n, _)| n.starts_with(b":")) {
-            return Err(malformed("a pseudo-header field other than :status"));
-        }
-        if let Some(why) = fields.iter().find_map(|(n, v)| check_field(n, v).err()) {
-            return Err(malformed(why));
-        }
-        if (100..200).contains(&status) {
-            // Informational: skipped, the final head is still to come (101 has no place in
-            // HTTP/2).
-            if end_stream || status == 101 {
-                return Err(malformed("an informational answer that ends the stream"));
-            }
-            return Ok(());
-        }
-        let length = content_length(&fields).map_err(malformed)?;
-        let bodiless = s.head_request || status == 204 || status == 304;
-        s.body_left = if bodiless { None } else { length };
-        if end_stream && s.body_left.is_some_and(|n| n > 0) {
-            return Err(malformed("a content-length and no body"));
-        }
-        s.responded = true;
-        s.remote_ended = end_stream;
-        events.push(Event::Response {
-            stream,
-            head: ResponseHead { status, fields },
-            end_stream,
-        });
-        self.close_if_done(stream);
-        Ok(())
-    }
-
-    /// The block's fields, or `None` when they pass the header list's size; a block that does
-    /// not decode is a connection error.
-    #[allow(clippy::type_complexity)]
-    fn decode(&mut self, block: &[u8]) -> Result<Option<Vec<(Vec<u8>, Vec<u8>)>>, H2Error> {
-        self.decoder
-            .decode_fields(block, self.config.max_header_list_size)
-            .map_err(|_| {
-                H2Error::Connection(
-                    ErrorCode::COMPRESSION_ERROR,
-                    "a field block that does not decode",
-                )
-            })
-    }
-
-    fn close_if_done(&mut self, stream: u32) {
-        if let Some(s) = self.streams.get(&stream)
-            && s.remote_ended
-            && s.local_ended
-        {
-            self.streams.remove(&stream);
+            H2Error::Connection(..) => Err(self.fail(e)),
         }
     }
 
-    /// `n` bytes of `stream` (0: of no stream) handled or dropped: WINDOW_UPDATEs once half a
-    /// window waits to be given back.
-    fn give_back(&mut self, stream: u32, n: usize) {
-        let windows = self
-            .streams
-            .get_mut(&stream)
-            .map(|s| (&mut s.windows, s.remote_ended));
-        self.flow.give_back(&mut self.out, stream, windows, n);
+    fn fail(&mut self, e: H2Error) -> H2Error {
+        if self.phase != Phase::Failed {
+            let why = e.to_string();
+            h2::write_goaway(&mut self.out, 0, e.code(), why.as_bytes());
+            self.phase = Phase::Failed;
+        }
+        e
     }
 }
 

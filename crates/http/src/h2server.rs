@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use crate::h2::{self, ErrorCode, Frame, H2Error, Settings, setting};
+use crate::h2::{self, ErrorCode, Frame, H2Error, Reader as _, Settings, setting};
 use crate::hpack;
 
 /// What this side says in its SETTINGS, and holds the client to.
@@ -246,240 +246,7 @@ impl Server {
             at = n;
             self.phase = Phase::Open;
         }
-        loop {
-            let frame = match h2::read(&buf[at..], h2::DEFAULT_MAX_FRAME_SIZE) {
-                Ok(Some((frame, used))) => {
-                    let start = at;
-                    at += used;
-                    (frame, start + h2::HEAD_LEN)
-                }
-                Ok(None) => return Ok(at),
-                // Nothing may come between a HEADERS and its CONTINUATIONs, a broken frame least.
-                Err(_) if self.continuing.is_some() => {
-                    return Err(self.fail(H2Error::Connection(
-                        ErrorCode::PROTOCOL_ERROR,
-                        "a field block cut by another frame",
-                    )));
-                }
-                Err(e) => match self.stream_error(e) {
-                    Ok(()) => {
-                        // A stream error on a whole frame: skip it.
-                        let head = h2::Head::read(&buf[at..]).expect("the frame's head was read");
-                        at += h2::HEAD_LEN + head.len as usize;
-                        continue;
-                    }
-                    Err(e) => return Err(e),
-                },
-            };
-            let (frame, payload_at) = frame;
-            if let Err(e) = self.frame(frame, buf, payload_at, events) {
-                self.stream_error(e)?;
-            }
-        }
-    }
-
-    /// Sends RST_STREAM for a stream error and forgets the stream, or fails the connection.
-    fn stream_error(&mut self, e: H2Error) -> Result<(), H2Error> {
-        match e {
-            H2Error::Stream(stream, code, _) => {
-                h2::write_rst_stream(&mut self.out, stream, code);
-                self.streams.remove(&stream);
-                self.resets.remember(stream);
-                Ok(())
-            }
-            H2Error::Connection(..) => Err(self.fail(e)),
-        }
-    }
-
-    fn fail(&mut self, e: H2Error) -> H2Error {
-        if self.phase != Phase::Failed {
-            let why = e.to_string();
-            h2::write_goaway(&mut self.out, self.last_stream, e.code(), why.as_bytes());
-            self.phase = Phase::Failed;
-        }
-        e
-    }
-
-    fn frame(
-        &mut self,
-        frame: Frame<'_>,
-        buf: &[u8],
-        payload_at: usize,
-        events: &mut Vec<Event>,
-    ) -> Result<(), H2Error> {
-        let conn = H2Error::Connection;
-        if let Some(c) = &self.continuing {
-            let Frame::Continuation { stream, .. } = frame else {
-                return Err(conn(
-                    ErrorCode::PROTOCOL_ERROR,
-                    "a field block cut by another frame",
-                ));
-            };
-            if stream != c.stream {
-                return Err(conn(
-                    ErrorCode::PROTOCOL_ERROR,
-                    "a CONTINUATION on another stream",
-                ));
-            }
-        }
-        match frame {
-            Frame::Settings { ack: true, .. } => {}
-            Frame::Settings {
-                ack: false,
-                entries,
-            } => {
-                let before = self.peer.initial_window_size;
-                self.peer.apply(entries).map_err(|e| self.fail(e))?;
-                let grew = h2::Flow::initial_window_moved(
-                    before,
-                    self.peer.initial_window_size,
-                    self.streams.values_mut().map(|s| &mut s.windows),
-                )?;
-                if grew {
-                    for (&stream, s) in &self.streams {
-                        if s.windows.open() && !s.local_ended {
-                            events.push(Event::Writable { stream });
-                        }
-                    }
-                }
-                h2::write_settings_ack(&mut self.out);
-            }
-            Frame::Ping {
-                ack: false,
-                payload,
-            } => h2::write_ping(&mut self.out, true, payload),
-            Frame::Ping { ack: true, .. } => {}
-            Frame::GoAway { code, .. } => events.push(Event::GoAway { code }),
-            Frame::WindowUpdate {
-                stream: 0,
-                increment,
-            } => {
-                self.flow.connection_update(increment)?;
-                events.push(Event::Writable { stream: 0 });
-            }
-            Frame::WindowUpdate { stream, increment } => {
-                self.known(stream)?;
-                if let Some(s) = self.streams.get_mut(&stream) {
-                    h2::Flow::stream_update(&mut s.windows, stream, increment)?;
-                    events.push(Event::Writable { stream });
-                }
-            }
-            Frame::RstStream { stream, code } => {
-                self.known(stream)?;
-                if let Some(s) = self.streams.remove(&stream) {
-                    if !s.responded {
-                        self.early_resets += 1;
-                        if self.early_resets > EARLY_RESETS_ALLOWED.max(self.answered) {
-                            return Err(conn(
-                                ErrorCode::ENHANCE_YOUR_CALM,
-                                "too many requests cancelled before their answers",
-                            ));
-                        }
-                    }
-                    events.push(Event::Reset { stream, code });
-                }
-            }
-            // Deprecated; may come on any stream, even idle ones.
-            Frame::Priority { .. } => {}
-            Frame::PushPromise { .. } => {
-                return Err(conn(
-                    ErrorCode::PROTOCOL_ERROR,
-                    "PUSH_PROMISE from a client",
-                ));
-            }
-            Frame::Unknown { .. } => {}
-            Frame::Data {
-                stream,
-                end_stream,
-                data,
-                flow_len,
-            } => {
-                self.known(stream)?;
-                // The connection's window counts the frame whatever its stream's state.
-                self.flow.received(flow_len)?;
-                if self.resets.contains(stream) && !self.streams.contains_key(&stream) {
-                    // Sent before the client knew of this side's reset: ignored, its bytes
-                    // given back to the connection's window.
-                    self.give_back(0, flow_len as usize);
-                    return Ok(());
-                }
-                let refused = match self.streams.get_mut(&stream) {
-                    None => Some(H2Error::Stream(
-                        stream,
-                        ErrorCode::STREAM_CLOSED,
-                        "DATA on a closed stream",
-                    )),
-                    Some(s) if s.remote_ended => Some(H2Error::Stream(
-                        stream,
-                        ErrorCode::STREAM_CLOSED,
-                        "DATA after the request's end",
-                    )),
-                    Some(s) => h2::Flow::stream_received(&mut s.windows, stream, flow_len),
-                };
-                if let Some(e) = refused {
-                    // Nobody takes these bytes: the connection's window has them back.
-                    self.give_back(0, flow_len as usize);
-                    return Err(e);
-                }
-                // Padding is not the caller's to give back.
-                let padding = flow_len as usize - data.len();
-                if padding > 0 {
-                    self.give_back(stream, padding);
-                }
-                if let Some(s) = self.streams.get_mut(&stream) {
-                    s.remote_ended = end_stream;
-                    // A body longer or shorter than its content-length is malformed.
-                    if let Some(why) = h2::body_arrived(&mut s.body_left, data.len(), end_stream) {
-                        // Nobody takes these bytes either.
-                        self.give_back(0, data.len());
-                        return Err(H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why));
-                    }
-                }
-                events.push(Event::Data {
-                    stream,
-                    data: h2::range_in(buf, payload_at, data),
-                    end_stream,
-                });
-                self.close_if_done(stream);
-            }
-            Frame::Headers {
-                stream,
-                end_stream,
-                end_headers,
-                block,
-                priority,
-            } => {
-                let on_itself = priority.is_some_and(|p| p.depends_on == stream);
-                if end_headers {
-                    self.field_block(stream, end_stream, on_itself, block, events)?;
-                } else {
-                    self.continuing = Some(Continuing {
-                        stream,
-                        end_stream,
-                        on_itself,
-                        block: block.to_vec(),
-                    });
-                    self.check_block_size()?;
-                }
-            }
-            Frame::Continuation {
-                end_headers, block, ..
-            } => {
-                let Some(c) = &mut self.continuing else {
-                    return Err(conn(
-                        ErrorCode::PROTOCOL_ERROR,
-                        "a CONTINUATION without its HEADERS",
-                    ));
-                };
-                c.block.extend_from_slice(block);
-                self.check_block_size()?;
-                if end_headers {
-                    let c = self.continuing.take().expect("continuing");
-                    self.field_block(c.stream, c.end_stream, c.on_itself, &c.block, events)?;
-                }
-            }
-        }
-        Ok(())
+        h2::read_frames(self, buf, at, events)
     }
 
     /// A field block's bytes are bounded before it is decoded: four times the decoded bound
@@ -974,6 +741,216 @@ fn static_name(name: &[u8]) -> Option<usize> {
         b"www-authenticate" => 61,
         _ => return None,
     })
+}
+
+impl h2::Reader for Server {
+    type Event = Event;
+
+    fn continuing(&self) -> bool {
+        self.continuing.is_some()
+    }
+
+    fn frame(
+        &mut self,
+        frame: Frame<'_>,
+        buf: &[u8],
+        payload_at: usize,
+        events: &mut Vec<Event>,
+    ) -> Result<(), H2Error> {
+        let conn = H2Error::Connection;
+        if let Some(c) = &self.continuing {
+            let Frame::Continuation { stream, .. } = frame else {
+                return Err(conn(
+                    ErrorCode::PROTOCOL_ERROR,
+                    "a field block cut by another frame",
+                ));
+            };
+            if stream != c.stream {
+                return Err(conn(
+                    ErrorCode::PROTOCOL_ERROR,
+                    "a CONTINUATION on another stream",
+                ));
+            }
+        }
+        match frame {
+            Frame::Settings { ack: true, .. } => {}
+            Frame::Settings {
+                ack: false,
+                entries,
+            } => {
+                let grew = h2::take_settings(
+                    &mut self.peer,
+                    entries,
+                    self.streams.values_mut().map(|s| &mut s.windows),
+                    &mut self.out,
+                )?;
+                if grew {
+                    for (&stream, s) in &self.streams {
+                        if s.windows.open() && !s.local_ended {
+                            events.push(Event::Writable { stream });
+                        }
+                    }
+                }
+            }
+            Frame::Ping {
+                ack: false,
+                payload,
+            } => h2::write_ping(&mut self.out, true, payload),
+            Frame::Ping { ack: true, .. } => {}
+            Frame::GoAway { code, .. } => events.push(Event::GoAway { code }),
+            Frame::WindowUpdate {
+                stream: 0,
+                increment,
+            } => {
+                self.flow.connection_update(increment)?;
+                events.push(Event::Writable { stream: 0 });
+            }
+            Frame::WindowUpdate { stream, increment } => {
+                self.known(stream)?;
+                if let Some(s) = self.streams.get_mut(&stream) {
+                    h2::Flow::stream_update(&mut s.windows, stream, increment)?;
+                    events.push(Event::Writable { stream });
+                }
+            }
+            Frame::RstStream { stream, code } => {
+                self.known(stream)?;
+                if let Some(s) = self.streams.remove(&stream) {
+                    if !s.responded {
+                        self.early_resets += 1;
+                        if self.early_resets > EARLY_RESETS_ALLOWED.max(self.answered) {
+                            return Err(conn(
+                                ErrorCode::ENHANCE_YOUR_CALM,
+                                "too many requests cancelled before their answers",
+                            ));
+                        }
+                    }
+                    events.push(Event::Reset { stream, code });
+                }
+            }
+            // Deprecated; may come on any stream, even idle ones.
+            Frame::Priority { .. } => {}
+            Frame::PushPromise { .. } => {
+                return Err(conn(
+                    ErrorCode::PROTOCOL_ERROR,
+                    "PUSH_PROMISE from a client",
+                ));
+            }
+            Frame::Unknown { .. } => {}
+            Frame::Data {
+                stream,
+                end_stream,
+                data,
+                flow_len,
+            } => {
+                self.known(stream)?;
+                // The connection's window counts the frame whatever its stream's state.
+                self.flow.received(flow_len)?;
+                if self.resets.contains(stream) && !self.streams.contains_key(&stream) {
+                    // Sent before the client knew of this side's reset: ignored, its bytes
+                    // given back to the connection's window.
+                    self.give_back(0, flow_len as usize);
+                    return Ok(());
+                }
+                let refused = match self.streams.get_mut(&stream) {
+                    None => Some(H2Error::Stream(
+                        stream,
+                        ErrorCode::STREAM_CLOSED,
+                        "DATA on a closed stream",
+                    )),
+                    Some(s) if s.remote_ended => Some(H2Error::Stream(
+                        stream,
+                        ErrorCode::STREAM_CLOSED,
+                        "DATA after the request's end",
+                    )),
+                    Some(s) => h2::Flow::stream_received(&mut s.windows, stream, flow_len),
+                };
+                if let Some(e) = refused {
+                    // Nobody takes these bytes: the connection's window has them back.
+                    self.give_back(0, flow_len as usize);
+                    return Err(e);
+                }
+                // Padding is not the caller's to give back.
+                let padding = flow_len as usize - data.len();
+                if padding > 0 {
+                    self.give_back(stream, padding);
+                }
+                if let Some(s) = self.streams.get_mut(&stream) {
+                    s.remote_ended = end_stream;
+                    // A body longer or shorter than its content-length is malformed.
+                    if let Some(why) = h2::body_arrived(&mut s.body_left, data.len(), end_stream) {
+                        // Nobody takes these bytes either.
+                        self.give_back(0, data.len());
+                        return Err(H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why));
+                    }
+                }
+                events.push(Event::Data {
+                    stream,
+                    data: h2::range_in(buf, payload_at, data),
+                    end_stream,
+                });
+                self.close_if_done(stream);
+            }
+            Frame::Headers {
+                stream,
+                end_stream,
+                end_headers,
+                block,
+                priority,
+            } => {
+                let on_itself = priority.is_some_and(|p| p.depends_on == stream);
+                if end_headers {
+                    self.field_block(stream, end_stream, on_itself, block, events)?;
+                } else {
+                    self.continuing = Some(Continuing {
+                        stream,
+                        end_stream,
+                        on_itself,
+                        block: block.to_vec(),
+                    });
+                    self.check_block_size()?;
+                }
+            }
+            Frame::Continuation {
+                end_headers, block, ..
+            } => {
+                let Some(c) = &mut self.continuing else {
+                    return Err(conn(
+                        ErrorCode::PROTOCOL_ERROR,
+                        "a CONTINUATION without its HEADERS",
+                    ));
+                };
+                c.block.extend_from_slice(block);
+                self.check_block_size()?;
+                if end_headers {
+                    let c = self.continuing.take().expect("continuing");
+                    self.field_block(c.stream, c.end_stream, c.on_itself, &c.block, events)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends RST_STREAM for a stream error and forgets the stream, or fails the connection.
+    fn stream_error(&mut self, e: H2Error, _events: &mut Vec<Event>) -> Result<(), H2Error> {
+        match e {
+            H2Error::Stream(stream, code, _) => {
+                h2::write_rst_stream(&mut self.out, stream, code);
+                self.streams.remove(&stream);
+                self.resets.remember(stream);
+                Ok(())
+            }
+            H2Error::Connection(..) => Err(self.fail(e)),
+        }
+    }
+
+    fn fail(&mut self, e: H2Error) -> H2Error {
+        if self.phase != Phase::Failed {
+            let why = e.to_string();
+            h2::write_goaway(&mut self.out, self.last_stream, e.code(), why.as_bytes());
+            self.phase = Phase::Failed;
+        }
+        e
+    }
 }
 
 #[cfg(test)]
