@@ -1445,4 +1445,86 @@ mod tests {
             prop_assert_eq!(again, block);
         }
     }
+
+    /// The WINDOW_UPDATEs in `out`, as (stream, increment).
+    fn updates(out: &[u8]) -> Vec<(u32, u32)> {
+        let mut at = 0;
+        let mut found = Vec::new();
+        while let Ok(Some((frame, used))) = read(&out[at..], DEFAULT_MAX_FRAME_SIZE) {
+            if let Frame::WindowUpdate { stream, increment } = frame {
+                found.push((stream, increment));
+            }
+            at += used;
+        }
+        found
+    }
+
+    #[test]
+    fn flow_control_gives_back_at_half_never_past_what_was_given_and_bounds_both_ways() {
+        let mut out = Vec::new();
+        // A stream window of 100 bytes, a connection window of 1,000 (raised from 65,535: no
+        // raise written).
+        let mut flow = Flow::new(100, 1_000, &mut out);
+        assert!(updates(&out).is_empty());
+        let mut w = flow.stream(50);
+        // Receiving: each window bounds what the peer may send.
+        flow.received(60).unwrap();
+        assert!(Flow::stream_received(&mut w, 1, 60).is_none());
+        let mut other = flow.stream(50);
+        assert!(matches!(
+            Flow::stream_received(&mut other, 3, 101),
+            Some(H2Error::Stream(3, ErrorCode::FLOW_CONTROL_ERROR, _))
+        ));
+        // Given back: nothing under half a window, then the stream's and, past half of the
+        // connection's, the connection's.
+        flow.give_back(&mut out, 1, Some((&mut w, false)), 40);
+        assert!(updates(&out).is_empty());
+        flow.give_back(&mut out, 1, Some((&mut w, false)), 20);
+        assert_eq!(updates(&out), [(1, 60)]);
+        out.clear();
+        // More than was taken opens no window past the one given: the stream's is whole
+        // again, and the connection gets back the 60 bytes it took (its window is the
+        // default's 65,535: 1,000 is less).
+        flow.give_back(&mut out, 1, Some((&mut w, false)), 500);
+        assert_eq!(updates(&out), [(0, 60)]);
+        out.clear();
+        // A stream the peer ended gets nothing back; the connection still does.
+        let mut ended = flow.stream(50);
+        flow.give_back(&mut out, 5, Some((&mut ended, true)), 80);
+        assert!(
+            updates(&out).is_empty(),
+            "under half the connection's window"
+        );
+        // Sending: the smaller window bounds, and both shrink.
+        assert_eq!(flow.room(&w), 50);
+        flow.sent(&mut w, 50);
+        assert_eq!(flow.room(&w), 0);
+        assert!(!w.open());
+        Flow::stream_update(&mut w, 1, 10).unwrap();
+        assert_eq!(flow.room(&w), 10);
+        assert!(Flow::stream_update(&mut w, 1, MAX_WINDOW).is_err());
+        assert!(flow.connection_update(MAX_WINDOW).is_err());
+        // SETTINGS_INITIAL_WINDOW_SIZE moves every stream's send window.
+        let mut a = flow.stream(10);
+        let mut b = flow.stream(10);
+        assert_eq!(
+            Flow::initial_window_moved(10, 30, [&mut a, &mut b].into_iter()),
+            Ok(true)
+        );
+        assert_eq!((a.send, b.send), (30, 30));
+        assert_eq!(
+            Flow::initial_window_moved(30, 0, [&mut a].into_iter()),
+            Ok(false)
+        );
+        assert_eq!(a.send, 0);
+        assert!(Flow::initial_window_moved(0, MAX_WINDOW, [&mut a].into_iter()).is_ok());
+        assert!(Flow::initial_window_moved(0, 1, [&mut a].into_iter()).is_err());
+        // The connection's window bounds what arrives on every stream together.
+        let mut tight = Flow::new(100, 100, &mut out);
+        tight.received(65_535).unwrap();
+        assert!(matches!(
+            tight.received(1),
+            Err(H2Error::Connection(ErrorCode::FLOW_CONTROL_ERROR, _))
+        ));
+    }
 }
