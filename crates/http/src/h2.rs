@@ -873,6 +873,15 @@ pub fn range_in(buf: &[u8], payload_at: usize, data: &[u8]) -> std::ops::Range<u
     start..start + data.len()
 }
 
+/// Whether a field is connection-specific, which HTTP/2 forbids (RFC 9113 8.2.2): `te` is
+/// allowed only as `trailers` (the one exception the RFC makes, in requests).
+pub fn connection_specific(name: &[u8], value: &[u8]) -> bool {
+    matches!(
+        name,
+        b"connection" | b"keep-alive" | b"proxy-connection" | b"transfer-encoding" | b"upgrade"
+    ) || (name == b"te" && value != b"trailers")
+}
+
 /// A side of a connection as [`read_frames`] drives it.
 pub(crate) trait Reader {
     type Event;

@@ -144,15 +144,6 @@ pub struct Server {
 /// costs this side work the client does not wait for (the "rapid reset" attack).
 const EARLY_RESETS_ALLOWED: u64 = 1_024;
 
-/// Connection-specific fields, which HTTP/2 forbids (RFC 9113 8.2.2).
-const CONNECTION_SPECIFIC: [&[u8]; 5] = [
-    b"connection",
-    b"keep-alive",
-    b"proxy-connection",
-    b"transfer-encoding",
-    b"upgrade",
-];
-
 impl Server {
     /// A connection whose server preface (this side's SETTINGS and the connection window's
     /// raise) is already in [`Server::out`].
@@ -545,11 +536,12 @@ fn request_head(fields: Vec<(Vec<u8>, Vec<u8>)>) -> Result<RequestHead, &'static
             continue;
         }
         check_field(&name, &value)?;
-        if CONNECTION_SPECIFIC.contains(&name.as_slice()) {
-            return Err("a connection-specific field");
-        }
-        if name == b"te" && value != b"trailers" {
-            return Err("TE other than trailers");
+        if h2::connection_specific(&name, &value) {
+            return Err(if name == b"te" {
+                "TE other than trailers"
+            } else {
+                "a connection-specific field"
+            });
         }
         head.fields.push((name, value));
     }

@@ -47,7 +47,7 @@ use ebb_http::h2::ErrorCode;
 use ebb_http::h2client::{Client, Config, Event};
 use http_body_util::BodyExt;
 use hyper::body::{Body as _, Frame, SizeHint};
-use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper::header::HeaderMap;
 use hyper::{Method, Request, Response, Uri};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -624,7 +624,9 @@ impl Streams {
         let fields = head
             .headers
             .iter()
-            .filter(|(name, value)| !connection_specific(name, value))
+            .filter(|(n, v)| {
+                !ebb_http::h2::connection_specific(n.as_str().as_bytes(), v.as_bytes())
+            })
             .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
         let opened = client.request(
             head.method.as_str().as_bytes(),
@@ -676,17 +678,6 @@ impl Streams {
             Flushed::Gone => release(std::mem::take(&mut s.waiting)),
         }
     }
-}
-
-/// Fields HTTP/2 forbids (RFC 9113 section 8.2.2), which an HTTP/1.1 client's request may
-/// carry: `te` is kept only as `trailers`.
-fn connection_specific(name: &HeaderName, value: &HeaderValue) -> bool {
-    name == header::CONNECTION
-        || name == header::TRANSFER_ENCODING
-        || name == header::UPGRADE
-        || name == "keep-alive"
-        || name == "proxy-connection"
-        || (name == header::TE && value.as_bytes() != b"trailers")
 }
 
 /// A connection to `addr` with room for the request, open: opened when there is none (and once
@@ -1008,6 +999,8 @@ impl Drop for AnswerBody {
 mod tests {
     use std::sync::atomic::AtomicUsize;
     use std::time::Duration;
+
+    use hyper::header;
 
     use http_body_util::{Full, StreamBody};
     use tokio::net::TcpListener;

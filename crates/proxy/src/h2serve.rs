@@ -318,7 +318,9 @@ fn on_ctl(m: Ctl, server: &mut Server, streams: &mut Streams) {
         } => {
             let fields = fields
                 .iter()
-                .filter(|(name, _)| !connection_specific(name))
+                .filter(|(n, v)| {
+                    !ebb_http::h2::connection_specific(n.as_str().as_bytes(), v.as_bytes())
+                })
                 .map(|(n, v)| (n.as_str().as_bytes(), v.as_bytes()));
             if server.respond(stream, status, fields, end).is_ok() && end {
                 done(server, streams, stream);
@@ -378,16 +380,6 @@ fn done(server: &mut Server, streams: &mut Streams, stream: u32) {
             server.reset(stream, ErrorCode::NO_ERROR);
         }
     }
-}
-
-/// HTTP/2's connection-specific fields, which an answer from an HTTP/1.1 hop may carry.
-fn connection_specific(name: &HeaderName) -> bool {
-    use hyper::header;
-    name == header::CONNECTION
-        || name == header::TRANSFER_ENCODING
-        || name == header::UPGRADE
-        || name == "keep-alive"
-        || name == "proxy-connection"
 }
 
 /// The request as [`Proxy::answer`] takes it, or `None` when its head does not make one.
