@@ -678,6 +678,14 @@ pub struct Flow {
     unacked: u32,
 }
 
+/// What a DATA frame needs of the stream it came on: its windows, whether the peer ended its
+/// side, and what of its body its `content-length` leaves.
+pub struct Receiving<'a> {
+    pub windows: &'a mut Windows,
+    pub remote_ended: &'a mut bool,
+    pub body_left: &'a mut Option<u64>,
+}
+
 /// A stream's windows: what this side may still send on it, what the peer may.
 #[derive(Debug)]
 pub struct Windows {
@@ -791,6 +799,55 @@ impl Flow {
             ErrorCode::FLOW_CONTROL_ERROR,
             "DATA past the stream's window",
         ))
+    }
+
+    /// Takes a DATA frame of `flow_len` bytes (`data_len` of them data, the rest padding) on
+    /// `stream`, once counted against the connection's window ([`Flow::received`]): `stream`
+    /// is the side's own refusal of it, if any. Refused by the side, by the stream's window or
+    /// by its `content-length`, the frame is a stream error and the bytes nobody takes go back
+    /// to the connection's window; taken, its padding goes back and the stream's end is noted.
+    pub fn take_data(
+        &mut self,
+        out: &mut Vec<u8>,
+        stream: u32,
+        receiving: Result<Receiving<'_>, H2Error>,
+        flow_len: u32,
+        data_len: usize,
+        end_stream: bool,
+    ) -> Result<(), H2Error> {
+        let refused = match receiving {
+            Err(e) => Err(e),
+            Ok(s) => match Flow::stream_received(s.windows, stream, flow_len) {
+                Some(e) => Err(e),
+                None => Ok(s),
+            },
+        };
+        let s = match refused {
+            Ok(s) => s,
+            Err(e) => {
+                // Nobody takes these bytes: the connection's window has them back.
+                self.give_back(out, 0, None, flow_len as usize);
+                return Err(e);
+            }
+        };
+        // Padding is not the caller's to give back.
+        let padding = flow_len as usize - data_len;
+        if padding > 0 {
+            self.give_back(
+                out,
+                stream,
+                Some((&mut *s.windows, *s.remote_ended)),
+                padding,
+            );
+        }
+        *s.remote_ended = end_stream;
+        // A body longer or shorter than its content-length is malformed.
+        if let Some(why) = body_arrived(s.body_left, data_len, end_stream) {
+            // Nobody takes these bytes either.
+            self.give_back(out, 0, None, data_len);
+            return Err(H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why));
+        }
+        Ok(())
     }
 
     /// How many bytes may go on a stream with windows `w` now.

@@ -109,6 +109,16 @@ struct Stream {
     body_left: Option<u64>,
 }
 
+impl Stream {
+    fn receiving(&mut self) -> h2::Receiving<'_> {
+        h2::Receiving {
+            windows: &mut self.windows,
+            remote_ended: &mut self.remote_ended,
+            body_left: &mut self.body_left,
+        }
+    }
+}
+
 /// A field block being read across CONTINUATION frames.
 struct Continuing {
     stream: u32,
@@ -843,38 +853,27 @@ impl h2::Reader for Server {
                     self.give_back(0, flow_len as usize);
                     return Ok(());
                 }
-                let refused = match self.streams.get_mut(&stream) {
-                    None => Some(H2Error::Stream(
+                let receiving = match self.streams.get_mut(&stream) {
+                    None => Err(H2Error::Stream(
                         stream,
                         ErrorCode::STREAM_CLOSED,
                         "DATA on a closed stream",
                     )),
-                    Some(s) if s.remote_ended => Some(H2Error::Stream(
+                    Some(s) if s.remote_ended => Err(H2Error::Stream(
                         stream,
                         ErrorCode::STREAM_CLOSED,
                         "DATA after the request's end",
                     )),
-                    Some(s) => h2::Flow::stream_received(&mut s.windows, stream, flow_len),
+                    Some(s) => Ok(s.receiving()),
                 };
-                if let Some(e) = refused {
-                    // Nobody takes these bytes: the connection's window has them back.
-                    self.give_back(0, flow_len as usize);
-                    return Err(e);
-                }
-                // Padding is not the caller's to give back.
-                let padding = flow_len as usize - data.len();
-                if padding > 0 {
-                    self.give_back(stream, padding);
-                }
-                if let Some(s) = self.streams.get_mut(&stream) {
-                    s.remote_ended = end_stream;
-                    // A body longer or shorter than its content-length is malformed.
-                    if let Some(why) = h2::body_arrived(&mut s.body_left, data.len(), end_stream) {
-                        // Nobody takes these bytes either.
-                        self.give_back(0, data.len());
-                        return Err(H2Error::Stream(stream, ErrorCode::PROTOCOL_ERROR, why));
-                    }
-                }
+                self.flow.take_data(
+                    &mut self.out,
+                    stream,
+                    receiving,
+                    flow_len,
+                    data.len(),
+                    end_stream,
+                )?;
                 events.push(Event::Data {
                     stream,
                     data: h2::range_in(buf, payload_at, data),
