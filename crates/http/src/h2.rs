@@ -924,6 +924,27 @@ pub fn check_block_size(len: usize, max_header_list_size: u32) -> Result<(), H2E
     Ok(())
 }
 
+/// A DATA frame's stream as a side holds it (`held`, none when it has no such stream open):
+/// refused as `STREAM_CLOSED` when there is none, or when the peer already ended its half
+/// (`after_end`, the side's words for that); the side's own refusals come before.
+pub fn open_for_data<'a>(
+    stream: u32,
+    held: Option<Receiving<'a>>,
+    after_end: &'static str,
+) -> Result<Receiving<'a>, H2Error> {
+    match held {
+        None => Err(H2Error::Stream(
+            stream,
+            ErrorCode::STREAM_CLOSED,
+            "DATA on a closed stream",
+        )),
+        Some(s) if *s.remote_ended => {
+            Err(H2Error::Stream(stream, ErrorCode::STREAM_CLOSED, after_end))
+        }
+        Some(s) => Ok(s),
+    }
+}
+
 /// Where `data`, a slice of `buf` from `payload_at` on, stands in `buf`.
 pub fn range_in(buf: &[u8], payload_at: usize, data: &[u8]) -> std::ops::Range<usize> {
     let start = payload_at + (data.as_ptr().addr() - buf[payload_at..].as_ptr().addr());

@@ -621,22 +621,16 @@ impl h2::Reader for Client {
                         self.give_back(0, flow_len as usize);
                         return Ok(());
                     }
-                    None => Err(H2Error::Stream(
-                        stream,
-                        ErrorCode::STREAM_CLOSED,
-                        "DATA on a closed stream",
-                    )),
-                    Some(s) if s.remote_ended => Err(H2Error::Stream(
-                        stream,
-                        ErrorCode::STREAM_CLOSED,
-                        "DATA after the answer's end",
-                    )),
-                    Some(s) if !s.responded => Err(H2Error::Stream(
+                    Some(s) if !s.remote_ended && !s.responded => Err(H2Error::Stream(
                         stream,
                         ErrorCode::PROTOCOL_ERROR,
                         "DATA before the answer's head",
                     )),
-                    Some(s) => Ok(s.receiving()),
+                    s => h2::open_for_data(
+                        stream,
+                        s.map(Stream::receiving),
+                        "DATA after the answer's end",
+                    ),
                 };
                 self.flow.take_data(
                     &mut self.out,

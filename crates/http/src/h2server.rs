@@ -853,19 +853,11 @@ impl h2::Reader for Server {
                     self.give_back(0, flow_len as usize);
                     return Ok(());
                 }
-                let receiving = match self.streams.get_mut(&stream) {
-                    None => Err(H2Error::Stream(
-                        stream,
-                        ErrorCode::STREAM_CLOSED,
-                        "DATA on a closed stream",
-                    )),
-                    Some(s) if s.remote_ended => Err(H2Error::Stream(
-                        stream,
-                        ErrorCode::STREAM_CLOSED,
-                        "DATA after the request's end",
-                    )),
-                    Some(s) => Ok(s.receiving()),
-                };
+                let receiving = h2::open_for_data(
+                    stream,
+                    self.streams.get_mut(&stream).map(Stream::receiving),
+                    "DATA after the request's end",
+                );
                 self.flow.take_data(
                     &mut self.out,
                     stream,
