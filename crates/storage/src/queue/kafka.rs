@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::{ClientContext, DefaultClientContext};
@@ -962,9 +963,10 @@ impl Queue for KafkaQueue {
                         }
                     }
                 } else {
-                    tokio::time::timeout(Duration::ZERO, consumer.recv())
-                        .await
-                        .ok()
+                    // Polled once: a timer of no length would wait for the timer wheel's next
+                    // tick (up to a millisecond) whenever nothing more is fetched, which every
+                    // batch ends with.
+                    consumer.recv().now_or_never()
                 };
                 let (m, failed) = match next {
                     Some(Ok(m)) => (Some(m), false),
