@@ -18,6 +18,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -101,6 +102,30 @@ struct Recorder {
     dequeued: Mutex<HashMap<String, f64>>,
     started: Mutex<HashMap<String, f64>>,
     ran: Vec<std::sync::atomic::AtomicBool>,
+    /// The runners' requests and the calls in them: dequeues, starts and finishes.
+    requests: Requests,
+}
+
+/// Counts of a runner API's requests and of the calls they carried, by kind.
+#[derive(Default)]
+struct Requests {
+    /// Requests and calls for dequeues, starts and finishes, in that order.
+    counts: [(AtomicU64, AtomicU64); 3],
+}
+
+impl Requests {
+    fn count(&self, kind: usize, calls: usize) {
+        let (requests, n) = &self.counts[kind];
+        requests.fetch_add(1, Ordering::Relaxed);
+        n.fetch_add(calls as u64, Ordering::Relaxed);
+    }
+
+    /// The counts so far, as (requests, calls) by kind.
+    fn now(&self) -> [(u64, u64); 3] {
+        self.counts
+            .each_ref()
+            .map(|(r, n)| (r.load(Ordering::Relaxed), n.load(Ordering::Relaxed)))
+    }
 }
 
 /// A runner's API that notes when each dequeue answered, for the latency phase's stages.
@@ -121,6 +146,7 @@ impl RunnerApi for Timed {
         Box::pin(async move {
             let jobs = self.api.dequeue(&runner, max, wait_ms, load).await?;
             let r = &self.recorder;
+            r.requests.count(0, jobs.len());
             if r.timing.load(std::sync::atomic::Ordering::Relaxed) {
                 let at = r.clock.elapsed().as_secs_f64();
                 let mut dequeued = r.dequeued.lock().expect("recorder lock");
@@ -138,6 +164,7 @@ impl RunnerApi for Timed {
         ids: Vec<String>,
         load: ebb::calls::Load,
     ) -> runner::RunnerFuture<'_, Vec<ebb::calls::Started>> {
+        self.recorder.requests.count(1, ids.len());
         self.api.start(runner, ids, load)
     }
 
@@ -147,6 +174,7 @@ impl RunnerApi for Timed {
         finishes: &'a mut Vec<Finish>,
         load: ebb::calls::Load,
     ) -> runner::RunnerFuture<'a, ()> {
+        self.recorder.requests.count(2, finishes.len());
         self.api.finish(runner, finishes, load)
     }
 }
@@ -329,6 +357,7 @@ async fn setup(
         dequeued: Mutex::new(HashMap::new()),
         started: Mutex::new(HashMap::new()),
         ran: (0..args.runners).map(|_| Default::default()).collect(),
+        requests: Requests::default(),
     });
     let mut runners = Vec::new();
     for i in 0..args.runners {
@@ -512,6 +541,9 @@ struct Rate {
     /// The longest any replica's log writer held its projection for one batch, ms (every
     /// decision and read waited meanwhile): a forgetting by the retention's bounds among them.
     longest_hold_ms: f64,
+    /// Calls a runner's dequeue, start and finish request carried, on average (a request's cost
+    /// is shared by its calls; over HTTP each is a round trip).
+    calls_per_request: [f64; 3],
 }
 
 /// One row of the table: its throughput phase (the median of the rounds) and latencies.
@@ -551,6 +583,7 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
     }
     let clock = Stopwatch::start();
     let cpu = cpu_time()?;
+    let requests = s.recorder.requests.now();
     // The broker's pid and its CPU time at the start (on Kafka, with `--broker-pid`).
     let broker = args
         .broker_pid
@@ -614,6 +647,13 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
         },
         full_retries,
         longest_hold_ms: longest_hold.as_secs_f64() * 1e3,
+        calls_per_request: {
+            let now = s.recorder.requests.now();
+            std::array::from_fn(|k| {
+                let (r, n) = (now[k].0 - requests[k].0, now[k].1 - requests[k].1);
+                n as f64 / r.max(1) as f64
+            })
+        },
     })
 }
 
@@ -950,19 +990,20 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         "what bounds the throughput, in the round with the median calls/s: each producer sends its next request once one is answered"
     );
     println!(
-        "| queue | replicas | runners | enqueue request ({} calls) answered p50 / p99 | {} producers x {} calls / p50 | requests sent again after a full queue | the log writer's longest batch |",
+        "| queue | replicas | runners | enqueue request ({} calls) answered p50 / p99 | {} producers x {} calls / p50 | requests sent again after a full queue | the log writer's longest batch | calls a runner's dequeue / start / finish |",
         args.batch, args.producers, args.batch
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for m in &measured {
         let Rate {
             request_ms: (p50, p99),
             full_retries,
             longest_hold_ms,
+            calls_per_request: [dequeue, start, finish],
             ..
         } = m.phase;
         println!(
-            "{} {p50:.2} / {p99:.2} ms | {:.0} calls/s | {full_retries} | {longest_hold_ms:.2} ms |",
+            "{} {p50:.2} / {p99:.2} ms | {:.0} calls/s | {full_retries} | {longest_hold_ms:.2} ms | {dequeue:.1} / {start:.1} / {finish:.1} |",
             m.lead(),
             (args.producers * args.batch) as f64 / (p50 / 1e3)
         );
