@@ -201,7 +201,7 @@ pub struct Calls {
     /// instead of the whole call; they go when the retention's age passes them, as the calls
     /// would have (or, those the age forgot, once their messages would be taken for a forgotten
     /// call's anyway).
-    #[serde(default, serialize_with = "gone_in_id_order")]
+    #[serde(default)]
     pub gone: GoneMap,
     /// `gone` by the millisecond they ended in: which go first past [`GONE_PER_KEPT`], and which
     /// go with the age.
@@ -229,9 +229,7 @@ pub struct Gone {
     pub finished_at_ms: u64,
 }
 
-/// Forgotten calls by id, hashed and keyed as [`CallMap`] is (each id is copied into the index
-/// of when they ended: a copy in place, where sharing it took an allocation).
-pub type GoneMap = HashMap<IdKey, Gone, foldhash::fast::RandomState>;
+pub use super::gone::GoneMap;
 
 /// What applying a call event did to the schedule.
 pub(crate) enum Timer {
@@ -245,13 +243,6 @@ pub(crate) enum Timer {
 /// Serializes the calls in id order (a map's own order would change every snapshot's bytes).
 fn in_id_order<S: serde::Serializer>(by_id: &CallMap, s: S) -> Result<S::Ok, S::Error> {
     s.collect_map(sorted(by_id))
-}
-
-/// Serializes the forgotten calls in id order.
-fn gone_in_id_order<S: serde::Serializer>(gone: &GoneMap, s: S) -> Result<S::Ok, S::Error> {
-    let mut all: Vec<(&str, &Gone)> = gone.iter().map(|(id, g)| (id.as_str(), g)).collect();
-    all.sort_unstable_by(|a, b| a.0.cmp(b.0));
-    s.collect_map(all)
 }
 
 /// Serializes a set of ids in id order, as the ordered set it replaced did.
@@ -413,7 +404,7 @@ impl Calls {
                 };
                 // (A call forgotten before may have been recorded again by an event no
                 // decision makes: a replayed log takes any.)
-                if let Some(was) = gone.insert(id.clone(), g) {
+                if let Some(was) = gone.insert(&id, g) {
                     gone_by_ms.remove(was.finished_at_ms, 0, |g| *g == id);
                 }
                 gone_by_ms.add(at, 0, id);
@@ -450,8 +441,8 @@ impl Calls {
     /// look at every call.
     pub(crate) fn count_ended(&mut self) {
         self.gone_by_ms = Ended::default();
-        for (id, g) in &self.gone {
-            self.gone_by_ms.add(g.finished_at_ms, 0, id.clone());
+        for (id, g) in self.gone.iter() {
+            self.gone_by_ms.add(g.finished_at_ms, 0, IdKey::from(id));
         }
         self.by_status = [0; 6];
         self.ended = Ended::default();

@@ -20,6 +20,7 @@ pub mod calls;
 pub mod cleaners;
 pub mod counters;
 pub mod functions;
+mod gone;
 pub mod routes;
 pub mod schedule;
 
