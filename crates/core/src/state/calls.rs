@@ -31,6 +31,7 @@ use crate::event::{
 use crate::ids::IdKey;
 
 use super::Ended;
+pub use super::idmap::IdMap;
 
 /// Where a call is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -229,7 +230,8 @@ pub struct Gone {
     pub finished_at_ms: u64,
 }
 
-pub use super::gone::GoneMap;
+/// Forgotten calls by id (see [`IdMap`]).
+pub type GoneMap = IdMap<Gone>;
 
 /// What applying a call event did to the schedule.
 pub(crate) enum Timer {

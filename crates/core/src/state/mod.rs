@@ -20,7 +20,7 @@ pub mod calls;
 pub mod cleaners;
 pub mod counters;
 pub mod functions;
-mod gone;
+mod idmap;
 pub mod routes;
 pub mod schedule;
 
