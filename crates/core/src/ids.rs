@@ -64,32 +64,31 @@ pub fn id_of(owner: Option<&str>, uuid: uuid::Uuid) -> String {
 /// (the log's index and the forgotten calls' map read every call's id this way, several times in
 /// its life).
 pub fn id_parts(id: &str) -> Option<(Option<&str>, uuid::Uuid)> {
-    let n = id.len();
-    let owner = match n.checked_sub(37) {
-        None if n == 36 => None,
-        None => return None,
-        // (A UUID has no '.': the owner is all before the last one, as `owner_of` reads it.)
-        Some(0) => return None,
-        Some(dot) if id.as_bytes()[dot] == b'.' => Some(&id[..dot]),
-        Some(_) => return None,
+    // (A UUID has no '.': the owner is all before the last one, as `owner_of` reads it.)
+    let cut = id.len().checked_sub(36)?;
+    let (head, t) = (id.get(..cut)?, &id.as_bytes()[cut..]);
+    let owner = match head {
+        "" => None,
+        _ => Some(head.strip_suffix('.').filter(|o| !o.is_empty())?),
     };
-    let t = &id.as_bytes()[n - 36..];
     if [t[8], t[13], t[18], t[23]] != [b'-'; 4] {
         return None;
     }
-    // Any byte not a lower-case hex digit sets the table's high bit in `bad`.
-    let hex = |(acc, bad): (u64, u8), bytes: &[u8]| {
-        bytes.iter().fold((acc, bad), |(acc, bad), &c| {
-            let d = HEX_DIGIT[usize::from(c)];
-            (acc << 4 | u64::from(d & 0xf), bad | d)
-        })
-    };
-    let (high, bad) = hex(hex(hex((0, 0), &t[..8]), &t[9..13]), &t[14..18]);
-    let (low, bad) = hex(hex((0, bad), &t[19..23]), &t[24..]);
-    if bad & 0x80 != 0 {
+    let (high, bad_high) = hex_digits(t[..8].iter().chain(&t[9..13]).chain(&t[14..18]));
+    let (low, bad_low) = hex_digits(t[19..23].iter().chain(&t[24..]));
+    if (bad_high | bad_low) & 0x80 != 0 {
         return None;
     }
     Some((owner, uuid::Uuid::from_u64_pair(high, low)))
+}
+
+/// The value of up to sixteen lower-case hex digits, and a byte whose high bit is set if any of
+/// them is none.
+fn hex_digits<'a>(digits: impl Iterator<Item = &'a u8>) -> (u64, u8) {
+    digits.fold((0, 0), |(value, bad), &c| {
+        let d = HEX_DIGIT[usize::from(c)];
+        (value << 4 | u64::from(d & 0xf), bad | d)
+    })
 }
 
 /// Each byte's value as a lower-case hex digit, `0x80` for a byte that is none.
