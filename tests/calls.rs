@@ -825,6 +825,82 @@ async fn with_kafka_down_an_enqueue_fails_with_503_and_records_nothing() {
     );
 }
 
+/// `ebb bench calls --kafka` leaves nothing on the broker it measured: every setup's topic (each
+/// puts hundreds of megabytes there) and consumer group are deleted when the setup ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_calls_on_kafka_deletes_the_topics_and_groups_it_made() {
+    use rdkafka::ClientConfig;
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+
+    let broker = common::broker().await;
+    let dir = tempfile::tempdir().unwrap();
+    let brokers = broker.addr.to_string();
+    let data = dir.path().join("data");
+    let out = tokio::task::spawn_blocking(move || {
+        common::ebb_ok(
+            &data,
+            &[
+                "bench",
+                "calls",
+                "--seconds",
+                "1",
+                "--rounds",
+                "1",
+                "--kafka",
+                &brokers,
+                "--kafka-only",
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    // It measured on the broker: one replica and two.
+    assert!(out.contains("| kafka | 1 | in process |"), "{out}");
+    assert!(out.contains("| kafka | 2 | over HTTP |"), "{out}");
+    let client: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", broker.addr.to_string())
+        .create()
+        .unwrap();
+    let client = std::sync::Arc::new(client);
+    let left = move || {
+        let client = client.clone();
+        async move {
+            tokio::task::spawn_blocking(move || {
+                let bench = |name: &str| name.starts_with("ebb-bench-");
+                let topics: Vec<String> = client
+                    .fetch_metadata(None, Duration::from_secs(5))
+                    .ok()?
+                    .topics()
+                    .iter()
+                    .map(|t| t.name().to_owned())
+                    .filter(|n| bench(n))
+                    .collect();
+                let groups: Vec<String> = client
+                    .fetch_group_list(None, Duration::from_secs(5))
+                    .ok()?
+                    .groups()
+                    .iter()
+                    .map(|g| g.name().to_owned())
+                    .filter(|n| bench(n))
+                    .collect();
+                Some((topics, groups))
+            })
+            .await
+            .unwrap()
+        }
+    };
+    // The broker's metadata follows its controller's deletions within moments.
+    wait_until(
+        "no ebb-bench topic or group left",
+        Duration::from_secs(30),
+        || {
+            let left = left.clone();
+            async move { left().await.filter(|(t, g)| t.is_empty() && g.is_empty()) }
+        },
+    )
+    .await;
+}
+
 /// `--kafka-config` and `--kafka-config-file` reach ebb's Kafka clients: a producer told a
 /// smaller `message.max.bytes` refuses a call over it (and records nothing) while smaller ones go
 /// through; a property ebb keeps, or one librdkafka does not know, stops `ebb serve` at its

@@ -467,6 +467,43 @@ fn kafka(e: impl std::fmt::Display) -> QueueError {
     QueueError::Storage(format!("kafka: {e}"))
 }
 
+/// An admin client for `options`' brokers, with the properties every client gets.
+fn admin(options: &KafkaOptions) -> Result<AdminClient<DefaultClientContext>, QueueError> {
+    let mut admin = ClientConfig::new();
+    admin.set("bootstrap.servers", &options.brokers);
+    options.client.apply(admin, &[]).create().map_err(kafka)
+}
+
+/// Deletes `options`' topic, with every message on it, and its consumer group's committed
+/// offsets: for a topic ebb made for a while (`ebb bench calls` makes one a setup), never for a
+/// queue in use. A group that has no offsets, or a topic already gone, is not an error; a group
+/// with a member still in it is (its offsets stay).
+pub async fn delete_topic_and_group(options: &KafkaOptions) -> Result<(), QueueError> {
+    let admin = admin(options)?;
+    let wait = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    for r in admin
+        .delete_topics(&[options.topic.as_str()], &wait)
+        .await
+        .map_err(kafka)?
+    {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+            Err((t, e)) => return Err(kafka(format!("deleting topic {t}: {e}"))),
+        }
+    }
+    for r in admin
+        .delete_groups(&[options.group.as_str()], &wait)
+        .await
+        .map_err(kafka)?
+    {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::GroupIdNotFound)) => {}
+            Err((g, e)) => return Err(kafka(format!("deleting consumer group {g}: {e}"))),
+        }
+    }
+    Ok(())
+}
+
 impl KafkaQueue {
     /// Connects, creating the topic if it is missing.
     pub async fn open(clock: Arc<dyn Clock>, options: KafkaOptions) -> Result<Self, QueueError> {
@@ -479,10 +516,7 @@ impl KafkaQueue {
                 .create::<BaseConsumer>()
                 .map_err(kafka)?,
         );
-        let mut admin = ClientConfig::new();
-        admin.set("bootstrap.servers", &options.brokers);
-        let admin: AdminClient<DefaultClientContext> =
-            options.client.apply(admin, &[]).create().map_err(kafka)?;
+        let admin = admin(&options)?;
         let topic = NewTopic::new(
             &options.topic,
             options.partitions,

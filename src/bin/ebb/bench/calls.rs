@@ -209,8 +209,10 @@ struct Setup {
     replicas: Vec<Replica>,
     stop: tokio::sync::watch::Sender<bool>,
     recorder: Arc<Recorder>,
-    /// The runners share partitions through a Kafka consumer group.
-    grouped: bool,
+    /// The Kafka topic and group of this setup (the runners share its partitions through the
+    /// group), deleted when it ends: a run against a shared broker leaves none of its messages
+    /// there (each setup puts hundreds of megabytes).
+    kafka: Option<KafkaOptions>,
     runners: Vec<tokio::task::JoinHandle<()>>,
     servers: Vec<tokio::task::JoinHandle<()>>,
     _dir: tempfile::TempDir,
@@ -239,9 +241,20 @@ async fn setup(
         .prefix("ebb-bench-calls-")
         .tempdir()?;
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    // A topic and group of their own per setup: nothing left over from the last.
-    let topic = format!("ebb-bench-{}", uuid::Uuid::now_v7().simple());
-    let group = format!("ebb-bench-{}", uuid::Uuid::now_v7().simple());
+    // A topic and group of their own per setup: nothing left over from the last (and both
+    // deleted by the teardown).
+    let kafka_options = match kafka {
+        Some(brokers) => Some(KafkaOptions {
+            brokers: brokers.to_owned(),
+            topic: format!("ebb-bench-{}", uuid::Uuid::now_v7().simple()),
+            group: format!("ebb-bench-{}", uuid::Uuid::now_v7().simple()),
+            commit_every_ms: args.kafka_commit_every_ms,
+            client: ClientProperties::parse(args.kafka_config.iter().map(|s| s.as_str()))
+                .map_err(anyhow::Error::msg)?,
+            ..KafkaOptions::default()
+        }),
+        None => None,
+    };
     let mut listeners = Vec::new();
     for _ in 0..replicas {
         listeners.push(tokio::net::TcpListener::bind("127.0.0.1:0").await?);
@@ -259,24 +272,8 @@ async fn setup(
             &dir.path().join(format!("log-{i}")),
             Durability::Sync,
         )?);
-        let queue: Arc<dyn Queue> = match kafka {
-            Some(brokers) => Arc::new(
-                KafkaQueue::open(
-                    clock.clone(),
-                    KafkaOptions {
-                        brokers: brokers.to_owned(),
-                        topic: topic.clone(),
-                        group: group.clone(),
-                        commit_every_ms: args.kafka_commit_every_ms,
-                        client: ClientProperties::parse(
-                            args.kafka_config.iter().map(|s| s.as_str()),
-                        )
-                        .map_err(anyhow::Error::msg)?,
-                        ..KafkaOptions::default()
-                    },
-                )
-                .await?,
-            ),
+        let queue: Arc<dyn Queue> = match &kafka_options {
+            Some(options) => Arc::new(KafkaQueue::open(clock.clone(), options.clone()).await?),
             None => Arc::new(EmbeddedQueue::open(
                 dir.path().join(format!("queue-{i}")),
                 clock.clone(),
@@ -397,7 +394,7 @@ async fn setup(
         replicas: set,
         stop,
         recorder,
-        grouped: kafka.is_some(),
+        kafka: kafka_options,
         runners,
         servers,
         _dir: dir,
@@ -587,7 +584,7 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
     // The broker's pid and its CPU time at the start (on Kafka, with `--broker-pid`).
     let broker = args
         .broker_pid
-        .filter(|_| s.grouped)
+        .filter(|_| s.kafka.is_some())
         .map(|pid| process_cpu_time(pid).map(|t| (pid, t)))
         .transpose()?;
     let phase = Duration::from_secs(args.seconds);
@@ -705,7 +702,7 @@ const PER_REQUEST: usize = 10;
 async fn warm_up(s: &Setup) -> Result<()> {
     let mut rounds = 0;
     let ran = |r: &std::sync::atomic::AtomicBool| r.load(std::sync::atomic::Ordering::Relaxed);
-    while rounds == 0 || (s.grouped && !s.recorder.ran.iter().all(ran)) {
+    while rounds == 0 || (s.kafka.is_some() && !s.recorder.ran.iter().all(ran)) {
         rounds += 1;
         anyhow::ensure!(rounds <= 200, "a runner ran no call in 200 warm-up rounds");
         let mut warm = Vec::new();
@@ -807,7 +804,17 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<Latency>
 /// work would otherwise go on under the next phase), removes the phase's files, and syncs the
 /// file system, so the next phase does not measure this one's writeback.
 async fn teardown(s: Setup) {
+    let kafka = s.kafka.clone();
     teardown_services(s).await;
+    // After the services, whose consumers leave the group as they close.
+    if let Some(options) = kafka
+        && let Err(e) = ebb::queue::kafka::delete_topic_and_group(&options).await
+    {
+        eprintln!(
+            "ebb bench calls: the Kafka topic {} and group {} stay on the broker: {e}",
+            options.topic, options.group
+        );
+    }
     let _ = tokio::task::spawn_blocking(nix::unistd::sync).await;
 }
 
