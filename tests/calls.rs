@@ -862,40 +862,25 @@ async fn bench_calls_on_kafka_deletes_the_topics_and_groups_it_made() {
         .create()
         .unwrap();
     let client = std::sync::Arc::new(client);
-    let left = move || {
-        let client = client.clone();
-        async move {
-            tokio::task::spawn_blocking(move || {
-                let bench = |name: &str| name.starts_with("ebb-bench-");
-                let topics: Vec<String> = client
-                    .fetch_metadata(None, Duration::from_secs(5))
-                    .ok()?
-                    .topics()
-                    .iter()
-                    .map(|t| t.name().to_owned())
-                    .filter(|n| bench(n))
-                    .collect();
-                let groups: Vec<String> = client
-                    .fetch_group_list(None, Duration::from_secs(5))
-                    .ok()?
-                    .groups()
-                    .iter()
-                    .map(|g| g.name().to_owned())
-                    .filter(|n| bench(n))
-                    .collect();
-                Some((topics, groups))
-            })
-            .await
-            .unwrap()
-        }
-    };
     // The broker's metadata follows its controller's deletions within moments.
     wait_until(
         "no ebb-bench topic or group left",
         Duration::from_secs(30),
         || {
-            let left = left.clone();
-            async move { left().await.filter(|(t, g)| t.is_empty() && g.is_empty()) }
+            let client = client.clone();
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    let ours = |name: &str| name.starts_with("ebb-bench-");
+                    let wait = Duration::from_secs(5);
+                    let topics = client.fetch_metadata(None, wait).ok()?;
+                    let groups = client.fetch_group_list(None, wait).ok()?;
+                    let left = topics.topics().iter().any(|t| ours(t.name()))
+                        || groups.groups().iter().any(|g| ours(g.name()));
+                    (!left).then_some(())
+                })
+                .await
+                .unwrap()
+            }
         },
     )
     .await;

@@ -474,6 +474,22 @@ fn admin(options: &KafkaOptions) -> Result<AdminClient<DefaultClientContext>, Qu
     options.client.apply(admin, &[]).create().map_err(kafka)
 }
 
+/// An admin request's outcome for each name it named: each done, or already as it asked
+/// (`already`); otherwise the first refusal, as `doing` that name.
+fn each_done(
+    results: Vec<Result<String, (String, RDKafkaErrorCode)>>,
+    already: RDKafkaErrorCode,
+    doing: &str,
+) -> Result<(), QueueError> {
+    match results
+        .into_iter()
+        .find_map(|r| r.err().filter(|(_, e)| *e != already))
+    {
+        Some((name, e)) => Err(kafka(format!("{doing} {name}: {e}"))),
+        None => Ok(()),
+    }
+}
+
 /// Deletes `options`' topic, with every message on it, and its consumer group's committed
 /// offsets: for a topic ebb made for a while (`ebb bench calls` makes one a setup), never for a
 /// queue in use. A group that has no offsets, or a topic already gone, is not an error; a group
@@ -481,27 +497,12 @@ fn admin(options: &KafkaOptions) -> Result<AdminClient<DefaultClientContext>, Qu
 pub async fn delete_topic_and_group(options: &KafkaOptions) -> Result<(), QueueError> {
     let admin = admin(options)?;
     let wait = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    for r in admin
-        .delete_topics(&[options.topic.as_str()], &wait)
-        .await
-        .map_err(kafka)?
-    {
-        match r {
-            Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
-            Err((t, e)) => return Err(kafka(format!("deleting topic {t}: {e}"))),
-        }
-    }
-    for r in admin
-        .delete_groups(&[options.group.as_str()], &wait)
-        .await
-        .map_err(kafka)?
-    {
-        match r {
-            Ok(_) | Err((_, RDKafkaErrorCode::GroupIdNotFound)) => {}
-            Err((g, e)) => return Err(kafka(format!("deleting consumer group {g}: {e}"))),
-        }
-    }
-    Ok(())
+    let topic = admin.delete_topics(&[options.topic.as_str()], &wait);
+    let gone = RDKafkaErrorCode::UnknownTopicOrPartition;
+    each_done(topic.await.map_err(kafka)?, gone, "deleting topic")?;
+    let group = admin.delete_groups(&[options.group.as_str()], &wait);
+    let none = RDKafkaErrorCode::GroupIdNotFound;
+    each_done(group.await.map_err(kafka)?, none, "deleting consumer group")
 }
 
 impl KafkaQueue {
@@ -529,12 +530,11 @@ impl KafkaQueue {
             )
             .await
             .map_err(kafka)?;
-        for r in created {
-            match r {
-                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-                Err((t, e)) => return Err(kafka(format!("creating topic {t}: {e}"))),
-            }
-        }
+        each_done(
+            created,
+            RDKafkaErrorCode::TopicAlreadyExists,
+            "creating topic",
+        )?;
         let mut producer = ClientConfig::new();
         producer
             .set("bootstrap.servers", &options.brokers)
