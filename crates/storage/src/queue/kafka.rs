@@ -490,19 +490,37 @@ fn each_done(
     }
 }
 
+/// How often [`delete_topic_and_group`] asks again to delete a group that still has members.
+const GROUP_EMPTY_POLL: Duration = Duration::from_millis(100);
+
 /// Deletes `options`' topic, with every message on it, and its consumer group's committed
 /// offsets: for a topic ebb made for a while (`ebb bench calls` makes one a setup), never for a
-/// queue in use. A group that has no offsets, or a topic already gone, is not an error; a group
-/// with a member still in it is (its offsets stay).
+/// queue in use. A group that has no offsets, or a topic already gone, is not an error. A group
+/// with members is asked again until it has none, within the consumers' session timeout and
+/// 5 s: a consumer's leave reaches the group's coordinator after the consumer has closed (a
+/// member gone without leaving is dropped by the broker at its session timeout); past that,
+/// the group stays and the error says why.
 pub async fn delete_topic_and_group(options: &KafkaOptions) -> Result<(), QueueError> {
     let admin = admin(options)?;
     let wait = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
     let topic = admin.delete_topics(&[options.topic.as_str()], &wait);
     let gone = RDKafkaErrorCode::UnknownTopicOrPartition;
     each_done(topic.await.map_err(kafka)?, gone, "deleting topic")?;
-    let group = admin.delete_groups(&[options.group.as_str()], &wait);
     let none = RDKafkaErrorCode::GroupIdNotFound;
-    each_done(group.await.map_err(kafka)?, none, "deleting consumer group")
+    let within =
+        Duration::from_millis(u64::from(options.session_timeout_ms)) + Duration::from_secs(5);
+    let asked = ebb_core::clock::Stopwatch::start();
+    loop {
+        let group = admin.delete_groups(&[options.group.as_str()], &wait);
+        let results = group.await.map_err(kafka)?;
+        let members = |r: &Result<String, (String, RDKafkaErrorCode)>| {
+            matches!(r, Err((_, RDKafkaErrorCode::NonEmptyGroup)))
+        };
+        if !results.iter().any(members) || asked.elapsed() >= within {
+            return each_done(results, none, "deleting consumer group");
+        }
+        tokio::time::sleep(GROUP_EMPTY_POLL).await;
+    }
 }
 
 impl KafkaQueue {
