@@ -987,6 +987,18 @@ impl Collector for Scraped {
                 let labels = [("state", state)];
                 ConstGauge::new(n as i64).encode(family.encode_family(&labels)?)?;
             }
+            let mut family = encoder.encode_descriptor(
+                "ebb_queue_partitions_moved",
+                "Kafka partitions the consumer group's rebalances gave this replica's runners' consumers (assigned: each consumer's first assignment too) or took from them (revoked); a call on a partition that moves waits for its next consumer.",
+                None,
+                MetricType::Counter,
+            )?;
+            for (way, n) in [
+                ("assigned", stats.partitions_assigned),
+                ("revoked", stats.partitions_revoked),
+            ] {
+                ConstCounter::new(n).encode(family.encode_family(&[("way", way)])?)?;
+            }
         }
         // Per function: instances under way and the autoscaler's call counter.
         let functions = self.0.log.read(|st| {

@@ -857,6 +857,8 @@ async fn bench_calls_on_kafka_deletes_the_topics_and_groups_it_made() {
     // It measured on the broker: one replica and two.
     assert!(out.contains("| kafka | 1 | in process |"), "{out}");
     assert!(out.contains("| kafka | 2 | over HTTP |"), "{out}");
+    // Each latency round's p99 beside the partitions its rebalances moved.
+    assert!(out.contains("partitions moved during it"), "{out}");
     let client: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", broker.addr.to_string())
         .create()
@@ -1379,6 +1381,10 @@ async fn on_kafka_a_forgotten_calls_message_read_again_by_another_replica_is_not
         },
     )
     .await;
+    // ebb-1's runner's consumer was given the topic's 4 partitions; ebb-0 has no consumer.
+    let assigned = "ebb_queue_partitions_moved_total{way=\"assigned\"}";
+    assert!(common::http::sample(&c, e1.admin, assigned).await >= 4);
+    assert_eq!(common::http::sample(&c, e0.admin, assigned).await, 0);
     assert_eq!(events_of(&e0.data, &id, "CallStarted"), 1, "{id} ran once");
     assert_eq!(
         events_of(&e0.data, &id, "CallQueued"),

@@ -219,8 +219,9 @@ async fn deleting_a_kafka_queue_waits_for_its_group_to_empty() {
     };
     let q = kafka(&options).await;
     q.put(vec![msg("a", "")]).await.unwrap();
-    // Runner r's consumer is in the group: it read a.
+    // Runner r's consumer is in the group, given the one partition: it read a.
     assert_eq!(ids(&reserve_n(&*q, "r", 1).await), ["a"]);
+    assert_eq!(q.stats().partitions_assigned, 1);
     let deleting = tokio::spawn({
         let options = options.clone();
         async move { ebb::queue::kafka::delete_topic_and_group(&options).await }

@@ -283,6 +283,7 @@ impl Queue for SimQueue {
         QueueStats {
             ready,
             reserved: g.entries.len() - ready,
+            ..QueueStats::default()
         }
     }
 }

@@ -70,6 +70,12 @@ pub struct QueueStats {
     pub ready: usize,
     /// Messages handed to a runner (reserved or held).
     pub reserved: usize,
+    /// Partitions the consumer group's rebalances gave this replica's runners' consumers since
+    /// the queue opened (Kafka: each consumer's first assignment too); 0 where none move.
+    pub partitions_assigned: u64,
+    /// Partitions the rebalances took from them: a call on a partition that moves waits for its
+    /// next consumer.
+    pub partitions_revoked: u64,
 }
 
 /// A durable queue of call messages with per-runner partitions.

@@ -606,6 +606,7 @@ impl Queue for EmbeddedQueue {
         QueueStats {
             ready: index.ready.values().map(BTreeMap::len).sum(),
             reserved: index.out,
+            ..QueueStats::default()
         }
     }
 }

@@ -27,7 +27,7 @@
 //!   deadline), never hands it out twice.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -308,6 +308,15 @@ type RunnerConsumer = StreamConsumer<Assigned>;
 #[derive(Debug, Default)]
 struct Assigned {
     partitions: Mutex<BTreeSet<i32>>,
+    /// The queue's count of partitions moved, shared by its consumers.
+    moved: Arc<Moved>,
+}
+
+/// Partitions given to and taken from a queue's consumers by their rebalances.
+#[derive(Debug, Default)]
+struct Moved {
+    assigned: AtomicU64,
+    revoked: AtomicU64,
 }
 
 impl Assigned {
@@ -345,12 +354,16 @@ impl ConsumerContext for Assigned {
         let mut partitions = self.partitions();
         match rebalance {
             Rebalance::Assign(tpl) => {
-                partitions.extend(tpl.elements().iter().map(|e| e.partition()))
+                partitions.extend(tpl.elements().iter().map(|e| e.partition()));
+                let n = tpl.count() as u64;
+                self.moved.assigned.fetch_add(n, Ordering::Relaxed);
             }
             Rebalance::Revoke(tpl) => {
                 for e in tpl.elements() {
                     partitions.remove(&e.partition());
                 }
+                let n = tpl.count() as u64;
+                self.moved.revoked.fetch_add(n, Ordering::Relaxed);
             }
             Rebalance::Error(_) => {}
         }
@@ -431,6 +444,7 @@ pub struct KafkaQueue {
     clock: Arc<dyn Clock>,
     options: KafkaOptions,
     books: Mutex<Books>,
+    moved: Arc<Moved>,
 }
 
 impl std::fmt::Debug for KafkaQueue {
@@ -570,6 +584,7 @@ impl KafkaQueue {
             clock,
             options,
             books: Mutex::new(Books::default()),
+            moved: Arc::default(),
         })
     }
 
@@ -583,7 +598,10 @@ impl KafkaQueue {
             return Ok(c.clone());
         }
         let c: RunnerConsumer = consumer_config(&self.options, runner)
-            .create_with_context(Assigned::default())
+            .create_with_context(Assigned {
+                partitions: Mutex::default(),
+                moved: self.moved.clone(),
+            })
             .map_err(kafka)?;
         c.subscribe(&[&self.options.topic]).map_err(kafka)?;
         let c = Arc::new(c);
@@ -1141,6 +1159,8 @@ impl Queue for KafkaQueue {
         QueueStats {
             ready: books.entries.len() - reserved,
             reserved,
+            partitions_assigned: self.moved.assigned.load(Ordering::Relaxed),
+            partitions_revoked: self.moved.revoked.load(Ordering::Relaxed),
         }
     }
 }

@@ -552,6 +552,8 @@ struct Row {
     p50: f64,
     /// The latency round with the median p99.
     stages: Latency,
+    /// Each latency round's p99 and the partitions moved during it (assigned / revoked).
+    each_round: String,
 }
 
 /// Where a row's runners are.
@@ -724,6 +726,17 @@ struct Latency {
     cpu_us: f64,
     answered: (f64, f64),
     dequeued: (f64, f64),
+    /// Partitions the Kafka group's rebalances gave and took from the runners' consumers
+    /// during the phase (a call on a partition that moves waits for its next consumer).
+    moved: (u64, u64),
+}
+
+/// Partitions given to and taken from the setup's consumers so far, over every replica.
+fn partitions_moved(s: &Setup) -> (u64, u64) {
+    s.replicas.iter().fold((0, 0), |(a, r), replica| {
+        let stats = replica.calls.queue().stats();
+        (a + stats.partitions_assigned, r + stats.partitions_revoked)
+    })
 }
 
 /// Latency at `rate` calls/s: small batches sent on a fixed schedule. At a fixed `--rate` the
@@ -732,6 +745,7 @@ struct Latency {
 async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<Latency> {
     warm_up(s).await?;
     let cpu = cpu_time()?;
+    let moved_before = partitions_moved(s);
     // Sized up front: growing the maps under the runners would be the bench's own pause.
     let expected = (rate * args.seconds as f64 * 1.5) as usize;
     *s.recorder.started.lock().expect("recorder lock") = HashMap::with_capacity(expected);
@@ -773,6 +787,11 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<Latency>
     let ids: Vec<String> = sent.iter().map(|(id, _, _)| id.clone()).collect();
     drain(s, std::slice::from_ref(&ids)).await?;
     let cpu_us = (cpu_time()? - cpu).as_secs_f64() * 1e6 / ids.len().max(1) as f64;
+    let moved_after = partitions_moved(s);
+    let moved = (
+        moved_after.0 - moved_before.0,
+        moved_after.1 - moved_before.1,
+    );
     let started = s.recorder.started.lock().expect("recorder lock");
     let dequeued = s.recorder.dequeued.lock().expect("recorder lock");
     let quantiles = |mut ms: Vec<f64>| {
@@ -797,6 +816,7 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<Latency>
         cpu_us,
         answered,
         dequeued,
+        moved,
     })
 }
 
@@ -947,6 +967,14 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             teardown(s).await;
         }
         let rounds = latencies.len();
+        let each_round = latencies
+            .iter()
+            .map(|l| match kafka {
+                Some(_) => format!("{:.2} ms: {} / {}", l.p99, l.moved.0, l.moved.1),
+                None => format!("{:.2} ms: -", l.p99),
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
         let (median, lo, hi) = spread(latencies.clone(), |l| l.p99);
         let p99 = median.p99;
         let (Latency { p50, .. }, _, _) = spread(latencies.clone(), |l| l.p50);
@@ -969,6 +997,7 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
             phase,
             p50,
             stages: median,
+            each_round,
         });
     }
     println!();
@@ -976,20 +1005,21 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         "where enqueue-to-start goes, in the latency round with the median p99: each stage's time from just before the enqueue request"
     );
     println!(
-        "| queue | replicas | runners | enqueue answered p50 / p99 | handed to a runner p50 / p99 | started p50 / p99 |"
+        "| queue | replicas | runners | enqueue answered p50 / p99 | handed to a runner p50 / p99 | started p50 / p99 | each round's p99: partitions moved during it (assigned / revoked) |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     for m in &measured {
         let l = m.stages;
         println!(
-            "{} {:.2} / {:.2} ms | {:.2} / {:.2} ms | {:.2} / {:.2} ms |",
+            "{} {:.2} / {:.2} ms | {:.2} / {:.2} ms | {:.2} / {:.2} ms | {} |",
             m.lead(),
             l.answered.0,
             l.answered.1,
             l.dequeued.0,
             l.dequeued.1,
             l.p50,
-            l.p99
+            l.p99,
+            m.each_round
         );
     }
     println!();
