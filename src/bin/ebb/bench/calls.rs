@@ -552,7 +552,8 @@ struct Row {
     p50: f64,
     /// The latency round with the median p99.
     stages: Latency,
-    /// Each latency round's p99 and the partitions moved during it (assigned / revoked).
+    /// Each latency round's p99, the partitions moved during it (assigned / revoked) and the
+    /// log writer's longest batch in it.
     each_round: String,
 }
 
@@ -729,6 +730,8 @@ struct Latency {
     /// Partitions the Kafka group's rebalances gave and took from the runners' consumers
     /// during the phase (a call on a partition that moves waits for its next consumer).
     moved: (u64, u64),
+    /// The longest any replica's log writer held its projection for one batch in the phase, ms.
+    longest_hold_ms: f64,
 }
 
 /// Partitions given to and taken from the setup's consumers so far, over every replica.
@@ -746,6 +749,9 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<Latency>
     warm_up(s).await?;
     let cpu = cpu_time()?;
     let moved_before = partitions_moved(s);
+    for r in &s.replicas {
+        r.calls.log().longest_hold();
+    }
     // Sized up front: growing the maps under the runners would be the bench's own pause.
     let expected = (rate * args.seconds as f64 * 1.5) as usize;
     *s.recorder.started.lock().expect("recorder lock") = HashMap::with_capacity(expected);
@@ -788,6 +794,11 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<Latency>
     drain(s, std::slice::from_ref(&ids)).await?;
     let cpu_us = (cpu_time()? - cpu).as_secs_f64() * 1e6 / ids.len().max(1) as f64;
     let moved_after = partitions_moved(s);
+    let longest_hold_ms = s
+        .replicas
+        .iter()
+        .map(|r| r.calls.log().longest_hold().as_secs_f64() * 1e3)
+        .fold(0.0, f64::max);
     let moved = (
         moved_after.0 - moved_before.0,
         moved_after.1 - moved_before.1,
@@ -817,6 +828,7 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<Latency>
         answered,
         dequeued,
         moved,
+        longest_hold_ms,
     })
 }
 
@@ -969,9 +981,12 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         let rounds = latencies.len();
         let each_round = latencies
             .iter()
-            .map(|l| match kafka {
-                Some(_) => format!("{:.2} ms: {} / {}", l.p99, l.moved.0, l.moved.1),
-                None => format!("{:.2} ms: -", l.p99),
+            .map(|l| {
+                let moved = match kafka {
+                    Some(_) => format!("{} / {}", l.moved.0, l.moved.1),
+                    None => "-".into(),
+                };
+                format!("{:.2} ms: {moved}, {:.1} ms", l.p99, l.longest_hold_ms)
             })
             .collect::<Vec<_>>()
             .join("; ");
@@ -1005,7 +1020,7 @@ pub async fn run(args: CallsBenchArgs) -> Result<()> {
         "where enqueue-to-start goes, in the latency round with the median p99: each stage's time from just before the enqueue request"
     );
     println!(
-        "| queue | replicas | runners | enqueue answered p50 / p99 | handed to a runner p50 / p99 | started p50 / p99 | each round's p99: partitions moved during it (assigned / revoked) |"
+        "| queue | replicas | runners | enqueue answered p50 / p99 | handed to a runner p50 / p99 | started p50 / p99 | each round's p99: partitions moved during it (assigned / revoked), the log writer's longest batch |"
     );
     println!("|---|---|---|---|---|---|---|");
     for m in &measured {
