@@ -305,7 +305,7 @@ type RunnerConsumer = StreamConsumer<Assigned>;
 
 /// A runner's consumer's context: the partitions the group assigned it, as its rebalances said
 /// (read on every put, without a request to librdkafka's thread as `assignment()` makes).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Assigned {
     partitions: Mutex<BTreeSet<i32>>,
     /// The queue's count of partitions moved, shared by its consumers.
