@@ -89,6 +89,11 @@ ticks() {
   echo "$t"
 }
 
+# The kernel's share of ticks: PID's CPU time in system mode (its sockets' work, its syscalls).
+kernel_ticks() {
+  awk '{print $15}' "/proc/$1/stat" 2>/dev/null || echo 0
+}
+
 # Writes "$work/nginx/nginx.conf" for an nginx in the foreground from "$work/nginx": the head
 # every benchmark shares, up to and with the opening of the `http` block, then standard input
 # (the rest of the block and its closing brace).

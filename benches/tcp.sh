@@ -5,7 +5,8 @@
 # (`--tcp-relay-threads 0`, what ebb does where io_uring cannot be had), and against the direct one
 # behind HAProxy in `mode tcp` (two threads, one per core), in one run, in alternating rounds;
 # prints requests/s and p99 latency of each (the median of the rounds), the CPU time each proxy
-# spent per request, and the ratios to HAProxy and to direct. ebb, HAProxy, redis and
+# spent per request and how much of it was the kernel's (system time: the sockets' work), and the
+# ratios to HAProxy and to direct. ebb, HAProxy, redis and
 # redis-benchmark share the machine's cores.
 # Installs redis-server, redis-tools and haproxy (Debian packages) when missing.
 # Usage: benches/tcp.sh [REQUESTS] [CLIENTS] [PIPELINE]   (EBB_BIN: an ebb binary to use instead
@@ -86,13 +87,15 @@ rps() { # port -> "requests/s p99(ms)" of PING, SET and GET, each the mean of th
   redis-benchmark -h 127.0.0.1 -p "$1" -n "$requests" -c "$clients" -P "$pipeline" -t ping_mbulk,set,get --csv 2>/dev/null |
     awk -F'","' 'NR > 1 { gsub(/"/, "", $2); sum += $2; p99 += $7; n++ } END { printf "%.0f %.3f", sum / n, p99 / n }'
 }
-run() { # PORT [PID] -> "requests/s CPU-per-request(us) p99(ms)" (CPU only for a PID)
-  local t0=0 t1=0 r
-  [ -n "${2:-}" ] && t0=$(ticks "$2")
+run() { # PORT [PID] -> "requests/s CPU-per-request(us) p99(ms) kernel-CPU-per-request(us)"
+  # (CPU only for a PID)
+  local t0=0 t1=0 k0=0 k1=0 r
+  [ -n "${2:-}" ] && t0=$(ticks "$2") && k0=$(kernel_ticks "$2")
   r=$(rps "$1")
-  [ -n "${2:-}" ] && t1=$(ticks "$2")
+  [ -n "${2:-}" ] && t1=$(ticks "$2") && k1=$(kernel_ticks "$2")
   # redis-benchmark runs 3 tests of $requests requests each.
-  awk -v r="${r% *}" -v p="${r#* }" -v t=$((t1 - t0)) -v n="$((requests * 3))" 'BEGIN { printf "%s %.2f %s\n", r, t * 10000 / n, p }'
+  awk -v r="${r% *}" -v p="${r#* }" -v t=$((t1 - t0)) -v k=$((k1 - k0)) -v n="$((requests * 3))" \
+    'BEGIN { printf "%s %.2f %s %.2f\n", r, t * 10000 / n, p, k * 10000 / n }'
 }
 median() { sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
 
@@ -107,17 +110,17 @@ for _ in $(seq 1 "$rounds"); do
 done
 col() { awk -v c="$2" '{ print $c }' "$work/$1" | median; }
 direct=$(col direct 1); direct_p99=$(col direct 3)
-through=$(col ebb 1); ebb_cpu=$(col ebb 2); ebb_p99=$(col ebb 3)
-copied=$(col copy.txt 1); copy_cpu=$(col copy.txt 2); copy_p99=$(col copy.txt 3)
-hap=$(col haproxy 1); hap_cpu=$(col haproxy 2); hap_p99=$(col haproxy 3)
+through=$(col ebb 1); ebb_cpu=$(col ebb 2); ebb_p99=$(col ebb 3); ebb_k=$(col ebb 4)
+copied=$(col copy.txt 1); copy_cpu=$(col copy.txt 2); copy_p99=$(col copy.txt 3); copy_k=$(col copy.txt 4)
+hap=$(col haproxy 1); hap_cpu=$(col haproxy 2); hap_p99=$(col haproxy 3); hap_k=$(col haproxy 4)
 echo "redis-benchmark: $requests requests each of PING, SET, GET; $clients clients; pipeline $pipeline; median of $rounds alternating rounds"
 echo
-echo "| target | requests/s | p99 (mean of the 3 tests) | proxy CPU per request |"
-echo "|---|---|---|---|"
-echo "| redis directly | $direct | ${direct_p99} ms | - |"
-echo "| ebb (TCP route, io_uring relay) | $through | ${ebb_p99} ms | ${ebb_cpu}us |"
-echo "| ebb (TCP route, copy loop) | $copied | ${copy_p99} ms | ${copy_cpu}us |"
-echo "| HAProxy mode tcp | $hap | ${hap_p99} ms | ${hap_cpu}us |"
+echo "| target | requests/s | p99 (mean of the 3 tests) | proxy CPU per request | of it in the kernel |"
+echo "|---|---|---|---|---|"
+echo "| redis directly | $direct | ${direct_p99} ms | - | - |"
+echo "| ebb (TCP route, io_uring relay) | $through | ${ebb_p99} ms | ${ebb_cpu}us | ${ebb_k}us |"
+echo "| ebb (TCP route, copy loop) | $copied | ${copy_p99} ms | ${copy_cpu}us | ${copy_k}us |"
+echo "| HAProxy mode tcp | $hap | ${hap_p99} ms | ${hap_cpu}us | ${hap_k}us |"
 ratio() { # label, throughput, p99, CPU of ebb's row
   awk -v l="$1" -v a="$2" -v b="$hap" -v p="$3" -v q="$hap_p99" -v c="$4" -v d="$hap_cpu" 'BEGIN {
     printf "| %s / HAProxy | %.2f x throughput | %.2f x p99 | %.2f x CPU per request |\n", l, a / b,
