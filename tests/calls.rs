@@ -829,9 +829,6 @@ async fn with_kafka_down_an_enqueue_fails_with_503_and_records_nothing() {
 /// puts hundreds of megabytes there) and consumer group are deleted when the setup ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_calls_on_kafka_deletes_the_topics_and_groups_it_made() {
-    use rdkafka::ClientConfig;
-    use rdkafka::consumer::{BaseConsumer, Consumer};
-
     let broker = common::broker().await;
     let dir = tempfile::tempdir().unwrap();
     let brokers = broker.addr.to_string();
@@ -859,30 +856,16 @@ async fn bench_calls_on_kafka_deletes_the_topics_and_groups_it_made() {
     assert!(out.contains("| kafka | 2 | over HTTP |"), "{out}");
     // Each latency round's p99 beside the partitions its rebalances moved.
     assert!(out.contains("partitions moved during it"), "{out}");
-    let client: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", broker.addr.to_string())
-        .create()
-        .unwrap();
-    let client = std::sync::Arc::new(client);
     // The broker's metadata follows its controller's deletions within moments.
+    let broker = &broker;
     wait_until(
         "no ebb-bench topic or group left",
         Duration::from_secs(30),
-        || {
-            let client = client.clone();
-            async move {
-                tokio::task::spawn_blocking(move || {
-                    let ours = |name: &str| name.starts_with("ebb-bench-");
-                    let wait = Duration::from_secs(5);
-                    let topics = client.fetch_metadata(None, wait).ok()?;
-                    let groups = client.fetch_group_list(None, wait).ok()?;
-                    let left = topics.topics().iter().any(|t| ours(t.name()))
-                        || groups.groups().iter().any(|g| ours(g.name()));
-                    (!left).then_some(())
-                })
-                .await
-                .unwrap()
-            }
+        || async move {
+            let names = broker.names().await?;
+            let ours = |name: &String| name.starts_with("ebb-bench-");
+            let left = names.topics.iter().any(ours) || names.groups.iter().any(ours);
+            (!left).then_some(())
         },
     )
     .await;

@@ -155,7 +155,42 @@ pub async fn tansu_broker() -> Broker {
     b
 }
 
+/// The topics and the consumer groups a broker lists.
+pub struct Names {
+    pub topics: Vec<String>,
+    pub groups: Vec<String>,
+}
+
 impl Broker {
+    /// The names of the topics and consumer groups the broker lists now; `None` when it did not
+    /// answer within 5 s.
+    pub async fn names(&self) -> Option<Names> {
+        let addr = self.addr.to_string();
+        tokio::task::spawn_blocking(move || {
+            let client: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", addr)
+                .create()
+                .ok()?;
+            let wait = Duration::from_secs(5);
+            let metadata = client.fetch_metadata(None, wait).ok()?;
+            let groups = client.fetch_group_list(None, wait).ok()?;
+            Some(Names {
+                topics: metadata
+                    .topics()
+                    .iter()
+                    .map(|t| t.name().to_owned())
+                    .collect(),
+                groups: groups
+                    .groups()
+                    .iter()
+                    .map(|g| g.name().to_owned())
+                    .collect(),
+            })
+        })
+        .await
+        .unwrap()
+    }
+
     /// Starts the broker's process (again, for Apache Kafka: same ports, same data) and waits
     /// until it answers.
     pub async fn start(&mut self) {

@@ -355,15 +355,17 @@ impl ConsumerContext for Assigned {
         match rebalance {
             Rebalance::Assign(tpl) => {
                 partitions.extend(tpl.elements().iter().map(|e| e.partition()));
-                let n = tpl.count() as u64;
-                self.moved.assigned.fetch_add(n, Ordering::Relaxed);
+                self.moved
+                    .assigned
+                    .fetch_add(tpl.count() as u64, Ordering::Relaxed);
             }
             Rebalance::Revoke(tpl) => {
                 for e in tpl.elements() {
                     partitions.remove(&e.partition());
                 }
-                let n = tpl.count() as u64;
-                self.moved.revoked.fetch_add(n, Ordering::Relaxed);
+                self.moved
+                    .revoked
+                    .fetch_add(tpl.count() as u64, Ordering::Relaxed);
             }
             Rebalance::Error(_) => {}
         }
@@ -523,13 +525,13 @@ pub async fn delete_topic_and_group(options: &KafkaOptions) -> Result<(), QueueE
     let none = RDKafkaErrorCode::GroupIdNotFound;
     let within =
         Duration::from_millis(u64::from(options.session_timeout_ms)) + Duration::from_secs(5);
+    let members = |r: &Result<String, (String, RDKafkaErrorCode)>| {
+        matches!(r, Err((_, RDKafkaErrorCode::NonEmptyGroup)))
+    };
     let asked = ebb_core::clock::Stopwatch::start();
     loop {
         let group = admin.delete_groups(&[options.group.as_str()], &wait);
         let results = group.await.map_err(kafka)?;
-        let members = |r: &Result<String, (String, RDKafkaErrorCode)>| {
-            matches!(r, Err((_, RDKafkaErrorCode::NonEmptyGroup)))
-        };
         if !results.iter().any(members) || asked.elapsed() >= within {
             return each_done(results, none, "deleting consumer group");
         }

@@ -578,9 +578,7 @@ impl Row {
 /// stops when the last call has finished.
 async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
     warm_up(s).await?;
-    for r in &s.replicas {
-        r.calls.log().longest_hold();
-    }
+    longest_hold_ms(s);
     let clock = Stopwatch::start();
     let cpu = cpu_time()?;
     let requests = s.recorder.requests.now();
@@ -621,12 +619,7 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
     }
     request_ms.sort_by(f64::total_cmp);
     drain(s, &ids).await?;
-    let longest_hold = s
-        .replicas
-        .iter()
-        .map(|r| r.calls.log().longest_hold())
-        .max()
-        .unwrap_or_default();
+    let longest_hold_ms = longest_hold_ms(s);
     let calls = ids.iter().map(Vec::len).sum::<usize>() as f64;
     let per_call = |d: Duration| d.as_secs_f64() * 1e6 / calls.max(1.0);
     let cpu_us = per_call(cpu_time()? - cpu);
@@ -646,7 +639,7 @@ async fn throughput(args: &CallsBenchArgs, s: &Setup) -> Result<Rate> {
             )
         },
         full_retries,
-        longest_hold_ms: longest_hold.as_secs_f64() * 1e3,
+        longest_hold_ms,
         calls_per_request: {
             let now = s.recorder.requests.now();
             std::array::from_fn(|k| {
@@ -734,6 +727,15 @@ struct Latency {
     longest_hold_ms: f64,
 }
 
+/// The longest any replica's log writer held its projection for one batch since this was last
+/// asked, ms; each writer starts over.
+fn longest_hold_ms(s: &Setup) -> f64 {
+    s.replicas
+        .iter()
+        .map(|r| r.calls.log().longest_hold().as_secs_f64() * 1e3)
+        .fold(0.0, f64::max)
+}
+
 /// Partitions given to and taken from the setup's consumers so far, over every replica.
 fn partitions_moved(s: &Setup) -> (u64, u64) {
     s.replicas.iter().fold((0, 0), |(a, r), replica| {
@@ -749,9 +751,7 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<Latency>
     warm_up(s).await?;
     let cpu = cpu_time()?;
     let moved_before = partitions_moved(s);
-    for r in &s.replicas {
-        r.calls.log().longest_hold();
-    }
+    longest_hold_ms(s);
     // Sized up front: growing the maps under the runners would be the bench's own pause.
     let expected = (rate * args.seconds as f64 * 1.5) as usize;
     *s.recorder.started.lock().expect("recorder lock") = HashMap::with_capacity(expected);
@@ -794,11 +794,7 @@ async fn latency(args: &CallsBenchArgs, s: &Setup, rate: f64) -> Result<Latency>
     drain(s, std::slice::from_ref(&ids)).await?;
     let cpu_us = (cpu_time()? - cpu).as_secs_f64() * 1e6 / ids.len().max(1) as f64;
     let moved_after = partitions_moved(s);
-    let longest_hold_ms = s
-        .replicas
-        .iter()
-        .map(|r| r.calls.log().longest_hold().as_secs_f64() * 1e3)
-        .fold(0.0, f64::max);
+    let longest_hold_ms = longest_hold_ms(s);
     let moved = (
         moved_after.0 - moved_before.0,
         moved_after.1 - moved_before.1,
